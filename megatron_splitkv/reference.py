@@ -1,0 +1,65 @@
+"""Single-process dense reference for DFlash drafter attention (the ground truth of every test).
+
+Source: DESIGN.md section 1 (the DFlash mask) after arXiv 2611.05926 (Split-KV), section 2.
+"""
+
+import math
+
+import torch
+
+
+def dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, *, block_size):
+    """Dense boolean mask of DFlash drafter attention over `[context keys | block keys]`.
+
+    Args:
+        q_seq, q_anchor: [n_blocks] int64, sequence id and anchor position of each query block;
+            `q_anchor < 0` marks an invalid (padding) block, which sees nothing.
+        kv_seq, kv_pos: [Tk] int64, sequence id and global position of each context token.
+        block_size: B, query rows per block.
+
+    Returns:
+        [n_blocks * B, Tk + n_blocks * B] bool: query row i (block b = i // B) sees context key j iff
+        `kv_seq[j] == q_seq[b] and kv_pos[j] < q_anchor[b]` (strictly), and block key `Tk + m` iff
+        `m // B == b`; invalid blocks see nothing.
+    """
+    nb = q_seq.shape[0]
+    valid = q_anchor >= 0
+    ctx = (kv_seq[None, :] == q_seq[:, None]) & (kv_pos[None, :] < q_anchor[:, None]) & valid[:, None]
+    own = torch.eye(nb, dtype=torch.bool, device=q_seq.device) & valid[:, None]
+    ctx = ctx.repeat_interleave(block_size, dim=0)
+    own = own.repeat_interleave(block_size, dim=0).repeat_interleave(block_size, dim=1)
+    return torch.cat([ctx, own], dim=1)
+
+
+def dflash_attention_reference(
+    q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size, softmax_scale=None
+):
+    """Dense float64 DFlash attention on one process: the reference for Split-KV and its baselines.
+
+    Args:
+        q: [Tq, Hq, D] queries of all blocks, block by block (Tq = n_blocks * B).
+        k_ctx, v_ctx: [Tk, Hkv, D] context keys/values (any order); k_blk, v_blk: [Tq, Hkv, D].
+        q_seq, q_anchor, kv_seq, kv_pos: int64 metadata, see `dflash_attention_mask`.
+        block_size: B. softmax_scale: defaults to 1/sqrt(D).
+        Grouped-query attention: query head h uses kv head h // (Hq // Hkv) (Megatron's grouping).
+
+    Returns:
+        (out, lse): out [Tq, Hq, D] float64, lse [Tq, Hq] float64 natural-log log-sum-exp of the scaled
+        scores. Rows that see no key have out = 0 and lse = -inf; their gradients are 0 (no NaN).
+        Differentiable in all floating inputs (computed in float64 from upcast copies).
+    """
+    Tq, Hq, D = q.shape
+    Hkv = k_ctx.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    mask = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=block_size)
+    k = torch.cat([k_ctx, k_blk], 0).double().repeat_interleave(Hq // Hkv, dim=1)
+    v = torch.cat([v_ctx, v_blk], 0).double().repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, Tq], -inf on empty rows
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])  # exp(-inf) = 0 on masked entries and empty rows
+    out = torch.einsum("hqk,khd->qhd", p, v)
+    return out, lse.transpose(0, 1).contiguous()
