@@ -8,7 +8,7 @@ PYTHON_BOOT ?= $(shell for p in python3.13 python3.12; do command -v $$p >/dev/n
 	r=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); ls -d $$r/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V | head -1)
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo gpu-check clean-venv
+.PHONY: venv test demo clean-venv
 
 $(VENV)/.installed: setup.py requirements.txt
 	@test -n "$(PYTHON_BOOT)" || { echo "error: no Python >= 3.12 found (looked on PATH and under pyenv)"; exit 1; }

@@ -1,0 +1,25 @@
+"""megatron-splitkv: Split-KV context parallelism for training DFlash diffusion drafters with
+Megatron-Core (after arXiv 2611.05926; see DESIGN.md).
+
+Public API:
+    splitkv_attention, allgather_kv_attention, ring_kv_attention: exact CP DFlash attention (same
+        signature; see `megatron_splitkv.ops`).
+    comm_stats, CommStats, CommRecord: per-rank byte accounting of their collectives
+        (`megatron_splitkv.comm`).
+    dflash_attention_reference, dflash_attention_mask: single-process float64 ground truth.
+"""
+
+from .comm import CommRecord, CommStats, comm_stats
+from .ops import allgather_kv_attention, ring_kv_attention, splitkv_attention
+from .reference import dflash_attention_mask, dflash_attention_reference
+
+__all__ = [
+    "splitkv_attention",
+    "allgather_kv_attention",
+    "ring_kv_attention",
+    "comm_stats",
+    "CommStats",
+    "CommRecord",
+    "dflash_attention_reference",
+    "dflash_attention_mask",
+]

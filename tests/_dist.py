@@ -8,6 +8,8 @@ rank is re-raised in the parent with that rank's traceback; a rank that does not
 """
 
 import os
+import pickle
+import queue as queue_mod
 import tempfile
 import traceback
 
@@ -27,7 +29,9 @@ def _worker(rank, world_size, init_file, fn, args, queue):
             out = fn(rank, world_size, *args)
         finally:
             dist.destroy_process_group()
-        queue.put((rank, True, out))
+        # pickle by value here: tensors sent through a torch.multiprocessing queue would travel as
+        # shared-memory handles that die with this process.
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -48,10 +52,10 @@ def run_distributed(fn, world_size, *args, timeout=300):
         try:
             for _ in range(world_size):
                 rank, ok, payload = queue.get(timeout=timeout)
-                (results if ok else errors)[rank] = payload
+                (results if ok else errors)[rank] = pickle.loads(payload) if ok else payload
                 if errors:
                     break
-        except Exception as exc:  # queue.Empty: some rank hung
+        except queue_mod.Empty as exc:  # some rank hung
             missing = sorted(set(range(world_size)) - set(results) - set(errors))
             raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang?)") from exc
         finally:

@@ -1,0 +1,224 @@
+"""Communication wrappers with byte accounting for the Split-KV op and its baselines.
+
+Every collective of `splitkv_attention`, `allgather_kv_attention` and `ring_kv_attention` goes through
+the thin wrappers below, which call `torch.distributed` (gloo on CPU, NCCL on GPU) and, only while a
+`comm_stats()` context is active, append a `CommRecord` (op name, collective kind, bytes). When nothing
+is recording, the only overhead is one truthiness check of a module-level list.
+
+Byte convention (per rank, padding included): the payload bytes this rank SENDS plus the bytes it
+RECEIVES under the bandwidth-optimal ring implementation of each collective (what NCCL uses for large
+messages), with P the group size and n the message bytes:
+
+    all_gather      (each rank contributes n bytes):            2 * (P - 1) * n
+    reduce_scatter  (each rank ends with n bytes):              2 * (P - 1) * n
+    all_reduce      (n bytes on every rank):                    4 * (P - 1) * n / P
+    send / recv     (point-to-point, batch_isend_irecv):        n per message sent or received
+
+reduce_scatter uses `reduce_scatter_tensor`, which gloo implements in the pinned torch 2.11, so no
+all_reduce fallback is needed on CPU (and the recorded bytes are those of a real reduce-scatter).
+A group of size 1 moves nothing: its calls are skipped and recorded with 0 bytes. The validation
+all-gather of each op (a few int64 per rank) is recorded too, as kind "all_gather" with op name
+"<op>.meta". Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2 ("every collective moves
+O(Lq * H * D) elements").
+
+Example:
+    with comm_stats() as stats:
+        out = splitkv_attention(...)
+        out.sum().backward()
+    stats.bytes_by_collective  # {"all_gather": ..., "reduce_scatter": ..., "all_reduce": ...}
+    stats.total_bytes
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommGroup",
+    "CommRecord",
+    "CommStats",
+    "comm_stats",
+    "resolve_group",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce_max",
+    "RingExchange",
+]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One recorded collective: `op` (e.g. "splitkv.fwd.q"), `kind` (all_gather, reduce_scatter,
+    all_reduce, send, recv), `bytes` (see the module docstring), `group_size`, `numel`, `dtype`."""
+
+    op: str
+    kind: str
+    bytes: int
+    group_size: int
+    numel: int
+    dtype: str
+
+
+@dataclass
+class CommStats:
+    """Records collected inside one `comm_stats()` context (all ops, forward and backward)."""
+
+    records: list = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.records)
+
+    @property
+    def bytes_by_collective(self) -> dict:
+        """dict kind -> bytes (kinds: all_gather, reduce_scatter, all_reduce, send, recv)."""
+        out = defaultdict(int)
+        for r in self.records:
+            out[r.kind] += r.bytes
+        return dict(out)
+
+    @property
+    def bytes_by_op(self) -> dict:
+        """dict op name -> bytes."""
+        out = defaultdict(int)
+        for r in self.records:
+            out[r.op] += r.bytes
+        return dict(out)
+
+    def bytes_matching(self, prefix: str) -> int:
+        """Total bytes of records whose op name starts with `prefix` (e.g. "splitkv")."""
+        return sum(r.bytes for r in self.records if r.op.startswith(prefix))
+
+
+_ACTIVE: list = []
+
+
+@contextlib.contextmanager
+def comm_stats():
+    """Record every collective issued by this process's Split-KV ops inside the block.
+
+    Yields a `CommStats`; nested contexts each receive every record.
+    """
+    stats = CommStats()
+    _ACTIVE.append(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE.remove(stats)
+
+
+def _record(op: str, kind: str, nbytes: int, group_size: int, t: torch.Tensor) -> None:
+    rec = CommRecord(op, kind, int(nbytes), group_size, t.numel(), str(t.dtype).replace("torch.", ""))
+    for s in _ACTIVE:
+        s.records.append(rec)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class CommGroup:
+    """A resolved CP group: `pg` (the ProcessGroup, None = default group), `size`, `rank` (in group)."""
+
+    pg: object
+    size: int
+    rank: int
+
+    def global_rank(self, group_rank: int) -> int:
+        if self.pg is None:
+            return group_rank
+        return dist.get_global_rank(self.pg, group_rank)
+
+
+def resolve_group(cp_group=None) -> CommGroup:
+    """`cp_group` None -> the default group when torch.distributed is initialised, else a single
+    process (size 1, no communication)."""
+    if cp_group is None:
+        if dist.is_available() and dist.is_initialized():
+            return CommGroup(None, dist.get_world_size(), dist.get_rank())
+        return CommGroup(None, 1, 0)
+    return CommGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
+
+
+def all_gather(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
+    """All-gather equal-sized `x` [n, ...] along dim 0 -> [P * n, ...] (rank order). Callers pad
+    uneven shards to the maximum first."""
+    x = x.contiguous()
+    if group.size == 1:
+        if _ACTIVE:
+            _record(op, "all_gather", 0, 1, x)
+        return x
+    out = x.new_empty((group.size * x.shape[0],) + tuple(x.shape[1:]))
+    if x.numel():
+        dist.all_gather_into_tensor(out, x, group=group.pg)
+    if _ACTIVE:
+        _record(op, "all_gather", 2 * (group.size - 1) * _nbytes(x), group.size, x)
+    return out
+
+
+def reduce_scatter(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
+    """Sum `x` [P * n, ...] over ranks and return this rank's slice [n, ...] (rank order)."""
+    x = x.contiguous()
+    if group.size == 1:
+        if _ACTIVE:
+            _record(op, "reduce_scatter", 0, 1, x)
+        return x
+    n = x.shape[0] // group.size
+    out = x.new_empty((n,) + tuple(x.shape[1:]))
+    if x.numel():
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg)
+    if _ACTIVE:
+        _record(op, "reduce_scatter", 2 * (group.size - 1) * _nbytes(out), group.size, out)
+    return out
+
+
+def all_reduce_max(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
+    """Element-wise MAX over ranks (in place on a contiguous copy); -inf entries are fine."""
+    x = x.contiguous()
+    if group.size > 1 and x.numel():
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.pg)
+    if _ACTIVE:
+        _record(op, "all_reduce", 4 * (group.size - 1) * _nbytes(x) // max(group.size, 1), group.size, x)
+    return x
+
+
+class RingExchange:
+    """Non-blocking point-to-point exchange with the ring neighbours (batch_isend_irecv).
+
+    `RingExchange(group, op, sends, recv_shapes_like)` posts one send of each tensor in `sends` to
+    rank + 1 and one receive per (shape, dtype, device) spec from rank - 1 (group ranks, modulo P);
+    `wait()` returns the received tensors. Empty tensors are neither sent nor received (both sides know
+    every shard's size from the op's metadata gather, so they agree). Used by `ring_kv_attention`.
+    """
+
+    def __init__(self, group: CommGroup, op: str, sends, recv_specs):
+        self._works = []
+        self.received = [torch.empty(shape, dtype=dt, device=dev) for shape, dt, dev in recv_specs]
+        nxt = group.global_rank((group.rank + 1) % group.size)
+        prv = group.global_rank((group.rank - 1) % group.size)
+        ops = []
+        for t in sends:
+            if t.numel():
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), nxt, group.pg))
+                if _ACTIVE:
+                    _record(op, "send", _nbytes(t), group.size, t)
+        for t in self.received:
+            if t.numel():
+                ops.append(dist.P2POp(dist.irecv, t, prv, group.pg))
+                if _ACTIVE:
+                    _record(op, "recv", _nbytes(t), group.size, t)
+        self._ops = ops  # keep the (possibly copied) send buffers alive until wait()
+        if ops:
+            self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self):
+        for w in self._works:
+            w.wait()
+        self._works, self._ops = [], []
+        return self.received

@@ -1,0 +1,83 @@
+"""Baseline: all-gather KV context parallelism (what Megatron DFlash ports do today).
+
+Source: DESIGN.md section 2 ("Baselines"), arXiv 2611.05926 section on CP baselines. Communication is
+context-sized, O(Lk * Hkv * D) per rank and layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import all_gather, reduce_scatter
+from .common import (
+    context_keys,
+    delta_and_dout,
+    intervals,
+    kernel_backward,
+    kernel_forward,
+    merge,
+    own_block_backward,
+    own_block_forward,
+    pad_rows,
+    run_op,
+    sort_keys,
+)
+
+__all__ = ["allgather_kv_attention"]
+
+
+class _AllGatherKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
+        g, bsz, acc, hkv = plan.group, plan.block_size, plan.acc, plan.hkv
+        tk_max = max(plan.n_ctx)
+        # all-gather context K|V (one tensor) and keys, padded to the largest shard.
+        kv_all = all_gather(pad_rows(torch.cat([k_ctx, v_ctx], 1), tk_max), g, "allgather_kv.fwd.kv")
+        keys_all = all_gather(pad_rows(context_keys(plan.kv_seq, plan.kv_pos), tk_max), g,
+                              "allgather_kv.fwd.kv_meta")
+        real = torch.cat([torch.arange(n, device=q.device) + r * tk_max for r, n in enumerate(plan.n_ctx)])
+        keys, order = sort_keys(keys_all[real])
+        idx = real if order is None else real[order]  # sorted position -> padded gathered row
+        kv_s = kv_all[idx]
+        k_s, v_s = kv_s[:, :hkv].contiguous(), kv_s[:, hkv:].contiguous()
+        mask = intervals(keys, plan.q_seq, plan.q_anchor, bsz)
+        o_c, lse_c, state = kernel_forward(plan, q, k_s, v_s, mask)
+        o_b, lse_b = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
+        out, lse = merge(o_c, lse_c, o_b, lse_b)
+        ctx.plan, ctx.mask, ctx.state, ctx.rows_all = plan, mask, state, kv_all.shape[0]
+        ctx.save_for_backward(q, k_s, v_s, idx, k_blk, v_blk, out, lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k_s, v_s, idx, k_blk, v_blk, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        g, bsz, acc, hkv = plan.group, plan.block_size, plan.acc, plan.hkv
+        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
+        dq, dk_s, dv_s = kernel_backward(plan, q, k_s, v_s, ctx.mask, dout, lse, delta, ctx.state)
+        # reduce-scatter dK|dV (fp32) of the gathered context back to the owning ranks.
+        dkv_all = torch.zeros((ctx.rows_all, 2 * hkv, q.shape[2]), dtype=acc, device=q.device)
+        dkv_all.index_copy_(0, idx, torch.cat([dk_s, dv_s], 1))
+        dkv = reduce_scatter(dkv_all, g, "allgather_kv.bwd.dkv")[: plan.n_ctx[g.rank]]
+        dq_b, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse,
+                                              delta, acc)
+        dt = q.dtype
+        return (None, (dq + dq_b).to(dt), dkv[:, :hkv].to(dt), dkv[:, hkv:].to(dt), dk_b.to(dt),
+                dv_b.to(dt))
+
+
+def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
+                           cp_group=None, softmax_scale=None, backend="auto", return_lse=False):
+    """Baseline CP DFlash attention: all-gather the context K/V, attend local queries (DESIGN.md
+    section 2, "Baselines"; arXiv 2611.05926).
+
+    Same signature, inputs, outputs, dtypes, mask, validation and errors as
+    `megatron_splitkv.splitkv_attention` (see there). Forward all-gathers context K|V and their
+    (sequence, position) keys, padded to the largest shard (uneven shards allowed); each rank runs one
+    local-kernel call of its own queries against all context, then merges its own-block attention.
+    Backward reduce-scatters dK|dV (fp32) of the whole context back to the owners. Communication per
+    rank is O(Lk * Hkv * D): it grows with the context.
+    """
+    return run_op(_AllGatherKV, "allgather_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
+                  kv_pos, block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
+                  backend=backend, return_lse=return_lse)

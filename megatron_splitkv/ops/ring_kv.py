@@ -1,0 +1,100 @@
+"""Baseline: ring KV context parallelism (Ring Attention / LV-XAttn family).
+
+Source: DESIGN.md section 2 ("Baselines"), arXiv 2611.05926. Communication is context-sized: every rank
+sends and receives every other rank's K/V shard once per forward and K/V plus dK/dV once per backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import RingExchange
+from .common import (
+    delta_and_dout,
+    intervals,
+    kernel_backward,
+    kernel_forward,
+    merge,
+    own_block_backward,
+    own_block_forward,
+    run_op,
+    sort_context,
+    unsort,
+)
+
+__all__ = ["ring_kv_attention"]
+
+
+def _next_shard(plan, step, tensors, op):
+    """Post the exchange that brings the shard needed at `step + 1` (sizes known from the metadata
+    gather: the shard of group rank (rank - step - 1) mod P); sends `tensors` to rank + 1."""
+    g = plan.group
+    n = plan.n_ctx[(g.rank - step - 1) % g.size]
+    specs = [((n,) + tuple(t.shape[1:]), t.dtype, t.device) for t in tensors]
+    return RingExchange(g, op, tensors, specs)
+
+
+class _RingKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
+        g, bsz, acc = plan.group, plan.block_size, plan.acc
+        keys, order, k_s, v_s = sort_context(plan, k_ctx, v_ctx)
+        out, lse = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
+        cur, masks, states = (k_s, v_s, keys), [], []
+        for step in range(g.size):
+            # overlap: the next shard travels while this one is computed.
+            ex = _next_shard(plan, step, cur, "ring_kv.fwd.kv") if step < g.size - 1 else None
+            mask = intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
+            o_t, lse_t, state = kernel_forward(plan, q, cur[0], cur[1], mask)
+            out, lse = merge(out, lse, o_t, lse_t)
+            masks.append(mask)
+            states.append(state)
+            if ex is not None:
+                cur = tuple(ex.wait())
+        ctx.plan, ctx.order, ctx.masks, ctx.states = plan, order, masks, states
+        ctx.save_for_backward(q, k_s, v_s, keys, k_blk, v_blk, out, lse)
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k_s, v_s, keys, k_blk, v_blk, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        g, bsz, acc = plan.group, plan.block_size, plan.acc
+        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
+        dq, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse, delta,
+                                            acc)
+        cur, ex_grad = (k_s, v_s, keys), None
+        for step in range(g.size):
+            ex_kv = _next_shard(plan, step, cur, "ring_kv.bwd.kv") if step < g.size - 1 else None
+            dq_t, dk_t, dv_t = kernel_backward(plan, q, cur[0], cur[1], ctx.masks[step], dout, lse, delta,
+                                               ctx.states[step])
+            dq = dq + dq_t
+            if ex_grad is not None:  # dK/dV accumulated by the ranks this shard visited before
+                dk_in, dv_in = ex_grad.wait()
+                dk_t, dv_t = dk_t + dk_in, dv_t + dv_in
+            if g.size > 1:  # pass the accumulators on; after the last step they reach the owner
+                ex_grad = _next_shard(plan, step, (dk_t, dv_t), "ring_kv.bwd.dkv")
+            if ex_kv is not None:
+                cur = tuple(ex_kv.wait())
+        dk_s, dv_s = ex_grad.wait() if ex_grad is not None else (dk_t, dv_t)
+        dt = q.dtype
+        return (None, dq.to(dt), unsort(dk_s, ctx.order).to(dt), unsort(dv_s, ctx.order).to(dt),
+                dk_b.to(dt), dv_b.to(dt))
+
+
+def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
+                      cp_group=None, softmax_scale=None, backend="auto", return_lse=False):
+    """Baseline CP DFlash attention: rotate context K/V shards around the ring (DESIGN.md section 2,
+    "Baselines"; Ring Attention / LV-XAttn family, compared in arXiv 2611.05926).
+
+    Same signature, inputs, outputs, dtypes, mask, validation and errors as
+    `megatron_splitkv.splitkv_attention` (see there). Each rank sorts its context by (sequence,
+    position) once; the sorted K, V and keys rotate P - 1 steps with batch_isend_irecv, the transfer of
+    the next shard overlapping the local kernel on the current one; partial results are merged by lse
+    (fp32). Backward rotates K/V again with fp32 dK/dV accumulators travelling one step behind, which
+    reach their owner after P hops. Uneven and empty shards work (sizes come from the metadata gather).
+    Communication per rank is O(Lk * Hkv * D).
+    """
+    return run_op(_RingKV, "ring_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
+                  block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
+                  return_lse=return_lse)

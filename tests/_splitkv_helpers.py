@@ -1,0 +1,228 @@
+"""Shared test helpers for the CP attention ops: build global DFlash inputs, shard them across ranks, run
+an op on every rank (inside `run_distributed`), and compare with the single-process float64 reference.
+
+Expected values always come from `dflash_attention_reference` (float64, dense), never from the ops.
+
+A case is a plain dict (picklable, rebuilt identically on every rank from its seed):
+    seed, P, B, Hq, Hkv, D, dtype ("float64" | "float32" | "bfloat16" | "float16"),
+    seq_lens: list of context lengths per packed sequence,
+    blocks: list (len P) of query block counts per rank (zeros allowed),
+    ctx: list (len P) of context token counts per rank (zeros allowed; sum = sum(seq_lens)), or
+         "even"; tokens are assigned to ranks at random and given to each rank in shuffled order,
+    p_invalid: probability of an invalid block (anchor -1), p_zero: probability of anchor 0,
+    full: optional, every block's anchor beyond its sequence end (sees the whole sequence),
+    anchors: optional explicit list of anchors (global block order), q_seqs likewise,
+    ctx_idx: optional explicit list (len P) of global context token index lists.
+"""
+
+import os
+import random
+
+import torch
+
+import megatron_splitkv as msk
+from megatron_splitkv import dflash_attention_reference
+
+OPS = {
+    "splitkv": msk.splitkv_attention,
+    "allgather_kv": msk.allgather_kv_attention,
+    "ring_kv": msk.ring_kv_attention,
+}
+
+TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
+GRAD_NAMES = ("dq", "dk_ctx", "dv_ctx", "dk_blk", "dv_blk")
+
+
+def new_seed():
+    """A fresh seed per run (override with SPLITKV_TEST_SEED); always printed on failure by `check`."""
+    env = os.environ.get("SPLITKV_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(1 << 30)
+
+
+def case(seed, P, **kw):
+    c = dict(seed=seed, P=P, B=4, Hq=4, Hkv=2, D=8, dtype="float64", seq_lens=[13, 7, 20],
+             blocks=None, ctx="even", p_invalid=0.15, p_zero=0.15)
+    c.update(kw)
+    if c["blocks"] is None:
+        c["blocks"] = [2] * P
+    return c
+
+
+def build(c):
+    """Global inputs of a case (identical on every process)."""
+    g = torch.Generator().manual_seed(c["seed"])
+    dt = getattr(torch, c["dtype"])
+    P, B, Hq, Hkv, D = c["P"], c["B"], c["Hq"], c["Hkv"], c["D"]
+    lens = c["seq_lens"]
+    kv_seq = torch.cat([torch.full((n,), j, dtype=torch.int64) for j, n in enumerate(lens)])
+    kv_pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens])
+    tk = kv_seq.numel()
+    nb = sum(c["blocks"])
+    if c.get("q_seqs") is not None:
+        q_seq = torch.tensor(c["q_seqs"], dtype=torch.int64)
+    else:
+        q_seq = torch.randint(0, len(lens), (nb,), generator=g)
+    if c.get("anchors") is not None:
+        anchor = torch.tensor(c["anchors"], dtype=torch.int64)
+    else:
+        lens_t = torch.tensor(lens)[q_seq]
+        anchor = (torch.rand(nb, generator=g) * (lens_t + 1).double()).long()
+        if c.get("full"):
+            anchor = lens_t + 5
+        u = torch.rand(nb, generator=g)
+        anchor = torch.where(u < c["p_zero"], torch.zeros_like(anchor), anchor)
+        anchor = torch.where(u > 1 - c["p_invalid"], torch.full_like(anchor, -1), anchor)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
+
+    t = dict(q=rnd(nb * B, Hq, D), k_ctx=rnd(tk, Hkv, D), v_ctx=rnd(tk, Hkv, D), k_blk=rnd(nb * B, Hkv, D),
+             v_blk=rnd(nb * B, Hkv, D), q_seq=q_seq, q_anchor=anchor, kv_seq=kv_seq, kv_pos=kv_pos)
+    t["dout"] = rnd(nb * B, Hq, D).double()  # representable in the op's dtype
+    t["dlse"] = torch.randn(nb * B, Hq, generator=g, dtype=torch.float64)
+    # context assignment: random tokens per rank, shuffled order within the rank
+    if c.get("ctx_idx") is not None:
+        idx = [torch.tensor(i, dtype=torch.int64) for i in c["ctx_idx"]]
+    else:
+        counts = c["ctx"]
+        if counts == "even":
+            counts = [tk // P + (r < tk % P) for r in range(P)]
+        assert sum(counts) == tk, (counts, tk)
+        perm = torch.randperm(tk, generator=g)
+        idx = list(torch.split(perm, counts))
+    t["ctx_idx"] = idx
+    starts = [0]
+    for n in c["blocks"]:
+        starts.append(starts[-1] + n)
+    t["block_range"] = [(starts[r], starts[r + 1]) for r in range(P)]
+    return t
+
+
+def local(t, c, rank):
+    """This rank's inputs (leaf tensors requiring grad) and its dout/dlse slices."""
+    b0, b1 = t["block_range"][rank]
+    B = c["B"]
+    rows = slice(b0 * B, b1 * B)
+    idx = t["ctx_idx"][rank]
+    x = dict(q=t["q"][rows], k_ctx=t["k_ctx"][idx], v_ctx=t["v_ctx"][idx], k_blk=t["k_blk"][rows],
+             v_blk=t["v_blk"][rows])
+    x = {k: v.clone().requires_grad_(True) for k, v in x.items()}
+    meta = dict(q_seq=t["q_seq"][b0:b1], q_anchor=t["q_anchor"][b0:b1], kv_seq=t["kv_seq"][idx],
+                kv_pos=t["kv_pos"][idx])
+    return x, meta, t["dout"][rows], t["dlse"][rows]
+
+
+def loss_of(out, lse, dout, dlse):
+    """sum(out * dO) + sum(lse * dlse) over rows with finite lse (exercises the lse gradient too)."""
+    lse_f = lse.double().masked_fill(~torch.isfinite(lse), 0.0)
+    return (out.double() * dout).sum() + (lse_f * dlse).sum()
+
+
+def run_local(op, c, rank, cp_group=None):
+    """Run `op` on this rank's slice of case `c` (on c["device"], default cpu, with c["backend"],
+    default "math"); returns a dict of CPU float64 results."""
+    t = build(c)
+    x, meta, dout, dlse = local(t, c, rank)
+    dev, backend = torch.device(c.get("device", "cpu")), c.get("backend", "math")
+    if dev.type != "cpu":
+        x = {k: v.detach().to(dev).requires_grad_(True) for k, v in x.items()}
+        meta = {k: v.to(dev) for k, v in meta.items()}
+        dout, dlse = dout.to(dev), dlse.to(dev)
+    out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
+                       meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
+                       cp_group=cp_group, backend=backend, return_lse=True)
+    assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
+    loss_of(out, lse, dout, dlse).backward()
+    res = dict(out=out.detach().double().cpu(), lse=lse.detach().double().cpu())
+    for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
+        res[name] = x[key].grad.double().cpu()
+    return res
+
+
+def reference(c):
+    """Global float64 reference results of case c (same loss as `run_local`)."""
+    t = build(c)
+    x = {k: t[k].double().clone().requires_grad_(True) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")}
+    out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], t["q_seq"],
+                                          t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"])
+    loss_of(out, lse, t["dout"], t["dlse"]).backward()
+    ref = dict(out=out.detach(), lse=lse.detach())
+    for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
+        ref[name] = x[key].grad
+    return t, ref
+
+
+def assemble(t, c, per_rank):
+    """Glue per-rank results into global tensors (rows by block range, context by token index)."""
+    g = {}
+    for key in ("out", "lse", "dq", "dk_blk", "dv_blk"):
+        g[key] = torch.cat([per_rank[r][key] for r in range(c["P"])], 0)
+    for key in ("dk_ctx", "dv_ctx"):
+        full = torch.zeros((t["kv_seq"].numel(),) + tuple(per_rank[0][key].shape[1:]), dtype=torch.float64)
+        for r in range(c["P"]):
+            full[t["ctx_idx"][r]] = per_rank[r][key]
+        g[key] = full
+    return g
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() if b.numel() else 0.0
+
+
+def errors(c, per_rank):
+    """Relative max-norm errors of out, lse and all five gradients vs the float64 reference."""
+    t, ref = reference(c)
+    got = assemble(t, c, per_rank)
+    errs = {}
+    for key, r in ref.items():
+        a = got[key]
+        assert torch.isfinite(a).all() or key == "lse", f"non-finite {key}"
+        assert not torch.isnan(a).any(), f"NaN in {key}"
+        if key == "lse":
+            fin = torch.isfinite(r)
+            assert torch.equal(fin, torch.isfinite(a)), "lse -inf pattern differs from the reference"
+            assert (a[~fin] == float("-inf")).all()
+            a, r = a[fin], r[fin]
+        errs[key] = rel_err(a, r)
+    return errs
+
+
+def check(op, c, per_rank, tol=None):
+    tol = TOL[c["dtype"]] if tol is None else tol
+    errs = errors(c, per_rank)
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"{op} case {c} (seed {c['seed']}): errors {bad} above tol {tol}; all {errs}"
+    return errs
+
+
+def jobs_worker(rank, world_size, jobs):
+    """run_distributed target for mixed CP sizes in ONE spawn: `jobs` is a list of (op, case); a case
+    with P < world_size runs on the subgroup of ranks 0..P-1 (every rank creates every subgroup, in
+    the same order). Returns {job index: result} with the comm records' summary added."""
+    import torch.distributed as dist
+
+    sizes = sorted({c["P"] for _, c in jobs})
+    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
+    out = {}
+    for j, (op, c) in enumerate(jobs):
+        if rank >= c["P"]:
+            continue
+        with msk.comm_stats() as stats:
+            res = run_local(op, c, rank, cp_group=groups.get(c["P"]))
+        res["n_collectives"] = len(stats.records)
+        res["comm_kinds"] = [(r.op, r.kind) for r in stats.records]
+        res["comm_bytes"] = stats.total_bytes
+        res["bytes_by_collective"] = stats.bytes_by_collective
+        res["bytes_by_op"] = stats.bytes_by_op
+        out[j] = res
+    return out
+
+
+def job_results(results, j, P):
+    return [results[r][j] for r in range(P)]
+
+
+def contiguous_ctx(tk, P):
+    """Context split into P contiguous chunks of ceil(tk / P) tokens (the last ones shorter or empty)."""
+    step = -(-tk // P)
+    return [list(range(min(r * step, tk), min((r + 1) * step, tk))) for r in range(P)]
