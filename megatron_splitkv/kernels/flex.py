@@ -1,0 +1,405 @@
+"""FlexAttention local kernel for the context part of Split-KV attention (GPU).
+
+Source: PyTorch FlexAttention (`torch.nn.attention.flex_attention`, torch 2.11) serving the local
+context attention of Split-KV (arXiv 2611.05926, section 3; DESIGN.md section 2).
+
+The kernel contract is `megatron_splitkv.kernels.base` (read its module docstring). What this module adds:
+
+* The FlexAttention `BlockMask` is built DIRECTLY from the interval metadata (`IntervalMask`: block b
+  sees sorted local keys [lo[b], hi[b])), vectorised on the kernel's device: for each 128-row query tile
+  and each 128-key tile, the key tile is *needed* if any row of the query tile has an interval that
+  intersects it, and *full* if every row of the query tile sees the whole key tile. Needed-but-not-full
+  tiles are *partial*: there the `mask_mod` `lo[q // B] <= kv < hi[q // B]` is evaluated. No dense
+  Tq x Tk mask is built and `create_block_mask` (which evaluates the mask on every pair) is never called.
+  See `interval_block_tables`.
+* `flex_attention` is compiled once at module level (`torch.compile(..., dynamic=False)`). Query and key
+  lengths are padded up to bucket sizes (`bucket_length`: multiples of 128, at most 2**(1/steps) apart,
+  default 4 steps per octave, i.e. <= 19% padding), so training steps whose local context length varies
+  inside a bucket reuse the compiled kernels. Padding rows have empty intervals (out 0, lse -inf) and
+  padding keys lie outside every interval; both are sliced off.
+* Backward with the GLOBAL lse and delta (the contract's `lse_global`, `delta_global`) is exact through
+  FlexAttention's differentiable lse: with this rank's local (O_r, lse_r) from the forward and
+  c = exp(lse_r - lse), autograd through flex with
+      grad_out = c * dO,   grad_lse = rowsum(grad_out * O_r) - c * delta
+  gives dS = P_r * (grad_out V^T - rowsum(grad_out * O_r) + grad_lse) = P_global * (dO V^T - delta),
+  since P_r * c = exp(s - lse_r) exp(lse_r - lse) = exp(s - lse). grad_out is rounded to the input dtype
+  before grad_lse is formed from it, so flex's internal delta (rowsum(grad_out * O_r) in fp32) cancels
+  exactly to c * delta. Rows with lse_r = -inf or lse = -inf get c = 0: zero gradient, never NaN.
+  Flex's own backward treats lse = -inf rows as P = 0 as well.
+
+Precision: FlexAttention (Triton backend) accumulates in fp32 but stores `out`, `dq`, `dk`, `dv` in the
+input dtype (bf16/fp16); `lse` is fp32. This kernel returns them upcast to fp32 as the contract asks, so
+`out` carries one bf16 rounding (relative 2**-9) before the cross-rank fp32 merge; measured error versus
+the float64 reference is in docs/kernels.md. float32 inputs run flex in fp32 (the Triton dots then use
+tf32 unless `torch.backends.cuda.matmul.allow_tf32` is off); float64 is not supported by the Triton
+kernel and raises.
+
+On CPU (tests), flex runs eagerly: PyTorch then evaluates `mask_mod` densely and ignores the block
+tables, so CPU runs check the algebra (global-lse backward, padding, -inf rows) but not the sparsity; the
+block tables are checked on CPU separately against a brute-force tile classification
+(tests/test_gpu_kernels.py). Compiled flex on CPU supports neither lse nor backward in torch 2.11.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .base import IntervalMask
+
+try:  # torch >= 2.5
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9: only the deprecated return_lse exists
+        AuxRequest = None
+    _FLEX_IMPORT_ERROR = None
+except ImportError as _e:  # pragma: no cover - depends on the torch build
+    BlockMask = flex_attention = AuxRequest = None
+    _FLEX_IMPORT_ERROR = _e
+
+#: FlexAttention's sparse tile (query rows x keys); BlockMask granularity.
+TILE = 128
+#: Bucket steps per octave for padded lengths (env MEGATRON_SPLITKV_FLEX_BUCKET_STEPS overrides).
+DEFAULT_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "4"))
+
+_COMPILED = None
+
+
+def compiled_flex_attention():
+    """The module-level compiled `flex_attention` (compiled lazily on first use, once per process)."""
+    global _COMPILED
+    if _FLEX_IMPORT_ERROR is not None:
+        raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
+    if _COMPILED is None:
+        # one compiled graph per (bucketed shape, dtype, grad mode): raise dynamo's per-function recompile
+        # limit (default 8) so many buckets never fall back to eager flex (dense scores, very slow)
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+        if hasattr(cfg, "accumulated_recompile_limit"):
+            cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 512)
+        _COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED
+
+
+def bucket_length(n: int, steps: int = DEFAULT_BUCKET_STEPS, tile: int = TILE) -> int:
+    """Smallest bucket size >= n: a multiple of `tile` of the form m * 2**e with m in [steps, 2*steps).
+
+    Consecutive buckets are at most a factor 2**(1/steps)-ish apart (e.g. steps=4: 4,5,6,7 x 2**e), so
+    padding wastes at most 25% of the length and the number of distinct compiled shapes grows with
+    log2 of the length range. n <= 0 gives `tile`.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    n_tiles = max(1, -(-int(n) // tile))
+    if n_tiles <= steps:
+        return n_tiles * tile
+    e = (n_tiles - 1).bit_length() - steps.bit_length()
+    e = max(e, 0)
+    while True:
+        unit = 1 << e
+        m = -(-n_tiles // unit)
+        if m < 2 * steps:
+            return max(m, steps) * unit * tile
+        e += 1
+
+
+def _row_intervals(mask: IntervalMask, n_rows_padded: int):
+    """Per-row lo/hi (int32) for the padded query length; padding rows get [0, 0)."""
+    B = mask.block_size
+    lo = mask.lo.to(torch.int32).repeat_interleave(B)
+    hi = mask.hi.to(torch.int32).repeat_interleave(B)
+    pad = n_rows_padded - lo.shape[0]
+    if pad < 0:
+        raise ValueError("padded query length shorter than the mask")
+    if pad:
+        z = torch.zeros(pad, dtype=torch.int32, device=lo.device)
+        lo, hi = torch.cat([lo, z]), torch.cat([hi, z])
+    return lo, hi
+
+
+def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int, kv_len: int,
+                          tile: int = TILE, rows_per_block: int = 1):
+    """Classify (query tile, key tile) pairs of an interval mask; vectorised, on lo_row's device, no sync.
+
+    Args:
+        lo_row, hi_row: [q_len] integer, row i sees keys [lo_row[i], hi_row[i]) (empty if lo >= hi).
+        q_len, kv_len: padded lengths, multiples of `tile`.
+        rows_per_block: rows come in runs of this many identical intervals starting at row 0 (the query
+            block size B); when it divides `tile`, one row per block is examined (tile / B per tile).
+
+    Returns:
+        (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) shaped [1, 1, nq] and
+        [1, 1, nq, nk] int32, as `BlockMask.from_kv_blocks` takes them: per query tile, the partial key
+        tiles (some row sees some key of the tile, but not every row sees every key) and the full key
+        tiles (every row of the query tile sees every key of the tile), each listed in increasing order
+        first, the rest of the row holding the remaining tile indices. Memory O(nq * r * nk) bools with
+        r = tile / B rows examined per query tile (r = tile when B does not divide tile).
+    """
+    if q_len % tile or kv_len % tile:
+        raise ValueError(f"q_len={q_len} and kv_len={kv_len} must be multiples of {tile}")
+    nq, nk = q_len // tile, kv_len // tile
+    lo = lo_row.to(torch.int32).reshape(nq, tile)
+    hi = hi_row.to(torch.int32).reshape(nq, tile)
+    if rows_per_block > 1 and tile % rows_per_block == 0:
+        lo, hi = lo[:, ::rows_per_block], hi[:, ::rows_per_block]
+    kstart = torch.arange(0, kv_len, tile, device=lo.device, dtype=torch.int32)  # [nk]
+    kend = kstart + tile
+    lo3, hi3 = lo[:, :, None], hi[:, :, None]
+    touches = (hi3 > lo3) & (lo3 < kend) & (hi3 > kstart)  # [nq, r, nk]
+    needed = touches.any(1)
+    full = ((lo3 <= kstart) & (hi3 >= kend)).all(1)  # an empty row (lo >= hi) never covers a tile
+    sel = torch.stack([needed & ~full, full])  # [2, nq, nk]: partial, full
+    num = sel.sum(-1, dtype=torch.int32)
+    idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+    return num[0][None, None], idx[0][None, None], num[1][None, None], idx[1][None, None]
+
+
+def _interval_mask_mod(lo_row: torch.Tensor, hi_row: torch.Tensor):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx >= lo_row[q_idx]) & (kv_idx < hi_row[q_idx])
+
+    return mask_mod
+
+
+def build_block_mask(mask: IntervalMask, q_len: int, kv_len: int, tile: int = TILE):
+    """FlexAttention `BlockMask` for an `IntervalMask` at padded lengths (q_len, kv_len).
+
+    Built from `interval_block_tables` with `BlockMask.from_kv_blocks`; the mask_mod reads per-row lo/hi
+    tensors on the mask's device. Raises RuntimeError when FlexAttention is unavailable.
+    """
+    if BlockMask is None:
+        raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
+    lo_row, hi_row = _row_intervals(mask, q_len)
+    kv_num, kv_idx, full_num, full_idx = interval_block_tables(lo_row, hi_row, q_len, kv_len, tile,
+                                                               rows_per_block=mask.block_size)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
+        mask_mod=_interval_mask_mod(lo_row, hi_row), seq_lengths=(q_len, kv_len),
+    )
+
+
+class FlexAttentionKernel:
+    """Local context attention with PyTorch FlexAttention, interval-mask BlockMask, global-lse backward.
+
+    Implements the `megatron_splitkv.kernels.base` contract:
+
+    forward(q, k, v, mask, scale) -> (out, lse, state)
+        q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (bf16/fp16/fp32) on one device; Hq % Hkv == 0 (query
+        head h uses kv head h // (Hq // Hkv), flex's `enable_gqa`). mask: `IntervalMask` with
+        n_blocks * block_size == Tq and intervals within [0, Tk]. Returns out [Tq, Hq, D] float32 (flex
+        output rounded to the input dtype, then upcast), lse [Tq, Hq] float32 natural log (rows with no
+        visible key: out 0, lse -inf), and `state` (flex's autograd graph when `save_graph`, else None).
+
+    backward(q, k, v, mask, scale, dout, lse, delta, state) -> (dq, dk, dv)
+        dout [Tq, Hq, D]; lse, delta [Tq, Hq] GLOBAL (merged) log-sum-exp and rowsum(dO * O_final).
+        Returns float32 dq [Tq, Hq, D], dk/dv [Tk, Hkv, D] (flex gradients in the input dtype, upcast).
+        If `state` is None the forward is recomputed. A `state` is consumed (its graph is freed).
+
+    Args:
+        save_graph: keep flex's autograd graph from forward to backward (no recompute; holds the padded
+            q/k/v, out and lse until backward). False: forward runs without graph, backward recomputes.
+        bucket_steps: bucket granularity of padded lengths (see `bucket_length`).
+        compile: use the module-level compiled flex (default on CUDA). Off on CPU: `dense_flex_emulation`
+            (tests only; CPU flex has no backward in torch 2.11).
+        kernel_options: FlexAttention `kernel_options` (e.g. {"fwd_num_stages": 2}); default from the env
+            var MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS (JSON), else flex's defaults for sm90.
+        cache_block_mask: keep the BlockMask on the IntervalMask object (see `block_mask`).
+
+    Raises:
+        ValueError on shape/dtype mismatch or float64 inputs on CUDA; RuntimeError without FlexAttention.
+    """
+
+    name = "flex"
+
+    def __init__(self, save_graph: bool = True, bucket_steps: int = DEFAULT_BUCKET_STEPS,
+                 compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool = True):
+        if _FLEX_IMPORT_ERROR is not None:
+            raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
+        self.save_graph = save_graph
+        self.bucket_steps = bucket_steps
+        self.compile = compile
+        env = os.environ.get("MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS")
+        self.kernel_options = dict(kernel_options) if kernel_options is not None else (json.loads(env) if env else None)
+        self.cache_block_mask = cache_block_mask
+
+    def block_mask(self, mask: IntervalMask, q_len: int, kv_len: int):
+        """BlockMask for `mask` at padded lengths; cached on the mask object (`mask._flex_block_masks`).
+
+        The cache assumes lo/hi are not modified in place after the first call (the op builds a fresh
+        IntervalMask per call; reusing one mask object across layers of a step saves the ~2 ms build).
+        """
+        if not self.cache_block_mask:
+            return build_block_mask(mask, q_len, kv_len)
+        cache = mask.__dict__.setdefault("_flex_block_masks", {})
+        key = (q_len, kv_len)
+        if key not in cache:
+            cache[key] = build_block_mask(mask, q_len, kv_len)
+        return cache[key]
+
+    # ----------------------------------------------------------------------------------------------
+    def _check(self, q, k, v, mask):
+        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if q.is_cuda and q.dtype == torch.float64:
+            raise ValueError("FlexAttention (Triton) does not support float64; use the math kernel")
+        if mask.num_blocks * mask.block_size != q.shape[0]:
+            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
+        if mask.num_keys != k.shape[0]:
+            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
+
+    def _fn(self, device):
+        use_compile = self.compile if self.compile is not None else device.type == "cuda"
+        if use_compile:
+            return compiled_flex_attention()
+        return flex_attention if device.type == "cuda" else dense_flex_emulation
+
+    def _run(self, q, k, v, mask, scale, grad: bool):
+        """Pad to buckets, run flex; returns padded leaves, (out_p [1,Hq,Tqp,D], lse_p [1,Hq,Tqp])."""
+        Tq, Hq, D = q.shape
+        Tk, Hkv, _ = k.shape
+        Tqp = bucket_length(Tq, self.bucket_steps)
+        Tkp = bucket_length(Tk, self.bucket_steps)
+        bm = self.block_mask(mask, Tqp, Tkp)
+
+        def padded(x, n):
+            buf = x.new_zeros((n,) + tuple(x.shape[1:]))
+            buf[: x.shape[0]].copy_(x)
+            return buf.requires_grad_(grad)
+
+        qp, kp, vp = padded(q.detach(), Tqp), padded(k.detach(), Tkp), padded(v.detach(), Tkp)
+        fn = self._fn(q.device)
+        with torch.set_grad_enabled(grad):
+            qh, kh, vh = (x.permute(1, 0, 2).unsqueeze(0) for x in (qp, kp, vp))  # [1, H, T, D] views
+            kwargs = dict(block_mask=bm, scale=float(scale), enable_gqa=Hq != Hkv)
+            if self.kernel_options and fn is not dense_flex_emulation:
+                kwargs["kernel_options"] = dict(self.kernel_options)
+            if AuxRequest is not None:
+                out_p, aux = fn(qh, kh, vh, return_aux=AuxRequest(lse=True), **kwargs)
+                lse_p = aux.lse
+            else:  # pragma: no cover - older torch
+                out_p, lse_p = fn(qh, kh, vh, return_lse=True, **kwargs)
+        return (qp, kp, vp), out_p, lse_p
+
+    def forward(self, q, k, v, mask: IntervalMask, scale: float):
+        self._check(q, k, v, mask)
+        Tq = q.shape[0]
+        leaves, out_p, lse_p = self._run(q, k, v, mask, scale, grad=self.save_graph)
+        out_local = out_p.detach()[0, :, :Tq].permute(1, 0, 2)  # [Tq, Hq, D], input dtype
+        lse = lse_p.detach()[0, :, :Tq].transpose(0, 1).float().contiguous()  # natural log (flex scales)
+        out = out_local.float().contiguous()
+        state = {"leaves": leaves, "out_p": out_p, "lse_p": lse_p} if self.save_graph else None
+        return out, lse, state
+
+    def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state):
+        self._check(q, k, v, mask)
+        Tq, Tk = q.shape[0], k.shape[0]
+        if state is None:
+            leaves, out_p, lse_p = self._run(q, k, v, mask, scale, grad=True)
+        else:
+            leaves, out_p, lse_p = state["leaves"], state["out_p"], state["lse_p"]
+            state.clear()  # the graph is consumed below; a second backward would need a recompute
+        qp, kp, vp = leaves
+        Tqp = out_p.shape[2]
+        # local stats as flex saw them: [Tqp, Hq] fp32 natural log, and O_r in the input dtype
+        lse_r = lse_p.detach()[0].transpose(0, 1).float()
+        o_r = out_p.detach()[0].permute(1, 0, 2)
+        lse_g = torch.full_like(lse_r, float("-inf"))
+        lse_g[:Tq] = lse.float()
+        delta_g = torch.zeros_like(lse_r)
+        delta_g[:Tq] = delta.float()
+        finite = torch.isfinite(lse_r) & torch.isfinite(lse_g)
+        c = torch.where(finite, torch.exp(torch.where(finite, lse_r - lse_g, torch.zeros_like(lse_r))),
+                        torch.zeros_like(lse_r))  # [Tqp, Hq]
+        do_p = torch.zeros_like(o_r, dtype=torch.float32)
+        do_p[:Tq] = dout.float()
+        g_out = (c[..., None] * do_p).to(o_r.dtype)  # rounded as flex will see it
+        g_lse = (g_out.float() * o_r.float()).sum(-1) - c * delta_g  # [Tqp, Hq]
+        g_lse = torch.where(finite, g_lse, torch.zeros_like(g_lse))
+        grads = torch.autograd.grad(
+            (out_p, lse_p),
+            (qp, kp, vp),
+            (g_out.permute(1, 0, 2).unsqueeze(0), g_lse.transpose(0, 1).unsqueeze(0).to(lse_p.dtype)),
+            allow_unused=True,
+        )
+        dq, dk, dv = (
+            torch.zeros_like(x, dtype=torch.float32) if g is None else g.float() for g, x in zip(grads, leaves)
+        )
+        return dq[:Tq].contiguous(), dk[:Tk].contiguous(), dv[:Tk].contiguous()
+
+
+def block_mask_to_dense(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """Dense [q_len, kv_len] bool visibility that a FlexAttention kernel computes from `block_mask`.
+
+    Key tiles listed as full are visible everywhere, tiles listed as partial are visible where
+    `mask_mod` is true, unlisted tiles are masked. Materialises the dense mask: for tests and CPU only.
+    """
+    tq, tk = block_mask.BLOCK_SIZE
+    nq, nk = -(-q_len // tq), -(-kv_len // tk)
+    dev = block_mask.kv_indices.device
+
+    def tiles(num, idx):
+        sel = torch.zeros(nq, nk, dtype=torch.bool, device=dev)
+        if num is None:
+            return sel
+        num, idx = num[0, 0], idx[0, 0].long()
+        valid = torch.arange(idx.shape[-1], device=dev)[None, :] < num[:, None].long()
+        rows = torch.arange(nq, device=dev)[:, None].expand_as(idx)
+        sel[rows[valid], idx[valid]] = True
+        return sel
+
+    part = tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full = tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    qi = torch.arange(q_len, device=dev)
+    ki = torch.arange(kv_len, device=dev)
+    mm = block_mask.mask_mod(torch.zeros((), dtype=torch.int64, device=dev), torch.zeros((), dtype=torch.int64, device=dev),
+                             qi[:, None], ki[None, :])
+    part_d = part.repeat_interleave(tq, 0).repeat_interleave(tk, 1)[:q_len, :kv_len]
+    full_d = full.repeat_interleave(tq, 0).repeat_interleave(tk, 1)[:q_len, :kv_len]
+    return full_d | (part_d & mm)
+
+
+def dense_flex_emulation(query, key, value, *, block_mask, scale, enable_gqa=False, return_aux=None,
+                         return_lse=False, kernel_options=None):
+    """Plain-torch stand-in for `flex_attention` on CPU (which has no backward there in torch 2.11).
+
+    Same signature subset and semantics as flex: [1, H, L, D] inputs, visibility from the BlockMask's
+    tables (full / partial + mask_mod / skipped, via `block_mask_to_dense`, so the tables are exercised),
+    out in the input dtype, lse fp32 natural log (-inf and out 0 on rows with no visible key), lse
+    differentiable. `kernel_options` is accepted and ignored. Dense Lq x Lk: tests only.
+    """
+    Hq, Hkv = query.shape[1], key.shape[1]
+    if enable_gqa and Hq != Hkv:
+        key = key.repeat_interleave(Hq // Hkv, dim=1)
+        value = value.repeat_interleave(Hq // Hkv, dim=1)
+    vis = block_mask_to_dense(block_mask, query.shape[2], key.shape[2])
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    s = torch.einsum("bhqd,bhkd->bhqk", query.to(acc), key.to(acc)) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - lse_safe[..., None])
+    out = torch.einsum("bhqk,bhkd->bhqd", p, value.to(acc)).to(query.dtype)
+    lse = lse.to(torch.float32) if acc == torch.float32 else lse
+    if return_aux is not None:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return out, AuxOutput(lse=lse)
+    return (out, lse) if return_lse else out
+
+
+def useful_flops(mask: IntervalMask, num_heads_q: int, head_dim: int, backward: bool = False) -> float:
+    """Useful FLOPs of the context attention: 4 * visible pairs * Hq * D forward, x2.5 with backward."""
+    pairs = float(((mask.hi - mask.lo).clamp(min=0).sum() * mask.block_size).item())
+    f = 4.0 * pairs * num_heads_q * head_dim
+    return f * 2.5 if backward else f
