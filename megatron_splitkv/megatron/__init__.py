@@ -1,0 +1,54 @@
+"""Megatron-Core 0.19 backend of megatron-splitkv: Split-KV as a context-parallel attention backend.
+
+Only this subpackage imports `megatron.core`. Entry points:
+
+* `get_dflash_layer_spec(cp_impl="splitkv", use_te=None)`: DFlash drafter layer spec for
+  `TransformerBlock`; feed it `context=` (fused ctx features) and
+  `packed_seq_params=DFlashPackedSeqParams(...)` (mask metadata).
+* `splitkv_core_attention(cp_impl)`: the core-attention builder alone (e.g. for `CrossAttention`).
+* `add_splitkv_args` / `validate_splitkv_args`: `--context-parallel-impl`, `--cp-chunk-size`,
+  `--cp-balance` (Megatron `extra_args_provider`).
+* `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches.
+
+See docs/megatron.md. Source: arXiv 2611.05926 (Split-KV); DESIGN.md section 4.
+"""
+
+from .arguments import (
+    CP_BALANCE,
+    CP_IMPLS,
+    SplitKVArgumentError,
+    add_splitkv_args,
+    check_attention_heads,
+    validate_splitkv_args,
+)
+from .attention import DFlashPackedSeqParams, SplitKVCoreAttention, resolve_cp_attention_fn
+from .layers import DFlashAttention, DFlashAttentionSubmodules, DFlashTransformerLayer, apply_rope
+from .sharding import get_batch_on_this_cp_rank_splitkv, planner_kwargs_from_args
+from .specs import (
+    get_dflash_layer_local_spec,
+    get_dflash_layer_spec,
+    get_dflash_layer_te_spec,
+    splitkv_core_attention,
+)
+
+__all__ = [
+    "CP_BALANCE",
+    "CP_IMPLS",
+    "SplitKVArgumentError",
+    "add_splitkv_args",
+    "check_attention_heads",
+    "validate_splitkv_args",
+    "DFlashPackedSeqParams",
+    "SplitKVCoreAttention",
+    "resolve_cp_attention_fn",
+    "DFlashAttention",
+    "DFlashAttentionSubmodules",
+    "DFlashTransformerLayer",
+    "apply_rope",
+    "get_dflash_layer_spec",
+    "get_dflash_layer_local_spec",
+    "get_dflash_layer_te_spec",
+    "splitkv_core_attention",
+    "get_batch_on_this_cp_rank_splitkv",
+    "planner_kwargs_from_args",
+]

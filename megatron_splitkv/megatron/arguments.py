@@ -1,0 +1,175 @@
+"""Command-line flags of the Split-KV backend for Megatron-LM, and their validation.
+
+Use `add_splitkv_args` as (or inside) Megatron's `extra_args_provider`:
+
+    from megatron.training import pretrain
+    from megatron_splitkv.megatron import add_splitkv_args, validate_splitkv_args
+    pretrain(..., extra_args_provider=add_splitkv_args)
+    # after parse: validate_splitkv_args(get_args())
+
+Flags (skipped when the parser already defines them, e.g. after applying `patches/`):
+    --context-parallel-impl {splitkv,allgather-kv,ring-kv}  CP algorithm of the DFlash attention
+                                                            (default None = Megatron's native CP)
+    --cp-chunk-size N        planner chunk size in tokens (default: auto)
+    --cp-balance {lpt,contiguous,zigzag,hypergraph}         context sharding strategy (default lpt)
+    --dflash-block-size B    draft block size (default 16)
+    --dflash-num-anchors N   query budget: anchors (blocks) per sequence (default 512)
+
+Source: DESIGN.md sections 3-4; arXiv 2611.05926.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+__all__ = [
+    "CP_IMPLS",
+    "CP_BALANCE",
+    "SplitKVArgumentError",
+    "add_splitkv_args",
+    "validate_splitkv_args",
+    "check_attention_heads",
+]
+
+CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
+CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
+
+
+class SplitKVArgumentError(ValueError):
+    """A bad flag combination; the message names the offending flag(s)."""
+
+
+def check_attention_heads(num_attention_heads: int, num_query_groups, tp_size: int) -> None:
+    """Raise SplitKVArgumentError unless the DFlash head split under TP is well defined.
+
+    Requires `num_attention_heads % tp_size == 0`, `num_query_groups % tp_size == 0` (each TP rank
+    holds whole kv heads; kv-head replication for num_query_groups < TP is not supported) and
+    `num_attention_heads % num_query_groups == 0`. `num_query_groups=None` means MHA (= heads).
+    Case C7: H=12, Hkv=3, TP=2 fails here, at construction, naming `--num-query-groups`."""
+    h = int(num_attention_heads)
+    g = h if num_query_groups is None else int(num_query_groups)
+    tp = int(tp_size)
+    if tp < 1:
+        raise SplitKVArgumentError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    if h % tp:
+        raise SplitKVArgumentError(
+            f"--num-attention-heads ({h}) must be divisible by --tensor-model-parallel-size ({tp})"
+        )
+    if g < 1 or h % g:
+        raise SplitKVArgumentError(
+            f"--num-attention-heads ({h}) must be a multiple of --num-query-groups ({g})"
+        )
+    if g % tp:
+        raise SplitKVArgumentError(
+            f"--num-query-groups ({g}) must be divisible by --tensor-model-parallel-size ({tp}) for the "
+            "Split-KV DFlash attention (each TP rank must hold whole kv heads; config.num_query_groups="
+            f"{g}, tensor_model_parallel_size={tp})"
+        )
+
+
+def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
+
+
+def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
+    `extra_args_provider` contract). Idempotent: flags the parser already has are skipped."""
+    group = parser.add_argument_group(title="split-kv context parallelism")
+    if not _has(parser, "--context-parallel-impl"):
+        group.add_argument(
+            "--context-parallel-impl", type=str, default=None, choices=CP_IMPLS,
+            help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
+            "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default: unset "
+            "(Megatron's native context parallelism).",
+        )
+    if not _has(parser, "--cp-chunk-size"):
+        group.add_argument(
+            "--cp-chunk-size", type=int, default=None,
+            help="Context chunk size (tokens) of the CP planner; default: chosen automatically.",
+        )
+    if not _has(parser, "--cp-balance"):
+        group.add_argument(
+            "--cp-balance", type=str, default="lpt", choices=CP_BALANCE,
+            help="How context chunks are assigned to CP ranks (default lpt).",
+        )
+    if not _has(parser, "--dflash-block-size"):
+        group.add_argument("--dflash-block-size", type=int, default=16, help="DFlash draft block size B.")
+    if not _has(parser, "--dflash-num-anchors"):
+        group.add_argument(
+            "--dflash-num-anchors", type=int, default=512,
+            help="DFlash query budget: anchors (query blocks) per sequence.",
+        )
+    return parser
+
+
+def _te_available() -> bool:
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except Exception:  # pragma: no cover - megatron import failure
+        return importlib.util.find_spec("transformer_engine") is not None
+    return bool(HAVE_TE)
+
+
+def validate_splitkv_args(args, *, have_te=None) -> None:
+    """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
+    naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
+
+    Checks: the implementation name; heads/query groups vs TP (`check_attention_heads`);
+    CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
+    divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
+    `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
+    transformer_engine` needs Transformer Engine; `--attention-dropout` must be 0; the local spec
+    cannot run `--sequence-parallel`. `have_te` overrides TE detection (tests)."""
+    impl = getattr(args, "context_parallel_impl", None)
+    if impl is None:
+        return
+    if impl not in CP_IMPLS:
+        raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    heads = getattr(args, "num_attention_heads", None)
+    if heads is not None:
+        groups = getattr(args, "num_query_groups", None)
+        if not getattr(args, "group_query_attention", groups is not None):
+            groups = None
+        check_attention_heads(heads, groups, tp)
+    if cp < 1:
+        raise SplitKVArgumentError(f"--context-parallel-size must be >= 1, got {cp}")
+    mbs = int(getattr(args, "micro_batch_size", 1) or 1)
+    anchors = getattr(args, "dflash_num_anchors", None)
+    if anchors is not None:
+        if anchors < 1:
+            raise SplitKVArgumentError(f"--dflash-num-anchors must be >= 1, got {anchors}")
+        if (mbs * anchors) % cp:
+            raise SplitKVArgumentError(
+                f"--micro-batch-size ({mbs}) x --dflash-num-anchors ({anchors}) = {mbs * anchors} query "
+                f"blocks must be divisible by --context-parallel-size ({cp}): every CP rank owns the "
+                "same number of query blocks"
+            )
+    bs = getattr(args, "dflash_block_size", None)
+    if bs is not None and bs < 1:
+        raise SplitKVArgumentError(f"--dflash-block-size must be >= 1, got {bs}")
+    chunk = getattr(args, "cp_chunk_size", None)
+    if chunk is not None and chunk < 1:
+        raise SplitKVArgumentError(f"--cp-chunk-size must be a positive number of tokens, got {chunk}")
+    balance = getattr(args, "cp_balance", "lpt")
+    if balance not in CP_BALANCE:
+        raise SplitKVArgumentError(f"--cp-balance must be one of {CP_BALANCE}, got {balance!r}")
+    if balance == "hypergraph" and importlib.util.find_spec("kahypar") is None:
+        raise SplitKVArgumentError("--cp-balance hypergraph needs the kahypar package (pip install kahypar)")
+    impl_te = getattr(args, "transformer_impl", None) == "transformer_engine"
+    if impl_te and not (_te_available() if have_te is None else have_te):
+        raise SplitKVArgumentError(
+            "--transformer-impl transformer_engine selects the Transformer Engine spec, but "
+            "transformer_engine is not installed; install it or pass --transformer-impl local"
+        )
+    if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
+        raise SplitKVArgumentError(
+            f"--attention-dropout must be 0 with --context-parallel-impl {impl} (got {args.attention_dropout})"
+        )
+    if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
+        raise SplitKVArgumentError(
+            "--sequence-parallel is not supported by the local spec (torch norms); use "
+            "--transformer-impl transformer_engine or drop --sequence-parallel"
+        )

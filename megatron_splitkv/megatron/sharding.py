@@ -1,0 +1,118 @@
+"""Planner-driven replacement of Megatron's `get_batch_on_this_cp_rank` for DFlash drafter batches.
+
+Megatron-Core's `get_batch_on_this_cp_rank` cuts every sequence into 2P zigzag pieces. For the drafter
+the cost of a context token depends on the anchors after it, so Split-KV shards context with the LPT
+planner instead (`megatron_splitkv.planning.plan_context_parallel`) and hands each CP rank its context
+tokens with GLOBAL positions and sequence ids plus an equal share of the query blocks
+(`megatron_splitkv.data.sharding.shard_batch`). The plan is deterministic, so every CP rank computes the
+same plan from the same global batch (Megatron loads the identical micro-batch on all CP ranks) and no
+communication is needed.
+
+Source: DESIGN.md section 3; arXiv 2611.05926 ("LPT load balancing").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .attention import DFlashPackedSeqParams
+
+__all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args"]
+
+
+def planner_kwargs_from_args(args) -> dict:
+    """`chunk_size`, `strategy`, `block_size` for `get_batch_on_this_cp_rank_splitkv` from parsed
+    Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`)."""
+    return {
+        "chunk_size": getattr(args, "cp_chunk_size", None),
+        "strategy": getattr(args, "cp_balance", "lpt") or "lpt",
+        "block_size": int(getattr(args, "dflash_block_size", 16) or 16),
+    }
+
+
+def _cp_rank_size(cp_group, pg_collection):
+    import torch.distributed as dist
+
+    if cp_group is None and pg_collection is not None:
+        cp_group = getattr(pg_collection, "cp", None)
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return (
+                parallel_state.get_context_parallel_rank(),
+                parallel_state.get_context_parallel_world_size(),
+            )
+        return 0, 1
+    return dist.get_rank(cp_group), dist.get_world_size(cp_group)
+
+
+def get_batch_on_this_cp_rank_splitkv(
+    batch: dict,
+    *,
+    seq_lens,
+    anchors,
+    block_size: int,
+    chunk_size: Optional[int] = None,
+    strategy: str = "lpt",
+    cp_group=None,
+    pg_collection=None,
+    cp_rank: Optional[int] = None,
+    cp_size: Optional[int] = None,
+    plan=None,
+    qkv_format: str = "sbhd",
+    **planner_kwargs,
+):
+    """This CP rank's share of a packed drafter batch, planned by LPT (or a baseline strategy).
+
+    Args:
+        batch: global packed batch, identical on every CP rank: per-token entries with leading dim
+            T = sum(seq_lens) ("input_ids" required, "loss_mask", context features e.g.
+            "hidden_states" [T, n_taps*hidden], ...); see `megatron_splitkv.data.sharding`.
+        seq_lens: [n_seq] context length of each packed sequence.
+        anchors: n_seq sorted int arrays, the sampled anchors of each sequence.
+        block_size: B. chunk_size: planner chunk (None = auto). strategy: "lpt" | "contiguous" |
+            "zigzag" | "hypergraph" (`--cp-balance`).
+        cp_group / pg_collection: CP group (default parallel_state's); or pass cp_rank and cp_size.
+        plan: a precomputed `Plan` (skips planning). qkv_format: of the returned params.
+        planner_kwargs: forwarded to `plan_context_parallel`.
+
+    Returns:
+        (local, params, plan): `local` the `shard_batch` dict (per local context token entries,
+        "kv_seq"/"kv_pos", and "q_*" per local query block: "q_seq", "q_anchor", "q_labels",
+        "q_label_mask", ...); `params` a `DFlashPackedSeqParams` built from it (int64, on the device of
+        batch["input_ids"]) to pass as `packed_seq_params=` to the DFlash TransformerBlock; `plan`.
+
+    Raises ValueError from the planner/sharder for inconsistent inputs, and when `plan.cp_size`
+    differs from the CP group size.
+    """
+    from megatron_splitkv.data.sharding import shard_batch
+    from megatron_splitkv.planning import plan_context_parallel
+
+    if cp_rank is None or cp_size is None:
+        r, p = _cp_rank_size(cp_group, pg_collection)
+        cp_rank = r if cp_rank is None else cp_rank
+        cp_size = p if cp_size is None else cp_size
+    if plan is None:
+        plan = plan_context_parallel(
+            seq_lens, anchors, block_size=block_size, cp_size=cp_size, chunk_size=chunk_size,
+            strategy=strategy, **planner_kwargs,
+        )
+    if plan.cp_size != cp_size:
+        raise ValueError(f"plan.cp_size={plan.cp_size} != context-parallel size {cp_size}")
+    local = shard_batch(batch, plan, cp_rank)
+
+    def as_i64(x):
+        return torch.as_tensor(x).to(torch.int64)
+
+    params = DFlashPackedSeqParams(
+        qkv_format=qkv_format,
+        q_seq=as_i64(local["q_seq"]),
+        q_anchor=as_i64(local["q_anchor"]),
+        kv_seq=as_i64(local["kv_seq"]),
+        kv_pos=as_i64(local["kv_pos"]),
+        block_size=int(plan.block_size),
+    )
+    return local, params, plan

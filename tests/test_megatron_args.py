@@ -1,0 +1,155 @@
+"""Flags, validation errors, spec builders and the Megatron-LM patch series (no process groups needed)."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from megatron_splitkv.megatron import (  # noqa: E402
+    SplitKVArgumentError,
+    add_splitkv_args,
+    get_dflash_layer_spec,
+    validate_splitkv_args,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(**kw):
+    base = dict(
+        context_parallel_impl="splitkv", tensor_model_parallel_size=2, context_parallel_size=2,
+        num_attention_heads=8, num_query_groups=4, group_query_attention=True, micro_batch_size=1,
+        dflash_num_anchors=8, dflash_block_size=16, cp_chunk_size=None, cp_balance="lpt",
+        transformer_impl="local", attention_dropout=0.0, sequence_parallel=False,
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_add_args_defaults_and_idempotent():
+    p = argparse.ArgumentParser()
+    add_splitkv_args(p)
+    add_splitkv_args(p)  # second call (or a patched Megatron parser) must not conflict
+    a = p.parse_args([])
+    assert a.context_parallel_impl is None and a.cp_balance == "lpt" and a.cp_chunk_size is None
+    a = p.parse_args(["--context-parallel-impl", "ring-kv", "--cp-chunk-size", "256", "--cp-balance", "zigzag"])
+    assert (a.context_parallel_impl, a.cp_chunk_size, a.cp_balance) == ("ring-kv", 256, "zigzag")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--context-parallel-impl", "ulysses"])
+
+
+def test_valid_combination_passes_and_unset_impl_is_ignored():
+    validate_splitkv_args(_args())
+    validate_splitkv_args(_args(context_parallel_impl=None, num_attention_heads=7))
+
+
+@pytest.mark.parametrize(
+    "kw, flag",
+    [
+        (dict(num_attention_heads=6, num_query_groups=2, tensor_model_parallel_size=4), "--num-attention-heads"),
+        (dict(num_attention_heads=12, num_query_groups=3), "--num-query-groups"),
+        (dict(num_attention_heads=12, num_query_groups=5, tensor_model_parallel_size=1), "--num-query-groups"),
+        (dict(dflash_num_anchors=3, context_parallel_size=2), "--context-parallel-size"),
+        (dict(micro_batch_size=1, dflash_num_anchors=6, context_parallel_size=4), "--dflash-num-anchors"),
+        (dict(cp_chunk_size=0), "--cp-chunk-size"),
+        (dict(attention_dropout=0.1), "--attention-dropout"),
+        (dict(sequence_parallel=True), "--sequence-parallel"),
+        (dict(context_parallel_impl="ulysses"), "--context-parallel-impl"),
+    ],
+)
+def test_bad_combinations_name_the_flag(kw, flag):
+    with pytest.raises(SplitKVArgumentError) as e:
+        validate_splitkv_args(_args(**kw))
+    assert flag in str(e.value), str(e.value)
+
+
+def test_missing_te_for_te_spec_is_a_clear_error():
+    with pytest.raises(SplitKVArgumentError, match="--transformer-impl"):
+        validate_splitkv_args(_args(transformer_impl="transformer_engine"), have_te=False)
+    from megatron_splitkv.megatron.specs import have_te
+
+    if not have_te():
+        with pytest.raises(SplitKVArgumentError, match="--transformer-impl"):
+            get_dflash_layer_spec("splitkv", use_te=True)
+
+
+def test_hypergraph_needs_kahypar():
+    import importlib.util
+
+    if importlib.util.find_spec("kahypar") is not None:
+        pytest.skip("kahypar installed")
+    with pytest.raises(SplitKVArgumentError, match="--cp-balance hypergraph"):
+        validate_splitkv_args(_args(cp_balance="hypergraph"))
+
+
+def test_spec_builder():
+    from megatron_splitkv.megatron import DFlashAttention, DFlashTransformerLayer
+
+    for impl in ("splitkv", "allgather-kv", "ring-kv"):
+        spec = get_dflash_layer_spec(impl, use_te=False)
+        assert spec.module is DFlashTransformerLayer
+        att = spec.submodules.self_attention
+        assert att.module is DFlashAttention
+        assert att.submodules.core_attention.keywords["cp_impl"] == impl
+    with pytest.raises(SplitKVArgumentError, match="--context-parallel-impl"):
+        get_dflash_layer_spec("ulysses")
+
+
+def _site_megatron():
+    import megatron.core
+
+    return Path(megatron.core.__file__).resolve().parents[1]  # .../site-packages/megatron
+
+
+def test_patch_series_applies_to_wheel_and_imports(tmp_path):
+    patches = sorted((REPO / "patches").glob("*.patch"))
+    assert [p.name[:4] for p in patches] == ["0001", "0002"]
+    src = _site_megatron() / "training"
+    assert src.is_dir(), "the megatron-core wheel ships megatron/training"
+    dst = tmp_path / "megatron" / "training"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for p in patches:
+        r = subprocess.run(["patch", "-p1", "--forward", "--batch", "-i", str(p)], cwd=tmp_path,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, f"{p.name} does not apply cleanly:\n{r.stdout}\n{r.stderr}"
+        assert "offset" not in r.stdout and "fuzz" not in r.stdout, r.stdout
+    code = textwrap.dedent(
+        f"""
+        import sys, argparse
+        sys.path.insert(0, {str(tmp_path)!r})
+        import megatron.training.arguments as A
+        assert A.__file__.startswith({str(tmp_path)!r}), A.__file__
+        p = argparse.ArgumentParser()
+        A.add_megatron_arguments(p)
+        from megatron_splitkv.megatron import add_splitkv_args
+        add_splitkv_args(p)  # idempotent on top of the patched parser
+        a = p.parse_args(["--context-parallel-impl", "splitkv", "--cp-balance", "zigzag", "--cp-chunk-size", "512"])
+        assert (a.context_parallel_impl, a.cp_balance, a.cp_chunk_size) == ("splitkv", "zigzag", 512)
+        import megatron.training.argument_utils as U
+        assert U.__file__.startswith({str(tmp_path)!r})
+        import megatron.training.models.gpt as G
+        from megatron.core.transformer.transformer_config import TransformerConfig
+        tc = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               use_cpu_initialization=True, transformer_impl="local")
+        cfg = G.GPTModelConfig(transformer=tc, context_parallel_impl="ring-kv",
+                               position_embedding_type="rope", rotary_base=1000000)
+        spec = G.default_layer_spec(cfg, vp_stage=None)
+        from megatron_splitkv.megatron import DFlashTransformerLayer
+        assert spec.module is DFlashTransformerLayer, spec
+        assert spec.submodules.self_attention.submodules.core_attention.keywords["cp_impl"] == "ring-kv"
+        assert spec.submodules.self_attention.params["rotary_base"] == 1000000
+        cfg2 = G.GPTModelConfig(transformer=tc)
+        assert G.default_layer_spec(cfg2, vp_stage=None).module is not DFlashTransformerLayer
+        print("PATCH-OK")
+        """
+    )
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
+    assert r.returncode == 0 and "PATCH-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
