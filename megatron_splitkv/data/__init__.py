@@ -1,0 +1,17 @@
+"""Data for DFlash drafter training with Split-KV CP: anchors, CP sharding hook, ShareGPT loader."""
+
+from .anchors import DEFAULT_NUM_ANCHORS, anchor_candidates, sample_anchors, sample_anchors_packed
+from .sharding import shard_batch, unshard
+
+__all__ = ["DEFAULT_NUM_ANCHORS", "anchor_candidates", "sample_anchors", "sample_anchors_packed",
+           "shard_batch", "unshard", "PackedBatch", "ShareGPTLoader", "TokenizedCorpus", "load_sharegpt",
+           "make_packed_batch", "synthetic_long_batch", "tokenize_chat"]
+
+
+def __getattr__(name):  # the ShareGPT loader needs the optional "data" extra only when used
+    if name in ("PackedBatch", "ShareGPTLoader", "TokenizedCorpus", "load_sharegpt", "make_packed_batch",
+                "synthetic_long_batch", "tokenize_chat"):
+        from . import sharegpt
+
+        return getattr(sharegpt, name)
+    raise AttributeError(name)
