@@ -25,7 +25,7 @@ test: venv
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m megatron_splitkv.demo
+	$(PY) -m megatron_splitkv.train_demo
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,316 @@
+#!/usr/bin/env python
+"""Train a DFlash drafter with Megatron-LM's `pretrain` (GPU) and Split-KV context parallelism.
+
+    torchrun --nproc-per-node 8 examples/pretrain_dflash.py \\
+        --context-parallel-impl splitkv --context-parallel-size 8 --tensor-model-parallel-size 1 \\
+        --num-layers 5 --hidden-size 4096 --num-attention-heads 32 --group-query-attention \\
+        --num-query-groups 8 --kv-channels 128 --ffn-hidden-size 12288 --normalization RMSNorm \\
+        --qk-layernorm --swiglu --disable-bias-linear --position-embedding-type rope --rotary-base 1000000 \\
+        --attention-dropout 0 --hidden-dropout 0 --untie-embeddings-and-output-weights \\
+        --vocab-size 151936 --seq-length 131072 --max-position-embeddings 131072 \\
+        --micro-batch-size 1 --global-batch-size 8 --train-iters 2000 --lr 6e-4 --min-lr 6e-5 \\
+        --lr-decay-style cosine --lr-warmup-iters 100 --bf16 --transformer-impl local \\
+        --num-anchors 512 --block-size 16 --loss-decay-gamma 7 \\
+        --target-num-layers 36 --target-ffn-hidden-size 12288 --target-load /ckpt/qwen3-8b.pt \\
+        --save /ckpt/dflash --load /ckpt/dflash --save-interval 500 --log-interval 1
+
+Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
+Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
+`--cp-chunk-size` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query budget per
+sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id`; target flags `--target-num-layers`,
+`--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
+`--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
+`--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
+each CP rank reads only its shard's rows; the target is then not built).
+
+Per micro-batch (one packed ShareGPT batch of up to --seq-length tokens per data-parallel rank; every CP
+rank of a DP rank iterates the same deterministic loader): the LPT planner assigns context chunks to CP
+ranks, `shard_batch` gives this rank its tokens (global positions), the frozen target (or the feature
+store) gives their tapped hidden states, the drafter computes the decayed DFlash loss normalised over
+the CP group. Logged per iteration (Megatron's log line): the loss, `tokens-per-sec` (context tokens of
+the global batch per second) and `planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's
+`--save/--load` (drafter and optimizer; the frozen shared embedding/LM head travel with it); on resume
+the data loader skips the batches already consumed.
+
+Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
+(`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace).
+Source: DESIGN.md sections 1-4; arXiv 2611.05926 (Split-KV); DFlash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
+
+from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
+
+QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
+
+_STATE = {"provider": None, "store": None, "stats": {}}
+
+
+def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags."""
+    add_splitkv_args(parser)
+    g = parser.add_argument_group(title="dflash drafter")
+    # aliases of add_splitkv_args' --dflash-num-anchors / --dflash-block-size (same dest)
+    g.add_argument("--num-anchors", dest="dflash_num_anchors", type=int, default=argparse.SUPPRESS,
+                   help="Anchors (query blocks) per sequence, the query budget (default 512).")
+    g.add_argument("--block-size", dest="dflash_block_size", type=int, default=argparse.SUPPRESS,
+                   help="Draft block size B (default 16).")
+    g.add_argument("--loss-decay-gamma", type=float, default=None,
+                   help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
+    g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,
+                   help="Reserved MASK token: an unused row of the target vocabulary.")
+    t = parser.add_argument_group(title="dflash target (frozen, Qwen3-style; hidden size = --hidden-size)")
+    t.add_argument("--target-num-layers", type=int, default=36)
+    t.add_argument("--target-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    t.add_argument("--target-num-attention-heads", type=int, default=None, help="default: --num-attention-heads")
+    t.add_argument("--target-num-query-groups", type=int, default=None, help="default: --num-query-groups")
+    t.add_argument("--target-kv-channels", type=int, default=None, help="default: --kv-channels")
+    t.add_argument("--target-load", type=str, default=None,
+                   help="Target weights (torch state dict file or Megatron torch_dist dir); random init if unset.")
+    t.add_argument("--target-seed", type=int, default=1234)
+    d = parser.add_argument_group(title="dflash data")
+    d.add_argument("--sharegpt-limit", type=int, default=None, help="first N ShareGPT conversations only")
+    d.add_argument("--data-seed", type=int, default=0)
+    d.add_argument("--features-path", type=str, default=None,
+                   help="Offline features directory (tools/extract_features.py) instead of the online target.")
+    return parser
+
+
+def _defaults(args):
+    args.dflash_block_size = getattr(args, "dflash_block_size", 16) or 16
+    args.dflash_num_anchors = getattr(args, "dflash_num_anchors", 512) or 512
+    args.context_parallel_impl = args.context_parallel_impl or "splitkv"
+
+
+def _pgs(pg_collection):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+
+
+def _target_config(args, params_dtype):
+    from megatron_splitkv.megatron.models import qwen3_config
+
+    return qwen3_config(
+        num_layers=args.target_num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.target_num_attention_heads or args.num_attention_heads,
+        num_query_groups=args.target_num_query_groups or args.num_query_groups,
+        kv_channels=args.target_kv_channels or args.kv_channels,
+        ffn_hidden_size=args.target_ffn_hidden_size or args.ffn_hidden_size,
+        params_dtype=params_dtype, use_cpu_initialization=False,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+    )
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """Build the drafter (the trained model) and, unless --features-path, the frozen target provider."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_splitkv.dflash import target_layer_ids
+    from megatron_splitkv.megatron.models import (
+        DFlashDraftModel,
+        FeatureStore,
+        TargetFeatureProvider,
+        build_target_model,
+        load_target_weights,
+    )
+
+    args = get_args()
+    _defaults(args)
+    if not (pre_process and post_process) or args.pipeline_model_parallel_size != 1:
+        raise ValueError("the DFlash drafter runs on one pipeline stage: use --pipeline-model-parallel-size 1")
+    pgs = _pgs(pg_collection)
+    dcfg = core_transformer_config_from_args(args)
+    taps = target_layer_ids(args.target_num_layers, dcfg.num_layers)
+    tcfg = _target_config(args, dcfg.params_dtype)
+    target = build_target_model(tcfg, vocab_size=args.padded_vocab_size,
+                                max_sequence_length=args.max_position_embeddings,
+                                rotary_base=args.rotary_base, pg_collection=pgs, seed=args.target_seed)
+    if args.target_load:
+        load_target_weights(target, args.target_load)
+    provider = TargetFeatureProvider(target, taps).cuda()
+    if args.features_path:
+        store = FeatureStore(args.features_path)
+        if store.dim != provider.feature_dim:
+            raise ValueError(f"--features-path has dim {store.dim}, the drafter expects {provider.feature_dim}")
+        _STATE["store"] = store
+        # only the embedding / LM head of the target are needed (still built from --target-load)
+    else:
+        _STATE["provider"] = provider
+    if not 0 <= args.mask_token_id < args.padded_vocab_size:
+        raise ValueError(f"--mask-token-id {args.mask_token_id} outside the vocabulary ({args.padded_vocab_size})")
+    print_rank_0(f"DFlash: target {args.target_num_layers} layers, taps {taps}, drafter {dcfg.num_layers} "
+                 f"layers, B={args.dflash_block_size}, {args.dflash_num_anchors} anchors/sequence, "
+                 f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner)")
+    return DFlashDraftModel(
+        dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
+        output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
+        block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
+        rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
+    )
+
+
+def _batches(skip: int):
+    """This DP rank's packed batches, endless, deterministic; `skip` already-consumed ones first."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_splitkv.data import ShareGPTLoader
+
+    args = get_args()
+    dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    corpus = _STATE["store"].corpus() if _STATE["store"] is not None else None
+    loader = ShareGPTLoader(max_tokens=args.seq_length, num_anchors=args.dflash_num_anchors,
+                            seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus)
+    n, epoch = 0, 0
+    while True:
+        loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i % dp != dpr:
+                continue
+            if n >= skip:
+                yield batch
+            n += 1
+        epoch += 1
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """External data iterators (`--dataloader-type external`): packed ShareGPT batches, one per
+    micro-batch; resumes after `args.iteration * micro-batches-per-iteration` batches."""
+    args = get_args()
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+    skip = int(args.iteration) * get_num_microbatches()
+    return _batches(skip), None, None
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch: plan, shard, features, drafter loss."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_splitkv.data import shard_batch
+    from megatron_splitkv.dflash import build_draft_blocks
+    from megatron_splitkv.planning import plan_context_parallel
+
+    args = get_args()
+    timers = get_timers()
+    timers("batch-generator", log_level=2).start()
+    batch = next(data_iterator)
+    cp, cpr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=args.dflash_block_size,
+                                 cp_size=cp, chunk_size=args.cp_chunk_size, strategy=args.cp_balance)
+    shard = shard_batch(batch.to_dict(), plan, cpr)
+    sl = plan.query_slice(cpr)
+    blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],
+                                block_size=args.dflash_block_size, mask_token_id=args.mask_token_id,
+                                loss_mask=batch.loss_mask, gamma=args.loss_decay_gamma).to("cuda")
+    kv_seq = torch.as_tensor(shard["kv_seq"]).cuda()
+    kv_pos = torch.as_tensor(shard["kv_pos"]).cuda()
+    timers("batch-generator").stop()
+    if _STATE["store"] is not None:
+        feats = _STATE["store"].rows(batch.source, shard["kv_seq"], shard["kv_pos"]).cuda(non_blocking=True)
+    else:
+        feats = _STATE["provider"](torch.as_tensor(shard["input_ids"]).cuda(), kv_seq, kv_pos)
+    out = model(feats, blocks, kv_seq, kv_pos)
+    _STATE["stats"] = {"tokens": batch.num_tokens, "imbalance": float(plan.imbalance)}
+    return out.loss, partial(loss_func, out)
+
+
+def loss_func(out, output_tensor):
+    """Megatron's legacy 2-output loss contract: the schedule multiplies by the CP size and DDP averages
+    over the DP x CP group, so the CP-summed gradient of `out.loss` (this rank's share of the
+    CP-normalised loss) is restored exactly. Reported: the global loss of the micro-batch
+    ([loss, 1], summed over micro-batches and DP x CP ranks), `tokens-per-sec` (context tokens of this
+    micro-batch times DP over the wall time since the previous micro-batch ended, i.e. including
+    backward and the optimizer step) and `planner-imbalance` (max/mean load - 1 of this micro-batch)."""
+    args = get_args()
+    st = _STATE["stats"]
+    dev = output_tensor.device
+    now = time.perf_counter()
+    last = _STATE.get("last_time")
+    _STATE["last_time"] = now
+    report = {"lm loss": torch.stack([out.total.to(dev, torch.float32), torch.ones((), device=dev)]),
+              "planner-imbalance": torch.tensor([st["imbalance"]], device=dev, dtype=torch.float32)}
+    if last is not None:
+        report["tokens-per-sec"] = torch.tensor([st["tokens"] * args.data_parallel_size / max(now - last, 1e-9)],
+                                                device=dev, dtype=torch.float32)
+    return output_tensor, report
+
+
+def _skip_helper_build_if_prebuilt():
+    """pip wheels of megatron-core ship the dataset helpers prebuilt but no Makefile, and Megatron's
+    initialisation runs `make` (and exits when it fails); this script uses no Megatron dataset, so the
+    build is skipped when the prebuilt module imports."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        import megatron.core.datasets.utils as dsu
+    except ImportError:
+        return
+    dsu.compile_helpers = lambda: None
+
+
+def _print_help():
+    """Megatron's parser plus ours; help strings that argparse cannot format (megatron-core 0.19.2 has
+    one with a bare '%') are escaped so that --help works."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_dflash_args(add_megatron_arguments(argparse.ArgumentParser(
+        description="DFlash drafter training (Megatron-LM pretrain, Split-KV CP)", allow_abbrev=False)))
+    fmt = parser._get_formatter()
+    for action in parser._actions:
+        try:
+            fmt._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = (action.help or "").replace("%", "%%")
+    parser.print_help()
+
+
+def main(argv=None):
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    if "-h" in sys.argv or "--help" in sys.argv:
+        _print_help()
+        return None
+    if "--parse-only" in sys.argv:  # CPU check: build the parser and parse, nothing else
+        from megatron.training.arguments import parse_args
+
+        sys.argv.remove("--parse-only")
+        args = parse_args(add_dflash_args)
+        _defaults(args)
+        print(args)
+        return args
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from megatron_splitkv.megatron import validate_splitkv_args
+
+    args = parse_and_validate_args(
+        extra_args_provider=add_dflash_args,
+        args_defaults={"tokenizer_type": "NullTokenizer", "dataloader_type": "external"},
+    )
+    _defaults(args)
+    validate_splitkv_args(args)
+    _skip_helper_build_if_prebuilt()
+    pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+             ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    return args
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""DFlash drafter training end to end on CPU: ShareGPT -> planner -> target features -> Split-KV drafter.
+
+    python -m megatron_splitkv.train_demo            # CP=2 over gloo, ~30 steps, a few minutes on 2 cores
+
+What runs (DESIGN.md sections 1-3; arXiv 2611.05926):
+1. ShareGPT conversations (Qwen chat template, loss on assistant tokens) packed into batches of
+   `--max-tokens` tokens; `--num-anchors` DFlash anchors sampled per sequence
+   (`megatron_splitkv.data.ShareGPTLoader`).
+2. The LPT planner (`megatron_splitkv.planning.plan_context_parallel`) assigns context chunks to the CP
+   ranks; `shard_batch` gives each rank its tokens with global positions and an equal share of the query
+   blocks.
+3. A tiny frozen Qwen3-style target (`megatron_splitkv.megatron.models`, random init) computes the tapped
+   hidden states of each rank's context tokens, exactly causal under the permuted layout.
+4. The DFlash drafter (fc + RMSNorm fusion, DFlash layers with Split-KV attention, frozen target
+   embedding / LM head) computes the decayed loss normalised over the CP group; gradients of the
+   replicated parameters are summed over the group; AdamW step.
+
+The vocabulary is compacted to the token ids that occur in the loaded conversations (a bijection, so the
+data is unchanged) plus one MASK row, to keep the LM head small on CPU. Progress: tqdm on rank 0 with
+the loss of every step; a closing summary with first/last loss, tokens/s, planner imbalance and bytes
+moved per rank by the attention collectives (`megatron_splitkv.comm_stats`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size = number of gloo processes")
+    p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"))
+    p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),
+                   help="planner strategy (default lpt)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed batch")
+    p.add_argument("--num-anchors", type=int, default=32, help="anchors (query blocks) per sequence")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--loss-decay-gamma", type=float, default=None, help="default 7 for B=16")
+    p.add_argument("--limit", type=int, default=400, help="ShareGPT conversations to load")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--target-layers", type=int, default=6)
+    p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--target-init-std", type=float, default=0.1, help="random target's init std")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    return p.parse_args(argv)
+
+
+def _compact_corpus(corpus):
+    """Renumber token ids to 0..V_used-1 (bijective on the loaded data). Returns (corpus, V_used)."""
+    import numpy as np
+
+    from megatron_splitkv.data.sharegpt import TokenizedCorpus
+
+    uniq, inv = np.unique(corpus.tokens, return_inverse=True)
+    return TokenizedCorpus(inv.astype(np.int64), corpus.loss_mask, corpus.offsets), int(uniq.shape[0])
+
+
+def _worker(rank, world, init_file, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        queue.put((rank, _train(rank, world, args)))
+    except BaseException as exc:  # report, then re-raise so the process exits non-zero
+        import traceback
+
+        queue.put((rank, {"error": traceback.format_exc()}))
+        raise exc
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank, world, args):
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_splitkv import comm_stats
+    from megatron_splitkv.data import ShareGPTLoader, load_sharegpt, shard_batch
+    from megatron_splitkv.dflash import build_draft_blocks, target_layer_ids
+    from megatron_splitkv.models import DFlashDraftModel, TargetFeatureProvider, build_target_model, qwen3_config
+    from megatron_splitkv.planning import plan_context_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    cp = pgs.cp
+
+    corpus, v_used = _compact_corpus(load_sharegpt(args.limit))
+    mask_id = v_used  # one extra row: the reserved MASK token
+    vocab = (v_used + 1 + 63) // 64 * 64
+    loader = ShareGPTLoader(max_tokens=args.max_tokens, num_anchors=args.num_anchors, seed=args.seed,
+                            corpus=corpus)
+    B = args.block_size
+    H = args.hidden
+    heads = max(2, H // 16)
+    tcfg = qwen3_config(num_layers=args.target_layers, hidden_size=H, num_attention_heads=heads,
+                        num_query_groups=max(1, heads // 2), kv_channels=16, ffn_hidden_size=2 * H,
+                        init_method_std=args.target_init_std)
+    target = build_target_model(tcfg, vocab_size=vocab, max_sequence_length=args.max_tokens,
+                                pg_collection=pgs, seed=args.seed)
+    taps = target_layer_ids(args.target_layers, args.draft_layers)
+    provider = TargetFeatureProvider(target, taps)
+    dcfg = qwen3_config(num_layers=args.draft_layers, hidden_size=H, num_attention_heads=heads,
+                        num_query_groups=max(1, heads // 2), kv_channels=16, ffn_hidden_size=2 * H)
+    torch.manual_seed(args.seed + 1)
+    drafter = DFlashDraftModel(dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
+                               output_layer=provider.output_layer, mask_token_id=mask_id, block_size=B,
+                               cp_impl=args.context_parallel_impl,
+                               pg_collection=pgs)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    n_train = sum(p.numel() for p in params)
+
+    pbar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        print(f"DFlash drafter training demo: CP={world} ({args.context_parallel_impl}, {args.cp_balance} "
+              f"planner), {len(corpus)} ShareGPT conversations, vocab {v_used} used ids + MASK, target "
+              f"{args.target_layers} layers (taps {taps}), drafter {args.draft_layers} layers, "
+              f"{n_train:,} trainable parameters, B={B}, {args.num_anchors} anchors/sequence", flush=True)
+        pbar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
+
+    hist = dict(loss=[], tokens=0, queries=0, supervised=0.0, imb=[], bytes_attn=0, bytes_target=0, time=0.0)
+    step, epoch = 0, 0
+    while step < args.steps:
+        loader.set_epoch(epoch)
+        for batch in loader:
+            if step >= args.steps:
+                break
+            t0 = time.perf_counter()
+            plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=B, cp_size=world,
+                                         strategy=args.cp_balance)
+            data = batch.to_dict()
+            shard = shard_batch(data, plan, rank)
+            sl = plan.query_slice(rank)
+            blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],
+                                        block_size=B, mask_token_id=mask_id, loss_mask=batch.loss_mask,
+                                        gamma=args.loss_decay_gamma)
+            ids = torch.as_tensor(shard["input_ids"])
+            kv_seq, kv_pos = torch.as_tensor(shard["kv_seq"]), torch.as_tensor(shard["kv_pos"])
+            with comm_stats() as st_target:
+                feats = provider(ids, kv_seq, kv_pos)
+            with comm_stats() as st_attn:
+                out = drafter(feats, blocks, kv_seq, kv_pos)
+                opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=cp)  # replicated parameters: exact gradient = sum over CP ranks
+            o = 0
+            for p in params:
+                p.grad.copy_(flat[o:o + p.numel()].view_as(p))
+                o += p.numel()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            dt = time.perf_counter() - t0
+            loss = float(out.total)
+            hist["loss"].append(loss)
+            hist["tokens"] += batch.num_tokens
+            hist["queries"] += int(plan.q_seq.shape[0]) * B
+            hist["supervised"] += float(out.weight_sum)
+            hist["imb"].append(float(plan.imbalance))
+            hist["bytes_attn"] += st_attn.total_bytes
+            hist["bytes_target"] += st_target.total_bytes
+            hist["time"] += dt
+            step += 1
+            if pbar is not None:
+                pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{batch.num_tokens / dt:,.0f}",
+                                 imb=f"{plan.imbalance:.3f}")
+                pbar.write(f"step {step:3d}  loss {loss:7.4f}  tokens {batch.num_tokens:5d}  "
+                           f"seqs {len(batch.seq_lens):2d}  query blocks {plan.q_seq.shape[0]:3d}  "
+                           f"imbalance {plan.imbalance:6.3f}  {dt:5.2f} s")
+                pbar.update(1)
+        epoch += 1
+    if pbar is not None:
+        pbar.close()
+    # per-rank byte totals summed over ranks
+    tot = torch.tensor([hist["bytes_attn"], hist["bytes_target"]], dtype=torch.float64)
+    dist.all_reduce(tot, group=cp)
+    hist["bytes_attn_all"], hist["bytes_target_all"] = float(tot[0]), float(tot[1])
+    return hist
+
+
+def _summary(h, args, world, wall):
+    import numpy as np
+
+    loss = h["loss"]
+    k = max(1, min(5, len(loss) // 3))
+    first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
+    n = len(loss)
+    lines = [
+        "",
+        "summary",
+        f"  steps              {n} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})",
+        f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
+        f"{last:.4f}, {'falling' if last < first else 'NOT falling'})",
+        f"  tokens/s           {h['tokens'] / h['time']:,.0f} context tokens/s, "
+        f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
+        f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up)",
+        f"  planner imbalance  mean {np.mean(h['imb']):.4f}, max {np.max(h['imb']):.4f} (max/mean load - 1)",
+        f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / n / 1e6:.2f} MB/rank/step "
+        f"({args.context_parallel_impl}, forward+backward), target features "
+        f"{h['bytes_target_all'] / world / n / 1e6:.2f} MB/rank/step (all-gather KV, forward only)",
+    ]
+    return "\n".join(lines), first, last
+
+
+def main(argv=None) -> int:
+    """Spawn `--cp` gloo processes, train, print the summary. Returns 0 on success (loss falling),
+    1 if the loss did not fall, 2 if a rank failed."""
+    args = parse_args(argv)
+    import torch.multiprocessing as mp
+
+    t0 = time.time()
+    world = args.cp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        try:
+            while len(results) < world:
+                rank, res = queue.get(timeout=1800)
+                results[rank] = res
+                if "error" in res:
+                    print(f"rank {rank} failed:\n{res['error']}", file=sys.stderr)
+                    return 2
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    text, first, last = _summary(results[0], args, world, time.time() - t0)
+    print(text, flush=True)
+    return 0 if last < first else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
