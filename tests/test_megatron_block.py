@@ -147,7 +147,9 @@ def block_worker(rank, world, tp, cp, pp, cfg, state, data, cp_impls=("splitkv",
         ps.destroy_model_parallel()
 
 
-def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt):
+def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, device="cpu"):
+    """One forward/backward of this rank's shard of the block (in `dtype` on `device`; the returned
+    tensors are float64 on the CPU). Also used by tests/nightly/test_megatron_nccl.py (bf16, NCCL)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -162,7 +164,8 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt):
         spec = get_dflash_layer_spec(cp_impl=cp_impl, use_te=False, rotary_base=10000.0)
         last = pp_r == pp - 1
         block = TransformerBlock(config, spec, post_layer_norm=last, pre_process=True, post_process=last)
-        block.double()  # mcore's torch norms ignore params_dtype (Megatron's Float16Module casts in training)
+        # mcore's torch norms ignore params_dtype (Megatron's Float16Module casts in training)
+        block = block.to(device, dtype)
         offset = pp_r * (cfg["num_layers"] // pp)
         local_state = {}
         for k in block.state_dict():
@@ -182,22 +185,23 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt):
         ci = ctx_indices(data, cp, cp_r)
         params = DFlashPackedSeqParams(
             qkv_format=fmt,
-            q_seq=data["q_seq"][bsl].clone(),
-            q_anchor=data["q_anchor"][bsl].clone(),
-            kv_seq=data["kv_seq"][ci].clone(),
-            kv_pos=data["kv_pos"][ci].clone(),
+            q_seq=data["q_seq"][bsl].to(device, copy=True),
+            q_anchor=data["q_anchor"][bsl].to(device, copy=True),
+            kv_seq=data["kv_seq"][ci].to(device, copy=True),
+            kv_pos=data["kv_pos"][ci].to(device, copy=True),
             block_size=B,
         )
-        ctx = data["ctx"][ci].clone().requires_grad_(True)
+        ctx = data["ctx"][ci].to(device, dtype, copy=True).requires_grad_(True)
         if pp_r == 0:
-            h = data["h"][tsl].clone().requires_grad_(True)
+            h = data["h"][tsl].to(device, dtype, copy=True).requires_grad_(True)
         else:
-            h = torch.empty_like(data["h"][tsl])
+            h = torch.empty(data["h"][tsl].shape, dtype=dtype, device=device)
             dist.recv(h, src=ps.get_pipeline_model_parallel_prev_rank())
             h.requires_grad_(True)
         out = block(hidden_states=h, attention_mask=None, context=ctx, packed_seq_params=params)
         if last:
-            loss = (out * data["w_out"][tsl]).sum()
+            acc = torch.promote_types(dtype, torch.float32)  # bf16: the loss in fp32
+            loss = (out.to(acc) * data["w_out"][tsl].to(device, acc)).sum()
             loss.backward()
         else:
             dist.send(out.detach().contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
@@ -219,12 +223,12 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt):
             if tp > 1 and ("q_layernorm" in k or "k_layernorm" in k):
                 # finalize_model_grads sums qk-layernorm grads over TP (config.qk_layernorm)
                 dist.all_reduce(gr, group=ps.get_tensor_model_parallel_group())
-            grads[gk] = gr
+            grads[gk] = gr.double().cpu()
         return {
             "tp": tp_r, "cp": cp_r, "pp": pp_r, "last": last,
-            "out": out.detach() if last else None,
-            "h_grad": h.grad.detach() if pp_r == 0 else None,
-            "ctx_idx": ci, "ctx_grad": ctx.grad.detach(),
+            "out": out.detach().double().cpu() if last else None,
+            "h_grad": h.grad.detach().double().cpu() if pp_r == 0 else None,
+            "ctx_idx": ci, "ctx_grad": ctx.grad.detach().double().cpu(),
             "grads": grads,
         }
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nightly multi-GPU tests (NCCL): bash tests/nightly/run.sh [--nnodes N] [--nproc-per-node P]
+# Nightly multi-GPU tests (NCCL; NIGHTLY_CPU=1: gloo on CPU): bash tests/nightly/run.sh [--nnodes N] [--nproc-per-node P]
 #   [--node-rank R] [--master-addr HOST] [--master-port PORT] [-- extra pytest args]
 # Multi-node: run the same command on every node with its --node-rank and the same --master-addr.
 # Then the CP=P benchmark table: add --bench (runs tools/gpu_check.py dist after the tests).
@@ -25,6 +25,9 @@ PY=${PYTHON:-python3}
 RUN=("$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" --node-rank "$NODE_RANK"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
 "${RUN[@]}" -m pytest -q -p no:cacheprovider tests/nightly/test_cp_nccl.py "${EXTRA[@]}"
+# the Megatron DFlash block (TP=1 x CP=2 and TP=2 x CP=1, needs megatron-core; skips without it);
+# its own torchrun so the two files never share a process group. -s: rank 0 prints the errors.
+"${RUN[@]}" -m pytest -q -s -p no:cacheprovider tests/nightly/test_megatron_nccl.py "${EXTRA[@]}"
 if [[ "$BENCH" == 1 ]]; then
   "${RUN[@]}" tools/gpu_check.py dist
 fi
