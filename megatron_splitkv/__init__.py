@@ -4,19 +4,22 @@ Megatron-Core (after arXiv 2611.05926; see DESIGN.md).
 Public API:
     splitkv_attention, allgather_kv_attention, ring_kv_attention: exact CP DFlash attention (same
         signature; see `megatron_splitkv.ops`).
+    prepare_splitkv_metadata: the per-step metadata work (validation, gathers, sorting, masks) done
+        once and passed to every layer's op call as `metadata=`.
     comm_stats, CommStats, CommRecord: per-rank byte accounting of their collectives
         (`megatron_splitkv.comm`).
     dflash_attention_reference, dflash_attention_mask: single-process float64 ground truth.
 """
 
 from .comm import CommRecord, CommStats, comm_stats
-from .ops import allgather_kv_attention, ring_kv_attention, splitkv_attention
+from .ops import allgather_kv_attention, prepare_splitkv_metadata, ring_kv_attention, splitkv_attention
 from .reference import dflash_attention_mask, dflash_attention_reference
 
 __all__ = [
     "splitkv_attention",
     "allgather_kv_attention",
     "ring_kv_attention",
+    "prepare_splitkv_metadata",
     "comm_stats",
     "CommStats",
     "CommRecord",

@@ -35,7 +35,23 @@ class MathAttentionKernel:
         self.max_elements = int(max_elements)
 
     def _groups(self, mask: IntervalMask, num_heads: int):
-        """Yield (block index tensor, key lo, key hi) for groups of non-empty blocks."""
+        """List of (block indices [n] int64 on the mask's device, key lo, key hi) for groups of non-empty
+        blocks.
+
+        Reading lo/hi is a host sync, so the grouping is cached on the mask object
+        (`mask._math_groups`, keyed by heads and `max_elements`): a mask reused by every layer of a
+        step (`prepare_splitkv_metadata`) is read once. The cache assumes lo/hi are not modified in
+        place afterwards.
+        """
+        cache = mask.__dict__.setdefault("_math_groups", {})
+        key = (num_heads, self.max_elements)
+        if key not in cache:
+            dev = mask.lo.device
+            cache[key] = [(torch.tensor(b, dtype=torch.long, device=dev), lo, hi)
+                          for b, lo, hi in self._make_groups(mask, num_heads)]
+        return cache[key]
+
+    def _make_groups(self, mask: IntervalMask, num_heads: int):
         lo, hi = mask.lo.tolist(), mask.hi.tolist()
         bsz = mask.block_size
         live = sorted((b for b in range(len(lo)) if hi[b] > lo[b]), key=lambda b: lo[b])
@@ -58,7 +74,8 @@ class MathAttentionKernel:
         bsz = mask.block_size
         hkv = k.shape[1]
         dev = q.device
-        blk = torch.tensor(blocks, dtype=torch.long, device=dev)
+        blk = blocks.to(dev) if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, dtype=torch.long,
+                                                                                  device=dev)
         rows = (blk[:, None] * bsz + torch.arange(bsz, device=dev)[None, :]).reshape(-1)
         qg = q.index_select(0, rows).to(acc)
         qg = qg.view(qg.shape[0], hkv, qg.shape[1] // hkv, qg.shape[2])

@@ -10,18 +10,15 @@ import torch
 
 from ..comm import all_gather, reduce_scatter
 from .common import (
-    context_keys,
     delta_and_dout,
-    intervals,
     kernel_backward,
     kernel_forward,
     merge,
     own_block_backward,
     own_block_forward,
     pad_rows,
-    run_op,
-    sort_keys,
 )
+from .metadata import run_op
 
 __all__ = ["allgather_kv_attention"]
 
@@ -31,16 +28,13 @@ class _AllGatherKV(torch.autograd.Function):
     def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
         g, bsz, acc, hkv = plan.group, plan.block_size, plan.acc, plan.hkv
         tk_max = max(plan.n_ctx)
-        # all-gather context K|V (one tensor) and keys, padded to the largest shard.
+        # all-gather context K|V (one tensor), padded to the largest shard. The context keys were
+        # gathered and sorted once per step (`SplitKVMetadata.gather_index`: sorted position -> padded
+        # gathered row; `.mask`: this rank's blocks against all sorted keys): no host sync here.
         kv_all = all_gather(pad_rows(torch.cat([k_ctx, v_ctx], 1), tk_max), g, "allgather_kv.fwd.kv")
-        keys_all = all_gather(pad_rows(context_keys(plan.kv_seq, plan.kv_pos), tk_max), g,
-                              "allgather_kv.fwd.kv_meta")
-        real = torch.cat([torch.arange(n, device=q.device) + r * tk_max for r, n in enumerate(plan.n_ctx)])
-        keys, order = sort_keys(keys_all[real])
-        idx = real if order is None else real[order]  # sorted position -> padded gathered row
+        idx, mask = plan.meta.gather_index, plan.meta.mask
         kv_s = kv_all[idx]
         k_s, v_s = kv_s[:, :hkv].contiguous(), kv_s[:, hkv:].contiguous()
-        mask = intervals(keys, plan.q_seq, plan.q_anchor, bsz)
         o_c, lse_c, state = kernel_forward(plan, q, k_s, v_s, mask)
         o_b, lse_b = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
         out, lse = merge(o_c, lse_c, o_b, lse_b)
@@ -66,8 +60,9 @@ class _AllGatherKV(torch.autograd.Function):
                 dv_b.to(dt))
 
 
-def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-                           cp_group=None, softmax_scale=None, backend="auto", return_lse=False):
+def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None,
+                           kv_pos=None, *, block_size=None, cp_group=None, softmax_scale=None, backend="auto",
+                           return_lse=False, metadata=None):
     """Baseline CP DFlash attention: all-gather the context K/V, attend local queries (DESIGN.md
     section 2, "Baselines"; arXiv 2611.05926).
 
@@ -80,4 +75,4 @@ def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     """
     return run_op(_AllGatherKV, "allgather_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
                   kv_pos, block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                  backend=backend, return_lse=return_lse)
+                  backend=backend, return_lse=return_lse, metadata=metadata)

@@ -17,10 +17,10 @@ from .common import (
     merge,
     own_block_backward,
     own_block_forward,
-    run_op,
-    sort_context,
+    sorted_context,
     unsort,
 )
+from .metadata import run_op
 
 __all__ = ["ring_kv_attention"]
 
@@ -37,14 +37,19 @@ def _next_shard(plan, step, tensors, op):
 class _RingKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
-        g, bsz, acc = plan.group, plan.block_size, plan.acc
-        keys, order, k_s, v_s = sort_context(plan, k_ctx, v_ctx)
+        g, bsz, acc, meta = plan.group, plan.block_size, plan.acc, plan.meta
+        k_s, v_s = sorted_context(meta, k_ctx, v_ctx)
+        keys, order = meta.keys, meta.order
+        # With per-step metadata (`prepare_splitkv_metadata`) every step's IntervalMask is precomputed
+        # from the gathered context keys, so only K/V travel. Without it the sorted keys travel with K/V
+        # and each step's mask is built on arrival.
+        pre = meta.step_masks
         out, lse = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
-        cur, masks, states = (k_s, v_s, keys), [], []
+        cur, masks, states = ((k_s, v_s) if pre is not None else (k_s, v_s, keys)), [], []
         for step in range(g.size):
             # overlap: the next shard travels while this one is computed.
             ex = _next_shard(plan, step, cur, "ring_kv.fwd.kv") if step < g.size - 1 else None
-            mask = intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
+            mask = pre[step] if pre is not None else intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
             o_t, lse_t, state = kernel_forward(plan, q, cur[0], cur[1], mask)
             out, lse = merge(out, lse, o_t, lse_t)
             masks.append(mask)
@@ -63,7 +68,9 @@ class _RingKV(torch.autograd.Function):
         dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
         dq, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse, delta,
                                             acc)
-        cur, ex_grad = (k_s, v_s, keys), None
+        # (without per-step metadata the keys travel again, as they always did; the masks are saved)
+        cur = (k_s, v_s) if plan.meta.step_masks is not None else (k_s, v_s, keys)
+        ex_grad = None
         for step in range(g.size):
             ex_kv = _next_shard(plan, step, cur, "ring_kv.bwd.kv") if step < g.size - 1 else None
             dq_t, dk_t, dv_t = kernel_backward(plan, q, cur[0], cur[1], ctx.masks[step], dout, lse, delta,
@@ -82,8 +89,9 @@ class _RingKV(torch.autograd.Function):
                 dk_b.to(dt), dv_b.to(dt))
 
 
-def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-                      cp_group=None, softmax_scale=None, backend="auto", return_lse=False):
+def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
+                      block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
+                      metadata=None):
     """Baseline CP DFlash attention: rotate context K/V shards around the ring (DESIGN.md section 2,
     "Baselines"; Ring Attention / LV-XAttn family, compared in arXiv 2611.05926).
 
@@ -94,7 +102,12 @@ def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv
     (fp32). Backward rotates K/V again with fp32 dK/dV accumulators travelling one step behind, which
     reach their owner after P hops. Uneven and empty shards work (sizes come from the metadata gather).
     Communication per rank is O(Lk * Hkv * D).
+
+    `metadata=`: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="ring_kv")`, once per
+    step: the sorted keys of every rank are all-gathered once per step ("ring_kv.ctx_meta") and the P
+    per-step IntervalMasks precomputed, so per call only K/V (and dK/dV) travel, no "ring_kv.meta"
+    all-gather, no sort; rules and errors as in `splitkv_attention`.
     """
     return run_op(_RingKV, "ring_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse)
+                  return_lse=return_lse, metadata=metadata)

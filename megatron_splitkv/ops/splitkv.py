@@ -12,7 +12,6 @@ from ..comm import all_gather, all_reduce_max, reduce_scatter
 from .common import (
     delta_and_dout,
     finalize,
-    intervals,
     kernel_backward,
     kernel_forward,
     lse_weights,
@@ -20,10 +19,10 @@ from .common import (
     own_block_backward,
     own_block_forward,
     pad_rows,
-    run_op,
-    sort_context,
+    sorted_context,
     unsort,
 )
+from .metadata import run_op
 
 __all__ = ["splitkv_attention"]
 
@@ -35,13 +34,14 @@ class _SplitKV(torch.autograd.Function):
         rows_max = max(plan.n_blocks) * bsz
         rows = q.shape[0]
         d = q.shape[2]
-        # 1. all-gather Q and block metadata (padded to the largest block count; pads are invalid).
+        # 1. all-gather Q (padded to the largest block count); the block metadata was gathered once per
+        #    step into the metadata (`SplitKVMetadata.block_meta`; pads are invalid).
         q_all = all_gather(pad_rows(q, rows_max), g, "splitkv.fwd.q")
-        bmeta = torch.stack([plan.q_seq, plan.q_anchor], 1)
-        bmeta_all = all_gather(pad_rows(bmeta, rows_max // bsz, -1), g, "splitkv.fwd.block_meta")
-        # 2. local context attention of all gathered queries against this rank's sorted keys.
-        keys, order, k_s, v_s = sort_context(plan, k_ctx, v_ctx)
-        mask = intervals(keys, bmeta_all[:, 0].clamp(min=0), bmeta_all[:, 1], bsz)
+        # 2. local context attention of all gathered queries against this rank's sorted keys
+        #    (order and intervals precomputed per step: no host sync here).
+        meta = plan.meta
+        k_s, v_s = sorted_context(meta, k_ctx, v_ctx)
+        mask, order = meta.mask, meta.order
         o_r, lse_r, state = kernel_forward(plan, q_all, k_s, v_s, mask)
         # 3. merge across ranks: global row max, then reduce-scatter [O_r * w | w] to the owners.
         m = all_reduce_max(lse_r.clone(), g, "splitkv.fwd.lse_max")
@@ -78,8 +78,9 @@ class _SplitKV(torch.autograd.Function):
                 dk_b.to(dt), dv_b.to(dt))
 
 
-def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-                      cp_group=None, softmax_scale=None, backend="auto", return_lse=False):
+def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
+                      block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
+                      metadata=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -99,13 +100,20 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv
             anchor < 0 marks an invalid (padding) block: its rows are 0 and get zero gradient.
         kv_seq, kv_pos: [Tk_local] integer (int64); sequence id and global position per context token.
             Ids and positions must lie in [-2**31, 2**31).
-        block_size: B (keyword). Mask: a row of block b sees context keys with kv_seq == q_seq[b] and
+        block_size: B (keyword; required without `metadata=`). Mask: a row of block b sees context keys with kv_seq == q_seq[b] and
             kv_pos < q_anchor[b] (strictly) on every rank, plus all B keys of its own block.
         cp_group: the CP ProcessGroup; None = the default group if initialised, else single process.
             Ranks may hold different numbers of blocks and context tokens, including zero.
         softmax_scale: defaults to 1 / sqrt(D).
         backend: local kernel, "auto" | "math" | "flex" | "te" (see `megatron_splitkv.kernels`).
         return_lse: also return the merged lse.
+        metadata: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="splitkv")`, prepared once
+            per training step and shared by every layer (see `megatron_splitkv.ops.metadata`). Then
+            q_seq, q_anchor, kv_seq, kv_pos may be None (or must be the very tensors given to prepare),
+            block_size and cp_group may be None (or must match), and the call does no host sync and no
+            collective besides Q/O/dO/dQ movement: no "splitkv.meta" / "splitkv.fwd.block_meta"
+            all-gather, no sort, no interval or BlockMask rebuild. The tensors are only checked for the
+            shapes/dtype/device the metadata implies. Results are identical to a call without it.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -116,9 +124,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv
     Raises:
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, or block_size / Hq /
-            Hkv / D / dtype differing across ranks.
+            Hkv / D / dtype differing across ranks. With `metadata=`: ValueError on this rank when a
+            tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs from what the metadata
+            implies, or when the metadata is for another impl; other ranks may then block in the call's
+            first collective (as in Megatron-Core) unless the metadata was prepared with
+            `group_check=True`, in which case every rank raises the same ValueError.
         ImportError: backend "flex"/"te" not available.
     """
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse)
+                  return_lse=return_lse, metadata=metadata)

@@ -1,0 +1,536 @@
+"""Per-step mask metadata of the CP attention ops, prepared once and reused by every layer of a step.
+
+Everything the three ops (`splitkv_attention`, `allgather_kv_attention`, `ring_kv_attention`) do besides
+moving activations depends only on the mask metadata (q_seq, q_anchor, kv_seq, kv_pos, block_size, the CP
+group): input validation (host syncs), the tiny all-gather of per-rank sizes, the all-gather of block or
+context metadata, the sort of the context keys, the key intervals (`IntervalMask`) and, on the GPU, the
+FlexAttention `BlockMask` built from them (~2 ms on an H200, cached on the `IntervalMask` object). That
+metadata is identical for every drafter layer of a training step, so a model prepares it ONCE per step
+with `prepare_splitkv_metadata` and passes the result to each layer's call as `metadata=`:
+
+    meta = prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=B,
+                                    num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=torch.bfloat16,
+                                    cp_group=cp_group, impl="splitkv")
+    for layer in drafter_layers:              # q/k/v differ per layer, the metadata does not
+        q, k_ctx, v_ctx, k_blk, v_blk = layer.qkv(...)
+        out = splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, None, None, None, None, metadata=meta)
+
+In Megatron-Core the natural carrier is the per-micro-batch `DFlashPackedSeqParams` that already reaches
+every layer's core attention (`megatron_splitkv/megatron/attention.py`): build `meta` where the params
+are built and let the core attention pass it on.
+
+Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
+remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
+(see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
+before) and give bit-identical results.
+
+Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorithm).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..comm import CommGroup, all_gather, resolve_group
+from ..kernels import BACKENDS, get_kernel
+from ..kernels.base import IntervalMask
+from .common import (
+    SUPPORTED_DTYPES,
+    acc_dtype,
+    context_keys,
+    intervals,
+    pad_rows,
+    sort_keys,
+)
+
+__all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS"]
+
+#: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
+IMPLS = {
+    "splitkv": "splitkv",
+    "allgather_kv": "allgather_kv",
+    "allgather-kv": "allgather_kv",
+    "ring_kv": "ring_kv",
+    "ring-kv": "ring_kv",
+    "ring": "ring_kv",
+}
+_IMPL_CODE = {"splitkv": 0, "allgather_kv": 1, "ring_kv": 2}
+_DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
+_INT32 = 1 << 31
+_MAX_MSG = 1000
+
+
+@dataclass(eq=False)
+class SplitKVMetadata:
+    """Mask metadata of one CP rank for one training step, shared by every layer's op call.
+
+    Build it with `prepare_splitkv_metadata` (public) or let an op build one internally. Treat it as
+    read-only; it holds no activations. Tensors live on `device`.
+
+    Attributes:
+        impl: canonical op name it was prepared for: "splitkv", "allgather_kv" or "ring_kv".
+        group: the resolved CP group (`comm.CommGroup`).
+        block_size: B.
+        num_heads_q, num_heads_kv, head_dim, dtype, device: what every call's tensors must have
+            (agreed across the group at prepare time; dtype/device per rank: device may differ by rank).
+        n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints, the size
+            table of the one tiny all-gather; identical on every rank).
+        q_seq, q_anchor: [n_blocks_local] int64 (q_seq is 0 on invalid blocks, anchor < 0 = invalid).
+        kv_seq, kv_pos: [Tk_local] int64.
+        valid: [n_blocks_local] bool, q_anchor >= 0.
+        keys: sorted (sequence, position) keys, int64: this rank's context (splitkv, ring_kv) or the whole
+            gathered context (allgather_kv).
+        order: splitkv / ring_kv: [Tk_local] int64 permutation with keys = keys_unsorted[order], or None
+            when the local context is already sorted (no copy is made then).
+        block_meta: splitkv: [P * max(n_blocks), 2] int64 gathered (sequence id, anchor) of every block,
+            padded per rank with (-1, -1) (invalid).
+        gather_index: allgather_kv: [sum(n_ctx)] int64, sorted position -> row of the padded all-gathered
+            context (rank r's token i is row r * max(n_ctx) + i).
+        mask: splitkv: `IntervalMask` of all gathered blocks against this rank's sorted keys;
+            allgather_kv: of this rank's blocks against all sorted keys; ring_kv: None.
+        step_masks: ring_kv: list of P `IntervalMask`, step s = the shard of group rank (rank - s) mod P
+            against this rank's blocks (None when built internally by a call without `metadata=`: the
+            keys then travel around the ring with K/V, as before).
+        group_check: when True every call with this metadata exchanges its local verdict (one tiny
+            all-gather and a host sync) so that a mismatched tensor raises on EVERY rank; default False.
+
+    The FlexAttention kernel caches its `BlockMask` on `mask` / `step_masks` (attribute
+    `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
+    call, reused by the next ones.
+    """
+
+    impl: str
+    group: CommGroup
+    block_size: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    n_blocks: list
+    n_ctx: list
+    q_seq: torch.Tensor
+    q_anchor: torch.Tensor
+    kv_seq: torch.Tensor
+    kv_pos: torch.Tensor
+    valid: torch.Tensor = None
+    keys: torch.Tensor = None
+    order: torch.Tensor = None
+    block_meta: torch.Tensor = None
+    gather_index: torch.Tensor = None
+    mask: IntervalMask = None
+    step_masks: list = None
+    group_check: bool = False
+    sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank
+
+    @property
+    def hkv(self) -> int:
+        return self.num_heads_kv
+
+    @property
+    def tq_local(self) -> int:
+        """Tq_local = n_blocks[rank] * block_size, the query rows this rank must pass."""
+        return self.n_blocks[self.group.rank] * self.block_size
+
+    @property
+    def tk_local(self) -> int:
+        """Tk_local = n_ctx[rank], the context tokens this rank must pass."""
+        return self.n_ctx[self.group.rank]
+
+
+@dataclass
+class Plan:
+    """One op call: the step's metadata plus what may change per call (scale, kernel)."""
+
+    name: str
+    meta: SplitKVMetadata
+    scale: float
+    kernel: object
+    acc: torch.dtype
+
+    group = property(lambda self: self.meta.group)
+    rank = property(lambda self: self.meta.group.rank)
+    block_size = property(lambda self: self.meta.block_size)
+    n_blocks = property(lambda self: self.meta.n_blocks)
+    n_ctx = property(lambda self: self.meta.n_ctx)
+    hkv = property(lambda self: self.meta.num_heads_kv)
+    valid = property(lambda self: self.meta.valid)
+    q_seq = property(lambda self: self.meta.q_seq)
+    q_anchor = property(lambda self: self.meta.q_anchor)
+
+
+# ----------------------------------------------------------------------------- group-wide verdicts
+
+
+def _comm_device(group: CommGroup, device) -> torch.device:
+    import torch.distributed as dist
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if group.size > 1 and dist.get_backend(group.pg) == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: str):
+    """All-gather [len(err) or -1] + row (int64) over the group; if any rank reported an error, gather
+    the messages and raise the same ValueError on every rank. Returns the table (list of P rows)."""
+    msg = err.encode()[:_MAX_MSG]
+    local = torch.tensor([len(msg) if err else -1] + list(row), dtype=torch.int64, device=dev)
+    table = all_gather(local[None], group, tag).tolist()
+    bad = [r for r in range(group.size) if table[r][0] >= 0]
+    if bad:
+        width = max(max(table[r][0] for r in bad), 1)
+        buf = torch.zeros(1, width, dtype=torch.uint8, device=dev)
+        if msg:
+            buf[0, : len(msg)] = torch.tensor(list(msg), dtype=torch.uint8)
+        texts = all_gather(buf, group, tag).cpu().tolist()
+        by_msg: dict = {}
+        for r in bad:
+            by_msg.setdefault(bytes(texts[r][: table[r][0]]).decode(errors="replace"), []).append(r)
+        parts = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items()]
+        raise ValueError(f"{name}: invalid input on CP rank(s) {bad}: " + "; ".join(parts))
+    return table
+
+
+def _local_error(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+
+def _check_agree(name, table, cols):
+    """cols: (column index, description); raise when a column differs across ranks."""
+    for col, what in cols:
+        vals = [row[col] for row in table]
+        if len(set(vals)) > 1:
+            if what == "dtype":
+                vals = [str(SUPPORTED_DTYPES[v]) for v in vals]
+            if what == "impl":
+                inv = {v: k for k, v in _IMPL_CODE.items()}
+                vals = [inv.get(v, v) for v in vals]
+            raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)")
+
+
+# ----------------------------------------------------------------------------- local checks
+
+
+def check_block_size(block_size):
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def check_scale_backend(softmax_scale, backend):
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
+    ):
+        raise ValueError(f"softmax_scale must be None or a positive finite number, got {softmax_scale!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
+    """Metadata tensors: 1-D integer of lengths nb, nb, tk, tk (nb/tk None: taken from q_seq/kv_seq);
+    returns them as int64 on `device` (q_seq zeroed on invalid blocks). Includes the int32 range check
+    (one host sync)."""
+    def length_of(t):
+        return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() == 1 else -1
+
+    nb = length_of(q_seq) if nb is None else nb
+    tk = length_of(kv_seq) if tk is None else tk
+    meta = []
+    for n, t, length in (("q_seq", q_seq, nb), ("q_anchor", q_anchor, nb), ("kv_seq", kv_seq, tk),
+                         ("kv_pos", kv_pos, tk)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.shape[0] != length:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            need = f" of length {length}" if length >= 0 else ""
+            raise ValueError(f"{n} must be a 1-D integer tensor{need}, got {shape}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{n} must have an integer dtype (int64), got {t.dtype}")
+        meta.append(t.to(device=device, dtype=torch.int64))
+    q_seq, q_anchor, kv_seq, kv_pos = meta
+    q_seq = torch.where(q_anchor >= 0, q_seq, torch.zeros_like(q_seq))
+    checks = [(n, t) for n, t in (("q_seq", q_seq), ("kv_seq", kv_seq), ("kv_pos", kv_pos)) if t.numel()]
+    if checks:
+        bounds = torch.stack([torch.stack([t.min(), t.max()]) for _, t in checks]).tolist()
+        for (n, _), (lo, hi) in zip(checks, bounds):
+            if lo < -_INT32 or hi >= _INT32:
+                raise ValueError(f"{n} values must lie in [-2**31, 2**31), got range [{lo}, {hi}]")
+    return q_seq, q_anchor, kv_seq, kv_pos
+
+
+def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
+    """Shapes/dtypes/devices of the five activations (no metadata given). Returns (nb, tk, hq, hkv, d)."""
+    names = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
+    tensors = (q, k_ctx, v_ctx, k_blk, v_blk)
+    for n, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{n} must be a 3-D tensor [tokens, heads, head_dim], got {shape}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype must be one of bf16/fp16/fp32/fp64, got {q.dtype}")
+    for n, t in zip(names[1:], tensors[1:]):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{n}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{n}.device ({t.device}) must equal q.device ({q.device})")
+    tq, hq, d = q.shape
+    tk, hkv, dk = k_ctx.shape
+    if hkv < 1 or dk != d:
+        raise ValueError(f"k_ctx.shape {tuple(k_ctx.shape)} must be [Tk_local, Hkv >= 1, D={d}]")
+    if tuple(v_ctx.shape) != tuple(k_ctx.shape):
+        raise ValueError(f"v_ctx.shape {tuple(v_ctx.shape)} must equal k_ctx.shape {tuple(k_ctx.shape)}")
+    for n, t in (("k_blk", k_blk), ("v_blk", v_blk)):
+        if tuple(t.shape) != (tq, hkv, d):
+            raise ValueError(f"{n}.shape {tuple(t.shape)} must be [Tq_local={tq}, Hkv={hkv}, D={d}]")
+    if hq % hkv:
+        raise ValueError(
+            f"Hq % Hkv != 0: q has Hq={hq} heads and k_ctx Hkv={hkv}; Hq must be a multiple of Hkv"
+        )
+    check_block_size(block_size)
+    if tq % block_size:
+        raise ValueError(f"block_size={block_size} must divide q.shape[0] (Tq_local={tq})")
+    return tq // block_size, tk, hq, hkv, d
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
+    """Collectives and derived tensors of the metadata (sizes already agreed group-wide)."""
+    g, bsz, name = meta.group, meta.block_size, meta.impl
+    meta.valid = meta.q_anchor >= 0
+    if name == "splitkv":
+        meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
+        nb_max = max(meta.n_blocks)
+        bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
+        meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
+        meta.mask = intervals(meta.keys, meta.block_meta[:, 0].clamp(min=0), meta.block_meta[:, 1], bsz)
+    elif name == "allgather_kv":
+        tk_max = max(meta.n_ctx)
+        keys_all = all_gather(pad_rows(context_keys(meta.kv_seq, meta.kv_pos), tk_max), g,
+                              "allgather_kv.fwd.kv_meta")
+        dev = meta.kv_seq.device
+        real = torch.cat([torch.arange(n, device=dev) + r * tk_max for r, n in enumerate(meta.n_ctx)])
+        meta.keys, order = sort_keys(keys_all[real])
+        meta.gather_index = real if order is None else real[order]
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)
+    else:  # ring_kv
+        meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
+        if gather_ctx:
+            tk_max = max(meta.n_ctx)
+            keys_all = all_gather(pad_rows(meta.keys, tk_max), g, "ring_kv.ctx_meta")
+            masks = []
+            for step in range(g.size):
+                src = (g.rank - step) % g.size
+                keys = meta.keys if src == g.rank else keys_all[src * tk_max: src * tk_max + meta.n_ctx[src]]
+                masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz))
+            meta.step_masks = masks
+    return meta
+
+
+def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
+                             head_dim, dtype, cp_group=None, impl="splitkv", device=None,
+                             group_check=False) -> SplitKVMetadata:
+    """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
+
+    Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
+    data sharding and before the first drafter layer; pass the result as `metadata=` to
+    `splitkv_attention` / `allgather_kv_attention` / `ring_kv_attention` (the one named by `impl`) in
+    every layer. Example (5 drafter layers, one step):
+
+        meta = prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=16,
+                                        num_heads_q=32, num_heads_kv=8, head_dim=128,
+                                        dtype=torch.bfloat16, cp_group=cp_group, impl="splitkv")
+        for layer in layers:
+            out = splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, None, None, None, None,
+                                    metadata=meta)   # softmax_scale=, backend=, return_lse= as usual
+
+    Args:
+        q_seq, q_anchor: [n_blocks_local] integer (int64) sequence id and anchor per local query block
+            (anchor < 0: invalid padding block). Same meaning as in `splitkv_attention`.
+        kv_seq, kv_pos: [Tk_local] integer (int64) sequence id and global position per local context
+            token, in the order the context K/V rows will be passed. Values in [-2**31, 2**31).
+        block_size: B (query rows per block); every call passes Tq_local = n_blocks_local * B rows.
+        num_heads_q, num_heads_kv, head_dim: Hq, Hkv, D of every call's tensors (Hq % Hkv == 0).
+        dtype: dtype of every call's five tensors (bf16, fp16, fp32, fp64).
+        cp_group: the CP ProcessGroup (None = default group if initialised, else single process).
+        impl: which op will use it: "splitkv", "allgather_kv" / "allgather-kv", "ring_kv" / "ring-kv".
+        device: device of the calls' tensors; default q_seq's device. The metadata is moved there.
+        group_check: make every call exchange its shape verdict group-wide (one tiny all-gather and a
+            host sync per call) so that a mismatch on one rank raises on all ranks; default False.
+
+    Returns:
+        `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
+        block metadata (splitkv) or gathered context keys (allgather_kv, ring_kv), the sort order and the
+        `IntervalMask`(s) whose FlexAttention BlockMask is cached on first use.
+
+    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 9] int64 all-gather of sizes and the
+    error flag), then "splitkv.fwd.block_meta" (2 int64 per block), "allgather_kv.fwd.kv_meta" or
+    "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range check and the size table.
+
+    Raises:
+        ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
+        (not 1-D integer, lengths of q_seq/q_anchor or kv_seq/kv_pos differing, values out of range),
+        bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, or block_size, Hq, Hkv, D,
+        dtype or impl differing across ranks.
+
+    Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
+    """
+    group = resolve_group(cp_group)
+    canon = IMPLS.get(impl) if isinstance(impl, str) else None
+    name = "prepare_splitkv_metadata"  # the same on every rank, even if impl differs
+    if device is None:
+        device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
+    device = torch.device(device)
+    err, row, ints = "", [-1] * 8, None
+    try:
+        if canon is None:
+            raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
+        check_block_size(block_size)
+        for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        if num_heads_q % num_heads_kv:
+            raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
+                             "Hq must be a multiple of Hkv")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+        if _comm_device(group, device).type != device.type:
+            raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
+        ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
+        nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
+        row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon]]
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
+        if group.size == 1:
+            raise ValueError(f"{name}: {_local_error(exc)}") from exc
+        err = _local_error(exc)
+    tag = f"{canon or 'splitkv'}.meta"
+    table = _raise_if_any(name, group, err, row, _comm_device(group, device), tag)
+    _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
+                               (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl")))
+    meta = SplitKVMetadata(
+        impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
+        head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
+        n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
+        group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
+    )
+    return _finish(meta, gather_ctx=True)
+
+
+# ----------------------------------------------------------------------------- per call
+
+
+def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
+    d = meta.head_dim
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    return Plan(name=name, meta=meta, scale=scale,
+                kernel=get_kernel(backend, meta.device, meta.dtype, head_dim=d), acc=acc_dtype(meta.dtype))
+
+
+def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
+                          block_size, cp_group, softmax_scale, backend) -> Plan:
+    """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
+    (op name "<op>.meta", [1, 8] int64), raise the same ValueError on every rank when any rank is
+    invalid or block_size / Hq / Hkv / D / dtype differ, then build the metadata internally."""
+    group = resolve_group(cp_group)
+    err, row, ints = "", [-1] * 7, None
+    try:
+        nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
+        check_scale_backend(softmax_scale, backend)
+        ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
+        row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype]]
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
+        if group.size == 1:
+            raise ValueError(f"{name}: {_local_error(exc)}") from exc
+        err = _local_error(exc)
+    dev = q.device if isinstance(q, torch.Tensor) else None
+    table = _raise_if_any(name, group, err, row, _comm_device(group, dev), f"{name}.meta")
+    _check_agree(name, table, ((3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
+                               (6, "head dim D (q.shape[2])"), (7, "dtype")))
+    meta = SplitKVMetadata(
+        impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
+        head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
+        n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
+    )
+    return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
+
+
+def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
+                      block_size, cp_group, softmax_scale, backend):
+    if not isinstance(meta, SplitKVMetadata):
+        raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata, got "
+                         f"{type(meta).__name__}")
+    if meta.impl != name:
+        raise ValueError(f"metadata was prepared for impl={meta.impl!r} but passed to {name}_attention; "
+                         f"prepare it with impl={name!r}")
+    for n, t, src in zip(("q_seq", "q_anchor", "kv_seq", "kv_pos"), (q_seq, q_anchor, kv_seq, kv_pos),
+                         meta.sources or (None,) * 4):
+        if t is not None and t is not src:
+            raise ValueError(f"with metadata=, {n} must be None or the very tensor given to "
+                             "prepare_splitkv_metadata (values are not re-checked per call)")
+    if block_size is not None and block_size != meta.block_size:
+        raise ValueError(f"block_size={block_size!r} differs from the metadata's block_size={meta.block_size}")
+    if cp_group is not None and cp_group is not meta.group.pg:
+        raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
+    check_scale_backend(softmax_scale, backend)
+    tq, tk, hq, hkv, d = meta.tq_local, meta.tk_local, meta.num_heads_q, meta.num_heads_kv, meta.head_dim
+    expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)),
+              ("k_blk", k_blk, (tq, hkv, d)), ("v_blk", v_blk, (tq, hkv, d)))
+    for n, t, shape in expect:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{n} must be a tensor of shape {list(shape)}, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(
+                f"{n}.shape {tuple(t.shape)} does not match the metadata: expected {list(shape)} on CP rank "
+                f"{meta.rank} (Tq_local = n_blocks {meta.n_blocks[meta.rank]} x B {meta.block_size}, "
+                f"Tk_local = {tk}, Hq = {hq}, Hkv = {hkv}, D = {d})")
+        if t.dtype != meta.dtype:
+            raise ValueError(f"{n}.dtype {t.dtype} does not match the metadata's dtype {meta.dtype}")
+        if t.device != meta.device:
+            raise ValueError(f"{n}.device {t.device} does not match the metadata's device {meta.device}")
+
+
+def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
+               cp_group, softmax_scale, backend) -> Plan:
+    """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
+    devices against the metadata (no host sync, no collective), before any collective of the call.
+
+    Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
+    [n_blocks[r] * B, Hkv, D]; dtype and device as prepared. Every rank checks against the same agreed
+    size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the
+    ValueError is raised on that rank only, and the other ranks then block in the call's first
+    collective (until the process group's timeout), as Megatron-Core does on shape mismatches; with
+    `group_check=True` the verdict is all-gathered and every rank raises the same ValueError.
+    """
+    err = ""
+    try:
+        _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
+                          block_size, cp_group, softmax_scale, backend)
+    except ValueError as exc:
+        if not (isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1):
+            raise ValueError(f"{name}: {exc}") from exc
+        err = str(exc)
+    if meta.group_check and meta.group.size > 1:
+        _raise_if_any(name, meta.group, err, [], _comm_device(meta.group, meta.device), f"{name}.check")
+    return _call_plan(meta, name, softmax_scale, backend)
+
+
+def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
+           cp_group, softmax_scale, backend, return_lse, metadata=None):
+    """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
+    autograd Function."""
+    if metadata is None:
+        plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
+                                     block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
+                                     backend=backend)
+    else:
+        plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
+                          block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
+                          backend=backend)
+    out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,296 @@
+"""Per-step metadata reuse (`prepare_splitkv_metadata` + `metadata=`) for all three CP attention ops.
+
+Several "layers" (different q/k/v tensors, one metadata object prepared once) must give outputs, lse
+and all five gradients equal to the single-process float64 reference, at CP sizes 1, 2, 3 with uneven and
+empty shards, bit-identical to calls without `metadata=`; per call no metadata collective is issued
+("*.meta", "block_meta", "kv_meta", "ctx_meta"); the FlexAttention BlockMask is built once per mask and
+step; tensors that do not match the metadata raise ValueError (locally, or on every rank with
+`group_check=True`); bad metadata raises on every rank at prepare time. Source: DESIGN.md section 2.
+"""
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _splitkv_helpers import (
+    GRAD_NAMES,
+    OPS,
+    TOL,
+    assemble,
+    build,
+    case,
+    local,
+    loss_of,
+    new_seed,
+    rel_err,
+)
+from megatron_splitkv import comm_stats, dflash_attention_reference
+from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata
+
+LAYERS = 3
+META_TAGS = (".meta", "block_meta", "kv_meta", "ctx_meta", ".check")
+KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
+
+
+def layer_inputs(c, layer):
+    """Global inputs of `layer`: the case's metadata and shards, fresh activations per layer."""
+    t = build(c)
+    if layer:
+        g = torch.Generator().manual_seed(c["seed"] * 7919 + layer)
+        dt = getattr(torch, c["dtype"])
+        for k in KEYS + ("dout",):
+            t[k] = torch.randn(t[k].shape, generator=g, dtype=torch.float64).to(dt)
+        t["dout"] = t["dout"].double()
+        t["dlse"] = torch.randn(t["dlse"].shape, generator=g, dtype=torch.float64)
+    return t
+
+
+def layer_reference(c, t):
+    x = {k: t[k].double().clone().requires_grad_(True) for k in KEYS}
+    out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], t["q_seq"],
+                                          t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"])
+    loss_of(out, lse, t["dout"], t["dlse"]).backward()
+    ref = dict(out=out.detach(), lse=lse.detach())
+    ref.update({n: x[k].grad for n, k in zip(GRAD_NAMES, KEYS)})
+    return ref
+
+
+def check_layer(op, c, t, per_rank):
+    ref = layer_reference(c, t)
+    got = assemble(t, c, per_rank)
+    tol = TOL[c["dtype"]]
+    errs = {}
+    for key, r in ref.items():
+        a = got[key]
+        assert not torch.isnan(a).any(), (op, key)
+        if key == "lse":
+            fin = torch.isfinite(r)
+            assert torch.equal(fin, torch.isfinite(a)), (op, "lse -inf pattern")
+            a, r = a[fin], r[fin]
+        errs[key] = rel_err(a, r)
+    bad = {k: v for k, v in errs.items() if not v <= tol}
+    assert not bad, f"{op} case {c} (seed {c['seed']}): errors {bad} above {tol}; all {errs}"
+
+
+def _result(x, out, lse):
+    res = dict(out=out.detach().double(), lse=lse.detach().double())
+    res.update({n: x[k].grad.double() for n, k in zip(GRAD_NAMES, KEYS)})
+    return res
+
+
+def _reuse_one(op, c, rank, group, backend):
+    """Prepare once, run LAYERS forwards then one backward; plus a call without metadata on layer 0."""
+    import megatron_splitkv.kernels.flex as fx
+
+    dt = getattr(torch, c["dtype"])
+    _, meta_kw, _, _ = local(build(c), c, rank)
+    with comm_stats() as prep:
+        meta = prepare_splitkv_metadata(meta_kw["q_seq"], meta_kw["q_anchor"], meta_kw["kv_seq"],
+                                        meta_kw["kv_pos"], block_size=c["B"], num_heads_q=c["Hq"],
+                                        num_heads_kv=c["Hkv"], head_dim=c["D"], dtype=dt, cp_group=group,
+                                        impl=op)
+    builds = []
+    orig = fx.build_block_mask
+    fx.build_block_mask = lambda *a, **k: builds.append(1) or orig(*a, **k)
+    try:
+        runs, losses, fwd_ops = [], [], []
+        for layer in range(LAYERS):
+            x, _, dout, dlse = local(layer_inputs(c, layer), c, rank)
+            # layer 0 passes the very metadata tensors given to prepare (allowed), the others None.
+            m = [meta_kw[k] for k in ("q_seq", "q_anchor", "kv_seq", "kv_pos")] if layer == 0 else [None] * 4
+            with comm_stats() as st:
+                out, lse = OPS[op](*[x[k] for k in KEYS], *m, metadata=meta, backend=backend, return_lse=True)
+            fwd_ops.append([r.op for r in st.records])
+            runs.append((x, out, lse))
+            losses.append(loss_of(out, lse, dout, dlse))
+        with comm_stats() as bst:
+            sum(losses).backward()
+        bwd_ops = [r.op for r in bst.records]
+    finally:
+        fx.build_block_mask = orig
+    per_layer = [_result(*r) for r in runs]
+    # the same layer-0 call without metadata (internal metadata): must be bit-identical.
+    x, meta_kw0, dout, dlse = local(layer_inputs(c, 0), c, rank)
+    with comm_stats() as st:
+        out, lse = OPS[op](*[x[k] for k in KEYS], *[meta_kw0[k] for k in ("q_seq", "q_anchor", "kv_seq",
+                                                                            "kv_pos")],
+                           block_size=c["B"], cp_group=group, backend=backend, return_lse=True)
+        loss_of(out, lse, dout, dlse).backward()
+    plain = _result(x, out, lse)
+    return dict(layers=per_layer, plain=plain, prep_ops=[r.op for r in prep.records], fwd_ops=fwd_ops,
+                bwd_ops=bwd_ops, plain_ops=[r.op for r in st.records], mask_builds=len(builds),
+                n_step_masks=len(meta.step_masks) if meta.step_masks is not None else None)
+
+
+def reuse_worker(rank, world_size, jobs):
+    import torch.distributed as dist
+
+    sizes = sorted({c["P"] for _, c, _ in jobs})
+    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
+    out = {}
+    for j, (op, c, backend) in enumerate(jobs):
+        if rank < c["P"]:
+            out[j] = _reuse_one(op, c, rank, groups.get(c["P"]), backend)
+    return out
+
+
+def reuse_cases(seed):
+    tk = 13 + 7 + 20
+    return [
+        (case(seed, 1, dtype="float64", blocks=[3]), "math"),
+        (case(seed + 1, 2, dtype="float64", blocks=[3, 0], ctx=[tk, 0]), "math"),  # empty shards
+        (case(seed + 2, 2, dtype="float64", seq_lens=[9, 11],  # context already sorted (order None)
+              ctx_idx=[list(range(0, 12)), list(range(12, 20))]), "math"),
+        (case(seed + 3, 3, dtype="float64", blocks=[2, 0, 3], ctx=[25, 0, 15]), "math"),
+        (case(seed + 4, 3, dtype="float32", Hq=6, Hkv=3, B=3, blocks=[1, 2, 2], ctx=[3, 30, 7]), "math"),
+        (case(seed + 5, 2, dtype="float32", D=16, blocks=[2, 3], ctx=[11, 29]), "flex"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reuse_run():
+    seed = new_seed()
+    jobs = [(op, c, be) for c, be in reuse_cases(seed) for op in OPS]
+    return jobs, run_distributed(reuse_worker, 3, jobs, timeout=600)
+
+
+def _per_rank(results, j, P):
+    return [results[r][j] for r in range(P)]
+
+
+def test_layers_exact_and_identical_to_plain_call(reuse_run):
+    jobs, results = reuse_run
+    for j, (op, c, backend) in enumerate(jobs):
+        runs = _per_rank(results, j, c["P"])
+        for layer in range(LAYERS):
+            check_layer(op, c, layer_inputs(c, layer), [r["layers"][layer] for r in runs])
+        for rank, r in enumerate(runs):
+            for key, v in r["plain"].items():
+                assert torch.equal(v, r["layers"][0][key]), (op, backend, c["P"], rank, key)
+
+
+def test_no_metadata_collectives_per_call(reuse_run):
+    jobs, results = reuse_run
+    for j, (op, c, backend) in enumerate(jobs):
+        for r in _per_rank(results, j, c["P"]):
+            extra = {"splitkv": "splitkv.fwd.block_meta", "allgather_kv": "allgather_kv.fwd.kv_meta",
+                     "ring_kv": "ring_kv.ctx_meta"}[op]
+            assert r["prep_ops"] == [f"{op}.meta", extra], r["prep_ops"]
+            per_call = [o for ops in r["fwd_ops"] for o in ops] + r["bwd_ops"]
+            assert not [o for o in per_call if any(tag in o for tag in META_TAGS)], per_call
+            n_call = len(r["fwd_ops"][0]) + len(r["bwd_ops"]) // LAYERS
+            assert n_call < len(r["plain_ops"]), (op, n_call, r["plain_ops"])
+            assert f"{op}.meta" in r["plain_ops"]  # the plain call still validates group-wide
+            if op == "splitkv":  # exactly the 6 data collectives of Split-KV remain
+                assert r["fwd_ops"][0] == ["splitkv.fwd.q", "splitkv.fwd.lse_max", "splitkv.fwd.out"]
+
+
+def test_flex_block_mask_built_once_per_step(reuse_run):
+    jobs, results = reuse_run
+    flex_jobs = [(j, op, c) for j, (op, c, be) in enumerate(jobs) if be == "flex"]
+    assert flex_jobs
+    for j, op, c in flex_jobs:
+        for r in _per_rank(results, j, c["P"]):
+            expect = c["P"] if op == "ring_kv" else 1  # ring: one mask per step of the ring
+            assert r["mask_builds"] == expect, (op, r["mask_builds"], expect)
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+def _tensors(nb=2, B=4, Hq=4, Hkv=2, D=8, tk=5, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    x = dict(q=r(nb * B, Hq, D), k_ctx=r(tk, Hkv, D), v_ctx=r(tk, Hkv, D), k_blk=r(nb * B, Hkv, D),
+             v_blk=r(nb * B, Hkv, D))
+    m = dict(q_seq=torch.zeros(nb, dtype=torch.int64), q_anchor=torch.full((nb,), 3, dtype=torch.int64),
+             kv_seq=torch.zeros(tk, dtype=torch.int64), kv_pos=torch.arange(tk))
+    return x, m
+
+
+def _prep(m, impl="splitkv", group=None, **kw):
+    args = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32)
+    args.update(kw)
+    return prepare_splitkv_metadata(m["q_seq"], m["q_anchor"], m["kv_seq"], m["kv_pos"], cp_group=group,
+                                    impl=impl, **args)
+
+
+def test_mismatch_raises_single_process():
+    x, m = _tensors()
+    for impl in OPS:
+        meta = _prep(m, impl=impl)
+        assert isinstance(meta, SplitKVMetadata) and meta.n_blocks == [2] and meta.n_ctx == [5]
+        ok = OPS[impl](*x.values(), metadata=meta)
+        assert ok.shape == x["q"].shape
+        bad = [
+            ({"q": x["q"][:4], "k_blk": x["k_blk"][:4], "v_blk": x["v_blk"][:4]}, {}, r"q.shape \(4, 4, 8\)"),
+            ({"k_ctx": x["k_ctx"][:4], "v_ctx": x["v_ctx"][:4]}, {}, r"k_ctx.shape \(4, 2, 8\)"),
+            ({"q": torch.zeros(8, 2, 8)}, {}, r"q.shape \(8, 2, 8\).*Hq = 4"),
+            ({"k_ctx": torch.zeros(5, 1, 8), "v_ctx": torch.zeros(5, 1, 8)}, {}, r"k_ctx.shape"),
+            ({"v_blk": torch.zeros(8, 2, 4)}, {}, r"v_blk.shape"),
+            ({"q": x["q"].double()}, {}, r"q.dtype torch.float64 does not match"),
+            ({}, {"q_seq": m["q_seq"].clone()}, r"q_seq must be None or the very tensor"),
+            ({}, {"block_size": 2}, r"block_size=2 differs"),
+            ({}, {"backend": "nope"}, r"backend must be one of"),
+        ]
+        for tens, kw, pattern in bad:
+            args = {**x, **tens}
+            with pytest.raises(ValueError, match=pattern):
+                OPS[impl](*[args[k] for k in KEYS], metadata=meta, **kw)
+        other = next(o for o in OPS if o != impl)
+        with pytest.raises(ValueError, match=f"prepared for impl='{impl}'"):
+            OPS[other](*x.values(), metadata=meta)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        _prep(m, impl="ulysses")
+    with pytest.raises(ValueError, match=r"Hq % Hkv != 0"):
+        _prep(m, num_heads_q=3)
+    with pytest.raises(ValueError, match="q_anchor must be a 1-D integer tensor of length 2"):
+        _prep({**m, "q_anchor": m["q_anchor"][:1]})
+    assert _prep(m, impl="ring-kv").impl == "ring_kv" and _prep(m, impl="allgather-kv").impl == "allgather_kv"
+
+
+def _errors_worker(rank, world_size):
+    seen = []
+
+    def expect_error(name, fn, pattern):
+        try:
+            fn()
+        except ValueError as exc:
+            assert pattern in str(exc), (name, str(exc))
+            seen.append((name, str(exc)))
+        else:
+            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+
+    x, m = _tensors(tk=5 + rank, seed=rank)
+    # prepare-time errors: every rank raises the same message.
+    bad_m = {**m, "q_anchor": m["q_anchor"][:1]} if rank == 1 else m
+    expect_error("prepare: q_anchor length on rank 1", lambda: _prep(bad_m), "q_anchor must be")
+    expect_error("prepare: Hq differs", lambda: _prep(m, num_heads_q=4 + 4 * rank), "Hq (num_heads_q)")
+    expect_error("prepare: impl differs", lambda: _prep(m, impl="splitkv" if rank else "ring_kv"), "impl")
+    for impl in OPS:
+        # group_check: a mismatch on rank 1 only raises the same ValueError on both ranks.
+        meta = _prep(m, impl=impl, group_check=True)
+        args = {**x, "k_ctx": x["k_ctx"][:2], "v_ctx": x["v_ctx"][:2]} if rank == 1 else x
+        expect_error(f"{impl}: group_check k_ctx on rank 1", lambda: OPS[impl](*args.values(), metadata=meta),
+                     "k_ctx.shape (2, 2, 8) does not match the metadata: expected [6, 2, 8] on CP rank 1")
+        with comm_stats() as st:  # a valid call with group_check: one extra tiny verdict all-gather
+            out_gc = OPS[impl](*x.values(), metadata=meta)
+        assert [r.op for r in st.records].count(f"{impl}.check") == 1
+        # without group_check: a mismatch on every rank raises locally before any collective, no hang.
+        meta = _prep(m, impl=impl)
+        q_bad = x["q"][:4]
+        expect_error(f"{impl}: local q on every rank", lambda: OPS[impl](q_bad, *list(x.values())[1:],
+                                                                          metadata=meta), "q.shape (4, 4, 8)")
+        # the group is still in step: valid calls with the same metadata work.
+        out = OPS[impl](*x.values(), metadata=meta)
+        ref = OPS[impl](*x.values(), *m.values(), block_size=4)
+        assert torch.equal(out, ref) and torch.equal(out_gc, ref)
+    return seen
+
+
+def test_errors_distributed_every_rank():
+    seen0, seen1 = run_distributed(_errors_worker, 2, timeout=180)
+    assert [s[0] for s in seen0] == [s[0] for s in seen1]
+    for (name, m0), (_, m1) in zip(seen0, seen1):
+        if "group_check" in name or name.startswith("prepare"):
+            assert m0 == m1, f"{name}: ranks raised different messages:\n{m0}\n{m1}"
