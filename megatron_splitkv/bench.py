@@ -1,0 +1,653 @@
+"""Shared pieces of the benchmark and simulation tools (issue 6): workloads, placement, timing, FLOP and
+byte accounting, and the alpha-beta communication model.
+
+Used by `tools/bench_attention.py` and `tools/simulate_scaling.py` (and available to `tools/gpu_check.py`).
+Nothing here runs at import time; torch.distributed is only touched by the functions that take a group.
+
+Contents
+--------
+Workload (DESIGN.md section 1): `make_workload` samples DFlash anchors as in training (uniform without
+replacement among valid positions, `data.anchors.sample_anchors` on an all-ones loss mask) and
+`place` runs the planner (`planning.plan_context_parallel`, "lpt" or "zigzag", ...).
+`rank_inputs` builds one CP rank's op inputs (random bf16 q/k/v, never zeros) from a plan.
+
+Local-kernel problems: `kernel_calls(method, plan, rank)` lists the (query blocks, key set) pairs the
+local kernel of `method` runs on `rank` ("splitkv": all queries vs the rank's keys; "allgather-kv": the
+rank's queries vs all keys; "ring-kv": the rank's queries vs each rank's shard, one call per ring step),
+with their visible-pair counts; `time_kernel_calls` times them (forward + backward through the kernel
+API, mask built per call as the op does).
+
+FLOP convention (`FWD_BWD_FACTOR`): useful forward FLOPs = 4 * visible (query row, key) pairs * Hq * D
+(two matmuls, masked pairs not counted); forward + backward = 3.5 x forward (flash-attn's convention:
+backward = 2.5 x forward = 5 matmuls with the recompute of S). `tools/gpu_check.py` and the older tables in
+docs/benchmarks.md use 2.5 x for forward + backward; multiply their TF/s by 1.4 to compare.
+
+Communication volumes: `predicted_records(method, ...)` returns, collective by collective, the records
+(op name, kind, bytes under `megatron_splitkv.comm`'s per-rank convention, message bytes) that the ops
+issue; tests/test_simulate_scaling.py checks them against `comm_stats()` of the real ops on gloo.
+`AlphaBeta` turns a record into seconds; `fit_alpha_beta` fits it to measured collectives
+(`measure_collectives`).
+
+Source: DESIGN.md sections 1-3 and 5, /work/.library/device/METHOD.md (timing method), arXiv 2611.05926.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
+    "kernel_calls", "time_kernel_calls", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
+    "prepare_records", "prepare_meta", "run_op",
+    "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
+]
+
+#: forward + backward FLOPs over forward FLOPs (flash-attn convention; see module docstring).
+FWD_BWD_FACTOR = 3.5
+#: method name -> public op attribute of `megatron_splitkv`.
+METHODS = {"splitkv": "splitkv_attention", "allgather-kv": "allgather_kv_attention",
+           "ring-kv": "ring_kv_attention"}
+#: DFlash Qwen3-8B drafter attention shapes (DESIGN.md section 5).
+QWEN3_8B_DRAFTER = dict(Hq=32, Hkv=8, D=128, B=16, n_anchors=512, dtype=torch.bfloat16)
+
+_INT32 = 1 << 31
+
+
+# ------------------------------------------------------------------------------------------ workload
+def loss_mask_for(L: int, kind: str = "all", doc_frac: float = 0.75) -> np.ndarray:
+    """[L] bool loss mask of one synthetic sequence: "all" = every token supervised; "doc" = a
+    document prefix of doc_frac * L unsupervised tokens (long-context QA: the anchors all fall in the
+    answer tail, which makes the realized cost far from uniform along the sequence)."""
+    m = np.ones(int(L), dtype=bool)
+    if kind == "doc":
+        m[: int(doc_frac * L)] = False
+    elif kind != "all":
+        raise ValueError(f"loss mask kind must be 'all' or 'doc', got {kind!r}")
+    return m
+
+
+def make_workload(total_context: int, n_anchors: int = 512, *, n_seqs: int = 1, seed: int = 0,
+                  mask: str = "all", doc_frac: float = 0.75):
+    """A packed DFlash batch: `n_seqs` equal sequences summing to `total_context` tokens and their anchors.
+
+    Anchors: per sequence `n_anchors // n_seqs` (the query budget split evenly), drawn uniformly without
+    replacement among the valid positions a (loss_mask[a] = loss_mask[a+1] = 1; loss mask from
+    `loss_mask_for(L, mask, doc_frac)`, default all ones: any a in [0, L-2]), sorted; exactly
+    `data.anchors.sample_anchors`.
+
+    Returns (seq_lens [n_seqs] int64 numpy, anchors: list of n_seqs sorted int64 arrays).
+    """
+    from .data.anchors import sample_anchors
+
+    lens = np.full(n_seqs, total_context // n_seqs, dtype=np.int64)
+    lens[: total_context % n_seqs] += 1
+    rng = np.random.default_rng(seed)
+    per = [n_anchors // n_seqs + (1 if j < n_anchors % n_seqs else 0) for j in range(n_seqs)]
+    anchors = [sample_anchors(loss_mask_for(int(L), mask, doc_frac), n, rng=rng) for L, n in zip(lens, per)]
+    return lens, anchors
+
+
+def place(seq_lens, anchors, *, cp_size: int, strategy: str = "lpt", block_size: int = 16, **kw):
+    """`planning.plan_context_parallel` (the planner's placement: "lpt", "zigzag", "contiguous", ...)."""
+    from .planning import plan_context_parallel
+
+    return plan_context_parallel(seq_lens, anchors, block_size=block_size, cp_size=cp_size,
+                                 strategy=strategy, **kw)
+
+
+def _rand(shape, gen, device, dtype):
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+def rank_inputs(plan, rank: int, *, Hq: int, Hkv: int, D: int, dtype=torch.bfloat16, device="cpu",
+                seed: int = 0, requires_grad: bool = True):
+    """One CP rank's inputs of the ops under `plan` (random normal data, never zeros).
+
+    Returns dict: q [n_local*B, Hq, D], k_ctx/v_ctx [T_r, Hkv, D], k_blk/v_blk [n_local*B, Hkv, D] in
+    `dtype` on `device` (leaves with requires_grad), q_seq/q_anchor [n_local] int64 (padding blocks:
+    anchor -1), kv_seq/kv_pos [T_r] int64 (global positions), plus "dout" [n_local*B, Hq, D] in dtype.
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + rank)
+    B = plan.block_size
+    sl = plan.query_slice(rank)
+    nq = (sl.stop - sl.start) * B
+    tk = int(plan.token_index(rank).shape[0])
+    out = {"q": _rand((nq, Hq, D), gen, device, dtype), "k_ctx": _rand((tk, Hkv, D), gen, device, dtype),
+           "v_ctx": _rand((tk, Hkv, D), gen, device, dtype), "k_blk": _rand((nq, Hkv, D), gen, device, dtype),
+           "v_blk": _rand((nq, Hkv, D), gen, device, dtype)}
+    if requires_grad:
+        for t in out.values():
+            t.requires_grad_()
+    q_seq = np.maximum(plan.q_seq[sl], 0)
+    out.update(q_seq=torch.as_tensor(q_seq, device=device), q_anchor=torch.as_tensor(plan.q_anchor[sl].copy(), device=device),
+               kv_seq=torch.as_tensor(plan.token_seq_ids(rank), device=device),
+               kv_pos=torch.as_tensor(plan.token_positions(rank), device=device),
+               dout=_rand((nq, Hq, D), gen, device, dtype))
+    return out
+
+
+def op_fn(method: str):
+    """The public op of `method` ("splitkv" | "allgather-kv" | "ring-kv")."""
+    import megatron_splitkv as msk
+
+    return getattr(msk, METHODS[method])
+
+
+def prepare_meta(method, x, *, block_size, cp_group, Hq, Hkv, D, dtype=torch.bfloat16):
+    """`ops.prepare_splitkv_metadata` for `method` on inputs from `rank_inputs` (collective: every rank of
+    the group calls it). The training configuration: prepared once per step, reused by every layer."""
+    from .ops import prepare_splitkv_metadata
+
+    return prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
+                                    num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=cp_group,
+                                    impl=method, device=x["q"].device)
+
+
+def run_op(method, x, *, block_size, cp_group, backend, backward=True, meta=None):
+    """One forward (+ backward with x["dout"]) of `method` on inputs from `rank_inputs`; returns out.
+    With `meta` (from `prepare_meta`) the call reuses the per-step metadata (no size/metadata
+    collectives, no sort, cached BlockMask), as every drafter layer does in training."""
+    for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk"):
+        x[k].grad = None
+    fn = op_fn(method)
+    if meta is not None:
+        out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], None, None, None, None, metadata=meta,
+                 backend=backend)
+    else:
+        out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], x["q_seq"], x["q_anchor"],
+                 x["kv_seq"], x["kv_pos"], block_size=block_size, cp_group=cp_group, backend=backend)
+    if backward:
+        out.backward(x["dout"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ pairs, FLOPs
+def _keys_np(seq, pos):
+    return np.asarray(seq, np.int64) * (1 << 32) + (np.asarray(pos, np.int64) + _INT32)
+
+
+def _intervals_np(keys_sorted, q_seq, q_anchor):
+    """numpy twin of `ops.common.intervals`: (lo, hi) per block over sorted keys."""
+    q_seq = np.maximum(np.asarray(q_seq, np.int64), 0)
+    q_anchor = np.asarray(q_anchor, np.int64)
+    base = q_seq * (1 << 32)
+    lo = np.searchsorted(keys_sorted, base, side="left")
+    hi = np.searchsorted(keys_sorted, base + np.minimum(q_anchor, _INT32) + _INT32, side="left")
+    hi = np.where(q_anchor >= 0, hi, lo)
+    return lo, hi
+
+
+@dataclass
+class KernelCall:
+    """One local-kernel call: query blocks (q_seq, q_anchor) vs sorted keys; `pairs` = visible
+    (query row, key) pairs = B * sum(hi - lo); `tile_pairs` = pairs of the 128 x 128 tiles FlexAttention
+    touches (union of the intervals of each 128-row query tile, partial tiles counted whole)."""
+
+    q_seq: np.ndarray
+    q_anchor: np.ndarray
+    keys: np.ndarray  # sorted int64 keys (seq * 2**32 + pos + 2**31)
+    lo: np.ndarray
+    hi: np.ndarray
+    block_size: int
+    pairs: float = 0.0
+    tile_pairs: float = 0.0
+
+    @property
+    def rows(self) -> int:
+        return int(self.q_seq.shape[0]) * self.block_size
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.keys.shape[0])
+
+
+def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128):
+    lo, hi = _intervals_np(keys_sorted, q_seq, q_anchor)
+    pairs = float(B * np.maximum(hi - lo, 0).sum())
+    # tiles: rows grouped by 128 (B divides 128 for B in {1,2,4,...,128}); union approximated by [min lo, max hi)
+    per = max(1, tile // B)
+    n = lo.shape[0]
+    tp = 0.0
+    for s in range(0, n, per):
+        l_, h_ = lo[s:s + per], hi[s:s + per]
+        live = h_ > l_
+        if live.any():
+            k0 = int(l_[live].min()) // tile
+            k1 = -(-int(h_[live].max()) // tile)
+            tp += (k1 - k0) * tile * tile
+    return KernelCall(np.asarray(q_seq), np.asarray(q_anchor), keys_sorted, lo, hi, B, pairs, tp)
+
+
+def kernel_calls(method: str, plan, rank: int):
+    """The local-kernel calls `method` makes on `rank` under `plan` (context part only; the dense B x B
+    own-block attention is excluded). Mirrors ops/*.py:
+
+    - "splitkv": one call, ALL query blocks (every rank's, padded) vs this rank's sorted keys.
+    - "allgather-kv": one call, this rank's query blocks vs all context keys.
+    - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P.
+
+    Returns a list of `KernelCall`.
+    """
+    P, B = plan.cp_size, plan.block_size
+    sl = plan.query_slice(rank)
+
+    def keys_of(r):
+        return np.sort(_keys_np(plan.token_seq_ids(r), plan.token_positions(r)))
+
+    if method == "splitkv":
+        return [_make_call(plan.q_seq, plan.q_anchor, keys_of(rank), B)]
+    if method == "allgather-kv":
+        allk = np.sort(np.concatenate([keys_of(r) for r in range(P)]))
+        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], allk, B)]
+    if method == "ring-kv":
+        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], keys_of((rank - s) % P), B) for s in range(P)]
+    raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+
+
+def fwd_flops(pairs: float, Hq: int, D: int) -> float:
+    """Useful forward FLOPs of attention over `pairs` visible (row, key) pairs: 4 * pairs * Hq * D."""
+    return 4.0 * pairs * Hq * D
+
+
+# ------------------------------------------------------------------------------------------ timing
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn, device, *, reps: int = 10, warmup: int = 3, group=None):
+    """Median and min milliseconds of fn() (CUDA events on GPU, perf_counter on CPU), after `warmup`
+    untimed calls. With a process group of size > 1 the medians are MAX-reduced over its ranks (the
+    step is as slow as its slowest rank). Returns (median_ms, min_ms, all times list)."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    med, mn = statistics.median(times), min(times)
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) > 1:
+            dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            t = torch.tensor([med, mn], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            med, mn = t.tolist()
+    return med, mn, times
+
+
+def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
+                      reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
+                      fresh_mask: bool = False):
+    """Time the local kernel over `calls` (from `kernel_calls`): forward (+ backward with the global
+    lse/delta taken from the forward, as in the op) through the kernel API. Random inputs (never zeros).
+    fresh_mask=False (default): one IntervalMask per call reused across repeats, so the FlexAttention
+    BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
+    True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
+
+    Returns dict: ms (median of the sum over calls), per_call_ms (median each), pairs, tile_pairs,
+    fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when backward).
+    """
+    from .kernels import get_kernel
+    from .kernels.base import IntervalMask
+
+    device = torch.device(device)
+    kern = get_kernel(backend, device, dtype, head_dim=D)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scale = D ** -0.5
+    per_call = []
+    for c in calls:
+        if c.rows == 0 or c.num_keys == 0:
+            per_call.append(0.0)
+            continue
+        q = _rand((c.rows, Hq, D), gen, device, dtype)
+        k = _rand((c.num_keys, Hkv, D), gen, device, dtype)
+        v = _rand((c.num_keys, Hkv, D), gen, device, dtype)
+        do = _rand((c.rows, Hq, D), gen, device, dtype)
+        lo = torch.as_tensor(c.lo, device=device)
+        hi = torch.as_tensor(c.hi, device=device)
+        m0 = IntervalMask(c.block_size, lo, hi, c.num_keys)
+
+        def step():
+            m = IntervalMask(c.block_size, lo, hi, c.num_keys) if fresh_mask else m0
+            o, lse, st = kern.forward(q, k, v, m, scale)
+            if backward:
+                delta = (do.float() * o).sum(-1)
+                kern.backward(q, k, v, m, scale, do, lse, delta, st)
+
+        med, _, _ = time_fn(step, device, reps=reps, warmup=warmup)
+        per_call.append(med)
+        del q, k, v, do
+    pairs = sum(c.pairs for c in calls)
+    f = fwd_flops(pairs, Hq, D)
+    ms = float(sum(per_call))
+    fac = FWD_BWD_FACTOR if backward else 1.0
+    return dict(ms=ms, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
+                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"))
+
+
+def dense_sdpa_rate(Lq: int, pairs: float, *, Hq: int, D: int, dtype=torch.bfloat16, device="cuda",
+                    reps: int = 5, warmup: int = 2):
+    """Dense `scaled_dot_product_attention` (no mask, K/V with Hq heads) doing about the same useful
+    FLOPs as `pairs` visible pairs at Lq query rows: Lk_dense = pairs / Lq rounded to 128 (>= 128).
+
+    Returns dict: lk, fwd_ms, fwdbwd_ms, fwd_tflops, fwdbwd_tflops (FWD_BWD_FACTOR convention)."""
+    import torch.nn.functional as F
+
+    device = torch.device(device)
+    lk = max(128, int(round(pairs / max(Lq, 1) / 128)) * 128)
+    g = torch.Generator(device=device).manual_seed(1)
+    q = _rand((1, Hq, Lq, D), g, device, dtype).requires_grad_()
+    k = _rand((1, Hq, lk, D), g, device, dtype).requires_grad_()
+    v = _rand((1, Hq, lk, D), g, device, dtype).requires_grad_()
+    go = _rand((1, Hq, Lq, D), g, device, dtype)
+
+    def fwd():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v)
+
+    def fwdbwd():
+        o = F.scaled_dot_product_attention(q, k, v)
+        torch.autograd.grad(o, (q, k, v), go)
+
+    f = 4.0 * Lq * lk * Hq * D
+    fm, _, _ = time_fn(fwd, device, reps=reps, warmup=warmup)
+    bm, _, _ = time_fn(fwdbwd, device, reps=reps, warmup=warmup)
+    return dict(lk=lk, fwd_ms=fm, fwdbwd_ms=bm, fwd_tflops=f / fm / 1e9,
+                fwdbwd_tflops=FWD_BWD_FACTOR * f / bm / 1e9)
+
+
+# ------------------------------------------------------------------------------------------ comm volumes
+@dataclass(frozen=True)
+class PredRecord:
+    """A predicted collective: `op` name as in comm_stats, `kind`, `bytes` (comm.py's per-rank
+    convention), `msg` (message bytes: the per-rank contribution n of an all_gather, the per-rank result
+    n of a reduce_scatter, the whole buffer of an all_reduce, the message of a send/recv), `step`
+    (ring step, -1 otherwise)."""
+
+    op: str
+    kind: str
+    bytes: int
+    msg: int
+    step: int = -1
+
+
+def _ring_bytes(kind, P, n):
+    if P == 1:
+        return 0
+    if kind in ("all_gather", "reduce_scatter"):
+        return 2 * (P - 1) * n
+    if kind == "all_reduce":
+        return 4 * (P - 1) * n // P
+    return n  # send / recv
+
+
+_OPNAME = {"splitkv": "splitkv", "allgather-kv": "allgather_kv", "ring-kv": "ring_kv"}
+
+
+def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
+    """The collectives of `ops.prepare_splitkv_metadata(impl=method)` (once per step): the [1, 9] int64
+    size all-gather "<impl>.meta", then "splitkv.fwd.block_meta" (2 int64 per block), or
+    "allgather_kv.fwd.kv_meta" / "ring_kv.ctx_meta" (one int64 per context token, padded)."""
+    name = _OPNAME[method]
+    recs = [PredRecord(f"{name}.meta", "all_gather", _ring_bytes("all_gather", P, 9 * 8), 9 * 8)]
+    extra = {"splitkv": ("fwd.block_meta", max(n_blocks) * 2 * 8), "allgather-kv": ("fwd.kv_meta", max(n_ctx) * 8),
+             "ring-kv": ("ctx_meta", max(n_ctx) * 8)}[method]
+    recs.append(PredRecord(f"{name}.{extra[0]}", "all_gather", _ring_bytes("all_gather", P, extra[1]), extra[1]))
+    return recs
+
+
+def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
+                      D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False):
+    """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
+
+    Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
+        elem: bytes per element of q/k/v (bf16: 2); acc: bytes of the accumulation dtype (fp32: 4);
+        metadata: the call passes per-step metadata (`metadata=`): no size / block / key all-gathers in
+            the call (they are in `prepare_records`, once per step) and ring-kv rotates K/V without keys.
+            False: the self-contained call (validation all-gather [1, 8] int64 "<op>.meta", the block or
+            key all-gather, ring keys travelling with K/V).
+    Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
+    `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
+    (tests/test_simulate_scaling.py).
+    """
+    name = _OPNAME[method]
+    recs = []
+
+    def add(op, kind, msg, step=-1):
+        recs.append(PredRecord(f"{name}.{op}", kind, _ring_bytes(kind, P, msg), msg, step))
+
+    if not metadata:
+        add("meta", "all_gather", 8 * 8)
+    rows_max = max(n_blocks) * B
+    tk_max = max(n_ctx)
+    if method == "splitkv":
+        add("fwd.q", "all_gather", rows_max * Hq * D * elem)
+        if not metadata:
+            add("fwd.block_meta", "all_gather", max(n_blocks) * 2 * 8)
+        add("fwd.lse_max", "all_reduce", P * rows_max * Hq * acc)
+        add("fwd.out", "reduce_scatter", rows_max * Hq * (D + 1) * acc)
+        if backward:
+            add("bwd.dout", "all_gather", rows_max * Hq * D * elem)
+            add("bwd.stats", "all_gather", rows_max * Hq * 2 * acc)
+            add("bwd.dq", "reduce_scatter", rows_max * Hq * D * acc)
+    elif method == "allgather-kv":
+        add("fwd.kv", "all_gather", tk_max * 2 * Hkv * D * elem)
+        if not metadata:
+            add("fwd.kv_meta", "all_gather", tk_max * 8)
+        if backward:
+            add("bwd.dkv", "reduce_scatter", tk_max * 2 * Hkv * D * acc)
+    elif method == "ring-kv":
+        if P > 1:
+            def shard(s):  # the shard rank holds at step s
+                return n_ctx[(rank - s) % P]
+
+            def p2p(op, s, sizes_send, sizes_recv):
+                for n in sizes_send:
+                    if n:
+                        recs.append(PredRecord(f"{name}.{op}", "send", n, n, s))
+                for n in sizes_recv:
+                    if n:
+                        recs.append(PredRecord(f"{name}.{op}", "recv", n, n, s))
+
+            def kv_sizes(n):  # K, V (and the sorted keys when no per-step metadata precomputed the masks)
+                return [n * Hkv * D * elem, n * Hkv * D * elem] + ([] if metadata else [n * 8])
+
+            passes = ("fwd", "bwd") if backward else ("fwd",)
+            for ph in passes:
+                for s in range(P - 1):
+                    p2p(f"{ph}.kv", s, kv_sizes(shard(s)), kv_sizes(shard(s + 1)))
+                if ph == "bwd":
+                    # dK/dV accumulators (acc dtype) after every step's compute, including the last
+                    for s in range(P):
+                        g = [shard(s) * Hkv * D * acc] * 2
+                        gr = [shard(s + 1) * Hkv * D * acc] * 2
+                        p2p("bwd.dkv", s, g, gr)
+    else:
+        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+    return recs
+
+
+def predicted_bytes(method: str, **kw) -> int:
+    """Total comm_stats bytes of `predicted_records(method, **kw)` (per rank, forward + backward)."""
+    return sum(r.bytes for r in predicted_records(method, **kw))
+
+
+# ------------------------------------------------------------------------------------------ alpha-beta
+@dataclass
+class AlphaBeta:
+    """Latency/bandwidth of one collective kind on one link class: t = steps * alpha + wire_bytes / bw.
+
+    alpha_s: seconds per algorithm step (per ring hop); bw: bytes/s per GPU per direction (NCCL's "bus
+    bandwidth"). For a group of P ranks and message n (see `PredRecord.msg`), ring algorithms:
+        all_gather / reduce_scatter: steps P-1, wire (P-1) * n      (busbw = (P-1)/P * algbw)
+        all_reduce:                  steps 2(P-1), wire 2(P-1)/P * n
+        send / recv (one exchange):  steps 1, wire n (send and receive overlap: full duplex)
+    """
+
+    alpha_s: float
+    bw: float
+
+    @staticmethod
+    def steps_and_wire(kind: str, P: int, n: float):
+        if P <= 1:
+            return 0, 0.0
+        if kind in ("all_gather", "reduce_scatter"):
+            return P - 1, (P - 1) * n
+        if kind == "all_reduce":
+            return 2 * (P - 1), 2.0 * (P - 1) / P * n
+        if kind in ("send", "recv", "p2p"):
+            return 1, float(n)
+        raise ValueError(f"unknown collective kind {kind!r}")
+
+    def time(self, kind: str, P: int, n: float) -> float:
+        """Seconds for one collective of `kind` over P ranks with message n bytes."""
+        steps, wire = self.steps_and_wire(kind, P, n)
+        return steps * self.alpha_s + wire / self.bw if steps else 0.0
+
+
+@dataclass
+class LinkModel:
+    """Per-kind `AlphaBeta` for intra-node (NVLink) and inter-node links. P <= gpus_per_node uses
+    `intra`, larger groups `inter` (a ring over nodes is as fast as its inter-node hop).
+
+    Defaults (stated, not measured): intra: 8 us per hop, 225 GB/s (DESIGN.md section 5: NVLink all-gather
+    bus bandwidth between two H200s); inter: 15 us per hop, 50 GB/s per GPU (400 Gb/s NIC per GPU,
+    DESIGN.md section 5)."""
+
+    intra: dict = field(default_factory=lambda: {k: AlphaBeta(8e-6, 225e9) for k in
+                                                 ("all_gather", "reduce_scatter", "all_reduce", "p2p")})
+    inter: dict = field(default_factory=lambda: {k: AlphaBeta(15e-6, 50e9) for k in
+                                                 ("all_gather", "reduce_scatter", "all_reduce", "p2p")})
+    gpus_per_node: int = 8
+
+    def ab(self, kind: str, P: int) -> AlphaBeta:
+        table = self.intra if P <= self.gpus_per_node else self.inter
+        return table["p2p" if kind in ("send", "recv") else kind]
+
+    def time(self, kind: str, P: int, n: float) -> float:
+        return self.ab(kind, P).time(kind, P, n)
+
+    def to_dict(self):
+        f = lambda t: {k: dict(alpha_us=v.alpha_s * 1e6, bw_GBs=v.bw / 1e9) for k, v in t.items()}  # noqa: E731
+        return dict(intra=f(self.intra), inter=f(self.inter), gpus_per_node=self.gpus_per_node)
+
+
+def fit_alpha_beta(kind: str, P: int, msg_bytes, seconds) -> AlphaBeta:
+    """Fit `AlphaBeta` to measured times of one collective kind at group size P.
+
+    Model t = steps * alpha + wire / bw (`AlphaBeta.steps_and_wire`); least squares of the relative error
+    (weights 1/t, so small and large messages both count) over (msg_bytes, seconds) pairs. alpha is
+    clamped at >= 0 and bw at > 0. Returns AlphaBeta(alpha_s, bw bytes/s).
+    """
+    n = np.asarray(msg_bytes, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if n.shape != t.shape or n.size < 2:
+        raise ValueError("need at least two (size, time) points of equal length")
+    steps, _ = AlphaBeta.steps_and_wire(kind, P, 1.0)
+    wire = np.array([AlphaBeta.steps_and_wire(kind, P, x)[1] for x in n])
+    A = np.stack([np.full_like(wire, float(steps)), wire], 1) / t[:, None]
+    y = np.ones_like(t)
+    (alpha, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
+    if inv_bw <= 0:  # latency-only data: fall back to the largest message's bandwidth
+        inv_bw = max(t.max() - steps * max(alpha, 0), 1e-12) / max(wire.max(), 1.0)
+    if alpha < 0:  # refit the slope alone
+        alpha = 0.0
+        inv_bw = float(np.sum(wire * t / t**2) / np.sum(wire**2 / t**2))
+    return AlphaBeta(float(alpha), float(1.0 / inv_bw))
+
+
+def measure_collectives(group, device, sizes=None, *, reps: int = 10, warmup: int = 3):
+    """Time all_gather / reduce_scatter / all_reduce / ring send-recv on `group` (all ranks call it).
+
+    sizes: message bytes n (per-rank contribution for all_gather, per-rank result for reduce_scatter,
+    buffer for all_reduce, message for p2p); default 4 KiB .. 256 MiB (x4 steps) on CUDA, 4 KiB .. 4 MiB
+    on CPU. Data: random bf16. Each time is the median over reps, MAX over ranks. Returns dict kind ->
+    list of (n_bytes, seconds); on rank 0 and every other rank alike.
+    """
+    import torch.distributed as dist
+
+    device = torch.device(device)
+    P = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if sizes is None:
+        hi = 28 if device.type == "cuda" else 22
+        sizes = [1 << e for e in range(12, hi + 1, 2)]
+    out = {k: [] for k in ("all_gather", "reduce_scatter", "all_reduce", "p2p")}
+    nxt = dist.get_global_rank(group, (rank + 1) % P) if group is not None else (rank + 1) % P
+    prv = dist.get_global_rank(group, (rank - 1) % P) if group is not None else (rank - 1) % P
+    for n in sizes:
+        el = max(1, n // 2)
+        x = torch.randn(el, device=device).to(torch.bfloat16)
+        big = torch.randn(el * P, device=device).to(torch.bfloat16)
+        ag_out = torch.empty(el * P, device=device, dtype=torch.bfloat16)
+        rs_out = torch.empty(el, device=device, dtype=torch.bfloat16)
+        rbuf = torch.empty_like(x)
+        fns = {
+            "all_gather": lambda: dist.all_gather_into_tensor(ag_out, x, group=group),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(rs_out, big, group=group),
+            "all_reduce": lambda: dist.all_reduce(x, group=group),
+        }
+
+        def p2p():
+            ops = [dist.P2POp(dist.isend, x, nxt, group), dist.P2POp(dist.irecv, rbuf, prv, group)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+
+        fns["p2p"] = p2p
+        for kind, fn in fns.items():
+            dist.barrier(group=group)
+            med, _, _ = time_fn(fn, device, reps=reps, warmup=warmup, group=group)
+            out[kind].append((int(el * 2), med / 1e3))
+        del x, big, ag_out, rs_out, rbuf
+    return out
+
+
+def fit_link(measured: dict, P: int) -> dict:
+    """`fit_alpha_beta` for every kind in a `measure_collectives` result -> dict kind -> AlphaBeta."""
+    return {k: fit_alpha_beta(k if k != "p2p" else "send", P, [a for a, _ in v], [b for _, b in v])
+            for k, v in measured.items() if len(v) >= 2}
+
+
+def fmt_bytes(n: float) -> str:
+    """Human bytes (decimal MB/GB)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.1f} kB"
+    return f"{int(n)} B"
+
+
+def md_table(header, rows) -> str:
+    """Markdown table from a header list and rows of cells (str() of each)."""
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def finite(x, fmt="{:.2f}", nan="-"):
+    """Format a number, '-' for None/NaN."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return nan
+    return fmt.format(x)

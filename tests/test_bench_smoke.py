@@ -1,0 +1,30 @@
+"""tools/bench_attention.py --cpu-smoke: two gloo ranks, tiny shapes, every method / CP / placement row
+runs, writes JSON + markdown, and the ops' comm_stats bytes equal the model's (no timing assertions)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_attention_cpu_smoke(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke", "--contexts", "512",
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_attention.json").read_text())
+    rows = data["rows"]
+    # CP=1: 3 methods; CP=2: 3 methods x 2 placements
+    assert len(rows) == 9, rows
+    for r in rows:
+        assert "error" not in r, r
+        assert r["comm_bytes"] == r["predicted_bytes"], r
+        assert (r["comm_bytes"] == 0) == (r["cp"] == 1), r
+        assert r["op_ms"] > 0 and r["kernel_ms"] > 0
+    md = (tmp_path / "bench_attention.md").read_text()
+    assert "| splitkv | 2 | lpt |" in md and "| ring-kv | 2 | zigzag |" in md
+    assert "| method |" in p.stdout  # the table is printed last

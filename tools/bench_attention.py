@@ -1,0 +1,319 @@
+#!/usr/bin/env python3
+"""Benchmark one DFlash drafter attention layer (the attention op, forward + backward) under context
+parallelism: splitkv vs allgather-kv vs ring-kv at CP=1 and CP=2 (issue 6, deliverable 1).
+
+Workload (DESIGN.md sections 1 and 5): query budget 512 anchors x block 16 (Lq = 8192 rows in total),
+Qwen3-8B drafter shapes (Hq 32, Hkv 8, head dim 128, bf16), one sequence of `--contexts` tokens (16K ..
+128K and beyond). Anchors are sampled as in training (uniform without replacement among valid
+positions, `data.anchors.sample_anchors`); context is placed by the planner (`--placements lpt`) and by
+Megatron's zigzag (`zigzag`) to show what balancing buys. Query blocks are split evenly (plan.query_slice).
+
+Per row (method, CP, placement, context), written to --out as bench_attention.{json,md} and printed last:
+  - op ms: median of `--reps` forward + backward calls (CUDA events), MAX over ranks, each call with the
+    per-step metadata (`prepare_splitkv_metadata`, reused as every drafter layer does; `--no-metadata`
+    times the self-contained call instead); "prep ms": the metadata preparation, once per step;
+  - comm bytes per rank (comm_stats, the ops' own accounting; max over ranks) and the model's count
+    (`megatron_splitkv.bench.predicted_bytes`, must agree);
+  - peak memory: torch.cuda.max_memory_allocated during one step (max over ranks), absolute GiB;
+  - local kernel: the rank's local-kernel calls timed alone (`bench.kernel_calls`, fresh mask per call as
+    in the op), slowest rank's ms and its useful TF/s; next to dense SDPA's TF/s at about the same
+    useful FLOPs on the same GPU. FLOP convention: useful forward FLOPs = 4 * visible pairs * Hq * D,
+    forward + backward = 3.5 x (flash-attn convention; tools/gpu_check.py uses 2.5 x, i.e. its TF/s are
+    1/1.4 of ours for the same time);
+  - op useful TF/s per GPU = 3.5 * 4 * all visible pairs * Hq * D / op time / P;
+  - pair imbalance: max / mean - 1 of the per-rank visible pairs of the method's kernel calls.
+CP=1 rows run on every rank with a one-rank group (rank 0's numbers are reported; all ranks run them so
+no rank waits); CP=2 rows use the world group (NCCL).
+
+`--slow-path` only labels the rows (link "socket"): launch with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 so
+the traffic takes NCCL's network (socket) transport, a stand-in for an inter-node link. The script
+warns when the flag and the environment disagree.
+
+Examples (PYTHONPATH=. from the repository root):
+  torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072
+  NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 tools/bench_attention.py --cp 2 \
+      --contexts 32768,131072 --slow-path --tag slow
+  python -m torch.distributed.run --standalone --nproc-per-node 2 tools/bench_attention.py --cpu-smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_splitkv import bench  # noqa: E402
+from megatron_splitkv.comm import comm_stats  # noqa: E402
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(msg):
+    if _rank() == 0:
+        print(msg, flush=True)
+
+
+def _allmax(vals, device):
+    """MAX over the world of a list of floats (NaN-safe: NaN -> -inf)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return vals
+    t = torch.tensor([v if v == v else float("-inf") for v in vals], dtype=torch.float64,
+                     device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [x if x != float("-inf") else float("nan") for x in t.tolist()]
+
+
+def _any(flag: bool, device) -> bool:
+    return _allmax([1.0 if flag else 0.0], device)[0] > 0
+
+
+def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
+    """One row: returns a dict (rank 0's view with cross-rank maxima)."""
+    B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
+    rank = dist.get_rank(group) if group is not None else 0
+    lens, anchors = bench.make_workload(ctx, args.anchors, n_seqs=args.n_seqs, seed=args.seed + ctx,
+                                        mask=args.loss_mask)
+    plan = bench.place(lens, anchors, cp_size=cp, strategy=placement if cp > 1 else "lpt", block_size=B)
+    x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
+    total_pairs = float(B * sum(int(a.sum()) for a in anchors))
+    row = dict(method=method, cp=cp, placement=placement if cp > 1 else "-", context=ctx, loss_mask=args.loss_mask,
+               Lq=args.anchors * B, link=("socket" if args.slow_path else ("nvlink" if dev.type == "cuda" else "gloo"))
+               if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs)
+
+    meta, prep_ms = None, 0.0
+    if not args.no_metadata:
+        def prep():
+            return bench.prepare_meta(method, x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+
+        prep_ms, _, _ = bench.time_fn(prep, dev, reps=3, warmup=1, group=group)
+        meta = prep()
+
+    def step():
+        bench.run_op(method, x, block_size=B, cp_group=group, backend=args.backend, meta=meta)
+
+    step()  # compile / warm up (and the BlockMask, cached on the metadata's mask)
+    bench._sync(dev)
+    base = 0
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    with comm_stats() as st:
+        step()
+    bench._sync(dev)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
+    extra = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
+    nb = [plan.blocks_per_rank] * cp
+    nc = [int(plan.token_index(r).shape[0]) for r in range(cp)]
+    pred = bench.predicted_bytes(method, P=cp, rank=rank, n_blocks=nb, n_ctx=nc, B=B, Hq=Hq, Hkv=Hkv, D=D,
+                                 elem=torch.finfo(dtype).bits // 8, acc=8 if dtype == torch.float64 else 4,
+                                 metadata=meta is not None)
+    med, mn, _ = bench.time_fn(step, dev, reps=args.reps, warmup=1, group=group)
+    # local kernel alone on this rank's calls
+    calls = bench.kernel_calls(method, plan, rank)
+    kt = bench.time_kernel_calls(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, backend=args.backend,
+                                 reps=args.kernel_reps, warmup=1, fresh_mask=meta is None)
+    my_pairs = kt["pairs"]
+    bytes_by = st.bytes_by_collective
+    mx = _allmax([st.total_bytes, pred, peak, extra, kt["ms"], my_pairs]
+                 + [float(bytes_by.get(k, 0)) for k in ("all_gather", "reduce_scatter", "all_reduce", "send", "recv")],
+                 dev)
+    # the slowest rank's kernel: gather (ms, tflops) pairs and take the one with the largest ms
+    kms, ktf = kt["ms"], kt["tflops"]
+    if cp > 1:
+        obj = [None] * cp
+        dist.all_gather_object(obj, (kms, ktf, my_pairs), group=group)
+        kms, ktf, _ = max(obj, key=lambda t: t[0])
+        pairs_all = [o[2] for o in obj]
+        row["pair_imbalance"] = max(pairs_all) / (sum(pairs_all) / cp) - 1 if sum(pairs_all) else 0.0
+    else:
+        row["pair_imbalance"] = 0.0
+    # dense SDPA at about the slowest rank's kernel FLOPs (cached per Lk_dense)
+    q_rows = calls[0].rows if calls else 0
+    sd = None
+    if dev.type == "cuda" and not args.no_sdpa and q_rows:
+        per_call = mx[5] / max(len(calls), 1)  # ring-kv: P calls; SDPA sized like one of them
+        key = (q_rows, int(round(per_call / max(q_rows, 1) / 128)))
+        if key not in sdpa_cache:
+            sdpa_cache[key] = bench.dense_sdpa_rate(q_rows, per_call, Hq=Hq, D=D, dtype=dtype, device=dev,
+                                                    reps=args.kernel_reps)
+        sd = sdpa_cache[key]
+    row.update(op_ms=med, op_min_ms=mn, prepare_ms=prep_ms, metadata=meta is not None, comm_bytes=mx[0], predicted_bytes=mx[1], peak_mem_gib=mx[2],
+               step_extra_mem_gib=mx[3], bytes_by_collective=dict(zip(
+                   ("all_gather", "reduce_scatter", "all_reduce", "send", "recv"), mx[6:])),
+               kernel_ms=kms, kernel_tflops=ktf, kernel_calls=len(calls),
+               op_tflops_per_gpu=bench.FWD_BWD_FACTOR * bench.fwd_flops(total_pairs, Hq, D) / med / 1e9 / cp,
+               sdpa=sd, sdpa_fwdbwd_tflops=(sd or {}).get("fwdbwd_tflops"))
+    del x
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(rows, slow):
+    """Markdown table of the bench rows, with a note stating the conventions."""
+    hdr = ["method", "CP", "placement", "link", "context", "op ms (median)", "prep ms", "comm / rank", "peak GiB",
+           "kernel ms", "kernel TF/s", "SDPA TF/s", "op TF/s/GPU", "pair imb.", "planner imb."]
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append([r["method"], r["cp"], r.get("placement", ""), r.get("link", ""), r["context"],
+                        "ERROR " + r["error"].strip().splitlines()[-1][:60]] + [""] * 9)
+            continue
+        out.append([r["method"], r["cp"], r["placement"], r["link"], r["context"], f"{r['op_ms']:.2f}",
+                    f"{r['prepare_ms']:.2f}" if r.get("metadata") else "-",
+                    bench.fmt_bytes(r["comm_bytes"]) + ("" if r["comm_bytes"] == r["predicted_bytes"] else
+                                                        f" (model {bench.fmt_bytes(r['predicted_bytes'])})"),
+                    bench.finite(r["peak_mem_gib"]), f"{r['kernel_ms']:.2f}", bench.finite(r["kernel_tflops"], "{:.0f}"),
+                    bench.finite(r.get("sdpa_fwdbwd_tflops"), "{:.0f}"), f"{r['op_tflops_per_gpu']:.0f}",
+                    f"{100 * r['pair_imbalance']:.1f}%", f"{100 * r['planner_imbalance']:.2f}%"])
+    note = (f"\nForward + backward of one attention layer; Lq = 512 x 16, Hq 32, Hkv 8, D 128, bf16 (smoke: tiny). "
+            f"TF/s: useful FLOPs, fwd+bwd = {bench.FWD_BWD_FACTOR} x 4 x pairs x Hq x D. kernel: slowest rank's local "
+            f"kernel calls alone; SDPA: dense attention at about the same FLOPs. comm: comm_stats bytes per rank "
+            f"(send + receive, ring convention; max over ranks).")
+    if slow:
+        note += " link socket: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (inter-node stand-in)."
+    return bench.md_table(hdr, out) + "\n" + note
+
+
+def main(argv=None):
+    """CLI (see the module docstring). Returns the rows (rank 0 writes JSON + markdown)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="16384,32768,65536,131072", help="total context tokens, comma list")
+    ap.add_argument("--cp", default="1,2", help="CP sizes (each <= world size), comma list")
+    ap.add_argument("--methods", default="splitkv,allgather-kv,ring-kv")
+    ap.add_argument("--placements", default="lpt,zigzag", help="planner strategies for CP > 1")
+    ap.add_argument("--anchors", type=int, default=512, help="query budget N (anchors per batch)")
+    ap.add_argument("--n-seqs", type=int, default=1, help="sequences in the batch (context split evenly)")
+    ap.add_argument("--loss-mask", default="all", choices=["all", "doc"],
+                    help="all: anchors uniform over the sequence; doc: only in the last 25%% (long-document QA)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--kernel-reps", type=int, default=5)
+    ap.add_argument("--backend", default="auto", help="local kernel backend (auto: flex on CUDA)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slow-path", action="store_true",
+                    help="label rows link=socket; launch with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1")
+    ap.add_argument("--no-metadata", action="store_true",
+                    help="call the ops without per-step metadata (validation, metadata gathers and the "
+                         "BlockMask build in every call); default: prepare_splitkv_metadata once, reuse it")
+    ap.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA reference")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="start no new row after this many seconds")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo (tests)")
+    args = ap.parse_args(argv)
+
+    t_start = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu_smoke:
+        dev = torch.device("cpu")
+        shapes = dict(B=4, Hq=4, Hkv=2, D=16, dtype=torch.bfloat16)
+        if args.contexts == ap.get_default("contexts"):
+            args.contexts = "512,1024"
+        if args.anchors == ap.get_default("anchors"):
+            args.anchors = 16
+        args.reps, args.kernel_reps = min(args.reps, 2), min(args.kernel_reps, 1)
+        if args.backend == "auto":
+            args.backend = "math"
+        backend = "gloo"
+    else:
+        if not torch.cuda.is_available():
+            sys.exit("no CUDA device: use --cpu-smoke")
+        torch.cuda.set_device(local)
+        dev = torch.device("cuda", local)
+        shapes = dict(B=16, Hq=32, Hkv=8, D=128, dtype=torch.bfloat16)
+        backend = "nccl"
+    if world > 1 or "RANK" in os.environ:
+        if backend == "nccl":
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
+    rank = _rank()
+    env_slow = os.environ.get("NCCL_P2P_DISABLE") == "1" and os.environ.get("NCCL_SHM_DISABLE") == "1"
+    if args.slow_path != env_slow and world > 1 and backend == "nccl":
+        log(f"[warn] --slow-path={args.slow_path} but NCCL_P2P_DISABLE/NCCL_SHM_DISABLE set={env_slow}")
+    os.makedirs(args.out, exist_ok=True)
+    tag = ("_" + args.tag) if args.tag else ""
+    json_path = os.path.join(args.out, f"bench_attention{tag}.json")
+    md_path = os.path.join(args.out, f"bench_attention{tag}.md")
+    cps = [int(c) for c in args.cp.split(",") if c]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    methods = [m for m in args.methods.split(",") if m]
+    placements = [p for p in args.placements.split(",") if p]
+    env = dict(torch=torch.__version__, world=world, device=str(dev), backend=backend,
+               gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+               nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+               shapes={k: str(v) for k, v in shapes.items()}, args=vars(args),
+               flop_convention=f"useful fwd = 4*pairs*Hq*D; fwd+bwd = {bench.FWD_BWD_FACTOR}x fwd")
+    log(f"[env] {json.dumps(env)}")
+    # one-rank groups for CP=1 rows (every rank must create every group)
+    solo = None
+    if dist.is_initialized():
+        for r in range(world):
+            g = dist.new_group([r])
+            if r == rank:
+                solo = g
+    rows, sdpa_cache = [], {}
+    stopped = False
+    runnable = []
+    for cp in cps:
+        if cp > max(world, 1) or (cp > 1 and cp != world):
+            log(f"[skip] CP={cp}: only CP=1 or CP=world ({world}) can run here")
+            continue
+        runnable.append(cp)
+    # contexts outermost: when the budget runs out, the largest contexts go first, for every CP alike
+    plan_rows = [(ctx, cp, placement, method) for ctx in contexts for cp in runnable
+                 for placement in (placements if cp > 1 else ["lpt"]) for method in methods]
+    for ctx, cp, placement, method in plan_rows:
+        group = solo if cp == 1 else dist.group.WORLD
+        over = args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s
+        if dist.is_initialized():
+            over = _any(over, dev)
+        if over:
+            log(f"[budget] {args.budget_s:.0f}s reached: skipping the remaining rows from context {ctx}")
+            stopped = True
+            break
+        t0 = time.perf_counter()
+        try:
+            row = bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache)
+        except Exception as e:  # noqa: BLE001 - keep going; record the error
+            row = dict(method=method, cp=cp, placement=placement, context=ctx,
+                       error=f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=3))
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        row["wall_s"] = time.perf_counter() - t0
+        rows.append(row)
+        log(f"[row] {json.dumps(row, default=str)}")
+        if rank == 0:
+            with open(json_path, "w") as f:
+                json.dump(dict(env=env, rows=rows), f, indent=1, default=str)
+    md = table(rows, args.slow_path)
+    if rank == 0:
+        with open(json_path, "w") as f:
+            json.dump(dict(env=env, rows=rows, wall_s=time.perf_counter() - t_start, stopped_by_budget=stopped),
+                      f, indent=1, default=str)
+        with open(md_path, "w") as f:
+            f.write(f"# bench_attention{tag} ({env['gpu']}, {env['date']})\n\n{md}\n")
+        print(md, flush=True)
+        print(f"[done] {time.perf_counter() - t_start:.1f}s, {len(rows)} rows -> {md_path}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

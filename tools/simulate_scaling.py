@@ -1,0 +1,489 @@
+#!/usr/bin/env python3
+"""Weak-scaling simulation of one DFlash attention layer (forward + backward) to CP 8, 16, 32, 64 for
+splitkv, allgather-kv and ring-kv (issue 6, deliverable 2).
+
+Weak scaling: context per rank fixed (`--ctx-per-rank`, default 16K; total context = P x that, one
+sequence), query budget fixed (`--anchors` 512 x B 16 = 8192 query rows), anchors sampled as in training,
+context placed by the planner (LPT; `--placements lpt,zigzag` adds splitkv under zigzag). Efficiency
+= T(1) / T(P) at constant per-rank context.
+
+T(P) = compute + exposed communication + op overhead, per method, modelled as the code does it
+(read ops/*.py):
+  - compute: the local-kernel calls of the slowest rank (`megatron_splitkv.bench.kernel_calls`: splitkv =
+    all Lq queries vs the rank's keys; allgather-kv = the rank's Lq/P queries vs all keys; ring-kv = the
+    rank's queries vs each shard, one call per ring step). Measured mode: each sampled rank's real shard
+    is run on one GPU (`--sample-ranks`: the ranks with the most and the median visible pairs; ring-kv:
+    every step of the most loaded rank), forward + backward through the kernel API. Model mode
+    (`--model-only`): per call `--call-overhead-ms` + 3.5 x 4 x pairs x Hq x D / `--kernel-tflops`.
+  - communication: the exact per-collective messages the op issues (`bench.predicted_records`, checked
+    against comm_stats in tests/test_simulate_scaling.py), each timed by an alpha-beta ring model
+    (`bench.LinkModel`): intra-node (P <= `--gpus-per-node`) from collectives measured on this machine's
+    GPUs in the same run (all_gather, reduce_scatter, all_reduce, send/recv fitted separately), else the
+    stated defaults; inter-node (P > gpus per node) `--inter-bw-gbs` (default 50 GB/s per GPU, i.e.
+    400 Gb/s) and `--inter-alpha-us` (default 15 us per hop).
+  - overlap, as implemented today: splitkv and allgather-kv issue their collectives synchronously
+    between kernel calls (no overlap): T = compute + sum(collectives). ring-kv overlaps the exchange of
+    the shard for step s+1 with step s's compute: forward step = max(compute_s, kv_s); backward step =
+    max(compute_s, kv_s + dkv_{s-1}) (the K/V and the dK/dV accumulator exchanges share the link), plus
+    the last dK/dV hop exposed. Ring steps are synchronous: the most loaded rank's step time is used.
+    Forward share of kernel time: `--fwd-fraction` (0.29, docs/benchmarks.md: flex fwd 3.06 of 10.15 ms).
+  - calls use per-step metadata (`prepare_splitkv_metadata`, as every drafter layer does): no size or
+    key gathers per call, cached BlockMasks, ring-kv rotates K/V without keys; its once-per-step cost is
+    not in T(P). `--no-metadata` models the self-contained calls instead.
+  - op overhead (own-block attention, lse merges, sorting, padding copies): op time minus kernel time at
+    CP=1 (measured in the same run in measured mode; `--op-overhead-ms` otherwise), assumed constant in P.
+Not modelled: NCCL kernels slowing the attention kernel (SM contention), hierarchical (2-level)
+collectives, network congestion, and the rest of the layer (projections, MLP).
+
+Outputs to --out: simulate_scaling.json, simulate_scaling.md, simulate_scaling.png (matplotlib), and the
+table printed last. With `--bench-json` (bench_attention.json of the same run) a CP=2 row shows the
+measured op time next to the model's.
+
+Examples (PYTHONPATH=. from the repository root):
+  torchrun --nproc-per-node 2 tools/simulate_scaling.py --out $OUT          # measured (2 GPUs)
+  python tools/simulate_scaling.py --model-only --out /tmp/sim             # CPU, FLOP model
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_splitkv import bench  # noqa: E402
+
+QUERY_FLOPS_NOTE = "useful fwd = 4*pairs*Hq*D; fwd+bwd = 3.5x"
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def log(msg):
+    d = _dist()
+    if d is None or d.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ model pieces
+def model_call_ms(call, *, Hq, D, tflops, overhead_ms):
+    """Model time (ms) of one local-kernel call forward + backward: overhead + 3.5*4*pairs*Hq*D / rate."""
+    if call.rows == 0 or call.num_keys == 0:
+        return 0.0
+    return overhead_ms + bench.FWD_BWD_FACTOR * bench.fwd_flops(call.pairs, Hq, D) / (tflops * 1e12) * 1e3
+
+
+def comm_time_s(records, P, link: bench.LinkModel):
+    """Seconds of a list of non-ring records issued back to back (no overlap)."""
+    return sum(link.time(r.kind, P, r.msg) for r in records)
+
+
+def p2p_step_s(records, P, link):
+    """Seconds of one ring exchange: the messages of one batch_isend_irecv go out together (one alpha);
+    send and receive overlap (full duplex), so the larger of the two directions counts."""
+    if not records:
+        return 0.0
+    snd = sum(r.msg for r in records if r.kind == "send")
+    rcv = sum(r.msg for r in records if r.kind == "recv")
+    return link.time("send", P, max(snd, rcv))
+
+
+def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms):
+    """T(P) in ms and its parts for one method. comp_calls_ms: the slowest rank's per-call fwd+bwd ms
+    (one entry; ring-kv: one per step)."""
+    if method in ("splitkv", "allgather-kv"):
+        comp = float(sum(comp_calls_ms))
+        comm = comm_time_s(recs, P, link) * 1e3
+        return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=comm, overhead_ms=overhead_ms,
+                    total_ms=comp + comm + overhead_ms)
+    # ring-kv
+    meta = [r for r in recs if r.step < 0]
+    t_meta = comm_time_s(meta, P, link) * 1e3
+    by = {}
+    for r in recs:
+        if r.step >= 0:
+            by.setdefault((r.op.split(".", 1)[1], r.step), []).append(r)
+    kv_f = [p2p_step_s(by.get(("fwd.kv", s), []), P, link) * 1e3 for s in range(P)]
+    kv_b = [p2p_step_s(by.get(("bwd.kv", s), []), P, link) * 1e3 for s in range(P)]
+    dkv = [p2p_step_s(by.get(("bwd.dkv", s), []), P, link) * 1e3 for s in range(P)]
+    cf = [fwd_fraction * c for c in comp_calls_ms]
+    cb = [(1 - fwd_fraction) * c for c in comp_calls_ms]
+    t_f = sum(max(cf[s], kv_f[s] if s < P - 1 else 0.0) for s in range(P))
+    t_b = sum(max(cb[s], (kv_b[s] if s < P - 1 else 0.0) + (dkv[s - 1] if s > 0 else 0.0)) for s in range(P))
+    t_b += dkv[P - 1] if P > 1 else 0.0
+    comp = float(sum(comp_calls_ms))
+    comm = t_meta + sum(kv_f) + sum(kv_b) + sum(dkv)
+    total = t_meta + t_f + t_b + overhead_ms
+    return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=max(total - overhead_ms - comp, 0.0),
+                overhead_ms=overhead_ms, total_ms=total)
+
+
+# ------------------------------------------------------------------------------------------ jobs
+def build_problem(P, args, placement):
+    """The weak-scaling batch at CP size P (P x ctx_per_rank tokens, `args.anchors` anchors) placed by
+    `placement` ("lpt" at P = 1): a `planning.Plan`."""
+    lens, anchors = bench.make_workload(P * args.ctx_per_rank, args.anchors, n_seqs=args.n_seqs,
+                                        seed=args.seed + P, mask=args.loss_mask)
+    plan = bench.place(lens, anchors, cp_size=P, strategy=placement if P > 1 else "lpt", block_size=args.B)
+    return plan
+
+
+def sample_ranks(method, plan, k):
+    """Ranks to measure: the one with the most visible pairs in its kernel calls, then the median one
+    (k = 2). ring-kv: the most loaded rank only (all of its P step calls are measured).
+    Returns (ranks, per-rank pairs)."""
+    P, B = plan.cp_size, plan.block_size
+    if method == "splitkv":
+        pairs = np.array([bench.kernel_calls("splitkv", plan, r)[0].pairs for r in range(P)])
+    else:  # allgather-kv / ring-kv: own queries vs all keys (the ring visits every shard)
+        keys = np.sort(np.concatenate([bench._keys_np(plan.token_seq_ids(r), plan.token_positions(r))
+                                       for r in range(P)]))
+        lo, hi = bench._intervals_np(keys, plan.q_seq, plan.q_anchor)
+        per_block = B * np.maximum(hi - lo, 0).astype(np.float64)
+        n = plan.blocks_per_rank
+        pairs = per_block.reshape(P, n).sum(1)
+    order = np.argsort(pairs, kind="stable")
+    out = [int(order[-1])]
+    if method != "ring-kv" and k > 1 and P > 1:
+        med = int(order[len(order) // 2])
+        if med not in out:
+            out.append(med)
+    return out, pairs
+
+
+def main(argv=None):
+    """CLI (see the module docstring). Returns the result dict (also written as JSON on rank 0)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cps", default="1,2,8,16,32,64")
+    ap.add_argument("--methods", default="splitkv,allgather-kv,ring-kv")
+    ap.add_argument("--placements", default="lpt,zigzag", help="splitkv placements (others: first one)")
+    ap.add_argument("--ctx-per-rank", type=int, default=16384)
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--Hq", type=int, default=32)
+    ap.add_argument("--Hkv", type=int, default=8)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--n-seqs", type=int, default=1)
+    ap.add_argument("--loss-mask", default="all", choices=["all", "doc"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-only", action="store_true", help="no GPU: FLOP model for the compute")
+    ap.add_argument("--kernel-tflops", type=float, default=320.0,
+                    help="model: useful fwd+bwd TF/s of the local kernel through the kernel API (3.5x "
+                         "convention; H200 flex 11.97 ms at 16K with a cached mask = 322, docs/benchmarks.md)")
+    ap.add_argument("--call-overhead-ms", type=float, default=0.3,
+                    help="model: fixed ms per kernel call (launches, padding; the BlockMask is cached "
+                         "with per-step metadata; without it add ~2 ms, docs/benchmarks.md)")
+    ap.add_argument("--no-metadata", action="store_true",
+                    help="model the self-contained op calls (masks rebuilt, ring keys travel) instead of "
+                         "calls with per-step metadata")
+    ap.add_argument("--op-overhead-ms", type=float, default=6.0,
+                    help="model: op ms beyond the kernel (own block, merges); measured mode measures it")
+    ap.add_argument("--fwd-fraction", type=float, default=0.29)
+    ap.add_argument("--sample-ranks", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--intra-alpha-us", type=float, default=8.0)
+    ap.add_argument("--intra-bw-gbs", type=float, default=225.0)
+    ap.add_argument("--inter-alpha-us", type=float, default=15.0)
+    ap.add_argument("--inter-bw-gbs", type=float, default=50.0)
+    ap.add_argument("--link-json", default="", help="use a fitted intra link from this JSON (simulate output)")
+    ap.add_argument("--no-measure-collectives", action="store_true")
+    ap.add_argument("--bench-json", default="", help="bench_attention.json: show measured CP=2 next to model")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="measured mode: stop measuring after this")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
+    ap.add_argument("--cpu", action="store_true", help="measured mode on CPU (tiny shapes; tests only)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    cps = [int(c) for c in args.cps.split(",") if c]
+    methods = [m for m in args.methods.split(",") if m]
+    placements = [p for p in args.placements.split(",") if p]
+    dtype = torch.bfloat16
+    elem = 2
+
+    # ---- devices / distributed
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    dev = torch.device("cpu")
+    if not args.model_only:
+        if args.cpu:
+            dev = torch.device("cpu")
+        else:
+            if not torch.cuda.is_available():
+                sys.exit("no CUDA: use --model-only (or --cpu for a tiny dry run)")
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+    if world > 1:
+        import torch.distributed as dist
+
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", device_id=dev)
+        else:
+            dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        for r in range(world):  # one-rank groups (every rank must create every group)
+            g = dist.new_group([r])
+            if r == rank:
+                _SOLO[0] = g
+
+    # ---- link model
+    link = bench.LinkModel(gpus_per_node=args.gpus_per_node)
+    for k in link.intra:
+        link.intra[k] = bench.AlphaBeta(args.intra_alpha_us * 1e-6, args.intra_bw_gbs * 1e9)
+        link.inter[k] = bench.AlphaBeta(args.inter_alpha_us * 1e-6, args.inter_bw_gbs * 1e9)
+    link_source = "stated defaults"
+    measured_coll = None
+    if args.link_json:
+        with open(args.link_json) as f:
+            lj = json.load(f)["link"]["intra"]
+        for k, v in lj.items():
+            link.intra[k] = bench.AlphaBeta(v["alpha_us"] * 1e-6, v["bw_GBs"] * 1e9)
+        link_source = f"from {args.link_json}"
+    elif world > 1 and not args.no_measure_collectives:
+        import torch.distributed as dist
+
+        sizes = None if dev.type == "cuda" else [1 << e for e in range(12, 21, 2)]
+        measured_coll = bench.measure_collectives(dist.group.WORLD, dev, sizes, reps=args.reps)
+        fits = bench.fit_link(measured_coll, world)
+        for k, ab in fits.items():
+            link.intra[k] = ab
+        link_source = f"fitted to collectives measured on {world} {'GPUs' if dev.type == 'cuda' else 'gloo ranks'}"
+    log(f"[link] {link_source}: {json.dumps(link.to_dict())}")
+
+    # ---- problems and compute
+    jobs = []  # (P, method, placement)
+    for P in cps:
+        for m in methods:
+            for pl in (placements if m == "splitkv" else placements[:1]):
+                if P == 1 and pl != placements[0]:
+                    continue
+                jobs.append((P, m, pl))
+    plans = {}
+    for P, m, pl in jobs:
+        key = (P, pl if P > 1 else placements[0])
+        if key not in plans:
+            plans[key] = build_problem(P, args, key[1])
+
+    # compute tasks: (job index, rank, call index or None)
+    calls_of = {}
+    tasks = []
+    for j, (P, m, pl) in enumerate(jobs):
+        plan = plans[(P, pl if P > 1 else placements[0])]
+        ranks, _ = sample_ranks(m, plan, args.sample_ranks)
+        for r in ranks:
+            calls = bench.kernel_calls(m, plan, r)
+            calls_of[(j, r)] = calls
+            tasks.append((j, r))
+    comp = {}  # (j, r) -> list of per-call ms
+    measured = not args.model_only
+    if measured:
+        mine = [t for i, t in enumerate(tasks) if i % max(world, 1) == rank]
+        shapes = dict(Hq=args.Hq, Hkv=args.Hkv, D=args.D)
+        local = {}
+        for (j, r) in mine:
+            if args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s:
+                local[(j, r)] = None
+                continue
+            try:
+                kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev,
+                                             backend="auto" if dev.type == "cuda" else "math",
+                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
+                local[(j, r)] = kt["per_call_ms"]
+                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} rank {r}: "
+                      f"{kt['ms']:.2f} ms, {kt['tflops']:.0f} TF/s", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} rank {r} ERROR\n{traceback.format_exc(limit=3)}",
+                      flush=True)
+                local[(j, r)] = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        # op overhead at CP=1: the real op vs its kernel
+        op_over = None
+        if rank == 0:
+            try:
+                plan1 = plans[(1, placements[0])] if (1, placements[0]) in plans else build_problem(1, args, "lpt")
+                x = bench.rank_inputs(plan1, 0, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, device=dev)
+                be = "auto" if dev.type == "cuda" else "math"
+                meta = None if args.no_metadata else bench.prepare_meta(
+                    "splitkv", x, block_size=args.B, cp_group=_solo_group(), Hq=args.Hq, Hkv=args.Hkv, D=args.D,
+                    dtype=dtype)
+                op_ms, _, _ = bench.time_fn(lambda: bench.run_op("splitkv", x, block_size=args.B, cp_group=_solo_group(),
+                                                                 backend=be, meta=meta), dev, reps=args.reps, warmup=1)
+                k_ms = bench.time_kernel_calls(bench.kernel_calls("splitkv", plan1, 0), dtype=dtype, device=dev,
+                                               backend=be, reps=args.reps, warmup=1, Hq=args.Hq, Hkv=args.Hkv,
+                                               D=args.D, fresh_mask=args.no_metadata)["ms"]
+                op_over = max(op_ms - k_ms, 0.0)
+                print(f"[overhead] CP=1 op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = {op_over:.2f} ms", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"[overhead] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
+        if world > 1:
+            import torch.distributed as dist
+
+            objs = [None] * world
+            dist.all_gather_object(objs, (local, op_over))
+            for loc, ov in objs:
+                comp.update(loc)
+                if ov is not None:
+                    op_over = ov
+        else:
+            comp.update(local)
+        overhead_ms = op_over if op_over is not None else args.op_overhead_ms
+        overhead_src = "measured (CP=1 op - kernel)" if op_over is not None else "stated"
+    else:
+        overhead_ms, overhead_src = args.op_overhead_ms, "stated"
+    for (j, r) in tasks:
+        if comp.get((j, r)) is None:
+            comp[(j, r)] = [model_call_ms(c, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops,
+                                          overhead_ms=args.call_overhead_ms) for c in calls_of[(j, r)]]
+            comp[("src", j, r)] = "model"
+        else:
+            comp[("src", j, r)] = "measured"
+
+    # ---- assemble
+    rows = []
+    for j, (P, m, pl) in enumerate(jobs):
+        plan = plans[(P, pl if P > 1 else placements[0])]
+        rks = [r for (jj, r) in tasks if jj == j]
+        # slowest sampled rank
+        r_slow = max(rks, key=lambda r: sum(comp[(j, r)]))
+        nb = [plan.blocks_per_rank] * P
+        nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
+        recs = bench.predicted_records(m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq,
+                                       Hkv=args.Hkv, D=args.D, elem=elem, metadata=not args.no_metadata)
+        t = method_time(m, P, comp[(j, r_slow)], recs, link, fwd_fraction=args.fwd_fraction,
+                        overhead_ms=overhead_ms)
+        pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
+        rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", context=P * args.ctx_per_rank,
+                         sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
+                         per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
+                         sampled_pairs=pairs, planner_imbalance=float(plan.imbalance),
+                         bytes_per_rank=sum(r.bytes for r in recs), **t))
+    # efficiency vs the method's own P = 1
+    base = {(r["method"]): r["total_ms"] for r in rows if r["P"] == 1}
+    for r in rows:
+        b = base.get(r["method"])
+        r["efficiency"] = b / r["total_ms"] if b else float("nan")
+    # measured CP=2 from bench_attention
+    if args.bench_json and os.path.exists(args.bench_json):
+        with open(args.bench_json) as f:
+            bj = json.load(f)
+        for r in rows:
+            for b in bj.get("rows", []):
+                if (b.get("cp") == r["P"] and b.get("method") == r["method"] and b.get("context") == r["context"]
+                        and b.get("placement") in (r["placement"], "-") and "op_ms" in b
+                        and b.get("Lq") == args.anchors * args.B):
+                    r["bench_measured_ms"] = b["op_ms"]
+    result = dict(
+        env=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                 torch=torch.__version__, device=str(dev),
+                 gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", world=world),
+        args=vars(args), link=link.to_dict(), link_source=link_source, overhead_ms=overhead_ms,
+        overhead_source=overhead_src, measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
+        rows=rows, wall_s=time.perf_counter() - t_start)
+    if rank == 0:
+        md = render(result)
+        with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
+            json.dump(result, f, indent=1, default=str)
+        with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
+            f.write(md + "\n")
+        try:
+            plot(result, os.path.join(args.out, "simulate_scaling.png"))
+        except Exception:  # noqa: BLE001
+            print(f"[plot] failed\n{traceback.format_exc(limit=2)}", flush=True)
+        print(md, flush=True)
+        print(f"[done] {time.perf_counter() - t_start:.1f}s", flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+_SOLO = [None]
+
+
+def _solo_group():
+    """This rank's one-rank process group (made in `main` by every rank), None when not distributed."""
+    return _SOLO[0]
+
+
+def render(res):
+    """Markdown table (plus a note on the assumptions) of a simulation result dict."""
+    rows = res["rows"]
+    hdr = ["P", "method", "placement", "context", "compute ms", "comm ms (exposed)", "overhead ms", "T(P) ms",
+           "efficiency", "bytes/rank", "source"]
+    has_bench = any("bench_measured_ms" in r for r in rows)
+    if has_bench:
+        hdr.append("measured op ms")
+    out = []
+    for r in rows:
+        line = [r["P"], r["method"], r["placement"], r["context"], f"{r['compute_ms']:.2f}",
+                f"{r['comm_ms']:.2f} ({r['exposed_comm_ms']:.2f})", f"{r['overhead_ms']:.2f}",
+                f"{r['total_ms']:.2f}", f"{100 * r['efficiency']:.0f}%", bench.fmt_bytes(r["bytes_per_rank"]),
+                r["compute_source"]]
+        if has_bench:
+            line.append(bench.finite(r.get("bench_measured_ms")))
+        out.append(line)
+    a = res["args"]
+    note = (f"Weak scaling, one attention layer fwd+bwd: {a['ctx_per_rank']} context tokens per rank, "
+            f"Lq = {a['anchors']} x {a['B']}, Hq {a['Hq']}, Hkv {a['Hkv']}, D {a['D']}, bf16. Link: "
+            f"{res['link_source']}; P > {a['gpus_per_node']}: inter-node {a['inter_bw_gbs']} GB/s, "
+            f"{a['inter_alpha_us']} us/hop. Overhead: {res['overhead_source']}. "
+            f"Efficiency = T(1)/T(P) per method. splitkv/allgather-kv: no overlap (as coded); ring-kv: "
+            f"next shard overlaps the current step.")
+    return bench.md_table(hdr, out) + "\n\n" + note
+
+
+def plot(res, path):
+    """PNG: weak-scaling efficiency and T(P) vs P per method/placement (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    series = {}
+    for r in rows:
+        series.setdefault((r["method"], r["placement"] if r["P"] > 1 else None), []).append(r)
+    base_rows = {r["method"]: r for r in rows if r["P"] == 1}
+    for (m, pl), rs in series.items():
+        if pl is None:
+            continue
+        rs = ([base_rows[m]] if m in base_rows else []) + sorted(rs, key=lambda r: r["P"])
+        xs = [r["P"] for r in rs]
+        lab = m + (f" ({pl})" if pl != "lpt" else "")
+        axes[0].plot(xs, [100 * r["efficiency"] for r in rs], marker="o", label=lab)
+        axes[1].plot(xs, [r["total_ms"] for r in rs], marker="o", label=lab)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CP size P (context per rank fixed)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("weak-scaling efficiency T(1)/T(P) [%]")
+    axes[0].set_ylim(0, 110)
+    axes[1].set_ylabel("attention layer fwd+bwd [ms]")
+    axes[1].set_yscale("log")
+    axes[0].legend()
+    a = res["args"]
+    fig.suptitle(f"Simulated weak scaling: {a['ctx_per_rank'] // 1024}K ctx/rank, Lq {a['anchors']}x{a['B']}; "
+                 f"inter-node {a['inter_bw_gbs']} GB/s beyond {a['gpus_per_node']} GPUs", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
