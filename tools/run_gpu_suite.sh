@@ -3,22 +3,23 @@
 #
 #   bash tools/run_gpu_suite.sh            # from the repository root; writes to $OUT (default out/suite)
 #
-# Steps, in this order (each under `timeout`, clipped to what is left of SUITE_BUDGET_S, default 530 s,
-# so one failure or hang cannot eat the call; a failed step is logged and the suite goes on; the
-# benchmarks also stop starting rows at their --budget-s and still write their tables):
+# Steps, in this order of priority (each under `timeout`, clipped to what is left of SUITE_BUDGET_S,
+# default 530 s, so one failure or hang cannot eat the call; a failed step is logged and the suite goes
+# on; the benchmarks also stop starting rows at their --budget-s and still write their tables):
 #   0. environment: GPUs, torch, NCCL env
-#   a. torchrun 2 x tools/gpu_check.py dist: op exactness at CP=2 (bf16 vs float64) + its timing table (32K)
-#   b. torchrun 2 x tools/bench_attention.py: CP=1 and CP=2 (NVLink), 16K..128K (+256K while time allows;
-#      contexts outermost, so the budget drops the largest first), LPT vs zigzag placement
-#   d. torchrun 2 x tools/simulate_scaling.py: collectives measured on the 2 GPUs (alpha-beta fit), real
-#      per-rank shards for CP 2..64 timed on the GPUs, weak-scaling table + PNG (+ model check vs b)
+#   a. torchrun 2 x tools/gpu_check.py dist: op exactness at CP=2 (bf16 vs float64) + timing table, 32K/128K
+#   Megatron-Core from the carried wheel (.whl/*.whl -> /tmp/site; carry ".whl" in the device call)
+#   e. tests/nightly/run.sh: op exactness over NCCL + Megatron DFlash block TP1xCP2 and TP2xCP1 in bf16
+#   p. tools/run_pretrain_gpu.sh: pretrain_dflash.py 100 iterations at CP=2 and CP=1 + loss curves
+#      (needs .gpu/feat, made by tools/make_gpu_features.sh; carry ".gpu")
+#   b. torchrun 2 x tools/bench_attention.py: CP=1 and CP=2 (NVLink), 32K, 128K, then 16K, 64K while the
+#      budget allows, LPT vs zigzag placement
 #   c. bench_attention with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (socket transport, inter-node stand-in)
 #      at 32K and 128K, CP=2, labelled --slow-path
+#   d. torchrun 2 x tools/simulate_scaling.py: collectives measured on the 2 GPUs (alpha-beta fit), real
+#      per-rank shards for CP 2..64 timed on the GPUs, weak-scaling table + PNG (+ model check vs b)
 #   b2. splitkv without per-step metadata (CP=1, 2 at 32K): what the metadata reuse buys
-#   e. hooks, while time is left: tests/nightly/run.sh (NCCL exactness tests) if present; Megatron-Core
-#      from a carried wheel (.whl/*.whl -> /tmp/site; .whl is git-ignored, so carry ".whl" in the device
-#      call), then tests/test_megatron_gpu.py and tools/megatron_gpu_check.py if present; any extra
-#      command in $SUITE_EXTRA
+#   any extra command in $SUITE_EXTRA
 # SUITE_CPU=1 runs every step on CPU with tiny shapes (plumbing check; PYTHON=.venv/bin/python).
 #
 # What comes back in $OUT (<= 8 files): suite.log (everything), suite.json (every step's JSON merged),
@@ -34,7 +35,7 @@ OUT=${OUT:-$PWD/out/suite}
 WORK=${WORK:-/tmp/suite}
 BUDGET=${SUITE_BUDGET_S:-530}
 NPROC=${SUITE_NPROC:-2}
-CONTEXTS=${SUITE_CONTEXTS:-16384,32768,65536,131072,262144}
+CONTEXTS=${SUITE_CONTEXTS:-32768,131072,16384,65536}
 # SUITE_CPU=1: dry run of every step on CPU (gloo, tiny shapes) to check the plumbing off the GPU
 GC_X=(); BENCH_X=(); SLOW_CTX=32768,131072; SIM_X=(--cps 1,2,8,16,32,64)
 if [[ "${SUITE_CPU:-0}" == 1 ]]; then
@@ -79,22 +80,40 @@ step() {  # step NAME MAX_SECONDS command...
   env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" | sort
 } >> "$LOG" 2>&1
 
-# a. exactness at CP=2 + gpu_check's own timing table (one context to save time)
-step a_gpu_check 100 "${RUN[@]}" tools/gpu_check.py dist --out "$WORK/a" \
-  --contexts "$([[ ${SUITE_CPU:-0} == 1 ]] && echo 1024 || echo 32768)" "${GC_X[@]}"
+# a. exactness at CP=2 + gpu_check's own timing table (issue 2: 32K and 128K)
+step a_gpu_check 110 "${RUN[@]}" tools/gpu_check.py dist --out "$WORK/a" \
+  --contexts "$([[ ${SUITE_CPU:-0} == 1 ]] && echo 1024 || echo 32768,131072)" "${GC_X[@]}"
+
+# Megatron-Core from the carried wheel (.whl is git-ignored: carry ".whl" in the device call)
+if compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import megatron.core" 2>/dev/null; then
+  step e_megatron_install 40 "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+
+# e. nightly NCCL suite: op exactness (flex, math) + Megatron DFlash block TP1xCP2 / TP2xCP1 in bf16
+if [[ -f tests/nightly/run.sh ]]; then
+  step e_nightly 100 bash tests/nightly/run.sh --nproc-per-node "$NPROC" -- -x
+fi
+
+# p. the main job: pretrain_dflash.py 100 iterations at CP=2 and at CP=1 (issue 5); needs .gpu/feat carried
+if [[ -d .gpu/feat && "${SUITE_CPU:-0}" != 1 ]]; then
+  step p_pretrain ${SUITE_PRETRAIN_S:-170} env OUT="$WORK/p" BUDGET_S=$(( ${SUITE_PRETRAIN_S:-170} - 10 )) \
+    bash tools/run_pretrain_gpu.sh
+  cp "$WORK"/p/pretrain_cp*.log "$OUT"/ 2>/dev/null
+fi
 
 # b. bench, NVLink, CP=1 and CP=2
-step b_bench 190 "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts "$CONTEXTS" \
-  --placements lpt,zigzag --budget-s 150 --out "$WORK/b" "${BENCH_X[@]}"
-
-# d. weak-scaling simulation with measured collectives and measured per-rank shards
-step d_simulate 120 "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s 85 \
-  --bench-json "$WORK/b/bench_attention.json" --out "$WORK/d"
+step b_bench 120 "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts "$CONTEXTS" \
+  --placements lpt,zigzag --budget-s 90 --out "$WORK/b" "${BENCH_X[@]}"
 
 # c. bench, socket transport (inter-node stand-in)
 step c_bench_slow 70 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 "${RUN[@]}" tools/bench_attention.py \
   --cp 2 --contexts "$SLOW_CTX" --placements lpt --no-sdpa --slow-path --tag slow --budget-s 40 --out "$WORK/c" \
   "${BENCH_X[@]}"
+
+# d. weak-scaling simulation with measured collectives and measured per-rank shards
+step d_simulate 100 "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s 70 \
+  --bench-json "$WORK/b/bench_attention.json" --out "$WORK/d"
 
 # b2. the self-contained call (no per-step metadata: size/metadata gathers and BlockMask build per call),
 #     to measure what the metadata reuse buys (docs/perf-notes.md, optimisation 5)
@@ -102,20 +121,6 @@ step b2_bench_nometa 45 "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts
   --methods splitkv --placements lpt --no-metadata --no-sdpa --tag nometa --budget-s 25 --out "$WORK/b2" \
   "${BENCH_X[@]}"
 
-# e. hooks
-if [[ -f tests/nightly/run.sh ]]; then
-  step e_nightly 90 bash tests/nightly/run.sh --nproc-per-node "$NPROC" -- -x
-fi
-if compgen -G ".whl/*.whl" > /dev/null; then
-  step e_megatron_install 60 "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PYTHONPATH
-  if [[ -f tests/test_megatron_gpu.py ]]; then  # Megatron-Core DFlash block on one GPU vs float64
-    step e_megatron_gpu 90 "$PY" -m pytest -q -p no:cacheprovider -x tests/test_megatron_gpu.py
-  fi
-  if [[ -f tools/megatron_gpu_check.py ]]; then  # a Megatron NCCL check script, when one exists
-    step e_megatron_check 90 "${RUN[@]}" tools/megatron_gpu_check.py --out "$WORK/e"
-  fi
-fi
 if [[ -n "${SUITE_EXTRA:-}" ]]; then
   step e_extra 120 bash -c "$SUITE_EXTRA"
 fi
@@ -139,7 +144,7 @@ for p in sorted(glob.glob(os.path.join(work, "a", "*.log"))):  # gpu_check's tab
     tab = [l for l in txt if l.startswith("|") or l == ""]
     parts.append(f"<!-- {os.path.relpath(p, work)} (tables) -->\n" + "\n".join(tab))
 open(os.path.join(out, "tables.md"), "w").write("\n\n".join(parts) + "\n")
-for p in glob.glob(os.path.join(work, "*", "*.png"))[:2]:
+for p in sorted(glob.glob(os.path.join(work, "*", "*.png")))[:2]:
     import shutil
     shutil.copy(p, os.path.join(out, os.path.basename(p)))
 print("collected", len(merged), "json,", len(parts), "tables")
