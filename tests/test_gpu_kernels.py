@@ -7,6 +7,7 @@ exactness against float64, and no recompilation across key lengths within a buck
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -58,18 +59,30 @@ def tables_to_sets(num, idx):
     return [sorted(idx[i, : int(num[i])].tolist()) for i in range(num.shape[0])]
 
 
-def test_bucket_length_properties():
-    seen = set()
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_bucket_length_properties(steps):
     for n in list(range(1, 3000, 7)) + [16384, 16385, 65536, 70000, 131072]:
-        b = flex.bucket_length(n)
+        b = flex.bucket_length(n, steps)
         assert b >= n and b % flex.TILE == 0
-        assert b <= max(flex.TILE * flex.DEFAULT_BUCKET_STEPS, 1.25 * n + flex.TILE)
-        seen.add(b)
-    # monotone and few distinct shapes
-    vals = [flex.bucket_length(n) for n in range(1, 200_000, 97)]
+        assert b <= max(flex.TILE * steps, (steps + 1) / steps * n + flex.TILE)
+    # monotone and few distinct shapes: `steps` per octave (200_000 / 128 < 2**11)
+    vals = [flex.bucket_length(n, steps) for n in range(1, 200_000, 97)]
     assert vals == sorted(vals)
-    assert len(set(vals)) <= 4 * 12 + 4
-    assert flex.bucket_length(16384) == 16384 and flex.bucket_length(65536) == 65536
+    assert len(set(vals)) <= steps * 11 + steps
+    assert flex.bucket_length(16384, steps) == 16384 and flex.bucket_length(65536, steps) == 65536
+
+
+def test_default_buckets():
+    if not any(v in os.environ for v in ("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS")):
+        assert flex.DEFAULT_Q_BUCKET_STEPS == 2 and flex.DEFAULT_BUCKET_STEPS == 2
+    # steps 1: powers of two x 128; steps 2: {2, 3} x 2**e x 128
+    assert [flex.bucket_length(n, 1) for n in (100, 129, 5000, 8192, 8193, 20000)] == [
+        128, 256, 8192, 8192, 16384, 32768]
+    assert [flex.bucket_length(n, 2) for n in (100, 257, 5000, 15000, 16385, 40000)] == [
+        128, 384, 6144, 16384, 24576, 49152]
+    assert flex.padded_lengths(8000, 15000, 1, 2) == (8192, 16384)
+    # packed 128K-token batches at CP=2 (ShareGPT): 0.61M-0.77M query rows, 62.9K-67.3K keys per rank
+    assert {flex.padded_lengths(tq, tk)[0] for tq in (614080, 771168) for tk in (62918, 67294)} == {786432}
 
 
 @pytest.mark.parametrize("B,n_blocks,num_keys,kind", [
@@ -225,6 +238,154 @@ def test_shape_errors():
         kern.forward(q, torch.randn(11, 2, 16), torch.randn(11, 2, 16), m, 1.0)
 
 
+def _counting_compiled_flex(monkeypatch):
+    """Route the kernel's compiled flex through dynamo with a counting aot_eager backend (CPU stand-in).
+
+    Why not inductor: compiled flex on CPU (inductor) supports neither the lse output the kernel always
+    requests nor backward in torch 2.11, and eager flex refuses requires_grad inputs on CPU. Recompiles
+    are decided by dynamo's guards, which do not depend on the backend, so dynamo + AOTAutograd
+    (aot_eager: the flex higher-order op runs its math fallback, backward included) with flex's CPU
+    device check lifted sees exactly the guards of the GPU path: same flex call, BlockMask, mask_mod
+    closure, scale, kernel_options, grad mode. Counts: dynamo graphs, forward and backward compiles.
+    """
+    dyn = pytest.importorskip("torch._dynamo")
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.nn.attention import flex_attention as fa
+
+    try:
+        from functorch.compile import make_boxed_func
+    except ImportError:  # pragma: no cover
+        pytest.skip("functorch.compile.make_boxed_func unavailable")
+    if not hasattr(fa, "_validate_device"):  # pragma: no cover
+        pytest.skip("torch.nn.attention.flex_attention._validate_device not found (torch layout changed)")
+    counts = {"graphs": 0, "fw": 0, "bw": 0}
+
+    def fw(gm, example_inputs):
+        counts["fw"] += 1
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, example_inputs):
+        counts["bw"] += 1
+        return make_boxed_func(gm.forward)
+
+    aot = aot_autograd(fw_compiler=fw, bw_compiler=bw)
+
+    def backend(gm, example_inputs):
+        counts["graphs"] += 1
+        return aot(gm, example_inputs)
+
+    flex.compiled_flex_attention()  # the real setup (recompile limits), then swap the backend
+    monkeypatch.setattr(fa, "_validate_device", lambda *a: None)
+    monkeypatch.setattr(flex, "_COMPILED", torch.compile(flex.flex_attention, dynamic=False, backend=backend))
+    monkeypatch.setattr(flex, "_COMPILED_KV_BUCKETS", {})
+    dyn.reset()
+    return counts
+
+
+def test_cpu_compile_count_across_shapes(monkeypatch):
+    """One compiled graph (one forward + one backward compile) per (Tq bucket, Tk bucket): varying query
+    and key lengths inside a bucket, fresh IntervalMask / BlockMask / mask_mod closure every call, a new
+    kernel object, an outer no_grad and recomputing backward add nothing; a new bucket adds exactly one."""
+    counts = _counting_compiled_flex(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    B, Hq, Hkv, D, scale = 16, 4, 2, 16, 0.25
+    kern = flex.FlexAttentionKernel(compile=True, kernel_options={"fwd_num_stages": 2}, q_bucket_steps=2,
+                                    bucket_steps=2)
+
+    def step(nb, tk, kernel=kern):
+        q = torch.randn(nb * B, Hq, D, generator=gen)
+        k = torch.randn(tk, Hkv, D, generator=gen)
+        v = torch.randn(tk, Hkv, D, generator=gen)
+        lo, hi = dflash_like_intervals(gen, nb, tk)
+        m = IntervalMask(B, lo, hi, tk)
+        o, l, st = kernel.forward(q, k, v, m, scale)
+        dq, dk, dv = kernel.backward(q, k, v, m, scale, torch.randn_like(q), l, (o * o).sum(-1), st)
+        assert torch.isfinite(dq).all() and dk.shape == k.shape
+        return flex.padded_lengths(nb * B, tk, kernel.q_bucket_steps, kernel.bucket_steps)
+
+    try:
+        first = step(50, 1100)
+    except (NotImplementedError, RuntimeError) as e:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"flex under dynamo/aot_eager on CPU failed in this torch build: {e!r}"[:300])
+    assert first == (1024, 1536) and counts == {"graphs": 1, "fw": 1, "bw": 1}
+    # six more shapes in the same (Tq, Tk) bucket: Tq 784..1024, Tk 1030..1536
+    for nb, tk in ((64, 1536), (49, 1030), (55, 1400), (60, 1250), (52, 1500), (58, 1111)):
+        assert step(nb, tk) == first
+    assert counts == {"graphs": 1, "fw": 1, "bw": 1}, counts
+    other = flex.FlexAttentionKernel(compile=True, kernel_options={"fwd_num_stages": 2}, q_bucket_steps=2,
+                                     bucket_steps=2)
+    assert step(57, 1300, other) == first
+    with torch.no_grad():  # the kernel enables grad itself when it keeps the graph
+        step(51, 1200)
+    assert counts == {"graphs": 1, "fw": 1, "bw": 1}, counts
+    # a new query bucket, then a new key bucket: one graph each
+    assert step(70, 1200) == (1536, 1536)
+    assert counts == {"graphs": 2, "fw": 2, "bw": 2}, counts
+    assert step(50, 1600) == (1024, 2048)
+    assert counts == {"graphs": 3, "fw": 3, "bw": 3}, counts
+    for nb, tk in ((70, 1300), (60, 1700), (64, 2048)):  # back into buckets already compiled
+        step(nb, tk)
+    assert counts == {"graphs": 3, "fw": 3, "bw": 3}, counts
+    # keys one bucket below a compiled one (1024 < 1536) run at the compiled bucket: no new graph
+    assert step(55, 1000) == (1024, 1024)
+    assert counts == {"graphs": 3, "fw": 3, "bw": 3}, counts
+    # ... unless reuse is off
+    step(55, 1000, flex.FlexAttentionKernel(compile=True, kernel_options={"fwd_num_stages": 2},
+                                            q_bucket_steps=2, bucket_steps=2, reuse_larger_kv_bucket=False))
+    assert counts == {"graphs": 4, "fw": 4, "bw": 4}, counts
+    torch._dynamo.reset()
+
+
+def test_kv_bucket_reuse_is_exact():
+    """Running at a larger key bucket (what `reuse_larger_kv_bucket` does) changes nothing but padding."""
+    gen = torch.Generator().manual_seed(2)
+    B, nb, Tk, H, D = 16, 12, 700, 2, 16
+    q, k, v = (torch.randn(n, H, D, generator=gen) for n in (nb * B, Tk, Tk))
+    lo, hi = random_intervals(gen, nb, Tk)
+    m = IntervalMask(B, lo, hi, Tk)
+    dout = torch.randn(nb * B, H, D, generator=gen)
+    res = []
+    for steps in (2, 1):  # keys padded to 768, then to 1024
+        kern = flex.FlexAttentionKernel(bucket_steps=steps)
+        o, l, st = kern.forward(q, k, v, m, 0.3)
+        res.append((o, l) + tuple(kern.backward(q, k, v, m, 0.3, dout, l, (dout * o).sum(-1), st)))
+    kern = flex.FlexAttentionKernel()
+    assert flex.padded_lengths(nb * B, Tk, 2, 2) == (256, 768) and flex.padded_lengths(nb * B, Tk, 2, 1)[1] == 1024
+    bm_big = kern.block_mask(m, 256, 1536)  # a larger key bucket: the tables list no tile past the keys
+    assert torch.equal(flex.block_mask_to_dense(bm_big, 256, 1536), dense_rows(lo, hi, B, 256, 1536))
+    for a, b in zip(*res):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_cpu_compile_guards_scale_and_grad_mode(monkeypatch):
+    """What does recompile inside one bucket: a different softmax scale (flex guards the float), and the
+    no-grad forward of save_graph=False (a second graph; its backward recompute reuses the grad graph)."""
+    counts = _counting_compiled_flex(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    B, H, D = 16, 2, 16
+    q = torch.randn(20 * B, H, D, generator=gen)
+    k = torch.randn(500, H, D, generator=gen)
+    v = torch.randn(500, H, D, generator=gen)
+    lo, hi = dflash_like_intervals(gen, 20, 500)
+    m = IntervalMask(B, lo, hi, 500)
+    kern = flex.FlexAttentionKernel(compile=True)
+    try:
+        o, l, st = kern.forward(q, k, v, m, 0.25)
+    except (NotImplementedError, RuntimeError) as e:  # pragma: no cover
+        pytest.skip(f"flex under dynamo/aot_eager on CPU failed in this torch build: {e!r}"[:300])
+    kern.backward(q, k, v, m, 0.25, torch.randn_like(q), l, (o * o).sum(-1), st)
+    assert counts == {"graphs": 1, "fw": 1, "bw": 1}
+    kern.forward(q, k, v, m, 0.25)
+    kern.forward(q, k, v, m, 0.3)
+    assert counts["graphs"] == 2, counts
+    nograd = flex.FlexAttentionKernel(compile=True, save_graph=False)
+    o, l, st = nograd.forward(q, k, v, m, 0.25)
+    assert counts["graphs"] == 3, counts
+    nograd.backward(q, k, v, m, 0.25, torch.randn_like(q), l, (o * o).sum(-1), st)
+    assert counts["graphs"] == 3, counts
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @cuda
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
@@ -237,22 +398,25 @@ def test_gpu_compiled_split_exactness(dtype, tol):
 
 @cuda
 def test_gpu_no_recompile_within_bucket():
+    """Tq and Tk varying inside one (Tq bucket, Tk bucket), fresh masks: no new graph (fwd + bwd)."""
     import torch._dynamo.utils as du
 
     kern = flex.FlexAttentionKernel()
     gen = torch.Generator().manual_seed(5)
-    B, nb, H, D = 16, 16, 4, 64
+    B, H, D = 16, 4, 64
 
-    def step(tk):
+    def step(nb, tk):
         q = torch.randn(nb * B, H, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(tk, H, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(tk, H, D, device="cuda", dtype=torch.bfloat16)
         lo, hi = dflash_like_intervals(gen, nb, tk)
         m = IntervalMask(B, lo.cuda(), hi.cuda(), tk)
-        o, l, st = kern.forward(q, k, k, m, 0.125)
-        kern.backward(q, k, k, m, 0.125, torch.randn_like(q), l, (o * o).sum(-1), st)
+        o, l, st = kern.forward(q, k, v, m, 0.125)
+        kern.backward(q, k, v, m, 0.125, torch.randn_like(q), l, (o * o).sum(-1), st)
+        return flex.padded_lengths(nb * B, tk, kern.q_bucket_steps, kern.bucket_steps)
 
-    step(1100)  # bucket 1280
+    first = step(50, 1100)  # (1024, 1536) with the default steps
     before = du.counters["stats"]["unique_graphs"]
-    for tk in (1030, 1200, 1280, 1150):
-        step(tk)
+    for nb, tk in ((64, 1030), (49, 1200), (55, 1536), (60, 1150), (52, 1400), (58, 1111)):
+        assert step(nb, tk) == first
     assert du.counters["stats"]["unique_graphs"] == before

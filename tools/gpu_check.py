@@ -4,8 +4,9 @@
 Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown table is printed last):
 
   kernel  single GPU: (1) FlexAttentionKernel exactness, bf16, forward + backward with GLOBAL lse/delta
-          over a two-part key split, vs float64 autograd; (2) compile count across varying Tk within a
-          bucket (torch._dynamo counters); (3) throughput for 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8,
+          over a two-part key split, vs float64 autograd; (2) compiled-graph count (torch._dynamo
+          counters) over 6 shapes with Tq and Tk varying inside one bucket (expect 0 new), new Tq / Tk
+          buckets (1 each) and a Tk one bucket below a compiled one (0, reused); (3) throughput for 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8,
           D 128 at 16K and 64K keys: useful TFLOP/s (4 * visible pairs * Hq * D forward, x2.5 fwd+bwd)
           next to dense SDPA doing the same useful FLOPs; (4) if the ops import: splitkv / allgather-kv /
           ring-kv on one GPU (CP=1): exactness vs `dflash_attention_reference` and fwd+bwd time.
@@ -117,44 +118,65 @@ def kernel_exactness(dev, cpu, res):
 
 
 def compile_counts(dev, cpu, res):
+    """Compiled-graph counts (torch._dynamo counters) over a sequence of varying (Tq, Tk), fwd + bwd.
+
+    1 shape to start, then 6 more with Tq AND Tk varying inside the same (Tq bucket, Tk bucket) (expect 0
+    new graphs), a new query bucket and a new key bucket (1 new graph each), and keys one bucket below a
+    compiled one (expect 0: `reuse_larger_kv_bucket`). Each step builds a fresh IntervalMask (fresh
+    BlockMask and mask_mod closure), as the op does per training step. Times include the compiles.
+    """
     import torch._dynamo.utils as du
 
     kern = flex.FlexAttentionKernel()
     gen = torch.Generator().manual_seed(7)
+    B = 16
     if cpu:
-        nb, Hq, Hkv, D, tks, other = 4, 2, 1, 16, (300, 320, 384, 330), 700
+        Hq, Hkv, D = 2, 1, 16
+        first, same = (50, 1100), [(64, 1536), (49, 1030), (55, 1400), (60, 1250), (52, 1500), (58, 1111)]
+        new_q, new_k, reuse = (70, 1200), (50, 1600), (55, 1000)
     else:
-        nb, Hq, Hkv, D, tks, other = 512, 32, 8, 128, (15000, 15500, 16000, 16384), 60000
+        Hq, Hkv, D = 32, 8, 128
+        # Tq bucket 8192 (6145..8192 rows), Tk bucket 16384 (12289..16384 keys)
+        first, same = (512, 15000), [(400, 16384), (450, 13000), (390, 15500), (480, 12500), (505, 16000),
+                                     (420, 14000)]
+        new_q, new_k, reuse = (600, 15000), (512, 60000), (512, 12000)
 
-    def step(tk):
-        q = torch.randn(nb * 16, Hq, D, device=dev, dtype=torch.bfloat16)
+    def step(nb, tk):
+        q = torch.randn(nb * B, Hq, D, device=dev, dtype=torch.bfloat16)
         k = torch.randn(tk, Hkv, D, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(tk, Hkv, D, device=dev, dtype=torch.bfloat16)
         lo, hi = dflash_intervals(nb, tk, gen, dev)
-        m = IntervalMask(16, lo, hi, tk)
-        o, l, st = kern.forward(q, k, k, m, D ** -0.5)
-        kern.backward(q, k, k, m, D ** -0.5, torch.randn_like(q), l, (o * o).sum(-1), st)
+        m = IntervalMask(B, lo, hi, tk)
+        o, l, st = kern.forward(q, k, v, m, D ** -0.5)
+        kern.backward(q, k, v, m, D ** -0.5, torch.randn_like(q), l, (o * o).sum(-1), st)
         sync(dev)
 
     def graphs():
         return du.counters["stats"]["unique_graphs"]
 
-    t0 = time.perf_counter()
-    g0 = graphs()
-    step(tks[0])
-    first_s = time.perf_counter() - t0
-    g1 = graphs()
-    t0 = time.perf_counter()
-    for tk in tks[1:]:
-        step(tk)
-    same_s = time.perf_counter() - t0
-    g2 = graphs()
-    t0 = time.perf_counter()
-    step(other)
-    other_s = time.perf_counter() - t0
-    g3 = graphs()
-    out = dict(tks=list(tks), buckets=[flex.bucket_length(t) for t in tks], first_graphs=g1 - g0,
-               first_s=first_s, same_bucket_new_graphs=g2 - g1, same_bucket_s=same_s,
-               new_bucket=other, new_bucket_graphs=g3 - g2, new_bucket_s=other_s)
+    def phase(shapes):
+        t0, g0 = time.perf_counter(), graphs()
+        for nb, tk in shapes:
+            step(nb, tk)
+        return graphs() - g0, time.perf_counter() - t0
+
+    def buckets(shapes):
+        return [flex.padded_lengths(nb * B, tk, kern.q_bucket_steps, kern.bucket_steps) for nb, tk in shapes]
+
+    out = dict(first=[first], same=same, new_q=[new_q], new_k=[new_k], reuse=[reuse],
+               buckets={name: buckets(sh) for name, sh in (("first", [first]), ("same", same), ("new_q", [new_q]),
+                                                           ("new_k", [new_k]), ("reuse", [reuse]))},
+               q_bucket_steps=kern.q_bucket_steps, kv_bucket_steps=kern.bucket_steps,
+               reuse_larger_kv_bucket=kern.reuse_larger_kv_bucket)
+    out["first_graphs"], out["first_s"] = phase([first])
+    out["same_bucket_new_graphs"], out["same_bucket_s"] = phase(same)
+    out["new_q_bucket_graphs"], out["new_q_bucket_s"] = phase([new_q])
+    out["new_k_bucket_graphs"], out["new_k_bucket_s"] = phase([new_k])
+    out["reuse_graphs"], out["reuse_s"] = phase([reuse])
+    out["again_graphs"], out["again_s"] = phase(same[:2] + [new_q, new_k, reuse])
+    if not cpu:
+        out["ok"] = (out["same_bucket_new_graphs"] == 0 and out["reuse_graphs"] == 0 and out["again_graphs"] == 0
+                     and out["new_q_bucket_graphs"] <= 1 and out["new_k_bucket_graphs"] <= 1)
     res["compile"] = out
     log(f"[compile] {out}")
     return out
@@ -185,7 +207,7 @@ def throughput(dev, cpu, res):
         do = torch.randn(Tq, Hq, D, device=dev, dtype=dt)
         r = dict(tk=tk, Tq=Tq, pairs=pairs, density=pairs / (Tq * tk))
         # block mask construction alone
-        tqp, tkp = flex.bucket_length(Tq), flex.bucket_length(tk)
+        tqp, tkp = flex.padded_lengths(Tq, tk)
         r["mask_ms"], _ = bench(lambda: flex.build_block_mask(m, tqp, tkp), dev, reps)
         bm = flex.build_block_mask(m, tqp, tkp)
         r["partial_tiles"] = int(bm.kv_num_blocks.sum())
@@ -515,9 +537,17 @@ def table_kernel(res):
             lines.append(f"| seed {r['seed']} | {r['out']:.2e} | {r['dq']:.2e} | {r['dk']:.2e} | {r['dv']:.2e} | {r['lse']:.2e} |")
     c = res.get("compile")
     if c:
-        lines += ["", f"compile: first call {c['first_graphs']} graph(s) {c['first_s']:.1f}s; Tk {c['tks'][1:]} "
-                  f"(same bucket {c['buckets'][0]}): {c['same_bucket_new_graphs']} new graph(s) {c['same_bucket_s']:.1f}s; "
-                  f"Tk {c['new_bucket']} (new bucket): {c['new_bucket_graphs']} new graph(s) {c['new_bucket_s']:.1f}s"]
+        tq = lambda sh: [nb * 16 for nb, _ in sh]  # noqa: E731
+        tk = lambda sh: [t for _, t in sh]  # noqa: E731
+        bk = c["buckets"]
+        lines += ["", f"compile (q/kv bucket steps {c['q_bucket_steps']}/{c['kv_bucket_steps']}, reuse larger kv "
+                  f"bucket {c['reuse_larger_kv_bucket']}): first call {c['first_graphs']} graph(s) {c['first_s']:.1f}s "
+                  f"at (Tq, Tk) pad {bk['first'][0]}; {len(c['same'])} shapes in the same bucket, Tq {tq(c['same'])} "
+                  f"Tk {tk(c['same'])}: **{c['same_bucket_new_graphs']} new graph(s)** {c['same_bucket_s']:.1f}s; "
+                  f"new Tq bucket {bk['new_q'][0]}: {c['new_q_bucket_graphs']} ({c['new_q_bucket_s']:.1f}s); "
+                  f"new Tk bucket {bk['new_k'][0]}: {c['new_k_bucket_graphs']} ({c['new_k_bucket_s']:.1f}s); "
+                  f"Tk one bucket below a compiled one {c['reuse'][0]}: {c['reuse_graphs']} ({c['reuse_s']:.1f}s); "
+                  f"all buckets again: {c['again_graphs']} ({c['again_s']:.1f}s); ok={c.get('ok')}"]
     tp = res.get("throughput")
     if tp:
         nan = float("nan")

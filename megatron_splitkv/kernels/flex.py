@@ -13,10 +13,21 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   Tq x Tk mask is built and `create_block_mask` (which evaluates the mask on every pair) is never called.
   See `interval_block_tables`.
 * `flex_attention` is compiled once at module level (`torch.compile(..., dynamic=False)`). Query and key
-  lengths are padded up to bucket sizes (`bucket_length`: multiples of 128, at most 2**(1/steps) apart,
-  default 4 steps per octave, i.e. <= 19% padding), so training steps whose local context length varies
-  inside a bucket reuse the compiled kernels. Padding rows have empty intervals (out 0, lse -inf) and
-  padding keys lie outside every interval; both are sliced off.
+  lengths are padded up to bucket sizes (`bucket_length`: multiples of 128 of the form m * 2**e, m in
+  [steps, 2 * steps)): both to {2, 3} x 2**e x 128 (`DEFAULT_Q_BUCKET_STEPS`, `DEFAULT_BUCKET_STEPS` = 2,
+  <= 1.5x). Padding costs no attention FLOPs (padded tiles are never listed in the block tables, so flex
+  skips them), only the padded q/k/v copies and padded output rows, so the buckets are coarse to keep the
+  number of compiled graphs small. On top, a compiled key bucket one step larger is reused instead of
+  compiling the smaller one (`reuse_larger_kv_bucket`): per-rank key counts of packed batches sit around
+  seq_length / CP, i.e. right on a power-of-two bucket boundary, and would otherwise need two graphs. Dynamo
+  compiles one graph (forward + backward) per (Tq bucket, Tk bucket, dtype, heads, head dim, scale, GQA,
+  kernel_options, grad mode), and NOTHING else triggers a recompile (checked on CPU with dynamo's guards:
+  the fresh mask_mod closure and its lo/hi tensors, fresh BlockMask tables, lengths inside a bucket and an
+  outer no_grad do not; a different `scale` value does, `save_graph=False` adds a no-grad forward graph).
+  Padding rows have empty intervals (out 0, lse -inf) and padding keys lie outside every interval; both are
+  sliced off. Not `dynamic=True` / `mark_dynamic`: one graph for all lengths, but with symbolic lengths
+  inductor cannot prove them multiples of the flex block sizes (the static lengths are, so the template
+  drops its bounds checks), and that variant was never timed on the H200; the static graphs were.
 * Backward with the GLOBAL lse and delta (the contract's `lse_global`, `delta_global`) is exact through
   FlexAttention's differentiable lse: with this rank's local (O_r, lse_r) from the forward and
   c = exp(lse_r - lse), autograd through flex with
@@ -63,8 +74,17 @@ except ImportError as _e:  # pragma: no cover - depends on the torch build
 
 #: FlexAttention's sparse tile (query rows x keys); BlockMask granularity.
 TILE = 128
-#: Bucket steps per octave for padded lengths (env MEGATRON_SPLITKV_FLEX_BUCKET_STEPS overrides).
-DEFAULT_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "4"))
+#: Bucket steps per octave for padded KEY lengths (env MEGATRON_SPLITKV_FLEX_BUCKET_STEPS overrides):
+#: 2 -> {2, 3} x 2**e x 128, at most 50% padded keys, two compiled shapes per octave of Tk.
+DEFAULT_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "2"))
+#: Bucket steps per octave for padded QUERY lengths (env MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS overrides):
+#: 2 -> {2, 3} x 2**e x 128 (<= 1.5x rows). Not 1 (powers of two): the gathered query count of a packed
+#: 128K-token ShareGPT batch is 0.6M-0.77M rows, where padded q and out (Hq heads, kept for backward)
+#: cost GBs per layer; 2 already puts all of them in one bucket (786432).
+DEFAULT_Q_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS", "2"))
+#: Reuse an already-compiled key bucket one step above the own one (env MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0
+#: turns it off).
+DEFAULT_REUSE_KV_BUCKET = os.environ.get("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", "1") != "0"
 
 _COMPILED = None
 
@@ -87,12 +107,37 @@ def compiled_flex_attention():
     return _COMPILED
 
 
+#: (graph key, Tq_pad) -> set of Tk_pad run through the compiled flex in this process (see `_pick_kv_bucket`)
+_COMPILED_KV_BUCKETS: dict = {}
+
+
+def _pick_kv_bucket(graph_key, q_pad: int, kv_pad: int, kv_steps: int) -> int:
+    """The key bucket to run: `kv_pad`, or the next bucket up if only that one is compiled already.
+
+    Records the choice. Padded keys cost no FLOPs (never listed in the block tables), only the k/v
+    copies (Hkv heads), so running one bucket larger is cheaper than a ~5 s compile.
+    """
+    seen = _COMPILED_KV_BUCKETS.setdefault((graph_key, q_pad), set())
+    if kv_pad not in seen:
+        up = bucket_length(kv_pad + 1, kv_steps)
+        if up in seen:
+            return up
+        seen.add(kv_pad)
+    return kv_pad
+
+
+def padded_lengths(q_len: int, kv_len: int, q_steps: int = DEFAULT_Q_BUCKET_STEPS,
+                   kv_steps: int = DEFAULT_BUCKET_STEPS) -> tuple[int, int]:
+    """(Tq_pad, Tk_pad) the kernel runs flex at: one compiled graph per distinct pair (per dtype/heads/...)."""
+    return bucket_length(q_len, q_steps), bucket_length(kv_len, kv_steps)
+
+
 def bucket_length(n: int, steps: int = DEFAULT_BUCKET_STEPS, tile: int = TILE) -> int:
     """Smallest bucket size >= n: a multiple of `tile` of the form m * 2**e with m in [steps, 2*steps).
 
-    Consecutive buckets are at most a factor 2**(1/steps)-ish apart (e.g. steps=4: 4,5,6,7 x 2**e), so
-    padding wastes at most 25% of the length and the number of distinct compiled shapes grows with
-    log2 of the length range. n <= 0 gives `tile`.
+    Consecutive buckets are at most a factor (steps + 1) / steps apart (steps=1: powers of two, <= 2x;
+    steps=2: 2,3 x 2**e, <= 1.5x; steps=4: 4,5,6,7 x 2**e, <= 1.25x), and the number of distinct
+    compiled shapes is `steps` per octave of the length range. n <= 0 gives `tile`.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -204,7 +249,12 @@ class FlexAttentionKernel:
     Args:
         save_graph: keep flex's autograd graph from forward to backward (no recompute; holds the padded
             q/k/v, out and lse until backward). False: forward runs without graph, backward recomputes.
-        bucket_steps: bucket granularity of padded lengths (see `bucket_length`).
+        bucket_steps: bucket granularity of padded KEY lengths (see `bucket_length`; default
+            `DEFAULT_BUCKET_STEPS`).
+        q_bucket_steps: bucket granularity of padded QUERY lengths (default `DEFAULT_Q_BUCKET_STEPS`).
+        reuse_larger_kv_bucket: with the compiled flex, run at the next key bucket up when that one has
+            been compiled in this process and the own one has not (no new graph; default on, env
+            MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0 turns it off).
         compile: use the module-level compiled flex (default on CUDA). Off on CPU: `dense_flex_emulation`
             (tests only; CPU flex has no backward in torch 2.11).
         kernel_options: FlexAttention `kernel_options` (e.g. {"fwd_num_stages": 2}); default from the env
@@ -218,11 +268,15 @@ class FlexAttentionKernel:
     name = "flex"
 
     def __init__(self, save_graph: bool = True, bucket_steps: int = DEFAULT_BUCKET_STEPS,
-                 compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool = True):
+                 compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool = True,
+                 q_bucket_steps: int = DEFAULT_Q_BUCKET_STEPS,
+                 reuse_larger_kv_bucket: bool = DEFAULT_REUSE_KV_BUCKET):
         if _FLEX_IMPORT_ERROR is not None:
             raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
         self.save_graph = save_graph
         self.bucket_steps = bucket_steps
+        self.q_bucket_steps = q_bucket_steps
+        self.reuse_larger_kv_bucket = reuse_larger_kv_bucket
         self.compile = compile
         env = os.environ.get("MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS")
         self.kernel_options = dict(kernel_options) if kernel_options is not None else (json.loads(env) if env else None)
@@ -231,8 +285,11 @@ class FlexAttentionKernel:
     def block_mask(self, mask: IntervalMask, q_len: int, kv_len: int):
         """BlockMask for `mask` at padded lengths; cached on the mask object (`mask._flex_block_masks`).
 
-        The cache assumes lo/hi are not modified in place after the first call (the op builds a fresh
-        IntervalMask per call; reusing one mask object across layers of a step saves the ~2 ms build).
+        The cache assumes lo/hi are not modified in place after the first call. The ops take their
+        IntervalMask from the step's `SplitKVMetadata` (`megatron_splitkv.ops.prepare_splitkv_metadata`):
+        with `metadata=` passed to every layer, the first layer's call builds the BlockMask (~2 ms on an
+        H200) and the other layers, forward and backward, reuse it; without it each call builds a fresh
+        IntervalMask and hence a fresh BlockMask.
         """
         if not self.cache_block_mask:
             return build_block_mask(mask, q_len, kv_len)
@@ -268,8 +325,13 @@ class FlexAttentionKernel:
         """Pad to buckets, run flex; returns padded leaves, (out_p [1,Hq,Tqp,D], lse_p [1,Hq,Tqp])."""
         Tq, Hq, D = q.shape
         Tk, Hkv, _ = k.shape
-        Tqp = bucket_length(Tq, self.bucket_steps)
-        Tkp = bucket_length(Tk, self.bucket_steps)
+        Tqp, Tkp = padded_lengths(Tq, Tk, self.q_bucket_steps, self.bucket_steps)
+        fn = self._fn(q.device)
+        if self.reuse_larger_kv_bucket and fn is _COMPILED:
+            # everything dynamo guards on besides the lengths (see the module docstring)
+            graph_key = (q.device, q.dtype, Hq, Hkv, D, float(scale), bool(grad),
+                         json.dumps(self.kernel_options, sort_keys=True, default=str))
+            Tkp = _pick_kv_bucket(graph_key, Tqp, Tkp, self.bucket_steps)
         bm = self.block_mask(mask, Tqp, Tkp)
 
         def padded(x, n):
@@ -278,7 +340,6 @@ class FlexAttentionKernel:
             return buf.requires_grad_(grad)
 
         qp, kp, vp = padded(q.detach(), Tqp), padded(k.detach(), Tkp), padded(v.detach(), Tkp)
-        fn = self._fn(q.device)
         with torch.set_grad_enabled(grad):
             qh, kh, vh = (x.permute(1, 0, 2).unsqueeze(0) for x in (qp, kp, vp))  # [1, H, T, D] views
             kwargs = dict(block_mask=bm, scale=float(scale), enable_gqa=Hq != Hkv)
@@ -311,31 +372,37 @@ class FlexAttentionKernel:
             state.clear()  # the graph is consumed below; a second backward would need a recompute
         qp, kp, vp = leaves
         Tqp = out_p.shape[2]
-        # local stats as flex saw them: [Tqp, Hq] fp32 natural log, and O_r in the input dtype
-        lse_r = lse_p.detach()[0].transpose(0, 1).float()
-        o_r = out_p.detach()[0].permute(1, 0, 2)
-        lse_g = torch.full_like(lse_r, float("-inf"))
-        lse_g[:Tq] = lse.float()
-        delta_g = torch.zeros_like(lse_r)
-        delta_g[:Tq] = delta.float()
+        # local stats as flex saw them, real rows only: [Tq, Hq] fp32 natural log, O_r in the input dtype.
+        # The padding rows (Tq..Tqp) get grad_out = 0 and grad_lse = 0 (c = 0 there: lse_global = -inf);
+        # they are written as zeros into the padded gradient buffers, so no fp32 temporary is Tqp long.
+        lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1).float()
+        o_r = out_p.detach()[0, :, :Tq].permute(1, 0, 2)
+        lse_g, delta_g = lse.float(), delta.float()
         finite = torch.isfinite(lse_r) & torch.isfinite(lse_g)
         c = torch.where(finite, torch.exp(torch.where(finite, lse_r - lse_g, torch.zeros_like(lse_r))),
-                        torch.zeros_like(lse_r))  # [Tqp, Hq]
-        do_p = torch.zeros_like(o_r, dtype=torch.float32)
-        do_p[:Tq] = dout.float()
-        g_out = (c[..., None] * do_p).to(o_r.dtype)  # rounded as flex will see it
-        g_lse = (g_out.float() * o_r.float()).sum(-1) - c * delta_g  # [Tqp, Hq]
-        g_lse = torch.where(finite, g_lse, torch.zeros_like(g_lse))
+                        torch.zeros_like(lse_r))  # [Tq, Hq]
+        g_out_r = (c[..., None] * dout.float()).to(o_r.dtype)  # rounded as flex will see it
+        g_lse_r = (g_out_r.float() * o_r.float()).sum(-1) - c * delta_g  # [Tq, Hq]
+        g_lse_r = torch.where(finite, g_lse_r, torch.zeros_like(g_lse_r))
+        # same layouts as before the real-rows-only rewrite ([Tqp, Hq, D] / [Tqp, Hq] buffers, permuted
+        # views), so the compiled backward sees the tangent strides it was traced with
+        g_out = o_r.new_zeros((Tqp,) + tuple(o_r.shape[1:]))
+        g_out[:Tq] = g_out_r
+        g_lse = torch.zeros((Tqp, g_lse_r.shape[1]), dtype=lse_p.dtype, device=g_lse_r.device)
+        g_lse[:Tq] = g_lse_r
         grads = torch.autograd.grad(
             (out_p, lse_p),
             (qp, kp, vp),
-            (g_out.permute(1, 0, 2).unsqueeze(0), g_lse.transpose(0, 1).unsqueeze(0).to(lse_p.dtype)),
+            (g_out.permute(1, 0, 2).unsqueeze(0), g_lse.transpose(0, 1).unsqueeze(0)),
             allow_unused=True,
         )
+        n_real = (Tq, Tk, Tk)
         dq, dk, dv = (
-            torch.zeros_like(x, dtype=torch.float32) if g is None else g.float() for g, x in zip(grads, leaves)
+            x.new_zeros((n,) + tuple(x.shape[1:]), dtype=torch.float32) if g is None
+            else g[:n].float().contiguous()
+            for g, x, n in zip(grads, leaves, n_real)
         )
-        return dq[:Tq].contiguous(), dk[:Tk].contiguous(), dv[:Tk].contiguous()
+        return dq, dk, dv
 
 
 def block_mask_to_dense(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
