@@ -86,6 +86,8 @@ def _train(rank, world, args):
     import logging
 
     logging.getLogger("megatron").setLevel(logging.ERROR)
+    # torch warns "No CUDA runtime is found" when megatron imports its extension helpers on CPU
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -135,7 +137,9 @@ def _train(rank, world, args):
               f"planner), {len(corpus)} ShareGPT conversations, vocab {v_used} used ids + MASK, target "
               f"{args.target_layers} layers (taps {taps}), drafter {args.draft_layers} layers, "
               f"{n_train:,} trainable parameters, B={B}, {args.num_anchors} anchors/sequence", flush=True)
-        pbar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
+        # the bar only on a terminal; the per-step lines alone when the output goes to a file or CI log
+        pbar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True,
+                    disable=not sys.stdout.isatty())
 
     hist = dict(loss=[], tokens=0, queries=0, supervised=0.0, imb=[], bytes_attn=0, bytes_target=0, time=0.0)
     step, epoch = 0, 0
