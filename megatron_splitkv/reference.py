@@ -8,7 +8,7 @@ import math
 import torch
 
 
-def dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, *, block_size):
+def dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, own_block=True):
     """Dense boolean mask of DFlash drafter attention over `[context keys | block keys]`.
 
     Args:
@@ -16,17 +16,21 @@ def dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, *, block_size):
             `q_anchor < 0` marks an invalid (padding) block, which sees nothing.
         kv_seq, kv_pos: [Tk] int64, sequence id and global position of each context token.
         block_size: B, query rows per block.
+        own_block: False: no own-block part (plain cross-attention, the ops' k_blk = v_blk = None).
 
     Returns:
         [n_blocks * B, Tk + n_blocks * B] bool: query row i (block b = i // B) sees context key j iff
         `kv_seq[j] == q_seq[b] and kv_pos[j] < q_anchor[b]` (strictly), and block key `Tk + m` iff
-        `m // B == b`; invalid blocks see nothing.
+        `m // B == b`; invalid blocks see nothing. With own_block=False: [n_blocks * B, Tk], the
+        context part only.
     """
     nb = q_seq.shape[0]
     valid = q_anchor >= 0
     ctx = (kv_seq[None, :] == q_seq[:, None]) & (kv_pos[None, :] < q_anchor[:, None]) & valid[:, None]
     own = torch.eye(nb, dtype=torch.bool, device=q_seq.device) & valid[:, None]
     ctx = ctx.repeat_interleave(block_size, dim=0)
+    if not own_block:
+        return ctx
     own = own.repeat_interleave(block_size, dim=0).repeat_interleave(block_size, dim=1)
     return torch.cat([ctx, own], dim=1)
 
@@ -38,7 +42,8 @@ def dflash_attention_reference(
 
     Args:
         q: [Tq, Hq, D] queries of all blocks, block by block (Tq = n_blocks * B).
-        k_ctx, v_ctx: [Tk, Hkv, D] context keys/values (any order); k_blk, v_blk: [Tq, Hkv, D].
+        k_ctx, v_ctx: [Tk, Hkv, D] context keys/values (any order); k_blk, v_blk: [Tq, Hkv, D], or
+            both None: no own-block part (rows attend only the context; plain cross-attention).
         q_seq, q_anchor, kv_seq, kv_pos: int64 metadata, see `dflash_attention_mask`.
         block_size: B. softmax_scale: defaults to 1/sqrt(D).
         Grouped-query attention: query head h uses kv head h // (Hq // Hkv) (Megatron's grouping).
@@ -53,9 +58,12 @@ def dflash_attention_reference(
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
-    mask = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=block_size)
-    k = torch.cat([k_ctx, k_blk], 0).double().repeat_interleave(Hq // Hkv, dim=1)
-    v = torch.cat([v_ctx, v_blk], 0).double().repeat_interleave(Hq // Hkv, dim=1)
+    if (k_blk is None) != (v_blk is None):
+        raise ValueError("k_blk and v_blk must both be tensors or both be None")
+    own = k_blk is not None
+    mask = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=block_size, own_block=own)
+    k = (torch.cat([k_ctx, k_blk], 0) if own else k_ctx).double().repeat_interleave(Hq // Hkv, dim=1)
+    v = (torch.cat([v_ctx, v_blk], 0) if own else v_ctx).double().repeat_interleave(Hq // Hkv, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     s = s.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [H, Tq], -inf on empty rows

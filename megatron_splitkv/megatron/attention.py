@@ -20,12 +20,10 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1, 2 and 4.
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core import parallel_state
@@ -35,6 +33,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..ops import allgather_kv_attention, prepare_splitkv_metadata, ring_kv_attention, splitkv_attention
+from ..ops.metadata import SplitKVMetadata
 from .arguments import CP_IMPLS
 
 __all__ = [
@@ -44,11 +44,16 @@ __all__ = [
     "resolve_cp_attention_fn",
 ]
 
-_OP_NAMES = {
-    "splitkv": "splitkv_attention",
-    "allgather-kv": "allgather_kv_attention",
-    "ring-kv": "ring_kv_attention",
+_OPS = {
+    "splitkv": splitkv_attention,
+    "allgather-kv": allgather_kv_attention,
+    "ring-kv": ring_kv_attention,
 }
+
+#: plain cross-attention as DFlash metadata: the anchor of a query row that sees every context key of
+#: its sample (positions are < 2**31 - 1), and the sequence id of masked-out keys (no query has it).
+CROSS_SEE_ALL_ANCHOR = 2**31 - 1
+CROSS_MASKED_SEQ = -1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -80,6 +85,20 @@ class DFlashPackedSeqParams(PackedSeqParams):
     Every CP rank holds the same number of query blocks (pad with invalid blocks); context shards may
     have any length, including 0. Query block b's tokens have positions `a_b + 0 .. B-1`.
 
+    With sbhd and b > 1 the blocks and context tokens are numbered in that flattened order: sample i's
+    query tokens are rows `i * sq .. (i + 1) * sq - 1` (blocks `i * sq / B ..`, so sq should be a
+    multiple of B) and its context tokens rows `i * sk_ctx ..` of kv_seq / kv_pos; the metadata itself
+    says which sequence each block and context token belongs to.
+
+    Per-step op metadata (`op_metadata`): every drafter layer of a step calls the CP op with this same
+    object, so the op's mask metadata (`megatron_splitkv.ops.prepare_splitkv_metadata`: validation,
+    size/metadata all-gathers, context sort, key intervals, the cached FlexAttention BlockMask) is built
+    ONCE, by the first layer's call, cached on this instance (keyed by cp_impl, Hq, Hkv, D, dtype,
+    device and the CP group) and passed as `metadata=` by every later layer (no host sync, no metadata
+    collective per layer). Consequently q_seq, q_anchor, kv_seq, kv_pos and block_size must not be
+    modified (in place or by reassignment) after the first layer's call: build a new
+    `DFlashPackedSeqParams` per micro-batch instead. Activation recompute reuses the cached metadata.
+
     Errors: `validate()` raises ValueError on shape/dtype mismatches.
     Source: DESIGN.md section 1 (DFlash mask), arXiv 2611.05926.
     """
@@ -89,6 +108,8 @@ class DFlashPackedSeqParams(PackedSeqParams):
     kv_seq: Tensor = None
     kv_pos: Tensor = None
     block_size: int = None
+    # per-step cache of the ops' SplitKVMetadata (see `op_metadata`); not part of the constructor
+    _op_metadata: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.qkv_format is None:
@@ -118,6 +139,30 @@ class DFlashPackedSeqParams(PackedSeqParams):
         offs = torch.arange(B, device=anchor.device, dtype=torch.int64)
         return (anchor[:, None] + offs[None, :]).reshape(-1)
 
+    def op_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                    dtype: torch.dtype, device, cp_group=None) -> SplitKVMetadata:
+        """The CP op's `SplitKVMetadata` for this micro-batch, prepared on the first call (collective:
+        every rank of `cp_group` calls it, as every rank runs the same layers) with
+        `prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=..., impl=cp_impl, ...)`
+        and returned from the cache on this instance by later calls with the same key (cp_impl,
+        num_heads_q, num_heads_kv, head_dim, dtype, device, id(cp_group)). Pass it to the op as
+        `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None).
+
+        The cached metadata holds validated copies/views of the four index tensors: they must not be
+        modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
+        on every rank of the group)."""
+        device = torch.device(device)
+        key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group))
+        meta = self._op_metadata.get(key)
+        if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
+            meta = prepare_splitkv_metadata(
+                self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
+                num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
+                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device,
+            )
+            self._op_metadata[key] = meta
+        return meta
+
     def validate(self) -> None:
         """Raise ValueError when the metadata is inconsistent."""
         for name in ("q_seq", "q_anchor", "kv_seq", "kv_pos"):
@@ -137,195 +182,18 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
 
 # --------------------------------------------------------------------------------------------------
-# Dense, autograd-exact fallback (used when the fused op is absent, and for plain cross-attention)
-# --------------------------------------------------------------------------------------------------
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather along dim 0 (equal sizes); backward sums the gradient over ranks and keeps the
-    local slice (gloo-safe: all_reduce instead of reduce_scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        ctx.n = x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, 0)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        r = dist.get_rank(ctx.group)
-        return g[r * ctx.n : (r + 1) * ctx.n], None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Sum over ranks, keep this rank's dim-0 slice; backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        p = dist.get_world_size(group)
-        y = x.contiguous().clone()
-        dist.all_reduce(y, group=group)
-        n = x.shape[0] // p
-        r = dist.get_rank(group)
-        return y[r * n : (r + 1) * n].clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        parts = [torch.empty_like(g) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(parts, g.contiguous(), group=ctx.group)
-        return torch.cat(parts, 0), None
-
-
-def _gather_meta(x: Tensor, group) -> Tensor:
-    if _group_size(group) == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, 0)
-
-
-def _safe_lse(x: Tensor, dim: int) -> Tensor:
-    """log-sum-exp along `dim` that returns -inf (with zero, finite gradients) for all -inf slices."""
-    m = x.detach().amax(dim=dim, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    s = torch.exp(x - m).sum(dim=dim, keepdim=True)
-    pos = s > 0
-    out = torch.where(pos, m + torch.log(torch.where(pos, s, torch.ones_like(s))), torch.full_like(s, -math.inf))
-    return out.squeeze(dim)
-
-
-def _partial_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float):
-    """Masked attention of q [T, Hq, D] over k, v [S, Hkv, D]; mask [T, S] or [Hq, T, S] bool (True =
-    visible). Returns (o [T, Hq, D] normalised over the visible keys, lse [T, Hq] fp32-or-wider; rows
-    with no visible key give o = 0, lse = -inf). Query head h uses kv head h // (Hq // Hkv)."""
-    hq, hkv = q.shape[1], k.shape[1]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    rep = hq // hkv
-    kk = k.to(acc).repeat_interleave(rep, dim=1)
-    vv = v.to(acc).repeat_interleave(rep, dim=1)
-    s = torch.einsum("thd,shd->hts", q.to(acc), kk) * scale
-    s = s.masked_fill(~mask.expand_as(s), -math.inf)
-    lse = _safe_lse(s, -1)  # [H, T]
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - lse_safe[..., None])
-    o = torch.einsum("hts,shd->thd", p, vv)
-    return o, lse.transpose(0, 1)
-
-
-def _merge_states(os_: list, lses: list):
-    """Exact merge of normalised partial states: o = sum_i exp(lse_i - lse) o_i, lse = lse-sum."""
-    lse_stack = torch.stack(lses, 0)  # [n, T, H]
-    lse = _safe_lse(lse_stack, 0)
-    lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    o = 0
-    for oi, li in zip(os_, lses):
-        o = o + torch.exp(li - lse_safe)[..., None] * oi
-    return o, lse
-
-
-def dense_splitkv_attention(
-    q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size, cp_group=None,
-    softmax_scale=None, backend="auto",
-):
-    """Dense, autograd-exact Split-KV DFlash attention (same signature and semantics as
-    `megatron_splitkv.splitkv_attention`): all-gather Q and block metadata, local masked attention over
-    this rank's context shard, exact lse merge reduce-scattered back to the query owners, then the
-    owner merges its own-block attention. Materialises [H, Lq, Tk_local] scores: a fallback for tests
-    and small shapes, used only when the fused op is unavailable. Returns [Tq_local, Hq, D] in q.dtype.
-    """
-    del backend
-    tq, hq, d = q.shape
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    B = int(block_size)
-    p = _group_size(cp_group)
-    q_all = _GatherRows.apply(q, cp_group) if p > 1 else q
-    q_seq_all = _gather_meta(q_seq, cp_group)
-    q_anchor_all = _gather_meta(q_anchor, cp_group)
-    valid = q_anchor_all >= 0
-    m = (kv_seq[None, :] == q_seq_all[:, None]) & (kv_pos[None, :] < q_anchor_all[:, None]) & valid[:, None]
-    m = m.repeat_interleave(B, dim=0)
-    o_c, lse_c = _partial_attention(q_all, k_ctx, v_ctx, m, scale)  # [Lq, H, D], [Lq, H]
-    if p > 1:
-        lse_ranks = _GatherRows.apply(lse_c.unsqueeze(0), cp_group)  # [P, Lq, H]
-        lse_g = _safe_lse(lse_ranks, 0)
-        lse_g_safe = torch.where(torch.isfinite(lse_g), lse_g, torch.zeros_like(lse_g))
-        o_c = _ReduceScatterRows.apply(torch.exp(lse_c - lse_g_safe)[..., None] * o_c, cp_group)
-        r = dist.get_rank(cp_group)
-        lse_c = lse_g[r * tq : (r + 1) * tq]
-    nb = tq // B
-    vq = q_anchor >= 0
-    own = (torch.eye(nb, dtype=torch.bool, device=q.device) & vq[:, None])
-    own = own.repeat_interleave(B, 0).repeat_interleave(B, 1)
-    o_b, lse_b = _partial_attention(q, k_blk, v_blk, own, scale)
-    o, _ = _merge_states([o_c, o_b], [lse_c, lse_b])
-    return o.to(q.dtype)
-
-
-def dense_cross_attention(q, k, v, *, key_mask=None, cp_group=None, softmax_scale=None):
-    """Plain (non-causal) cross-attention with the context sequence-sharded over the CP group,
-    exact by the Split-KV merge: q [b, Tq_local, Hq, D], k/v [b, Tk_local, Hkv, D], key_mask optional
-    [b, Tk_local] bool (True = visible). Each sample's queries see every visible key of that sample on
-    every rank. Returns [b, Tq_local, Hq, D]."""
-    b, tq, hq, d = q.shape
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
-    p = _group_size(cp_group)
-    qf = q.transpose(0, 1)  # [Tq, b, H, D] so dim 0 gathers along the sequence
-    q_all = _GatherRows.apply(qf.contiguous(), cp_group) if p > 1 else qf
-    outs, lses = [], []
-    for i in range(b):
-        mk = torch.ones(q_all.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
-        if key_mask is not None:
-            mk = mk & key_mask[i][None, :]
-        o_i, l_i = _partial_attention(q_all[:, i], k[i], v[i], mk, scale)
-        outs.append(o_i)
-        lses.append(l_i)
-    o = torch.stack(outs, 1)  # [Lq, b, H, D]
-    lse = torch.stack(lses, 1)  # [Lq, b, H]
-    if p > 1:
-        lse_ranks = _GatherRows.apply(lse.unsqueeze(0), cp_group)
-        lse_g = _safe_lse(lse_ranks, 0)
-        lse_g_safe = torch.where(torch.isfinite(lse_g), lse_g, torch.zeros_like(lse_g))
-        o = _ReduceScatterRows.apply(torch.exp(lse - lse_g_safe)[..., None] * o, cp_group)
-    return o.transpose(0, 1).to(q.dtype)
-
-
-# --------------------------------------------------------------------------------------------------
 # Op resolution
 # --------------------------------------------------------------------------------------------------
 
-_warned_fallback = set()
-
 
 def resolve_cp_attention_fn(cp_impl: str) -> Callable:
-    """The DFlash attention function for `cp_impl` in CP_IMPLS: `megatron_splitkv.splitkv_attention`,
+    """The DFlash attention op for `cp_impl` in CP_IMPLS: `megatron_splitkv.splitkv_attention`,
     `allgather_kv_attention` or `ring_kv_attention` (signature documented in DESIGN.md section 2).
-    Imported lazily; when the package does not (yet) export it, falls back to
-    `dense_splitkv_attention` (exact, dense) with a one-time warning.
 
     Raises ValueError naming `--context-parallel-impl` for an unknown implementation."""
     if cp_impl not in CP_IMPLS:
         raise ValueError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {cp_impl!r}")
-    import megatron_splitkv
-
-    fn = getattr(megatron_splitkv, _OP_NAMES[cp_impl], None)
-    if fn is None:
-        if cp_impl not in _warned_fallback:
-            _warned_fallback.add(cp_impl)
-            warnings.warn(
-                f"megatron_splitkv.{_OP_NAMES[cp_impl]} is not available; using the dense "
-                "autograd fallback dense_splitkv_attention (exact, not memory-efficient)."
-            )
-        return dense_splitkv_attention
-    return fn
+    return _OPS[cp_impl]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -349,11 +217,13 @@ class SplitKVCoreAttention(MegatronModule):
       key/value `[sk_ctx + sq, b, Hkv_tp, D]` = `[context keys | block keys]` concatenated along the
       sequence (sk_ctx = Tk_local / b), or thd query `[t, Hq_tp, D]`, key/value `[Tk_local + t, Hkv_tp, D]`.
       The mask is the DFlash mask (DESIGN.md section 1) built from the metadata; the CP algorithm is
-      `cp_impl` (Split-KV exact merge, all-gather-KV or ring-KV).
+      `cp_impl` (Split-KV exact merge, all-gather-KV or ring-KV). The op's metadata is prepared once
+      per `packed_seq_params` object and reused by every layer (`DFlashPackedSeqParams.op_metadata`).
     * Plain cross-attention (Megatron's `CrossAttention`, `packed_seq_params=None`): sbhd query
       `[sq_local, b, Hq, D]`, key/value `[sk_local, b, Hkv, D]`, both sequence-sharded over CP; every
       query sees every key of its sample (optionally minus `attention_mask` [b, 1, 1|sq, sk_local],
-      True = masked, Megatron's convention). Computed by the dense exact Split-KV merge.
+      True = masked, Megatron's convention). Computed by the `cp_impl` op without own-block part
+      (`k_blk = v_blk = None`; see `_cross`); rows whose sample has no visible key output 0.
 
     Returns sbhd `[sq, b, Hq_tp * D]` or thd `[t, Hq_tp * D]`, dtype of `query`.
 
@@ -459,11 +329,13 @@ class SplitKVCoreAttention(MegatronModule):
                 f"({k_ctx.shape[1]}): check --num-query-groups vs --tensor-model-parallel-size"
             )
         fn = resolve_cp_attention_fn(self.cp_impl)
-        out = fn(
-            q, k_ctx, v_ctx, k_blk, v_blk, params.q_seq, params.q_anchor, params.kv_seq, params.kv_pos,
-            block_size=int(params.block_size), cp_group=self.cp_group,
-            softmax_scale=self._scale(q.shape[-1]), backend=self.kernel_backend,
+        # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
+        meta = params.op_metadata(
+            self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
+            dtype=q.dtype, device=q.device, cp_group=self.cp_group,
         )
+        out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
+                 backend=self.kernel_backend, metadata=meta)
         if fmt == "sbhd":
             out = out.reshape(b, sq, -1).transpose(0, 1).contiguous()
         else:
@@ -471,24 +343,49 @@ class SplitKVCoreAttention(MegatronModule):
         return out
 
     def _cross(self, query, key, value, attention_mask, mask_type) -> Tensor:
+        """Plain cross-attention through the CP op without own-block part (k_blk = v_blk = None), as
+        DFlash metadata on the sample-major flattening: every query row is its own block
+        (block_size=1) with q_seq = its sample index and q_anchor = CROSS_SEE_ALL_ANCHOR, so it sees
+        every context key of its sample on every CP rank; context keys get kv_seq = their sample index
+        (CROSS_MASKED_SEQ where the key-padding mask is True) and kv_pos = their local index."""
         if mask_type == AttnMaskType.causal:
             raise NotImplementedError(
                 "SplitKVCoreAttention: causal masks need DFlash metadata (pass DFlashPackedSeqParams)"
             )
-        if query.dim() != 4:
-            raise ValueError(f"plain cross-attention expects sbhd [s, b, h, d], got {tuple(query.shape)}")
-        key_mask = None
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+            raise ValueError(
+                "plain cross-attention expects sbhd [s, b, h, d] query/key/value, got "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        sq, b = query.shape[0], query.shape[1]
+        sk = key.shape[0]
+        if key.shape[1] != b or tuple(value.shape) != tuple(key.shape):
+            raise ValueError(
+                f"plain cross-attention: key {tuple(key.shape)} / value {tuple(value.shape)} must be "
+                f"[sk, b={b}, h, d] with equal shapes"
+            )
+        dev = query.device
+        kv_seq = torch.arange(b, dtype=torch.int64, device=dev).repeat_interleave(sk)
         if attention_mask is not None:
-            # Megatron convention: True = masked out; shape broadcastable to [b, 1, sq, sk].
+            # Megatron convention: True = masked out; key padding [b, 1, 1, sk] (b may broadcast).
             am = attention_mask
-            if am.dim() != 4 or am.shape[2] != 1:
+            if am.dim() != 4 or am.shape[1] != 1 or am.shape[2] != 1 or am.shape[0] not in (1, b) \
+                    or am.shape[3] != sk:
                 raise NotImplementedError(
-                    "SplitKVCoreAttention: only key-padding masks [b, 1, 1, sk] are supported"
+                    "SplitKVCoreAttention: only key-padding masks [b, 1, 1, sk] are supported, got "
+                    f"attention_mask of shape {tuple(am.shape)} (b={b}, sk={sk})"
                 )
-            key_mask = ~am[:, 0, 0, :].to(torch.bool)
-        out = dense_cross_attention(
-            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), key_mask=key_mask,
-            cp_group=self.cp_group if _group_size(self.cp_group) > 1 else None,
-            softmax_scale=self._scale(query.shape[-1]),
-        )  # [b, sq, H, D]
-        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1).contiguous()
+            masked = am[:, 0, 0, :].to(device=dev, dtype=torch.bool).expand(b, sk).reshape(-1)
+            kv_seq = kv_seq.masked_fill(masked, CROSS_MASKED_SEQ)
+        kv_pos = torch.arange(sk, dtype=torch.int64, device=dev).repeat(b)
+        q_seq = torch.arange(b, dtype=torch.int64, device=dev).repeat_interleave(sq)
+        q_anchor = torch.full_like(q_seq, CROSS_SEE_ALL_ANCHOR)
+
+        def flat(x):  # [s, b, h, d] -> [b*s, h, d] (sample-major)
+            return x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])
+
+        fn = resolve_cp_attention_fn(self.cp_impl)
+        out = fn(flat(query), flat(key), flat(value), None, None, q_seq, q_anchor, kv_seq, kv_pos,
+                 block_size=1, cp_group=self.cp_group, softmax_scale=self._scale(query.shape[-1]),
+                 backend=self.kernel_backend)  # [b*sq, H, D]
+        return out.reshape(b, sq, -1).transpose(0, 1).contiguous()

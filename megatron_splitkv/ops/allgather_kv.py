@@ -10,6 +10,8 @@ import torch
 
 from ..comm import all_gather, reduce_scatter
 from .common import (
+    add_grad,
+    cast,
     delta_and_dout,
     kernel_backward,
     kernel_forward,
@@ -56,8 +58,8 @@ class _AllGatherKV(torch.autograd.Function):
         dq_b, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse,
                                               delta, acc)
         dt = q.dtype
-        return (None, (dq + dq_b).to(dt), dkv[:, :hkv].to(dt), dkv[:, hkv:].to(dt), dk_b.to(dt),
-                dv_b.to(dt))
+        return (None, add_grad(dq, dq_b).to(dt), dkv[:, :hkv].to(dt), dkv[:, hkv:].to(dt), cast(dk_b, dt),
+                cast(dv_b, dt))
 
 
 def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None,
@@ -69,7 +71,8 @@ def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=N
     Same signature, inputs, outputs, dtypes, mask, validation and errors as
     `megatron_splitkv.splitkv_attention` (see there). Forward all-gathers context K|V and their
     (sequence, position) keys, padded to the largest shard (uneven shards allowed); each rank runs one
-    local-kernel call of its own queries against all context, then merges its own-block attention.
+    local-kernel call of its own queries against all context, then merges its own-block attention (none
+    with k_blk = v_blk = None).
     Backward reduce-scatters dK|dV (fp32) of the whole context back to the owners. Communication per
     rank is O(Lk * Hkv * D): it grows with the context.
     """

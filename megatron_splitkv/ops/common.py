@@ -3,7 +3,8 @@
 - context sorting by (sequence id, position) and per-block key intervals (`IntervalMask`).
 - the lse merge (`lse_weights`, `finalize`, `merge`): fp32 accumulation, rows whose partial lse are all
   -inf give O = 0 and lse = -inf, never NaN.
-- dense B x B own-block attention forward/backward (batched matmul, float32/float64).
+- dense B x B own-block attention forward/backward (batched matmul, float32/float64); absent when the
+  call passes k_blk = v_blk = None (plain cross-attention: rows attend only the context).
 - empty-input guards around the local kernel.
 
 Validation, the size all-gather and the per-step metadata (sort order, intervals) live in
@@ -93,7 +94,12 @@ def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor):
 
 
 def merge(o1, lse1, o2, lse2):
-    """Exact merge of two partial attention states (o [T, H, D], lse [T, H]) in their dtype."""
+    """Exact merge of two partial attention states (o [T, H, D], lse [T, H]) in their dtype. A state
+    given as (None, None) is absent (no own block): the other state is returned unchanged."""
+    if o1 is None:
+        return o2, lse2
+    if o2 is None:
+        return o1, lse1
     m_safe, w1 = lse_weights(lse1, torch.maximum(lse1, lse2))
     _, w2 = lse_weights(lse2, m_safe)
     return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe)
@@ -114,7 +120,10 @@ def _block_views(q, k_blk, v_blk, block_size, acc):
 
 def own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
     """Each query block attends its own B keys (bidirectional); invalid blocks: out 0, lse -inf.
-    Returns out [Tq, Hq, D], lse [Tq, Hq] in `acc`."""
+    Returns out [Tq, Hq, D], lse [Tq, Hq] in `acc`; (None, None) when k_blk is None (no own block,
+    an absent state for `merge`)."""
+    if k_blk is None:
+        return None, None
     tq, hq, d = q.shape
     qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc)
     s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
@@ -127,7 +136,10 @@ def own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
 
 
 def own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, delta, acc):
-    """Own-block gradients with the GLOBAL lse and delta ([Tq, Hq]); returns dq, dk_blk, dv_blk in acc."""
+    """Own-block gradients with the GLOBAL lse and delta ([Tq, Hq]); returns dq, dk_blk, dv_blk in acc,
+    or (None, None, None) when k_blk is None (no own block)."""
+    if k_blk is None:
+        return None, None, None
     tq, hq, d = q.shape
     qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc)
     nb, bsz, hkv, g, _ = qb.shape
@@ -145,6 +157,16 @@ def own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, del
     dq = torch.einsum("nkgij,njkd->nikgd", ds, kb) * scale
     dk = torch.einsum("nkgij,nikgd->njkd", ds, qb) * scale
     return dq.reshape(tq, hq, d), dk.reshape(tq, hkv, d), dv.reshape(tq, hkv, d)
+
+
+def add_grad(a, b):
+    """a + b where either may be None (an absent own-block gradient)."""
+    return a if b is None else b if a is None else a + b
+
+
+def cast(t, dtype):
+    """t.to(dtype), None passing through (the gradients of k_blk = v_blk = None)."""
+    return None if t is None else t.to(dtype)
 
 
 # ----------------------------------------------------------------------------- kernel guards

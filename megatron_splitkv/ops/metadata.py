@@ -263,10 +263,19 @@ def check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
     return q_seq, q_anchor, kv_seq, kv_pos
 
 
+def check_own_block(k_blk, v_blk):
+    """k_blk and v_blk are both given or both None (no own-block part). Returns True when given."""
+    if (k_blk is None) != (v_blk is None):
+        raise ValueError("k_blk and v_blk must both be tensors or both be None (no own-block part), got "
+                         f"k_blk {type(k_blk).__name__}, v_blk {type(v_blk).__name__}")
+    return k_blk is not None
+
+
 def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
-    """Shapes/dtypes/devices of the five activations (no metadata given). Returns (nb, tk, hq, hkv, d)."""
-    names = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
-    tensors = (q, k_ctx, v_ctx, k_blk, v_blk)
+    """Shapes/dtypes/devices of the five activations (no metadata given; k_blk = v_blk = None allowed).
+    Returns (nb, tk, hq, hkv, d)."""
+    names = ("q", "k_ctx", "v_ctx") + (("k_blk", "v_blk") if check_own_block(k_blk, v_blk) else ())
+    tensors = (q, k_ctx, v_ctx, k_blk, v_blk)[: len(names)]
     for n, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -284,7 +293,7 @@ def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
         raise ValueError(f"k_ctx.shape {tuple(k_ctx.shape)} must be [Tk_local, Hkv >= 1, D={d}]")
     if tuple(v_ctx.shape) != tuple(k_ctx.shape):
         raise ValueError(f"v_ctx.shape {tuple(v_ctx.shape)} must equal k_ctx.shape {tuple(k_ctx.shape)}")
-    for n, t in (("k_blk", k_blk), ("v_blk", v_blk)):
+    for n, t in zip(names[3:], tensors[3:]):
         if tuple(t.shape) != (tq, hkv, d):
             raise ValueError(f"{n}.shape {tuple(t.shape)} must be [Tq_local={tq}, Hkv={hkv}, D={d}]")
     if hq % hkv:
@@ -479,8 +488,9 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
     check_scale_backend(softmax_scale, backend)
     tq, tk, hq, hkv, d = meta.tq_local, meta.tk_local, meta.num_heads_q, meta.num_heads_kv, meta.head_dim
-    expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)),
-              ("k_blk", k_blk, (tq, hkv, d)), ("v_blk", v_blk, (tq, hkv, d)))
+    expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)))
+    if check_own_block(k_blk, v_blk):
+        expect += (("k_blk", k_blk, (tq, hkv, d)), ("v_blk", v_blk, (tq, hkv, d)))
     for n, t, shape in expect:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{n} must be a tensor of shape {list(shape)}, got {type(t).__name__}")
@@ -501,7 +511,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     devices against the metadata (no host sync, no collective), before any collective of the call.
 
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
-    [n_blocks[r] * B, Hkv, D]; dtype and device as prepared. Every rank checks against the same agreed
+    [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
+    dtype and device as prepared. Every rank checks against the same agreed
     size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the
     ValueError is raised on that rank only, and the other ranks then block in the call's first
     collective (until the process group's timeout), as Megatron-Core does on shape mismatches; with

@@ -10,6 +10,8 @@ import torch
 
 from ..comm import RingExchange
 from .common import (
+    add_grad,
+    cast,
     delta_and_dout,
     intervals,
     kernel_backward,
@@ -44,7 +46,7 @@ class _RingKV(torch.autograd.Function):
         # from the gathered context keys, so only K/V travel. Without it the sorted keys travel with K/V
         # and each step's mask is built on arrival.
         pre = meta.step_masks
-        out, lse = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
+        out, lse = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)  # None: no own block
         cur, masks, states = ((k_s, v_s) if pre is not None else (k_s, v_s, keys)), [], []
         for step in range(g.size):
             # overlap: the next shard travels while this one is computed.
@@ -75,7 +77,7 @@ class _RingKV(torch.autograd.Function):
             ex_kv = _next_shard(plan, step, cur, "ring_kv.bwd.kv") if step < g.size - 1 else None
             dq_t, dk_t, dv_t = kernel_backward(plan, q, cur[0], cur[1], ctx.masks[step], dout, lse, delta,
                                                ctx.states[step])
-            dq = dq + dq_t
+            dq = add_grad(dq, dq_t)
             if ex_grad is not None:  # dK/dV accumulated by the ranks this shard visited before
                 dk_in, dv_in = ex_grad.wait()
                 dk_t, dv_t = dk_t + dk_in, dv_t + dv_in
@@ -86,7 +88,7 @@ class _RingKV(torch.autograd.Function):
         dk_s, dv_s = ex_grad.wait() if ex_grad is not None else (dk_t, dv_t)
         dt = q.dtype
         return (None, dq.to(dt), unsort(dk_s, ctx.order).to(dt), unsort(dv_s, ctx.order).to(dt),
-                dk_b.to(dt), dv_b.to(dt))
+                cast(dk_b, dt), cast(dv_b, dt))
 
 
 def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
@@ -99,7 +101,8 @@ def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     `megatron_splitkv.splitkv_attention` (see there). Each rank sorts its context by (sequence,
     position) once; the sorted K, V and keys rotate P - 1 steps with batch_isend_irecv, the transfer of
     the next shard overlapping the local kernel on the current one; partial results are merged by lse
-    (fp32). Backward rotates K/V again with fp32 dK/dV accumulators travelling one step behind, which
+    (fp32), starting from the own-block state (none with k_blk = v_blk = None). Backward rotates K/V
+    again with fp32 dK/dV accumulators travelling one step behind, which
     reach their owner after P hops. Uneven and empty shards work (sizes come from the metadata gather).
     Communication per rank is O(Lk * Hkv * D).
 

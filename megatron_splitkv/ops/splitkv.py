@@ -10,6 +10,8 @@ import torch
 
 from ..comm import all_gather, all_reduce_max, reduce_scatter
 from .common import (
+    add_grad,
+    cast,
     delta_and_dout,
     finalize,
     kernel_backward,
@@ -49,7 +51,7 @@ class _SplitKV(torch.autograd.Function):
         part = reduce_scatter(torch.cat([o_r * w[..., None], w[..., None]], -1), g, "splitkv.fwd.out")
         own = slice(g.rank * rows_max, g.rank * rows_max + rows)
         o_ctx, lse_ctx = finalize(part[:rows, :, :d], part[:rows, :, d], m_safe[own])
-        # 4. merge the owner's own-block attention.
+        # 4. merge the owner's own-block attention (none when k_blk is None).
         o_b, lse_b = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
         out, lse = merge(o_ctx, lse_ctx, o_b, lse_b)
         ctx.plan, ctx.mask, ctx.order, ctx.state = plan, mask, order, state
@@ -74,8 +76,8 @@ class _SplitKV(torch.autograd.Function):
         dq_b, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse,
                                               delta, acc)
         dt = q.dtype
-        return (None, (dq + dq_b).to(dt), unsort(dk_s, ctx.order).to(dt), unsort(dv_s, ctx.order).to(dt),
-                dk_b.to(dt), dv_b.to(dt))
+        return (None, add_grad(dq, dq_b).to(dt), unsort(dk_s, ctx.order).to(dt),
+                unsort(dv_s, ctx.order).to(dt), cast(dk_b, dt), cast(dv_b, dt))
 
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
@@ -95,13 +97,17 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Args:
         q: [Tq_local, Hq, D] this rank's query rows, block by block (Tq_local = n_blocks_local * B).
         k_ctx, v_ctx: [Tk_local, Hkv, D] this rank's context keys/values in any order (Tk_local may be 0).
-        k_blk, v_blk: [Tq_local, Hkv, D] keys/values of this rank's query blocks (the blocks' own tokens).
+        k_blk, v_blk: [Tq_local, Hkv, D] keys/values of this rank's query blocks (the blocks' own tokens),
+            or both None: no own-block part, every row attends only the context keys its block sees
+            (plain cross-attention; e.g. block_size=1, one row per block, q_anchor = 2**31 - 1 to see
+            every context key of sequence q_seq, and kv_seq = -1 for masked-out keys).
         q_seq, q_anchor: [n_blocks_local] integer (int64); sequence id and anchor position per block;
             anchor < 0 marks an invalid (padding) block: its rows are 0 and get zero gradient.
         kv_seq, kv_pos: [Tk_local] integer (int64); sequence id and global position per context token.
             Ids and positions must lie in [-2**31, 2**31).
         block_size: B (keyword; required without `metadata=`). Mask: a row of block b sees context keys with kv_seq == q_seq[b] and
-            kv_pos < q_anchor[b] (strictly) on every rank, plus all B keys of its own block.
+            kv_pos < q_anchor[b] (strictly) on every rank, plus all B keys of its own block (unless
+            k_blk is None).
         cp_group: the CP ProcessGroup; None = the default group if initialised, else single process.
             Ranks may hold different numbers of blocks and context tokens, including zero.
         softmax_scale: defaults to 1 / sqrt(D).
@@ -118,11 +124,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
         float64 inputs, natural log; rows that see no key have out = 0, lse = -inf). Differentiable in
-        q, k_ctx, v_ctx, k_blk, v_blk (and through lse). Grouped-query attention: q head h uses kv head
+        q, k_ctx, v_ctx, k_blk, v_blk (and through lse); with k_blk = v_blk = None their gradients are
+        None. Grouped-query attention: q head h uses kv head
         h // (Hq // Hkv). Dtypes: bf16, fp16, fp32, fp64 (all five tensors the same).
 
     Raises:
-        ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, Hq % Hkv != 0,
+        ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
+            k_blk / v_blk None, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, or block_size / Hq /
             Hkv / D / dtype differing across ranks. With `metadata=`: ValueError on this rank when a
             tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs from what the metadata
