@@ -304,7 +304,33 @@ def test_query_blocks_split_evenly():
         (dict(seq_lens=[10], anchors=[[1]], block_size=0), r"block_size must be an integer > 0"),
         (dict(seq_lens=[10], anchors=[[1], [2]]), r"one array per sequence"),
         (dict(seq_lens=[10], anchors=[[1]], strategy="ring"), r"strategy must be one of"),
-        (dict(seq_lens=[10], anchors=[[1.5]]), r"anchors\[0\] must hold integers"),
+        (dict(seq_lens=[10], anchors=[[1.5]]), r"anchors\[0\] must hold finite integers, got anchors\[0\]\[0\] = 1.5"),
+        # scalar arguments: None, strings, NaN/inf, fractions and bools give a ValueError naming them
+        (dict(seq_lens=[10], anchors=[[1]], cp_size=None), r"cp_size must be an integer >= 1, got None"),
+        (dict(seq_lens=[10], anchors=[[1]], cp_size=True), r"cp_size must be an integer >= 1, got True"),
+        (dict(seq_lens=[10], anchors=[[1]], cp_size=float("inf")), r"cp_size must be an integer >= 1"),
+        (dict(seq_lens=[10], anchors=[[1]], block_size=None), r"block_size must be an integer > 0, got None"),
+        (dict(seq_lens=[10], anchors=[[1]], block_size="4"), r"block_size must be an integer > 0, got '4'"),
+        (dict(seq_lens=[10], anchors=[[1]], chunk_size="a"), r"chunk_size must be None or an integer > 0, got 'a'"),
+        (dict(seq_lens=[10], anchors=[[1]], chunk_size=8.5), r"chunk_size must be None or an integer > 0"),
+        (dict(seq_lens=[10], anchors=[[1]], chunk_size=float("nan")), r"chunk_size must be None or an integer"),
+        (dict(seq_lens=[10], anchors=[[1]], min_chunk=None), r"min_chunk must be an integer in \[1, 2048\]"),
+        (dict(seq_lens=[10], anchors=[[1]], target_imbalance=float("nan")), r"target_imbalance must be a finite"),
+        (dict(seq_lens=[10], anchors=[[1]], target_imbalance=-1), r"target_imbalance must be a finite number >= 0"),
+        (dict(seq_lens=[10], anchors=[[1]], refine_tol=None), r"refine_tol must be a finite number >= 0"),
+        # seq_lens: the real bad value is reported (no garbage from casting inf/NaN to int64)
+        (dict(seq_lens=[np.inf], anchors=[[1]]), r"seq_lens must hold finite integers, got seq_lens\[0\] = inf"),
+        (dict(seq_lens=[10, np.nan], anchors=[[1], []]), r"seq_lens\[1\] = nan"),
+        (dict(seq_lens=[10, 7.5], anchors=[[1], []]), r"seq_lens\[1\] = 7.5"),
+        (dict(seq_lens=[1e30], anchors=[[]]), r"seq_lens\[0\] = 1e\+30"),
+        (dict(seq_lens=np.array([2**64 - 1], dtype=np.uint64), anchors=[[]]), r"seq_lens\[0\] = 18446744073709551615"),
+        (dict(seq_lens=[True, True], anchors=[[], []]), r"seq_lens must hold integers, got dtype bool"),
+        (dict(seq_lens=["10"], anchors=[[]]), r"seq_lens must hold integers"),
+        # size limit: sum(seq_lens) <= MAX_TOKENS = 2**31 - 1, checked before anything is allocated
+        (dict(seq_lens=[2**33], anchors=[[0, 2**33 - 2]], chunk_size=2**31), r"MAX_TOKENS = 2\*\*31 - 1"),
+        (dict(seq_lens=[2**30] * 3, anchors=[[]] * 3), r"sum\(seq_lens\) = 3221225472 tokens exceeds"),
+        (dict(seq_lens=[2**62] * 4, anchors=[[]] * 4), r"sum\(seq_lens\) = 18446744073709551616 tokens"),
+        (dict(seq_lens=[10], anchors=5), r"anchors must be a sequence"),
     ],
 )
 def test_bad_input(kwargs, match):
@@ -317,9 +343,31 @@ def test_bad_input(kwargs, match):
 def test_bad_cost_model_and_rank():
     with pytest.raises(ValueError, match="attn_pair_cost"):
         CostModel(attn_pair_cost=-1.0)
+    for bad in ("x", 1.0, dict(attn_pair_cost=1.0)):
+        with pytest.raises(TypeError, match=r"cost_model must be a megatron_splitkv\.planning\.CostModel or None"):
+            plan_context_parallel([10], [[1]], block_size=B, cp_size=2, cost_model=bad)
     plan = plan_context_parallel([10], [[1]], block_size=B, cp_size=2)
     with pytest.raises(ValueError, match=r"cp_rank must be in \[0, 2\)"):
         plan.token_index(2)
+
+
+def test_size_limit_and_accepted_scalar_types():
+    from megatron_splitkv.planning import MAX_TOKENS
+
+    assert MAX_TOKENS == 2**31 - 1
+    # integral floats, numpy and torch integer scalars are accepted as before
+    torch = pytest.importorskip("torch")
+    ref = plan_context_parallel([50, 30], [[1, 40], [2]], block_size=4, cp_size=2, chunk_size=8)
+    for kw in (dict(block_size=4.0, cp_size=2.0, chunk_size=8.0),
+               dict(block_size=np.int64(4), cp_size=np.int32(2), chunk_size=np.uint8(8)),
+               dict(block_size=torch.tensor(4), cp_size=torch.tensor(2), chunk_size=8)):
+        p = plan_context_parallel(np.array([50.0, 30.0]), [[1, 40], [2]], **kw)
+        np.testing.assert_array_equal(p.chunk_rank, ref.chunk_rank)
+        assert (p.cp_size, p.block_size, p.chunk_size) == (2, 4, 8)
+    # exactly at the limit the validation passes (checked on auto_chunk_size: no plan is allocated)
+    assert auto_chunk_size([MAX_TOKENS], [[]], block_size=4, cp_size=64) == 2048
+    with pytest.raises(ValueError, match="MAX_TOKENS"):
+        auto_chunk_size([MAX_TOKENS, 1], [[], []], block_size=4, cp_size=64)
 
 
 def test_hypergraph_missing_extra(monkeypatch):

@@ -54,6 +54,8 @@ sys.path.insert(0, ROOT)
 
 from megatron_splitkv import bench  # noqa: E402
 from megatron_splitkv.comm import comm_stats  # noqa: E402
+from megatron_splitkv.kernels import BACKENDS  # noqa: E402
+from megatron_splitkv.planning import STRATEGIES  # noqa: E402
 
 
 def _rank():
@@ -187,6 +189,43 @@ def table(rows, slow):
     return bench.md_table(hdr, out) + "\n" + note
 
 
+def _csv(s):
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def _int_list(ap, flag, value, minimum):
+    try:
+        out = [int(c) for c in _csv(value)]
+    except ValueError:
+        out = None
+    if not out or min(out) < minimum:
+        ap.error(f"{flag} must be a comma list of integers >= {minimum}, got {value!r}")
+    return out
+
+
+def check_args(ap, args):
+    """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, contexts,
+    methods, placements)."""
+    cps = _int_list(ap, "--cp", args.cp, 1)
+    contexts = _int_list(ap, "--contexts", args.contexts, 2)
+    methods = _csv(args.methods)
+    bad = [m for m in methods if m not in bench.METHODS]
+    if bad or not methods:
+        ap.error(f"--methods: unknown method(s) {bad or '(empty)'}; valid: {', '.join(bench.METHODS)}")
+    placements = _csv(args.placements)
+    bad = [p for p in placements if p not in STRATEGIES]
+    if bad or not placements:
+        ap.error(f"--placements: unknown placement(s) {bad or '(empty)'}; valid: {', '.join(STRATEGIES)}")
+    if args.backend not in BACKENDS:
+        ap.error(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
+    for flag in ("anchors", "n_seqs", "reps", "kernel_reps"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.budget_s >= 0:
+        ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+    return cps, contexts, methods, placements
+
+
 def main(argv=None):
     """CLI (see the module docstring). Returns the rows (rank 0 writes JSON + markdown)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,6 +252,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo (tests)")
     args = ap.parse_args(argv)
+    cps, contexts, methods, placements = check_args(ap, args)
 
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -222,6 +262,7 @@ def main(argv=None):
         shapes = dict(B=4, Hq=4, Hkv=2, D=16, dtype=torch.bfloat16)
         if args.contexts == ap.get_default("contexts"):
             args.contexts = "512,1024"
+            contexts = [512, 1024]
         if args.anchors == ap.get_default("anchors"):
             args.anchors = 16
         args.reps, args.kernel_reps = min(args.reps, 2), min(args.kernel_reps, 1)
@@ -248,10 +289,6 @@ def main(argv=None):
     tag = ("_" + args.tag) if args.tag else ""
     json_path = os.path.join(args.out, f"bench_attention{tag}.json")
     md_path = os.path.join(args.out, f"bench_attention{tag}.md")
-    cps = [int(c) for c in args.cp.split(",") if c]
-    contexts = [int(c) for c in args.contexts.split(",") if c]
-    methods = [m for m in args.methods.split(",") if m]
-    placements = [p for p in args.placements.split(",") if p]
     env = dict(torch=torch.__version__, world=world, device=str(dev), backend=backend,
                gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -309,11 +346,23 @@ def main(argv=None):
             f.write(f"# bench_attention{tag} ({env['gpu']}, {env['date']})\n\n{md}\n")
         print(md, flush=True)
         print(f"[done] {time.perf_counter() - t_start:.1f}s, {len(rows)} rows -> {md_path}", flush=True)
+        n_err = sum("error" in r for r in rows)
+        if n_err:
+            print(f"bench_attention: error: {n_err} of {len(rows)} rows failed (see the ERROR rows)",
+                  file=sys.stderr, flush=True)
+        elif not rows and not stopped:
+            print(f"bench_attention: error: no row could run (--cp {args.cp} with world size {world})",
+                  file=sys.stderr, flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return rows
 
 
+def exit_code(rows):
+    """Process exit status of the CLI: 1 when a row errored or no row ran, else 0."""
+    return 1 if (not rows or any("error" in r for r in rows)) else 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_code(main()))

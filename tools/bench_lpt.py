@@ -68,6 +68,15 @@ def main():
     ap.add_argument("--strategies", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--quick", action="store_true", help="small-data mode (first 300 conversations)")
     args = ap.parse_args()
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    bad = [s for s in strategies if s not in VARIANTS]
+    if bad or not strategies:
+        ap.error(f"--strategies: unknown strategy {', '.join(map(repr, bad)) or '(empty list)'}; "
+                 f"valid strategies: {', '.join(VARIANTS)}")
+    for flag in ("batches", "long_batches", "repeats", "hg_repeats"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    args.strategies = ",".join(strategies)
 
     try:
         import kahypar  # noqa: F401

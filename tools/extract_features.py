@@ -46,7 +46,37 @@ def parse_args(argv=None):
     p.add_argument("--target-seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="stored dtype; the target runs in bf16 on GPU, fp32 on CPU")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p, args):
+    """Validate the flags before any process group or model is built (argparse error, exit 2)."""
+    for flag in ("max_tokens", "target_num_layers", "draft_num_layers", "hidden_size", "num_attention_heads",
+                 "num_query_groups", "kv_channels", "ffn_hidden_size", "vocab_size"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.sharegpt_limit is not None and args.sharegpt_limit < 1:
+        p.error(f"--sharegpt-limit must be >= 1, got {args.sharegpt_limit}")
+    if args.num_attention_heads % args.num_query_groups:
+        p.error(f"--num-attention-heads ({args.num_attention_heads}) must be a multiple of --num-query-groups "
+                f"({args.num_query_groups})")
+    n = args.target_num_layers
+    if args.tap_layers:
+        bad = [i for i in args.tap_layers if not 0 <= i < n]
+        if bad:
+            p.error(f"--tap-layers {bad} out of range: tap layer ids must lie in [0, {n}) "
+                    f"(--target-num-layers {n})")
+    else:
+        from megatron_splitkv.dflash import target_layer_ids
+
+        try:
+            target_layer_ids(n, args.draft_num_layers)
+        except ValueError as e:
+            p.error(f"--target-num-layers {n} / --draft-num-layers {args.draft_num_layers}: {e}")
+    if args.target_load and not os.path.exists(args.target_load):
+        p.error(f"--target-load: no such file {args.target_load!r}")
 
 
 def main(argv=None):

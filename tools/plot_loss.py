@@ -10,7 +10,8 @@ Parses Megatron's per-iteration log lines
 `<out>.md` (columns: iteration, loss CP=2, loss CP=1, tokens/s CP=2, tokens/s CP=1, planner imbalance
 CP=2; a summary first) and `<out>.png` (both loss curves; matplotlib when importable, otherwise a plain
 PNG drawn with the standard library, so that it also works on a machine without matplotlib). The
-table is printed last on stdout. CPU only; standard library (+ matplotlib when present).
+table is printed last on stdout. A log that is missing, unreadable or holds no iteration line with a
+loss is an error (exit status 2, nothing written). CPU only; standard library (+ matplotlib when present).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import math
 import os
 import re
 import struct
-import sys
 import zlib
 
 _ITER = re.compile(r"iteration\s+(\d+)\s*/\s*(\d+)")
@@ -210,12 +210,15 @@ def main(argv=None):
     runs = {}
     for label, path in (("CP=2", args.cp2), ("CP=1", args.cp1)):
         if path:
+            flag = "--cp2" if label == "CP=2" else "--cp1"
             try:
                 with open(path, errors="replace") as f:
                     runs[label] = parse_log(f.read())
             except OSError as e:
-                print(f"[plot_loss] cannot read {path}: {e}", file=sys.stderr)
-                runs[label] = {}
+                p.error(f"{flag}: cannot read {path!r}: {e.strerror or e}")
+            if not runs[label]:
+                p.error(f"{flag}: no iteration lines with a loss ('iteration N/ M | ... | lm loss: X |') in "
+                        f"{path!r}")
     table = markdown_table(runs.get("CP=2", {}), runs.get("CP=1", {}))
     summary = "\n".join(summary_lines(runs))
     try:

@@ -5,7 +5,8 @@ splitkv, allgather-kv and ring-kv (issue 6, deliverable 2).
 Weak scaling: context per rank fixed (`--ctx-per-rank`, default 16K; total context = P x that, one
 sequence), query budget fixed (`--anchors` 512 x B 16 = 8192 query rows), anchors sampled as in training,
 context placed by the planner (LPT; `--placements lpt,zigzag` adds splitkv under zigzag). Efficiency
-= T(1) / T(P) at constant per-rank context.
+= T(P0) / T(P) at constant per-rank context, P0 = the smallest P in `--cps` (1 by default; with
+P0 > 1 and several splitkv placements, the fastest placement at P0 is the base).
 
 T(P) = compute + exposed communication + op overhead, per method, modelled as the code does it
 (read ops/*.py):
@@ -61,6 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_splitkv import bench  # noqa: E402
+from megatron_splitkv.planning import STRATEGIES as PLACEMENTS  # noqa: E402
 
 QUERY_FLOPS_NOTE = "useful fwd = 4*pairs*Hq*D; fwd+bwd = 3.5x"
 
@@ -163,6 +165,55 @@ def sample_ranks(method, plan, k):
     return out, pairs
 
 
+def _csv(s):
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def check_args(ap, args):
+    """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, methods,
+    placements) as lists."""
+    try:
+        cps = [int(c) for c in _csv(args.cps)]
+    except ValueError:
+        ap.error(f"--cps must be a comma list of integers >= 1, got {args.cps!r}")
+    if not cps or min(cps) < 1:
+        ap.error(f"--cps must be a comma list of integers >= 1, got {args.cps!r}")
+    if len(set(cps)) != len(cps):
+        ap.error(f"--cps has duplicates: {args.cps!r}")
+    methods = _csv(args.methods)
+    bad = [m for m in methods if m not in bench.METHODS]
+    if bad or not methods:
+        ap.error(f"--methods: unknown method(s) {bad or '(empty)'}; valid: {', '.join(bench.METHODS)}")
+    placements = _csv(args.placements)
+    bad = [p for p in placements if p not in PLACEMENTS]
+    if bad or not placements:
+        ap.error(f"--placements: unknown placement(s) {bad or '(empty)'}; valid: {', '.join(PLACEMENTS)}")
+    for flag in ("ctx_per_rank", "anchors", "B", "Hq", "Hkv", "D", "n_seqs", "sample_ranks", "reps",
+                 "gpus_per_node"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.Hq % args.Hkv:
+        ap.error(f"--Hq ({args.Hq}) must be a multiple of --Hkv ({args.Hkv}) (grouped-query attention)")
+    if args.n_seqs > args.ctx_per_rank * min(cps):
+        ap.error(f"--n-seqs ({args.n_seqs}) must be <= the smallest total context "
+                 f"(--ctx-per-rank x min(--cps) = {args.ctx_per_rank * min(cps)})")
+    for flag in ("kernel_tflops", "intra_bw_gbs", "inter_bw_gbs"):
+        v = getattr(args, flag)
+        if not (np.isfinite(v) and v > 0):
+            ap.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
+    for flag in ("call_overhead_ms", "op_overhead_ms", "intra_alpha_us", "inter_alpha_us", "budget_s"):
+        v = getattr(args, flag)
+        if not (np.isfinite(v) and v >= 0):
+            ap.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
+    if not 0 <= args.fwd_fraction <= 1:
+        ap.error(f"--fwd-fraction must be in [0, 1], got {args.fwd_fraction}")
+    for flag in ("link_json", "bench_json"):
+        v = getattr(args, flag)
+        if v and not os.path.isfile(v):
+            ap.error(f"--{flag.replace('_', '-')}: no such file {v!r}")
+    return cps, methods, placements
+
+
 def main(argv=None):
     """CLI (see the module docstring). Returns the result dict (also written as JSON on rank 0)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -205,11 +256,9 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
     ap.add_argument("--cpu", action="store_true", help="measured mode on CPU (tiny shapes; tests only)")
     args = ap.parse_args(argv)
+    cps, methods, placements = check_args(ap, args)
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
-    cps = [int(c) for c in args.cps.split(",") if c]
-    methods = [m for m in args.methods.split(",") if m]
-    placements = [p for p in args.placements.split(",") if p]
     dtype = torch.bfloat16
     elem = 2
 
@@ -370,11 +419,17 @@ def main(argv=None):
                          per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
                          sampled_pairs=pairs, planner_imbalance=float(plan.imbalance),
                          bytes_per_rank=sum(r.bytes for r in recs), **t))
-    # efficiency vs the method's own P = 1
-    base = {(r["method"]): r["total_ms"] for r in rows if r["P"] == 1}
+    # efficiency vs the method's own T at the smallest P given (P0 = 1 by default; when P0 > 1 and
+    # splitkv has several placements, T(P0) is its fastest placement at P0)
+    p0 = min(cps)
+    base = {}
+    for r in rows:
+        if r["P"] == p0:
+            base[r["method"]] = min(base.get(r["method"], float("inf")), r["total_ms"])
     for r in rows:
         b = base.get(r["method"])
-        r["efficiency"] = b / r["total_ms"] if b else float("nan")
+        r["efficiency"] = b / r["total_ms"] if b and r["total_ms"] > 0 else float("nan")
+        r["efficiency_base_P"] = p0
     # measured CP=2 from bench_attention
     if args.bench_json and os.path.exists(args.bench_json):
         with open(args.bench_json) as f:
@@ -442,7 +497,8 @@ def render(res):
             f"Lq = {a['anchors']} x {a['B']}, Hq {a['Hq']}, Hkv {a['Hkv']}, D {a['D']}, bf16. Link: "
             f"{res['link_source']}; P > {a['gpus_per_node']}: inter-node {a['inter_bw_gbs']} GB/s, "
             f"{a['inter_alpha_us']} us/hop. Overhead: {res['overhead_source']}. "
-            f"Efficiency = T(1)/T(P) per method. splitkv/allgather-kv: no overlap (as coded); ring-kv: "
+            f"Efficiency = T(P0)/T(P) per method, P0 = {min(r['P'] for r in rows) if rows else 1} (the "
+            f"smallest P given; fastest placement at P0). splitkv/allgather-kv: no overlap (as coded); ring-kv: "
             f"next shard overlaps the current step.")
     return bench.md_table(hdr, out) + "\n\n" + note
 

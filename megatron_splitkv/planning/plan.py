@@ -5,6 +5,9 @@ See docs/lpt.md for the rules, bounds and benchmark numbers.
 """
 
 import heapq
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +20,7 @@ MAX_CHUNK = 2048
 CHUNK_ALIGN = 64
 DEFAULT_TARGET_IMBALANCE = 0.005
 CHUNKS_PER_RANK = 8  # granularity the automatic chunk size aims for (see auto_chunk_size)
+MAX_TOKENS = 2**31 - 1  # largest batch (sum of seq_lens) the planner accepts: the op's int32 position range
 
 
 @dataclass
@@ -128,12 +132,49 @@ def _as_int_array(x, name):
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
-    if not np.issubdtype(arr.dtype, np.integer):
-        if np.issubdtype(arr.dtype, np.floating) and np.all(arr == np.round(arr)):
-            arr = arr.astype(np.int64)
-        else:
-            raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
+    if np.issubdtype(arr.dtype, np.integer):
+        if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and arr.max() > np.iinfo(np.int64).max:
+            i = int(np.argmax(arr))
+            raise ValueError(f"{name} must be finite integers within int64, got {name}[{i}] = {int(arr[i])}")
+        return arr.astype(np.int64, copy=False)
+    if np.issubdtype(arr.dtype, np.floating):
+        # reject NaN/inf and fractional values, naming the first bad one (before any cast: casting
+        # inf/NaN to int64 gives garbage such as -2**63)
+        bad = ~np.isfinite(arr)
+        bad |= np.abs(arr) >= 2.0 ** 63  # would overflow int64
+        if not bad.any():
+            bad = arr != np.round(arr)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name} must hold finite integers, got {name}[{i}] = {arr[i].item()!r}")
+        return arr.astype(np.int64)
+    raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+
+
+def _int_arg(x, name, minimum, what):
+    """A scalar integer argument >= `minimum` (integral floats such as 2.0 accepted; bool, None,
+    strings, NaN/inf and fractions rejected with a ValueError naming `name`)."""
+    try:
+        if isinstance(x, (bool, np.bool_)):
+            ok = False
+        elif isinstance(x, numbers.Real):
+            ok = float(x).is_integer() and x >= minimum
+        else:  # e.g. an integer torch scalar
+            x = operator.index(x)
+            ok = x >= minimum
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return int(x)
+
+
+def _float_arg(x, name):
+    """A finite real number >= 0 (NaN, inf, negative, None and strings rejected)."""
+    ok = not isinstance(x, (bool, np.bool_)) and isinstance(x, numbers.Real) and math.isfinite(x) and x >= 0
+    if not ok:
+        raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
+    return float(x)
 
 
 def _validate(seq_lens, anchors, block_size, cp_size, chunk_size):
@@ -141,19 +182,28 @@ def _validate(seq_lens, anchors, block_size, cp_size, chunk_size):
     n_anchors [n] int64, anchors concatenated [N] int64, packed offsets [n + 1], anchor_ptr [n + 1],
     query-block anchors q_anchor [N padded to a multiple of cp_size with -1], packed anchors [N] =
     anchors + offset of their sequence, globally sorted; a temporary that the cost computation consumes)."""
-    if isinstance(cp_size, bool) or int(cp_size) != cp_size or cp_size < 1:
-        raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}")
-    if isinstance(block_size, bool) or int(block_size) != block_size or block_size <= 0:
-        raise ValueError(f"block_size must be an integer > 0, got {block_size!r}")
-    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size <= 0):
-        raise ValueError(f"chunk_size must be None or an integer > 0, got {chunk_size!r}")
+    _int_arg(cp_size, "cp_size", 1, "an integer >= 1")
+    _int_arg(block_size, "block_size", 1, "an integer > 0")
+    if chunk_size is not None:
+        _int_arg(chunk_size, "chunk_size", 1, "None or an integer > 0")
     lens = _as_int_array(seq_lens, "seq_lens")
-    if lens.size and lens.min() < 0:
-        j = int(np.argmin(lens))
-        raise ValueError(f"seq_lens must be >= 0, got seq_lens[{j}] = {int(lens[j])}")
-    if len(anchors) != lens.shape[0]:
+    if lens.size:
+        lo, hi = lens.min(), lens.max()
+        if lo < 0:
+            j = int(np.argmin(lens))
+            raise ValueError(f"seq_lens must be >= 0, got seq_lens[{j}] = {int(lens[j])}")
+        if hi > MAX_TOKENS or (lens.shape[0] > 1 and int(lens.sum()) > MAX_TOKENS):  # max first: no overflow
+            raise ValueError(
+                f"the batch is too large: sum(seq_lens) = {int(lens.astype(object).sum())} tokens exceeds the "
+                f"planner's limit MAX_TOKENS = 2**31 - 1 (token positions and indices must fit the "
+                f"attention op's int32 range)")
+    try:
+        n_anchor_arrays = len(anchors)
+    except TypeError:
+        raise ValueError(f"anchors must be a sequence of per-sequence arrays, got {type(anchors).__name__}") from None
+    if n_anchor_arrays != lens.shape[0]:
         raise ValueError(
-            f"anchors must have one array per sequence: got {len(anchors)} for {lens.shape[0]} sequences"
+            f"anchors must have one array per sequence: got {n_anchor_arrays} for {lens.shape[0]} sequences"
         )
     anc = []
     for j, a in enumerate(anchors):
@@ -248,9 +298,10 @@ def auto_chunk_size(seq_lens, anchors, *, block_size, cp_size, cost_model=None,
 
 
 def _check_min_chunk(min_chunk):
-    if isinstance(min_chunk, bool) or int(min_chunk) != min_chunk or not 1 <= min_chunk <= MAX_CHUNK:
+    min_chunk = _int_arg(min_chunk, "min_chunk", 1, f"an integer in [1, {MAX_CHUNK}]")
+    if min_chunk > MAX_CHUNK:
         raise ValueError(f"min_chunk must be an integer in [1, {MAX_CHUNK}], got {min_chunk!r}")
-    return int(min_chunk), min(CHUNK_ALIGN, int(min_chunk))
+    return min_chunk, min(CHUNK_ALIGN, min_chunk)
 
 
 def _auto_chunk(lens, cp_size, min_chunk=MIN_CHUNK):
@@ -524,15 +575,32 @@ def plan_context_parallel(seq_lens, anchors, *, block_size, cp_size, chunk_size=
         `Plan` (chunks, per-rank loads and imbalance, per-rank index arrays, query-block split).
         Deterministic: same inputs give the same plan (ties broken by chunk id, then rank id).
 
+    Limits: the batch may hold at most ``MAX_TOKENS = 2**31 - 1`` tokens in total (sum(seq_lens)): the
+        attention op takes positions and packed indices as int32-range values, and a larger plan would
+        not fit in memory anyway (several int64 arrays per token).
+
     Raises:
-        ValueError: cp_size < 1, block_size <= 0, chunk_size <= 0, min_chunk outside [1, 2048] (with
-            chunk_size=None), negative seq_lens, anchors count not
-            matching seq_lens, anchors < 0 or >= seq_len - 1, unsorted anchors, unknown strategy.
+        ValueError (naming the argument and the bad value): cp_size, block_size or chunk_size not an
+            integer >= 1 (None, strings, bools, fractions, NaN/inf rejected; integral floats such as 2.0
+            accepted), min_chunk outside [1, 2048] (with chunk_size=None), target_imbalance or
+            refine_tol not a finite number >= 0, seq_lens not 1-D finite integers >= 0 (first bad entry
+            reported, e.g. ``seq_lens[0] = inf``), sum(seq_lens) > MAX_TOKENS, anchors count not
+            matching seq_lens, anchors not integers, < 0 or >= seq_len - 1, unsorted anchors, unknown
+            strategy.
+        TypeError: cost_model not a `CostModel` (or None).
         ImportError: strategy "hypergraph" without kahypar.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    cm = cost_model if cost_model is not None else CostModel()
+    if cost_model is None:
+        cm = CostModel()
+    elif isinstance(cost_model, CostModel):
+        cm = cost_model
+    else:
+        raise TypeError(f"cost_model must be a megatron_splitkv.planning.CostModel or None, got "
+                        f"{type(cost_model).__name__} {cost_model!r}")
+    target_imbalance = _float_arg(target_imbalance, "target_imbalance")
+    refine_tol = _float_arg(refine_tol, "refine_tol")
     lens, anc, n_anc, anc_cat, offsets, anchor_ptr, q_anchor, anchors_flat = _validate(
         seq_lens, anchors, block_size, cp_size, chunk_size)
     cp_size = int(cp_size)
