@@ -90,8 +90,11 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _defaults(args):
-    args.dflash_block_size = getattr(args, "dflash_block_size", 16) or 16
-    args.dflash_num_anchors = getattr(args, "dflash_num_anchors", 512) or 512
+    # unset (None) only: an explicit 0 / negative value is kept so that validate_splitkv_args rejects it
+    if getattr(args, "dflash_block_size", None) is None:
+        args.dflash_block_size = 16
+    if getattr(args, "dflash_num_anchors", None) is None:
+        args.dflash_num_anchors = 512
     args.context_parallel_impl = args.context_parallel_impl or "splitkv"
 
 
@@ -287,12 +290,17 @@ def main(argv=None):
     if "-h" in sys.argv or "--help" in sys.argv:
         _print_help()
         return None
-    if "--parse-only" in sys.argv:  # CPU check: build the parser and parse, nothing else
+    if "--parse-only" in sys.argv:  # CPU check: build the parser, parse and validate the Split-KV flags
         from megatron.training.arguments import parse_args
+
+        from megatron_splitkv.megatron import validate_splitkv_args
 
         sys.argv.remove("--parse-only")
         args = parse_args(add_dflash_args)
         _defaults(args)
+        # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine is
+        # installed is a property of the training machine, not of the flags: not checked here
+        validate_splitkv_args(args, have_te=True)
         print(args)
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

@@ -175,11 +175,11 @@ def _keys_np(seq, pos):
 
 def _intervals_np(keys_sorted, q_seq, q_anchor):
     """numpy twin of `ops.common.intervals`: (lo, hi) per block over sorted keys."""
-    q_seq = np.maximum(np.asarray(q_seq, np.int64), 0)
     q_anchor = np.asarray(q_anchor, np.int64)
+    q_seq = np.where(q_anchor >= 0, np.asarray(q_seq, np.int64), 0)  # negative ids are valid ids
     base = q_seq * (1 << 32)
     lo = np.searchsorted(keys_sorted, base, side="left")
-    hi = np.searchsorted(keys_sorted, base + np.minimum(q_anchor, _INT32) + _INT32, side="left")
+    hi = np.searchsorted(keys_sorted, base + np.clip(q_anchor, 0, _INT32) + (_INT32 - 1), side="right")
     hi = np.where(q_anchor >= 0, hi, lo)
     return lo, hi
 
@@ -405,11 +405,11 @@ _OPNAME = {"splitkv": "splitkv", "allgather-kv": "allgather_kv", "ring-kv": "rin
 
 
 def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
-    """The collectives of `ops.prepare_splitkv_metadata(impl=method)` (once per step): the [1, 9] int64
+    """The collectives of `ops.prepare_splitkv_metadata(impl=method)` (once per step): the [1, 10] int64
     size all-gather "<impl>.meta", then "splitkv.fwd.block_meta" (2 int64 per block), or
     "allgather_kv.fwd.kv_meta" / "ring_kv.ctx_meta" (one int64 per context token, padded)."""
     name = _OPNAME[method]
-    recs = [PredRecord(f"{name}.meta", "all_gather", _ring_bytes("all_gather", P, 9 * 8), 9 * 8)]
+    recs = [PredRecord(f"{name}.meta", "all_gather", _ring_bytes("all_gather", P, 10 * 8), 10 * 8)]
     extra = {"splitkv": ("fwd.block_meta", max(n_blocks) * 2 * 8), "allgather-kv": ("fwd.kv_meta", max(n_ctx) * 8),
              "ring-kv": ("ctx_meta", max(n_ctx) * 8)}[method]
     recs.append(PredRecord(f"{name}.{extra[0]}", "all_gather", _ring_bytes("all_gather", P, extra[1]), extra[1]))
@@ -424,7 +424,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         elem: bytes per element of q/k/v (bf16: 2); acc: bytes of the accumulation dtype (fp32: 4);
         metadata: the call passes per-step metadata (`metadata=`): no size / block / key all-gathers in
             the call (they are in `prepare_records`, once per step) and ring-kv rotates K/V without keys.
-            False: the self-contained call (validation all-gather [1, 8] int64 "<op>.meta", the block or
+            False: the self-contained call (validation all-gather [1, 10] int64 "<op>.meta", the block or
             key all-gather, ring keys travelling with K/V).
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
@@ -437,7 +437,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         recs.append(PredRecord(f"{name}.{op}", kind, _ring_bytes(kind, P, msg), msg, step))
 
     if not metadata:
-        add("meta", "all_gather", 8 * 8)
+        add("meta", "all_gather", 10 * 8)
     rows_max = max(n_blocks) * B
     tk_max = max(n_ctx)
     if method == "splitkv":

@@ -18,6 +18,7 @@ and `block_keep = False`; a block's metadata (`q_seq[b]`, `q_anchor[b]`) is exac
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -174,14 +175,23 @@ def build_draft_blocks(
         Tensors live on `input_ids`' device (CPU for numpy input).
 
     Raises:
-        ValueError: shape mismatches, sum(seq_lens) != S_total, a block's sequence id >= n_seq, or a
-            valid anchor outside [0, S_j).
+        ValueError: block_size not an int >= 2, input_ids not of an integer dtype, a negative seq_len,
+            shape mismatches, sum(seq_lens) != S_total, a block's sequence id >= n_seq, or a valid
+            anchor outside [0, S_j).
 
     Source: DESIGN.md section 1 "Draft block" and "Loss" (DFlash; arXiv 2611.05926).
     """
-    x = _as_long(input_ids)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 2:
+        raise ValueError(f"block_size must be an int >= 2 (a draft block is [anchor token, MASK...]), "
+                         f"got {block_size!r}")
+    ids_raw = torch.as_tensor(input_ids)
+    if ids_raw.dtype.is_floating_point or ids_raw.dtype.is_complex or ids_raw.dtype == torch.bool:
+        raise ValueError(f"input_ids must have an integer dtype (token ids), got {ids_raw.dtype}")
+    x = _as_long(ids_raw)
     dev = x.device
     lens = _as_long(seq_lens, dev)
+    if bool((lens < 0).any()):
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
     qs, qa = _as_long(q_seq, dev), _as_long(q_anchor, dev)
     if qs.shape != qa.shape:
         raise ValueError(f"q_seq {tuple(qs.shape)} and q_anchor {tuple(qa.shape)} must match")
@@ -264,7 +274,9 @@ def dflash_loss(ce: torch.Tensor, weight: torch.Tensor, group=None) -> DFlashLos
         raise ValueError(f"ce {tuple(ce.shape)} and weight {tuple(weight.shape)} must match")
     acc = torch.float64 if ce.dtype == torch.float64 else torch.float32
     w = weight.detach().to(acc)
-    num = (ce.to(acc) * w).sum()
+    # select, never multiply by 0: a CE of inf/NaN at a weight-0 position (an unsupervised or padding
+    # token) must not turn the loss into NaN (inf * 0 = NaN); its gradient there is 0
+    num = torch.where(w > 0, ce.to(acc) * w, 0).sum()
     stats = torch.stack([num.detach().double(), w.sum().double()])
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, group=group)

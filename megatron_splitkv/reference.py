@@ -51,7 +51,10 @@ def dflash_attention_reference(
     Returns:
         (out, lse): out [Tq, Hq, D] float64, lse [Tq, Hq] float64 natural-log log-sum-exp of the scaled
         scores. Rows that see no key have out = 0 and lse = -inf; their gradients are 0 (no NaN).
-        Differentiable in all floating inputs (computed in float64 from upcast copies).
+        Differentiable in all floating inputs (computed in float64 from upcast copies). Keys that no
+        query sees and queries that see no key (invalid blocks) are excluded by selection: a NaN/inf
+        there does not affect any output or gradient. A NaN/inf in a key that SOME query sees makes
+        every row of the matmul that reads it NaN (as in any dense attention).
     """
     Tq, Hq, D = q.shape
     Hkv = k_ctx.shape[1]
@@ -64,10 +67,14 @@ def dflash_attention_reference(
     mask = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=block_size, own_block=own)
     k = (torch.cat([k_ctx, k_blk], 0) if own else k_ctx).double().repeat_interleave(Hq // Hkv, dim=1)
     v = (torch.cat([v_ctx, v_blk], 0) if own else v_ctx).double().repeat_interleave(Hq // Hkv, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    # Keys no query sees and queries that see no key are SELECTED to 0 (never multiplied by a 0 weight),
+    # so a NaN/inf there reaches no output or gradient (0 * NaN = NaN in the matmuls).
+    seen_k, sees_q = mask.any(0)[:, None, None], mask.any(1)[:, None, None]
+    k, v = torch.where(seen_k, k, 0), torch.where(seen_k, v, 0)
+    s = torch.einsum("qhd,khd->hqk", torch.where(sees_q, q.double(), 0), k) * scale
     s = s.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [H, Tq], -inf on empty rows
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - lse_safe[..., None])  # exp(-inf) = 0 on masked entries and empty rows
+    p = torch.where(mask[None], torch.exp(s - lse_safe[..., None]), 0)  # 0 on masked entries, empty rows
     out = torch.einsum("hqk,khd->qhd", p, v)
     return out, lse.transpose(0, 1).contiguous()

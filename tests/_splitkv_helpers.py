@@ -5,6 +5,8 @@ Expected values always come from `dflash_attention_reference` (float64, dense), 
 
 A case is a plain dict (picklable, rebuilt identically on every rank from its seed):
     seed, P, B, Hq, Hkv, D, dtype ("float64" | "float32" | "bfloat16" | "float16"),
+    optional: seq_ids (sequence index -> id), poison (NaN/inf in unseen keys and invalid blocks),
+    metadata (call through prepare_splitkv_metadata / metadata=),
     seq_lens: list of context lengths per packed sequence,
     blocks: list (len P) of query block counts per rank (zeros allowed),
     ctx: list (len P) of context token counts per rank (zeros allowed; sum = sum(seq_lens)), or
@@ -91,6 +93,18 @@ def build(c):
         perm = torch.randperm(tk, generator=g)
         idx = list(torch.split(perm, counts))
     t["ctx_idx"] = idx
+    if c.get("seq_ids") is not None:  # sequence index j -> id seq_ids[j] (e.g. negative / extreme ids)
+        ids = torch.tensor(c["seq_ids"], dtype=torch.int64)
+        t["kv_seq"], t["q_seq"] = ids[t["kv_seq"]], ids[t["q_seq"]]
+    if c.get("poison"):  # NaN/inf where no query looks: must not reach any output or gradient
+        from megatron_splitkv.reference import dflash_attention_mask
+
+        seen = dflash_attention_mask(t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=B,
+                                     own_block=False).any(0)
+        inv = (t["q_anchor"] < 0).repeat_interleave(B)
+        assert (~seen).any() and inv.any(), "poison case needs unseen keys and invalid blocks"
+        t["k_ctx"][~seen], t["v_ctx"][~seen] = float("inf"), float("nan")
+        t["q"][inv], t["k_blk"][inv], t["v_blk"][inv] = float("nan"), float("-inf"), float("nan")
     starts = [0]
     for n in c["blocks"]:
         starts.append(starts[-1] + n)
@@ -128,9 +142,17 @@ def run_local(op, c, rank, cp_group=None):
         x = {k: v.detach().to(dev).requires_grad_(True) for k, v in x.items()}
         meta = {k: v.to(dev) for k, v in meta.items()}
         dout, dlse = dout.to(dev), dlse.to(dev)
-    out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
-                       meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                       cp_group=cp_group, backend=backend, return_lse=True)
+    if c.get("metadata"):  # the per-step metadata path (prepare once, call with metadata=)
+        md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
+                                          block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                          head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
+                                          device=dev)
+        out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
+                           backend=backend, return_lse=True)
+    else:
+        out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
+                           meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
+                           cp_group=cp_group, backend=backend, return_lse=True)
     assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
     loss_of(out, lse, dout, dlse).backward()
     res = dict(out=out.detach().double().cpu(), lse=lse.detach().double().cpu())

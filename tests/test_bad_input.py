@@ -29,6 +29,10 @@ def _scenarios(rank):
     yield "block_size across ranks", _args(rank, B=4 if rank == 0 else 2), "block_size must be the same"
     yield "dtype across ranks", _args(rank, dtype=torch.float32 if rank == 0 else torch.float64), "dtype"
     yield "head dim across ranks", _args(rank, D=8 if rank == 0 else 4), "head dim D"
+    yield "softmax_scale across ranks", {**a, "softmax_scale": 0.25 if rank == 0 else 0.5}, \
+        "softmax_scale (resolved) must be the same on every CP rank; got [0.25, 0.5]"
+    # None resolves to 1/sqrt(D) = 0.3535...: an explicit other value on one rank differs too
+    yield "softmax_scale None vs value", {**a, "softmax_scale": None if rank == 0 else 0.5}, "softmax_scale"
     yield "q_anchor length", {**a, "q_anchor": a["q_anchor"][:1]} if rank == 1 else a, "q_anchor must be"
     yield "kv_pos float", {**a, "kv_pos": a["kv_pos"].float()} if rank == 1 else a, "kv_pos must have an integer"
     yield "q not 3-D", {**a, "q": a["q"][0]} if rank == 0 else a, "q must be a 3-D tensor"

@@ -211,3 +211,38 @@ def test_loss_normalisation_across_ranks_c4(zero_all):
         torch.testing.assert_close(out["grad"].double(), ref_grad[r * n : (r + 1) * n].double(),
                                    rtol=1e-5, atol=1e-7)
     assert res[3]["loss"] == 0.0 and float(res[3]["grad"].abs().max()) == 0.0  # the unsupervised rank
+
+
+# ---------------------------------------------------------------- regressions (tester's defects, #8)
+
+def test_loss_ignores_nonfinite_ce_at_zero_weight():
+    """A CE of inf/NaN at weight-0 positions (unsupervised / padding tokens) does not make the loss or
+    the gradients NaN: expected = sum over w > 0 of w * CE / sum(w), computed directly."""
+    gen = torch.Generator().manual_seed(3)
+    ce_vals = torch.rand(8, generator=gen, dtype=torch.float64)
+    w = torch.rand(8, generator=gen, dtype=torch.float64)
+    w[[1, 4, 6]] = 0
+    ce_vals[1], ce_vals[4], ce_vals[6] = float("inf"), float("nan"), float("-inf")
+    ce = ce_vals.clone().requires_grad_(True)
+    out = dflash_loss(ce, w, None)
+    out.loss.backward()
+    keep = w > 0
+    expected = float((ce_vals[keep] * w[keep]).sum() / w.sum())
+    assert math.isclose(float(out.loss), expected, rel_tol=1e-12)
+    assert math.isclose(float(out.total), expected, rel_tol=1e-12)
+    assert torch.allclose(ce.grad, torch.where(keep, w / w.sum(), torch.zeros_like(w)), rtol=1e-12, atol=0)
+
+
+def test_build_draft_blocks_rejects_bad_block_size_lens_and_ids():
+    from megatron_splitkv.data.anchors import sample_anchors_packed
+
+    x = torch.arange(8)
+    for B in (0, -2, 1):
+        with pytest.raises(ValueError, match="block_size"):
+            build_draft_blocks(x, [8], [0], [2], block_size=B, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        build_draft_blocks(torch.arange(8), [10, -2], [0], [2], block_size=4, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="input_ids must have an integer dtype"):
+        build_draft_blocks(torch.rand(8), [8], [0], [2], block_size=4, mask_token_id=MASK)
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        sample_anchors_packed(torch.ones(6).numpy(), [8, -2], 3, seed=0)

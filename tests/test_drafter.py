@@ -220,7 +220,8 @@ def test_pretrain_script_and_tool_parse_on_cpu():
         args = pre.main(["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                          "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
                          "--context-parallel-impl", "allgather-kv", "--num-anchors", "8", "--block-size", "4",
-                         "--loss-decay-gamma", "1.75", "--target-num-layers", "6", "--features-path", "/x"])
+                         "--loss-decay-gamma", "1.75", "--target-num-layers", "6", "--features-path", "/x",
+                         "--attention-dropout", "0", "--transformer-impl", "local"])
     finally:
         sys.argv = argv
     assert (args.dflash_num_anchors, args.dflash_block_size, args.loss_decay_gamma) == (8, 4, 1.75)

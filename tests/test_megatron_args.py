@@ -70,6 +70,54 @@ def test_bad_combinations_name_the_flag(kw, flag):
     assert flag in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(dflash_block_size=1), "--dflash-block-size must be >= 2, got 1"),
+        (dict(dflash_block_size=0), "--dflash-block-size must be >= 2, got 0"),
+        (dict(context_parallel_size=0), "--context-parallel-size must be >= 1, got 0"),
+        (dict(context_parallel_size=-2), "--context-parallel-size must be >= 1, got -2"),
+        (dict(tensor_model_parallel_size=0), "--tensor-model-parallel-size must be >= 1, got 0"),
+        (dict(micro_batch_size=0), "--micro-batch-size must be >= 1, got 0"),
+        (dict(micro_batch_size=-1, context_parallel_size=1), "--micro-batch-size must be >= 1, got -1"),
+        (dict(num_attention_heads=0), "--num-attention-heads must be >= 1, got 0"),
+        (dict(dflash_num_anchors="8"), "--dflash-num-anchors must be an integer, got '8'"),
+        (dict(dflash_num_anchors=8.0), "--dflash-num-anchors must be an integer, got 8.0"),
+        (dict(dflash_num_anchors=0), "--dflash-num-anchors must be >= 1, got 0"),
+    ],
+)
+def test_out_of_range_values_are_rejected_with_their_value(kw, message):
+    """Regression (#9): no `x or 1` coercion of 0; B >= 2 as build_draft_blocks needs; a non-integer
+    --dflash-num-anchors is a SplitKVArgumentError (not a TypeError); messages show the value given."""
+    with pytest.raises(SplitKVArgumentError) as e:
+        validate_splitkv_args(_args(**kw))
+    assert message in str(e.value), str(e.value)
+    # unset (None) still means the default
+    validate_splitkv_args(_args(micro_batch_size=None, context_parallel_size=None, dflash_block_size=None))
+
+
+def test_pretrain_parse_only_validates_splitkv_flags():
+    """examples/pretrain_dflash.py --parse-only runs validate_splitkv_args (CPU-safe)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_dflash_t", REPO / "examples" / "pretrain_dflash.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+            "--attention-dropout", "0", "--transformer-impl", "local", "--num-anchors", "8"]
+    argv = sys.argv
+    try:
+        args = mod.main(base + ["--block-size", "4"])
+        assert args.dflash_block_size == 4
+        for bad, msg in ((["--block-size", "1"], "--dflash-block-size must be >= 2, got 1"),
+                         (["--block-size", "0"], "--dflash-block-size must be >= 2, got 0")):
+            with pytest.raises(SplitKVArgumentError, match=msg):
+                mod.main(base + bad)
+    finally:
+        sys.argv = argv
+
+
 def test_missing_te_for_te_spec_is_a_clear_error():
     with pytest.raises(SplitKVArgumentError, match="--transformer-impl"):
         validate_splitkv_args(_args(transformer_impl="transformer_engine"), have_te=False)

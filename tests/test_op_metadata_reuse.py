@@ -267,6 +267,19 @@ def _errors_worker(rank, world_size):
     expect_error("prepare: q_anchor length on rank 1", lambda: _prep(bad_m), "q_anchor must be")
     expect_error("prepare: Hq differs", lambda: _prep(m, num_heads_q=4 + 4 * rank), "Hq (num_heads_q)")
     expect_error("prepare: impl differs", lambda: _prep(m, impl="splitkv" if rank else "ring_kv"), "impl")
+    # group_check is agreed at prepare time: differing, every rank raises (no hang in the first call)
+    expect_error("prepare: group_check differs", lambda: _prep(m, group_check=rank == 0),
+                 "group_check must be the same on every CP rank; got [True, False]")
+    for impl in OPS:
+        # group_check calls compare the resolved softmax_scale and the call mode across ranks
+        meta = _prep(m, impl=impl, group_check=True)
+        expect_error(f"{impl}: group_check softmax_scale differs",
+                     lambda: OPS[impl](*x.values(), metadata=meta, softmax_scale=0.5 if rank else 0.25),
+                     "softmax_scale (resolved) must be the same on every CP rank; got [0.25, 0.5]")
+        expect_error(f"{impl}: group_check metadata= on rank 0 only",
+                     lambda: OPS[impl](*x.values(), metadata=meta) if rank == 0
+                     else OPS[impl](*x.values(), *m.values(), block_size=4),
+                     "all with metadata= or all without; got ['with metadata=', 'without metadata=']")
     for impl in OPS:
         # group_check: a mismatch on rank 1 only raises the same ValueError on both ranks.
         meta = _prep(m, impl=impl, group_check=True)

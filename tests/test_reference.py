@@ -72,3 +72,29 @@ def test_gradients_gradcheck_and_empty_rows():
     assert empty.tolist() == [False] * 4 + [True] * 2 + [False] * 2
     assert (out[empty] == 0).all() and (floats[0].grad[empty] == 0).all()
     assert (floats[3].grad[4:6] == 0).all() and (floats[4].grad[4:6] == 0).all()
+
+
+def test_masked_nan_inf_do_not_leak():
+    """#2: a NaN/inf in a context key/value no query sees, or in an invalid block's q / k_blk / v_blk,
+    does not reach out, lse or any gradient (selected away, never multiplied by 0): the results equal
+    those with the same entries set to 0 (which by the mask's definition cannot matter)."""
+    args, B = _inputs(nb=4, Tk=9)
+    q, kc, vc, kb, vb, q_seq, q_anchor, kv_seq, kv_pos = args
+    seen = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=B, own_block=False).any(0)
+    inv = (q_anchor < 0).repeat_interleave(B)
+    assert (~seen).any() and inv.any()
+
+    def run(fill):
+        x = [t.clone() for t in (q, kc, vc, kb, vb)]
+        x[1][~seen], x[2][~seen] = fill[0], fill[1]
+        x[0][inv], x[3][inv], x[4][inv] = fill[2], fill[0], fill[1]
+        x = [t.requires_grad_(True) for t in x]
+        out, lse = dflash_attention_reference(*x, q_seq, q_anchor, kv_seq, kv_pos, block_size=B)
+        (out.square().sum() + lse.masked_fill(~torch.isfinite(lse), 0).sum()).backward()
+        return [out.detach(), lse.detach()] + [t.grad for t in x]
+
+    got = run((float("inf"), float("nan"), float("nan")))
+    want = run((0.0, 0.0, 0.0))
+    for a, b in zip(got, want):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b)

@@ -156,3 +156,70 @@ def test_math_kernel_chunked_vs_dense():
     except ImportError:
         with pytest.raises(ImportError, match="Transformer Engine"):
             get_kernel("te", "cpu", torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- regressions (tester's defects)
+
+_EXTREME_IDS = [-(2**31), -7, -1, 2**31 - 1]  # sequence index -> id: negative and extreme ids are ids
+
+
+def _regression_cases(seed):
+    """(op, case) jobs: negative / extreme sequence ids (#1), seq id 2**31 - 1 with anchors >= 2**31
+    (#4), NaN/inf in keys no query sees and in invalid blocks (#2); with and without metadata=, math
+    and flex (CPU emulation) kernels, P = 2 and 3."""
+    jobs = []
+    for P in (2, 3):
+        for meta in (False, True):
+            base = dict(seq_ids=_EXTREME_IDS, seq_lens=[5, 9, 6, 8], metadata=meta)
+            # sequence index 3 (30 tokens) is seen by no block; two invalid blocks
+            poison = dict(base, poison=True, seq_lens=[5, 9, 6, 30], q_seqs=[0, 1, 2] * P,
+                          anchors=[3, -1, 6, 5, 9, -1, 2, 4, 0][: 3 * P])
+            cs = [
+                case(seed, P, dtype="float64", blocks=[2] * P, **base),
+                # every block of sequence id 2**31 - 1 (index 3) / -2**31 (index 0) with huge anchors
+                case(seed + 1, P, dtype="float64", blocks=[2] * P, **base,
+                     q_seqs=[3, 0, 3, 1, 3, 2][: 2 * P], anchors=[2**31, 2**31, 2**62, 3, 2**31 + 5, -1][: 2 * P]),
+                case(seed + 2, P, dtype="float64", blocks=[3] * P, **poison),
+                case(seed + 3, P, dtype="float32", blocks=[3] * P, backend="flex", **poison),
+            ]
+            jobs += [(op, c) for c in cs for op in ("splitkv", "allgather_kv", "ring_kv")]
+    return jobs
+
+
+def test_negative_ids_int64_edge_and_masked_nan_all_ops():
+    """#1 negative sequence ids (the splitkv padding clamp), #4 no int64 wrap of the interval bound for
+    seq id 2**31 - 1 and anchor >= 2**31, #2 a NaN/inf in a context key/value no query sees or in an
+    invalid block's q/k/v reaches no output or gradient: all three ops, with and without metadata=,
+    vs the float64 reference (itself robust to the poison, see test_reference)."""
+    seed = new_seed()
+    jobs = _regression_cases(seed)
+    res = run_distributed(jobs_worker, 3, jobs, timeout=400)
+    for j, (op, c) in enumerate(jobs):
+        check(op, c, job_results(res, j, c["P"]))
+
+
+def test_double_backward_raises():
+    """#6: the ops' backward is not differentiable: create_graph=True through them raises instead of
+    silently returning wrong second derivatives."""
+    from _splitkv_helpers import OPS, build, local
+
+    c = case(new_seed(), 1, dtype="float64")
+    t = build(c)
+    for op, fn in OPS.items():
+        x, m, _, _ = local(t, c, 0)
+        out = fn(*x.values(), *m.values(), block_size=c["B"], backend="math")
+        (g,) = torch.autograd.grad(out.square().sum(), x["q"], create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+            g.sum().backward()
+
+
+def test_flex_cpu_float64_keeps_float64_precision():
+    """#7: backend="flex" on CPU with float64 inputs computes in float64 (not fp32 lse/out/grads)."""
+    from _splitkv_helpers import errors, run_local
+
+    c = case(new_seed(), 1, dtype="float64", backend="flex", Hq=4, Hkv=2, D=8)
+    errs = errors(c, [run_local(op, c, 0) for op in ("splitkv",)])
+    assert max(errs.values()) < 1e-12, errs
+    for op in ("allgather_kv", "ring_kv"):
+        errs = errors(c, [run_local(op, c, 0)])
+        assert max(errs.values()) < 1e-12, (op, errs)

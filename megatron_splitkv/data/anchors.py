@@ -56,10 +56,12 @@ def sample_anchors_packed(loss_mask, seq_lens, num_anchors=DEFAULT_NUM_ANCHORS, 
     Args:
         loss_mask: [S_total] packed loss mask; seq_lens: [n_seq] lengths summing to S_total.
     Returns: list of n_seq int64 arrays of positions within each sequence (the planner's `anchors`).
-    Raises: ValueError when sum(seq_lens) != len(loss_mask) or num_anchors < 0.
+    Raises: ValueError when a seq_len is negative, sum(seq_lens) != len(loss_mask) or num_anchors < 0.
     """
     m = np.asarray(loss_mask).reshape(-1)
     lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+    if (lens < 0).any():
+        raise ValueError(f"seq_lens must be >= 0, got {lens.tolist()}")
     if int(lens.sum()) != m.shape[0]:
         raise ValueError(f"sum(seq_lens) = {int(lens.sum())} must equal len(loss_mask) = {m.shape[0]}")
     if rng is None:

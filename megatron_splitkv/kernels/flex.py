@@ -43,7 +43,16 @@ input dtype (bf16/fp16); `lse` is fp32. This kernel returns them upcast to fp32 
 `out` carries one bf16 rounding (relative 2**-9) before the cross-rank fp32 merge; measured error versus
 the float64 reference is in docs/kernels.md. float32 inputs run flex in fp32 (the Triton dots then use
 tf32 unless `torch.backends.cuda.matmul.allow_tf32` is off); float64 is not supported by the Triton
-kernel and raises.
+kernel and raises on CUDA. On CPU (`dense_flex_emulation`) float64 inputs stay float64 end to end
+(out, lse and gradients are float64, as with the math kernel).
+
+Non-finite masked keys: on the GPU, key tiles the BlockMask lists for no query tile are never loaded, so
+a NaN/inf there has no effect. In a PARTIAL tile, FlexAttention sets the masked scores to -inf (p = 0)
+but still multiplies the whole tile, p @ V (and dS @ K in the backward): a NaN/inf in a value (key) of a
+partial tile gives 0 * NaN = NaN in the rows of that query tile even where the key is masked (IEEE; the
+Triton kernel has no select there). The GPU path is left as is; keep padding/unused context finite
+(the ops pad with zeros). The CPU emulation selects masked keys/queries to 0 instead (no leak), like the
+math kernel and the reference.
 
 On CPU (tests), flex runs eagerly: PyTorch then evaluates `mask_mod` densely and ignores the block
 tables, so CPU runs check the algebra (global-lse backward, padding, -inf rows) but not the sparsity; the
@@ -356,9 +365,10 @@ class FlexAttentionKernel:
         self._check(q, k, v, mask)
         Tq = q.shape[0]
         leaves, out_p, lse_p = self._run(q, k, v, mask, scale, grad=self.save_graph)
+        acc = _acc(q.dtype)  # float64 only on CPU (the emulation): _check rejects float64 on CUDA
         out_local = out_p.detach()[0, :, :Tq].permute(1, 0, 2)  # [Tq, Hq, D], input dtype
-        lse = lse_p.detach()[0, :, :Tq].transpose(0, 1).float().contiguous()  # natural log (flex scales)
-        out = out_local.float().contiguous()
+        lse = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc).contiguous()  # natural log (flex scales)
+        out = out_local.to(acc).contiguous()
         state = {"leaves": leaves, "out_p": out_p, "lse_p": lse_p} if self.save_graph else None
         return out, lse, state
 
@@ -375,14 +385,15 @@ class FlexAttentionKernel:
         # local stats as flex saw them, real rows only: [Tq, Hq] fp32 natural log, O_r in the input dtype.
         # The padding rows (Tq..Tqp) get grad_out = 0 and grad_lse = 0 (c = 0 there: lse_global = -inf);
         # they are written as zeros into the padded gradient buffers, so no fp32 temporary is Tqp long.
-        lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1).float()
+        acc = _acc(q.dtype)
+        lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc)
         o_r = out_p.detach()[0, :, :Tq].permute(1, 0, 2)
-        lse_g, delta_g = lse.float(), delta.float()
+        lse_g, delta_g = lse.to(acc), delta.to(acc)
         finite = torch.isfinite(lse_r) & torch.isfinite(lse_g)
         c = torch.where(finite, torch.exp(torch.where(finite, lse_r - lse_g, torch.zeros_like(lse_r))),
                         torch.zeros_like(lse_r))  # [Tq, Hq]
-        g_out_r = (c[..., None] * dout.float()).to(o_r.dtype)  # rounded as flex will see it
-        g_lse_r = (g_out_r.float() * o_r.float()).sum(-1) - c * delta_g  # [Tq, Hq]
+        g_out_r = (c[..., None] * dout.to(acc)).to(o_r.dtype)  # rounded as flex will see it
+        g_lse_r = (g_out_r.to(acc) * o_r.to(acc)).sum(-1) - c * delta_g  # [Tq, Hq]
         g_lse_r = torch.where(finite, g_lse_r, torch.zeros_like(g_lse_r))
         # same layouts as before the real-rows-only rewrite ([Tqp, Hq, D] / [Tqp, Hq] buffers, permuted
         # views), so the compiled backward sees the tangent strides it was traced with
@@ -398,11 +409,16 @@ class FlexAttentionKernel:
         )
         n_real = (Tq, Tk, Tk)
         dq, dk, dv = (
-            x.new_zeros((n,) + tuple(x.shape[1:]), dtype=torch.float32) if g is None
-            else g[:n].float().contiguous()
+            x.new_zeros((n,) + tuple(x.shape[1:]), dtype=acc) if g is None
+            else g[:n].to(acc).contiguous()
             for g, x, n in zip(grads, leaves, n_real)
         )
         return dq, dk, dv
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic/result dtype: float64 for float64 inputs (CPU emulation only), else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def block_mask_to_dense(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
@@ -450,13 +466,17 @@ def dense_flex_emulation(query, key, value, *, block_mask, scale, enable_gqa=Fal
         key = key.repeat_interleave(Hq // Hkv, dim=1)
         value = value.repeat_interleave(Hq // Hkv, dim=1)
     vis = block_mask_to_dense(block_mask, query.shape[2], key.shape[2])
-    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
-    s = torch.einsum("bhqd,bhkd->bhqk", query.to(acc), key.to(acc)) * scale
+    acc = _acc(query.dtype)
+    # keys no query sees / queries that see no key (padding) are SELECTED to 0, never multiplied by a 0
+    # weight, so a NaN/inf there reaches no output or gradient (unlike flex on GPU, see the module doc)
+    seen_k, sees_q = vis.any(0)[:, None], vis.any(1)[:, None]
+    key = torch.where(seen_k, key.to(acc), 0)
+    s = torch.einsum("bhqd,bhkd->bhqk", torch.where(sees_q, query.to(acc), 0), key) * scale
     s = s.masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - lse_safe[..., None])
-    out = torch.einsum("bhqk,bhkd->bhqd", p, value.to(acc)).to(query.dtype)
+    p = torch.where(vis, torch.exp(s - lse_safe[..., None]), 0)
+    out = torch.einsum("bhqk,bhkd->bhqd", p, torch.where(seen_k, value.to(acc), 0)).to(query.dtype)
     lse = lse.to(torch.float32) if acc == torch.float32 else lse
     if return_aux is not None:
         from torch.nn.attention.flex_attention import AuxOutput

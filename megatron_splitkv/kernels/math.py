@@ -9,6 +9,11 @@ each group's score tile (rows x key span of the group x Hq) holds at most `max_e
 block per group at least); only that tile is materialised. Blocks that see nothing are never computed
 (out = 0, lse = -inf, zero gradients). Grouped-query attention is computed by viewing the query heads as
 [Hkv, Hq // Hkv] so K/V are never repeated. Arithmetic is float32 (float64 for float64 inputs).
+
+Non-finite masked entries: keys of a group's span that no row of the group sees are selected to 0 and
+masked score entries are selected (torch.where, never multiplied by 0), so a NaN/inf in a key or value
+that no query sees never reaches an output or gradient. A NaN/inf in a key that SOME row of the group
+sees reaches that group's other rows through the tile matmul (as in any dense attention tile).
 """
 
 import torch
@@ -79,13 +84,16 @@ class MathAttentionKernel:
         rows = (blk[:, None] * bsz + torch.arange(bsz, device=dev)[None, :]).reshape(-1)
         qg = q.index_select(0, rows).to(acc)
         qg = qg.view(qg.shape[0], hkv, qg.shape[1] // hkv, qg.shape[2])
-        kg = k[klo:khi].to(acc)
-        vg = v[klo:khi].to(acc)
-        s = torch.einsum("rkgd,skd->kgrs", qg, kg) * scale
         rlo = (mask.lo.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
         rhi = (mask.hi.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
         j = torch.arange(khi - klo, device=dev)
         vis = (j[None, :] >= rlo[:, None]) & (j[None, :] < rhi[:, None])
+        # keys of the span that no row of the group sees are SELECTED to 0 (not multiplied): a NaN/inf in
+        # a masked key or value must not reach the outputs/gradients through p @ V or dS @ K (0 * NaN)
+        seen = vis.any(0)[:, None, None]
+        kg = torch.where(seen, k[klo:khi].to(acc), 0)
+        vg = torch.where(seen, v[klo:khi].to(acc), 0)
+        s = torch.einsum("rkgd,skd->kgrs", qg, kg) * scale
         s = s.masked_fill(~vis, float("-inf"))
         return rows, qg, kg, vg, s, vis
 
@@ -117,7 +125,7 @@ class MathAttentionKernel:
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         for blocks, klo, khi in self._groups(mask, hq):
-            rows, qg, kg, vg, s, _ = self._tile(q, k, v, mask, blocks, klo, khi, scale, acc)
+            rows, qg, kg, vg, s, vis = self._tile(q, k, v, mask, blocks, klo, khi, scale, acc)
             r = rows.shape[0]
 
             def heads_first(x):  # [R, Hq] -> [Hkv, G, R, 1]
@@ -129,7 +137,7 @@ class MathAttentionKernel:
             do_g = dout.index_select(0, rows).to(acc).view(r, hkv, hq // hkv, -1)
             dv[klo:khi] += torch.einsum("kgrs,rkgd->skd", p, do_g)
             dp = torch.einsum("rkgd,skd->kgrs", do_g, vg)
-            ds = p * (dp - heads_first(delta))
+            ds = torch.where(vis, p * (dp - heads_first(delta)), 0)  # select: dp may be inf/NaN where masked
             dq.index_copy_(0, rows, (torch.einsum("kgrs,skd->rkgd", ds, kg) * scale).reshape(r, hq, d))
             dk[klo:khi] += torch.einsum("kgrs,rkgd->skd", ds, qg) * scale
         return dq, dk, dv

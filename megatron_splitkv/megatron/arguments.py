@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import numbers
 
 __all__ = [
     "CP_IMPLS",
@@ -40,6 +41,25 @@ class SplitKVArgumentError(ValueError):
     """A bad flag combination; the message names the offending flag(s)."""
 
 
+def _as_int(value, flag: str) -> int:
+    """value as an int (a bool, float or string is a SplitKVArgumentError naming `flag`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise SplitKVArgumentError(f"{flag} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _int_arg(args, attr: str, flag: str, default, minimum: int):
+    """args.<attr> checked as an int >= minimum; unset (missing or None) gives `default`. No `x or 1`
+    coercion: 0 and negative values are errors showing the value given."""
+    value = getattr(args, attr, None)
+    if value is None:
+        return default
+    value = _as_int(value, flag)
+    if value < minimum:
+        raise SplitKVArgumentError(f"{flag} must be >= {minimum}, got {value}")
+    return value
+
+
 def check_attention_heads(num_attention_heads: int, num_query_groups, tp_size: int) -> None:
     """Raise SplitKVArgumentError unless the DFlash head split under TP is well defined.
 
@@ -47,9 +67,11 @@ def check_attention_heads(num_attention_heads: int, num_query_groups, tp_size: i
     holds whole kv heads; kv-head replication for num_query_groups < TP is not supported) and
     `num_attention_heads % num_query_groups == 0`. `num_query_groups=None` means MHA (= heads).
     Case C7: H=12, Hkv=3, TP=2 fails here, at construction, naming `--num-query-groups`."""
-    h = int(num_attention_heads)
-    g = h if num_query_groups is None else int(num_query_groups)
-    tp = int(tp_size)
+    h = _as_int(num_attention_heads, "--num-attention-heads")
+    g = h if num_query_groups is None else _as_int(num_query_groups, "--num-query-groups")
+    tp = _as_int(tp_size, "--tensor-model-parallel-size")
+    if h < 1:
+        raise SplitKVArgumentError(f"--num-attention-heads must be >= 1, got {h}")
     if tp < 1:
         raise SplitKVArgumentError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
     if h % tp:
@@ -115,7 +137,9 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
 
-    Checks: the implementation name; heads/query groups vs TP (`check_attention_heads`);
+    Checks: --tensor-model-parallel-size, --context-parallel-size, --micro-batch-size >= 1 and
+    --dflash-num-anchors >= 1 (integers; unset/None = default, 0 is an error), --dflash-block-size >= 2,
+    --num-attention-heads >= 1; the implementation name; heads/query groups vs TP (`check_attention_heads`);
     CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
@@ -126,32 +150,27 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         return
     if impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)
+    cp = _int_arg(args, "context_parallel_size", "--context-parallel-size", 1, 1)
+    mbs = _int_arg(args, "micro_batch_size", "--micro-batch-size", 1, 1)
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None:
         groups = getattr(args, "num_query_groups", None)
         if not getattr(args, "group_query_attention", groups is not None):
             groups = None
         check_attention_heads(heads, groups, tp)
-    if cp < 1:
-        raise SplitKVArgumentError(f"--context-parallel-size must be >= 1, got {cp}")
-    mbs = int(getattr(args, "micro_batch_size", 1) or 1)
-    anchors = getattr(args, "dflash_num_anchors", None)
+    anchors = _int_arg(args, "dflash_num_anchors", "--dflash-num-anchors", None, 1)
     if anchors is not None:
-        if anchors < 1:
-            raise SplitKVArgumentError(f"--dflash-num-anchors must be >= 1, got {anchors}")
         if (mbs * anchors) % cp:
             raise SplitKVArgumentError(
                 f"--micro-batch-size ({mbs}) x --dflash-num-anchors ({anchors}) = {mbs * anchors} query "
                 f"blocks must be divisible by --context-parallel-size ({cp}): every CP rank owns the "
                 "same number of query blocks"
             )
-    bs = getattr(args, "dflash_block_size", None)
-    if bs is not None and bs < 1:
-        raise SplitKVArgumentError(f"--dflash-block-size must be >= 1, got {bs}")
+    # a draft block is [anchor token, MASK, ...]: B >= 2 (as `dflash.build_draft_blocks` requires)
+    _int_arg(args, "dflash_block_size", "--dflash-block-size", None, 2)
     chunk = getattr(args, "cp_chunk_size", None)
-    if chunk is not None and chunk < 1:
+    if chunk is not None and (_as_int(chunk, "--cp-chunk-size") < 1):
         raise SplitKVArgumentError(f"--cp-chunk-size must be a positive number of tokens, got {chunk}")
     balance = getattr(args, "cp_balance", "lpt")
     if balance not in CP_BALANCE:

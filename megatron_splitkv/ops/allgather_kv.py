@@ -45,6 +45,7 @@ class _AllGatherKV(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
         q, k_s, v_s, idx, k_blk, v_blk, out, lse = ctx.saved_tensors
         plan = ctx.plan
@@ -74,7 +75,8 @@ def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=N
     local-kernel call of its own queries against all context, then merges its own-block attention (none
     with k_blk = v_blk = None).
     Backward reduce-scatters dK|dV (fp32) of the whole context back to the owners. Communication per
-    rank is O(Lk * Hkv * D): it grows with the context.
+    rank is O(Lk * Hkv * D): it grows with the context. Every rank of the CP group must call it the same
+    way: all with `metadata=` or all without (see `splitkv_attention`).
     """
     return run_op(_AllGatherKV, "allgather_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
                   kv_pos, block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,

@@ -64,7 +64,11 @@ def intervals(keys_sorted, block_seq, block_anchor, block_size) -> IntervalMask:
     with position < block_anchor[b] (strictly); blocks with anchor < 0 see nothing."""
     base = block_seq * (1 << 32)
     lo = torch.searchsorted(keys_sorted, base)
-    hi = torch.searchsorted(keys_sorted, base + block_anchor.clamp(max=_INT32) + _INT32)
+    # keys with pos < anchor  <=>  key <= base + (anchor - 1) + 2**31 (searchsorted right). The anchor is
+    # clamped to [0, 2**31] (positions lie in [-2**31, 2**31): anchor 2**31 already sees every position),
+    # so the bound is at most (2**31 - 1) * 2**32 + 2**32 - 1 = 2**63 - 1 and never wraps in int64.
+    # Anchors < 0 (invalid blocks) get the empty interval [lo, lo).
+    hi = torch.searchsorted(keys_sorted, base + (block_anchor.clamp(0, _INT32) + (_INT32 - 1)), right=True)
     hi = torch.where(block_anchor >= 0, hi, lo)
     return IntervalMask(block_size, lo, hi, int(keys_sorted.shape[0]))
 
@@ -108,13 +112,16 @@ def merge(o1, lse1, o2, lse2):
 # ----------------------------------------------------------------------------- own block (B x B dense)
 
 
-def _block_views(q, k_blk, v_blk, block_size, acc):
+def _block_views(q, k_blk, v_blk, block_size, acc, valid):
+    """Blocked views in `acc`; rows of invalid blocks are SELECTED to 0 (not multiplied), so a NaN/inf
+    in an invalid block's q/k/v never reaches any output or gradient (0 * NaN = NaN in the einsums)."""
     tq, hq, d = q.shape
     hkv = k_blk.shape[1]
     nb = tq // block_size
-    qb = q.to(acc).view(nb, block_size, hkv, hq // hkv, d)
-    kb = k_blk.to(acc).view(nb, block_size, hkv, d)
-    vb = v_blk.to(acc).view(nb, block_size, hkv, d)
+    v4 = valid.view(-1, 1, 1, 1)
+    qb = torch.where(v4[..., None], q.to(acc).view(nb, block_size, hkv, hq // hkv, d), 0)
+    kb = torch.where(v4, k_blk.to(acc).view(nb, block_size, hkv, d), 0)
+    vb = torch.where(v4, v_blk.to(acc).view(nb, block_size, hkv, d), 0)
     return qb, kb, vb
 
 
@@ -125,7 +132,7 @@ def own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
     if k_blk is None:
         return None, None
     tq, hq, d = q.shape
-    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc)
+    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc, valid)
     s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
     lse = torch.logsumexp(s, -1)  # [nb, Hkv, G, B]
     o = torch.einsum("nkgij,njkd->nikgd", torch.exp(s - lse[..., None]), vb)
@@ -141,7 +148,7 @@ def own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, del
     if k_blk is None:
         return None, None, None
     tq, hq, d = q.shape
-    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc)
+    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc, valid)
     nb, bsz, hkv, g, _ = qb.shape
 
     def heads_first(x):  # [Tq, Hq] -> [nb, Hkv, G, B, 1]
@@ -151,9 +158,9 @@ def own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, del
     ok = torch.isfinite(lse_g) & valid.view(-1, 1, 1, 1, 1)
     s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
     p = torch.where(ok, torch.exp(s - torch.where(ok, lse_g, torch.zeros_like(lse_g))), torch.zeros_like(s))
-    do = dout.to(acc).view(nb, bsz, hkv, g, d)
+    do = torch.where(valid.view(-1, 1, 1, 1, 1), dout.to(acc).view(nb, bsz, hkv, g, d), 0)
     dv = torch.einsum("nkgij,nikgd->njkd", p, do)
-    ds = p * (torch.einsum("nikgd,njkd->nkgij", do, vb) - heads_first(delta))
+    ds = torch.where(ok, p * (torch.einsum("nikgd,njkd->nkgij", do, vb) - heads_first(delta)), 0)
     dq = torch.einsum("nkgij,njkd->nikgd", ds, kb) * scale
     dk = torch.einsum("nkgij,nikgd->njkd", ds, qb) * scale
     return dq.reshape(tq, hq, d), dk.reshape(tq, hkv, d), dv.reshape(tq, hkv, d)

@@ -30,6 +30,7 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +62,18 @@ _IMPL_CODE = {"splitkv": 0, "allgather_kv": 1, "ring_kv": 2}
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _INT32 = 1 << 31
 _MAX_MSG = 1000
+#: how an op call was made, exchanged in the op's agreement row (no `metadata=` / `metadata=` with
+#: group_check): a group mixing the two raises the same ValueError on every rank instead of hanging.
+_MODE_PLAIN, _MODE_METADATA = 0, 1
+
+
+def _scale_bits(scale: float) -> int:
+    """The float64 bit pattern of a (resolved) softmax scale as an int64, for the agreement rows."""
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _resolved_scale(softmax_scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
 @dataclass(eq=False)
@@ -213,6 +226,15 @@ def _check_agree(name, table, cols):
             if what == "impl":
                 inv = {v: k for k, v in _IMPL_CODE.items()}
                 vals = [inv.get(v, v) for v in vals]
+            if what.startswith("softmax_scale"):
+                vals = [struct.unpack("<d", struct.pack("<q", v))[0] for v in vals]
+            if what == "group_check":
+                vals = [bool(v) for v in vals]
+            if what.startswith("metadata="):
+                vals = ["with metadata=" if v == _MODE_METADATA else "without metadata=" for v in vals]
+                raise ValueError(
+                    f"{name}: every rank of the CP group must call the op the same way, all with "
+                    f"metadata= or all without; got {vals} (by rank)")
             raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)")
 
 
@@ -318,7 +340,9 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
         nb_max = max(meta.n_blocks)
         bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
         meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
-        meta.mask = intervals(meta.keys, meta.block_meta[:, 0].clamp(min=0), meta.block_meta[:, 1], bsz)
+        # sequence ids may be negative: pass them unchanged (padding rows carry anchor -1, so `intervals`
+        # gives them an empty interval whatever their sequence id)
+        meta.mask = intervals(meta.keys, meta.block_meta[:, 0], meta.block_meta[:, 1], bsz)
     elif name == "allgather_kv":
         tk_max = max(meta.n_ctx)
         keys_all = all_gather(pad_rows(context_keys(meta.kv_seq, meta.kv_pos), tk_max), g,
@@ -350,7 +374,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
     data sharding and before the first drafter layer; pass the result as `metadata=` to
     `splitkv_attention` / `allgather_kv_attention` / `ring_kv_attention` (the one named by `impl`) in
-    every layer. Example (5 drafter layers, one step):
+    every layer. Every rank must then call each layer's op the same way: all ranks with `metadata=` or
+    all without, with the same softmax_scale. With `group_check=True` a violation (some ranks without
+    `metadata=`, or a different softmax_scale) raises the same ValueError on every rank; without it the
+    ranks' collectives do not match and the call fails or hangs (there is no per-call collective to
+    detect it). Example (5 drafter layers, one step):
 
         meta = prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=16,
                                         num_heads_q=32, num_heads_kv=8, head_dim=128,
@@ -378,7 +406,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         block metadata (splitkv) or gathered context keys (allgather_kv, ring_kv), the sort order and the
         `IntervalMask`(s) whose FlexAttention BlockMask is cached on first use.
 
-    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 9] int64 all-gather of sizes and the
+    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 10] int64 all-gather of sizes and the
     error flag), then "splitkv.fwd.block_meta" (2 int64 per block), "allgather_kv.fwd.kv_meta" or
     "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range check and the size table.
 
@@ -386,7 +414,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
         (not 1-D integer, lengths of q_seq/q_anchor or kv_seq/kv_pos differing, values out of range),
         bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, or block_size, Hq, Hkv, D,
-        dtype or impl differing across ranks.
+        dtype, impl or group_check differing across ranks.
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
     """
@@ -396,7 +424,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    err, row, ints = "", [-1] * 8, None
+    err, row, ints = "", [-1] * 9, None
     try:
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -413,7 +441,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
-        row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon]]
+        row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
+               int(bool(group_check))]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
@@ -421,7 +450,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     tag = f"{canon or 'splitkv'}.meta"
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), tag)
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
-                               (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl")))
+                               (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
@@ -436,7 +465,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 
 def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     d = meta.head_dim
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    scale = _resolved_scale(softmax_scale, d)
     return Plan(name=name, meta=meta, scale=scale,
                 kernel=get_kernel(backend, meta.device, meta.dtype, head_dim=d), acc=acc_dtype(meta.dtype))
 
@@ -444,29 +473,35 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
-    (op name "<op>.meta", [1, 8] int64), raise the same ValueError on every rank when any rank is
+    (op name "<op>.meta", [1, 10] int64: sizes, resolved softmax_scale, call mode), raise the same ValueError on every rank when any rank is
     invalid or block_size / Hq / Hkv / D / dtype differ, then build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints = "", [-1] * 7, None
+    err, row, ints = "", [-1] * 8 + [_MODE_PLAIN], None
     try:
         nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
-        row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype]]
+        row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
+               _MODE_PLAIN]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     dev = q.device if isinstance(q, torch.Tensor) else None
     table = _raise_if_any(name, group, err, row, _comm_device(group, dev), f"{name}.meta")
-    _check_agree(name, table, ((3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
-                               (6, "head dim D (q.shape[2])"), (7, "dtype")))
+    _check_agree(name, table, _CALL_AGREE)
     meta = SplitKVMetadata(
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
     )
     return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
+
+
+#: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
+#: all-gather the same [1, 10] int64 row (as their first collective), so a group mixing them is detected.
+_CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
+               (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
@@ -527,7 +562,15 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if meta.group_check and meta.group.size > 1:
-        _raise_if_any(name, meta.group, err, [], _comm_device(meta.group, meta.device), f"{name}.check")
+        # the same [1, 10] row layout as a call without metadata= ("<op>.meta"), so that a group
+        # where some ranks pass metadata= (with group_check) and others do not raises everywhere
+        row = [-1] * 8 + [_MODE_METADATA]
+        if not err:
+            row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
+                   meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
+                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), _MODE_METADATA]
+        table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
+        _check_agree(name, table, _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend)
 
 

@@ -63,6 +63,7 @@ class _RingKV(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
         q, k_s, v_s, keys, k_blk, v_blk, out, lse = ctx.saved_tensors
         plan = ctx.plan
@@ -109,7 +110,8 @@ def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     `metadata=`: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="ring_kv")`, once per
     step: the sorted keys of every rank are all-gathered once per step ("ring_kv.ctx_meta") and the P
     per-step IntervalMasks precomputed, so per call only K/V (and dK/dV) travel, no "ring_kv.meta"
-    all-gather, no sort; rules and errors as in `splitkv_attention`.
+    all-gather, no sort; rules and errors as in `splitkv_attention`. Every rank of the CP group must
+    call it the same way: all with `metadata=` or all without (see `splitkv_attention`).
     """
     return run_op(_RingKV, "ring_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,

@@ -59,6 +59,7 @@ class _SplitKV(torch.autograd.Function):
         return out.to(q.dtype), lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
         q_all, k_s, v_s, q, k_blk, v_blk, out, lse = ctx.saved_tensors
         plan = ctx.plan
@@ -120,6 +121,12 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             collective besides Q/O/dO/dQ movement: no "splitkv.meta" / "splitkv.fwd.block_meta"
             all-gather, no sort, no interval or BlockMask rebuild. The tensors are only checked for the
             shapes/dtype/device the metadata implies. Results are identical to a call without it.
+            Every rank of the CP group must call the same way in a given layer: all with `metadata=`
+            (prepared together, the same `group_check`) or all without, and with the same
+            softmax_scale. A group mixing the two is detected (the same ValueError on every rank) only
+            when the metadata has `group_check=True`; without it the ranks' first collectives do not
+            match and the call fails or hangs until the process group's timeout. softmax_scale is
+            compared across ranks by calls without `metadata=` and by `group_check` calls.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -132,7 +139,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, or block_size / Hq /
-            Hkv / D / dtype differing across ranks. With `metadata=`: ValueError on this rank when a
+            Hkv / D / dtype / resolved softmax_scale differing across ranks. With `metadata=`: ValueError on this rank when a
             tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs from what the metadata
             implies, or when the metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
