@@ -71,24 +71,11 @@ def sync(dev):
 
 
 def bench(fn, dev, reps=10, warmup=3):
-    """Median and min milliseconds of fn() (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    sync(dev)
-    times = []
-    for _ in range(reps):
-        if dev.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times), min(times)
+    """Median and min milliseconds of fn() (megatron_splitkv.bench.time_fn: CUDA events on GPU)."""
+    from megatron_splitkv.bench import time_fn
+
+    med, mn, _ = time_fn(fn, dev, reps=reps, warmup=warmup)
+    return med, mn
 
 
 def dflash_intervals(n_anchors, num_keys, gen, device):
