@@ -46,6 +46,7 @@ __all__ = [
     "kernel_calls", "time_kernel_calls", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
+    "csv_arg", "int_list_arg", "choices_arg",
 ]
 
 #: forward + backward FLOPs over forward FLOPs (flash-attn convention; see module docstring).
@@ -651,3 +652,31 @@ def finite(x, fmt="{:.2f}", nan="-"):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return nan
     return fmt.format(x)
+
+
+# ------------------------------------------------------------------------------------------ CLI flags
+
+
+def csv_arg(value: str) -> list:
+    """Comma list flag -> list of non-empty stripped strings."""
+    return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:
+    """Comma list of integers >= `minimum`; otherwise `ap.error` (exit 2) naming `flag`."""
+    try:
+        out = [int(c) for c in csv_arg(value)]
+    except ValueError:
+        out = None
+    if not out or min(out) < minimum:
+        ap.error(f"{flag} must be a comma list of integers >= {minimum}, got {value!r}")
+    return out
+
+
+def choices_arg(ap, flag: str, value: str, valid, what: str) -> list:
+    """Non-empty comma list whose items are all in `valid`; otherwise `ap.error` naming `flag`."""
+    items = csv_arg(value)
+    bad = [m for m in items if m not in valid]
+    if bad or not items:
+        ap.error(f"{flag}: unknown {what}(s) {bad or '(empty)'}; valid: {', '.join(valid)}")
+    return items

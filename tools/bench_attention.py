@@ -189,33 +189,13 @@ def table(rows, slow):
     return bench.md_table(hdr, out) + "\n" + note
 
 
-def _csv(s):
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def _int_list(ap, flag, value, minimum):
-    try:
-        out = [int(c) for c in _csv(value)]
-    except ValueError:
-        out = None
-    if not out or min(out) < minimum:
-        ap.error(f"{flag} must be a comma list of integers >= {minimum}, got {value!r}")
-    return out
-
-
 def check_args(ap, args):
     """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, contexts,
     methods, placements)."""
-    cps = _int_list(ap, "--cp", args.cp, 1)
-    contexts = _int_list(ap, "--contexts", args.contexts, 2)
-    methods = _csv(args.methods)
-    bad = [m for m in methods if m not in bench.METHODS]
-    if bad or not methods:
-        ap.error(f"--methods: unknown method(s) {bad or '(empty)'}; valid: {', '.join(bench.METHODS)}")
-    placements = _csv(args.placements)
-    bad = [p for p in placements if p not in STRATEGIES]
-    if bad or not placements:
-        ap.error(f"--placements: unknown placement(s) {bad or '(empty)'}; valid: {', '.join(STRATEGIES)}")
+    cps = bench.int_list_arg(ap, "--cp", args.cp, 1)
+    contexts = bench.int_list_arg(ap, "--contexts", args.contexts, 2)
+    methods = bench.choices_arg(ap, "--methods", args.methods, bench.METHODS, "method")
+    placements = bench.choices_arg(ap, "--placements", args.placements, STRATEGIES, "placement")
     if args.backend not in BACKENDS:
         ap.error(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     for flag in ("anchors", "n_seqs", "reps", "kernel_reps"):

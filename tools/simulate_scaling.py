@@ -165,29 +165,14 @@ def sample_ranks(method, plan, k):
     return out, pairs
 
 
-def _csv(s):
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
 def check_args(ap, args):
     """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, methods,
     placements) as lists."""
-    try:
-        cps = [int(c) for c in _csv(args.cps)]
-    except ValueError:
-        ap.error(f"--cps must be a comma list of integers >= 1, got {args.cps!r}")
-    if not cps or min(cps) < 1:
-        ap.error(f"--cps must be a comma list of integers >= 1, got {args.cps!r}")
+    cps = bench.int_list_arg(ap, "--cps", args.cps, 1)
     if len(set(cps)) != len(cps):
         ap.error(f"--cps has duplicates: {args.cps!r}")
-    methods = _csv(args.methods)
-    bad = [m for m in methods if m not in bench.METHODS]
-    if bad or not methods:
-        ap.error(f"--methods: unknown method(s) {bad or '(empty)'}; valid: {', '.join(bench.METHODS)}")
-    placements = _csv(args.placements)
-    bad = [p for p in placements if p not in PLACEMENTS]
-    if bad or not placements:
-        ap.error(f"--placements: unknown placement(s) {bad or '(empty)'}; valid: {', '.join(PLACEMENTS)}")
+    methods = bench.choices_arg(ap, "--methods", args.methods, bench.METHODS, "method")
+    placements = bench.choices_arg(ap, "--placements", args.placements, PLACEMENTS, "placement")
     for flag in ("ctx_per_rank", "anchors", "B", "Hq", "Hkv", "D", "n_seqs", "sample_ranks", "reps",
                  "gpus_per_node"):
         if getattr(args, flag) < 1:

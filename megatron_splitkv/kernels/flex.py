@@ -483,10 +483,3 @@ def dense_flex_emulation(query, key, value, *, block_mask, scale, enable_gqa=Fal
 
         return out, AuxOutput(lse=lse)
     return (out, lse) if return_lse else out
-
-
-def useful_flops(mask: IntervalMask, num_heads_q: int, head_dim: int, backward: bool = False) -> float:
-    """Useful FLOPs of the context attention: 4 * visible pairs * Hq * D forward, x2.5 with backward."""
-    pairs = float(((mask.hi - mask.lo).clamp(min=0).sum() * mask.block_size).item())
-    f = 4.0 * pairs * num_heads_q * head_dim
-    return f * 2.5 if backward else f
