@@ -126,7 +126,8 @@ class CausalCPCoreAttention(MegatronModule):
     Attention: `megatron_splitkv.allgather_kv_attention(q, k, v, k, v, q_seq=kv_seq, q_anchor=kv_pos,
     kv_seq, kv_pos, block_size=1)`, i.e. token t sees tokens of its sequence at positions < pos(t) on
     every CP rank plus itself: the causal mask, exact under any layout. Context-sized communication is
-    fine here: the target runs forward only (no backward collectives).
+    fine here: the target runs forward only (no backward collectives). The op's metadata is prepared
+    once per micro-batch (`DFlashPackedSeqParams.op_metadata`) and reused by every target layer.
 
     Errors: ValueError without `packed_seq_params` metadata or with batch > 1; NotImplementedError for
     attention_bias.
@@ -160,8 +161,11 @@ class CausalCPCoreAttention(MegatronModule):
         k = apply_rope(key[:, 0], pos, base=self.rotary_base, rotary_percent=self.rotary_percent)
         v = value[:, 0]
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        out = allgather_kv_attention(q, k, v, k, v, p.kv_seq, p.kv_pos, p.kv_seq, p.kv_pos, block_size=1,
-                                     cp_group=self.cp_group, softmax_scale=scale, backend=self.kernel_backend)
+        # the metadata work (gathers, sort, masks) is done by the first layer and reused by the others
+        meta = p.op_metadata("allgather-kv", num_heads_q=q.shape[1], num_heads_kv=k.shape[1],
+                             head_dim=q.shape[2], dtype=q.dtype, device=q.device, cp_group=self.cp_group)
+        out = allgather_kv_attention(q, k, v, k, v, softmax_scale=scale, backend=self.kernel_backend,
+                                     metadata=meta)
         return out.reshape(out.shape[0], 1, -1)
 
 
