@@ -16,7 +16,15 @@ messages), with P the group size and n the message bytes:
 
 reduce_scatter uses `reduce_scatter_tensor`, which gloo implements in the pinned torch 2.11, so no
 all_reduce fallback is needed on CPU (and the recorded bytes are those of a real reduce-scatter).
-A group of size 1 moves nothing: its calls are skipped and recorded with 0 bytes. The validation
+A group of size 1 moves nothing: its calls are skipped and recorded with 0 bytes.
+
+Asynchronous collectives (`async_op=True` on `all_gather`, `reduce_scatter`, `all_reduce_max`): the call
+issues the collective (torch.distributed `async_op=True`; on NCCL it runs on NCCL's own stream) and
+returns a `Pending`; `Pending.wait()` returns the result (on CUDA it makes the current stream wait for
+the collective; gloo blocks the host). The record is made at issue time with the same bytes as the
+synchronous call, so splitting a message into chunks changes the number of records but not the total
+bytes per op name. The caller must `wait()` every Pending before it uses the result, and must not
+modify the input meanwhile (the Pending keeps both alive). Used by Split-KV's chunked merge pipeline. The validation
 all-gather of each op (a few int64 per rank) is recorded too, as kind "all_gather" with op name
 "<op>.meta". Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2 ("every collective moves
 O(Lq * H * D) elements").
@@ -48,6 +56,7 @@ __all__ = [
     "reduce_scatter",
     "all_reduce_max",
     "RingExchange",
+    "Pending",
 ]
 
 
@@ -146,46 +155,76 @@ def resolve_group(cp_group=None) -> CommGroup:
     return CommGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
 
 
-def all_gather(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
+class Pending:
+    """An issued asynchronous collective: `wait()` returns its result tensor (idempotent).
+
+    Holds the torch.distributed work handle (None when nothing was sent: group of size 1, empty
+    message) and the input and output tensors, which must stay alive and unmodified until `wait()`.
+    """
+
+    def __init__(self, result: torch.Tensor, work=None, keep=None):
+        self.result, self._work, self._keep = result, work, keep
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._keep = None
+        return self.result
+
+
+def _finish(result, work, keep, async_op):
+    if async_op:
+        return Pending(result, work, keep)
+    if work is not None:
+        work.wait()
+    return result
+
+
+def all_gather(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = False):
     """All-gather equal-sized `x` [n, ...] along dim 0 -> [P * n, ...] (rank order). Callers pad
-    uneven shards to the maximum first."""
+    uneven shards to the maximum first. async_op=True: returns a `Pending` (see the module docstring)."""
     x = x.contiguous()
     if group.size == 1:
         if _ACTIVE:
             _record(op, "all_gather", 0, 1, x)
-        return x
+        return _finish(x, None, None, async_op)
     out = x.new_empty((group.size * x.shape[0],) + tuple(x.shape[1:]))
+    work = None
     if x.numel():
-        dist.all_gather_into_tensor(out, x, group=group.pg)
+        work = dist.all_gather_into_tensor(out, x, group=group.pg, async_op=async_op)
     if _ACTIVE:
         _record(op, "all_gather", 2 * (group.size - 1) * _nbytes(x), group.size, x)
-    return out
+    return _finish(out, work, x, async_op)
 
 
-def reduce_scatter(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
-    """Sum `x` [P * n, ...] over ranks and return this rank's slice [n, ...] (rank order)."""
+def reduce_scatter(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = False):
+    """Sum `x` [P * n, ...] over ranks and return this rank's slice [n, ...] (rank order).
+    async_op=True: returns a `Pending` (see the module docstring)."""
     x = x.contiguous()
     if group.size == 1:
         if _ACTIVE:
             _record(op, "reduce_scatter", 0, 1, x)
-        return x
+        return _finish(x, None, None, async_op)
     n = x.shape[0] // group.size
     out = x.new_empty((n,) + tuple(x.shape[1:]))
+    work = None
     if x.numel():
-        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg)
+        work = dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group.pg, async_op=async_op)
     if _ACTIVE:
         _record(op, "reduce_scatter", 2 * (group.size - 1) * _nbytes(out), group.size, out)
-    return out
+    return _finish(out, work, x, async_op)
 
 
-def all_reduce_max(x: torch.Tensor, group: CommGroup, op: str) -> torch.Tensor:
-    """Element-wise MAX over ranks (in place on a contiguous copy); -inf entries are fine."""
+def all_reduce_max(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = False):
+    """Element-wise MAX over ranks, IN PLACE on `x` (a contiguous copy when x is not contiguous;
+    callers pass a tensor they own); -inf entries are fine. async_op=True: returns a `Pending`."""
     x = x.contiguous()
+    work = None
     if group.size > 1 and x.numel():
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.pg)
+        work = dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.pg, async_op=async_op)
     if _ACTIVE:
         _record(op, "all_reduce", 4 * (group.size - 1) * _nbytes(x) // max(group.size, 1), group.size, x)
-    return x
+    return _finish(x, work, None, async_op)
 
 
 class RingExchange:

@@ -54,7 +54,7 @@ def test_splitkv_bytes_formula(bytes_run):
     f4, i8 = 4, 8
     ag = lambda n: 2 * (P - 1) * n  # noqa: E731  (n = per-rank chunk bytes)
     expect = {
-        "splitkv.meta": ag(10 * i8),  # [error flag, 7 sizes, resolved softmax_scale, call mode]
+        "splitkv.meta": ag(11 * i8),  # [error flag, 7 sizes, resolved softmax_scale, call mode, chunks]
         "splitkv.fwd.q": ag(rows * hq * d * f4),
         "splitkv.fwd.block_meta": ag(4 * 2 * i8),
         "splitkv.fwd.lse_max": 4 * (P - 1) * (P * rows * hq * f4) // P,

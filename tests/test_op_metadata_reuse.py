@@ -119,7 +119,8 @@ def _reuse_one(op, c, rank, group, backend):
     plain = _result(x, out, lse)
     return dict(layers=per_layer, plain=plain, prep_ops=[r.op for r in prep.records], fwd_ops=fwd_ops,
                 bwd_ops=bwd_ops, plain_ops=[r.op for r in st.records], mask_builds=len(builds),
-                n_step_masks=len(meta.step_masks) if meta.step_masks is not None else None)
+                n_step_masks=len(meta.step_masks) if meta.step_masks is not None else None,
+                num_chunks=meta.num_chunks)
 
 
 def reuse_worker(rank, world_size, jobs):
@@ -181,8 +182,12 @@ def test_no_metadata_collectives_per_call(reuse_run):
             n_call = len(r["fwd_ops"][0]) + len(r["bwd_ops"]) // LAYERS
             assert n_call < len(r["plain_ops"]), (op, n_call, r["plain_ops"])
             assert f"{op}.meta" in r["plain_ops"]  # the plain call still validates group-wide
-            if op == "splitkv":  # exactly the 6 data collectives of Split-KV remain
-                assert r["fwd_ops"][0] == ["splitkv.fwd.q", "splitkv.fwd.lse_max", "splitkv.fwd.out"]
+            if op == "splitkv":  # exactly the 6 data collectives of Split-KV remain, once per chunk
+                k = r["num_chunks"]
+                assert sorted(r["fwd_ops"][0]) == sorted(
+                    ["splitkv.fwd.q", "splitkv.fwd.lse_max", "splitkv.fwd.out"] * k)
+                assert sorted(r["bwd_ops"]) == sorted(
+                    ["splitkv.bwd.dout", "splitkv.bwd.stats", "splitkv.bwd.dq"] * k * LAYERS)
 
 
 def test_flex_block_mask_built_once_per_step(reuse_run):
@@ -191,7 +196,8 @@ def test_flex_block_mask_built_once_per_step(reuse_run):
     assert flex_jobs
     for j, op, c in flex_jobs:
         for r in _per_rank(results, j, c["P"]):
-            expect = c["P"] if op == "ring_kv" else 1  # ring: one mask per step of the ring
+            # ring: one mask per step of the ring; splitkv: one per query chunk of the merge pipeline
+            expect = {"ring_kv": c["P"], "splitkv": r["num_chunks"]}.get(op, 1)
             assert r["mask_builds"] == expect, (op, r["mask_builds"], expect)
 
 

@@ -10,14 +10,29 @@ contiguous key interval per query block:
 (`lo[b] == hi[b]` means it sees none: anchor at 0, another sequence, an invalid block or an empty rank).
 `IntervalMask` carries exactly that; no dense Tq x Tk mask is ever materialised.
 
+Union with the own block (optional second intervals, DESIGN.md sections 1-2: "all B tokens of its own
+block"): the ops append the query blocks' own keys after the context keys and give each query block a
+second interval, so ONE kernel call covers the context and the B x B own-block attention:
+
+    keys = [ sorted context keys (Tk), zero padding up to num_ctx_keys ; own-block keys ]
+    block b sees [lo[b], hi[b])  UNION  [lo2[b], hi2[b])
+
+Contract of the second intervals (`IntervalMask.validate` checks it; the ops validate where they build the
+mask, once per step, never in a kernel's hot path; the Transformer Engine kernel relies on it):
+    * 0 <= lo[b] <= hi[b] <= num_ctx_keys for non-empty first intervals (region 1 = [0, num_ctx_keys));
+    * hi2[b] - lo2[b] is 0 or block_size; a non-empty one lies in [num_ctx_keys, num_keys) (region 2);
+    * the non-empty second intervals are pairwise disjoint (each own key belongs to one block).
+The ops round num_ctx_keys up to a multiple of 128 (`ops.common.OWN_KEY_ALIGN`, FlexAttention's key
+tile), so no key tile mixes the two regions; the padding keys are zeros and lie in no interval.
+
 Kernels implement:
 
     forward(q, k, v, mask, scale) -> (out, lse, state)
         q [Tq, Hq, D], k/v [Tk, Hkv, D] (same dtype: fp16/bf16/fp32/fp64; Hq % Hkv == 0, query head h
-        uses kv head h // (Hq // Hkv)). out [Tq, Hq, D] float32 (float64 for float64 inputs), lse
-        [Tq, Hq] float32 (float64 for float64 inputs), natural log of sum(exp(scale * q.k)) over visible
-        keys; rows with no visible key: out = 0, lse = -inf. `state` is whatever the kernel wants back in
-        backward (may be None).
+        uses kv head h // (Hq // Hkv); Tk = mask.num_keys, own keys included). out [Tq, Hq, D] float32
+        (float64 for float64 inputs), lse [Tq, Hq] float32 (float64 for float64 inputs), natural log of
+        sum(exp(scale * q.k)) over visible keys (both intervals); rows with no visible key: out = 0,
+        lse = -inf. `state` is whatever the kernel wants back in backward (may be None).
 
     backward(q, k, v, mask, scale, dout, lse, delta, state) -> (dq, dk, dv)
         dout [Tq, Hq, D] (any float dtype), lse [Tq, Hq] and delta [Tq, Hq] float32/64 are the GLOBAL
@@ -26,6 +41,7 @@ Kernels implement:
         [Tk, Hkv, D], all float32 (float64 for float64 inputs):
             P = exp(scale * q k^T - lse) on visible entries, 0 elsewhere (and on rows with lse = -inf)
             dV = P^T dO ;  dS = P * (dO V^T - delta) ;  dQ = scale * dS K ;  dK = scale * dS^T Q
+        The rows of dk/dv of region 2 are the own-block gradients (dk_blk, dv_blk in the ops).
 """
 
 from dataclasses import dataclass
@@ -35,19 +51,82 @@ import torch
 
 @dataclass
 class IntervalMask:
-    """Context visibility of query blocks as key intervals over sorted local keys.
+    """Visibility of query blocks as key intervals over the local keys (see the module docstring).
 
     Attributes:
         block_size: B, query rows per block (rows are grouped block by block).
-        lo, hi: [n_blocks] int64 on the kernel's device; block b sees keys [lo[b], hi[b]).
-        num_keys: Tk, the number of local context keys.
+        lo, hi: [n_blocks] int64 on the kernel's device; block b sees keys [lo[b], hi[b]) (region 1).
+        num_keys: Tk, the total number of keys the kernel gets (context, padding and own keys).
+        lo2, hi2: optional [n_blocks] int64 (both or neither): block b ALSO sees [lo2[b], hi2[b])
+            (region 2, the own block); None: no second intervals.
+        num_ctx_keys: where region 2 starts (first intervals end at or before it); defaults to
+            num_keys (no region 2).
+
+    Raises:
+        ValueError: only one of lo2 / hi2 given, or num_ctx_keys outside [0, num_keys].
     """
 
     block_size: int
     lo: torch.Tensor
     hi: torch.Tensor
     num_keys: int
+    lo2: torch.Tensor = None
+    hi2: torch.Tensor = None
+    num_ctx_keys: int = None
+
+    def __post_init__(self):
+        if (self.lo2 is None) != (self.hi2 is None):
+            raise ValueError("IntervalMask: lo2 and hi2 must both be tensors or both be None")
+        if self.num_ctx_keys is None:
+            self.num_ctx_keys = self.num_keys
+        if not 0 <= self.num_ctx_keys <= self.num_keys:
+            raise ValueError(f"IntervalMask: num_ctx_keys={self.num_ctx_keys} must lie in [0, "
+                             f"num_keys={self.num_keys}]")
 
     @property
     def num_blocks(self) -> int:
         return int(self.lo.shape[0])
+
+    @property
+    def has_union(self) -> bool:
+        """True when the mask has second (own-block) intervals."""
+        return self.lo2 is not None
+
+    def validate(self) -> "IntervalMask":
+        """Check the contract of the module docstring (one host sync); returns self.
+
+        Raises:
+            ValueError naming the violated property (shapes, region bounds, second-interval lengths,
+            overlapping second intervals).
+        """
+        n = self.num_blocks
+        tensors = [("lo", self.lo), ("hi", self.hi)]
+        if self.has_union:
+            tensors += [("lo2", self.lo2), ("hi2", self.hi2)]
+        for name, t in tensors:
+            if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int64:
+                raise ValueError(f"IntervalMask.{name} must be [{n}] int64, got {tuple(t.shape)} {t.dtype}")
+        if n == 0:
+            return self
+        live = self.hi > self.lo
+        zero = torch.zeros((), dtype=torch.bool, device=self.lo.device)
+        checks = [(live & ((self.lo < 0) | (self.hi > self.num_ctx_keys))).any()]
+        if self.has_union:
+            length = self.hi2 - self.lo2
+            own = length > 0
+            checks.append(((length != 0) & (length != self.block_size)).any())
+            checks.append((own & ((self.lo2 < self.num_ctx_keys) | (self.hi2 > self.num_keys))).any())
+            starts = torch.sort(torch.where(own, self.lo2, torch.full_like(self.lo2, -1))).values
+            gaps = starts[1:] - starts[:-1]
+            checks.append(((starts[1:] >= 0) & (starts[:-1] >= 0) & (gaps < self.block_size)).any()
+                          if n > 1 else zero)
+        bad = torch.stack(checks).tolist()
+        names = ["first intervals must lie in [0, num_ctx_keys)",
+                 f"second intervals must have length 0 or block_size={self.block_size}",
+                 "second intervals must lie in [num_ctx_keys, num_keys)",
+                 "second intervals must be pairwise disjoint"]
+        for flag, what in zip(bad, names):
+            if flag:
+                raise ValueError(f"IntervalMask: {what} (num_ctx_keys={self.num_ctx_keys}, "
+                                 f"num_keys={self.num_keys})")
+        return self

@@ -11,7 +11,11 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   intersects it, and *full* if every row of the query tile sees the whole key tile. Needed-but-not-full
   tiles are *partial*: there the `mask_mod` `lo[q // B] <= kv < hi[q // B]` is evaluated. No dense
   Tq x Tk mask is built and `create_block_mask` (which evaluates the mask on every pair) is never called.
-  See `interval_block_tables`.
+  See `interval_block_tables`. Masks with own-block second intervals (`IntervalMask.lo2/hi2`, the union
+  contract of `kernels/base.py`) are classified the same way on both intervals; their own-block region
+  (from `num_ctx_keys`, a multiple of 128 in the ops) is block-diagonal: only the key tiles a query
+  tile's own blocks intersect are listed (partial, B x B blocks inside 128 x 128 tiles), and the
+  mask_mod tests both intervals. One call thus covers context and own block (perf-notes item 1).
 * `flex_attention` is compiled once at module level (`torch.compile(..., dynamic=False)`). Query and key
   lengths are padded up to bucket sizes (`bucket_length`: multiples of 128 of the form m * 2**e, m in
   [steps, 2 * steps)): both to {2, 3} x 2**e x 128 (`DEFAULT_Q_BUCKET_STEPS`, `DEFAULT_BUCKET_STEPS` = 2,
@@ -21,7 +25,8 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   compiling the smaller one (`reuse_larger_kv_bucket`): per-rank key counts of packed batches sit around
   seq_length / CP, i.e. right on a power-of-two bucket boundary, and would otherwise need two graphs. Dynamo
   compiles one graph (forward + backward) per (Tq bucket, Tk bucket, dtype, heads, head dim, scale, GQA,
-  kernel_options, grad mode), and NOTHING else triggers a recompile (checked on CPU with dynamo's guards:
+  kernel_options, grad mode, mask with or without own-block intervals), and NOTHING else triggers a
+  recompile (the key length Tk counts the own keys too) (checked on CPU with dynamo's guards:
   the fresh mask_mod closure and its lo/hi tensors, fresh BlockMask tables, lengths inside a bucket and an
   outer no_grad do not; a different `scale` value does, `save_graph=False` adds a no-grad forward graph).
   Padding rows have empty intervals (out 0, lse -inf) and padding keys lie outside every interval; both are
@@ -164,21 +169,26 @@ def bucket_length(n: int, steps: int = DEFAULT_BUCKET_STEPS, tile: int = TILE) -
 
 
 def _row_intervals(mask: IntervalMask, n_rows_padded: int):
-    """Per-row lo/hi (int32) for the padded query length; padding rows get [0, 0)."""
+    """Per-row (lo, hi, lo2, hi2) int32 for the padded query length; padding rows get [0, 0).
+
+    lo2/hi2 are None when the mask has no second (own-block) intervals."""
     B = mask.block_size
-    lo = mask.lo.to(torch.int32).repeat_interleave(B)
-    hi = mask.hi.to(torch.int32).repeat_interleave(B)
-    pad = n_rows_padded - lo.shape[0]
+    pad = n_rows_padded - mask.num_blocks * B
     if pad < 0:
         raise ValueError("padded query length shorter than the mask")
-    if pad:
-        z = torch.zeros(pad, dtype=torch.int32, device=lo.device)
-        lo, hi = torch.cat([lo, z]), torch.cat([hi, z])
-    return lo, hi
+
+    def rows(x):
+        if x is None:
+            return None
+        r = x.to(torch.int32).repeat_interleave(B)
+        return torch.cat([r, torch.zeros(pad, dtype=torch.int32, device=r.device)]) if pad else r
+
+    return rows(mask.lo), rows(mask.hi), rows(mask.lo2), rows(mask.hi2)
 
 
 def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int, kv_len: int,
-                          tile: int = TILE, rows_per_block: int = 1):
+                          tile: int = TILE, rows_per_block: int = 1, lo2_row: torch.Tensor | None = None,
+                          hi2_row: torch.Tensor | None = None):
     """Classify (query tile, key tile) pairs of an interval mask; vectorised, on lo_row's device, no sync.
 
     Args:
@@ -186,6 +196,12 @@ def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int
         q_len, kv_len: padded lengths, multiples of `tile`.
         rows_per_block: rows come in runs of this many identical intervals starting at row 0 (the query
             block size B); when it divides `tile`, one row per block is examined (tile / B per tile).
+        lo2_row, hi2_row: optional [q_len] second intervals (the own block, `IntervalMask.lo2/hi2`):
+            row i sees the UNION of both. A tile is full when one of the two intervals covers it for
+            every row; exact (equal to a brute-force classification of the union) when no key tile
+            straddles both intervals of a row, which the ops guarantee by starting region 2 on a
+            multiple of `tile` (`IntervalMask.num_ctx_keys`); otherwise a tile covered only by the
+            union is listed as partial (still correct: the mask_mod decides there).
 
     Returns:
         (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) shaped [1, 1, nq] and
@@ -193,30 +209,48 @@ def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int
         tiles (some row sees some key of the tile, but not every row sees every key) and the full key
         tiles (every row of the query tile sees every key of the tile), each listed in increasing order
         first, the rest of the row holding the remaining tile indices. Memory O(nq * r * nk) bools with
-        r = tile / B rows examined per query tile (r = tile when B does not divide tile).
+        r = tile / B rows examined per query tile (r = tile when B does not divide tile). With second
+        intervals the own-block region is block-diagonal: a query tile lists only the key tiles its
+        rows' own blocks intersect.
     """
     if q_len % tile or kv_len % tile:
         raise ValueError(f"q_len={q_len} and kv_len={kv_len} must be multiples of {tile}")
     nq, nk = q_len // tile, kv_len // tile
-    lo = lo_row.to(torch.int32).reshape(nq, tile)
-    hi = hi_row.to(torch.int32).reshape(nq, tile)
-    if rows_per_block > 1 and tile % rows_per_block == 0:
-        lo, hi = lo[:, ::rows_per_block], hi[:, ::rows_per_block]
-    kstart = torch.arange(0, kv_len, tile, device=lo.device, dtype=torch.int32)  # [nk]
+    kstart = torch.arange(0, kv_len, tile, device=lo_row.device, dtype=torch.int32)  # [nk]
     kend = kstart + tile
-    lo3, hi3 = lo[:, :, None], hi[:, :, None]
-    touches = (hi3 > lo3) & (lo3 < kend) & (hi3 > kstart)  # [nq, r, nk]
+
+    def per_tile(x):
+        x = x.to(torch.int32).reshape(nq, tile)
+        if rows_per_block > 1 and tile % rows_per_block == 0:
+            x = x[:, ::rows_per_block]
+        return x[:, :, None]
+
+    def touch_cover(lo_r, hi_r):
+        lo3, hi3 = per_tile(lo_r), per_tile(hi_r)
+        touches = (hi3 > lo3) & (lo3 < kend) & (hi3 > kstart)  # [nq, r, nk]
+        covers = (lo3 <= kstart) & (hi3 >= kend)  # an empty row (lo >= hi) never covers a tile
+        return touches, covers
+
+    touches, covers = touch_cover(lo_row, hi_row)
+    if lo2_row is not None:
+        t2, c2 = touch_cover(lo2_row, hi2_row)
+        touches, covers = touches | t2, covers | c2
     needed = touches.any(1)
-    full = ((lo3 <= kstart) & (hi3 >= kend)).all(1)  # an empty row (lo >= hi) never covers a tile
+    full = covers.all(1)
     sel = torch.stack([needed & ~full, full])  # [2, nq, nk]: partial, full
     num = sel.sum(-1, dtype=torch.int32)
     idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
     return num[0][None, None], idx[0][None, None], num[1][None, None], idx[1][None, None]
 
 
-def _interval_mask_mod(lo_row: torch.Tensor, hi_row: torch.Tensor):
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx >= lo_row[q_idx]) & (kv_idx < hi_row[q_idx])
+def _interval_mask_mod(lo_row: torch.Tensor, hi_row: torch.Tensor, lo2_row=None, hi2_row=None):
+    if lo2_row is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= lo_row[q_idx]) & (kv_idx < hi_row[q_idx])
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (((kv_idx >= lo_row[q_idx]) & (kv_idx < hi_row[q_idx]))
+                    | ((kv_idx >= lo2_row[q_idx]) & (kv_idx < hi2_row[q_idx])))
 
     return mask_mod
 
@@ -225,16 +259,18 @@ def build_block_mask(mask: IntervalMask, q_len: int, kv_len: int, tile: int = TI
     """FlexAttention `BlockMask` for an `IntervalMask` at padded lengths (q_len, kv_len).
 
     Built from `interval_block_tables` with `BlockMask.from_kv_blocks`; the mask_mod reads per-row lo/hi
-    tensors on the mask's device. Raises RuntimeError when FlexAttention is unavailable.
+    (and lo2/hi2 for a mask with own-block intervals: the union) tensors on the mask's device. Raises
+    RuntimeError when FlexAttention is unavailable.
     """
     if BlockMask is None:
         raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
-    lo_row, hi_row = _row_intervals(mask, q_len)
+    lo_row, hi_row, lo2_row, hi2_row = _row_intervals(mask, q_len)
     kv_num, kv_idx, full_num, full_idx = interval_block_tables(lo_row, hi_row, q_len, kv_len, tile,
-                                                               rows_per_block=mask.block_size)
+                                                               rows_per_block=mask.block_size,
+                                                               lo2_row=lo2_row, hi2_row=hi2_row)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
-        mask_mod=_interval_mask_mod(lo_row, hi_row), seq_lengths=(q_len, kv_len),
+        mask_mod=_interval_mask_mod(lo_row, hi_row, lo2_row, hi2_row), seq_lengths=(q_len, kv_len),
     )
 
 
@@ -246,7 +282,8 @@ class FlexAttentionKernel:
     forward(q, k, v, mask, scale) -> (out, lse, state)
         q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (bf16/fp16/fp32) on one device; Hq % Hkv == 0 (query
         head h uses kv head h // (Hq // Hkv), flex's `enable_gqa`). mask: `IntervalMask` with
-        n_blocks * block_size == Tq and intervals within [0, Tk]. Returns out [Tq, Hq, D] float32 (flex
+        n_blocks * block_size == Tq, num_keys == Tk and intervals within [0, Tk] (optionally with
+        own-block second intervals: the union is attended). Returns out [Tq, Hq, D] float32 (flex
         output rounded to the input dtype, then upcast), lse [Tq, Hq] float32 natural log (rows with no
         visible key: out 0, lse -inf), and `state` (flex's autograd graph when `save_graph`, else None).
 
@@ -338,7 +375,7 @@ class FlexAttentionKernel:
         fn = self._fn(q.device)
         if self.reuse_larger_kv_bucket and fn is _COMPILED:
             # everything dynamo guards on besides the lengths (see the module docstring)
-            graph_key = (q.device, q.dtype, Hq, Hkv, D, float(scale), bool(grad),
+            graph_key = (q.device, q.dtype, Hq, Hkv, D, float(scale), bool(grad), mask.has_union,
                          json.dumps(self.kernel_options, sort_keys=True, default=str))
             Tkp = _pick_kv_bucket(graph_key, Tqp, Tkp, self.bucket_steps)
         bm = self.block_mask(mask, Tqp, Tkp)

@@ -2,18 +2,22 @@
 
 Implements the contract of `megatron_splitkv.kernels.base` exactly (DESIGN.md section 2, steps 2 of the
 forward and backward; arXiv 2611.05926 Split-KV): attention of query blocks against the contiguous key
-interval [lo[b], hi[b]) of the sorted local context keys.
+interval [lo[b], hi[b]) of the sorted local context keys, united (when the mask has second intervals)
+with the block's own B keys [lo2[b], lo2[b] + B) appended after the context (DESIGN.md section 1: the
+own block is seen bidirectionally).
 
 Memory stays bounded: blocks that see at least one key are sorted by `lo` and grouped greedily so that
-each group's score tile (rows x key span of the group x Hq) holds at most `max_elements` entries (one
-block per group at least); only that tile is materialised. Blocks that see nothing are never computed
+each group's score tile (rows x (key span of the group + B own keys) x Hq) holds at most `max_elements`
+entries (one block per group at least); only that tile is materialised. The own keys are gathered per
+block (block-diagonal, B x B per block), never as a span. Blocks that see nothing are never computed
 (out = 0, lse = -inf, zero gradients). Grouped-query attention is computed by viewing the query heads as
 [Hkv, Hq // Hkv] so K/V are never repeated. Arithmetic is float32 (float64 for float64 inputs).
 
-Non-finite masked entries: keys of a group's span that no row of the group sees are selected to 0 and
-masked score entries are selected (torch.where, never multiplied by 0), so a NaN/inf in a key or value
-that no query sees never reaches an output or gradient. A NaN/inf in a key that SOME row of the group
-sees reaches that group's other rows through the tile matmul (as in any dense attention tile).
+Non-finite masked entries: keys of a group's span that no row of the group sees, and the own keys of
+blocks without a second interval, are selected to 0 and masked score entries are selected
+(torch.where, never multiplied by 0), so a NaN/inf in a key or value that no query sees never reaches an
+output or gradient. A NaN/inf in a key that SOME row of the group sees reaches that group's other rows
+through the tile matmul (as in any dense attention tile).
 """
 
 import torch
@@ -40,48 +44,61 @@ class MathAttentionKernel:
         self.max_elements = int(max_elements)
 
     def _groups(self, mask: IntervalMask, num_heads: int):
-        """List of (block indices [n] int64 on the mask's device, key lo, key hi) for groups of non-empty
-        blocks.
+        """List of (block indices [n] int64 on the mask's device, key lo, key hi, has own keys) for
+        groups of blocks that see at least one key.
 
-        Reading lo/hi is a host sync, so the grouping is cached on the mask object
+        Reading lo/hi (lo2/hi2) is a host sync, so the grouping is cached on the mask object
         (`mask._math_groups`, keyed by heads and `max_elements`): a mask reused by every layer of a
-        step (`prepare_splitkv_metadata`) is read once. The cache assumes lo/hi are not modified in
-        place afterwards.
+        step (`prepare_splitkv_metadata`) is read once. The cache assumes the intervals are not
+        modified in place afterwards.
         """
         cache = mask.__dict__.setdefault("_math_groups", {})
         key = (num_heads, self.max_elements)
         if key not in cache:
             dev = mask.lo.device
-            cache[key] = [(torch.tensor(b, dtype=torch.long, device=dev), lo, hi)
-                          for b, lo, hi in self._make_groups(mask, num_heads)]
+            cache[key] = [(torch.tensor(b, dtype=torch.long, device=dev), lo, hi, own)
+                          for b, lo, hi, own in self._make_groups(mask, num_heads)]
         return cache[key]
 
     def _make_groups(self, mask: IntervalMask, num_heads: int):
         lo, hi = mask.lo.tolist(), mask.hi.tolist()
+        n = len(lo)
+        own = [False] * n
+        if mask.has_union:
+            own = [b > a for a, b in zip(mask.lo2.tolist(), mask.hi2.tolist())]
         bsz = mask.block_size
-        live = sorted((b for b in range(len(lo)) if hi[b] > lo[b]), key=lambda b: lo[b])
-        cur, clo, chi = [], 0, 0
-        for b in live:
+        ctx = [b for b in range(n) if hi[b] > lo[b]]
+        # blocks that see only their own keys: grouped among themselves (empty context span)
+        only_own = [b for b in range(n) if own[b] and hi[b] <= lo[b]]
+        for live, spans in ((sorted(ctx, key=lambda b: lo[b]), True), (only_own, False)):
+            cur, clo, chi, cown = [], 0, 0, False
+            for b in live:
+                blo, bhi = (lo[b], hi[b]) if spans else (0, 0)
+                if cur:
+                    nlo, nhi, nown = min(clo, blo), max(chi, bhi), cown or own[b]
+                    if (len(cur) + 1) * bsz * (nhi - nlo + bsz * nown) * num_heads <= self.max_elements:
+                        cur.append(b)
+                        clo, chi, cown = nlo, nhi, nown
+                        continue
+                    yield cur, clo, chi, cown
+                cur, clo, chi, cown = [b], blo, bhi, own[b]
             if cur:
-                nlo, nhi = min(clo, lo[b]), max(chi, hi[b])
-                if (len(cur) + 1) * bsz * (nhi - nlo) * num_heads <= self.max_elements:
-                    cur.append(b)
-                    clo, chi = nlo, nhi
-                    continue
-                yield cur, clo, chi
-            cur, clo, chi = [b], lo[b], hi[b]
-        if cur:
-            yield cur, clo, chi
+                yield cur, clo, chi, cown
 
     @staticmethod
-    def _tile(q, k, v, mask, blocks, klo, khi, scale, acc):
-        """Scores of one group: returns (row index, q [R,Hkv,G,D], k, v [S,Hkv,D], s [Hkv,G,R,S], vis [R,S])."""
+    def _tile(q, k, v, mask, blocks, klo, khi, has_own, scale, acc):
+        """Scores of one group: returns (row index, q [R,Hkv,G,D], context part (k, v [S,Hkv,D]), own
+        part (key index [n*B], k, v [n,B,Hkv,D]) or None, s [Hkv,G,R,S(+B)], vis [R,S(+B)]).
+
+        Own keys (when the group has any): block j's B keys [lo2, lo2 + B), scored block-diagonally and
+        appended after the context span in the key dim of s (R = n * B rows, row r of block r // B)."""
         bsz = mask.block_size
         hkv = k.shape[1]
         dev = q.device
-        blk = blocks.to(dev) if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, dtype=torch.long,
-                                                                                  device=dev)
-        rows = (blk[:, None] * bsz + torch.arange(bsz, device=dev)[None, :]).reshape(-1)
+        blk = blocks.to(dev)
+        n = blk.shape[0]
+        ar = torch.arange(bsz, device=dev)
+        rows = (blk[:, None] * bsz + ar[None, :]).reshape(-1)
         qg = q.index_select(0, rows).to(acc)
         qg = qg.view(qg.shape[0], hkv, qg.shape[1] // hkv, qg.shape[2])
         rlo = (mask.lo.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
@@ -95,7 +112,29 @@ class MathAttentionKernel:
         vg = torch.where(seen, v[klo:khi].to(acc), 0)
         s = torch.einsum("rkgd,skd->kgrs", qg, kg) * scale
         s = s.masked_fill(~vis, float("-inf"))
-        return rows, qg, kg, vg, s, vis
+        own = None
+        if has_own:
+            lo2 = mask.lo2.to(dev).index_select(0, blk)
+            has2 = mask.hi2.to(dev).index_select(0, blk) > lo2  # [n]
+            idx = (torch.where(has2, lo2, 0)[:, None] + ar[None, :]).reshape(-1).clamp(max=k.shape[0] - 1)
+            sel = has2[:, None, None, None]
+            k2 = torch.where(sel, k.index_select(0, idx).to(acc).view(n, bsz, hkv, -1), 0)
+            v2 = torch.where(sel, v.index_select(0, idx).to(acc).view(n, bsz, hkv, -1), 0)
+            q5 = qg.view(n, bsz, hkv, qg.shape[2], qg.shape[3])
+            s2 = torch.einsum("nikgd,njkd->kgnij", q5, k2) * scale  # [Hkv, G, n, B, B]
+            s2 = s2.reshape(s2.shape[0], s2.shape[1], n * bsz, bsz)
+            vis2 = has2.repeat_interleave(bsz)[:, None].expand(n * bsz, bsz)
+            s = torch.cat([s, s2.masked_fill(~vis2, float("-inf"))], -1)
+            vis = torch.cat([vis, vis2], -1)
+            own = (idx, k2, v2)
+        return rows, qg, (kg, vg), own, s, vis
+
+    @staticmethod
+    def _own_pv(p2, v2):
+        """Block-diagonal p2 [Hkv, G, n*B, B] @ v2 [n, B, Hkv, D] -> [n*B, Hkv, G, D]."""
+        n, bsz = v2.shape[0], v2.shape[1]
+        p5 = p2.reshape(p2.shape[0], p2.shape[1], n, bsz, bsz)
+        return torch.einsum("kgnij,njkd->nikgd", p5, v2).reshape(n * bsz, p2.shape[0], p2.shape[1], -1)
 
     def forward(self, q, k, v, mask: IntervalMask, scale: float):
         """q [Tq, Hq, D], k/v [Tk, Hkv, D] -> (out [Tq, Hq, D], lse [Tq, Hq], None), float32 (float64
@@ -104,12 +143,16 @@ class MathAttentionKernel:
         acc = _acc_dtype(q.dtype)
         out = torch.zeros(tq, hq, v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=q.device)
-        for blocks, klo, khi in self._groups(mask, hq):
-            rows, _, _, vg, s, _ = self._tile(q, k, v, mask, blocks, klo, khi, scale, acc)
+        for blocks, klo, khi, has_own in self._groups(mask, hq):
+            rows, _, (_, vg), own, s, _ = self._tile(q, k, v, mask, blocks, klo, khi, has_own, scale, acc)
             mx = s.amax(-1, keepdim=True)  # finite: every row of a group sees >= 1 key
             p = torch.exp(s - mx)
             denom = p.sum(-1, keepdim=True)
-            o = torch.einsum("kgrs,skd->rkgd", p / denom, vg)
+            p = p / denom
+            span = khi - klo
+            o = torch.einsum("kgrs,skd->rkgd", p[..., :span], vg)
+            if own is not None:
+                o = o + self._own_pv(p[..., span:], own[2])
             out.index_copy_(0, rows, o.reshape(o.shape[0], hq, -1))
             lse_g = (mx + torch.log(denom)).squeeze(-1)  # [Hkv, G, R]
             lse.index_copy_(0, rows, lse_g.reshape(hq, -1).t())
@@ -124,9 +167,10 @@ class MathAttentionKernel:
         dq = torch.zeros(tq, hq, d, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        for blocks, klo, khi in self._groups(mask, hq):
-            rows, qg, kg, vg, s, vis = self._tile(q, k, v, mask, blocks, klo, khi, scale, acc)
+        for blocks, klo, khi, has_own in self._groups(mask, hq):
+            rows, qg, (kg, vg), own, s, vis = self._tile(q, k, v, mask, blocks, klo, khi, has_own, scale, acc)
             r = rows.shape[0]
+            span = khi - klo
 
             def heads_first(x):  # [R, Hq] -> [Hkv, G, R, 1]
                 return x.index_select(0, rows).to(acc).t().reshape(hkv, hq // hkv, r, 1)
@@ -135,9 +179,23 @@ class MathAttentionKernel:
             lse_g = torch.where(torch.isfinite(lse_g), lse_g, torch.full_like(lse_g, float("inf")))
             p = torch.exp(s - lse_g)  # 0 on masked entries and on rows with lse = -inf
             do_g = dout.index_select(0, rows).to(acc).view(r, hkv, hq // hkv, -1)
-            dv[klo:khi] += torch.einsum("kgrs,rkgd->skd", p, do_g)
             dp = torch.einsum("rkgd,skd->kgrs", do_g, vg)
+            dv[klo:khi] += torch.einsum("kgrs,rkgd->skd", p[..., :span], do_g)
+            if own is not None:
+                idx, k2, v2 = own
+                n, bsz = k2.shape[0], k2.shape[1]
+                do5 = do_g.view(n, bsz, hkv, hq // hkv, -1)
+                p5 = p[..., span:].reshape(hkv, hq // hkv, n, bsz, bsz)
+                dv.index_add_(0, idx, torch.einsum("kgnij,nikgd->njkd", p5, do5).reshape(n * bsz, hkv, -1))
+                dp2 = torch.einsum("nikgd,njkd->kgnij", do5, v2).reshape(hkv, hq // hkv, r, bsz)
+                dp = torch.cat([dp, dp2], -1)
             ds = torch.where(vis, p * (dp - heads_first(delta)), 0)  # select: dp may be inf/NaN where masked
-            dq.index_copy_(0, rows, (torch.einsum("kgrs,skd->rkgd", ds, kg) * scale).reshape(r, hq, d))
-            dk[klo:khi] += torch.einsum("kgrs,rkgd->skd", ds, qg) * scale
+            dqg = torch.einsum("kgrs,skd->rkgd", ds[..., :span], kg)
+            dk[klo:khi] += torch.einsum("kgrs,rkgd->skd", ds[..., :span], qg) * scale
+            if own is not None:
+                ds5 = ds[..., span:].reshape(hkv, hq // hkv, n, bsz, bsz)
+                dqg = dqg + torch.einsum("kgnij,njkd->nikgd", ds5, k2).reshape(r, hkv, hq // hkv, -1)
+                q5 = qg.view(n, bsz, hkv, hq // hkv, -1)
+                dk.index_add_(0, idx, (torch.einsum("kgnij,nikgd->njkd", ds5, q5) * scale).reshape(n * bsz, hkv, -1))
+            dq.index_copy_(0, rows, (dqg * scale).reshape(r, hq, d))
         return dq, dk, dv

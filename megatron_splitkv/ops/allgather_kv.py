@@ -10,15 +10,14 @@ import torch
 
 from ..comm import all_gather, reduce_scatter
 from .common import (
-    add_grad,
     cast,
     delta_and_dout,
     kernel_backward,
     kernel_forward,
-    merge,
-    own_block_backward,
-    own_block_forward,
     pad_rows,
+    split_own_grad,
+    with_own_keys,
+    zero_invalid_rows,
 )
 from .metadata import run_op
 
@@ -28,39 +27,42 @@ __all__ = ["allgather_kv_attention"]
 class _AllGatherKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
-        g, bsz, acc, hkv = plan.group, plan.block_size, plan.acc, plan.hkv
+        g, hkv = plan.group, plan.hkv
         tk_max = max(plan.n_ctx)
         # all-gather context K|V (one tensor), padded to the largest shard. The context keys were
         # gathered and sorted once per step (`SplitKVMetadata.gather_index`: sorted position -> padded
-        # gathered row; `.mask`: this rank's blocks against all sorted keys): no host sync here.
+        # gathered row; `.mask` / `.mask_own`: this rank's blocks against all sorted keys, + own block):
+        # no host sync here.
         kv_all = all_gather(pad_rows(torch.cat([k_ctx, v_ctx], 1), tk_max), g, "allgather_kv.fwd.kv")
-        idx, mask = plan.meta.gather_index, plan.meta.mask
-        kv_s = kv_all[idx]
-        k_s, v_s = kv_s[:, :hkv].contiguous(), kv_s[:, hkv:].contiguous()
-        o_c, lse_c, state = kernel_forward(plan, q, k_s, v_s, mask)
-        o_b, lse_b = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
-        out, lse = merge(o_c, lse_c, o_b, lse_b)
-        ctx.plan, ctx.mask, ctx.state, ctx.rows_all = plan, mask, state, kv_all.shape[0]
-        ctx.save_for_backward(q, k_s, v_s, idx, k_blk, v_blk, out, lse)
+        idx = plan.meta.gather_index
+        own = k_blk is not None
+        mask = plan.meta.mask_own if own else plan.meta.mask
+        # one kernel call: this rank's queries against [all sorted context ; padding ; own block keys]
+        k_x = with_own_keys(kv_all[:, :hkv], idx, k_blk, plan.valid_rows)
+        v_x = with_own_keys(kv_all[:, hkv:], idx, v_blk, plan.valid_rows)
+        q_z = zero_invalid_rows(q, plan.valid_rows)  # no NaN/inf of an invalid block reaches a tile
+        out, lse, state = kernel_forward(plan, q_z, k_x, v_x, mask)
+        ctx.plan, ctx.mask, ctx.state, ctx.rows_all, ctx.own = plan, mask, state, kv_all.shape[0], own
+        ctx.save_for_backward(q_z, k_x, v_x, idx, out, lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        q, k_s, v_s, idx, k_blk, v_blk, out, lse = ctx.saved_tensors
+        q, k_x, v_x, idx, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        g, bsz, acc, hkv = plan.group, plan.block_size, plan.acc, plan.hkv
+        g, acc, hkv = plan.group, plan.acc, plan.hkv
         dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
-        dq, dk_s, dv_s = kernel_backward(plan, q, k_s, v_s, ctx.mask, dout, lse, delta, ctx.state)
+        dq, dk_x, dv_x = kernel_backward(plan, q, k_x, v_x, ctx.mask, dout, lse, delta, ctx.state)
+        n_all = idx.shape[0]
+        dk_s, dk_b = split_own_grad(dk_x, n_all, ctx.own)
+        dv_s, dv_b = split_own_grad(dv_x, n_all, ctx.own)
         # reduce-scatter dK|dV (fp32) of the gathered context back to the owning ranks.
         dkv_all = torch.zeros((ctx.rows_all, 2 * hkv, q.shape[2]), dtype=acc, device=q.device)
         dkv_all.index_copy_(0, idx, torch.cat([dk_s, dv_s], 1))
         dkv = reduce_scatter(dkv_all, g, "allgather_kv.bwd.dkv")[: plan.n_ctx[g.rank]]
-        dq_b, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse,
-                                              delta, acc)
         dt = q.dtype
-        return (None, add_grad(dq, dq_b).to(dt), dkv[:, :hkv].to(dt), dkv[:, hkv:].to(dt), cast(dk_b, dt),
-                cast(dv_b, dt))
+        return (None, dq.to(dt), dkv[:, :hkv].to(dt), dkv[:, hkv:].to(dt), cast(dk_b, dt), cast(dv_b, dt))
 
 
 def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None,
@@ -72,8 +74,9 @@ def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=N
     Same signature, inputs, outputs, dtypes, mask, validation and errors as
     `megatron_splitkv.splitkv_attention` (see there). Forward all-gathers context K|V and their
     (sequence, position) keys, padded to the largest shard (uneven shards allowed); each rank runs one
-    local-kernel call of its own queries against all context, then merges its own-block attention (none
-    with k_blk = v_blk = None).
+    local-kernel call of its own queries against all context plus its own-block keys (appended after the
+    sorted context with block-diagonal second intervals, as in `splitkv_attention`; none with
+    k_blk = v_blk = None).
     Backward reduce-scatters dK|dV (fp32) of the whole context back to the owners. Communication per
     rank is O(Lk * Hkv * D): it grows with the context. Every rank of the CP group must call it the same
     way: all with `metadata=` or all without (see `splitkv_attention`).

@@ -1,11 +1,16 @@
 """Pieces shared by Split-KV attention and its two baselines (one copy of each, used by all three ops).
 
 - context sorting by (sequence id, position) and per-block key intervals (`IntervalMask`).
+- the own block fused into the local kernel (perf-notes item 1): the blocks' own keys are appended after
+  the sorted context keys, padded to a multiple of `OWN_KEY_ALIGN` (`with_own_keys`), and the blocks get
+  second intervals over them (`with_own_blocks`, the union contract of `kernels/base.py`), so ONE kernel
+  call computes context + own-block attention and its gradients (dk/dv of the appended rows are
+  dk_blk/dv_blk). Absent when the call passes k_blk = v_blk = None (plain cross-attention: rows attend
+  only the context).
 - the lse merge (`lse_weights`, `finalize`, `merge`): fp32 accumulation, rows whose partial lse are all
   -inf give O = 0 and lse = -inf, never NaN.
-- dense B x B own-block attention forward/backward (batched matmul, float32/float64); absent when the
-  call passes k_blk = v_blk = None (plain cross-attention: rows attend only the context).
-- empty-input guards around the local kernel.
+- empty-input guards around the local kernel; invalid blocks' query rows zeroed before any kernel
+  (`zero_invalid_rows`), like their own keys (`with_own_keys`).
 
 Validation, the size all-gather and the per-step metadata (sort order, intervals) live in
 `ops/metadata.py` (`prepare_splitkv_metadata`, `SplitKVMetadata`, `run_op`).
@@ -42,14 +47,6 @@ def sort_keys(keys: torch.Tensor):
     if keys.numel() <= 1 or bool((keys[1:] >= keys[:-1]).all()):
         return keys, None
     return torch.sort(keys, stable=True)
-
-
-def sorted_context(meta, k_ctx, v_ctx):
-    """This rank's context K/V in sorted (seq, pos) order using the metadata's precomputed `order`
-    (no copy when the context is already sorted: order None). No host sync."""
-    if meta.order is None:
-        return k_ctx.contiguous(), v_ctx.contiguous()
-    return k_ctx[meta.order], v_ctx[meta.order]
 
 
 def unsort(x_sorted: torch.Tensor, order):
@@ -99,7 +96,8 @@ def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor):
 
 def merge(o1, lse1, o2, lse2):
     """Exact merge of two partial attention states (o [T, H, D], lse [T, H]) in their dtype. A state
-    given as (None, None) is absent (no own block): the other state is returned unchanged."""
+    given as (None, None) is absent (e.g. before ring-kv's first step): the other state is returned
+    unchanged."""
     if o1 is None:
         return o2, lse2
     if o2 is None:
@@ -109,66 +107,82 @@ def merge(o1, lse1, o2, lse2):
     return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe)
 
 
-# ----------------------------------------------------------------------------- own block (B x B dense)
+# ----------------------------------------------------------------------------- own block in the kernel
+
+#: Region 2 (own-block keys) starts at a multiple of this (FlexAttention's key tile, `kernels.flex.TILE`),
+#: so no 128-key tile mixes context and own keys and the block tables stay exact (kernels/base.py).
+OWN_KEY_ALIGN = 128
 
 
-def _block_views(q, k_blk, v_blk, block_size, acc, valid):
-    """Blocked views in `acc`; rows of invalid blocks are SELECTED to 0 (not multiplied), so a NaN/inf
-    in an invalid block's q/k/v never reaches any output or gradient (0 * NaN = NaN in the einsums)."""
-    tq, hq, d = q.shape
-    hkv = k_blk.shape[1]
-    nb = tq // block_size
-    v4 = valid.view(-1, 1, 1, 1)
-    qb = torch.where(v4[..., None], q.to(acc).view(nb, block_size, hkv, hq // hkv, d), 0)
-    kb = torch.where(v4, k_blk.to(acc).view(nb, block_size, hkv, d), 0)
-    vb = torch.where(v4, v_blk.to(acc).view(nb, block_size, hkv, d), 0)
-    return qb, kb, vb
+def own_key_start(num_ctx: int) -> int:
+    """First key row of the own-block region after `num_ctx` context keys: num_ctx rounded up to a
+    multiple of OWN_KEY_ALIGN (0 stays 0)."""
+    return -(-int(num_ctx) // OWN_KEY_ALIGN) * OWN_KEY_ALIGN
 
 
-def own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
-    """Each query block attends its own B keys (bidirectional); invalid blocks: out 0, lse -inf.
-    Returns out [Tq, Hq, D], lse [Tq, Hq] in `acc`; (None, None) when k_blk is None (no own block,
-    an absent state for `merge`)."""
+def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int, *, first_block: int = 0,
+                    first_key_block: int = 0) -> IntervalMask:
+    """`mask` (context intervals over mask.num_keys sorted keys) extended by own-block second intervals.
+
+    Keys of the result: [context (mask.num_keys) ; zeros up to C = own_key_start(mask.num_keys) ; own keys
+    of `num_own_blocks` blocks (B each)] (what `with_own_keys` builds). Block first_block + i, for
+    i < len(valid), sees own keys [C + (first_key_block + i) * B, + B) when valid[i] (bool); every other
+    block gets an empty second interval. Validated against the union contract (one host sync: call at
+    metadata time). Raises ValueError when it is violated (a caller bug).
+    """
+    bsz, dev = mask.block_size, mask.lo.device
+    c0 = own_key_start(mask.num_keys)
+    n = int(valid.shape[0])
+    start = c0 + (first_key_block + torch.arange(n, dtype=torch.int64, device=dev)) * bsz
+    lo2 = torch.full((mask.num_blocks,), c0, dtype=torch.int64, device=dev)
+    hi2 = lo2.clone()
+    lo2[first_block:first_block + n] = torch.where(valid, start, c0)
+    hi2[first_block:first_block + n] = torch.where(valid, start + bsz, c0)
+    return IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0).validate()
+
+
+def with_own_keys(src: torch.Tensor, index, k_blk, valid_rows: torch.Tensor) -> torch.Tensor:
+    """The local keys (or values) of one kernel call as ONE new tensor.
+
+    Rows [0, n): src[index] (src when index is None; n = len(index) or len(src)); with k_blk given,
+    then zeros up to own_key_start(n) and k_blk [Tq, H, D] with the rows of invalid blocks
+    (valid_rows [Tq] bool False) zeroed, so that no NaN/inf of an invalid block's keys can reach a
+    kernel tile (FlexAttention multiplies whole partial tiles on the GPU). k_blk None: src[index]
+    (src.contiguous() without a copy when index is None too). No host sync.
+    """
     if k_blk is None:
-        return None, None
-    tq, hq, d = q.shape
-    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc, valid)
-    s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
-    lse = torch.logsumexp(s, -1)  # [nb, Hkv, G, B]
-    o = torch.einsum("nkgij,njkd->nikgd", torch.exp(s - lse[..., None]), vb)
-    v5 = valid.view(-1, 1, 1, 1, 1)
-    o = torch.where(v5, o, torch.zeros_like(o)).reshape(tq, hq, d)
-    lse = torch.where(valid.view(-1, 1, 1, 1), lse, torch.full_like(lse, float("-inf")))
-    return o, lse.permute(0, 3, 1, 2).reshape(tq, hq)
+        return src.contiguous() if index is None else src.index_select(0, index)
+    n = src.shape[0] if index is None else index.shape[0]
+    c0 = own_key_start(n)
+    out = src.new_empty((c0 + k_blk.shape[0],) + tuple(src.shape[1:]))
+    if index is None:
+        out[:n].copy_(src)
+    else:
+        torch.index_select(src, 0, index, out=out[:n])
+    out[n:c0].zero_()
+    torch.where(valid_rows[:, None, None], k_blk, torch.zeros((), dtype=k_blk.dtype, device=k_blk.device),
+                out=out[c0:])
+    return out
 
 
-def own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, delta, acc):
-    """Own-block gradients with the GLOBAL lse and delta ([Tq, Hq]); returns dq, dk_blk, dv_blk in acc,
-    or (None, None, None) when k_blk is None (no own block)."""
-    if k_blk is None:
-        return None, None, None
-    tq, hq, d = q.shape
-    qb, kb, vb = _block_views(q, k_blk, v_blk, block_size, acc, valid)
-    nb, bsz, hkv, g, _ = qb.shape
-
-    def heads_first(x):  # [Tq, Hq] -> [nb, Hkv, G, B, 1]
-        return x.to(acc).view(nb, bsz, hkv, g).permute(0, 2, 3, 1)[..., None]
-
-    lse_g = heads_first(lse)
-    ok = torch.isfinite(lse_g) & valid.view(-1, 1, 1, 1, 1)
-    s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
-    p = torch.where(ok, torch.exp(s - torch.where(ok, lse_g, torch.zeros_like(lse_g))), torch.zeros_like(s))
-    do = torch.where(valid.view(-1, 1, 1, 1, 1), dout.to(acc).view(nb, bsz, hkv, g, d), 0)
-    dv = torch.einsum("nkgij,nikgd->njkd", p, do)
-    ds = torch.where(ok, p * (torch.einsum("nikgd,njkd->nkgij", do, vb) - heads_first(delta)), 0)
-    dq = torch.einsum("nkgij,njkd->nikgd", ds, kb) * scale
-    dk = torch.einsum("nkgij,nikgd->njkd", ds, qb) * scale
-    return dq.reshape(tq, hq, d), dk.reshape(tq, hkv, d), dv.reshape(tq, hkv, d)
+def zero_invalid_rows(x: torch.Tensor, valid_rows: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """x [T, H, D] with the rows of invalid blocks (valid_rows [T] bool False) zeroed, padded with zero
+    rows to `rows` (default T): one new tensor, no host sync. The ops pass queries through it so that a
+    NaN/inf in an invalid block's q never reaches a kernel tile (on the GPU, FlexAttention's backward
+    computes dK = dS^T Q over whole tiles: 0 * NaN would reach the keys other rows of the tile see)."""
+    rows = x.shape[0] if rows is None else rows
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    torch.where(valid_rows[:, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device),
+                out=out[: x.shape[0]])
+    out[x.shape[0]:].zero_()
+    return out
 
 
-def add_grad(a, b):
-    """a + b where either may be None (an absent own-block gradient)."""
-    return a if b is None else b if a is None else a + b
+def split_own_grad(d_x: torch.Tensor, n_ctx: int, has_own: bool):
+    """(context part [n_ctx], own part or None) of a kernel's dk/dv over `with_own_keys` rows."""
+    if not has_own:
+        return d_x, None
+    return d_x[:n_ctx], d_x[own_key_start(n_ctx):]
 
 
 def cast(t, dtype):

@@ -19,6 +19,13 @@ In Megatron-Core the natural carrier is the per-micro-batch `DFlashPackedSeqPara
 every layer's core attention (`megatron_splitkv/megatron/attention.py`): build `meta` where the params
 are built and let the core attention pass it on.
 
+Split-KV pipelining (perf-notes item 2): the splitkv metadata also fixes `num_chunks`, the number of query
+chunks the op pipelines its merge over (chunk c = blocks [c * nb_max // k, (c + 1) * nb_max // k) of every
+rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `IntervalMask` per chunk
+(context only, and with the own-block intervals). Default (`num_chunks=None`): the environment variable
+MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 at CP size 1 and min(4, nb_max) otherwise; an explicit
+value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
+
 Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
 remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
 (see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
@@ -30,6 +37,7 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -45,9 +53,11 @@ from .common import (
     intervals,
     pad_rows,
     sort_keys,
+    with_own_blocks,
 )
 
-__all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS"]
+__all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
+           "NUM_CHUNKS_ENV"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -76,6 +86,56 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+#: environment variable giving the Split-KV chunk count when `num_chunks` is None (a positive int).
+NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
+#: default chunk count at CP size > 1 (clamped to the largest per-rank block count).
+DEFAULT_NUM_CHUNKS = 4
+
+
+def _requested_chunks(num_chunks) -> int:
+    """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
+    variable NUM_CHUNKS_ENV, else 0 (automatic). Raises ValueError for a non-positive / non-int value."""
+    if num_chunks is None:
+        env = os.environ.get(NUM_CHUNKS_ENV, "").strip()
+        if not env:
+            return 0
+        try:
+            num_chunks = int(env)
+        except ValueError:
+            raise ValueError(f"{NUM_CHUNKS_ENV} must be a positive int, got {env!r}") from None
+        what = NUM_CHUNKS_ENV
+    else:
+        what = "num_chunks"
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"{what} must be None or a positive int, got {num_chunks!r}")
+    return num_chunks
+
+
+def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
+    """The number of query chunks Split-KV pipelines over (perf-notes item 2).
+
+    Args:
+        num_chunks: None (automatic: the environment variable MEGATRON_SPLITKV_NUM_CHUNKS when set,
+            else 1 at cp_size 1 and min(4, max_blocks) otherwise), 0 (automatic without looking at the
+            environment), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
+            least one block of the largest rank).
+        cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count.
+
+    Raises:
+        ValueError: num_chunks (or the environment variable) not a positive int.
+    """
+    req = num_chunks if num_chunks == 0 and not isinstance(num_chunks, bool) else _requested_chunks(num_chunks)
+    if req == 0:
+        req = 1 if cp_size == 1 else DEFAULT_NUM_CHUNKS
+    return max(1, min(req, max_blocks))
+
+
+def chunk_bounds(num_chunks: int, max_blocks: int) -> list:
+    """[(b0, b1)] per chunk: chunk c covers blocks [c * max_blocks // k, (c + 1) * max_blocks // k) of
+    every rank's padded segment (sizes differ by at most one block; equal when k divides max_blocks)."""
+    return [(c * max_blocks // num_chunks, (c + 1) * max_blocks // num_chunks) for c in range(num_chunks)]
+
+
 @dataclass(eq=False)
 class SplitKVMetadata:
     """Mask metadata of one CP rank for one training step, shared by every layer's op call.
@@ -102,15 +162,23 @@ class SplitKVMetadata:
             padded per rank with (-1, -1) (invalid).
         gather_index: allgather_kv: [sum(n_ctx)] int64, sorted position -> row of the padded all-gathered
             context (rank r's token i is row r * max(n_ctx) + i).
-        mask: splitkv: `IntervalMask` of all gathered blocks against this rank's sorted keys;
-            allgather_kv: of this rank's blocks against all sorted keys; ring_kv: None.
+        valid_rows: [Tq_local] bool, `valid` per query row (zeroes invalid blocks' own keys).
+        num_chunks, chunks: splitkv: the resolved chunk count k (see `resolve_num_chunks`) and the
+            per-rank block range (b0, b1) of each chunk (`chunk_bounds`; other impls: 1 and None).
+        chunk_masks, chunk_masks_own: splitkv: lists of k `IntervalMask`, chunk c = the blocks
+            [b0, b1) of every rank's gathered segment (P * (b1 - b0) blocks, rank order) against this
+            rank's sorted keys; `_own` adds this rank's own blocks as second intervals over the keys
+            [sorted context ; padding ; k_blk] (`ops.common.with_own_blocks`; used when k_blk is given).
+        mask, mask_own: allgather_kv: this rank's blocks against all sorted keys (and + own block);
+            ring_kv: against this rank's own shard (step 0 of the ring; + own block); splitkv: None.
         step_masks: ring_kv: list of P `IntervalMask`, step s = the shard of group rank (rank - s) mod P
-            against this rank's blocks (None when built internally by a call without `metadata=`: the
-            keys then travel around the ring with K/V, as before).
+            against this rank's blocks (step 0 is `mask`; None when built internally by a call without
+            `metadata=`: the keys then travel around the ring with K/V, as before).
+        num_chunks_requested: the requested chunk count (0 = automatic), agreed across the group.
         group_check: when True every call with this metadata exchanges its local verdict (one tiny
             all-gather and a host sync) so that a mismatched tensor raises on EVERY rank; default False.
 
-    The FlexAttention kernel caches its `BlockMask` on `mask` / `step_masks` (attribute
+    The FlexAttention kernel caches its `BlockMask` on the masks (attribute
     `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
     call, reused by the next ones.
     """
@@ -135,7 +203,14 @@ class SplitKVMetadata:
     block_meta: torch.Tensor = None
     gather_index: torch.Tensor = None
     mask: IntervalMask = None
+    mask_own: IntervalMask = None
     step_masks: list = None
+    valid_rows: torch.Tensor = None
+    num_chunks: int = 1
+    chunks: list = None
+    chunk_masks: list = None
+    chunk_masks_own: list = None
+    num_chunks_requested: int = 0
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
 
@@ -175,6 +250,7 @@ class Plan:
     n_ctx = property(lambda self: self.meta.n_ctx)
     hkv = property(lambda self: self.meta.num_heads_kv)
     valid = property(lambda self: self.meta.valid)
+    valid_rows = property(lambda self: self.meta.valid_rows)
     q_seq = property(lambda self: self.meta.q_seq)
     q_anchor = property(lambda self: self.meta.q_anchor)
 
@@ -332,17 +408,30 @@ def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
 
 
 def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
-    """Collectives and derived tensors of the metadata (sizes already agreed group-wide)."""
+    """Collectives and derived tensors of the metadata (sizes already agreed group-wide). Validates the
+    own-block masks against the union contract (`IntervalMask.validate`, host syncs at metadata time)."""
     g, bsz, name = meta.group, meta.block_size, meta.impl
     meta.valid = meta.q_anchor >= 0
+    meta.valid_rows = meta.valid.repeat_interleave(bsz)
+    nb_local = meta.n_blocks[g.rank]
     if name == "splitkv":
         meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
         nb_max = max(meta.n_blocks)
         bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
         meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
-        # sequence ids may be negative: pass them unchanged (padding rows carry anchor -1, so `intervals`
-        # gives them an empty interval whatever their sequence id)
-        meta.mask = intervals(meta.keys, meta.block_meta[:, 0], meta.block_meta[:, 1], bsz)
+        meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, g.size, nb_max)
+        meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+        by_rank = meta.block_meta.view(g.size, nb_max, 2)
+        meta.chunk_masks, meta.chunk_masks_own = [], []
+        for b0, b1 in meta.chunks:
+            blocks = by_rank[:, b0:b1].reshape(-1, 2)
+            # sequence ids may be negative: pass them unchanged (padding rows carry anchor -1, so
+            # `intervals` gives them an empty interval whatever their sequence id)
+            m = intervals(meta.keys, blocks[:, 0], blocks[:, 1], bsz)
+            own = meta.valid[b0:max(b0, min(b1, nb_local))]  # this rank's real blocks of the chunk
+            meta.chunk_masks.append(m)
+            meta.chunk_masks_own.append(with_own_blocks(m, own, nb_local, first_block=g.rank * (b1 - b0),
+                                                        first_key_block=b0))
     elif name == "allgather_kv":
         tk_max = max(meta.n_ctx)
         keys_all = all_gather(pad_rows(context_keys(meta.kv_seq, meta.kv_pos), tk_max), g,
@@ -352,15 +441,18 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
         meta.keys, order = sort_keys(keys_all[real])
         meta.gather_index = real if order is None else real[order]
         meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local)
     else:  # ring_kv
         meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)  # step 0: the own shard
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local)
         if gather_ctx:
             tk_max = max(meta.n_ctx)
             keys_all = all_gather(pad_rows(meta.keys, tk_max), g, "ring_kv.ctx_meta")
-            masks = []
-            for step in range(g.size):
+            masks = [meta.mask]
+            for step in range(1, g.size):
                 src = (g.rank - step) % g.size
-                keys = meta.keys if src == g.rank else keys_all[src * tk_max: src * tk_max + meta.n_ctx[src]]
+                keys = keys_all[src * tk_max: src * tk_max + meta.n_ctx[src]]
                 masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz))
             meta.step_masks = masks
     return meta
@@ -368,7 +460,7 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
-                             group_check=False) -> SplitKVMetadata:
+                             group_check=False, num_chunks=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -400,21 +492,28 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         device: device of the calls' tensors; default q_seq's device. The metadata is moved there.
         group_check: make every call exchange its shape verdict group-wide (one tiny all-gather and a
             host sync per call) so that a mismatch on one rank raises on all ranks; default False.
+        num_chunks: impl "splitkv" only (ignored by the baselines): how many query chunks the op
+            pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None = the
+            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 at CP size 1 and
+            min(4, max(n_blocks)) otherwise; a positive int is clamped to [1, max(max(n_blocks), 1)].
+            Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
         block metadata (splitkv) or gathered context keys (allgather_kv, ring_kv), the sort order and the
         `IntervalMask`(s) whose FlexAttention BlockMask is cached on first use.
 
-    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 10] int64 all-gather of sizes and the
-    error flag), then "splitkv.fwd.block_meta" (2 int64 per block), "allgather_kv.fwd.kv_meta" or
-    "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range check and the size table.
+    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 11] int64 all-gather of sizes, the
+    requested chunk count and the error flag), then "splitkv.fwd.block_meta" (2 int64 per block),
+    "allgather_kv.fwd.kv_meta" or "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range
+    check, the size table, the "already sorted" test and the own-block mask validation.
 
     Raises:
         ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
         (not 1-D integer, lengths of q_seq/q_anchor or kv_seq/kv_pos differing, values out of range),
-        bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, or block_size, Hq, Hkv, D,
-        dtype, impl or group_check differing across ranks.
+        bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0, or
+        block_size, Hq, Hkv, D, dtype, impl, group_check or the requested num_chunks differing across
+        ranks.
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
     """
@@ -424,7 +523,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    err, row, ints = "", [-1] * 9, None
+    err, row, ints = "", [-1] * 10, None
     try:
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -441,8 +540,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
+        chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check))]
+               int(bool(group_check)), chunks_req]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
@@ -450,12 +550,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     tag = f"{canon or 'splitkv'}.meta"
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), tag)
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
-                               (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check")))
+                               (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
+                               (10, "num_chunks (requested)")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
+        num_chunks_requested=table[0][10],
     )
     return _finish(meta, gather_ctx=True)
 
@@ -471,18 +573,20 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
-                          block_size, cp_group, softmax_scale, backend) -> Plan:
+                          block_size, cp_group, softmax_scale, backend, num_chunks=None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
-    (op name "<op>.meta", [1, 10] int64: sizes, resolved softmax_scale, call mode), raise the same ValueError on every rank when any rank is
-    invalid or block_size / Hq / Hkv / D / dtype differ, then build the metadata internally."""
+    (op name "<op>.meta", [1, 11] int64: sizes, resolved softmax_scale, call mode, requested chunk
+    count), raise the same ValueError on every rank when any rank is invalid or block_size / Hq / Hkv /
+    D / dtype / softmax_scale / num_chunks differ, then build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints = "", [-1] * 8 + [_MODE_PLAIN], None
+    err, row, ints = "", [-1] * 8 + [_MODE_PLAIN, -1], None
     try:
         nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
+        chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN]
+               _MODE_PLAIN, chunks_req]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
@@ -494,18 +598,20 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
+        num_chunks_requested=table[0][10],
     )
     return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
-#: all-gather the same [1, 10] int64 row (as their first collective), so a group mixing them is detected.
+#: all-gather the same [1, 11] int64 row (as their first collective), so a group mixing them is detected.
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
-               (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"))
+               (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
+               (10, "num_chunks (requested)"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                      block_size, cp_group, softmax_scale, backend):
+                      block_size, cp_group, softmax_scale, backend, num_chunks=None):
     if not isinstance(meta, SplitKVMetadata):
         raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata, got "
                          f"{type(meta).__name__}")
@@ -521,6 +627,9 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError(f"block_size={block_size!r} differs from the metadata's block_size={meta.block_size}")
     if cp_group is not None and cp_group is not meta.group.pg:
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
+    if num_chunks is not None and num_chunks != meta.num_chunks:
+        raise ValueError(f"num_chunks={num_chunks!r} differs from the metadata's num_chunks={meta.num_chunks} "
+                         "(the chunking is fixed at prepare time: pass num_chunks to prepare_splitkv_metadata)")
     check_scale_backend(softmax_scale, backend)
     tq, tk, hq, hkv, d = meta.tq_local, meta.tk_local, meta.num_heads_q, meta.num_heads_kv, meta.head_dim
     expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)))
@@ -541,13 +650,13 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
 
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-               cp_group, softmax_scale, backend) -> Plan:
+               cp_group, softmax_scale, backend, num_chunks=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata (no host sync, no collective), before any collective of the call.
 
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
     [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
-    dtype and device as prepared. Every rank checks against the same agreed
+    dtype and device as prepared; num_chunks None or the metadata's. Every rank checks against the same agreed
     size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the
     ValueError is raised on that rank only, and the other ranks then block in the call's first
     collective (until the process group's timeout), as Megatron-Core does on shape mismatches; with
@@ -556,35 +665,36 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     err = ""
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                          block_size, cp_group, softmax_scale, backend)
+                          block_size, cp_group, softmax_scale, backend, num_chunks)
     except ValueError as exc:
         if not (isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1):
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if meta.group_check and meta.group.size > 1:
-        # the same [1, 10] row layout as a call without metadata= ("<op>.meta"), so that a group
+        # the same [1, 11] row layout as a call without metadata= ("<op>.meta"), so that a group
         # where some ranks pass metadata= (with group_check) and others do not raises everywhere
-        row = [-1] * 8 + [_MODE_METADATA]
+        row = [-1] * 8 + [_MODE_METADATA, -1]
         if not err:
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
-                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), _MODE_METADATA]
+                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), _MODE_METADATA,
+                   meta.num_chunks_requested]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, table, _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend)
 
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-           cp_group, softmax_scale, backend, return_lse, metadata=None):
+           cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
-    autograd Function."""
+    autograd Function. `num_chunks`: splitkv only (the baselines pass None)."""
     if metadata is None:
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                                     backend=backend)
+                                     backend=backend, num_chunks=num_chunks)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                          backend=backend)
+                          backend=backend, num_chunks=num_chunks)
     out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     return (out, lse) if return_lse else out

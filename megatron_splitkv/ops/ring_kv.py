@@ -10,17 +10,16 @@ import torch
 
 from ..comm import RingExchange
 from .common import (
-    add_grad,
     cast,
     delta_and_dout,
     intervals,
     kernel_backward,
     kernel_forward,
     merge,
-    own_block_backward,
-    own_block_forward,
-    sorted_context,
+    split_own_grad,
     unsort,
+    with_own_keys,
+    zero_invalid_rows,
 )
 from .metadata import run_op
 
@@ -39,46 +38,61 @@ def _next_shard(plan, step, tensors, op):
 class _RingKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
-        g, bsz, acc, meta = plan.group, plan.block_size, plan.acc, plan.meta
-        k_s, v_s = sorted_context(meta, k_ctx, v_ctx)
+        g, bsz, meta = plan.group, plan.block_size, plan.meta
+        tk = plan.n_ctx[g.rank]
+        own = k_blk is not None
+        # step 0 computes this rank's sorted shard together with the own block (its keys appended after
+        # the shard, `meta.mask_own`): the own-block attention is part of the first kernel call.
+        k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
+        v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
+        k_s, v_s = k_x[:tk], v_x[:tk]  # the shard that travels (views)
         keys, order = meta.keys, meta.order
         # With per-step metadata (`prepare_splitkv_metadata`) every step's IntervalMask is precomputed
         # from the gathered context keys, so only K/V travel. Without it the sorted keys travel with K/V
-        # and each step's mask is built on arrival.
+        # and each step's mask is built on arrival (step 0's is always precomputed).
         pre = meta.step_masks
-        out, lse = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)  # None: no own block
+        q = zero_invalid_rows(q, plan.valid_rows)  # no NaN/inf of an invalid block reaches a tile
+        out, lse = None, None
         cur, masks, states = ((k_s, v_s) if pre is not None else (k_s, v_s, keys)), [], []
         for step in range(g.size):
             # overlap: the next shard travels while this one is computed.
             ex = _next_shard(plan, step, cur, "ring_kv.fwd.kv") if step < g.size - 1 else None
-            mask = pre[step] if pre is not None else intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
-            o_t, lse_t, state = kernel_forward(plan, q, cur[0], cur[1], mask)
+            if step == 0:
+                mask, kk, vv = (meta.mask_own if own else meta.mask), k_x, v_x
+            else:
+                mask = pre[step] if pre is not None else intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
+                kk, vv = cur[0], cur[1]
+            o_t, lse_t, state = kernel_forward(plan, q, kk, vv, mask)
             out, lse = merge(out, lse, o_t, lse_t)
             masks.append(mask)
             states.append(state)
             if ex is not None:
                 cur = tuple(ex.wait())
-        ctx.plan, ctx.order, ctx.masks, ctx.states = plan, order, masks, states
-        ctx.save_for_backward(q, k_s, v_s, keys, k_blk, v_blk, out, lse)
+        ctx.plan, ctx.order, ctx.masks, ctx.states, ctx.own = plan, order, masks, states, own
+        ctx.save_for_backward(q, k_x, v_x, keys, out, lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        q, k_s, v_s, keys, k_blk, v_blk, out, lse = ctx.saved_tensors
+        q, k_x, v_x, keys, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        g, bsz, acc = plan.group, plan.block_size, plan.acc
+        g = plan.group
+        tk = plan.n_ctx[g.rank]
         dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
-        dq, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse, delta,
-                                            acc)
+        k_s, v_s = k_x[:tk], v_x[:tk]
         # (without per-step metadata the keys travel again, as they always did; the masks are saved)
         cur = (k_s, v_s) if plan.meta.step_masks is not None else (k_s, v_s, keys)
-        ex_grad = None
+        ex_grad, dq, dk_b, dv_b = None, None, None, None
         for step in range(g.size):
             ex_kv = _next_shard(plan, step, cur, "ring_kv.bwd.kv") if step < g.size - 1 else None
-            dq_t, dk_t, dv_t = kernel_backward(plan, q, cur[0], cur[1], ctx.masks[step], dout, lse, delta,
+            kk, vv = (k_x, v_x) if step == 0 else (cur[0], cur[1])
+            dq_t, dk_t, dv_t = kernel_backward(plan, q, kk, vv, ctx.masks[step], dout, lse, delta,
                                                ctx.states[step])
-            dq = add_grad(dq, dq_t)
+            dq = dq_t if dq is None else dq + dq_t
+            if step == 0:  # the own-block rows of the first step's keys are dk_blk / dv_blk
+                dk_t, dk_b = split_own_grad(dk_t, tk, ctx.own)
+                dv_t, dv_b = split_own_grad(dv_t, tk, ctx.own)
             if ex_grad is not None:  # dK/dV accumulated by the ranks this shard visited before
                 dk_in, dv_in = ex_grad.wait()
                 dk_t, dv_t = dk_t + dk_in, dv_t + dv_in
@@ -102,7 +116,9 @@ def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     `megatron_splitkv.splitkv_attention` (see there). Each rank sorts its context by (sequence,
     position) once; the sorted K, V and keys rotate P - 1 steps with batch_isend_irecv, the transfer of
     the next shard overlapping the local kernel on the current one; partial results are merged by lse
-    (fp32), starting from the own-block state (none with k_blk = v_blk = None). Backward rotates K/V
+    (fp32). The first step's kernel call also covers the own block (its keys appended after the own
+    shard with block-diagonal second intervals, as in `splitkv_attention`; none with
+    k_blk = v_blk = None). Backward rotates K/V
     again with fp32 dK/dV accumulators travelling one step behind, which
     reach their owner after P hops. Uneven and empty shards work (sizes come from the metadata gather).
     Communication per rank is O(Lk * Hkv * D).

@@ -1,7 +1,28 @@
 """Split-KV attention: exact context-parallel DFlash attention with query-sized communication.
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2. Every collective moves O(Lq * H * D) bytes,
-independent of the context length.
+independent of the context length. Two optimisations of docs/perf-notes.md are built in:
+
+1. Own block fused into the local kernel: this rank's k_blk/v_blk are appended after its sorted context
+   keys (padded to a multiple of 128, invalid blocks' rows zeroed: `ops.common.with_own_keys`) and its
+   own query blocks (unchunked: gathered rows [rank * rows_max, rank * rows_max + Tq_local); in chunk c
+   with rc rows per rank: rows [rank * rc, (rank + 1) * rc) where this rank has real blocks) get second
+   intervals over them (`SplitKVMetadata.chunk_masks_own`, precomputed and validated once per step), so
+   the kernel's (O_r, lse_r) already include the B x B own-block attention; the cross-rank merge does
+   the rest (no separate own-block pass or merge), and the kernel's dk/dv of the appended rows are
+   dk_blk/dv_blk. k_blk = v_blk = None: context keys only (`chunk_masks`).
+2. Chunked merge pipeline: the gathered query rows are split into k chunks (chunk c = the blocks
+   [b0_c, b1_c) of EVERY rank's padded segment, `SplitKVMetadata.chunks`), so each chunk's reduce-scatter
+   delivers rows to their owners. Forward per chunk: all-gather the chunk's Q (prefetched one chunk
+   ahead), local kernel, asynchronous lse all-reduce MAX, then (one chunk later, when the next kernel has
+   been issued) weights and an asynchronous reduce-scatter of [O * w | w]. Before the LAST chunk's kernel
+   the previous chunk is finished first, so its reduce-scatter overlaps that kernel. Backward per chunk:
+   all-gather the chunk's dO and (delta, lse) (prefetched one chunk ahead), kernel backward against the
+   full local keys (dk/dv accumulated in fp32 across chunks), asynchronous reduce-scatter of dQ. Exposed
+   on the GPU (NCCL streams, `async_op=True`, compute on the current stream): forward the first Q chunk
+   gather, the last two chunks' lse all-reduces and the last reduce-scatter; backward the first
+   dO/stats gather and the last dQ reduce-scatter. Bytes per collective name are unchanged by chunking
+   (only the record count grows, k per name).
 """
 
 from __future__ import annotations
@@ -10,19 +31,17 @@ import torch
 
 from ..comm import all_gather, all_reduce_max, reduce_scatter
 from .common import (
-    add_grad,
     cast,
     delta_and_dout,
     finalize,
     kernel_backward,
     kernel_forward,
     lse_weights,
-    merge,
-    own_block_backward,
-    own_block_forward,
     pad_rows,
-    sorted_context,
+    split_own_grad,
     unsort,
+    with_own_keys,
+    zero_invalid_rows,
 )
 from .metadata import run_op
 
@@ -32,68 +51,132 @@ __all__ = ["splitkv_attention"]
 class _SplitKV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
-        g, bsz, acc = plan.group, plan.block_size, plan.acc
+        g, bsz, meta = plan.group, plan.block_size, plan.meta
+        rows, d = q.shape[0], q.shape[2]
         rows_max = max(plan.n_blocks) * bsz
-        rows = q.shape[0]
-        d = q.shape[2]
-        # 1. all-gather Q (padded to the largest block count); the block metadata was gathered once per
-        #    step into the metadata (`SplitKVMetadata.block_meta`; pads are invalid).
-        q_all = all_gather(pad_rows(q, rows_max), g, "splitkv.fwd.q")
-        # 2. local context attention of all gathered queries against this rank's sorted keys
-        #    (order and intervals precomputed per step: no host sync here).
-        meta = plan.meta
-        k_s, v_s = sorted_context(meta, k_ctx, v_ctx)
-        mask, order = meta.mask, meta.order
-        o_r, lse_r, state = kernel_forward(plan, q_all, k_s, v_s, mask)
-        # 3. merge across ranks: global row max, then reduce-scatter [O_r * w | w] to the owners.
-        m = all_reduce_max(lse_r.clone(), g, "splitkv.fwd.lse_max")
-        m_safe, w = lse_weights(lse_r, m)
-        part = reduce_scatter(torch.cat([o_r * w[..., None], w[..., None]], -1), g, "splitkv.fwd.out")
-        own = slice(g.rank * rows_max, g.rank * rows_max + rows)
-        o_ctx, lse_ctx = finalize(part[:rows, :, :d], part[:rows, :, d], m_safe[own])
-        # 4. merge the owner's own-block attention (none when k_blk is None).
-        o_b, lse_b = own_block_forward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, acc)
-        out, lse = merge(o_ctx, lse_ctx, o_b, lse_b)
-        ctx.plan, ctx.mask, ctx.order, ctx.state = plan, mask, order, state
-        ctx.save_for_backward(q_all, k_s, v_s, q, k_blk, v_blk, out, lse)
+        chunks = meta.chunks
+        own = k_blk is not None
+        masks = meta.chunk_masks_own if own else meta.chunk_masks
+        # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]
+        k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
+        v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
+        # 1. all-gather Q chunk by chunk (invalid blocks' rows zeroed, padded to the largest block count;
+        #    block metadata gathered once per step into the metadata, pads are invalid), prefetched one
+        #    chunk ahead.
+        q_pad = zero_invalid_rows(q, plan.valid_rows, rows_max)
+
+        def gather_q(c):
+            b0, b1 = chunks[c]
+            return all_gather(q_pad[b0 * bsz:b1 * bsz], g, "splitkv.fwd.q", async_op=True)
+
+        n = len(chunks)
+        q_chunks, lses, outs, states = [], [], [], []
+        pend_q, pend_m, pend_rs = gather_q(0), [None] * n, [None] * n
+        m_own = [None] * n
+
+        def finish(c):
+            # 3. merge across ranks: global row max (issued after chunk c's kernel), then the
+            #    reduce-scatter of [O_r * w | w] to the owners, asynchronously.
+            m = pend_m[c].wait()
+            m_safe, w = lse_weights(lses[c], m)
+            rc = (chunks[c][1] - chunks[c][0]) * bsz
+            m_own[c] = m_safe[g.rank * rc:(g.rank + 1) * rc]
+            part = torch.cat([outs[c] * w[..., None], w[..., None]], -1)
+            outs[c] = lses[c] = None  # the kernel's fp32 partials are not needed any more
+            pend_rs[c] = reduce_scatter(part, g, "splitkv.fwd.out", async_op=True)
+
+        for c in range(n):
+            nxt = gather_q(c + 1) if c + 1 < n else None
+            q_c = pend_q.wait()
+            pend_q = nxt
+            if c == n - 1 and c > 0:
+                finish(c - 1)  # so that its reduce-scatter overlaps the last kernel
+            # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
+            #    for this rank's own blocks, the own block); intervals precomputed per step.
+            o_r, lse_r, state = kernel_forward(plan, q_c, k_x, v_x, masks[c])
+            q_chunks.append(q_c)
+            outs.append(o_r)
+            lses.append(lse_r)
+            states.append(state)
+            pend_m[c] = all_reduce_max(lse_r.clone(), g, "splitkv.fwd.lse_max", async_op=True)
+            if 0 < c < n - 1:
+                finish(c - 1)
+        finish(n - 1)
+        out_parts, lse_parts = [], []
+        for c in range(n):
+            part = pend_rs[c].wait()
+            o_c, l_c = finalize(part[..., :d], part[..., d], m_own[c])
+            out_parts.append(o_c)
+            lse_parts.append(l_c)
+        out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
+        lse = (lse_parts[0] if n == 1 else torch.cat(lse_parts))[:rows]
+        ctx.plan, ctx.masks, ctx.states, ctx.own = plan, masks, states, own
+        ctx.save_for_backward(k_x, v_x, q, out, lse, *q_chunks)
         return out.to(q.dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        q_all, k_s, v_s, q, k_blk, v_blk, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        g, bsz, acc = plan.group, plan.block_size, plan.acc
-        rows, rows_max = q.shape[0], q_all.shape[0] // g.size
+        k_x, v_x, q, out, lse, *q_chunks = ctx.saved_tensors
+        plan, meta = ctx.plan, ctx.plan.meta
+        g, bsz = plan.group, plan.block_size
+        rows, rows_max = q.shape[0], max(plan.n_blocks) * bsz
+        chunks = meta.chunks
         dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
-        # all-gather dO and (delta, lse): the GLOBAL statistics every rank's local backward needs.
-        do_all = all_gather(pad_rows(dout, rows_max), g, "splitkv.bwd.dout")
+        # all-gather dO and (delta, lse) chunk by chunk (one ahead): the GLOBAL statistics every rank's
+        # local backward needs.
+        do_pad = pad_rows(dout, rows_max)
         stats = pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))
-        stats_all = all_gather(stats, g, "splitkv.bwd.stats")
-        delta_all = torch.nan_to_num(stats_all[..., 0], neginf=0.0)
-        dq_r, dk_s, dv_s = kernel_backward(plan, q_all, k_s, v_s, ctx.mask, do_all, stats_all[..., 1],
-                                           delta_all, ctx.state)
-        dq = reduce_scatter(dq_r, g, "splitkv.bwd.dq")[:rows]
-        dq_b, dk_b, dv_b = own_block_backward(q, k_blk, v_blk, plan.valid, bsz, plan.scale, dout, lse,
-                                              delta, acc)
+
+        def gather(c):
+            b0, b1 = chunks[c]
+            sl = slice(b0 * bsz, b1 * bsz)
+            return (all_gather(do_pad[sl], g, "splitkv.bwd.dout", async_op=True),
+                    all_gather(stats[sl], g, "splitkv.bwd.stats", async_op=True))
+
+        n = len(chunks)
+        pend, pend_dq, dk_x, dv_x = gather(0), [], None, None
+        for c in range(n):
+            nxt = gather(c + 1) if c + 1 < n else None
+            do_all, stats_all = pend[0].wait(), pend[1].wait()
+            pend = nxt
+            delta_all = torch.nan_to_num(stats_all[..., 0], neginf=0.0)
+            dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
+                                               stats_all[..., 1], delta_all, ctx.states[c])
+            ctx.states[c] = None
+            # reduce-scatter dQ (fp32) to the owners while the next chunk's backward runs
+            pend_dq.append(reduce_scatter(dq_r, g, "splitkv.bwd.dq", async_op=True))
+            if dk_x is None:
+                dk_x, dv_x = dk_c, dv_c
+            else:
+                dk_x += dk_c
+                dv_x += dv_c
+        dq = [p.wait() for p in pend_dq]
+        dq = (dq[0] if n == 1 else torch.cat(dq))[:rows]
+        tk = plan.n_ctx[g.rank]
+        dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
+        dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
         dt = q.dtype
-        return (None, add_grad(dq, dq_b).to(dt), unsort(dk_s, ctx.order).to(dt),
-                unsort(dv_s, ctx.order).to(dt), cast(dk_b, dt), cast(dv_b, dt))
+        return (None, dq.to(dt), unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt),
+                cast(dk_b, dt), cast(dv_b, dt))
 
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None):
+                      metadata=None, num_chunks=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
     Each CP rank passes its own query blocks and its own (arbitrary, planner-chosen) context tokens.
-    Forward: all-gather Q and block metadata; attend all gathered queries to the local context (local
-    kernel, fp32 out/lse); merge by lse with an all-reduce MAX and a reduce-scatter of
-    [O * exp(lse - max) | exp(lse - max)] (fp32) back to the query owners; merge the owner's own-block
-    attention. Backward: all-gather dO and the global (delta, lse); local kernel backward with the global
-    statistics; reduce-scatter dQ (fp32); dK/dV of the context stay local. Every collective is
-    query-sized (O(Lq * Hq * D)), independent of the context length.
+    Forward: all-gather Q (block metadata: once per step); attend all gathered queries to the local
+    context, and this rank's own blocks also to their own B keys, in ONE local-kernel call (fp32
+    out/lse; the own keys are appended after the sorted context, see the module docstring); merge by
+    lse with an all-reduce MAX and a reduce-scatter of [O * exp(lse - max) | exp(lse - max)] (fp32) back
+    to the query owners. Backward: all-gather dO and the global (delta, lse); local kernel backward with
+    the global statistics; reduce-scatter dQ (fp32); dK/dV of the context and of the own block stay
+    local. Both passes run over `num_chunks` query chunks, overlapping each chunk's collectives with the
+    next chunk's kernel. Every collective is query-sized (O(Lq * Hq * D)), independent of the context
+    length and of the chunk count.
 
     Args:
         q: [Tq_local, Hq, D] this rank's query rows, block by block (Tq_local = n_blocks_local * B).
@@ -127,6 +210,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             when the metadata has `group_check=True`; without it the ranks' first collectives do not
             match and the call fails or hangs until the process group's timeout. softmax_scale is
             compared across ranks by calls without `metadata=` and by `group_check` calls.
+        num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None = the
+            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 at CP size 1 and
+            min(4, max(n_blocks)) otherwise; a positive int is clamped to [1, max(max(n_blocks), 1)]
+            (see `ops.metadata.resolve_num_chunks`). Chunk c = blocks [c * nb // k, (c + 1) * nb // k)
+            of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
+            `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
+            None or the metadata's `num_chunks`.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -138,14 +228,16 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Raises:
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
-            block_size not dividing Tq_local, metadata of wrong length or dtype, or block_size / Hq /
-            Hkv / D / dtype / resolved softmax_scale differing across ranks. With `metadata=`: ValueError on this rank when a
-            tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs from what the metadata
-            implies, or when the metadata is for another impl; other ranks may then block in the call's
+            block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks (or the
+            environment variable) not a positive int, or block_size / Hq / Hkv / D / dtype / resolved
+            softmax_scale / requested num_chunks differing across ranks. With `metadata=`: ValueError
+            on this rank when a tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs
+            from what the metadata implies, when num_chunks differs from the metadata's, or when the
+            metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
             `group_check=True`, in which case every rank raises the same ValueError.
         ImportError: backend "flex"/"te" not available.
     """
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse, metadata=metadata)
+                  return_lse=return_lse, metadata=metadata, num_chunks=num_chunks)
