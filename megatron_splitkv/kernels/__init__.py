@@ -66,5 +66,14 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None):
                 pass
     key = (backend, dev_type, dtype)  # head_dim only picks the backend
     if key not in _CACHE:
-        _CACHE[key] = _load(backend)()
+        cls = _load(backend)
+        try:
+            _CACHE[key] = cls()
+        except ImportError as exc:  # e.g. "te": the module imports, Transformer Engine itself is missing
+            if backend != "te":
+                raise
+            raise ImportError(
+                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]', see "
+                f"/work/shared/gpu/README.md); import failed: {exc}"
+            ) from exc
     return _CACHE[key]

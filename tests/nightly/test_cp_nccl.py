@@ -2,8 +2,8 @@
 
 Under torchrun (WORLD_SIZE set, CUDA present) every rank runs the same tests: op exactness at CP =
 WORLD_SIZE for splitkv / allgather-kv / ring-kv (bf16 vs the float64 single-process reference; output and
-all five gradients, relative L2 error < 2e-2, no non-finite values), with the FlexAttention local kernel
-and with the math kernel. Skipped in a plain `pytest tests` run (no torchrun environment) and without CUDA.
+all five gradients, relative L2 error < 2e-2, no non-finite values), with the FlexAttention local kernel,
+the math kernel and (when Transformer Engine imports) the TE kernel. Skipped in a plain `pytest tests` run (no torchrun environment) and without CUDA.
 Shared code: `tools/gpu_check.py` (op_exactness, op_timing).
 """
 
@@ -43,11 +43,15 @@ def group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["flex", "math"])
+@pytest.mark.parametrize("backend", ["flex", "math", "te"])
 def test_ops_exact_at_cp(group, backend):
     import gpu_check
 
     dev, world, rank, g = group
+    if backend == "te":
+        if CPU:
+            pytest.skip("Transformer Engine runs on CUDA only")
+        pytest.importorskip("transformer_engine.pytorch", reason="backend='te' needs Transformer Engine")
     res = {}
     rows = gpu_check.op_exactness(dev, CPU, world, rank, g, res, backend)
     assert rows, "ops not importable"
