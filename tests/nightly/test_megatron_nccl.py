@@ -48,7 +48,10 @@ def group():
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=dev, timeout=timeout)
+            # lazy NCCL init (no device_id): with an eagerly initialised default group, destroying it
+            # after Megatron's many subgroups hung at exit on the H200 pair (2026-11-30; cf.
+            # pytorch/pytorch#190396, destroy_process_group hangs after sequential subgroups)
+            dist.init_process_group("nccl", timeout=timeout)
     world = dist.get_world_size()
     if world % 2:
         pytest.skip("needs an even number of ranks (TP=2 / CP=2)")
