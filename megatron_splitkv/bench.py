@@ -12,10 +12,15 @@ replacement among valid positions, `data.anchors.sample_anchors` on an all-ones 
 `rank_inputs` builds one CP rank's op inputs (random bf16 q/k/v, never zeros) from a plan.
 
 Local-kernel problems: `kernel_calls(method, plan, rank)` lists the (query blocks, key set) pairs the
-local kernel of `method` runs on `rank` ("splitkv": all queries vs the rank's keys; "allgather-kv": the
-rank's queries vs all keys; "ring-kv": the rank's queries vs each rank's shard, one call per ring step),
-with their visible-pair counts; `time_kernel_calls` times them (forward + backward through the kernel
-API, mask built per call as the op does).
+local kernel of `method` runs on `rank` ("splitkv": all queries vs the rank's keys, one call per chunk of
+its merge pipeline; "allgather-kv": the rank's queries vs all keys; "ring-kv": the rank's queries vs each
+rank's shard, one call per ring step; the own block fused in as the ops do it), with their visible-pair
+counts; `time_kernel_calls` times them (forward + backward through the kernel API).
+
+Kernel checks (tools/gpu_check.py compare, tools/tune_flex.py): `dflash_interval_mask` (one sequence's
+DFlash mask), `interval_attention_reference` (float64, per head and row chunk, no dense Hq x Tq x Tk
+tensor), `check_kernel` / `kernel_errors`, `time_kernel_api`; `time_fns_interleaved` times variants
+round-robin (A/B runs) and `adaptive_reps` sizes timing loops.
 
 FLOP convention (`FWD_BWD_FACTOR`): useful forward FLOPs = 4 * visible (query row, key) pairs * Hq * D
 (two matmuls, masked pairs not counted); forward + backward = 3.5 x forward (flash-attn's convention:
@@ -46,7 +51,9 @@ __all__ = [
     "kernel_calls", "time_kernel_calls", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
-    "csv_arg", "int_list_arg", "choices_arg",
+    "csv_arg", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
+    "interval_attention_reference", "rel_err", "lse_err", "adaptive_reps", "resolve_chunks", "chunk_bounds", "op_accepts",
+    "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api",
 ]
 
 #: forward + backward FLOPs over forward FLOPs (flash-attn convention; see module docstring).
@@ -141,29 +148,65 @@ def op_fn(method: str):
     return getattr(msk, METHODS[method])
 
 
-def prepare_meta(method, x, *, block_size, cp_group, Hq, Hkv, D, dtype=torch.bfloat16):
+def prepare_meta(method, x, *, block_size, cp_group, Hq, Hkv, D, dtype=torch.bfloat16, **options):
     """`ops.prepare_splitkv_metadata` for `method` on inputs from `rank_inputs` (collective: every rank of
-    the group calls it). The training configuration: prepared once per step, reused by every layer."""
+    the group calls it). The training configuration: prepared once per step, reused by every layer.
+    `options`: extra keywords of prepare_splitkv_metadata (e.g. num_chunks, where it takes them: see
+    `op_option`)."""
     from .ops import prepare_splitkv_metadata
 
     return prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
                                     num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=cp_group,
-                                    impl=method, device=x["q"].device)
+                                    impl=method, device=x["q"].device, **options)
 
 
-def run_op(method, x, *, block_size, cp_group, backend, backward=True, meta=None):
+def op_option(name: str, method: str = "splitkv"):
+    """Where the op of `method` takes the keyword `name` (e.g. "num_chunks"): "prepare" when
+    `ops.prepare_splitkv_metadata` accepts it, "call" when only the op itself does, None when neither
+    (this tree's op has no such option). Signature inspection only; nothing runs."""
+    import inspect
+
+    from .ops import prepare_splitkv_metadata
+
+    try:
+        if name in inspect.signature(prepare_splitkv_metadata).parameters:
+            return "prepare"
+        if name in inspect.signature(op_fn(method)).parameters:
+            return "call"
+    except (TypeError, ValueError):  # pragma: no cover - builtins without signatures
+        pass
+    return None
+
+
+def op_accepts(name: str, where: str, method: str = "splitkv") -> bool:
+    """True when `ops.prepare_splitkv_metadata` (where="prepare") or the op of `method` (where="call")
+    has a keyword `name` in this tree. Signature inspection only."""
+    import inspect
+
+    from .ops import prepare_splitkv_metadata
+
+    fn = prepare_splitkv_metadata if where == "prepare" else op_fn(method)
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def run_op(method, x, *, block_size, cp_group, backend, backward=True, meta=None, op_kwargs=None):
     """One forward (+ backward with x["dout"]) of `method` on inputs from `rank_inputs`; returns out.
     With `meta` (from `prepare_meta`) the call reuses the per-step metadata (no size/metadata
-    collectives, no sort, cached BlockMask), as every drafter layer does in training."""
+    collectives, no sort, cached BlockMask), as every drafter layer does in training. `op_kwargs`: extra
+    keywords of the op call (e.g. {"num_chunks": 2} where the op takes it at the call)."""
     for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk"):
         x[k].grad = None
     fn = op_fn(method)
+    kw = dict(op_kwargs or {})
     if meta is not None:
         out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], None, None, None, None, metadata=meta,
-                 backend=backend)
+                 backend=backend, **kw)
     else:
         out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], x["q_seq"], x["q_anchor"],
-                 x["kv_seq"], x["kv_pos"], block_size=block_size, cp_group=cp_group, backend=backend)
+                 x["kv_seq"], x["kv_pos"], block_size=block_size, cp_group=cp_group, backend=backend, **kw)
     if backward:
         out.backward(x["dout"])
     return out
@@ -185,11 +228,51 @@ def _intervals_np(keys_sorted, q_seq, q_anchor):
     return lo, hi
 
 
+#: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/metadata.py: the
+#: [1, 11] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, error)
+META_INTS = 11
+#: own-block keys start at a multiple of this after the context keys (ops.common.OWN_KEY_ALIGN)
+OWN_KEY_ALIGN = 128
+#: default Split-KV chunk count at CP > 1 (ops.metadata.DEFAULT_NUM_CHUNKS), when that module lacks it
+_DEFAULT_CHUNKS = 4
+
+
+def _own_key_start(n: int) -> int:
+    try:
+        from .ops.common import own_key_start
+
+        return int(own_key_start(n))
+    except ImportError:  # a tree without the fused own block
+        return -(-int(n) // OWN_KEY_ALIGN) * OWN_KEY_ALIGN
+
+
+def resolve_chunks(num_chunks, P: int, max_blocks: int) -> int:
+    """The chunk count Split-KV uses for `num_chunks` (None: its default, the environment variable
+    MEGATRON_SPLITKV_NUM_CHUNKS included) at CP size P with `max_blocks` blocks per rank: the op's own
+    `ops.metadata.resolve_num_chunks` when this tree has it, else 1 (no chunked pipeline)."""
+    try:
+        from .ops.metadata import resolve_num_chunks
+    except ImportError:
+        return 1
+    return int(resolve_num_chunks(num_chunks, P, max(int(max_blocks), 1)))
+
+
+def chunk_bounds(num_chunks: int, max_blocks: int) -> list:
+    """[(b0, b1)] per chunk: blocks [c * nb // k, (c + 1) * nb // k) of every rank's padded segment
+    (ops.metadata.chunk_bounds)."""
+    return [(c * max_blocks // num_chunks, (c + 1) * max_blocks // num_chunks) for c in range(num_chunks)]
+
+
 @dataclass
 class KernelCall:
     """One local-kernel call: query blocks (q_seq, q_anchor) vs sorted keys; `pairs` = visible
-    (query row, key) pairs = B * sum(hi - lo); `tile_pairs` = pairs of the 128 x 128 tiles FlexAttention
-    touches (union of the intervals of each 128-row query tile, partial tiles counted whole)."""
+    (query row, key) pairs = B * sum(hi - lo) (+ B * B per own block); `tile_pairs` = pairs of the
+    128 x 128 tiles FlexAttention touches (union of the intervals of each 128-row query tile, partial
+    tiles counted whole).
+
+    Own block fused in the call (the ops since perf-notes item 1): `own_lo` / `own_hi` [n_blocks] are the
+    second intervals (absolute key rows, empty = equal) over `own_keys` keys appended after the context
+    keys, which are padded to `ctx_keys_padded` (a multiple of 128); None: no own block in this call."""
 
     q_seq: np.ndarray
     q_anchor: np.ndarray
@@ -199,20 +282,30 @@ class KernelCall:
     block_size: int
     pairs: float = 0.0
     tile_pairs: float = 0.0
+    own_lo: np.ndarray = None
+    own_hi: np.ndarray = None
+    own_keys: int = 0
+    ctx_keys_padded: int = None
 
     @property
     def rows(self) -> int:
         return int(self.q_seq.shape[0]) * self.block_size
 
     @property
-    def num_keys(self) -> int:
+    def num_ctx(self) -> int:
         return int(self.keys.shape[0])
 
+    @property
+    def num_keys(self) -> int:
+        """Keys the kernel gets: context, plus padding and own-block keys when the call has them."""
+        if self.own_lo is None:
+            return self.num_ctx
+        return int(self.ctx_keys_padded) + int(self.own_keys)
 
-def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128):
-    lo, hi = _intervals_np(keys_sorted, q_seq, q_anchor)
-    pairs = float(B * np.maximum(hi - lo, 0).sum())
-    # tiles: rows grouped by 128 (B divides 128 for B in {1,2,4,...,128}); union approximated by [min lo, max hi)
+
+def _tile_pairs(lo, hi, B, tile=128):
+    """Tile pairs of per-block intervals: rows grouped by 128 (B divides 128 for B in {1,2,...,128}); the
+    union of a row tile's intervals approximated by [min lo, max hi)."""
     per = max(1, tile // B)
     n = lo.shape[0]
     tp = 0.0
@@ -223,33 +316,91 @@ def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128):
             k0 = int(l_[live].min()) // tile
             k1 = -(-int(h_[live].max()) // tile)
             tp += (k1 - k0) * tile * tile
-    return KernelCall(np.asarray(q_seq), np.asarray(q_anchor), keys_sorted, lo, hi, B, pairs, tp)
+    return tp
 
 
-def kernel_calls(method: str, plan, rank: int):
-    """The local-kernel calls `method` makes on `rank` under `plan` (context part only; the dense B x B
-    own-block attention is excluded). Mirrors ops/*.py:
+def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None):
+    """KernelCall of blocks vs sorted keys; `own` = (valid [m] bool, first_block, first_key_block,
+    n_own_blocks): the call's blocks first_block .. first_block + m - 1 also see their own B keys
+    (as `ops.common.with_own_blocks` builds them)."""
+    lo, hi = _intervals_np(keys_sorted, q_seq, q_anchor)
+    pairs = float(B * np.maximum(hi - lo, 0).sum())
+    tp = _tile_pairs(lo, hi, B, tile)
+    call = KernelCall(np.asarray(q_seq), np.asarray(q_anchor), keys_sorted, lo, hi, B, pairs, tp)
+    if own is not None:
+        valid, first_block, first_key_block, n_own = own
+        c0 = _own_key_start(keys_sorted.shape[0])
+        nb = lo.shape[0]
+        lo2 = np.full(nb, c0, dtype=np.int64)
+        hi2 = lo2.copy()
+        m = int(valid.shape[0])
+        start = c0 + (first_key_block + np.arange(m, dtype=np.int64)) * B
+        lo2[first_block:first_block + m] = np.where(valid, start, c0)
+        hi2[first_block:first_block + m] = np.where(valid, start + B, c0)
+        call.own_lo, call.own_hi, call.own_keys, call.ctx_keys_padded = lo2, hi2, int(n_own) * B, c0
+        call.pairs += float(B * (hi2 - lo2).sum())
+        call.tile_pairs += _tile_pairs(lo2, hi2, B, tile)
+    return call
 
-    - "splitkv": one call, ALL query blocks (every rank's, padded) vs this rank's sorted keys.
-    - "allgather-kv": one call, this rank's query blocks vs all context keys.
-    - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P.
 
-    Returns a list of `KernelCall`.
+def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True):
+    """The local-kernel calls `method` makes on `rank` under `plan`. Mirrors ops/*.py:
+
+    - "splitkv": k calls (k = the op's chunk count for `num_chunks`, `resolve_chunks`; 1 in a tree
+      without the chunked pipeline): chunk c = the blocks [b0_c, b1_c) of EVERY rank's (padded) segment,
+      rank by rank, vs this rank's sorted keys; this rank's own blocks of the chunk also see their own
+      keys (appended after the context keys).
+    - "allgather-kv": one call, this rank's query blocks vs all context keys (+ own block).
+    - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P; step 0 (its
+      own shard) with the own block.
+
+    own_block=False leaves the own block out (the context part only; also what a tree without the
+    fused own block runs in the kernel). Returns a list of `KernelCall`.
     """
     P, B = plan.cp_size, plan.block_size
     sl = plan.query_slice(rank)
+    nb = plan.blocks_per_rank
+    valid_local = np.asarray(plan.q_anchor[sl]) >= 0
+    fused = own_block and _fused_own_block()
 
     def keys_of(r):
         return np.sort(_keys_np(plan.token_seq_ids(r), plan.token_positions(r)))
 
     if method == "splitkv":
-        return [_make_call(plan.q_seq, plan.q_anchor, keys_of(rank), B)]
+        k = resolve_chunks(num_chunks, P, nb) if _has_chunks() else 1
+        mine = keys_of(rank)
+        calls = []
+        for b0, b1 in chunk_bounds(k, nb):
+            idx = np.concatenate([np.arange(r * nb + b0, r * nb + b1) for r in range(P)])
+            own = (valid_local[b0:b1], rank * (b1 - b0), b0, nb) if fused else None
+            calls.append(_make_call(plan.q_seq[idx], plan.q_anchor[idx], mine, B, own=own))
+        return calls
+    own = (valid_local, 0, 0, nb) if fused else None
     if method == "allgather-kv":
         allk = np.sort(np.concatenate([keys_of(r) for r in range(P)]))
-        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], allk, B)]
+        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], allk, B, own=own)]
     if method == "ring-kv":
-        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], keys_of((rank - s) % P), B) for s in range(P)]
+        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], keys_of((rank - s) % P), B,
+                           own=own if s == 0 else None) for s in range(P)]
     raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
+
+
+def _fused_own_block() -> bool:
+    """True when this tree's ops run the own block inside the kernel call (ops.common.with_own_keys)."""
+    try:
+        from .ops.common import with_own_keys  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _has_chunks() -> bool:
+    """True when this tree's Split-KV op has the chunked merge pipeline (ops.metadata.chunk_bounds)."""
+    try:
+        from .ops.metadata import chunk_bounds as _cb  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fwd_flops(pairs: float, Hq: int, D: int) -> float:
@@ -296,6 +447,54 @@ def time_fn(fn, device, *, reps: int = 10, warmup: int = 3, group=None):
     return med, mn, times
 
 
+def time_fns_interleaved(fns, device, *, reps: int = 10, warmup: int = 2, group=None):
+    """Time several variants side by side: `warmup` untimed calls of each, then `reps` rounds that call
+    every fn once in turn (A B C A B C ...), so drift (clocks, other work) hits all variants alike. CUDA
+    events on GPU, perf_counter on CPU. With a process group of size > 1, the medians and minima are
+    MAX-reduced over its ranks (every rank must call this with the same fns count, reps and warmup).
+    Returns a list of (median_ms, min_ms, times) per fn."""
+    device = torch.device(device)
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                times[i].append(a.elapsed_time(b))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times[i].append((time.perf_counter() - t0) * 1e3)
+    meds = [statistics.median(t) if t else float("nan") for t in times]
+    mins = [min(t) if t else float("nan") for t in times]
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) > 1:
+            dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            t = torch.tensor(meds + mins, dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            vals = t.tolist()
+            meds, mins = vals[:len(fns)], vals[len(fns):]
+    return [(m, n, t) for m, n, t in zip(meds, mins, times)]
+
+
+def adaptive_reps(max_reps: int, est_s: float, target_s: float, min_reps: int = 3) -> int:
+    """Repeats for a timing loop of calls that take about `est_s` seconds each: enough for `target_s`
+    seconds, clipped to [min(min_reps, max_reps), max_reps]; target_s <= 0 (or no estimate) keeps
+    max_reps. Deterministic in its inputs, so ranks that share `est_s` (MAX-reduced) agree."""
+    if target_s <= 0 or not est_s > 0 or not math.isfinite(est_s):
+        return max_reps
+    return int(max(min(min_reps, max_reps), min(max_reps, int(target_s / est_s))))
+
+
 def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
                       reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
                       fresh_mask: bool = False):
@@ -326,10 +525,19 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
         do = _rand((c.rows, Hq, D), gen, device, dtype)
         lo = torch.as_tensor(c.lo, device=device)
         hi = torch.as_tensor(c.hi, device=device)
-        m0 = IntervalMask(c.block_size, lo, hi, c.num_keys)
+        if c.own_lo is not None:
+            lo2 = torch.as_tensor(c.own_lo, device=device)
+            hi2 = torch.as_tensor(c.own_hi, device=device)
+
+            def mk():
+                return IntervalMask(c.block_size, lo, hi, c.num_keys, lo2, hi2, num_ctx_keys=c.ctx_keys_padded)
+        else:
+            def mk():
+                return IntervalMask(c.block_size, lo, hi, c.num_keys)
+        m0 = mk()
 
         def step():
-            m = IntervalMask(c.block_size, lo, hi, c.num_keys) if fresh_mask else m0
+            m = mk() if fresh_mask else m0
             o, lse, st = kern.forward(q, k, v, m, scale)
             if backward:
                 delta = (do.float() * o).sum(-1)
@@ -377,6 +585,148 @@ def dense_sdpa_rate(Lq: int, pairs: float, *, Hq: int, D: int, dtype=torch.bfloa
                 fwdbwd_tflops=FWD_BWD_FACTOR * f / bm / 1e9)
 
 
+# ------------------------------------------------------------------------------------------ kernel checks
+def dflash_interval_mask(n_anchors: int, num_keys: int, *, block_size: int = 16, seed: int = 0, device="cpu"):
+    """`IntervalMask` of the DFlash context rule for ONE sequence of `num_keys` sorted context tokens:
+    `n_anchors` anchors drawn uniformly without replacement from [1, num_keys], sorted; block b sees keys
+    [0, a_b) (positions strictly before its anchor). Visible (row, key) pairs = block_size * sum(a_b).
+    The same construction as tools/gpu_check.py's kernel mode (docs/benchmarks.md)."""
+    from .kernels.base import IntervalMask
+
+    gen = torch.Generator().manual_seed(seed)
+    n = min(int(n_anchors), int(num_keys))
+    a = torch.sort(torch.randperm(int(num_keys), generator=gen)[:n] + 1).values
+    dev = torch.device(device)
+    return IntervalMask(block_size, torch.zeros_like(a).to(dev), a.to(dev), int(num_keys))
+
+
+def _mask_rows(mask, rows: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[len(rows), num_keys] bool visibility of query `rows` under an IntervalMask (its first interval
+    lo/hi and, when the mask has them, second intervals lo2/hi2)."""
+    blk = rows // mask.block_size
+    j = torch.arange(num_keys, device=rows.device)
+    vis = (j[None] >= mask.lo[blk][:, None]) & (j[None] < mask.hi[blk][:, None])
+    lo2, hi2 = getattr(mask, "lo2", None), getattr(mask, "hi2", None)
+    if lo2 is not None and hi2 is not None:
+        vis |= (j[None] >= lo2[blk][:, None]) & (j[None] < hi2[blk][:, None])
+    return vis
+
+
+def interval_attention_reference(q, k, v, mask, scale: float, dout=None, *, row_chunk: int = 2048):
+    """float64 reference of interval-mask attention (the kernel contract of `kernels/base.py`) on q's
+    device, without autograd and without a dense Hq x Tq x Tk tensor: one query head and `row_chunk`
+    query rows at a time (memory ~ 5 x row_chunk x Tk x 8 bytes).
+
+    q [Tq, Hq, D], k/v [Tk, Hkv, D] (any float dtype, upcast to float64); grouped-query attention: q head
+    h uses kv head h // (Hq // Hkv). Rows that see no key: out 0, lse -inf, zero gradients.
+    Returns dict out [Tq, Hq, D], lse [Tq, Hq] and, with `dout` [Tq, Hq, D], dq, dk [Tk, Hkv, D], dv
+    (all float64), computed as P = exp(s - lse), dV = P^T dO, dS = P (dO V^T - rowsum(dO O)),
+    dQ = scale dS K, dK = scale dS^T Q.
+    """
+    f64 = torch.float64
+    Tq, Hq, D = q.shape
+    Tk, Hkv, _ = k.shape
+    G = Hq // Hkv
+    dev = q.device
+    out = torch.zeros(Tq, Hq, v.shape[2], dtype=f64, device=dev)
+    lse = torch.full((Tq, Hq), float("-inf"), dtype=f64, device=dev)
+    grads = dout is not None
+    if grads:
+        dq = torch.zeros(Tq, Hq, D, dtype=f64, device=dev)
+        dk = torch.zeros(Tk, Hkv, D, dtype=f64, device=dev)
+        dv = torch.zeros(Tk, Hkv, v.shape[2], dtype=f64, device=dev)
+    for r0 in range(0, Tq, row_chunk):
+        rows = torch.arange(r0, min(r0 + row_chunk, Tq), device=dev)
+        vis = _mask_rows(mask, rows, Tk)
+        for h in range(Hq):
+            kh, vh = k[:, h // G].to(f64), v[:, h // G].to(f64)
+            qh = q[rows, h].to(f64)
+            s = (qh @ kh.T) * scale
+            s = s.masked_fill(~vis, float("-inf"))
+            l = torch.logsumexp(s, -1)
+            ls = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+            p = torch.where(vis, torch.exp(s - ls[:, None]), torch.zeros_like(s))
+            o = p @ vh
+            out[rows, h] = o
+            lse[rows, h] = l
+            if grads:
+                do = dout[rows, h].to(f64)
+                delta = (do * o).sum(-1)
+                ds = p * (do @ vh.T - delta[:, None])
+                dq[rows, h] = (ds @ kh) * scale
+                dk[:, h // G] += (ds.T @ qh) * scale
+                dv[:, h // G] += p.T @ do
+            del s, p
+    res = dict(out=out, lse=lse)
+    if grads:
+        res.update(dq=dq, dk=dk, dv=dv)
+    return res
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (b the reference; 0/0 -> 0, NaN in a -> NaN)."""
+    b = b.detach().to(torch.float64)
+    a = a.detach().to(b.device, torch.float64)
+    den = float(b.norm())
+    num = float((a - b).norm())
+    if den == 0.0:
+        return num
+    return num / den
+
+
+def lse_err(a, b) -> float:
+    """Max abs difference of two lse tensors on the rows where the reference b is finite; inf when
+    the finite / -inf patterns differ (a row that should see keys says it sees none, or vice versa)."""
+    b = b.detach().to(torch.float64)
+    a = a.detach().to(b.device, torch.float64)
+    fin = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), fin):
+        return float("inf")
+    if not bool(fin.any()):
+        return 0.0
+    return float((a[fin] - b[fin]).abs().max())
+
+
+def kernel_errors(out, lse, grads, ref) -> dict:
+    """Errors of a kernel's (out, lse, (dq, dk, dv)) against `interval_attention_reference`'s dict:
+    relative norms (`rel_err`), lse max abs (`lse_err`), and the count of non-finite values."""
+    e = dict(out=rel_err(out, ref["out"]), lse=lse_err(lse, ref["lse"]))
+    if grads is not None:
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            e[name] = rel_err(g, ref[name])
+    e["nonfinite"] = int(sum(int((~torch.isfinite(t)).sum()) for t in [out] + list(grads or [])))
+    return e
+
+
+def check_kernel(kern, q, k, v, mask, scale, dout, ref) -> dict:
+    """One forward + backward of a local kernel (backward with this forward's lse and
+    delta = rowsum(dO * O): the single-call case of the global statistics) vs the float64 reference."""
+    o, l, st = kern.forward(q, k, v, mask, scale)
+    delta = (dout.float() * o).sum(-1)
+    g = kern.backward(q, k, v, mask, scale, dout, l, delta, st)
+    return kernel_errors(o, l, g, ref)
+
+
+def time_kernel_api(kern, q, k, v, mask, scale, dout, device, *, reps: int = 10, warmup: int = 2):
+    """(forward ms, forward + backward ms) of one local kernel through its API, the mask object reused
+    (cached BlockMask / TE plan, as with per-step metadata). The backward gets this forward's lse and a
+    fixed delta (the op computes delta once, on the owner). Medians of `reps` (`time_fn`)."""
+    o, _, st = kern.forward(q, k, v, mask, scale)
+    delta = (dout.float() * o).sum(-1)
+    del o, st
+
+    def fwd():
+        kern.forward(q, k, v, mask, scale)
+
+    def fwdbwd():
+        o_, l_, st_ = kern.forward(q, k, v, mask, scale)
+        kern.backward(q, k, v, mask, scale, dout, l_, delta, st_)
+
+    f_ms, _, _ = time_fn(fwd, device, reps=reps, warmup=warmup)
+    fb_ms, _, _ = time_fn(fwdbwd, device, reps=reps, warmup=warmup)
+    return f_ms, fb_ms
+
+
 # ------------------------------------------------------------------------------------------ comm volumes
 @dataclass(frozen=True)
 class PredRecord:
@@ -406,11 +756,11 @@ _OPNAME = {"splitkv": "splitkv", "allgather-kv": "allgather_kv", "ring-kv": "rin
 
 
 def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
-    """The collectives of `ops.prepare_splitkv_metadata(impl=method)` (once per step): the [1, 10] int64
+    """The collectives of `ops.prepare_splitkv_metadata(impl=method)` (once per step): the [1, META_INTS] int64
     size all-gather "<impl>.meta", then "splitkv.fwd.block_meta" (2 int64 per block), or
     "allgather_kv.fwd.kv_meta" / "ring_kv.ctx_meta" (one int64 per context token, padded)."""
     name = _OPNAME[method]
-    recs = [PredRecord(f"{name}.meta", "all_gather", _ring_bytes("all_gather", P, 10 * 8), 10 * 8)]
+    recs = [PredRecord(f"{name}.meta", "all_gather", _ring_bytes("all_gather", P, META_INTS * 8), META_INTS * 8)]
     extra = {"splitkv": ("fwd.block_meta", max(n_blocks) * 2 * 8), "allgather-kv": ("fwd.kv_meta", max(n_ctx) * 8),
              "ring-kv": ("ctx_meta", max(n_ctx) * 8)}[method]
     recs.append(PredRecord(f"{name}.{extra[0]}", "all_gather", _ring_bytes("all_gather", P, extra[1]), extra[1]))
@@ -418,15 +768,20 @@ def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
 
 
 def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
-                      D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False):
+                      D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False,
+                      num_chunks=None):
     """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
 
     Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
         elem: bytes per element of q/k/v (bf16: 2); acc: bytes of the accumulation dtype (fp32: 4);
         metadata: the call passes per-step metadata (`metadata=`): no size / block / key all-gathers in
             the call (they are in `prepare_records`, once per step) and ring-kv rotates K/V without keys.
-            False: the self-contained call (validation all-gather [1, 10] int64 "<op>.meta", the block or
-            key all-gather, ring keys travelling with K/V).
+            False: the self-contained call (validation all-gather [1, META_INTS] int64 "<op>.meta", the
+            block or key all-gather, ring keys travelling with K/V).
+        num_chunks: splitkv's chunk count (None: the op's default at this P, `resolve_chunks`): each of
+            "fwd.q", "fwd.lse_max", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq" is issued once per chunk
+            (record `step` = the chunk index, message = the chunk's share); the bytes per op name do not
+            depend on it.
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
@@ -438,19 +793,26 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         recs.append(PredRecord(f"{name}.{op}", kind, _ring_bytes(kind, P, msg), msg, step))
 
     if not metadata:
-        add("meta", "all_gather", 10 * 8)
+        add("meta", "all_gather", META_INTS * 8)
     rows_max = max(n_blocks) * B
     tk_max = max(n_ctx)
     if method == "splitkv":
-        add("fwd.q", "all_gather", rows_max * Hq * D * elem)
+        nb_max = max(n_blocks)
+        k = resolve_chunks(num_chunks, P, nb_max) if _has_chunks() else 1
+        bounds = chunk_bounds(k, nb_max) if nb_max else [(0, 0)]
         if not metadata:
-            add("fwd.block_meta", "all_gather", max(n_blocks) * 2 * 8)
-        add("fwd.lse_max", "all_reduce", P * rows_max * Hq * acc)
-        add("fwd.out", "reduce_scatter", rows_max * Hq * (D + 1) * acc)
+            add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
+        for c, (b0, b1) in enumerate(bounds):
+            rc = (b1 - b0) * B
+            add("fwd.q", "all_gather", rc * Hq * D * elem, c)
+            add("fwd.lse_max", "all_reduce", P * rc * Hq * acc, c)
+            add("fwd.out", "reduce_scatter", rc * Hq * (D + 1) * acc, c)
         if backward:
-            add("bwd.dout", "all_gather", rows_max * Hq * D * elem)
-            add("bwd.stats", "all_gather", rows_max * Hq * 2 * acc)
-            add("bwd.dq", "reduce_scatter", rows_max * Hq * D * acc)
+            for c, (b0, b1) in enumerate(bounds):
+                rc = (b1 - b0) * B
+                add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
+                add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
+                add("bwd.dq", "reduce_scatter", rc * Hq * D * acc, c)
     elif method == "allgather-kv":
         add("fwd.kv", "all_gather", tk_max * 2 * Hkv * D * elem)
         if not metadata:

@@ -130,3 +130,153 @@ def test_model_only_end_to_end(tmp_path):
     for f in ("simulate_scaling.json", "simulate_scaling.md", "simulate_scaling.png"):
         assert (tmp_path / f).stat().st_size > 0
     json.loads((tmp_path / "simulate_scaling.json").read_text())
+
+
+# ------------------------------------------------------------------ the chunked Split-KV pipeline model
+
+
+def test_pipeline_one_chunk_is_serial():
+    import simulate_scaling as ss
+
+    assert ss.splitkv_forward_ms([1.5], [10.0], [0.25], [3.0]) == pytest.approx(14.75)
+    assert ss.splitkv_backward_ms([1.0], [0.5], [20.0], [3.0]) == pytest.approx(24.5)
+
+
+def test_pipeline_two_chunks_hand_computed():
+    """Two chunks, worked out on paper from the code's issue order (ops/splitkv.py):
+    forward: gather Q0 [0, 1], gather Q1 [1, 2], kernel 0 [1, 6], lse max 0 [6, 6.5]; last chunk: finish
+    chunk 0 first (reduce-scatter 0 [6.5, 8.5]), kernel 1 [6.5, 11.5], lse max 1 [11.5, 12], reduce-scatter
+    1 [12, 14]: 14 ms instead of 17 serial. Backward: dO0 [0, 1], stats0 [1, 1.5], dO1 [1.5, 2.5],
+    stats1 [2.5, 3], kernel 0 [1.5, 11.5], dQ0 [11.5, 14.5], kernel 1 [11.5, 21.5], dQ1 [21.5, 24.5]:
+    24.5 ms instead of 29."""
+    import simulate_scaling as ss
+
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [0.5, 0.5], [2, 2]) == pytest.approx(14.0)
+    assert ss.splitkv_backward_ms([1, 1], [0.5, 0.5], [10, 10], [3, 3]) == pytest.approx(24.5)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_pipeline_bounds(n):
+    """Never more than the serial sum of its own pieces, never less than either stream's busy time; the
+    first Q gather and the last reduce-scatter are always exposed."""
+    import simulate_scaling as ss
+
+    rng = np.random.default_rng(n)
+    for _ in range(50):
+        G, K, AR, RS = (list(rng.uniform(0, 5, n)) for _ in range(4))
+        t = ss.splitkv_forward_ms(G, K, AR, RS)
+        assert t <= sum(G) + sum(K) + sum(AR) + sum(RS) + 1e-9
+        assert t >= max(sum(K), sum(G) + sum(AR) + sum(RS)) - 1e-9
+        assert t >= G[0] + K[-1] + AR[-1] + RS[-1] - 1e-9
+        D, S, KB, RQ = (list(rng.uniform(0, 5, n)) for _ in range(4))
+        tb = ss.splitkv_backward_ms(D, S, KB, RQ)
+        assert tb <= sum(D) + sum(S) + sum(KB) + sum(RQ) + 1e-9
+        assert tb >= max(sum(KB), sum(D) + sum(S) + sum(RQ)) - 1e-9
+        assert tb >= D[0] + S[0] + KB[-1] + RQ[-1] - 1e-9
+
+
+def _split_calls(total, k):
+    return [total / k] * k
+
+
+@pytest.mark.parametrize("P", [2, 8, 64])
+def test_more_chunks_never_slower_without_latency(P):
+    """Bandwidth-only links (alpha = 0), compute split evenly: k chunks never predict more than one
+    (= today's serial sum), and k = 1 is exactly compute + communication."""
+    import simulate_scaling as ss
+
+    link = bench.LinkModel()
+    for t in list(link.intra) + list(link.inter):
+        link.intra[t] = bench.AlphaBeta(0.0, 225e9)
+        link.inter[t] = bench.AlphaBeta(0.0, 50e9)
+    nb, nc = [512 // P] * P, [16384] * P
+    kw = dict(P=P, rank=0, n_blocks=nb, n_ctx=nc, B=16, Hq=32, Hkv=8, D=128, metadata=True)
+    for comp in (1.0, 20.0, 200.0):
+        one = ss.method_time("splitkv", P, [comp], bench.predicted_records("splitkv", num_chunks=1, **kw), link,
+                             fwd_fraction=0.3, overhead_ms=2.0)
+        assert one["total_ms"] == pytest.approx(comp + one["comm_ms"] + 2.0)
+        assert one["exposed_comm_ms"] == pytest.approx(one["comm_ms"])
+        prev = one["total_ms"]
+        for k in (2, 4, 8):
+            t = ss.method_time("splitkv", P, _split_calls(comp, k),
+                               bench.predicted_records("splitkv", num_chunks=k, **kw), link, fwd_fraction=0.3,
+                               overhead_ms=2.0)
+            assert t["comm_ms"] == pytest.approx(one["comm_ms"])  # same bytes, no latency
+            assert t["total_ms"] <= one["total_ms"] + 1e-9
+            assert t["total_ms"] <= prev + 1e-9 or comp < t["comm_ms"]  # monotone while compute hides comm
+            prev = t["total_ms"]
+
+
+def test_chunk_records_split_the_messages():
+    kw = dict(P=4, rank=1, n_blocks=[10] * 4, n_ctx=[1000] * 4, B=16, Hq=8, Hkv=2, D=32, metadata=True)
+    one = bench.predicted_records("splitkv", num_chunks=1, **kw)
+    three = bench.predicted_records("splitkv", num_chunks=3, **kw)
+    assert _agg(one) == _agg(three)  # bytes per op name do not depend on the chunk count
+    assert len(three) == 3 * len(one)
+    assert sorted({r.step for r in three}) == [0, 1, 2]
+    rows = [r.msg for r in three if r.op == "splitkv.fwd.q"]
+    assert rows == [3 * 16 * 8 * 32 * 2, 3 * 16 * 8 * 32 * 2, 4 * 16 * 8 * 32 * 2]  # blocks 0-2, 3-5, 6-9
+
+
+def _chunk_volumes(rank, world, ks):
+    import torch.distributed as dist
+
+    from megatron_splitkv import comm_stats
+
+    lens, anc = bench.make_workload(900, 14, n_seqs=2, seed=5)
+    plan = bench.place(lens, anc, cp_size=world, strategy="lpt", block_size=4, chunk_size=64)
+    nb = [plan.blocks_per_rank] * world
+    nc = [int(plan.token_index(r).shape[0]) for r in range(world)]
+    kw = dict(P=world, rank=rank, n_blocks=nb, n_ctx=nc, B=4, Hq=4, Hkv=2, D=8)
+    out = {}
+    for k in ks:
+        x = bench.rank_inputs(plan, rank, Hq=4, Hkv=2, D=8, dtype=torch.bfloat16)
+        meta = bench.prepare_meta("splitkv", x, block_size=4, cp_group=dist.group.WORLD, Hq=4, Hkv=2, D=8,
+                                  num_chunks=k)
+        with comm_stats() as st:
+            bench.run_op("splitkv", x, block_size=4, cp_group=None, backend="math", meta=meta)
+        got_n, exp_n = {}, {}
+        for r in st.records:
+            got_n[(r.op, r.kind)] = got_n.get((r.op, r.kind), 0) + 1
+        pred = bench.predicted_records("splitkv", metadata=True, num_chunks=k, **kw)
+        for r in pred:
+            exp_n[(r.op, r.kind)] = exp_n.get((r.op, r.kind), 0) + 1
+        # the kernel calls the simulator times mirror the op's per-chunk masks (context + own block)
+        calls = bench.kernel_calls("splitkv", plan, rank, num_chunks=k)
+        masks = meta.chunk_masks_own
+        same = len(calls) == len(masks) == meta.num_chunks and all(
+            np.array_equal(c.lo, m.lo.numpy()) and np.array_equal(c.hi, m.hi.numpy())
+            and np.array_equal(c.own_lo, m.lo2.numpy()) and np.array_equal(c.own_hi, m.hi2.numpy())
+            and c.num_keys == m.num_keys and c.ctx_keys_padded == m.num_ctx_keys for c, m in zip(calls, masks))
+        out[k] = dict(bytes=(_agg(st.records), _agg(pred)), counts=(got_n, exp_n), masks_mirror=same,
+                      k_used=meta.num_chunks)
+    return out
+
+
+def test_chunked_records_and_calls_match_the_op():
+    if bench.op_option("num_chunks") != "prepare":
+        pytest.skip("this tree's prepare_splitkv_metadata has no num_chunks")
+    for res in run_distributed(_chunk_volumes, 2, (1, 2, 3), timeout=180):
+        for k, r in res.items():
+            assert r["k_used"] == k
+            assert r["bytes"][0] == r["bytes"][1], (k, r["bytes"])
+            assert r["counts"][0] == r["counts"][1], (k, r["counts"])
+            assert r["masks_mirror"], k
+
+
+def test_model_only_chunks_and_fused_own_block(tmp_path):
+    import simulate_scaling as ss
+
+    base = ["--model-only", "--cps", "1,2,64", "--ctx-per-rank", "4096", "--num-chunks", "1,4",
+            "--own-block-ms", "1.5", "--placements", "lpt"]
+    on = ss.main(base + ["--fused-own-block", "on", "--out", str(tmp_path / "on")])
+    off = ss.main(base + ["--fused-own-block", "off", "--out", str(tmp_path / "off")])
+    ks = {(r["P"], r["num_chunks"]) for r in on["rows"] if r["method"] == "splitkv"}
+    assert {(1, 1), (1, 4), (2, 1), (2, 4), (64, 1), (64, 4)} <= ks
+    # the stated overhead is the op with a separate own block: fused takes the own-block time off
+    assert off["overhead_ms"] - on["overhead_ms"] == pytest.approx(1.5)
+    r_on = {(r["P"], r["method"], r["num_chunks"]): r for r in on["rows"]}
+    r_off = {(r["P"], r["method"], r["num_chunks"]): r for r in off["rows"]}
+    for key, r in r_on.items():
+        assert r_off[key]["total_ms"] - r["total_ms"] == pytest.approx(1.5, abs=0.3)  # + the own tiles' FLOPs
+    assert "k=4" in (tmp_path / "on" / "simulate_scaling.md").read_text()

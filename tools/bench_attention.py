@@ -29,6 +29,18 @@ no rank waits); CP=2 rows use the world group (NCCL).
 the traffic takes NCCL's network (socket) transport, a stand-in for an inter-node link. The script
 warns when the flag and the environment disagree.
 
+Split-KV's merge pipeline: splitkv rows run the op's default chunk count (`prepare_splitkv_metadata`:
+1 at CP=1, else 4; `--num-chunks` overrides; the row's `num_chunks`, "splitkv k=4" in the table), the
+kernel column times the same chunked calls. `--chunks-ab 1,2,4` adds, after the rows and in the same
+process, an A/B of chunk counts at CP = world (`--ab-contexts`, default 128K): same inputs, one metadata
+per k, results cross-checked against the first k, timed round-robin (`bench.time_fns_interleaved`).
+
+Budget helpers: `--row-target-s` sizes each row's repeats to about that many seconds (>= 3), `--sdpa-max-lk`
+caps the dense reference's size (its rate is flat in Lk), `--cp1-methods` / `--alt-placement-methods`
+drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv's compute ignores the
+placement), rows whose memory estimate (`estimate_mem_gib`) exceeds 85% of the free device memory are
+SKIPPED (an OOM anyway is caught and recorded as the row's error).
+
 Examples (PYTHONPATH=. from the repository root):
   torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 tools/bench_attention.py --cp 2 \
@@ -81,6 +93,22 @@ def _any(flag: bool, device) -> bool:
     return _allmax([1.0 if flag else 0.0], device)[0] > 0
 
 
+def estimate_mem_gib(method, cp, plan, *, Hq, Hkv, D, B):
+    """Rough upper estimate (GiB) of one rank's peak device memory in a row: inputs and their gradients,
+    the gathered / padded / fp32 buffers of the op (per element of query rows: ~26 bytes per head-dim
+    element for the gathered queries; per context key: ~40 bytes per Hkv x D element for the key-side
+    buffers), plus 1 GiB. Used to skip rows that would not fit instead of running into an OOM."""
+    rows_local = plan.blocks_per_rank * B
+    tk_local = max(int(plan.token_index(r).shape[0]) for r in range(cp))
+    total = sum(int(plan.token_index(r).shape[0]) for r in range(cp))
+    q_rows = cp * rows_local if method == "splitkv" else rows_local
+    keys = total if method == "allgather-kv" else tk_local
+    if method == "ring-kv":
+        keys = 2 * tk_local  # the shard in flight and the one computed
+    b = 26.0 * q_rows * Hq * D + 40.0 * (keys + rows_local) * Hkv * D + 12.0 * rows_local * (2 * Hq + 2 * Hkv) * D
+    return b / 2**30 + 1.0
+
+
 def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     """One row: returns a dict (rank 0's view with cross-rank maxima)."""
     B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
@@ -94,16 +122,35 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
                Lq=args.anchors * B, link=("socket" if args.slow_path else ("nvlink" if dev.type == "cuda" else "gloo"))
                if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs)
 
+    row["est_mem_gib"] = estimate_mem_gib(method, cp, plan, Hq=Hq, Hkv=Hkv, D=D, B=B)
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0] / 2**30
+        over = _any(row["est_mem_gib"] > 0.85 * free, dev)
+        if over:  # every rank skips together (the row's collectives must match)
+            row["skipped"] = (f"estimated {row['est_mem_gib']:.1f} GiB > 85% of the free "
+                              f"{free:.1f} GiB (estimate_mem_gib)")
+            return row
+    chunk_opt = {}  # --num-chunks: at prepare time (with metadata) or at the call (without)
+    if method == "splitkv" and args.num_chunks is not None:
+        chunk_opt = {"num_chunks": args.num_chunks}
+    prep_opt = chunk_opt if bench.op_accepts("num_chunks", "prepare") else {}
+    call_opt = chunk_opt if args.no_metadata and bench.op_accepts("num_chunks", "call") else None
     meta, prep_ms = None, 0.0
     if not args.no_metadata:
         def prep():
-            return bench.prepare_meta(method, x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+            return bench.prepare_meta(method, x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
+                                      **prep_opt)
 
         prep_ms, _, _ = bench.time_fn(prep, dev, reps=3, warmup=1, group=group)
         meta = prep()
+    # the chunk count this call pipelines over (splitkv; 1 elsewhere and in trees without chunks)
+    k_used = int(getattr(meta, "num_chunks", 0) or 0) if meta is not None else 0
+    if not k_used:
+        k_used = bench.resolve_chunks(args.num_chunks, cp, plan.blocks_per_rank) if method == "splitkv" else 1
+    row["num_chunks"] = k_used
 
     def step():
-        bench.run_op(method, x, block_size=B, cp_group=group, backend=args.backend, meta=meta)
+        bench.run_op(method, x, block_size=B, cp_group=group, backend=args.backend, meta=meta, op_kwargs=call_opt)
 
     step()  # compile / warm up (and the BlockMask, cached on the metadata's mask)
     bench._sync(dev)
@@ -111,21 +158,26 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
+    t0 = time.perf_counter()
     with comm_stats() as st:
         step()
     bench._sync(dev)
+    t_step = _allmax([time.perf_counter() - t0], dev)[0]  # the same on every rank: equal repeat counts
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan")
     extra = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if dev.type == "cuda" else float("nan")
     nb = [plan.blocks_per_rank] * cp
     nc = [int(plan.token_index(r).shape[0]) for r in range(cp)]
     pred = bench.predicted_bytes(method, P=cp, rank=rank, n_blocks=nb, n_ctx=nc, B=B, Hq=Hq, Hkv=Hkv, D=D,
                                  elem=torch.finfo(dtype).bits // 8, acc=8 if dtype == torch.float64 else 4,
-                                 metadata=meta is not None)
-    med, mn, _ = bench.time_fn(step, dev, reps=args.reps, warmup=1, group=group)
-    # local kernel alone on this rank's calls
-    calls = bench.kernel_calls(method, plan, rank)
+                                 metadata=meta is not None, num_chunks=k_used)
+    reps = bench.adaptive_reps(args.reps, t_step, args.row_target_s)
+    kreps = bench.adaptive_reps(args.kernel_reps, t_step, args.row_target_s)
+    row.update(reps=reps, kernel_reps=kreps)
+    med, mn, _ = bench.time_fn(step, dev, reps=reps, warmup=1, group=group)
+    # local kernel alone on this rank's calls (the op's chunks and fused own block, as the tree has them)
+    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used)
     kt = bench.time_kernel_calls(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, backend=args.backend,
-                                 reps=args.kernel_reps, warmup=1, fresh_mask=meta is None)
+                                 reps=kreps, warmup=1, fresh_mask=meta is None)
     my_pairs = kt["pairs"]
     bytes_by = st.bytes_by_collective
     mx = _allmax([st.total_bytes, pred, peak, extra, kt["ms"], my_pairs]
@@ -145,11 +197,13 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     q_rows = calls[0].rows if calls else 0
     sd = None
     if dev.type == "cuda" and not args.no_sdpa and q_rows:
-        per_call = mx[5] / max(len(calls), 1)  # ring-kv: P calls; SDPA sized like one of them
+        per_call = mx[5] / max(len(calls), 1)  # ring-kv: P calls, splitkv: k chunks; SDPA sized like one
+        if args.sdpa_max_lk > 0:  # dense SDPA's rate is flat in Lk beyond a few K keys: cap its size
+            per_call = min(per_call, float(q_rows) * args.sdpa_max_lk)
         key = (q_rows, int(round(per_call / max(q_rows, 1) / 128)))
         if key not in sdpa_cache:
             sdpa_cache[key] = bench.dense_sdpa_rate(q_rows, per_call, Hq=Hq, D=D, dtype=dtype, device=dev,
-                                                    reps=args.kernel_reps)
+                                                    reps=max(3, min(args.kernel_reps, 5)))
         sd = sdpa_cache[key]
     row.update(op_ms=med, op_min_ms=mn, prepare_ms=prep_ms, metadata=meta is not None, comm_bytes=mx[0], predicted_bytes=mx[1], peak_mem_gib=mx[2],
                step_extra_mem_gib=mx[3], bytes_by_collective=dict(zip(
@@ -163,17 +217,124 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     return row
 
 
+def _label(r):
+    """Method label: splitkv rows carry their chunk count k (the merge pipeline) when k > 1."""
+    k = r.get("num_chunks", 1) or 1
+    return f"{r['method']} k={k}" if r["method"] == "splitkv" and k > 1 else r["method"]
+
+
+def chunks_ab(args, dev, shapes, contexts, ks, log_row):
+    """A/B of Split-KV's chunk count at CP = world (one process, side by side): for each context, the
+    same inputs and plan (LPT), one prepared metadata per k in `ks`, every variant warmed up, checked
+    against k = ks[0] (out and the five gradients, relative norm; MAX over ranks) and timed round-robin
+    (`bench.time_fns_interleaved`). Returns rows (method "splitkv", num_chunks k, op_ms, ab_speedup vs
+    ks[0], ab_rel_diff, comm bytes). A tree whose op has no num_chunks option gives one row saying so."""
+    B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
+    where = bench.op_option("num_chunks")
+    cp = dist.get_world_size() if dist.is_initialized() else 1
+    link = ("socket" if args.slow_path else ("nvlink" if dev.type == "cuda" else "gloo"))
+    if where is None or cp < 2:
+        why = ("this tree's splitkv_attention / prepare_splitkv_metadata has no num_chunks option"
+               if where is None else "needs CP >= 2 (run under torchrun with 2+ processes)")
+        row = dict(method="splitkv", cp=cp, placement="lpt", context=0, link=link, ab=True, skipped=why)
+        log_row(row)
+        return [row]
+    rows = []
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    for ctx in contexts:
+        t0 = time.perf_counter()
+        try:
+            lens, anchors = bench.make_workload(ctx, args.anchors, n_seqs=args.n_seqs, seed=args.seed + ctx,
+                                                mask=args.loss_mask)
+            plan = bench.place(lens, anchors, cp_size=cp, strategy="lpt", block_size=B)
+            x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
+            metas, steps, used = [], [], []
+            for k in ks:
+                if where == "prepare":
+                    m = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D,
+                                           dtype=dtype, num_chunks=k)
+                    kw = None
+                else:
+                    m = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D,
+                                           dtype=dtype)
+                    kw = {"num_chunks": k}
+                metas.append(m)
+                used.append(int(getattr(m, "num_chunks", k) or k))
+                steps.append(lambda m=m, kw=kw: bench.run_op("splitkv", x, block_size=B, cp_group=group,
+                                                             backend=args.backend, meta=m, op_kwargs=kw))
+            results, comm, peaks = [], [], []
+            for fn in steps:  # warm up (compiles), results for the cross-check, bytes, peak memory
+                fn()
+                bench._sync(dev)
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
+                with comm_stats() as st:
+                    out = fn()
+                bench._sync(dev)
+                peaks.append(torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else float("nan"))
+                results.append([out.detach().float()] + [x[n].grad.detach().float()
+                                                         for n in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")])
+                comm.append((st.total_bytes, len(st.records)))
+            bench._sync(dev)
+            diffs = []
+            for res in results:
+                d = max(bench.rel_err(a, b) for a, b in zip(res, results[0]))
+                diffs.append(d)
+            diffs = _allmax(diffs, dev)
+            timed = bench.time_fns_interleaved(steps, dev, reps=max(args.reps, 5), warmup=1, group=group)
+            del results
+            for k, ku, (med, mn, _), d, (nbytes, nrec), pk in zip(ks, used, timed, diffs, comm, peaks):
+                mx = _allmax([float(nbytes), float(nrec), pk], dev)
+                rows.append(dict(method="splitkv", cp=cp, placement="lpt", context=ctx, link=link, ab=True,
+                                 num_chunks_requested=k, num_chunks=ku, op_ms=med, op_min_ms=mn,
+                                 ab_speedup=timed[0][0] / med if med > 0 else float("nan"), ab_rel_diff=d,
+                                 comm_bytes=mx[0], comm_records=int(mx[1]), peak_mem_gib=mx[2], Lq=args.anchors * B,
+                                 wall_s=time.perf_counter() - t0))
+                log_row(rows[-1])
+            del x, metas, steps
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(method="splitkv", cp=cp, placement="lpt", context=ctx, link=link, ab=True,
+                             error=f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=3)))
+            log_row(rows[-1])
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ab_table(rows, slow):
+    """Markdown table of the chunk-count A/B rows."""
+    hdr = ["link", "CP", "context", "num_chunks", "op ms (median)", "speedup vs first", "max rel. diff vs first",
+           "comm / rank", "collectives", "peak GiB"]
+    out = []
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            what = ("ERROR " + r["error"].strip().splitlines()[-1][:80]) if "error" in r else "SKIPPED " + r["skipped"]
+            out.append([r.get("link", ""), r["cp"], r.get("context", ""), "", what, "", "", "", "", ""])
+            continue
+        out.append([r["link"], r["cp"], r["context"], r["num_chunks"], f"{r['op_ms']:.2f}",
+                    f"{r['ab_speedup']:.3f}x", f"{r['ab_rel_diff']:.1e}", bench.fmt_bytes(r["comm_bytes"]),
+                    r["comm_records"], bench.finite(r.get("peak_mem_gib"))])
+    note = ("\nSplit-KV merge pipeline, chunk counts side by side in one process (same inputs, LPT placement; "
+            "timed round-robin, median, max over ranks); diff: out and the five gradients vs the first "
+            "chunk count (bf16 results; reassociation only); peak: torch.cuda.max_memory_allocated during one "
+            "step (absolute, max over ranks; the other variants' inputs and results are resident too).")
+    if slow:
+        note += " link socket: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1."
+    return bench.md_table(hdr, out) + "\n" + note
+
+
 def table(rows, slow):
     """Markdown table of the bench rows, with a note stating the conventions."""
     hdr = ["method", "CP", "placement", "link", "context", "op ms (median)", "prep ms", "comm / rank", "peak GiB",
            "kernel ms", "kernel TF/s", "SDPA TF/s", "op TF/s/GPU", "pair imb.", "planner imb."]
     out = []
     for r in rows:
-        if "error" in r:
-            out.append([r["method"], r["cp"], r.get("placement", ""), r.get("link", ""), r["context"],
-                        "ERROR " + r["error"].strip().splitlines()[-1][:60]] + [""] * 9)
+        if "error" in r or "skipped" in r:
+            what = ("ERROR " + r["error"].strip().splitlines()[-1][:60]) if "error" in r else "SKIPPED " + r["skipped"]
+            out.append([_label(r), r["cp"], r.get("placement", ""), r.get("link", ""), r["context"], what] + [""] * 9)
             continue
-        out.append([r["method"], r["cp"], r["placement"], r["link"], r["context"], f"{r['op_ms']:.2f}",
+        out.append([_label(r), r["cp"], r["placement"], r["link"], r["context"], f"{r['op_ms']:.2f}",
                     f"{r['prepare_ms']:.2f}" if r.get("metadata") else "-",
                     bench.fmt_bytes(r["comm_bytes"]) + ("" if r["comm_bytes"] == r["predicted_bytes"] else
                                                         f" (model {bench.fmt_bytes(r['predicted_bytes'])})"),
@@ -203,6 +364,18 @@ def check_args(ap, args):
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if not args.budget_s >= 0:
         ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+    if not args.row_target_s >= 0:
+        ap.error(f"--row-target-s must be >= 0, got {args.row_target_s}")
+    if args.sdpa_max_lk < 0:
+        ap.error(f"--sdpa-max-lk must be >= 0, got {args.sdpa_max_lk}")
+    if args.num_chunks is not None and args.num_chunks < 1:
+        ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
+    args._ab = bench.int_list_arg(ap, "--chunks-ab", args.chunks_ab, 1) if args.chunks_ab else []
+    args._ab_contexts = bench.int_list_arg(ap, "--ab-contexts", args.ab_contexts, 2)
+    args._cp1_methods = (bench.choices_arg(ap, "--cp1-methods", args.cp1_methods, bench.METHODS, "method")
+                         if args.cp1_methods else methods)
+    args._alt_methods = (bench.choices_arg(ap, "--alt-placement-methods", args.alt_placement_methods, bench.METHODS,
+                                           "method") if args.alt_placement_methods else methods)
     return cps, contexts, methods, placements
 
 
@@ -213,6 +386,12 @@ def main(argv=None):
     ap.add_argument("--cp", default="1,2", help="CP sizes (each <= world size), comma list")
     ap.add_argument("--methods", default="splitkv,allgather-kv,ring-kv")
     ap.add_argument("--placements", default="lpt,zigzag", help="planner strategies for CP > 1")
+    ap.add_argument("--cp1-methods", default="",
+                    help="methods of the CP=1 rows (default: --methods; at CP=1 the three ops do the same kernel "
+                         "work, so 'splitkv' alone is the one-GPU reference)")
+    ap.add_argument("--alt-placement-methods", default="",
+                    help="methods that also run the placements after the first (default: --methods; "
+                         "allgather-kv's compute does not depend on the context placement)")
     ap.add_argument("--anchors", type=int, default=512, help="query budget N (anchors per batch)")
     ap.add_argument("--n-seqs", type=int, default=1, help="sequences in the batch (context split evenly)")
     ap.add_argument("--loss-mask", default="all", choices=["all", "doc"],
@@ -227,6 +406,22 @@ def main(argv=None):
                     help="call the ops without per-step metadata (validation, metadata gathers and the "
                          "BlockMask build in every call); default: prepare_splitkv_metadata once, reuse it")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA reference")
+    ap.add_argument("--sdpa-max-lk", type=int, default=0,
+                    help="cap the dense SDPA reference at this many keys per query row (its rate is flat in Lk "
+                         "beyond a few K; saves time at 256K+ contexts); 0 = no cap")
+    ap.add_argument("--row-target-s", type=float, default=0.0,
+                    help="time each row's op (and kernel) loop for about this many seconds: repeats = "
+                         "clip(target / one step, 3, --reps); 0 = always --reps")
+    ap.add_argument("--num-chunks", type=int, default=None,
+                    help="splitkv: chunk count of the merge pipeline (prepare_splitkv_metadata(num_chunks=)); "
+                         "default: the op's own default")
+    ap.add_argument("--chunks-ab", default="",
+                    help="after the rows: A/B of splitkv chunk counts at CP = world, e.g. 1,2,4 (needs an op "
+                         "with num_chunks; otherwise one row says so)")
+    ap.add_argument("--ab-contexts", default="131072", help="contexts of the --chunks-ab A/B, comma list")
+    ap.add_argument("--ab-reserve-s", type=float, default=0.0,
+                    help="with --chunks-ab and --budget-s: the rows stop starting at --budget-s minus this, "
+                         "leaving it to the A/B (which always runs, after the rows)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new row after this many seconds")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
@@ -293,14 +488,17 @@ def main(argv=None):
         runnable.append(cp)
     # contexts outermost: when the budget runs out, the largest contexts go first, for every CP alike
     plan_rows = [(ctx, cp, placement, method) for ctx in contexts for cp in runnable
-                 for placement in (placements if cp > 1 else ["lpt"]) for method in methods]
+                 for placement in (placements if cp > 1 else ["lpt"]) for method in methods
+                 if (cp > 1 or method in args._cp1_methods)
+                 and (cp == 1 or placement == placements[0] or method in args._alt_methods)]
+    row_budget = max(args.budget_s - (args.ab_reserve_s if args._ab else 0.0), 1e-9) if args.budget_s > 0 else 0.0
     for ctx, cp, placement, method in plan_rows:
         group = solo if cp == 1 else dist.group.WORLD
-        over = args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s
+        over = row_budget > 0 and time.perf_counter() - t_start > row_budget
         if dist.is_initialized():
             over = _any(over, dev)
         if over:
-            log(f"[budget] {args.budget_s:.0f}s reached: skipping the remaining rows from context {ctx}")
+            log(f"[budget] {row_budget:.0f}s reached: skipping the remaining rows from context {ctx}")
             stopped = True
             break
         t0 = time.perf_counter()
@@ -317,18 +515,30 @@ def main(argv=None):
         if rank == 0:
             with open(json_path, "w") as f:
                 json.dump(dict(env=env, rows=rows), f, indent=1, default=str)
+    ab_rows = []
+    if args._ab:
+        def log_row(r):
+            log(f"[ab] {json.dumps(r, default=str)}")
+            if rank == 0:
+                with open(json_path, "w") as f:
+                    json.dump(dict(env=env, rows=rows, ab_rows=ab_rows + [r]), f, indent=1, default=str)
+
+        ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row)
     md = table(rows, args.slow_path)
+    if ab_rows:
+        md += "\n\n" + ab_table(ab_rows, args.slow_path)
     if rank == 0:
         with open(json_path, "w") as f:
-            json.dump(dict(env=env, rows=rows, wall_s=time.perf_counter() - t_start, stopped_by_budget=stopped),
-                      f, indent=1, default=str)
+            json.dump(dict(env=env, rows=rows, ab_rows=ab_rows, wall_s=time.perf_counter() - t_start,
+                           stopped_by_budget=stopped), f, indent=1, default=str)
         with open(md_path, "w") as f:
             f.write(f"# bench_attention{tag} ({env['gpu']}, {env['date']})\n\n{md}\n")
         print(md, flush=True)
-        print(f"[done] {time.perf_counter() - t_start:.1f}s, {len(rows)} rows -> {md_path}", flush=True)
-        n_err = sum("error" in r for r in rows)
+        print(f"[done] {time.perf_counter() - t_start:.1f}s, {len(rows)} rows, {len(ab_rows)} A/B rows -> {md_path}",
+              flush=True)
+        n_err = sum("error" in r for r in rows + ab_rows)
         if n_err:
-            print(f"bench_attention: error: {n_err} of {len(rows)} rows failed (see the ERROR rows)",
+            print(f"bench_attention: error: {n_err} of {len(rows) + len(ab_rows)} rows failed (see the ERROR rows)",
                   file=sys.stderr, flush=True)
         elif not rows and not stopped:
             print(f"bench_attention: error: no row could run (--cp {args.cp} with world size {world})",
@@ -336,7 +546,7 @@ def main(argv=None):
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return rows
+    return rows + ab_rows
 
 
 def exit_code(rows):

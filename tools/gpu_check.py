@@ -10,6 +10,18 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
           D 128 at 16K and 64K keys: useful TFLOP/s (4 * visible pairs * Hq * D forward, x2.5 fwd+bwd)
           next to dense SDPA doing the same useful FLOPs; (4) if the ops import: splitkv / allgather-kv /
           ring-kv on one GPU (CP=1): exactness vs `dflash_attention_reference` and fwd+bwd time.
+  compare single GPU, the local-kernel comparison (issue 6): for the DFlash interval mask (512 anchors x 16,
+          Hq 32, Hkv 8, D 128, bf16, one sequence, 16K and 64K keys) every local kernel that loads
+          (`--kernels`, default "flex,te"; a kernel that does not import gets a row saying why) through the
+          kernel API with a cached mask: forward and forward + backward (backward with the global
+          lse/delta, as in the op) ms, useful TF/s (4 * pairs * Hq * D forward, x3.5 forward + backward,
+          megatron_splitkv.bench's convention) and % of dense SDPA at the same useful FLOPs; exactness vs
+          a float64 reference (out, lse, dq, dk, dv; at the first Tk also over a two-part key split merged
+          by lse, the op's global-lse path). Then the own-block part (each block's B queries x its own B
+          keys): today's fp32 einsum path (ops.common.own_block_forward/backward) and its lse merge vs the
+          kernels on a block-diagonal IntervalMask; and, when IntervalMask has second intervals
+          (lo2/hi2), the context and own block fused into one kernel call. JSON + tables are rewritten
+          after every section, so a timeout keeps what finished.
   dist    under torchrun (2+ processes, NCCL; gloo with --cpu): op exactness at CP=P (bf16 vs float64,
           output + all five grads) for the three ops, then the timing table: Lq 512 x 16, context 32K and
           128K total, Hq 32, Hkv 8, D 128, bf16, median fwd+bwd with CUDA events, comm bytes per
@@ -19,6 +31,7 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
 
 Examples:
   PYTHONPATH=. python tools/gpu_check.py kernel
+  PYTHONPATH=. python tools/gpu_check.py compare --out $OUT      # flex vs te vs dense SDPA, own block
   PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist
   PYTHONPATH=. python tools/gpu_check.py kernel --cpu
   PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist --cpu
@@ -501,6 +514,434 @@ def op_timing(dev, cpu, world, rank, group, res, backend, contexts, reps=None, n
     return rows
 
 
+
+# ------------------------------------------------------------------------------------- compare mode
+def _load_kernel(name, dev, dtype, D, te_emulator=False):
+    """(kernel instance, None) or (None, reason) for backend `name`; never raises."""
+    from megatron_splitkv.kernels import get_kernel
+
+    try:
+        if name == "te" and te_emulator:  # CPU tests: TE's fused attention emulated (tests/te_emulator.py)
+            import te_emulator as tem
+
+            from megatron_splitkv.kernels.te import TEAttentionKernel
+
+            return TEAttentionKernel(fused_attn=tem.EmulatedFusedAttn()), None
+        return get_kernel(name, dev, dtype, head_dim=D), None
+    except Exception as e:  # noqa: BLE001 - ImportError (TE missing) and anything else: report, go on
+        msg = " ".join(str(e).split())
+        if "import failed:" in msg:  # get_kernel's install hint first, the cause last: keep the cause
+            msg = "import failed: " + msg.split("import failed:", 1)[1].strip()
+        return None, f"{type(e).__name__}: {msg[:200]}"
+
+
+def _exact(o, l, grads, ref):
+    from megatron_splitkv import bench as mb
+
+    return mb.kernel_errors(o, l, grads, ref)
+
+
+def _split_exactness(kern, q, k, v, mask, scale, do, ref):
+    """The op's global-lse path: keys in two halves, a forward per half, lse merge, then each half's
+    backward with the GLOBAL lse and delta; errors of the merged out/lse and the summed/concatenated
+    gradients vs the float64 reference of the whole."""
+    from megatron_splitkv.kernels.base import IntervalMask
+
+    tk = k.shape[0]
+    cuts = [(0, tk // 2), (tk // 2, tk)]
+    outs, lses, sts, masks = [], [], [], []
+    for a, b in cuts:
+        n = b - a
+        lo = (mask.lo - a).clamp(0, n)
+        hi = torch.maximum((mask.hi - a).clamp(0, n), lo)
+        m = IntervalMask(mask.block_size, lo, hi, n)
+        o, l, st = kern.forward(q, k[a:b].contiguous(), v[a:b].contiguous(), m, scale)
+        outs.append(o), lses.append(l), sts.append(st), masks.append(m)
+    lse = torch.logsumexp(torch.stack(lses), 0)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = sum(torch.exp(l - safe)[..., None] * o for o, l in zip(outs, lses))
+    delta = (do.float() * out).sum(-1)
+    dq, dks, dvs = 0, [], []
+    for (a, b), m, st in zip(cuts, masks, sts):
+        g = kern.backward(q, k[a:b].contiguous(), v[a:b].contiguous(), m, scale, do, lse, delta, st)
+        dq = dq + g[0]
+        dks.append(g[1]), dvs.append(g[2])
+    return _exact(out, lse, (dq, torch.cat(dks), torch.cat(dvs)), ref)
+
+
+def _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warmup):
+    from megatron_splitkv import bench as mb
+
+    return mb.time_kernel_api(kern, q, k, v, mask, scale, do, dev, reps=reps, warmup=warmup)
+
+
+def _err_str(e):
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:160] if str(e).strip() else ''}"
+
+
+def _cuda_broken(e) -> bool:
+    """True for errors after which every later CUDA call of the process fails (a sticky context error)."""
+    msg = f"{type(e).__name__}: {e}"
+    return "CUDA error" in msg or "illegal memory" in msg.lower() or "AcceleratorError" in msg
+
+
+def kernel_compare(dev, cpu, res, args, flush):
+    """The compare mode (module docstring). Fills res["compare"]; calls flush() after every section.
+
+    Order: dense SDPA and the einsum own block first, then kernel by kernel (flex, then te): its rows at
+    every Tk, its block-diagonal own block, its fused context + own block call. So a kernel that breaks the
+    CUDA context (rows say so; the later ones are skipped) cannot take the earlier kernels' rows with it.
+    Inputs are seeded per Tk: every kernel sees the same tensors; float64 references are kept per Tk."""
+    from megatron_splitkv import bench as mb
+    from megatron_splitkv.ops.common import merge
+
+    try:  # the op's separate own-block pass (trees before the fused own block)
+        from megatron_splitkv.ops.common import own_block_backward, own_block_forward
+        einsum_src = "ops.common"
+    except ImportError:  # fused trees: the pre-fusion implementation, kept here for the comparison
+        own_block_forward, own_block_backward = _einsum_own_block_forward, _einsum_own_block_backward
+        einsum_src = "pre-fusion ops.common, copied in gpu_check"
+
+    B = 16
+    if cpu:
+        n_anchors, Hq, Hkv, D, tks, reps, warm = 8, 4, 2, 32, (256, 512), 2, 1
+    else:
+        n_anchors, Hq, Hkv, D, tks, reps, warm = 512, 32, 8, 128, (16384, 65536), 10, 2
+    if args.contexts:
+        tks = tuple(int(x) for x in args.contexts.split(","))
+    dt = torch.bfloat16
+    scale = D ** -0.5
+    Tq = n_anchors * B
+    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    kernels = [(n,) + _load_kernel(n, dev, dt, D, te_emulator=args.te_emulator) for n in names]
+    for n, kern, why in kernels:
+        log(f"[compare] kernel {n}: " + ("loaded " + type(kern).__name__ if kern is not None else f"unavailable ({why})"))
+    out = dict(shapes=dict(n_anchors=n_anchors, B=B, Tq=Tq, Hq=Hq, Hkv=Hkv, D=D, dtype="bfloat16", tks=list(tks)),
+               flop_convention=f"useful fwd = 4*pairs*Hq*D; fwd+bwd = {mb.FWD_BWD_FACTOR}x fwd",
+               kernels={n: (type(k).__name__ if k is not None else None) for n, k, _ in kernels},
+               unavailable={n: why for n, k, why in kernels if k is None}, rows=[], sdpa=[], own_block=[],
+               fused=[], einsum_source=einsum_src)
+    res["compare"] = out
+
+    def problem(i, tk):  # the same tensors for every kernel
+        mask = mb.dflash_interval_mask(n_anchors, tk, block_size=B, seed=11 + i, device=dev)
+        gen = torch.Generator(device=dev).manual_seed(100 + i)
+        q = mb._rand((Tq, Hq, D), gen, dev, dt)
+        k = mb._rand((tk, Hkv, D), gen, dev, dt)
+        v = mb._rand((tk, Hkv, D), gen, dev, dt)
+        do = mb._rand((Tq, Hq, D), gen, dev, dt)
+        return mask, q, k, v, do, float(B * (mask.hi - mask.lo).sum().item())
+
+    refs, sdpa = {}, {}
+    for i, tk in enumerate(tks):
+        t0 = time.perf_counter()
+        mask, q, k, v, do, pairs = problem(i, tk)
+        refs[tk] = mb.interval_attention_reference(q, k, v, mask, scale, do)
+        sync(dev)
+        log(f"[compare] Tk={tk}: pairs {pairs:.3e} (density {pairs / (Tq * tk):.3f}), float64 reference "
+            f"{time.perf_counter() - t0:.1f}s")
+        try:
+            sd = mb.dense_sdpa_rate(Tq, pairs, Hq=Hq, D=D, dtype=dt, device=dev, reps=reps, warmup=warm)
+        except Exception as e:  # noqa: BLE001
+            sd = dict(error=_err_str(e))
+        sd["tk"] = tk
+        sdpa[tk] = sd
+        out["sdpa"].append(sd)
+        log(f"[compare] dense SDPA Tk={tk}: {json.dumps(sd)}")
+        del mask, q, k, v, do
+    own = _own_block_setup(dev, n_anchors, B, Hq, Hkv, D, dt, scale, problem(0, tks[0]), reps, warm,
+                           own_block_forward, own_block_backward, merge)
+    out["own_block"] = list(own["rows"])
+    flush()
+    ctx_ms, broken = {}, None
+    for name, kern, why in kernels:
+        t_k = time.perf_counter()
+        for i, tk in enumerate(tks):
+            r = dict(kernel=name, tk=tk, Tq=Tq)
+            if kern is None:
+                r["unavailable"] = why
+            elif broken:
+                r["skipped"] = f"CUDA context broken by {broken}"
+            else:
+                mask, q, k, v, do, pairs = problem(i, tk)
+                r.update(pairs=pairs, density=pairs / (Tq * tk))
+                f_fwd = mb.fwd_flops(pairs, Hq, D)
+                try:
+                    t0 = time.perf_counter()
+                    o, l, st = kern.forward(q, k, v, mask, scale)
+                    delta = (do.float() * o).sum(-1)
+                    g = kern.backward(q, k, v, mask, scale, do, l, delta, st)
+                    sync(dev)
+                    r["first_call_s"] = time.perf_counter() - t0  # includes compiles / cuDNN graph builds
+                    r["exact"] = _exact(o, l, g, refs[tk])
+                    del o, l, st, g, delta
+                    if i == 0:
+                        try:
+                            r["split_exact"] = _split_exactness(kern, q, k, v, mask, scale, do, refs[tk])
+                        except Exception as e:  # noqa: BLE001
+                            if _cuda_broken(e):
+                                raise
+                            r["split_exact"] = dict(error=_err_str(e))
+                    r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
+                    r["fwd_tflops"] = f_fwd / r["fwd_ms"] / 1e9
+                    r["fwdbwd_tflops"] = mb.FWD_BWD_FACTOR * f_fwd / r["fwdbwd_ms"] / 1e9
+                    sd = sdpa[tk]
+                    if "fwd_tflops" in sd:
+                        r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
+                        r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
+                    ctx_ms[(name, tk)] = r["fwdbwd_ms"]
+                except Exception as e:  # noqa: BLE001
+                    r["error"] = _err_str(e)
+                    r["traceback"] = traceback.format_exc(limit=4)
+                    if dev.type == "cuda" and _cuda_broken(e):
+                        broken = f"{name} at Tk {tk}"
+                del mask, q, k, v, do
+            out["rows"].append(r)
+            log(f"[compare] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'})}")
+            if dev.type == "cuda" and not broken:
+                torch.cuda.empty_cache()
+        flush()
+        if kern is not None and not broken:
+            broken = _own_block_kernel(dev, out, name, kern, own, scale, reps, warm) or broken
+            flush()
+        if kern is not None and not broken:
+            broken = _fused(dev, out, name, kern, problem(0, tks[0]), tks[0], B, Hkv, D, dt, scale, reps, warm,
+                            ctx_ms, own) or broken
+            flush()
+        elif kern is None:
+            out["fused"].append(dict(kernel=name, tk=tks[0], unavailable=why))
+            out["own_block"].append(dict(path=f"{name} kernel, block-diagonal IntervalMask", name=f"{name} block-diag",
+                                         kernel=name, Tq=Tq, unavailable=why))
+        log(f"[compare] kernel {name}: {time.perf_counter() - t_k:.1f}s")
+    return out
+
+
+def _einsum_own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
+    """The op's separate own-block forward before the own block was fused into the kernel (ops/common.py
+    at f067c81): each block's B queries attend its own B keys, dense fp32 einsums. Returns out, lse."""
+    tq, hq, d = q.shape
+    hkv = k_blk.shape[1]
+    nb = tq // block_size
+    v4 = valid.view(-1, 1, 1, 1)
+    qb = torch.where(v4[..., None], q.to(acc).view(nb, block_size, hkv, hq // hkv, d), 0)
+    kb = torch.where(v4, k_blk.to(acc).view(nb, block_size, hkv, d), 0)
+    vb = torch.where(v4, v_blk.to(acc).view(nb, block_size, hkv, d), 0)
+    s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
+    lse = torch.logsumexp(s, -1)
+    o = torch.einsum("nkgij,njkd->nikgd", torch.exp(s - lse[..., None]), vb)
+    o = torch.where(valid.view(-1, 1, 1, 1, 1), o, torch.zeros_like(o)).reshape(tq, hq, d)
+    lse = torch.where(valid.view(-1, 1, 1, 1), lse, torch.full_like(lse, float("-inf")))
+    return o, lse.permute(0, 3, 1, 2).reshape(tq, hq)
+
+
+def _einsum_own_block_backward(q, k_blk, v_blk, valid, block_size, scale, dout, lse, delta, acc):
+    """Backward of `_einsum_own_block_forward` with the GLOBAL lse/delta (ops/common.py at f067c81)."""
+    tq, hq, d = q.shape
+    hkv = k_blk.shape[1]
+    nb = tq // block_size
+    g = hq // hkv
+    v4 = valid.view(-1, 1, 1, 1)
+    qb = torch.where(v4[..., None], q.to(acc).view(nb, block_size, hkv, g, d), 0)
+    kb = torch.where(v4, k_blk.to(acc).view(nb, block_size, hkv, d), 0)
+    vb = torch.where(v4, v_blk.to(acc).view(nb, block_size, hkv, d), 0)
+
+    def heads_first(x):
+        return x.to(acc).view(nb, block_size, hkv, g).permute(0, 2, 3, 1)[..., None]
+
+    lse_g = heads_first(lse)
+    ok = torch.isfinite(lse_g) & valid.view(-1, 1, 1, 1, 1)
+    s = torch.einsum("nikgd,njkd->nkgij", qb, kb) * scale
+    p = torch.where(ok, torch.exp(s - torch.where(ok, lse_g, torch.zeros_like(lse_g))), torch.zeros_like(s))
+    do = torch.where(valid.view(-1, 1, 1, 1, 1), dout.to(acc).view(nb, block_size, hkv, g, d), 0)
+    dv = torch.einsum("nkgij,nikgd->njkd", p, do)
+    ds = torch.where(ok, p * (torch.einsum("nikgd,njkd->nkgij", do, vb) - heads_first(delta)), 0)
+    dq = torch.einsum("nkgij,njkd->nikgd", ds, kb) * scale
+    dk = torch.einsum("nkgij,nikgd->njkd", ds, qb) * scale
+    return dq.reshape(tq, hq, d), dk.reshape(tq, hkv, d), dv.reshape(tq, hkv, d)
+
+
+def _own_block_setup(dev, n_anchors, B, Hq, Hkv, D, dt, scale, prob, reps, warm, own_block_forward,
+                     own_block_backward, merge):
+    """Own-block inputs (Tq = n_anchors * B rows, the first Tk's q and dO), its float64 reference on the
+    block-diagonal mask, and the einsum pass + merge rows (no kernel involved)."""
+    from megatron_splitkv import bench as mb
+    from megatron_splitkv.kernels.base import IntervalMask
+
+    _, q, _, _, do, _ = prob
+    Tq = n_anchors * B
+    acc = torch.float32
+    gen = torch.Generator(device=dev).manual_seed(7)
+    k_blk = mb._rand((Tq, Hkv, D), gen, dev, dt)
+    v_blk = mb._rand((Tq, Hkv, D), gen, dev, dt)
+    valid = torch.ones(n_anchors, dtype=torch.bool, device=dev)
+    lo = torch.arange(n_anchors, device=dev, dtype=torch.int64) * B
+    diag = IntervalMask(B, lo, lo + B, Tq)
+    ref = mb.interval_attention_reference(q, k_blk, v_blk, diag, scale, do)
+    rows = []
+    r = dict(path="einsum (separate pass, fp32)", name="einsum", Tq=Tq)
+    try:
+        o_e, l_e = own_block_forward(q, k_blk, v_blk, valid, B, scale, acc)
+        delta = (do.float() * o_e).sum(-1)
+        g = own_block_backward(q, k_blk, v_blk, valid, B, scale, do, l_e, delta, acc)
+        r["exact"] = _exact(o_e, l_e, g, ref)
+        del g
+
+        def e_fwd():
+            own_block_forward(q, k_blk, v_blk, valid, B, scale, acc)
+
+        def e_fwdbwd():
+            o_, l_ = own_block_forward(q, k_blk, v_blk, valid, B, scale, acc)
+            own_block_backward(q, k_blk, v_blk, valid, B, scale, do, l_, delta, acc)
+
+        r["fwd_ms"], _, _ = mb.time_fn(e_fwd, dev, reps=reps, warmup=warm)
+        r["fwdbwd_ms"], _, _ = mb.time_fn(e_fwdbwd, dev, reps=reps, warmup=warm)
+        rows.append(r)
+        o_c = torch.randn(Tq, Hq, D, device=dev, dtype=acc)
+        l_c = torch.randn(Tq, Hq, device=dev, dtype=acc)
+        m_ms, _, _ = mb.time_fn(lambda: merge(o_c, l_c, o_e, l_e), dev, reps=reps, warmup=warm)
+        rows.append(dict(path="lse merge with the context part (fwd, fp32)", name="merge", Tq=Tq, fwd_ms=m_ms,
+                         fwdbwd_ms=m_ms))
+        del o_c, l_c, o_e, l_e
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err_str(e)
+        rows.insert(0, r)
+    for x in rows:
+        log(f"[own-block] {json.dumps(x)}")
+    return dict(rows=rows, q=q, do=do, k_blk=k_blk, v_blk=v_blk, diag=diag, ref=ref, Tq=Tq)
+
+
+def _own_block_kernel(dev, out, name, kern, own, scale, reps, warm):
+    """One kernel on the block-diagonal own-block mask (exactness + timing); returns a "broken" label
+    when the CUDA context failed, else None."""
+    r = dict(path=f"{name} kernel, block-diagonal IntervalMask", name=f"{name} block-diag", Tq=own["Tq"],
+             kernel=name)
+    q, do, kb, vb, diag = own["q"], own["do"], own["k_blk"], own["v_blk"], own["diag"]
+    broken = None
+    try:
+        o, l, st = kern.forward(q, kb, vb, diag, scale)
+        delta = (do.float() * o).sum(-1)
+        g = kern.backward(q, kb, vb, diag, scale, do, l, delta, st)
+        r["exact"] = _exact(o, l, g, own["ref"])
+        del o, l, st, g
+        r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, kb, vb, diag, scale, do, dev, reps, warm)
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err_str(e)
+        if dev.type == "cuda" and _cuda_broken(e):
+            broken = f"{name} (own block)"
+    out["own_block"].append(r)
+    log(f"[own-block] {json.dumps(r)}")
+    return broken
+
+
+def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx_ms, own):
+    """Context + own block in ONE kernel call, built exactly as the ops build it (keys [context ; zero
+    padding to a multiple of 128 ; own keys], second intervals `ops.common.with_own_blocks`), vs the
+    separate path (context kernel + einsum own block + merge). Returns a "broken" label or None."""
+    from megatron_splitkv import bench as mb
+
+    try:
+        from megatron_splitkv.ops.common import with_own_blocks, with_own_keys
+    except ImportError:
+        out["fused"].append(dict(kernel=name, tk=tk,
+                                 unavailable="this tree's ops have no fused own block (ops.common.with_own_blocks)"))
+        return None
+    mask, q, k, v, do, _ = prob
+    nb = mask.num_blocks
+    valid = torch.ones(nb, dtype=torch.bool, device=dev)
+    r = dict(kernel=name, tk=tk, Tq=nb * B)
+    broken = None
+    try:
+        kk = with_own_keys(k, None, own["k_blk"], valid.repeat_interleave(B))
+        vv = with_own_keys(v, None, own["v_blk"], valid.repeat_interleave(B))
+        m2 = with_own_blocks(mask, valid, nb)
+        ref = mb.interval_attention_reference(q, kk, vv, m2, scale, do)
+        o, l, st = kern.forward(q, kk, vv, m2, scale)
+        delta = (do.float() * o).sum(-1)
+        g = kern.backward(q, kk, vv, m2, scale, do, l, delta, st)
+        r["exact"] = _exact(o, l, g, ref)
+        del o, l, st, g, ref
+        r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, kk, vv, m2, scale, do, dev, reps, warm)
+        ein = next((x for x in own["rows"] if x.get("name") == "einsum"), {})
+        mrg = next((x for x in own["rows"] if x.get("name") == "merge"), {})
+        if (name, tk) in ctx_ms and "fwdbwd_ms" in ein:
+            r["separate_fwdbwd_ms"] = ctx_ms[(name, tk)] + ein["fwdbwd_ms"] + mrg.get("fwd_ms", 0.0)
+    except Exception as e:  # noqa: BLE001
+        r["error"] = _err_str(e)
+        if dev.type == "cuda" and _cuda_broken(e):
+            broken = f"{name} (fused)"
+    out["fused"].append(r)
+    log(f"[fused] {json.dumps(r)}")
+    return broken
+
+
+def table_compare(res):
+    c = res.get("compare")
+    if not c:
+        return []
+    nan = float("nan")
+    sh = c["shapes"]
+    lines = ["", f"Local kernels, DFlash interval mask: {sh['n_anchors']} anchors x {sh['B']} (Tq {sh['Tq']}), one "
+             f"sequence, Hq {sh['Hq']}, Hkv {sh['Hkv']}, D {sh['D']}, bf16; kernel API, cached mask; TF/s on useful "
+             f"FLOPs ({c['flop_convention']}); % = of dense SDPA at the same useful FLOPs; errors vs float64 "
+             f"(rel. norm; lse: max abs); split = two-part key split merged by lse (the op's global-lse path).", "",
+             "| kernel | Tk | fwd ms | fwd TF/s | % dense | fwd+bwd ms | fwd+bwd TF/s | % dense | out | lse | dq | dk | dv "
+             "| split out/dq/dk/dv | first call s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for sd in c["sdpa"]:
+        if "error" in sd:
+            lines.append(f"| dense SDPA | {sd['tk']} | ERROR {sd['error'][:80]} |" + " |" * 12)
+            continue
+        lines.append(f"| dense SDPA (Lk {sd['lk']}) | {sd['tk']} | {sd['fwd_ms']:.2f} | {sd['fwd_tflops']:.0f} | 100% | "
+                     f"{sd['fwdbwd_ms']:.2f} | {sd['fwdbwd_tflops']:.0f} | 100% | | | | | | | |")
+    for r in c["rows"]:
+        head = f"| {r['kernel']} | {r['tk']} |"
+        if "unavailable" in r or "skipped" in r:
+            what = f"unavailable: {r['unavailable'][:90]}" if "unavailable" in r else f"SKIPPED: {r['skipped'][:90]}"
+            lines.append(head + f" {what} |" + " |" * 12)
+            continue
+        if "error" in r and "fwd_ms" not in r:
+            lines.append(head + f" ERROR {r['error'][:100]} |" + " |" * 12)
+            continue
+        e = r.get("exact", {})
+        se = r.get("split_exact")
+        split = "-" if not se else (f"ERROR {se['error'][:40]}" if "error" in se else
+                                    "/".join(f"{se.get(x, nan):.1e}" for x in ("out", "dq", "dk", "dv")))
+        lines.append(head + f" {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r.get('fwd_pct_dense', nan):.0f}% | "
+                     f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {r.get('fwdbwd_pct_dense', nan):.0f}% | "
+                     + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "lse", "dq", "dk", "dv"))
+                     + f" | {split} | {r.get('first_call_s', nan):.1f} |")
+    ob = c.get("own_block") or []
+    if ob:
+        lines += ["", f"Own block ({sh['Tq']} rows, each block's {sh['B']} queries x its own {sh['B']} keys, bidirectional; "
+                  f"the op runs it on the owner's rows, Lq/P at CP=P):", "",
+                  "| own-block path | fwd ms | fwd+bwd ms | out | lse | dq | dk | dv |", "|---|---|---|---|---|---|---|---|"]
+        for r in ob:
+            if "unavailable" in r:
+                lines.append(f"| {r['path']} | unavailable: {r['unavailable'][:80]} | | | | | | |")
+            elif "error" in r:
+                lines.append(f"| {r['path']} | ERROR {r['error'][:80]} | | | | | | |")
+            else:
+                e = r.get("exact", {})
+                lines.append(f"| {r['path']} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
+                             + " | ".join(f"{e[x]:.1e}" if x in e else "-" for x in ("out", "lse", "dq", "dk", "dv")) + " |")
+    fu = c.get("fused") or []
+    if fu:
+        lines += ["", "Context + own block fused in one kernel call (second intervals lo2/hi2) vs separate (context "
+                  "kernel + einsum own block + merge):", "",
+                  "| kernel | Tk | fused fwd ms | fused fwd+bwd ms | separate fwd+bwd ms | out | dq | dk | dv |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in fu:
+            if "unavailable" in r or "error" in r:
+                lines.append(f"| {r.get('kernel', '-')} | {r.get('tk', '-')} | "
+                             f"{'unavailable: ' + r['unavailable'] if 'unavailable' in r else 'ERROR ' + r['error']} | | | | | | |")
+                continue
+            e = r.get("exact", {})
+            lines.append(f"| {r['kernel']} | {r['tk']} | {r['fwd_ms']:.2f} | {r['fwdbwd_ms']:.2f} | "
+                         f"{r.get('separate_fwdbwd_ms', nan):.2f} | "
+                         + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "dq", "dk", "dv")) + " |")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------- main
 def env_info(dev):
     info = dict(torch=torch.__version__, device=str(dev), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
@@ -589,12 +1030,16 @@ def table_ops(res, world):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["kernel", "dist"])
+    ap.add_argument("mode", choices=["kernel", "dist", "compare"])
     ap.add_argument("--cpu", action="store_true", help="tiny CPU dry run (flex emulated, gloo)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu_check"))
     ap.add_argument("--backend", default="flex", help="local kernel backend for the ops")
     ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,op")
-    ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072")
+    ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072 (compare: the "
+                                                   "key counts Tk, default 16384,65536)")
+    ap.add_argument("--kernels", default="flex,te", help="compare: local kernel backends to compare")
+    ap.add_argument("--te-emulator", action="store_true",
+                    help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
@@ -603,6 +1048,29 @@ def main():
         args.backend = "math"
     res = {}
     t_start = time.perf_counter()
+    if args.mode == "compare":
+        dev = torch.device("cpu" if args.cpu else "cuda")
+        res["env"] = env_info(dev)
+        log(f"[env] {res['env']}")
+        tag = f"compare{'_cpu' if args.cpu else ''}_w1"
+
+        def flush():
+            res["wall_s"] = time.perf_counter() - t_start
+            with open(os.path.join(args.out, f"gpu_check_{tag}.json"), "w") as f:
+                json.dump(res, f, indent=1, default=str)
+            with open(os.path.join(args.out, f"gpu_check_{tag}.log"), "w") as f:
+                f.write("\n".join(LOG + table_compare(res)) + "\n")
+
+        try:
+            kernel_compare(dev, args.cpu, res, args, flush)
+        except Exception:  # noqa: BLE001
+            res["compare_error"] = traceback.format_exc()
+            log(f"[compare] ERROR\n{res['compare_error']}")
+        flush()
+        print("\n".join(table_compare(res)), flush=True)
+        print(f"[done] {time.perf_counter() - t_start:.1f}s", flush=True)
+        bad = [r for r in res.get("compare", {}).get("rows", []) if "error" in r] or "compare_error" in res
+        sys.exit(1 if bad else 0)
     if args.mode == "kernel":
         dev = torch.device("cpu" if args.cpu else "cuda")
         res["env"] = env_info(dev)

@@ -11,8 +11,9 @@ P0 > 1 and several splitkv placements, the fastest placement at P0 is the base).
 T(P) = compute + exposed communication + op overhead, per method, modelled as the code does it
 (read ops/*.py):
   - compute: the local-kernel calls of the slowest rank (`megatron_splitkv.bench.kernel_calls`: splitkv =
-    all Lq queries vs the rank's keys; allgather-kv = the rank's Lq/P queries vs all keys; ring-kv = the
-    rank's queries vs each shard, one call per ring step). Measured mode: each sampled rank's real shard
+    all Lq queries vs the rank's keys, one call per chunk; allgather-kv = the rank's Lq/P queries vs all
+    keys; ring-kv = the rank's queries vs each shard, one call per ring step; each with the own block
+    where the op fuses it). Measured mode: each sampled rank's real shard
     is run on one GPU (`--sample-ranks`: the ranks with the most and the median visible pairs; ring-kv:
     every step of the most loaded rank), forward + backward through the kernel API. Model mode
     (`--model-only`): per call `--call-overhead-ms` + 3.5 x 4 x pairs x Hq x D / `--kernel-tflops`.
@@ -22,17 +23,36 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     GPUs in the same run (all_gather, reduce_scatter, all_reduce, send/recv fitted separately), else the
     stated defaults; inter-node (P > gpus per node) `--inter-bw-gbs` (default 50 GB/s per GPU, i.e.
     400 Gb/s) and `--inter-alpha-us` (default 15 us per hop).
-  - overlap, as implemented today: splitkv and allgather-kv issue their collectives synchronously
-    between kernel calls (no overlap): T = compute + sum(collectives). ring-kv overlaps the exchange of
+  - overlap, as the code does it (read ops/*.py):
+    splitkv pipelines its merge over k query chunks (`--num-chunks`; `prepare_splitkv_metadata(num_chunks=)`,
+    default 1 at P = 1, else 4): the simulator replays the op's issue order on two in-order streams
+    (compute; one NCCL stream) with the cross-stream dependencies (`splitkv_forward_ms`,
+    `splitkv_backward_ms`): forward, Q chunk c + 1 gathered while chunk c's kernel runs, each chunk's
+    lse all-reduce MAX after its kernel, its weights and [O*w | w] reduce-scatter one chunk later (the
+    second-to-last chunk finished before the last kernel), so the first Q gather, the last lse
+    all-reduces and the last reduce-scatter stay exposed; backward, dO/stats of chunk c + 1 gathered while
+    chunk c's kernel runs, each chunk's dQ reduce-scatter behind the next kernel, the first gathers and the
+    last reduce-scatter exposed. k = 1 is today's serial sum (compute + every collective). Each chunk's
+    collectives pay their latency again (k x the alpha terms), which is what chunking costs at large P.
+    allgather-kv issues its collectives synchronously (no overlap): T = compute + sum(collectives).
+    ring-kv overlaps the exchange of
     the shard for step s+1 with step s's compute: forward step = max(compute_s, kv_s); backward step =
     max(compute_s, kv_s + dkv_{s-1}) (the K/V and the dK/dV accumulator exchanges share the link), plus
     the last dK/dV hop exposed. Ring steps are synchronous: the most loaded rank's step time is used.
     Forward share of kernel time: `--fwd-fraction` (0.29, docs/benchmarks.md: flex fwd 3.06 of 10.15 ms).
+  - own block: fused into the kernel call (second intervals over the block keys appended after the
+    context, `ops.common.with_own_blocks`) when the tree does it (`--fused-own-block auto`): its few
+    FLOPs are in the kernel calls (`bench.kernel_calls`) and no separate pass remains. The stated
+    `--op-overhead-ms` describes the op with a SEPARATE own block, so a fused model subtracts
+    `--own-block-ms` (the einsum pass + its lse merge, from `--kernels-json` = tools/gpu_check.py
+    compare's own-block table when given, else 2.0 ms stated); a measured overhead is the real op's and
+    is only adjusted when the flag differs from the tree.
   - calls use per-step metadata (`prepare_splitkv_metadata`, as every drafter layer does): no size or
     key gathers per call, cached BlockMasks, ring-kv rotates K/V without keys; its once-per-step cost is
     not in T(P). `--no-metadata` models the self-contained calls instead.
-  - op overhead (own-block attention, lse merges, sorting, padding copies): op time minus kernel time at
-    CP=1 (measured in the same run in measured mode; `--op-overhead-ms` otherwise), assumed constant in P.
+  - op overhead (lse merges, sorting, padding copies, the own block when it is a separate pass): op time
+    minus kernel time at CP=1 (measured in the same run in measured mode; `--op-overhead-ms` otherwise),
+    assumed constant in P.
 Not modelled: NCCL kernels slowing the attention kernel (SM contention), hierarchical (2-level)
 collectives, network congestion, and the rest of the layer (projections, MLP).
 
@@ -102,10 +122,128 @@ def p2p_step_s(records, P, link):
     return link.time("send", P, max(snd, rcv))
 
 
+class Streams:
+    """Two in-order CUDA streams as the op uses them: "C" (compute: kernels, elementwise) and "N" (NCCL:
+    every collective of one process group runs on one NCCL stream, in issue order). `op` appends work of
+    `dur` ms that may start when its stream is free and every dependency (finish times) is done;
+    `wait(stream, t)` is a cudaStreamWaitEvent: later work on `stream` starts no earlier than t."""
+
+    def __init__(self):
+        self.free = {"C": 0.0, "N": 0.0}
+
+    def op(self, stream, dur, deps=()):
+        start = max([self.free[stream]] + [d for d in deps if d is not None])
+        self.free[stream] = start + dur
+        return self.free[stream]
+
+    def wait(self, stream, t):
+        if t is not None:
+            self.free[stream] = max(self.free[stream], t)
+
+    def end(self):
+        return max(self.free.values())
+
+
+def splitkv_forward_ms(G, K, AR, RS, W=None):
+    """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
+    two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
+    c + 1 (prefetch), wait for chunk c's Q, [last chunk: finish chunk c - 1 first], kernel c, issue the
+    lse all-reduce MAX of c (after the kernel), [middle chunks: finish chunk c - 1]; finish the last
+    chunk. finish(c) = wait for its all-reduce, weights (W[c], elementwise on the compute stream), issue
+    its reduce-scatter. Ends when the last reduce-scatter and the compute stream are done.
+    G, K, AR, RS, W: per-chunk ms (Q all-gather, kernel forward, lse all-reduce, [O*w | w]
+    reduce-scatter, weights). With k = 1 this is the serial sum G + K + AR + W + RS."""
+    n = len(K)
+    W = W or [0.0] * n
+    S = Streams()
+    g, ar, rs = [None] * n, [None] * n, [None] * n
+
+    def finish(c):
+        S.wait("C", ar[c])
+        w = S.op("C", W[c])
+        rs[c] = S.op("N", RS[c], [w])
+
+    g[0] = S.op("N", G[0])
+    for c in range(n):
+        if c + 1 < n:
+            g[c + 1] = S.op("N", G[c + 1])
+        S.wait("C", g[c])
+        if c == n - 1 and c > 0:
+            finish(c - 1)
+        k = S.op("C", K[c])
+        ar[c] = S.op("N", AR[c], [k])
+        if 0 < c < n - 1:
+            finish(c - 1)
+    finish(n - 1)
+    return S.end()
+
+
+def splitkv_backward_ms(DO, ST, KB, RQ):
+    """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
+    per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
+    issue chunk c's dQ reduce-scatter (after the kernel). Ends when the last reduce-scatter and the
+    compute stream are done. DO, ST, KB, RQ: per-chunk ms (dO gather, stats gather, kernel backward, dQ
+    reduce-scatter). With k = 1 the serial sum."""
+    n = len(KB)
+    S = Streams()
+    d, st, rq = [None] * n, [None] * n, [None] * n
+    d[0] = S.op("N", DO[0])
+    st[0] = S.op("N", ST[0])
+    for c in range(n):
+        if c + 1 < n:
+            d[c + 1] = S.op("N", DO[c + 1])
+            st[c + 1] = S.op("N", ST[c + 1])
+        S.wait("C", d[c])
+        S.wait("C", st[c])
+        kb = S.op("C", KB[c])
+        rq[c] = S.op("N", RQ[c], [kb])
+    return S.end()
+
+
+_SPLITKV_CHUNKED = ("fwd.q", "fwd.lse_max", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
+
+
+def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction):
+    """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
+    (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
+    (split forward / backward by `fwd_fraction`). Records not chunked (the self-contained call's
+    "meta" / "fwd.block_meta" gathers) are exposed, before the pipeline. comm = all collectives' time
+    (what a serial schedule would expose)."""
+    n = max(len(comp_calls_ms), 1)
+    per = {}
+    serial = []
+    for r in recs:
+        name = r.op.split(".", 1)[1]
+        t = link.time(r.kind, P, r.msg) * 1e3
+        if name in _SPLITKV_CHUNKED:
+            c = min(max(r.step, 0), n - 1)
+            per[(name, c)] = per.get((name, c), 0.0) + t
+        else:
+            serial.append(t)
+
+    def col(name):
+        return [per.get((name, c), 0.0) for c in range(n)]
+
+    comp = list(comp_calls_ms) or [0.0]
+    K = [fwd_fraction * c for c in comp]
+    KB = [(1 - fwd_fraction) * c for c in comp]
+    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.lse_max"), col("fwd.out"))
+    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"))
+    comm = sum(serial) + sum(per.values())
+    return sum(serial) + t_f + t_b, comm
+
+
 def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms):
     """T(P) in ms and its parts for one method. comp_calls_ms: the slowest rank's per-call fwd+bwd ms
-    (one entry; ring-kv: one per step)."""
-    if method in ("splitkv", "allgather-kv"):
+    (splitkv: one per chunk; allgather-kv: one; ring-kv: one per step). Overlap as the code does it:
+    splitkv pipelines its chunks (`splitkv_time_ms`; one chunk = no overlap), allgather-kv none,
+    ring-kv overlaps the next shard's exchange with the current step."""
+    if method == "splitkv":
+        comp = float(sum(comp_calls_ms))
+        t, comm = splitkv_time_ms(P, comp_calls_ms, recs, link, fwd_fraction=fwd_fraction)
+        return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=max(t - comp, 0.0), overhead_ms=overhead_ms,
+                    total_ms=t + overhead_ms)
+    if method == "allgather-kv":
         comp = float(sum(comp_calls_ms))
         comm = comm_time_s(recs, P, link) * 1e3
         return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=comm, overhead_ms=overhead_ms,
@@ -148,7 +286,8 @@ def sample_ranks(method, plan, k):
     Returns (ranks, per-rank pairs)."""
     P, B = plan.cp_size, plan.block_size
     if method == "splitkv":
-        pairs = np.array([bench.kernel_calls("splitkv", plan, r)[0].pairs for r in range(P)])
+        pairs = np.array([sum(c.pairs for c in bench.kernel_calls("splitkv", plan, r, num_chunks=1))
+                          for r in range(P)])
     else:  # allgather-kv / ring-kv: own queries vs all keys (the ring visits every shard)
         keys = np.sort(np.concatenate([bench._keys_np(plan.token_seq_ids(r), plan.token_positions(r))
                                        for r in range(P)]))
@@ -192,7 +331,11 @@ def check_args(ap, args):
             ap.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
     if not 0 <= args.fwd_fraction <= 1:
         ap.error(f"--fwd-fraction must be in [0, 1], got {args.fwd_fraction}")
-    for flag in ("link_json", "bench_json"):
+    nchunks = [] if args.num_chunks == "auto" else bench.int_list_arg(ap, "--num-chunks", args.num_chunks, 1)
+    if not (np.isfinite(args.own_block_ms) and (args.own_block_ms >= 0 or args.own_block_ms == -1.0)):
+        ap.error(f"--own-block-ms must be a finite number >= 0, got {args.own_block_ms}")
+    args._num_chunks = nchunks
+    for flag in ("link_json", "bench_json", "kernels_json"):
         v = getattr(args, flag)
         if v and not os.path.isfile(v):
             ap.error(f"--{flag.replace('_', '-')}: no such file {v!r}")
@@ -227,6 +370,21 @@ def main(argv=None):
     ap.add_argument("--op-overhead-ms", type=float, default=6.0,
                     help="model: op ms beyond the kernel (own block, merges); measured mode measures it")
     ap.add_argument("--fwd-fraction", type=float, default=0.29)
+    ap.add_argument("--num-chunks", default="auto",
+                    help="splitkv chunk counts to model, comma list (one splitkv row per value and P), or "
+                         "'auto': the op's default (ops.metadata.resolve_num_chunks: 1 at P = 1, else 4) and "
+                         "1 for comparison when this tree pipelines its merge, else 1")
+    ap.add_argument("--own-block-ms", type=float, default=-1.0,
+                    help="fwd+bwd ms of the SEPARATE own-block pass and its lse merge at Lq rows (the pre-fusion "
+                         "op; measured by tools/gpu_check.py compare, see --kernels-json); default 2.0 ms "
+                         "(stated) unless --kernels-json gives it")
+    ap.add_argument("--kernels-json", default="",
+                    help="gpu_check_compare_w1.json: take --own-block-ms from its own-block table")
+    ap.add_argument("--fused-own-block", default="auto", choices=["auto", "on", "off"],
+                    help="model the own block fused into the kernel call (auto: as this tree's ops do). The "
+                         "stated --op-overhead-ms describes the op WITH a separate own block: fused subtracts "
+                         "--own-block-ms from it. A measured overhead is the real op's: adjusted only when "
+                         "this flag differs from the tree")
     ap.add_argument("--sample-ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gpus-per-node", type=int, default=8)
@@ -296,30 +454,71 @@ def main(argv=None):
         link_source = f"fitted to collectives measured on {world} {'GPUs' if dev.type == 'cuda' else 'gloo ranks'}"
     log(f"[link] {link_source}: {json.dumps(link.to_dict())}")
 
+    # ---- own block: fused into the kernel call (as this tree's ops do) or a separate pass
+    tree_fused = bench._fused_own_block()
+    fused = tree_fused if args.fused_own_block == "auto" else args.fused_own_block == "on"
+    own_ms, own_src = 2.0, "stated"
+    if args.own_block_ms >= 0:
+        own_ms, own_src = args.own_block_ms, "--own-block-ms"
+    elif args.kernels_json:
+        try:
+            with open(args.kernels_json) as f:
+                ob = json.load(f)["compare"]["own_block"]
+            ein = next(r for r in ob if r["path"].startswith("einsum"))["fwdbwd_ms"]
+            mrg = next((r["fwd_ms"] for r in ob if r["path"].startswith("lse merge")), 0.0)
+            own_ms, own_src = ein + mrg, f"measured ({os.path.basename(args.kernels_json)}: einsum + merge)"
+        except Exception as e:  # noqa: BLE001
+            log(f"[own-block] {args.kernels_json}: no own-block timing ({type(e).__name__}: {e}); stated {own_ms} ms")
+
+    # ---- chunk counts of splitkv (the merge pipeline), per P
+    has_chunks = bench._has_chunks()
+
+    def chunk_list(P, nb):
+        if args._num_chunks:
+            return list(dict.fromkeys(args._num_chunks))
+        if not has_chunks:
+            return [1]
+        return sorted({1, bench.resolve_chunks(None, P, nb)})
+
+    def primary_chunks(P, nb):
+        return args._num_chunks[0] if args._num_chunks else (bench.resolve_chunks(None, P, nb) if has_chunks else 1)
+
     # ---- problems and compute
-    jobs = []  # (P, method, placement)
+    plans = {}
+    for P in cps:
+        for pl in placements:
+            key = (P, pl if P > 1 else placements[0])
+            if key not in plans:
+                plans[key] = build_problem(P, args, key[1])
+    jobs = []  # (P, method, placement, num_chunks)
     for P in cps:
         for m in methods:
             for pl in (placements if m == "splitkv" else placements[:1]):
                 if P == 1 and pl != placements[0]:
                     continue
-                jobs.append((P, m, pl))
-    plans = {}
-    for P, m, pl in jobs:
-        key = (P, pl if P > 1 else placements[0])
-        if key not in plans:
-            plans[key] = build_problem(P, args, key[1])
+                nb = plans[(P, pl if P > 1 else placements[0])].blocks_per_rank
+                if m != "splitkv":
+                    ks = [1]
+                elif pl == placements[0]:
+                    ks = chunk_list(P, nb)
+                else:
+                    ks = [primary_chunks(P, nb)]
+                for k in ks:
+                    jobs.append((P, m, pl, k))
 
-    # compute tasks: (job index, rank, call index or None)
+    # compute tasks: (job index, rank); the most loaded rank of every job first, then the others (so a
+    # budget cut leaves the median ranks to the model, not the slowest); splitkv first, then by P
     calls_of = {}
     tasks = []
-    for j, (P, m, pl) in enumerate(jobs):
+    for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         ranks, _ = sample_ranks(m, plan, args.sample_ranks)
-        for r in ranks:
-            calls = bench.kernel_calls(m, plan, r)
+        for i, r in enumerate(ranks):
+            calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused)
             calls_of[(j, r)] = calls
-            tasks.append((j, r))
+            tasks.append((i, j, r))
+    mprio = {m: i for i, m in enumerate(("splitkv", "allgather-kv", "ring-kv"))}
+    tasks = [(j, r) for _, j, r in sorted(tasks, key=lambda t: (t[0], mprio.get(jobs[t[1]][1], 9), jobs[t[1]][0]))]
     comp = {}  # (j, r) -> list of per-call ms
     measured = not args.model_only
     if measured:
@@ -335,7 +534,7 @@ def main(argv=None):
                                              backend="auto" if dev.type == "cuda" else "math",
                                              reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
-                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} rank {r}: "
+                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]} rank {r}: "
                       f"{kt['ms']:.2f} ms, {kt['tflops']:.0f} TF/s", flush=True)
             except Exception:  # noqa: BLE001
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} rank {r} ERROR\n{traceback.format_exc(limit=3)}",
@@ -352,10 +551,11 @@ def main(argv=None):
                 be = "auto" if dev.type == "cuda" else "math"
                 meta = None if args.no_metadata else bench.prepare_meta(
                     "splitkv", x, block_size=args.B, cp_group=_solo_group(), Hq=args.Hq, Hkv=args.Hkv, D=args.D,
-                    dtype=dtype)
+                    dtype=dtype, **({"num_chunks": 1} if bench.op_option("num_chunks") == "prepare" else {}))
                 op_ms, _, _ = bench.time_fn(lambda: bench.run_op("splitkv", x, block_size=args.B, cp_group=_solo_group(),
                                                                  backend=be, meta=meta), dev, reps=args.reps, warmup=1)
-                k_ms = bench.time_kernel_calls(bench.kernel_calls("splitkv", plan1, 0), dtype=dtype, device=dev,
+                k_ms = bench.time_kernel_calls(bench.kernel_calls("splitkv", plan1, 0, num_chunks=1, own_block=tree_fused),
+                                               dtype=dtype, device=dev,
                                                backend=be, reps=args.reps, warmup=1, Hq=args.Hq, Hkv=args.Hkv,
                                                D=args.D, fresh_mask=args.no_metadata)["ms"]
                 op_over = max(op_ms - k_ms, 0.0)
@@ -377,6 +577,12 @@ def main(argv=None):
         overhead_src = "measured (CP=1 op - kernel)" if op_over is not None else "stated"
     else:
         overhead_ms, overhead_src = args.op_overhead_ms, "stated"
+    # the stated overhead describes the op with a SEPARATE own block; a measured one, this tree's op
+    base_fused = tree_fused if overhead_src.startswith("measured") else False
+    if fused != base_fused:
+        overhead_ms = max(overhead_ms + (-own_ms if fused else own_ms), 0.0)
+        overhead_src += f", {'-' if fused else '+'} own block {own_ms:.2f} ms ({own_src})"
+    overhead_src += "; own block " + ("fused in the kernel" if fused else "a separate pass")
     for (j, r) in tasks:
         if comp.get((j, r)) is None:
             comp[(j, r)] = [model_call_ms(c, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops,
@@ -387,7 +593,7 @@ def main(argv=None):
 
     # ---- assemble
     rows = []
-    for j, (P, m, pl) in enumerate(jobs):
+    for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         rks = [r for (jj, r) in tasks if jj == j]
         # slowest sampled rank
@@ -395,11 +601,12 @@ def main(argv=None):
         nb = [plan.blocks_per_rank] * P
         nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
         recs = bench.predicted_records(m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq,
-                                       Hkv=args.Hkv, D=args.D, elem=elem, metadata=not args.no_metadata)
+                                       Hkv=args.Hkv, D=args.D, elem=elem, metadata=not args.no_metadata,
+                                       num_chunks=k)
         t = method_time(m, P, comp[(j, r_slow)], recs, link, fwd_fraction=args.fwd_fraction,
                         overhead_ms=overhead_ms)
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
-        rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", context=P * args.ctx_per_rank,
+        rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, context=P * args.ctx_per_rank,
                          sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
                          per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
                          sampled_pairs=pairs, planner_imbalance=float(plan.imbalance),
@@ -416,21 +623,28 @@ def main(argv=None):
         r["efficiency"] = b / r["total_ms"] if b and r["total_ms"] > 0 else float("nan")
         r["efficiency_base_P"] = p0
     # measured CP=2 from bench_attention
+    bj = {}
     if args.bench_json and os.path.exists(args.bench_json):
-        with open(args.bench_json) as f:
-            bj = json.load(f)
+        try:
+            with open(args.bench_json) as f:
+                bj = json.load(f)
+        except ValueError as e:  # a bench run killed while writing: no measured column
+            log(f"[bench-json] {args.bench_json}: unreadable ({e})")
+    if bj:
         for r in rows:
             for b in bj.get("rows", []):
                 if (b.get("cp") == r["P"] and b.get("method") == r["method"] and b.get("context") == r["context"]
                         and b.get("placement") in (r["placement"], "-") and "op_ms" in b
-                        and b.get("Lq") == args.anchors * args.B):
+                        and b.get("Lq") == args.anchors * args.B
+                        and b.get("num_chunks", r["num_chunks"]) == r["num_chunks"]):
                     r["bench_measured_ms"] = b["op_ms"]
     result = dict(
         env=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  torch=torch.__version__, device=str(dev),
                  gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", world=world),
         args=vars(args), link=link.to_dict(), link_source=link_source, overhead_ms=overhead_ms,
-        overhead_source=overhead_src, measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
+        overhead_source=overhead_src, own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms,
+                                                     source=own_src), chunked_pipeline=has_chunks, measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
         rows=rows, wall_s=time.perf_counter() - t_start)
     if rank == 0:
         md = render(result)
@@ -460,6 +674,14 @@ def _solo_group():
     return _SOLO[0]
 
 
+def label(res, r):
+    """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines."""
+    k = r.get("num_chunks", 1)
+    if r["method"] == "splitkv" and (res.get("chunked_pipeline") or k != 1):
+        return f"splitkv k={k}"
+    return r["method"]
+
+
 def render(res):
     """Markdown table (plus a note on the assumptions) of a simulation result dict."""
     rows = res["rows"]
@@ -470,7 +692,7 @@ def render(res):
         hdr.append("measured op ms")
     out = []
     for r in rows:
-        line = [r["P"], r["method"], r["placement"], r["context"], f"{r['compute_ms']:.2f}",
+        line = [r["P"], label(res, r), r["placement"], r["context"], f"{r['compute_ms']:.2f}",
                 f"{r['comm_ms']:.2f} ({r['exposed_comm_ms']:.2f})", f"{r['overhead_ms']:.2f}",
                 f"{r['total_ms']:.2f}", f"{100 * r['efficiency']:.0f}%", bench.fmt_bytes(r["bytes_per_rank"]),
                 r["compute_source"]]
@@ -483,8 +705,11 @@ def render(res):
             f"{res['link_source']}; P > {a['gpus_per_node']}: inter-node {a['inter_bw_gbs']} GB/s, "
             f"{a['inter_alpha_us']} us/hop. Overhead: {res['overhead_source']}. "
             f"Efficiency = T(P0)/T(P) per method, P0 = {min(r['P'] for r in rows) if rows else 1} (the "
-            f"smallest P given; fastest placement at P0). splitkv/allgather-kv: no overlap (as coded); ring-kv: "
-            f"next shard overlaps the current step.")
+            f"smallest P given; fastest placement at P0). Overlap as coded: splitkv k=1 none; splitkv k>1 "
+            f"pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's lse all-reduce and "
+            f"reduce-scatter behind the next chunk's kernel; the first gathers and the last chunk's merge "
+            f"exposed; two-stream schedule in the code's issue order); allgather-kv none; ring-kv: next shard "
+            f"overlaps the current step. Not modelled: NCCL kernels slowing the attention kernel (SM sharing).")
     return bench.md_table(hdr, out) + "\n\n" + note
 
 
@@ -499,14 +724,14 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     series = {}
     for r in rows:
-        series.setdefault((r["method"], r["placement"] if r["P"] > 1 else None), []).append(r)
+        series.setdefault((r["method"], r["placement"] if r["P"] > 1 else None, label(res, r)), []).append(r)
     base_rows = {r["method"]: r for r in rows if r["P"] == 1}
-    for (m, pl), rs in series.items():
+    for (m, pl, lab0), rs in series.items():
         if pl is None:
             continue
         rs = ([base_rows[m]] if m in base_rows else []) + sorted(rs, key=lambda r: r["P"])
         xs = [r["P"] for r in rs]
-        lab = m + (f" ({pl})" if pl != "lpt" else "")
+        lab = lab0 + (f" ({pl})" if pl != "lpt" else "")
         axes[0].plot(xs, [100 * r["efficiency"] for r in rs], marker="o", label=lab)
         axes[1].plot(xs, [r["total_ms"] for r in rs], marker="o", label=lab)
     for ax in axes:

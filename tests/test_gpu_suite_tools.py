@@ -1,0 +1,146 @@
+"""The GPU suite's tools on CPU (tiny shapes; the timings mean nothing there, the plumbing and the
+exactness checks do): tools/gpu_check.py compare (flex, te through the CPU emulator of Transformer
+Engine's fused attention, or "unavailable"), tools/tune_flex.py, tools/bench_attention.py's chunk-count
+A/B and row selection flags, tools/suite_report.py on missing results."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from megatron_splitkv import bench  # noqa: E402
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+
+
+def _te_importable():
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def _max_err(e):
+    return max(e[k] for k in ("out", "dq", "dk", "dv"))
+
+
+def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "compare", "--cpu",
+                        "--te-emulator", "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    c = json.loads((tmp_path / "gpu_check_compare_cpu_w1.json").read_text())["compare"]
+    rows = {(r["kernel"], r["tk"]): r for r in c["rows"]}
+    assert set(rows) == {("flex", 256), ("flex", 512), ("te", 256), ("te", 512)}
+    for key, r in rows.items():
+        assert "error" not in r, (key, r)
+        assert _max_err(r["exact"]) < 2e-2 and r["exact"]["lse"] < 1e-3 and r["exact"]["nonfinite"] == 0, (key, r)
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["fwdbwd_pct_dense"] > 0
+        if key[1] == 256:  # the two-part key split with the global-lse backward
+            assert _max_err(r["split_exact"]) < 2e-2, (key, r["split_exact"])
+    ob = {r["name"]: r for r in c["own_block"]}
+    assert _max_err(ob["einsum"]["exact"]) < 1e-5  # fp32 einsums
+    for name in ("flex block-diag", "te block-diag"):
+        assert _max_err(ob[name]["exact"]) < 2e-2, ob[name]
+    assert ob["merge"]["fwd_ms"] > 0
+    if bench._fused_own_block():
+        fused = {r["kernel"]: r for r in c["fused"]}
+        for name in ("flex", "te"):
+            assert _max_err(fused[name]["exact"]) < 2e-2, fused[name]
+            assert fused[name]["separate_fwdbwd_ms"] > 0
+    log = (tmp_path / "gpu_check_compare_cpu_w1.log").read_text()
+    assert "| dense SDPA" in log and "| te | 256 |" in log
+    assert "| kernel | Tk |" in p.stdout  # the table is printed last
+
+
+@pytest.mark.skipif(_te_importable(), reason="Transformer Engine is installed here")
+def test_gpu_check_compare_reports_missing_te(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "compare", "--cpu",
+                        "--contexts", "256", "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    c = json.loads((tmp_path / "gpu_check_compare_cpu_w1.json").read_text())["compare"]
+    te = [r for r in c["rows"] if r["kernel"] == "te"]
+    assert len(te) == 1 and "unavailable" in te[0] and "transformer_engine" in te[0]["unavailable"]
+    assert "unavailable" in p.stdout
+
+
+def test_tune_flex_cpu(tmp_path):
+    import tune_flex
+
+    res = tune_flex.main(["--cpu", "--configs", "default,fwd_tma", "--tks", "256", "--out", str(tmp_path)])
+    assert [r["config"] for r in res["rows"]] == ["default", "fwd_tma"]
+    for r in res["rows"]:
+        assert r["exact_ok"] and r["fwdbwd_ms"] > 0 and r["compile_s"] >= 0, r
+    assert res["best"]["name"] in ("default", "fwd_tma")
+    md = (tmp_path / "tune_flex.md").read_text()
+    assert "best: **" in md and "MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS" in md
+    # the configs are valid option names for torch 2.11's flex (forward / backward prefixes)
+    for name, opts in tune_flex.CONFIGS:
+        for k in opts:
+            assert k.split("_", 1)[0] in ("fwd", "bwd"), (name, k)
+            assert k.split("_", 1)[1] in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "USE_TMA", "BLOCK_M1",
+                                          "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"), (name, k)
+        if "bwd_BLOCK_N1" in opts:
+            assert opts["bwd_BLOCK_N1"] % opts["bwd_BLOCK_M1"] == 0 and opts["bwd_BLOCK_M2"] % opts["bwd_BLOCK_N2"] == 0
+    assert len(tune_flex.CONFIGS) <= 6 and tune_flex.CONFIGS[0] == ("default", {})
+
+
+def test_tune_flex_best_needs_exactness():
+    import tune_flex
+
+    rows = [dict(config="default", tk=1, fwdbwd_ms=10.0, exact_ok=True),
+            dict(config="fast_wrong", tk=1, fwdbwd_ms=1.0, exact_ok=False),
+            dict(config="fast", tk=1, fwdbwd_ms=8.0, exact_ok=True)]
+    name, speedup, _ = tune_flex.best_config(rows)
+    assert name == "fast" and speedup == pytest.approx(1.25)
+    assert tune_flex.best_config(rows[1:]) is None  # no baseline measured
+
+
+def test_bench_chunk_ab_and_row_selection(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke", "--cp", "1,2", "--contexts", "512",
+           "--placements", "lpt,zigzag", "--cp1-methods", "splitkv", "--alt-placement-methods", "splitkv",
+           "--chunks-ab", "1,2", "--ab-contexts", "1024", "--row-target-s", "0.05", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_attention.json").read_text())
+    got = [(r["cp"], r["placement"], r["method"]) for r in data["rows"]]
+    assert got == [(1, "-", "splitkv"), (2, "lpt", "splitkv"), (2, "lpt", "allgather-kv"), (2, "lpt", "ring-kv"),
+                   (2, "zigzag", "splitkv")]
+    for r in data["rows"]:
+        assert r["comm_bytes"] == r["predicted_bytes"], r
+        assert 1 <= r["reps"] <= 2 and r["est_mem_gib"] > 0
+    ab = data["ab_rows"]
+    if bench.op_option("num_chunks") is None:
+        assert len(ab) == 1 and "skipped" in ab[0]
+        return
+    assert [r["num_chunks"] for r in ab] == [1, 2]
+    assert ab[0]["comm_bytes"] == ab[1]["comm_bytes"] and ab[1]["comm_records"] == 2 * ab[0]["comm_records"]
+    assert ab[1]["ab_rel_diff"] < 1e-2 and ab[0]["ab_speedup"] == pytest.approx(1.0)
+    md = (tmp_path / "bench_attention.md").read_text()
+    assert "| num_chunks |" in md
+    k2 = data["rows"][1]["num_chunks"]  # CP=2 splitkv row: the op's default chunk count, in its label
+    assert k2 == bench.resolve_chunks(None, 2, 8) and (f"| splitkv k={k2} | 2 | lpt |" in md if k2 > 1 else True)
+
+
+def test_suite_report_on_missing_results(tmp_path):
+    work, out = tmp_path / "w", tmp_path / "o"
+    work.mkdir()
+    out.mkdir()
+    (work / "bench").mkdir()
+    (work / "bench" / "bench_attention.json").write_text("{ truncated")  # a step killed mid-write
+    for cmd in (["collect", str(work), str(out)], ["summary", str(work)]):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "suite_report.py")] + cmd, env=_env(),
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    assert (out / "suite.json").exists() and (out / "tables.md").exists()
+    assert "kernels: no result" in p.stdout and "bench nvlink: no result" in p.stdout and "simulate: no result" in p.stdout
