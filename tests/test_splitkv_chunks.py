@@ -177,9 +177,10 @@ def test_chunking_keeps_bytes_per_collective(chunk_run):
 def test_resolve_num_chunks_and_bounds(monkeypatch):
     monkeypatch.delenv(NUM_CHUNKS_ENV, raising=False)
     assert resolve_num_chunks(None, 1, 512) == 1  # CP=1: no communication to hide
-    assert resolve_num_chunks(None, 2, 512) == 4 and resolve_num_chunks(None, 8, 3) == 3
+    assert resolve_num_chunks(None, 2, 512) == 1 and resolve_num_chunks(None, 8, 3) == 1  # measured best
     assert resolve_num_chunks(None, 2, 0) == 1 and resolve_num_chunks(2, 1, 512) == 2
-    assert resolve_num_chunks(8, 2, 5) == 5 and resolve_num_chunks(0, 2, 16) == 4
+    assert resolve_num_chunks(8, 2, 5) == 5 and resolve_num_chunks(0, 2, 16) == 1
+    assert resolve_num_chunks(4, 2, 3) == 3  # clamped to the largest rank's block count
     monkeypatch.setenv(NUM_CHUNKS_ENV, "2")
     assert resolve_num_chunks(None, 1, 512) == 2 and resolve_num_chunks(None, 4, 512) == 2
     assert resolve_num_chunks(3, 4, 512) == 3  # an explicit value wins over the environment

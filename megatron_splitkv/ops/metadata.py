@@ -23,8 +23,8 @@ Split-KV pipelining (perf-notes item 2): the splitkv metadata also fixes `num_ch
 chunks the op pipelines its merge over (chunk c = blocks [c * nb_max // k, (c + 1) * nb_max // k) of every
 rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `IntervalMask` per chunk
 (context only, and with the own-block intervals). Default (`num_chunks=None`): the environment variable
-MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 at CP size 1 and min(4, nb_max) otherwise; an explicit
-value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
+MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 (measured best over NVLink; 2 is best over a slow link,
+see DEFAULT_NUM_CHUNKS); an explicit value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
 
 Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
 remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
@@ -89,7 +89,10 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
 #: environment variable giving the Split-KV chunk count when `num_chunks` is None (a positive int).
 NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
 #: default chunk count at CP size > 1 (clamped to the largest per-rank block count).
-DEFAULT_NUM_CHUNKS = 4
+#: automatic chunk count: 1 (no pipelining). Measured on 2 x H200, CP=2, 128K (docs/perf-notes.md item 2):
+#: k = 1 / 2 / 4 took 44.7 / 47.9 / 55.0 ms over NVLink (chunking costs kernel efficiency and launches) but
+#: 110.5 / 83.1 / 85.7 ms over sockets: set k = 2 for CP groups that cross a slow (inter-node) link.
+DEFAULT_NUM_CHUNKS = 1
 
 
 def _requested_chunks(num_chunks) -> int:
@@ -116,7 +119,7 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
 
     Args:
         num_chunks: None (automatic: the environment variable MEGATRON_SPLITKV_NUM_CHUNKS when set,
-            else 1 at cp_size 1 and min(4, max_blocks) otherwise), 0 (automatic without looking at the
+            else DEFAULT_NUM_CHUNKS = 1), 0 (automatic without looking at the
             environment), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
             least one block of the largest rank).
         cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count.
@@ -126,7 +129,7 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
     """
     req = num_chunks if num_chunks == 0 and not isinstance(num_chunks, bool) else _requested_chunks(num_chunks)
     if req == 0:
-        req = 1 if cp_size == 1 else DEFAULT_NUM_CHUNKS
+        req = DEFAULT_NUM_CHUNKS
     return max(1, min(req, max_blocks))
 
 
@@ -494,8 +497,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             host sync per call) so that a mismatch on one rank raises on all ranks; default False.
         num_chunks: impl "splitkv" only (ignored by the baselines): how many query chunks the op
             pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None = the
-            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 at CP size 1 and
-            min(4, max(n_blocks)) otherwise; a positive int is clamped to [1, max(max(n_blocks), 1)].
+            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
+            inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
             Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
 
     Returns:

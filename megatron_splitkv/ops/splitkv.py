@@ -211,8 +211,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             match and the call fails or hangs until the process group's timeout. softmax_scale is
             compared across ranks by calls without `metadata=` and by `group_check` calls.
         num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None = the
-            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 at CP size 1 and
-            min(4, max(n_blocks)) otherwise; a positive int is clamped to [1, max(max(n_blocks), 1)]
+            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
+            inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)]
             (see `ops.metadata.resolve_num_chunks`). Chunk c = blocks [c * nb // k, (c + 1) * nb // k)
             of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
             `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
