@@ -641,6 +641,9 @@ def kernel_compare(dev, cpu, res, args, flush):
         log(f"[compare] Tk={tk}: pairs {pairs:.3e} (density {pairs / (Tq * tk):.3f}), float64 reference "
             f"{time.perf_counter() - t0:.1f}s")
         try:
+            # warm-up of its own: on 2026-11-30 the first SDPA timings of this mode (after the float64
+            # reference) came out at ~357 TF/s where bench_attention measured 660-690 fwd on the same GPU
+            mb.dense_sdpa_rate(Tq, pairs, Hq=Hq, D=D, dtype=dt, device=dev, reps=1, warmup=3)
             sd = mb.dense_sdpa_rate(Tq, pairs, Hq=Hq, D=D, dtype=dt, device=dev, reps=reps, warmup=warm)
         except Exception as e:  # noqa: BLE001
             sd = dict(error=_err_str(e))

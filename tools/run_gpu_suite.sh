@@ -179,12 +179,15 @@ if want pretrain && [[ -d .gpu/feat && "$CPU" != 1 ]]; then
 fi
 
 # b. bench, NVLink, CP=1 and CP=2 (+ the chunk A/B at 128K): rows until its budget, which leaves the later
-#    steps ~SUITE_AFTER_BENCH_S (default 150 s: slow ~85 s and simulate's minimum; exact gets what is left),
+#    steps ~SUITE_AFTER_BENCH_S (default 150 s: slow ~85 s and simulate's minimum; exact gets what is left;
+#    0 when none of them is in SUITE_STEPS),
 #    at most SUITE_BENCH_S (default 240 s) of rows. CP=1: splitkv only (the three ops
 #    do the same kernel work there); zigzag: splitkv and ring-kv (allgather-kv's compute ignores placement)
 if want bench; then
   AB_RES=$(( ${#AB_X[@]} ? 35 : 0 ))
-  BB=$(( $(left) - ${SUITE_AFTER_BENCH_S:-150} - 60 ))
+  AFTER=0  # reserve time for the later steps only when they will run
+  if want slow || want simulate || want exact; then AFTER=${SUITE_AFTER_BENCH_S:-150}; fi
+  BB=$(( $(left) - AFTER - 60 ))
   BB=$(( BB > ${SUITE_BENCH_S:-240} ? ${SUITE_BENCH_S:-240} : BB ))
   BB=$(( BB < 60 ? 60 : BB ))
   step b_bench $(( BB + 60 )) "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts "$CONTEXTS" \
