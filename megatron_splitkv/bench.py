@@ -745,7 +745,7 @@ class PredRecord:
 def _ring_bytes(kind, P, n):
     if P == 1:
         return 0
-    if kind in ("all_gather", "reduce_scatter"):
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return 2 * (P - 1) * n
     if kind == "all_reduce":
         return 4 * (P - 1) * n // P
@@ -779,7 +779,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             False: the self-contained call (validation all-gather [1, META_INTS] int64 "<op>.meta", the
             block or key all-gather, ring keys travelling with K/V).
         num_chunks: splitkv's chunk count (None: the op's default at this P, `resolve_chunks`): each of
-            "fwd.q", "fwd.lse_max", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq" is issued once per chunk
+            "fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq" is issued once per chunk
             (record `step` = the chunk index, message = the chunk's share); the bytes per op name do not
             depend on it.
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
@@ -805,14 +805,14 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         for c, (b0, b1) in enumerate(bounds):
             rc = (b1 - b0) * B
             add("fwd.q", "all_gather", rc * Hq * D * elem, c)
-            add("fwd.lse_max", "all_reduce", P * rc * Hq * acc, c)
-            add("fwd.out", "reduce_scatter", rc * Hq * (D + 1) * acc, c)
+            # [O | lse] in the inputs' dtype, lse bit-packed as acc / elem elements (ops.common.pack_partial)
+            add("fwd.out", "all_to_all", rc * Hq * (D + max(acc // elem, 1)) * elem, c)
         if backward:
             for c, (b0, b1) in enumerate(bounds):
                 rc = (b1 - b0) * B
                 add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
                 add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
-                add("bwd.dq", "reduce_scatter", rc * Hq * D * acc, c)
+                add("bwd.dq", "all_to_all", rc * Hq * D * elem, c)
     elif method == "allgather-kv":
         add("fwd.kv", "all_gather", tk_max * 2 * Hkv * D * elem)
         if not metadata:
@@ -862,7 +862,7 @@ class AlphaBeta:
 
     alpha_s: seconds per algorithm step (per ring hop); bw: bytes/s per GPU per direction (NCCL's "bus
     bandwidth"). For a group of P ranks and message n (see `PredRecord.msg`), ring algorithms:
-        all_gather / reduce_scatter: steps P-1, wire (P-1) * n      (busbw = (P-1)/P * algbw)
+        all_gather / reduce_scatter / all_to_all (n = one block): steps P-1, wire (P-1) * n
         all_reduce:                  steps 2(P-1), wire 2(P-1)/P * n
         send / recv (one exchange):  steps 1, wire n (send and receive overlap: full duplex)
     """
@@ -874,7 +874,7 @@ class AlphaBeta:
     def steps_and_wire(kind: str, P: int, n: float):
         if P <= 1:
             return 0, 0.0
-        if kind in ("all_gather", "reduce_scatter"):
+        if kind in ("all_gather", "reduce_scatter", "all_to_all"):
             return P - 1, (P - 1) * n
         if kind == "all_reduce":
             return 2 * (P - 1), 2.0 * (P - 1) / P * n
@@ -905,6 +905,8 @@ class LinkModel:
 
     def ab(self, kind: str, P: int) -> AlphaBeta:
         table = self.intra if P <= self.gpus_per_node else self.inter
+        if kind == "all_to_all":  # same steps and wire as a reduce-scatter of one block (ring model);
+            kind = "all_to_all" if "all_to_all" in table else "reduce_scatter"  # timed with its fit
         return table["p2p" if kind in ("send", "recv") else kind]
 
     def time(self, kind: str, P: int, n: float) -> float:

@@ -12,13 +12,14 @@ messages), with P the group size and n the message bytes:
     all_gather      (each rank contributes n bytes):            2 * (P - 1) * n
     reduce_scatter  (each rank ends with n bytes):              2 * (P - 1) * n
     all_reduce      (n bytes on every rank):                    4 * (P - 1) * n / P
+    all_to_all      (P blocks of n bytes, one per rank):         2 * (P - 1) * n
     send / recv     (point-to-point, batch_isend_irecv):        n per message sent or received
 
 reduce_scatter uses `reduce_scatter_tensor`, which gloo implements in the pinned torch 2.11, so no
 all_reduce fallback is needed on CPU (and the recorded bytes are those of a real reduce-scatter).
 A group of size 1 moves nothing: its calls are skipped and recorded with 0 bytes.
 
-Asynchronous collectives (`async_op=True` on `all_gather`, `reduce_scatter`, `all_reduce_max`): the call
+Asynchronous collectives (`async_op=True` on `all_gather`, `reduce_scatter`, `all_to_all`): the call
 issues the collective (torch.distributed `async_op=True`; on NCCL it runs on NCCL's own stream) and
 returns a `Pending`; `Pending.wait()` returns the result (on CUDA it makes the current stream wait for
 the collective; gloo blocks the host). The record is made at issue time with the same bytes as the
@@ -33,7 +34,7 @@ Example:
     with comm_stats() as stats:
         out = splitkv_attention(...)
         out.sum().backward()
-    stats.bytes_by_collective  # {"all_gather": ..., "reduce_scatter": ..., "all_reduce": ...}
+    stats.bytes_by_collective  # {"all_gather": ..., "all_to_all": ...}
     stats.total_bytes
 """
 
@@ -54,7 +55,7 @@ __all__ = [
     "resolve_group",
     "all_gather",
     "reduce_scatter",
-    "all_reduce_max",
+    "all_to_all",
     "RingExchange",
     "Pending",
 ]
@@ -63,7 +64,7 @@ __all__ = [
 @dataclass(frozen=True)
 class CommRecord:
     """One recorded collective: `op` (e.g. "splitkv.fwd.q"), `kind` (all_gather, reduce_scatter,
-    all_reduce, send, recv), `bytes` (see the module docstring), `group_size`, `numel`, `dtype`."""
+    all_to_all, all_reduce, send, recv), `bytes` (see the module docstring), `group_size`, `numel`, `dtype`."""
 
     op: str
     kind: str
@@ -85,7 +86,7 @@ class CommStats:
 
     @property
     def bytes_by_collective(self) -> dict:
-        """dict kind -> bytes (kinds: all_gather, reduce_scatter, all_reduce, send, recv)."""
+        """dict kind -> bytes (kinds: all_gather, reduce_scatter, all_to_all, all_reduce, send, recv)."""
         out = defaultdict(int)
         for r in self.records:
             out[r.kind] += r.bytes
@@ -215,16 +216,25 @@ def reduce_scatter(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = 
     return _finish(out, work, x, async_op)
 
 
-def all_reduce_max(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = False):
-    """Element-wise MAX over ranks, IN PLACE on `x` (a contiguous copy when x is not contiguous;
-    callers pass a tensor they own); -inf entries are fine. async_op=True: returns a `Pending`."""
+def all_to_all(x: torch.Tensor, group: CommGroup, op: str, async_op: bool = False):
+    """Personalised exchange: `x` [P * n, ...] is P equal blocks along dim 0, block r going to rank r;
+    returns [P * n, ...] whose block s came from rank s (rank order; block `rank` is this rank's own).
+    No arithmetic: the payload arrives bit-exact (Split-KV packs its fp32 lse inside a bf16 tensor).
+    Bytes (module convention): this rank sends P - 1 blocks and receives P - 1 blocks, 2 * (P - 1) * n
+    element bytes with n = the block, the same count as a reduce-scatter whose result is one block.
+    async_op=True: returns a `Pending`."""
     x = x.contiguous()
+    if group.size == 1:
+        if _ACTIVE:
+            _record(op, "all_to_all", 0, 1, x)
+        return _finish(x, None, None, async_op)
+    out = torch.empty_like(x)
     work = None
-    if group.size > 1 and x.numel():
-        work = dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group.pg, async_op=async_op)
+    if x.numel():
+        work = dist.all_to_all_single(out, x, group=group.pg, async_op=async_op)
     if _ACTIVE:
-        _record(op, "all_reduce", 4 * (group.size - 1) * _nbytes(x) // max(group.size, 1), group.size, x)
-    return _finish(x, work, None, async_op)
+        _record(op, "all_to_all", 2 * (group.size - 1) * _nbytes(x) // group.size, group.size, x)
+    return _finish(out, work, x, async_op)
 
 
 class RingExchange:

@@ -138,36 +138,36 @@ def test_model_only_end_to_end(tmp_path):
 def test_pipeline_one_chunk_is_serial():
     import simulate_scaling as ss
 
-    assert ss.splitkv_forward_ms([1.5], [10.0], [0.25], [3.0]) == pytest.approx(14.75)
+    assert ss.splitkv_forward_ms([1.5], [10.0], [3.25]) == pytest.approx(14.75)
+    assert ss.splitkv_forward_ms([1.5], [10.0], [3.25], [0.5]) == pytest.approx(15.25)
     assert ss.splitkv_backward_ms([1.0], [0.5], [20.0], [3.0]) == pytest.approx(24.5)
 
 
 def test_pipeline_two_chunks_hand_computed():
     """Two chunks, worked out on paper from the code's issue order (ops/splitkv.py):
-    forward: gather Q0 [0, 1], gather Q1 [1, 2], kernel 0 [1, 6], lse max 0 [6, 6.5]; last chunk: finish
-    chunk 0 first (reduce-scatter 0 [6.5, 8.5]), kernel 1 [6.5, 11.5], lse max 1 [11.5, 12], reduce-scatter
-    1 [12, 14]: 14 ms instead of 17 serial. Backward: dO0 [0, 1], stats0 [1, 1.5], dO1 [1.5, 2.5],
-    stats1 [2.5, 3], kernel 0 [1.5, 11.5], dQ0 [11.5, 14.5], kernel 1 [11.5, 21.5], dQ1 [21.5, 24.5]:
-    24.5 ms instead of 29."""
+    forward: gather Q0 [0, 1], gather Q1 [1, 2], kernel 0 [1, 6], all-to-all 0 [6, 8.5], kernel 1
+    [6, 11], all-to-all 1 [11, 13.5], merges 0 [8.5 -> 11, 11.5] and 1 [13.5, 14]: 14 ms instead of 18.5
+    serial. Backward: dO0 [0, 1], stats0 [1, 1.5], dO1 [1.5, 2.5], stats1 [2.5, 3], kernel 0 [1.5, 11.5],
+    dQ0 [11.5, 14.5], kernel 1 [11.5, 21.5], dQ1 [21.5, 24.5]: 24.5 ms instead of 29."""
     import simulate_scaling as ss
 
-    assert ss.splitkv_forward_ms([1, 1], [5, 5], [0.5, 0.5], [2, 2]) == pytest.approx(14.0)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2.5, 2.5], [0.5, 0.5]) == pytest.approx(14.0)
     assert ss.splitkv_backward_ms([1, 1], [0.5, 0.5], [10, 10], [3, 3]) == pytest.approx(24.5)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
 def test_pipeline_bounds(n):
     """Never more than the serial sum of its own pieces, never less than either stream's busy time; the
-    first Q gather and the last reduce-scatter are always exposed."""
+    first Q gather and the last all-to-all are always exposed."""
     import simulate_scaling as ss
 
     rng = np.random.default_rng(n)
     for _ in range(50):
-        G, K, AR, RS = (list(rng.uniform(0, 5, n)) for _ in range(4))
-        t = ss.splitkv_forward_ms(G, K, AR, RS)
-        assert t <= sum(G) + sum(K) + sum(AR) + sum(RS) + 1e-9
-        assert t >= max(sum(K), sum(G) + sum(AR) + sum(RS)) - 1e-9
-        assert t >= G[0] + K[-1] + AR[-1] + RS[-1] - 1e-9
+        G, K, A = (list(rng.uniform(0, 5, n)) for _ in range(3))
+        t = ss.splitkv_forward_ms(G, K, A)
+        assert t <= sum(G) + sum(K) + sum(A) + 1e-9
+        assert t >= max(sum(K), sum(G) + sum(A)) - 1e-9
+        assert t >= G[0] + K[-1] + A[-1] - 1e-9
         D, S, KB, RQ = (list(rng.uniform(0, 5, n)) for _ in range(4))
         tb = ss.splitkv_backward_ms(D, S, KB, RQ)
         assert tb <= sum(D) + sum(S) + sum(KB) + sum(RQ) + 1e-9

@@ -19,7 +19,7 @@ from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV, chunk_bounds, resolve_num_chunks
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
-DATA_OPS = ("splitkv.fwd.q", "splitkv.fwd.lse_max", "splitkv.fwd.out", "splitkv.bwd.dout",
+DATA_OPS = ("splitkv.fwd.q", "splitkv.fwd.out", "splitkv.bwd.dout",
             "splitkv.bwd.stats", "splitkv.bwd.dq")
 
 

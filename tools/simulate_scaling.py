@@ -25,14 +25,13 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     400 Gb/s) and `--inter-alpha-us` (default 15 us per hop).
   - overlap, as the code does it (read ops/*.py):
     splitkv pipelines its merge over k query chunks (`--num-chunks`; `prepare_splitkv_metadata(num_chunks=)`,
-    default 1 at P = 1, else 4): the simulator replays the op's issue order on two in-order streams
-    (compute; one NCCL stream) with the cross-stream dependencies (`splitkv_forward_ms`,
-    `splitkv_backward_ms`): forward, Q chunk c + 1 gathered while chunk c's kernel runs, each chunk's
-    lse all-reduce MAX after its kernel, its weights and [O*w | w] reduce-scatter one chunk later (the
-    second-to-last chunk finished before the last kernel), so the first Q gather, the last lse
-    all-reduces and the last reduce-scatter stay exposed; backward, dO/stats of chunk c + 1 gathered while
-    chunk c's kernel runs, each chunk's dQ reduce-scatter behind the next kernel, the first gathers and the
-    last reduce-scatter exposed. k = 1 is today's serial sum (compute + every collective). Each chunk's
+    default 1): the simulator replays the op's issue order on two in-order streams (compute; one NCCL
+    stream) with the cross-stream dependencies (`splitkv_forward_ms`, `splitkv_backward_ms`): forward,
+    Q chunk c + 1 gathered while chunk c's kernel runs, chunk c's all-to-all of [O | lse] (inputs' dtype)
+    issued after its kernel and overlapping the next one, the owners' fused merges at the end, so the
+    first Q gather and the last all-to-all stay exposed; backward, dO/stats of chunk c + 1 gathered while
+    chunk c's kernel runs, each chunk's dQ all-to-all behind the next kernel, the first gathers and the
+    last all-to-all exposed. k = 1 is the serial sum (compute + every collective). Each chunk's
     collectives pay their latency again (k x the alpha terms), which is what chunking costs at large P.
     allgather-kv issues its collectives synchronously (no overlap): T = compute + sum(collectives).
     ring-kv overlaps the exchange of
@@ -144,46 +143,36 @@ class Streams:
         return max(self.free.values())
 
 
-def splitkv_forward_ms(G, K, AR, RS, W=None):
+def splitkv_forward_ms(G, K, A2A, M=None):
     """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
     two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
-    c + 1 (prefetch), wait for chunk c's Q, [last chunk: finish chunk c - 1 first], kernel c, issue the
-    lse all-reduce MAX of c (after the kernel), [middle chunks: finish chunk c - 1]; finish the last
-    chunk. finish(c) = wait for its all-reduce, weights (W[c], elementwise on the compute stream), issue
-    its reduce-scatter. Ends when the last reduce-scatter and the compute stream are done.
-    G, K, AR, RS, W: per-chunk ms (Q all-gather, kernel forward, lse all-reduce, [O*w | w]
-    reduce-scatter, weights). With k = 1 this is the serial sum G + K + AR + W + RS."""
+    c + 1 (prefetch), wait for chunk c's Q, kernel c, issue chunk c's all-to-all of [O | lse] (after the
+    kernel: it overlaps kernel c + 1); then, per chunk, wait for its all-to-all and merge (M[c],
+    elementwise on the compute stream). G, K, A2A, M: per-chunk ms (Q all-gather, kernel forward,
+    [O | lse] all-to-all, owner's merge). With k = 1 this is the serial sum G + K + A2A + M."""
     n = len(K)
-    W = W or [0.0] * n
+    M = M or [0.0] * n
     S = Streams()
-    g, ar, rs = [None] * n, [None] * n, [None] * n
-
-    def finish(c):
-        S.wait("C", ar[c])
-        w = S.op("C", W[c])
-        rs[c] = S.op("N", RS[c], [w])
-
+    g, a = [None] * n, [None] * n
     g[0] = S.op("N", G[0])
     for c in range(n):
         if c + 1 < n:
             g[c + 1] = S.op("N", G[c + 1])
         S.wait("C", g[c])
-        if c == n - 1 and c > 0:
-            finish(c - 1)
         k = S.op("C", K[c])
-        ar[c] = S.op("N", AR[c], [k])
-        if 0 < c < n - 1:
-            finish(c - 1)
-    finish(n - 1)
+        a[c] = S.op("N", A2A[c], [k])
+    for c in range(n):
+        S.wait("C", a[c])
+        S.op("C", M[c])
     return S.end()
 
 
 def splitkv_backward_ms(DO, ST, KB, RQ):
     """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
     per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
-    issue chunk c's dQ reduce-scatter (after the kernel). Ends when the last reduce-scatter and the
-    compute stream are done. DO, ST, KB, RQ: per-chunk ms (dO gather, stats gather, kernel backward, dQ
-    reduce-scatter). With k = 1 the serial sum."""
+    issue chunk c's dQ all-to-all (after the kernel). Ends when the last all-to-all and the compute
+    stream are done. DO, ST, KB, RQ: per-chunk ms (dO gather, stats gather, kernel backward, dQ
+    all-to-all). With k = 1 the serial sum."""
     n = len(KB)
     S = Streams()
     d, st, rq = [None] * n, [None] * n, [None] * n
@@ -200,7 +189,7 @@ def splitkv_backward_ms(DO, ST, KB, RQ):
     return S.end()
 
 
-_SPLITKV_CHUNKED = ("fwd.q", "fwd.lse_max", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
+_SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
 
 
 def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction):
@@ -227,7 +216,7 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction):
     comp = list(comp_calls_ms) or [0.0]
     K = [fwd_fraction * c for c in comp]
     KB = [(1 - fwd_fraction) * c for c in comp]
-    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.lse_max"), col("fwd.out"))
+    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.out"))
     t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"))
     comm = sum(serial) + sum(per.values())
     return sum(serial) + t_f + t_b, comm
@@ -706,8 +695,8 @@ def render(res):
             f"{a['inter_alpha_us']} us/hop. Overhead: {res['overhead_source']}. "
             f"Efficiency = T(P0)/T(P) per method, P0 = {min(r['P'] for r in rows) if rows else 1} (the "
             f"smallest P given; fastest placement at P0). Overlap as coded: splitkv k=1 none; splitkv k>1 "
-            f"pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's lse all-reduce and "
-            f"reduce-scatter behind the next chunk's kernel; the first gathers and the last chunk's merge "
+            f"pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's [O | lse] and dQ "
+            f"all-to-alls behind the next chunk's kernel; the first gathers and the last all-to-alls "
             f"exposed; two-stream schedule in the code's issue order); allgather-kv none; ring-kv: next shard "
             f"overlaps the current step. Not modelled: NCCL kernels slowing the attention kernel (SM sharing).")
     return bench.md_table(hdr, out) + "\n\n" + note

@@ -107,6 +107,35 @@ def merge(o1, lse1, o2, lse2):
     return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe)
 
 
+def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One transport tensor for a partial attention state: o [T, H, D] cast to `dtype` (the inputs'
+    dtype: the precision FlexAttention/TE already store O in) and lse [T, H] (float32/64) appended
+    BIT-EXACT as lse.itemsize / dtype.itemsize extra elements per head -> [T, H, D + r] in `dtype`.
+    Undone by `unpack_partial`; used by Split-KV's all-to-all merge (no arithmetic in transit)."""
+    r = lse.element_size() // torch.empty((), dtype=dtype).element_size()
+    if r < 1 or lse.element_size() % torch.empty((), dtype=dtype).element_size():
+        raise ValueError(f"cannot pack a {lse.dtype} lse into {dtype}")
+    packed = lse.contiguous().view(dtype).view(*lse.shape, r)
+    return torch.cat([o.to(dtype), packed], -1)
+
+
+def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
+    """Inverse of `pack_partial`: x [T, H, D + r] -> (o [T, H, D] in `acc`, lse [T, H] in `acc`, bit-exact
+    as packed)."""
+    o = x[..., :head_dim].to(acc)
+    lse = x[..., head_dim:].contiguous().view(acc)[..., 0]
+    return o, lse
+
+
+def merge_partials(o: torch.Tensor, lse: torch.Tensor):
+    """Exact merge of P partial states of the same rows: o [P, T, H, D], lse [P, T, H] (acc dtype) ->
+    (out [T, H, D], lse [T, H]); rows with every partial lse = -inf give out 0 and lse -inf, never NaN.
+    The fused lse merge of Split-KV's owner (DESIGN.md section 2, forward step 3, done after an
+    all-to-all instead of an all-reduce MAX + reduce-scatter)."""
+    m_safe, w = lse_weights(lse, lse.max(0).values)
+    return finalize(torch.einsum("pthd,pth->thd", o, w), w.sum(0), m_safe)
+
+
 # ----------------------------------------------------------------------------- own block in the kernel
 
 #: Region 2 (own-block keys) starts at a multiple of this (FlexAttention's key tile, `kernels.flex.TILE`),

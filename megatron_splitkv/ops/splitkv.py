@@ -1,7 +1,7 @@
 """Split-KV attention: exact context-parallel DFlash attention with query-sized communication.
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2. Every collective moves O(Lq * H * D) bytes,
-independent of the context length. Two optimisations of docs/perf-notes.md are built in:
+independent of the context length. Three optimisations of docs/perf-notes.md are built in:
 
 1. Own block fused into the local kernel: this rank's k_blk/v_blk are appended after its sorted context
    keys (padded to a multiple of 128, invalid blocks' rows zeroed: `ops.common.with_own_keys`) and its
@@ -11,34 +11,40 @@ independent of the context length. Two optimisations of docs/perf-notes.md are b
    the kernel's (O_r, lse_r) already include the B x B own-block attention; the cross-rank merge does
    the rest (no separate own-block pass or merge), and the kernel's dk/dv of the appended rows are
    dk_blk/dv_blk. k_blk = v_blk = None: context keys only (`chunk_masks`).
-2. Chunked merge pipeline: the gathered query rows are split into k chunks (chunk c = the blocks
-   [b0_c, b1_c) of EVERY rank's padded segment, `SplitKVMetadata.chunks`), so each chunk's reduce-scatter
-   delivers rows to their owners. Forward per chunk: all-gather the chunk's Q (prefetched one chunk
-   ahead), local kernel, asynchronous lse all-reduce MAX, then (one chunk later, when the next kernel has
-   been issued) weights and an asynchronous reduce-scatter of [O * w | w]. Before the LAST chunk's kernel
-   the previous chunk is finished first, so its reduce-scatter overlaps that kernel. Backward per chunk:
-   all-gather the chunk's dO and (delta, lse) (prefetched one chunk ahead), kernel backward against the
-   full local keys (dk/dv accumulated in fp32 across chunks), asynchronous reduce-scatter of dQ. Exposed
-   on the GPU (NCCL streams, `async_op=True`, compute on the current stream): forward the first Q chunk
-   gather, the last two chunks' lse all-reduces and the last reduce-scatter; backward the first
-   dO/stats gather and the last dQ reduce-scatter. Bytes per collective name are unchanged by chunking
-   (only the record count grows, k per name).
+2. Fused lse merge over an all-to-all: each rank sends every owner the partial state of the owner's rows,
+   O_r in the inputs' dtype (the precision FlexAttention and TE store O in) with lse_r appended
+   bit-exact (`ops.common.pack_partial`), in ONE all-to-all; the owner merges its P partials in fp32
+   (`merge_partials`: max, weights, sums, -inf rows safe). This replaces the all-reduce MAX plus the fp32
+   reduce-scatter of [O * w | w] of DESIGN.md section 2 (same result: the weights are formed from the
+   same lse values, in fp32, at the owner), with half the bytes for bf16 inputs and one collective
+   instead of two. dQ likewise: every rank sends its dQ partials in the inputs' dtype and the owner sums
+   them in fp32.
+3. Chunked merge pipeline (`num_chunks`, default 1): the gathered query rows are split into k chunks
+   (chunk c = the blocks [b0_c, b1_c) of EVERY rank's padded segment, `SplitKVMetadata.chunks`), so each
+   chunk's all-to-all delivers rows to their owners. Forward per chunk: all-gather the chunk's Q
+   (prefetched one chunk ahead), local kernel, asynchronous all-to-all of [O | lse] (overlapping the
+   next chunk's kernel); the owner's merges at the end. Backward per chunk: all-gather the chunk's dO and
+   (delta, lse) (prefetched one chunk ahead), kernel backward against the full local keys (dk/dv
+   accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
+   `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
+   Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm import all_gather, all_reduce_max, reduce_scatter
+from ..comm import all_gather, all_to_all
 from .common import (
     cast,
     delta_and_dout,
-    finalize,
     kernel_backward,
     kernel_forward,
-    lse_weights,
+    merge_partials,
+    pack_partial,
     pad_rows,
     split_own_grad,
+    unpack_partial,
     unsort,
     with_own_keys,
     zero_invalid_rows,
@@ -69,43 +75,28 @@ class _SplitKV(torch.autograd.Function):
             b0, b1 = chunks[c]
             return all_gather(q_pad[b0 * bsz:b1 * bsz], g, "splitkv.fwd.q", async_op=True)
 
-        n = len(chunks)
-        q_chunks, lses, outs, states = [], [], [], []
-        pend_q, pend_m, pend_rs = gather_q(0), [None] * n, [None] * n
-        m_own = [None] * n
-
-        def finish(c):
-            # 3. merge across ranks: global row max (issued after chunk c's kernel), then the
-            #    reduce-scatter of [O_r * w | w] to the owners, asynchronously.
-            m = pend_m[c].wait()
-            m_safe, w = lse_weights(lses[c], m)
-            rc = (chunks[c][1] - chunks[c][0]) * bsz
-            m_own[c] = m_safe[g.rank * rc:(g.rank + 1) * rc]
-            part = torch.cat([outs[c] * w[..., None], w[..., None]], -1)
-            outs[c] = lses[c] = None  # the kernel's fp32 partials are not needed any more
-            pend_rs[c] = reduce_scatter(part, g, "splitkv.fwd.out", async_op=True)
-
+        n, P = len(chunks), g.size
+        q_chunks, states, pend_o = [], [], []
+        pend_q = gather_q(0)
         for c in range(n):
             nxt = gather_q(c + 1) if c + 1 < n else None
             q_c = pend_q.wait()
             pend_q = nxt
-            if c == n - 1 and c > 0:
-                finish(c - 1)  # so that its reduce-scatter overlaps the last kernel
             # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
             #    for this rank's own blocks, the own block); intervals precomputed per step.
             o_r, lse_r, state = kernel_forward(plan, q_c, k_x, v_x, masks[c])
             q_chunks.append(q_c)
-            outs.append(o_r)
-            lses.append(lse_r)
             states.append(state)
-            pend_m[c] = all_reduce_max(lse_r.clone(), g, "splitkv.fwd.lse_max", async_op=True)
-            if 0 < c < n - 1:
-                finish(c - 1)
-        finish(n - 1)
+            # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
+            #    one asynchronous all-to-all per chunk, overlapping the next chunk's kernel.
+            pend_o.append(all_to_all(pack_partial(o_r, lse_r, q.dtype), g, "splitkv.fwd.out", async_op=True))
+            del o_r, lse_r
         out_parts, lse_parts = [], []
         for c in range(n):
-            part = pend_rs[c].wait()
-            o_c, l_c = finalize(part[..., :d], part[..., d], m_own[c])
+            # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums)
+            rc = (chunks[c][1] - chunks[c][0]) * bsz
+            o_all, lse_all = unpack_partial(pend_o[c].wait(), d, plan.acc)
+            o_c, l_c = merge_partials(o_all.view(P, rc, *o_all.shape[1:]), lse_all.view(P, rc, -1))
             out_parts.append(o_c)
             lse_parts.append(l_c)
         out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
@@ -144,14 +135,15 @@ class _SplitKV(torch.autograd.Function):
             dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
                                                stats_all[..., 1], delta_all, ctx.states[c])
             ctx.states[c] = None
-            # reduce-scatter dQ (fp32) to the owners while the next chunk's backward runs
-            pend_dq.append(reduce_scatter(dq_r, g, "splitkv.bwd.dq", async_op=True))
+            # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
+            pend_dq.append(all_to_all(dq_r.to(q.dtype), g, "splitkv.bwd.dq", async_op=True))
             if dk_x is None:
                 dk_x, dv_x = dk_c, dv_c
             else:
                 dk_x += dk_c
                 dv_x += dv_c
-        dq = [p.wait() for p in pend_dq]
+        # the owner sums the P partials of its rows in fp32
+        dq = [p.wait().view(g.size, -1, *q.shape[1:]).to(plan.acc).sum(0) for p in pend_dq]
         dq = (dq[0] if n == 1 else torch.cat(dq))[:rows]
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
@@ -170,10 +162,10 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Each CP rank passes its own query blocks and its own (arbitrary, planner-chosen) context tokens.
     Forward: all-gather Q (block metadata: once per step); attend all gathered queries to the local
     context, and this rank's own blocks also to their own B keys, in ONE local-kernel call (fp32
-    out/lse; the own keys are appended after the sorted context, see the module docstring); merge by
-    lse with an all-reduce MAX and a reduce-scatter of [O * exp(lse - max) | exp(lse - max)] (fp32) back
-    to the query owners. Backward: all-gather dO and the global (delta, lse); local kernel backward with
-    the global statistics; reduce-scatter dQ (fp32); dK/dV of the context and of the own block stay
+    out/lse; the own keys are appended after the sorted context, see the module docstring); send each
+    row's partial (O in q's dtype, lse bit-exact) to its owner in one all-to-all, where the P partials
+    merge by lse in fp32. Backward: all-gather dO and the global (delta, lse); local kernel backward with
+    the global statistics; all-to-all of the dQ partials (q's dtype), summed in fp32 by the owner; dK/dV of the context and of the own block stay
     local. Both passes run over `num_chunks` query chunks, overlapping each chunk's collectives with the
     next chunk's kernel. Every collective is query-sized (O(Lq * Hq * D)), independent of the context
     length and of the chunk count.
