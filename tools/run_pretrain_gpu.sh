@@ -25,7 +25,7 @@ OUT=${OUT:-out/pretrain_gpu}
 BUDGET_S=${BUDGET_S:-200}
 ITERS=${ITERS:-100}
 FEAT=${FEAT:-.gpu/feat}
-PY=${PY:-python3}
+PY=${PYTHON:-${PY:-python3}}  # PYTHON, as in tests/nightly/run.sh and tools/run_gpu_suite.sh (PY still works)
 SITE=${SITE:-/tmp/site}  # where the megatron-core wheel goes when it is not importable
 SEED=${SEED:-1234}
 mkdir -p "$OUT"

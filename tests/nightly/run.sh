@@ -15,6 +15,7 @@ while [[ $# -gt 0 ]]; do
     --master-port) MASTER_PORT="$2"; shift 2;;
     --bench) BENCH=1; shift;;
     --) shift; EXTRA=("$@"); break;;
+    -h|--help) sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; echo "Python: \$PYTHON (default python3); NIGHTLY_CPU=1: gloo on CPU"; exit 0;;
     *) echo "unknown argument: $1" >&2; exit 2;;
   esac
 done
