@@ -13,6 +13,7 @@ A case is a plain dict (picklable, rebuilt identically on every rank from its se
          "even"; tokens are assigned to ranks at random and given to each rank in shuffled order,
     p_invalid: probability of an invalid block (anchor -1), p_zero: probability of anchor 0,
     full: optional, every block's anchor beyond its sequence end (sees the whole sequence),
+    num_chunks: optional, Split-KV's chunk count (passed to the call, or to prepare with metadata),
     anchors: optional explicit list of anchors (global block order), q_seqs likewise,
     ctx_idx: optional explicit list (len P) of global context token index lists.
 """
@@ -146,13 +147,14 @@ def run_local(op, c, rank, cp_group=None):
         md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
-                                          device=dev)
+                                          device=dev, num_chunks=c.get("num_chunks"))
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
                            backend=backend, return_lse=True)
     else:
+        extra = {"num_chunks": c["num_chunks"]} if c.get("num_chunks") is not None else {}  # splitkv only
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                           cp_group=cp_group, backend=backend, return_lse=True)
+                           cp_group=cp_group, backend=backend, return_lse=True, **extra)
     assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
     loss_of(out, lse, dout, dlse).backward()
     res = dict(out=out.detach().double().cpu(), lse=lse.detach().double().cpu())

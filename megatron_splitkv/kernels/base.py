@@ -42,6 +42,11 @@ Kernels implement:
             P = exp(scale * q k^T - lse) on visible entries, 0 elsewhere (and on rows with lse = -inf)
             dV = P^T dO ;  dS = P * (dO V^T - delta) ;  dQ = scale * dS K ;  dK = scale * dS^T Q
         The rows of dk/dv of region 2 are the own-block gradients (dk_blk, dv_blk in the ops).
+
+    check_dtype(dtype, device) (optional): raise ValueError when the kernel cannot run `dtype` on
+        `device`. The ops call it once per call, before their first data collective, so that every rank
+        raises (a rank without queries or keys never calls forward/backward, whose own checks would
+        then fire on the other ranks only and leave this one waiting in a collective).
 """
 
 from dataclasses import dataclass

@@ -41,7 +41,9 @@ Further details:
   rowsum(dO * O) from an O tensor. The kernel passes O' = dO * delta / rowsum(dO * dO) (rounded to the
   input dtype; relative error of the implied delta <= 2**-8 for bf16), which gives rowsum(dO * O') =
   delta. Rows with dO = 0 and delta != 0 (only possible through a gradient of the returned lse) cannot be
-  expressed that way: when any exists (one host sync per backward call), the whole call falls back to
+  expressed that way, nor rows whose |dO|^2 is subnormal in fp32 while delta != 0 (the ratio is then
+  inexact or overflows) or whose O' overflows the input dtype (tiny dO with a large lse gradient, e.g.
+  |dO| ~ 1e-7 in fp16): when any exists (one host sync per backward call), the whole call falls back to
   the math kernel's backward, which is exact.
 * Segment tables (cu_seqlens, offsets, the key-major permutation) are built on the host once per mask
   and cached on the mask object (`mask._te_plans`; one host sync per step when the mask comes from
@@ -272,6 +274,14 @@ class TEAttentionKernel:
             cache[groups] = te_plan(mask, groups)
         return cache[groups]
 
+    def check_dtype(self, dtype, device=None):
+        """Raise ValueError when this backend cannot run `dtype` (the ops call it once per call, before
+        their first data collective, so that every rank raises instead of only the ranks whose kernel
+        runs: a rank without keys never calls the kernel)."""
+        if dtype not in self.te.dtypes:
+            raise ValueError(f"backend='te' supports q/k/v dtypes {self.te.dtypes}, got {dtype}; use "
+                             "backend='flex' or 'math'")
+
     def _check(self, q, k, v):
         if q.dtype not in self.te.dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"backend='te' supports q/k/v dtypes {self.te.dtypes}, got {q.dtype}/{k.dtype}/"
@@ -330,12 +340,14 @@ class TEAttentionKernel:
         do_p = prm(dout.to(q.dtype))
         delta_p = prm(delta.to(acc))
         sq = do_p.to(acc).square().sum(-1)
-        if bool(((sq == 0) & (delta_p != 0)).any()):  # delta not expressible as rowsum(dO * O')
+        o_p = (do_p.to(acc) * (delta_p / torch.where(sq > 0, sq, 1.0))[..., None]).to(q.dtype)
+        # delta not expressible as rowsum(dO * O'): dO = 0 (or |dO|^2 subnormal, the ratio then inexact
+        # or overflowing) with delta != 0, or O' overflowing q's dtype (one host sync)
+        if bool((((sq < torch.finfo(acc).tiny) & (delta_p != 0)) | ~torch.isfinite(o_p).all(-1)).any()):
             from .math import MathAttentionKernel  # noqa: PLC0415
 
             dq, dk, dv = MathAttentionKernel().backward(q, k, v, mask, scale, dout, lse, delta, None)
             return dq.to(acc), dk.to(acc), dv.to(acc)
-        o_p = (do_p.to(acc) * (delta_p / torch.where(sq > 0, sq, 1.0))[..., None]).to(q.dtype)
         lse_p = prm(lse.to(acc))
         stats = torch.where(torch.isfinite(lse_p), lse_p, _BIG).contiguous()
         q_p = prm(q)

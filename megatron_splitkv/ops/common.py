@@ -115,7 +115,9 @@ def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torc
     r = lse.element_size() // torch.empty((), dtype=dtype).element_size()
     if r < 1 or lse.element_size() % torch.empty((), dtype=dtype).element_size():
         raise ValueError(f"cannot pack a {lse.dtype} lse into {dtype}")
-    packed = lse.contiguous().view(dtype).view(*lse.shape, r)
+    # flattened first: .contiguous() keeps any stride on a size-1 dim (e.g. [T, 1] for one head, as
+    # FlexAttention returns it), and a dtype view needs stride 1 in the last dim
+    packed = lse.contiguous().reshape(-1).view(dtype).view(*lse.shape, r)
     return torch.cat([o.to(dtype), packed], -1)
 
 

@@ -95,9 +95,14 @@ NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
 DEFAULT_NUM_CHUNKS = 1
 
 
+#: requested chunk counts are saturated at this value (int64-safe; far above any block count)
+_MAX_REQUESTED_CHUNKS = 1 << 62
+
+
 def _requested_chunks(num_chunks) -> int:
     """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
-    variable NUM_CHUNKS_ENV, else 0 (automatic). Raises ValueError for a non-positive / non-int value."""
+    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**62. Raises ValueError for a
+    non-positive / non-int value."""
     if num_chunks is None:
         env = os.environ.get(NUM_CHUNKS_ENV, "").strip()
         if not env:
@@ -110,8 +115,11 @@ def _requested_chunks(num_chunks) -> int:
     else:
         what = "num_chunks"
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        raise ValueError(f"{what} must be None or a positive int, got {num_chunks!r}")
-    return num_chunks
+        none_or = "None or " if what == "num_chunks" else ""
+        raise ValueError(f"{what} must be {none_or}a positive int, got {num_chunks!r}")
+    # saturated so that it fits the int64 agreement row (a larger value is clamped to the block count
+    # anyway); an int beyond int64 would otherwise fail on its own rank only, outside the group verdict
+    return min(num_chunks, _MAX_REQUESTED_CHUNKS)
 
 
 def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
@@ -127,7 +135,7 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
     Raises:
         ValueError: num_chunks (or the environment variable) not a positive int.
     """
-    req = num_chunks if num_chunks == 0 and not isinstance(num_chunks, bool) else _requested_chunks(num_chunks)
+    req = 0 if type(num_chunks) is int and num_chunks == 0 else _requested_chunks(num_chunks)
     if req == 0:
         req = DEFAULT_NUM_CHUNKS
     return max(1, min(req, max_blocks))
@@ -571,8 +579,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
-    return Plan(name=name, meta=meta, scale=scale,
-                kernel=get_kernel(backend, meta.device, meta.dtype, head_dim=d), acc=acc_dtype(meta.dtype))
+    kernel = get_kernel(backend, meta.device, meta.dtype, head_dim=d)
+    check_dtype = getattr(kernel, "check_dtype", None)
+    if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
+        try:
+            check_dtype(meta.dtype, meta.device)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
@@ -630,7 +644,10 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError(f"block_size={block_size!r} differs from the metadata's block_size={meta.block_size}")
     if cp_group is not None and cp_group is not meta.group.pg:
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
-    if num_chunks is not None and num_chunks != meta.num_chunks:
+    # num_chunks: a positive int (bool, float, 0, ... raise) that resolves, i.e. clamps, to the metadata's
+    # chunk count: the metadata's num_chunks or the value given to prepare_splitkv_metadata
+    if num_chunks is not None and \
+            max(1, min(_requested_chunks(num_chunks), max(meta.n_blocks))) != meta.num_chunks:
         raise ValueError(f"num_chunks={num_chunks!r} differs from the metadata's num_chunks={meta.num_chunks} "
                          "(the chunking is fixed at prepare time: pass num_chunks to prepare_splitkv_metadata)")
     check_scale_backend(softmax_scale, backend)
@@ -659,10 +676,11 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
 
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
     [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
-    dtype and device as prepared; num_chunks None or the metadata's. Every rank checks against the same agreed
-    size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the
-    ValueError is raised on that rank only, and the other ranks then block in the call's first
-    collective (until the process group's timeout), as Megatron-Core does on shape mismatches; with
+    dtype and device as prepared; num_chunks None or a positive int that clamps to the metadata's
+    (e.g. the value given to prepare). Every rank checks against the same agreed size table, so a
+    mismatch is a programming error on the rank that raises. Without `group_check` the ValueError is
+    raised on that rank only, and the other ranks then block in the call's first collective (until the
+    process group's timeout), as Megatron-Core does on shape mismatches; with
     `group_check=True` the verdict is all-gathered and every rank raises the same ValueError.
     """
     err = ""

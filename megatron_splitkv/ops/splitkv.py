@@ -96,7 +96,8 @@ class _SplitKV(torch.autograd.Function):
             # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums)
             rc = (chunks[c][1] - chunks[c][0]) * bsz
             o_all, lse_all = unpack_partial(pend_o[c].wait(), d, plan.acc)
-            o_c, l_c = merge_partials(o_all.view(P, rc, *o_all.shape[1:]), lse_all.view(P, rc, -1))
+            o_c, l_c = merge_partials(o_all.view(P, rc, *o_all.shape[1:]),
+                                      lse_all.view(P, rc, *lse_all.shape[1:]))  # rc may be 0: no -1
             out_parts.append(o_c)
             lse_parts.append(l_c)
         out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
@@ -143,7 +144,9 @@ class _SplitKV(torch.autograd.Function):
                 dk_x += dk_c
                 dv_x += dv_c
         # the owner sums the P partials of its rows in fp32
-        dq = [p.wait().view(g.size, -1, *q.shape[1:]).to(plan.acc).sum(0) for p in pend_dq]
+        # (explicit row counts: a chunk may hold no rows at all when every rank has zero blocks)
+        dq = [p.wait().view(g.size, (b1 - b0) * bsz, *q.shape[1:]).to(plan.acc).sum(0)
+              for p, (b0, b1) in zip(pend_dq, chunks)]
         dq = (dq[0] if n == 1 else torch.cat(dq))[:rows]
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
@@ -208,7 +211,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             (see `ops.metadata.resolve_num_chunks`). Chunk c = blocks [c * nb // k, (c + 1) * nb // k)
             of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
             `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
-            None or the metadata's `num_chunks`.
+            None, or a positive int that clamps to the metadata's `num_chunks` (e.g. the value given
+            to prepare).
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -227,7 +231,9 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             from what the metadata implies, when num_chunks differs from the metadata's, or when the
             metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
-            `group_check=True`, in which case every rank raises the same ValueError.
+            `group_check=True`, in which case every rank raises the same ValueError. A dtype the
+            backend cannot run (backend "te": bf16/fp16 only; "flex": no float64 on CUDA) raises on every
+            rank that uses that backend, before any data collective.
         ImportError: backend "flex"/"te" not available.
     """
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
