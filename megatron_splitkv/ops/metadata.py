@@ -280,7 +280,8 @@ def _comm_device(group: CommGroup, device) -> torch.device:
 
 def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: str):
     """All-gather [len(err) or -1] + row (int64) over the group; if any rank reported an error, gather
-    the messages and raise the same ValueError on every rank. Returns the table (list of P rows)."""
+    the messages and raise the same ValueError on every rank (ImportError when every reported error is
+    an ImportError: a kernel backend missing there). Returns the table (list of P rows)."""
     msg = err.encode()[:_MAX_MSG]
     local = torch.tensor([len(msg) if err else -1] + list(row), dtype=torch.int64, device=dev)
     table = all_gather(local[None], group, tag).tolist()
@@ -295,7 +296,9 @@ def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: st
         for r in bad:
             by_msg.setdefault(bytes(texts[r][: table[r][0]]).decode(errors="replace"), []).append(r)
         parts = [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {m}" for m, rs in by_msg.items()]
-        raise ValueError(f"{name}: invalid input on CP rank(s) {bad}: " + "; ".join(parts))
+        # a backend missing on some rank(s) stays an ImportError (on every rank), anything else ValueError
+        cls = ImportError if all(m.startswith("ImportError: ") for m in by_msg) else ValueError
+        raise cls(f"{name}: invalid input on CP rank(s) {bad}: " + "; ".join(parts))
     return table
 
 
@@ -576,16 +579,26 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 # ----------------------------------------------------------------------------- per call
 
 
-def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
-    d = meta.head_dim
-    scale = _resolved_scale(softmax_scale, d)
-    kernel = get_kernel(backend, meta.device, meta.dtype, head_dim=d)
+def _resolve_kernel(name, backend, device, dtype, head_dim):
+    """The local kernel for this call, its dtype checked (`check_dtype`, when the kernel has one).
+
+    Raises:
+        ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
+            this dtype on this device."""
+    kernel = get_kernel(backend, device, dtype, head_dim=head_dim)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
-            check_dtype(meta.dtype, meta.device)
+            check_dtype(dtype, device)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
+    return kernel
+
+
+def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
+    d = meta.head_dim
+    scale = _resolved_scale(softmax_scale, d)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d)
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
@@ -604,6 +617,13 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
                _MODE_PLAIN, chunks_req]
+        # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
+        # ranks must raise on every rank, not leave the others waiting in the data collectives
+        _resolve_kernel(name, backend, q.device, q.dtype, d)
+    except ImportError as exc:  # kept an ImportError on every rank (`_raise_if_any`)
+        if group.size == 1:
+            raise
+        err = _local_error(exc)
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
