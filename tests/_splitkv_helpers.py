@@ -6,7 +6,7 @@ Expected values always come from `dflash_attention_reference` (float64, dense), 
 A case is a plain dict (picklable, rebuilt identically on every rank from its seed):
     seed, P, B, Hq, Hkv, D, dtype ("float64" | "float32" | "bfloat16" | "float16"),
     optional: seq_ids (sequence index -> id), poison (NaN/inf in unseen keys and invalid blocks),
-    metadata (call through prepare_splitkv_metadata / metadata=),
+    metadata (call through prepare_splitkv_metadata / metadata=), group_check (prepare with it),
     seq_lens: list of context lengths per packed sequence,
     blocks: list (len P) of query block counts per rank (zeros allowed),
     ctx: list (len P) of context token counts per rank (zeros allowed; sum = sum(seq_lens)), or
@@ -147,7 +147,8 @@ def run_local(op, c, rank, cp_group=None):
         md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
-                                          device=dev, num_chunks=c.get("num_chunks"))
+                                          device=dev, num_chunks=c.get("num_chunks"),
+                                          group_check=c.get("group_check", False))
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
                            backend=backend, return_lse=True)
     else:

@@ -352,8 +352,9 @@ def test_shared_case_c10_chunked_error_does_not_grow_with_p(chunked_cases_run, c
 
 
 def _te_on_one_rank_worker(rank, world):
-    """Rank 0 has a (CPU-emulated) Transformer Engine, rank 1 has none: a plain call with backend='te'
-    must raise the same ImportError on BOTH ranks (before any data collective), never hang rank 0."""
+    """Rank 0 has a (CPU-emulated) Transformer Engine, rank 1 has none: a plain call, and a `metadata=`
+    call prepared with group_check=True, with backend='te' must raise the same ImportError on BOTH ranks
+    (before any data collective), never hang rank 0."""
     import torch.distributed as dist
 
     from megatron_splitkv import kernels
@@ -374,12 +375,13 @@ def _te_on_one_rank_worker(rank, world):
     c = case(7, world, dtype="bfloat16", blocks=[2, 1], ctx=[30, 10], backend="te")
     seen = []
     for op in ("splitkv", "allgather_kv", "ring_kv"):
-        try:
-            run_local(op, c, rank, dist.group.WORLD)
-        except ImportError as exc:
-            seen.append(str(exc))
-        else:
-            raise AssertionError(f"{op}: no ImportError on rank {rank}")
+        for extra in ({}, {"metadata": True, "group_check": True}):
+            try:
+                run_local(op, {**c, **extra}, rank, dist.group.WORLD)
+            except ImportError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError(f"{op} {extra}: no ImportError on rank {rank}")
     # the group is still usable afterwards
     return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
 
@@ -387,6 +389,6 @@ def _te_on_one_rank_worker(rank, world):
 def test_te_on_some_ranks_only_raises_everywhere():
     c = case(7, 2, dtype="bfloat16", blocks=[2, 1], ctx=[30, 10])
     (s0, ok0), (s1, ok1) = run_distributed(_te_on_one_rank_worker, 2, timeout=120)
-    assert s0 == s1 and len(s0) == 3
+    assert s0 == s1 and len(s0) == 6
     assert all("rank 1: ImportError" in m and "pip install 'megatron-splitkv[te]'" in m for m in s0), s0
     check("splitkv", c, [ok0, ok1])

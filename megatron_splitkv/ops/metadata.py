@@ -701,14 +701,20 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     mismatch is a programming error on the rank that raises. Without `group_check` the ValueError is
     raised on that rank only, and the other ranks then block in the call's first collective (until the
     process group's timeout), as Megatron-Core does on shape mismatches; with
-    `group_check=True` the verdict is all-gathered and every rank raises the same ValueError.
+    `group_check=True` the verdict (and whether this rank's kernel backend imports) is all-gathered and
+    every rank raises the same ValueError (ImportError when the backend is missing).
     """
     err = ""
+    grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks)
+        if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
+            _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
+    except ImportError as exc:
+        err = _local_error(exc)
     except ValueError as exc:
-        if not (isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1):
+        if not grouped:
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if meta.group_check and meta.group.size > 1:
