@@ -417,34 +417,9 @@ def _sync(device):
 def time_fn(fn, device, *, reps: int = 10, warmup: int = 3, group=None):
     """Median and min milliseconds of fn() (CUDA events on GPU, perf_counter on CPU), after `warmup`
     untimed calls. With a process group of size > 1 the medians are MAX-reduced over its ranks (the
-    step is as slow as its slowest rank). Returns (median_ms, min_ms, all times list)."""
-    device = torch.device(device)
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    med, mn = statistics.median(times), min(times)
-    if group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) > 1:
-            dev = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-            t = torch.tensor([med, mn], dtype=torch.float64, device=dev)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            med, mn = t.tolist()
-    return med, mn, times
+    step is as slow as its slowest rank). Returns (median_ms, min_ms, all times list); the one-variant
+    case of `time_fns_interleaved`."""
+    return time_fns_interleaved([fn], device, reps=reps, warmup=warmup, group=group)[0]
 
 
 def time_fns_interleaved(fns, device, *, reps: int = 10, warmup: int = 2, group=None):

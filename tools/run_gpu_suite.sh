@@ -84,14 +84,19 @@ log_step_output() {  # keep the log readable: drop repeated warnings
   grep -v -E "UserWarning|warnings.warn|^\s*$" "$WORK/$1.out" >> "$LOG"
 }
 
+skipped() {  # skipped NAME LIMIT: true (and logged) when the budget leaves the step under 15 s
+  if (( $2 < 15 )); then
+    echo "=== [$1] SKIPPED: $(left)s left of ${BUDGET}s" | tee -a "$LOG"
+    STATUS[$1]="skipped (budget)"
+    return 0
+  fi
+  return 1
+}
+
 step() {  # step NAME MAX_SECONDS command...
   local name=$1 max=$2; shift 2
   local lim; lim=$(clip "$max")
-  if (( lim < 15 )); then
-    echo "=== [$name] SKIPPED: $(left)s left of ${BUDGET}s" | tee -a "$LOG"
-    STATUS[$name]="skipped (budget)"
-    return 0
-  fi
+  skipped "$name" "$lim" && return 0
   echo "=== [$name] start at ${SECONDS}s, limit ${lim}s: $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=10 "$lim" "$@" > "$WORK/$name.out" 2>&1
@@ -106,11 +111,7 @@ step() {  # step NAME MAX_SECONDS command...
 step_bg() {  # step_bg NAME MAX_SECONDS command...: like step, in the background (finish with wait_bg NAME)
   local name=$1 max=$2; shift 2
   local lim; lim=$(clip "$max")
-  if (( lim < 15 )); then
-    echo "=== [$name] SKIPPED: $(left)s left of ${BUDGET}s" | tee -a "$LOG"
-    STATUS[$name]="skipped (budget)"
-    return 0
-  fi
+  skipped "$name" "$lim" && return 0
   echo "=== [$name] start (background) at ${SECONDS}s, limit ${lim}s: $*" | tee -a "$LOG"
   timeout --signal=TERM --kill-after=10 "$lim" "$@" > "$WORK/$name.out" 2>&1 &
   BG_PID[$name]=$!
