@@ -996,6 +996,17 @@ def finite(x, fmt="{:.2f}", nan="-"):
 # ------------------------------------------------------------------------------------------ CLI flags
 
 
+def add_workload_args(ap, *, reps: int) -> None:
+    """The workload flags shared by tools/bench_attention.py and tools/simulate_scaling.py (the batch that
+    `make_workload` builds): --anchors, --n-seqs, --loss-mask, --seed, --reps."""
+    ap.add_argument("--anchors", type=int, default=512, help="query budget N (anchors per batch)")
+    ap.add_argument("--n-seqs", type=int, default=1, help="sequences in the batch (context split evenly)")
+    ap.add_argument("--loss-mask", default="all", choices=["all", "doc"],
+                    help="all: anchors uniform over the sequence; doc: only in the last 25%% (long-document QA)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=reps)
+
+
 def csv_arg(value: str) -> list:
     """Comma list flag -> list of non-empty stripped strings."""
     return [x.strip() for x in value.split(",") if x.strip()]

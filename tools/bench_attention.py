@@ -392,14 +392,9 @@ def main(argv=None):
     ap.add_argument("--alt-placement-methods", default="",
                     help="methods that also run the placements after the first (default: --methods; "
                          "allgather-kv's compute does not depend on the context placement)")
-    ap.add_argument("--anchors", type=int, default=512, help="query budget N (anchors per batch)")
-    ap.add_argument("--n-seqs", type=int, default=1, help="sequences in the batch (context split evenly)")
-    ap.add_argument("--loss-mask", default="all", choices=["all", "doc"],
-                    help="all: anchors uniform over the sequence; doc: only in the last 25%% (long-document QA)")
-    ap.add_argument("--reps", type=int, default=10)
+    bench.add_workload_args(ap, reps=10)
     ap.add_argument("--kernel-reps", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="local kernel backend (auto: flex on CUDA)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-path", action="store_true",
                     help="label rows link=socket; launch with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1")
     ap.add_argument("--no-metadata", action="store_true",

@@ -585,6 +585,13 @@ def _cuda_broken(e) -> bool:
     return "CUDA error" in msg or "illegal memory" in msg.lower() or "AcceleratorError" in msg
 
 
+def _row_failed(r: dict, e, dev, label: str):
+    """Record a row's failure in r["error"]; returns `label` when the CUDA context is now broken (later
+    GPU rows must be skipped), else None."""
+    r["error"] = _err_str(e)
+    return label if dev.type == "cuda" and _cuda_broken(e) else None
+
+
 def kernel_compare(dev, cpu, res, args, flush):
     """The compare mode (module docstring). Fills res["compare"]; calls flush() after every section.
 
@@ -694,10 +701,8 @@ def kernel_compare(dev, cpu, res, args, flush):
                         r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
                     ctx_ms[(name, tk)] = r["fwdbwd_ms"]
                 except Exception as e:  # noqa: BLE001
-                    r["error"] = _err_str(e)
                     r["traceback"] = traceback.format_exc(limit=4)
-                    if dev.type == "cuda" and _cuda_broken(e):
-                        broken = f"{name} at Tk {tk}"
+                    broken = _row_failed(r, e, dev, f"{name} at Tk {tk}") or broken
                 del mask, q, k, v, do
             out["rows"].append(r)
             log(f"[compare] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'})}")
@@ -828,9 +833,7 @@ def _own_block_kernel(dev, out, name, kern, own, scale, reps, warm):
         del o, l, st, g
         r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, kb, vb, diag, scale, do, dev, reps, warm)
     except Exception as e:  # noqa: BLE001
-        r["error"] = _err_str(e)
-        if dev.type == "cuda" and _cuda_broken(e):
-            broken = f"{name} (own block)"
+        broken = _row_failed(r, e, dev, f"{name} (own block)") or broken
     out["own_block"].append(r)
     log(f"[own-block] {json.dumps(r)}")
     return broken
@@ -869,9 +872,7 @@ def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx
         if (name, tk) in ctx_ms and "fwdbwd_ms" in ein:
             r["separate_fwdbwd_ms"] = ctx_ms[(name, tk)] + ein["fwdbwd_ms"] + mrg.get("fwd_ms", 0.0)
     except Exception as e:  # noqa: BLE001
-        r["error"] = _err_str(e)
-        if dev.type == "cuda" and _cuda_broken(e):
-            broken = f"{name} (fused)"
+        broken = _row_failed(r, e, dev, f"{name} (fused)") or broken
     out["fused"].append(r)
     log(f"[fused] {json.dumps(r)}")
     return broken

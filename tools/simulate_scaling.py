@@ -338,14 +338,11 @@ def main(argv=None):
     ap.add_argument("--methods", default="splitkv,allgather-kv,ring-kv")
     ap.add_argument("--placements", default="lpt,zigzag", help="splitkv placements (others: first one)")
     ap.add_argument("--ctx-per-rank", type=int, default=16384)
-    ap.add_argument("--anchors", type=int, default=512)
+    bench.add_workload_args(ap, reps=5)
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--Hq", type=int, default=32)
     ap.add_argument("--Hkv", type=int, default=8)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--n-seqs", type=int, default=1)
-    ap.add_argument("--loss-mask", default="all", choices=["all", "doc"])
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-only", action="store_true", help="no GPU: FLOP model for the compute")
     ap.add_argument("--kernel-tflops", type=float, default=320.0,
                     help="model: useful fwd+bwd TF/s of the local kernel through the kernel API (3.5x "
@@ -375,7 +372,6 @@ def main(argv=None):
                          "--own-block-ms from it. A measured overhead is the real op's: adjusted only when "
                          "this flag differs from the tree")
     ap.add_argument("--sample-ranks", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--intra-alpha-us", type=float, default=8.0)
     ap.add_argument("--intra-bw-gbs", type=float, default=225.0)
