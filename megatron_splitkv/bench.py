@@ -30,8 +30,10 @@ docs/benchmarks.md use 2.5 x for forward + backward; multiply their TF/s by 1.4 
 Communication volumes: `predicted_records(method, ...)` returns, collective by collective, the records
 (op name, kind, bytes under `megatron_splitkv.comm`'s per-rank convention, message bytes) that the ops
 issue; tests/test_simulate_scaling.py checks them against `comm_stats()` of the real ops on gloo.
-`AlphaBeta` turns a record into seconds; `fit_alpha_beta` fits it to measured collectives
-(`measure_collectives`).
+`AlphaBeta` turns a record into seconds (flat ring of P ranks); `LinkModel` times it under a topology
+("flat": that ring; "node": P ranks on nodes of `gpus_per_node` GPUs, NVLink inside and one NIC per GPU
+between, NCCL's ring and all-to-all structure: formulas in its docstring); `fit_alpha_beta` fits
+`AlphaBeta` to measured collectives (`measure_collectives`).
 
 Source: DESIGN.md sections 1-3 and 5, /work/.library/device/METHOD.md (timing method), arXiv 2611.05926.
 """
@@ -865,31 +867,133 @@ class AlphaBeta:
 
 @dataclass
 class LinkModel:
-    """Per-kind `AlphaBeta` for intra-node (NVLink) and inter-node links. P <= gpus_per_node uses
-    `intra`, larger groups `inter` (a ring over nodes is as fast as its inter-node hop).
+    """Time of one collective over P ranks: per-kind `AlphaBeta` for the intra-node link (NVLink) and the
+    inter-node link (one NIC per GPU), under one of two topologies.
 
-    Defaults (stated, not measured): intra: 8 us per hop, 225 GB/s (DESIGN.md section 5: NVLink all-gather
-    bus bandwidth between two H200s); inter: 15 us per hop, 50 GB/s per GPU (400 Gb/s NIC per GPU,
-    DESIGN.md section 5)."""
+    topology="flat" (the first model, kept for comparison): every collective is a flat ring of P ranks,
+    timed by `AlphaBeta.time` with `intra` when P <= gpus_per_node, else with `inter` for EVERY hop (as
+    if all P ranks sat on separate nodes, one NIC each, and an all-to-all were a reduce-scatter).
+
+    topology="node": P ranks on N = ceil(P / G) nodes of G = gpus_per_node GPUs, ranks node by node (as
+    Megatron lays out a CP group inside a data-parallel replica); L = min(G, P) ranks per node. Per kind,
+    intra (alpha, B) is the one-step collective measured at P = 2 (fitted on the 2-GPU machine, or the
+    stated defaults), split into a per-collective base a0 = s2 * (alpha - h) and a per-hop NVLink latency
+    h = min(intra_hop_s, alpha) (s2: steps at P = 2, 2 for all_reduce, 1 otherwise; NCCL's tuning model,
+    src/graph/tuning.cc of NVIDIA/nccl, also writes a latency as base + per-hop terms); inter (h_net, B_nic)
+    is the per-hop network latency and the per-GPU NIC bandwidth. Then (n = `PredRecord.msg`):
+
+    ring all_gather / reduce_scatter (NCCL ring; the ring visits the L ranks of a node over NVLink and
+    crosses each node boundary once, so it has N network hops and P - N NVLink hops):
+        t = a0 + (P - N) h + (N - 1) h_net + (P - 1) n / min(B, L * B_nic)      [B_nic term only if N > 1]
+      Latency: the last block travels P - 1 hops, N - 1 of them between nodes (NCCL's ring latency is
+      baseLat + (nsteps - nInterSteps) intraLat + nInterSteps interLat with nInterSteps = nNodes - 1,
+      tuning.cc). Bandwidth: every ring link carries (P - 1) n bytes (each rank's result is P - 1 foreign
+      blocks that all arrive over its in-link), so each GPU moves (P - 1) n over NVLink (bus bandwidth B)
+      and each node boundary carries (P - 1) n in and out; NCCL runs several rings (channels) whose
+      boundary crossings use different GPUs' NICs, so a node's L NICs share it: (P - 1) n / (L B_nic)
+      (NCCL's ring busBw is nChannels x the per-channel inter speed, tuning.cc; with a NIC per GPU the
+      ring bus bandwidth across nodes is the node's aggregate NIC bandwidth, not one NIC's). The slower
+      of the two pipelined stages bounds the time. With G = 8 and 50 GB/s NICs, L B_nic = 400 GB/s >
+      the NVLink figures fitted on 2 GPUs (~240 GB/s), so rings stay NVLink-bound across nodes.
+    all_reduce (ring, twice the steps): t = a0 + 2 (P - N) h + 2 (N - 1) h_net + 2 (P - 1) / P n / min(...)
+    all_to_all (`all_to_all_single`: NCCL groups one send and one recv per peer, ncclGroupStart/End, NCCL
+    user guide "Point-to-point communication"; they progress concurrently, so the latency is one path,
+    not P - 1 steps): every rank sends n bytes to each of its P - 1 peers,
+        t = a0 + h_path + (P - 2) c_peer + max(T_nvl, T_net)
+        T_nvl = [(L - 1) n + pxn (P - L) n (L - 1) / L] / B         (on-node peers; PXN relays)
+        T_net = (P - L) n / B_nic                                    (off-node peers, over this GPU's NIC)
+      h_path = h_net when N > 1 else h; c_peer = a2a_peer_s, a stated per-peer issue cost (grouped p2p
+      work is spread over a bounded number of channels, so peers are processed partly in series; not an
+      NCCL figure: an assumption, small next to the bandwidth terms). With PXN (NCCL >= 2.12, default)
+      data for an off-node peer first moves over NVLink to the GPU on the destination's rail, whose NIC
+      sends it (NVIDIA blog "Doubling all2all performance with NCCL 2.12"): (L - 1) / L of the off-node
+      bytes add to NVLink; the NIC load per GPU is the same on average.
+    send / recv (one ring exchange, full duplex): t = a0 + h + n / B if N = 1, else a0 + h_net + n / B_nic
+      (the node-boundary pair of a synchronous ring step sets the step time).
+
+    Properties (tests/test_simulate_scaling.py): at P = 2 both topologies give alpha + n / B (what was
+    fitted); for P <= G the node model uses no inter-node figure; P = 1 costs nothing.
+    Defaults (stated, not measured): intra: 8 us per hop, 225 GB/s (DESIGN.md section 5: NVLink
+    all-gather bus bandwidth between two H200s); inter: 15 us per hop, 50 GB/s per GPU (400 Gb/s NIC per
+    GPU, DESIGN.md section 5); intra_hop_s 3.4 us (NCCL's NVLink ring Simple hwLat, tuning.cc);
+    a2a_peer_s 1 us; pxn True. Not modelled: NCCL's tree / NVLS / PAT algorithms (it may pick them for
+    small messages), congestion in the network, collectives of different streams sharing links."""
 
     intra: dict = field(default_factory=lambda: {k: AlphaBeta(8e-6, 225e9) for k in
                                                  ("all_gather", "reduce_scatter", "all_reduce", "p2p")})
     inter: dict = field(default_factory=lambda: {k: AlphaBeta(15e-6, 50e9) for k in
                                                  ("all_gather", "reduce_scatter", "all_reduce", "p2p")})
     gpus_per_node: int = 8
+    topology: str = "flat"
+    intra_hop_s: float = 3.4e-6
+    a2a_peer_s: float = 1e-6
+    pxn: bool = True
+
+    @staticmethod
+    def _key(table: dict, kind: str) -> str:
+        if kind in ("send", "recv", "p2p"):
+            return "p2p"
+        if kind == "all_to_all":  # timed with its own fit when there is one, else the reduce-scatter's
+            return "all_to_all" if "all_to_all" in table else "reduce_scatter"
+        return kind
 
     def ab(self, kind: str, P: int) -> AlphaBeta:
+        """The flat model's `AlphaBeta` of `kind` at P ranks (intra when P <= gpus_per_node)."""
         table = self.intra if P <= self.gpus_per_node else self.inter
-        if kind == "all_to_all":  # same steps and wire as a reduce-scatter of one block (ring model);
-            kind = "all_to_all" if "all_to_all" in table else "reduce_scatter"  # timed with its fit
-        return table["p2p" if kind in ("send", "recv") else kind]
+        return table[self._key(table, kind)]
+
+    def nodes(self, P: int):
+        """(N nodes, L ranks per node) of P ranks in the node topology."""
+        G = max(int(self.gpus_per_node), 1)
+        return -(-int(P) // G), min(G, int(P))
+
+    def parts(self, kind: str, P: int, n: float) -> dict:
+        """The node model's pieces of one collective, in seconds: latency, nvlink (NVLink bandwidth
+        time), network (NIC bandwidth time), and combine ("max": the two overlap, time = latency +
+        max(nvlink, network)). See the class docstring for the formulas."""
+        z = dict(latency=0.0, nvlink=0.0, network=0.0)
+        if P <= 1:
+            return z
+        N, L = self.nodes(P)
+        ia = self.intra[self._key(self.intra, kind)]
+        na = self.inter[self._key(self.inter, kind)]
+        h = min(self.intra_hop_s, ia.alpha_s)
+        s2 = 2 if kind == "all_reduce" else 1
+        a0 = s2 * (ia.alpha_s - h)
+        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            m = 2 if kind == "all_reduce" else 1
+            wire = (P - 1) * n if m == 1 else 2.0 * (P - 1) / P * n
+            z["latency"] = a0 + m * ((P - N) * h + (N - 1) * na.alpha_s)
+            z["nvlink"] = wire / ia.bw
+            z["network"] = wire / (L * na.bw) if N > 1 else 0.0
+        elif kind == "all_to_all":
+            z["latency"] = a0 + (na.alpha_s if N > 1 else h) + (P - 2) * self.a2a_peer_s
+            off = (P - L) * n
+            z["nvlink"] = ((L - 1) * n + (off * (L - 1) / L if self.pxn else 0.0)) / ia.bw
+            z["network"] = off / na.bw
+        elif kind in ("send", "recv", "p2p"):
+            if N > 1:
+                z["latency"], z["network"] = a0 + na.alpha_s, n / na.bw
+            else:
+                z["latency"], z["nvlink"] = a0 + h, n / ia.bw
+        else:
+            raise ValueError(f"unknown collective kind {kind!r}")
+        return z
 
     def time(self, kind: str, P: int, n: float) -> float:
-        return self.ab(kind, P).time(kind, P, n)
+        """Seconds for one collective of `kind` over P ranks with message n bytes (`PredRecord.msg`)."""
+        if self.topology == "flat":
+            return self.ab(kind, P).time(kind, P, n)
+        if self.topology != "node":
+            raise ValueError(f"topology must be 'flat' or 'node', got {self.topology!r}")
+        z = self.parts(kind, P, n)
+        return z["latency"] + max(z["nvlink"], z["network"])
 
     def to_dict(self):
         f = lambda t: {k: dict(alpha_us=v.alpha_s * 1e6, bw_GBs=v.bw / 1e9) for k, v in t.items()}  # noqa: E731
-        return dict(intra=f(self.intra), inter=f(self.inter), gpus_per_node=self.gpus_per_node)
+        return dict(intra=f(self.intra), inter=f(self.inter), gpus_per_node=self.gpus_per_node,
+                    topology=self.topology, intra_hop_us=self.intra_hop_s * 1e6,
+                    a2a_peer_us=self.a2a_peer_s * 1e6, pxn=self.pxn)
 
 
 def fit_alpha_beta(kind: str, P: int, msg_bytes, seconds) -> AlphaBeta:

@@ -272,11 +272,190 @@ def test_model_only_chunks_and_fused_own_block(tmp_path):
     on = ss.main(base + ["--fused-own-block", "on", "--out", str(tmp_path / "on")])
     off = ss.main(base + ["--fused-own-block", "off", "--out", str(tmp_path / "off")])
     ks = {(r["P"], r["num_chunks"]) for r in on["rows"] if r["method"] == "splitkv"}
-    assert {(1, 1), (1, 4), (2, 1), (2, 4), (64, 1), (64, 4)} <= ks
+    assert {(1, 1), (2, 1), (2, 4), (64, 1), (64, 4)} <= ks and (1, 4) not in ks  # P = 1: nothing to pipeline
     # the stated overhead is the op with a separate own block: fused takes the own-block time off
     assert off["overhead_ms"] - on["overhead_ms"] == pytest.approx(1.5)
-    r_on = {(r["P"], r["method"], r["num_chunks"]): r for r in on["rows"]}
-    r_off = {(r["P"], r["method"], r["num_chunks"]): r for r in off["rows"]}
+    def key(r):
+        return r["P"], r["method"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"]
+
+    r_on = {key(r): r for r in on["rows"]}
+    r_off = {key(r): r for r in off["rows"]}
+    assert len(r_on) == len(on["rows"])
     for key, r in r_on.items():
         assert r_off[key]["total_ms"] - r["total_ms"] == pytest.approx(1.5, abs=0.3)  # + the own tiles' FLOPs
-    assert "k=4" in (tmp_path / "on" / "simulate_scaling.md").read_text()
+    md = (tmp_path / "on" / "simulate_scaling.md").read_text()
+    assert "splitkv k=1" in md and "best k" in md
+
+
+# ------------------------------------------------------------------ topology, overlap and per-P chunking
+
+
+def _link(topology, **kw):
+    link = bench.LinkModel(gpus_per_node=8, topology=topology, **kw)
+    fits = {"all_gather": (56e-6, 240e9), "reduce_scatter": (64e-6, 246e9), "all_reduce": (32e-6, 300e9),
+            "p2p": (113e-6, 296e9)}
+    for k, (a, b) in fits.items():
+        link.intra[k] = bench.AlphaBeta(a, b)
+        link.inter[k] = bench.AlphaBeta(15e-6, 50e9)
+    return link
+
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_node_topology_at_two_ranks_is_the_fitted_collective(kind):
+    """P = 2 on one node: the node model gives exactly what was fitted there (= the flat model)."""
+    node, flat = _link("node"), _link("flat")
+    for n in (4096, 1 << 20, 1 << 27):
+        assert node.time(kind, 2, n) == pytest.approx(flat.time(kind, 2, n), rel=1e-12)
+    assert node.time(kind, 1, 1 << 20) == 0.0
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_node_topology_within_one_node_uses_only_nvlink(kind, P):
+    """P <= gpus per node: no inter-node figure enters; the time is the intra-node (NVLink) model."""
+    a, b = _link("node"), _link("node")
+    for k in b.inter:
+        b.inter[k] = bench.AlphaBeta(1e-3, 1e9)  # absurd network: must not matter inside a node
+    n = 3 << 20
+    assert a.time(kind, P, n) == pytest.approx(b.time(kind, P, n), rel=1e-12)
+    z = a.parts(kind, P, n)
+    assert z["network"] == 0.0
+    ab = a.intra[a._key(a.intra, kind)]
+    h = a.intra_hop_s
+    if kind in ("all_gather", "reduce_scatter"):  # ring of P on NVLink: base + (P - 1) hops
+        assert a.time(kind, P, n) == pytest.approx(ab.alpha_s - h + (P - 1) * h + (P - 1) * n / ab.bw)
+    if kind == "all_to_all":  # P - 1 concurrent peers: one path latency, not (P - 1) alpha
+        assert a.time(kind, P, n) == pytest.approx(ab.alpha_s + (P - 2) * a.a2a_peer_s + (P - 1) * n / ab.bw)
+
+
+def test_ring_all_gather_across_nodes():
+    """P = 64 on 8 nodes: latency = base + 56 NVLink hops + 7 network hops; bandwidth = (P-1) n over the
+    slower of NVLink and the node's 8 NICs."""
+    link = _link("node")
+    n, P = 1 << 20, 64
+    ab, h, hn = link.intra["all_gather"], link.intra_hop_s, 15e-6
+    lat = ab.alpha_s - h + 56 * h + 7 * hn
+    assert link.parts("all_gather", P, n)["latency"] == pytest.approx(lat)
+    # 8 x 50 GB/s = 400 GB/s > 240 GB/s NVLink: NVLink-bound
+    assert link.time("all_gather", P, n) == pytest.approx(lat + 63 * n / ab.bw)
+    for k in link.inter:
+        link.inter[k] = bench.AlphaBeta(15e-6, 10e9)  # 8 x 10 GB/s = 80 GB/s: NIC-bound
+    assert link.time("all_gather", P, n) == pytest.approx(lat + 63 * n / 80e9)
+    # the flat model: 63 inter-node hops at one NIC's bandwidth
+    flat = _link("flat")
+    assert flat.time("all_gather", P, n) == pytest.approx(63 * 15e-6 + 63 * n / 50e9)
+
+
+@pytest.mark.parametrize("pxn", [True, False])
+def test_all_to_all_decomposes_into_on_node_and_off_node_parts(pxn):
+    link = _link("node", pxn=pxn)
+    n, P = 1 << 20, 64  # 7 on-node peers, 56 off-node peers
+    ab = link.intra["reduce_scatter"]  # all_to_all is timed with the reduce-scatter fit on NVLink
+    z = link.parts("all_to_all", P, n)
+    assert z["network"] == pytest.approx(56 * n / 50e9)  # off-node bytes over this GPU's NIC
+    assert z["nvlink"] == pytest.approx((7 * n + (56 * n * 7 / 8 if pxn else 0.0)) / ab.bw)
+    assert z["latency"] == pytest.approx(ab.alpha_s - link.intra_hop_s + 15e-6 + 62 * link.a2a_peer_s)
+    assert link.time("all_to_all", P, n) == pytest.approx(z["latency"] + max(z["nvlink"], z["network"]))
+    # a faster NIC only moves the network part
+    fast = _link("node", pxn=pxn)
+    for k in fast.inter:
+        fast.inter[k] = bench.AlphaBeta(15e-6, 500e9)
+    zf = fast.parts("all_to_all", P, n)
+    assert zf["nvlink"] == z["nvlink"] and zf["latency"] == z["latency"] and zf["network"] < z["network"]
+
+
+def test_flat_k1_without_overlap_reproduces_the_first_model(tmp_path):
+    """--topology flat, k = 1, no projection overlap: T = compute + sum over the op's collectives of
+    (P-1) alpha + (P-1) n / bw (intra figures up to one node, inter beyond) + overhead, as before."""
+    import simulate_scaling as ss
+
+    res = ss.main(["--model-only", "--cps", "1,2,8,16", "--ctx-per-rank", "4096", "--num-chunks", "1",
+                   "--placements", "lpt", "--topology", "node,flat", "--out", str(tmp_path)])
+    a8, b8, a15, b50 = 8e-6, 225e9, 15e-6, 50e9
+    checked = 0
+    for r in res["rows"]:
+        if r["topology"] != "flat" or r["method"] != "splitkv" or r["overlap_q_gather"]:
+            continue
+        P = r["P"]
+        recs = bench.predicted_records("splitkv", P=P, rank=r["slowest_rank"], n_blocks=[512 // P] * P,
+                                       n_ctx=[4096] * P, B=16, Hq=32, Hkv=8, D=128, metadata=True, num_chunks=1)
+        a, b = (a8, b8) if P <= 8 else (a15, b50)
+        comm = sum((P - 1) * a + (P - 1) * x.msg / b for x in recs) * 1e3 if P > 1 else 0.0
+        assert r["comm_ms"] == pytest.approx(comm, rel=1e-9)
+        assert r["total_ms"] == pytest.approx(r["compute_ms"] + comm + r["overhead_ms"], rel=1e-9)
+        checked += 1
+    assert checked == 4
+    node = {(r["P"], r["method"]): r["total_ms"] for r in res["rows"]
+            if r["topology"] == "node" and not r["overlap_q_gather"]}
+    flat = {(r["P"], r["method"]): r["total_ms"] for r in res["rows"]
+            if r["topology"] == "flat" and not r["overlap_q_gather"]}
+    for m in ("splitkv", "allgather-kv", "ring-kv"):
+        assert node[(1, m)] == flat[(1, m)] and node[(2, m)] == pytest.approx(flat[(2, m)])
+    for m in ("splitkv", "allgather-kv"):  # rings stay on NVLink but for the node boundaries
+        assert node[(16, m)] < flat[(16, m)]
+
+
+def test_projection_overlap_hides_the_first_gather_and_the_last_all_to_all():
+    import simulate_scaling as ss
+
+    # forward, k = 1: G + K + A serial; a 1 ms projection hides 1 ms of the 1.5 ms gather
+    assert ss.splitkv_forward_ms([1.5], [10.0], [3.0], pre=0.0) == pytest.approx(14.5)
+    assert ss.splitkv_forward_ms([1.5], [10.0], [3.0], pre=1.0) == pytest.approx(13.5)
+    assert ss.splitkv_forward_ms([1.5], [10.0], [3.0], pre=5.0) == pytest.approx(13.0)  # all hidden
+    # two chunks, pre 0.5: gathers [0, 1], [1, 2] (both issued first); kernels [1, 6], [6, 11]; all-to-alls
+    # [6, 8.5], [11, 13.5]: 13.5 - 0.5 = 13.0 (13.5 without the projection in front)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2.5, 2.5]) == pytest.approx(13.5)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2.5, 2.5], pre=0.5) == pytest.approx(13.0)
+    # backward, k = 1: the projection backward runs under the dQ all-to-all
+    assert ss.splitkv_backward_ms([1.0], [0.5], [20.0], [3.0], post=2.0) == pytest.approx(22.5)
+    assert ss.splitkv_backward_ms([1.0], [0.5], [20.0], [3.0], post=9.0) == pytest.approx(21.5)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 4):
+        for _ in range(30):
+            G, K, A = (list(rng.uniform(0, 5, n)) for _ in range(3))
+            pre = float(rng.uniform(0, 5))
+            t1 = ss.splitkv_forward_ms(G, K, A, pre=pre)  # all gathers issued first (query_gather)
+            assert max(sum(K), sum(G) + sum(A) - pre) - 1e-9 <= t1 <= sum(G) + sum(K) + sum(A) + 1e-9
+            assert t1 >= K[-1] + A[-1] - 1e-9  # the last all-to-all stays exposed
+            D, S, KB, RQ = (list(rng.uniform(0, 5, n)) for _ in range(4))
+            b0, b1 = ss.splitkv_backward_ms(D, S, KB, RQ), ss.splitkv_backward_ms(D, S, KB, RQ, post=pre)
+            assert sum(KB) - 1e-9 <= b1 <= b0 + 1e-9 and b1 >= b0 - min(pre, sum(D) + sum(S) + sum(RQ)) - 1e-9
+    # the projection's FLOPs: 2 * tokens * hidden * 2 * Hkv * D
+    assert ss.kv_proj_flops(16384 + 128, 4096, 8, 128) == 2.0 * 16512 * 4096 * 2048
+
+
+def test_chunk_loss_model():
+    import simulate_scaling as ss
+
+    assert ss.chunked_calls_ms(10.0, [5.0], 0.1) == [10.0]
+    t = ss.chunked_calls_ms(10.0, [1.0, 3.0], 0.1)
+    assert sum(t) == pytest.approx(11.0) and t[1] == pytest.approx(3 * t[0])
+    assert sum(ss.chunked_calls_ms(10.0, [1.0] * 4, ss.CHUNK_LOSS)) == pytest.approx(10.0 * (1 + 3 * ss.CHUNK_LOSS))
+
+
+def test_summary_reports_k1_best_k_and_overlap(tmp_path):
+    import simulate_scaling as ss
+
+    res = ss.main(["--model-only", "--cps", "1,2,64", "--ctx-per-rank", "4096", "--placements", "lpt",
+                   "--out", str(tmp_path)])
+    summ = res["summary"]
+    assert {e["topology"] for e in summ} == {"node", "flat"}
+    for e in summ:
+        rows = [r for r in res["rows"] if r["P"] == e["P"] and r["topology"] == e["topology"]
+                and r["method"] == "splitkv"]
+        for ovl, key in ((False, "best"), (True, "best_ovl")):
+            best = min(r["total_ms"] for r in rows if r["overlap_q_gather"] == ovl)
+            assert e[key]["T"] == pytest.approx(best)
+            assert e[key]["T"] <= e["k1" if not ovl else "k1_ovl"]["T"] + 1e-12
+        assert e["best_ovl"]["T"] <= e["best"]["T"] + 1e-12  # the overlap never hurts
+        base = min(e["allgather_kv"]["T"], e["ring_kv"]["T"])
+        assert e["speedup_vs_best_baseline"] == pytest.approx(base / e["best_ovl"]["T"])
+        if e["P"] == 1:
+            assert e["k1"]["efficiency"] == pytest.approx(1.0) and e["best"]["k"] == 1
+    p64 = [e for e in summ if e["P"] == 64]
+    assert all(e["best"]["k"] >= 1 for e in p64)
+    md = (tmp_path / "simulate_scaling.md").read_text()
+    assert "Topology 'node'" in md and "Topology 'flat'" in md and "best k + ovl" in md

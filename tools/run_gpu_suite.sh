@@ -24,8 +24,11 @@
 #   slow (b). the same at 32K and 128K, CP=2, LPT, with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (socket
 #      transport over lo: the inter-node stand-in), plus the chunk A/B at 128K
 #   simulate (c). torchrun 2 x tools/simulate_scaling.py: collectives measured on the 2 GPUs (alpha-beta
-#      fit), real per-rank shards timed, CP 1, 2, 8..64, splitkv's chunk pipeline and fused own block as
-#      the code does them; table + PNG (+ the model's CP=2 row next to the measured op from `bench`)
+#      fit), real per-rank shards timed (kernel SUITE_SIM_BACKEND, default auto = flex; e.g. staircase),
+#      CP 1, 2, 8..64, splitkv at k = 1, 2, 4 chunks (best k per P), with and without the Q-gather /
+#      dQ all-to-all overlap with the k/v projections (timed on the GPU), under the node topology (8
+#      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model; measuring budget SUITE_SIM_S
+#      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`)
 #   exact. torchrun 2 x tools/gpu_check.py dist --skip op: op exactness at CP=2 over NCCL (bf16 vs float64,
 #      out + five gradients) of this tree's ops
 #   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gpucheck (gpu_check dist
@@ -54,11 +57,13 @@ CHUNKS_AB=${SUITE_CHUNKS_AB-1,2,4}
 AB_CTX=${SUITE_AB_CONTEXTS:-131072}
 TUNE_S=${SUITE_TUNE_S:-75}
 CPU=${SUITE_CPU:-0}
-GC_X=(); BENCH_X=(--row-target-s 0.6 --sdpa-max-lk 32768); TUNE_X=(); SIM_X=(--cps 1,2,8,16,32,64)
+GC_X=(); BENCH_X=(--row-target-s 0.6 --sdpa-max-lk 32768); TUNE_X=()
+SIM_X=(--cps 1,2,8,16,32,64 --backend "${SUITE_SIM_BACKEND:-auto}" --topology node,flat)
 if [[ "$CPU" == 1 ]]; then
   GC_X=(--cpu); BENCH_X=(--cpu-smoke --row-target-s 0.2); TUNE_X=(--cpu); CONTEXTS=512,1024; SLOW_CTX=512
   AB_CTX=1024
-  SIM_X=(--cpu --cps 1,2,4 --ctx-per-rank 256 --anchors 8 --B 4 --Hq 4 --Hkv 2 --D 16 --reps 2)
+  SIM_X=(--cpu --cps 1,2,4 --ctx-per-rank 256 --anchors 8 --B 4 --Hq 4 --Hkv 2 --D 16 --hidden 64 --reps 2 \
+         --gpus-per-node 2 --topology node,flat)
   export NIGHTLY_CPU=1
 fi
 AB_X=()
@@ -209,8 +214,9 @@ if want simulate; then
   BJ="$WORK/bench/bench_attention.json"; KJ="$WORK/kernels/gpu_check_compare$([[ $CPU == 1 ]] && echo _cpu)_w1.json"
   if [[ -s "$BJ" ]]; then SIM_J+=(--bench-json "$BJ"); fi
   if [[ -s "$KJ" ]]; then SIM_J+=(--kernels-json "$KJ"); fi
-  SB=$(( $(left) - 45 )); SB=$(( SB > 65 ? 65 : (SB < 20 ? 20 : SB) ))  # shards measured for SB s, the rest modelled
-  step c_simulate 110 "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s "$SB" "${SIM_J[@]}" --out "$WORK/sim"
+  SIM_S=${SUITE_SIM_S:-65}  # shards measured for SB s (k = 1 of every method first), the rest modelled
+  SB=$(( $(left) - 45 )); SB=$(( SB > SIM_S ? SIM_S : (SB < 20 ? 20 : SB) ))
+  step c_simulate $(( SIM_S + 45 )) "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s "$SB" "${SIM_J[@]}" --out "$WORK/sim"
 fi
 
 # e. the kernel_options sweep, when it could not run next to `kernels`

@@ -5,39 +5,59 @@ splitkv, allgather-kv and ring-kv (issue 6, deliverable 2).
 Weak scaling: context per rank fixed (`--ctx-per-rank`, default 16K; total context = P x that, one
 sequence), query budget fixed (`--anchors` 512 x B 16 = 8192 query rows), anchors sampled as in training,
 context placed by the planner (LPT; `--placements lpt,zigzag` adds splitkv under zigzag). Efficiency
-= T(P0) / T(P) at constant per-rank context, P0 = the smallest P in `--cps` (1 by default; with
-P0 > 1 and several splitkv placements, the fastest placement at P0 is the base).
+= T(P0) / T(P) at constant per-rank context, per method and topology, P0 = the smallest P in `--cps` (1
+by default; the base is the fastest variant at P0: placements, chunk counts, overlap).
 
 T(P) = compute + exposed communication + op overhead, per method, modelled as the code does it
 (read ops/*.py):
   - compute: the local-kernel calls of the slowest rank (`megatron_splitkv.bench.kernel_calls`: splitkv =
     all Lq queries vs the rank's keys, one call per chunk; allgather-kv = the rank's Lq/P queries vs all
     keys; ring-kv = the rank's queries vs each shard, one call per ring step; each with the own block
-    where the op fuses it). Measured mode: each sampled rank's real shard
-    is run on one GPU (`--sample-ranks`: the ranks with the most and the median visible pairs; ring-kv:
-    every step of the most loaded rank), forward + backward through the kernel API. Model mode
-    (`--model-only`): per call `--call-overhead-ms` + 3.5 x 4 x pairs x Hq x D / `--kernel-tflops`.
+    where the op fuses it). Measured mode: each sampled rank's real shard is run on one GPU with the
+    kernel `--backend` (auto = flex; staircase, te, ... as registered in megatron_splitkv.kernels)
+    (`--sample-ranks`: the ranks with the most and the median visible pairs; ring-kv: every step of the
+    most loaded rank), forward + backward through the kernel API; every chunk count's calls are timed
+    (k = 1 of every method first; a chunk count the budget cut is scaled from the measured k = 1 by the
+    chunk-loss model below). Model mode (`--model-only`): per call `--call-overhead-ms` + 3.5 x 4 x pairs x
+    Hq x D / `--kernel-tflops`; splitkv's k chunk calls take the one-call time x (1 + `--chunk-loss` x
+    (k - 1)) (`chunked_calls_ms`; 8.5% per extra chunk, fitted on the measured NVLink chunk A/B).
   - communication: the exact per-collective messages the op issues (`bench.predicted_records`, checked
-    against comm_stats in tests/test_simulate_scaling.py), each timed by an alpha-beta ring model
-    (`bench.LinkModel`): intra-node (P <= `--gpus-per-node`) from collectives measured on this machine's
-    GPUs in the same run (all_gather, reduce_scatter, all_reduce, send/recv fitted separately), else the
-    stated defaults; inter-node (P > gpus per node) `--inter-bw-gbs` (default 50 GB/s per GPU, i.e.
-    400 Gb/s) and `--inter-alpha-us` (default 15 us per hop).
+    against comm_stats in tests/test_simulate_scaling.py), each timed by `bench.LinkModel` under every
+    `--topology` (default node,flat; the first is the headline; formulas in the LinkModel docstring):
+      node: P ranks on ceil(P / `--gpus-per-node`) nodes; NCCL rings cross each node boundary once
+        (latency base + (P - N) NVLink hops (`--intra-hop-us`) + (N - 1) network hops (`--inter-alpha-us`),
+        bandwidth (P - 1) n / min(NVLink, L x NIC)); all-to-all = concurrent send/recv to every peer
+        (latency one path + `--a2a-peer-us` per peer, bandwidth max(on-node bytes / NVLink, off-node bytes
+        / NIC), PXN relay on NVLink unless `--no-pxn`); send/recv over the NIC at node boundaries;
+      flat (the first model): every collective a ring of P ranks, (P - 1) alpha + (P - 1) n / bw, with the
+        inter-node figures for every hop once P > gpus per node.
+    NVLink figures: fitted to collectives measured on this machine's GPUs in the same run (all_gather,
+    reduce_scatter, all_reduce, send/recv separately), or `--link-json` (e.g.
+    docs/results/link_h200x2_2026-11-30c.json, the third H200 run's fit), else stated; inter-node
+    `--inter-node-gbps` (= `--inter-bw-gbs`, GB/s per GPU, default 50, a 400 Gb/s NIC) and
+    `--inter-alpha-us` (default 15 us per hop).
   - overlap, as the code does it (read ops/*.py):
-    splitkv pipelines its merge over k query chunks (`--num-chunks`; `prepare_splitkv_metadata(num_chunks=)`,
-    default 1): the simulator replays the op's issue order on two in-order streams (compute; one NCCL
-    stream) with the cross-stream dependencies (`splitkv_forward_ms`, `splitkv_backward_ms`): forward,
-    Q chunk c + 1 gathered while chunk c's kernel runs, chunk c's all-to-all of [O | lse] (inputs' dtype)
-    issued after its kernel and overlapping the next one, the owners' fused merges at the end, so the
-    first Q gather and the last all-to-all stay exposed; backward, dO/stats of chunk c + 1 gathered while
-    chunk c's kernel runs, each chunk's dQ all-to-all behind the next kernel, the first gathers and the
-    last all-to-all exposed. k = 1 is the serial sum (compute + every collective). Each chunk's
-    collectives pay their latency again (k x the alpha terms), which is what chunking costs at large P.
+    splitkv pipelines its merge over k query chunks (`--num-chunks`: candidates, default 1,2,3,4,6,8 in
+    model-only and 1,2,4 measured; the table reports k = 1 and the best k per P): the simulator replays the
+    op's issue order on two in-order streams (compute; one NCCL stream) with the cross-stream dependencies
+    (`splitkv_forward_ms`, `splitkv_backward_ms`): forward, Q chunk c + 1 gathered while chunk c's kernel
+    runs, chunk c's all-to-all of [O | lse] (inputs' dtype) issued after its kernel and overlapping the
+    next one, the owners' fused merges at the end, so the first Q gather and the last all-to-all stay
+    exposed; backward, dO/stats of chunk c + 1 gathered while chunk c's kernel runs, each chunk's dQ
+    all-to-all behind the next kernel, the first gathers and the last all-to-all exposed. k = 1 is the
+    serial sum (compute + every collective). Each chunk's collectives pay their latency again, and each
+    chunk call loses kernel efficiency: what chunking costs.
+    "+ovl" rows (`--overlap-q-gather on` makes them the headline; both are always computed): the layer
+    starts the Q all-gathers (all chunks, `ops.splitkv_start_query_gather`) before its k/v projections and
+    runs the projections' backward while the dQ all-to-alls are in flight (`splitkv_attention(...,
+    query_gather=)`): forward window = the k/v projection, 2 x (Tk_local + Tq_local) x `--hidden` x 2 Hkv D
+    FLOPs, backward window twice that, at `--matmul-tflops` (790, DESIGN.md section 5) or timed on the GPU
+    in measured mode; the projections are the layer's work, so T(P) does not include them.
     allgather-kv issues its collectives synchronously (no overlap): T = compute + sum(collectives).
-    ring-kv overlaps the exchange of
-    the shard for step s+1 with step s's compute: forward step = max(compute_s, kv_s); backward step =
-    max(compute_s, kv_s + dkv_{s-1}) (the K/V and the dK/dV accumulator exchanges share the link), plus
-    the last dK/dV hop exposed. Ring steps are synchronous: the most loaded rank's step time is used.
+    ring-kv overlaps the exchange of the shard for step s+1 with step s's compute: forward step =
+    max(compute_s, kv_s); backward step = max(compute_s, kv_s + dkv_{s-1}) (the K/V and the dK/dV
+    accumulator exchanges share the link), plus the last dK/dV hop exposed. Ring steps are synchronous:
+    the most loaded rank's step time is used.
     Forward share of kernel time: `--fwd-fraction` (0.29, docs/benchmarks.md: flex fwd 3.06 of 10.15 ms).
   - own block: fused into the kernel call (second intervals over the block keys appended after the
     context, `ops.common.with_own_blocks`) when the tree does it (`--fused-own-block auto`): its few
@@ -50,23 +70,30 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     key gathers per call, cached BlockMasks, ring-kv rotates K/V without keys; its once-per-step cost is
     not in T(P). `--no-metadata` models the self-contained calls instead.
   - op overhead (lse merges, sorting, padding copies, the own block when it is a separate pass): op time
-    minus kernel time at CP=1 (measured in the same run in measured mode; `--op-overhead-ms` otherwise),
+    minus kernel time at CP=1 (measured in the same run in measured mode; `--op-overhead-ms` otherwise:
+    3.4 = the third H200 run's measured 1.41 ms + the 2.0 ms own block a fused model takes off),
     assumed constant in P.
-Not modelled: NCCL kernels slowing the attention kernel (SM contention), hierarchical (2-level)
-collectives, network congestion, and the rest of the layer (projections, MLP).
+Not modelled: NCCL kernels slowing the attention kernel (SM contention), NCCL's tree / NVLS / PAT
+algorithms, network congestion, the op-level cost of chunks beyond their kernel calls in measured mode
+(dK/dV accumulation across chunks), and the rest of the layer (projections, MLP) except as overlap windows.
 
-Outputs to --out: simulate_scaling.json, simulate_scaling.md, simulate_scaling.png (matplotlib), and the
-table printed last. With `--bench-json` (bench_attention.json of the same run) a CP=2 row shows the
-measured op time next to the model's.
+Outputs to --out: simulate_scaling.json (rows for every P x method x placement x k x topology x overlap,
+plus "summary"), simulate_scaling.md (a summary table per topology: splitkv k = 1 / best k, without / with
+the overlap, allgather-kv, ring-kv, speedup; then the headline topology's rows), simulate_scaling.png
+(matplotlib), and the tables printed last. With `--bench-json` (bench_attention.json of the same run) a
+CP=2 row shows the measured op time next to the model's.
 
 Examples (PYTHONPATH=. from the repository root):
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --out $OUT          # measured (2 GPUs)
-  python tools/simulate_scaling.py --model-only --out /tmp/sim             # CPU, FLOP model
+  torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out $OUT
+  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+      --out /tmp/sim                                                        # CPU, FLOP model
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -106,6 +133,33 @@ def model_call_ms(call, *, Hq, D, tflops, overhead_ms):
     return overhead_ms + bench.FWD_BWD_FACTOR * bench.fwd_flops(call.pairs, Hq, D) / (tflops * 1e12) * 1e3
 
 
+#: kernel time lost per extra chunk, as a fraction of the one-chunk kernel time (fitted on the chunk A/B of
+#: docs/benchmarks.md, NVLink, CP=2, 128K, same process: op k = 1 / 2 / 4 = 44.73 / 47.91 / 55.04 ms; with
+#: the ~1 ms of NVLink communication mostly exposed at k = 1 and half hidden at k > 1 the kernel grew by
+#: ~3.7 ms (k = 2) and ~10.9 ms (k = 4) over the 42.4 ms one-chunk kernel: 8.7% and 8.6% per extra chunk)
+CHUNK_LOSS = 0.085
+
+
+def chunked_calls_ms(one_chunk_ms, pairs, chunk_loss):
+    """Per-chunk fwd+bwd ms of Split-KV's k = len(pairs) chunk calls from the time of the same work in ONE
+    call: the total grows to one_chunk_ms * (1 + chunk_loss * (k - 1)) (smaller kernel calls lose
+    efficiency: each chunk call re-reads and re-writes the rank's keys (K/V, dK/dV accumulators) and runs
+    fewer query tiles per key tile), shared by the chunks' visible pairs."""
+    k = len(pairs)
+    tot = float(sum(pairs))
+    total = one_chunk_ms * (1.0 + chunk_loss * (k - 1))
+    if tot <= 0:
+        return [total / k] * k
+    return [total * p / tot for p in pairs]
+
+
+def kv_proj_flops(tokens, hidden, Hkv, D):
+    """Forward FLOPs of the drafter layer's k/v projection on one rank: linear_kv(cat[context features,
+    block tokens]), hidden -> 2 * Hkv * D per token: 2 * tokens * hidden * 2 * Hkv * D. Its backward
+    (dgrad + wgrad) is twice that."""
+    return 2.0 * tokens * hidden * 2 * Hkv * D
+
+
 def comm_time_s(records, P, link: bench.LinkModel):
     """Seconds of a list of non-ring records issued back to back (no overlap)."""
     return sum(link.time(r.kind, P, r.msg) for r in records)
@@ -143,20 +197,33 @@ class Streams:
         return max(self.free.values())
 
 
-def splitkv_forward_ms(G, K, A2A, M=None):
+def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0):
     """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
     two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
     c + 1 (prefetch), wait for chunk c's Q, kernel c, issue chunk c's all-to-all of [O | lse] (after the
     kernel: it overlaps kernel c + 1); then, per chunk, wait for its all-to-all and merge (M[c],
     elementwise on the compute stream). G, K, A2A, M: per-chunk ms (Q all-gather, kernel forward,
-    [O | lse] all-to-all, owner's merge). With k = 1 this is the serial sum G + K + A2A + M."""
+    [O | lse] all-to-all, owner's merge). With k = 1 this is the serial sum G + K + A2A + M.
+
+    pre: ms of compute the layer runs on the compute stream after it started the Q gather and before the
+    first kernel (the k/v projections, with the Q all-gather overlapped with them); it is the layer's
+    work, not the op's, so it is subtracted: the result is the op's time from the moment the projections
+    end (>= the time without `pre` minus `pre`, never less than the compute). With pre > 0 the gathers of
+    ALL chunks are issued first, as `ops.splitkv_start_query_gather` does (then the all-to-alls queue
+    behind them on the NCCL stream)."""
     n = len(K)
     M = M or [0.0] * n
     S = Streams()
     g, a = [None] * n, [None] * n
-    g[0] = S.op("N", G[0])
+    early = pre > 0
+    if early:
+        S.op("C", pre)
+        for c in range(n):
+            g[c] = S.op("N", G[c])
+    else:
+        g[0] = S.op("N", G[0])
     for c in range(n):
-        if c + 1 < n:
+        if c + 1 < n and not early:
             g[c + 1] = S.op("N", G[c + 1])
         S.wait("C", g[c])
         k = S.op("C", K[c])
@@ -164,15 +231,19 @@ def splitkv_forward_ms(G, K, A2A, M=None):
     for c in range(n):
         S.wait("C", a[c])
         S.op("C", M[c])
-    return S.end()
+    return S.end() - pre
 
 
-def splitkv_backward_ms(DO, ST, KB, RQ):
+def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0):
     """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
     per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
     issue chunk c's dQ all-to-all (after the kernel). Ends when the last all-to-all and the compute
     stream are done. DO, ST, KB, RQ: per-chunk ms (dO gather, stats gather, kernel backward, dQ
-    all-to-all). With k = 1 the serial sum."""
+    all-to-all). With k = 1 the serial sum.
+
+    post: ms of compute that may run after the last kernel while the last dQ all-to-all is in flight (the
+    k/v projections' backward, dgrad + wgrad: it needs dK/dV, complete after the last chunk, not dQ); the
+    layer's work, subtracted like `pre` in `splitkv_forward_ms`."""
     n = len(KB)
     S = Streams()
     d, st, rq = [None] * n, [None] * n, [None] * n
@@ -186,18 +257,22 @@ def splitkv_backward_ms(DO, ST, KB, RQ):
         S.wait("C", st[c])
         kb = S.op("C", KB[c])
         rq[c] = S.op("N", RQ[c], [kb])
-    return S.end()
+    if post > 0:
+        S.op("C", post)
+    return S.end() - post
 
 
 _SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
 
 
-def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction):
+def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0)):
     """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
     (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
     (split forward / backward by `fwd_fraction`). Records not chunked (the self-contained call's
     "meta" / "fwd.block_meta" gathers) are exposed, before the pipeline. comm = all collectives' time
-    (what a serial schedule would expose)."""
+    (what a serial schedule would expose). proj_ms = (forward, backward) ms of the k/v projections the
+    layer overlaps with the first Q gather and the last dQ all-to-all ((0, 0): no overlap, the op alone).
+    """
     n = max(len(comp_calls_ms), 1)
     per = {}
     serial = []
@@ -216,20 +291,21 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction):
     comp = list(comp_calls_ms) or [0.0]
     K = [fwd_fraction * c for c in comp]
     KB = [(1 - fwd_fraction) * c for c in comp]
-    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.out"))
-    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"))
+    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.out"), pre=proj_ms[0])
+    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"), post=proj_ms[1])
     comm = sum(serial) + sum(per.values())
     return sum(serial) + t_f + t_b, comm
 
 
-def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms):
+def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms, proj_ms=(0.0, 0.0)):
     """T(P) in ms and its parts for one method. comp_calls_ms: the slowest rank's per-call fwd+bwd ms
     (splitkv: one per chunk; allgather-kv: one; ring-kv: one per step). Overlap as the code does it:
-    splitkv pipelines its chunks (`splitkv_time_ms`; one chunk = no overlap), allgather-kv none,
-    ring-kv overlaps the next shard's exchange with the current step."""
+    splitkv pipelines its chunks (`splitkv_time_ms`; one chunk = no overlap) and, with proj_ms != (0, 0),
+    hides its first Q gather behind the k/v projections and its last dQ all-to-all behind their backward;
+    allgather-kv none, ring-kv overlaps the next shard's exchange with the current step."""
     if method == "splitkv":
         comp = float(sum(comp_calls_ms))
-        t, comm = splitkv_time_ms(P, comp_calls_ms, recs, link, fwd_fraction=fwd_fraction)
+        t, comm = splitkv_time_ms(P, comp_calls_ms, recs, link, fwd_fraction=fwd_fraction, proj_ms=proj_ms)
         return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=max(t - comp, 0.0), overhead_ms=overhead_ms,
                     total_ms=t + overhead_ms)
     if method == "allgather-kv":
@@ -310,11 +386,12 @@ def check_args(ap, args):
     if args.n_seqs > args.ctx_per_rank * min(cps):
         ap.error(f"--n-seqs ({args.n_seqs}) must be <= the smallest total context "
                  f"(--ctx-per-rank x min(--cps) = {args.ctx_per_rank * min(cps)})")
-    for flag in ("kernel_tflops", "intra_bw_gbs", "inter_bw_gbs"):
+    for flag in ("kernel_tflops", "intra_bw_gbs", "inter_bw_gbs", "matmul_tflops"):
         v = getattr(args, flag)
         if not (np.isfinite(v) and v > 0):
             ap.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
-    for flag in ("call_overhead_ms", "op_overhead_ms", "intra_alpha_us", "inter_alpha_us", "budget_s"):
+    for flag in ("call_overhead_ms", "op_overhead_ms", "intra_alpha_us", "inter_alpha_us", "budget_s",
+                 "intra_hop_us", "a2a_peer_us"):
         v = getattr(args, flag)
         if not (np.isfinite(v) and v >= 0):
             ap.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
@@ -324,6 +401,15 @@ def check_args(ap, args):
     if not (np.isfinite(args.own_block_ms) and (args.own_block_ms >= 0 or args.own_block_ms == -1.0)):
         ap.error(f"--own-block-ms must be a finite number >= 0, got {args.own_block_ms}")
     args._num_chunks = nchunks
+    if args.hidden < 1:
+        ap.error(f"--hidden must be >= 1, got {args.hidden}")
+    if not (np.isfinite(args.chunk_loss) and (args.chunk_loss >= 0 or args.chunk_loss == -1.0)):
+        ap.error(f"--chunk-loss must be a finite number >= 0 (or -1: the fitted {CHUNK_LOSS}), got {args.chunk_loss}")
+    args._topologies = bench.choices_arg(ap, "--topology", args.topology, ("node", "flat"), "topology")
+    from megatron_splitkv.kernels import BACKENDS
+
+    if args.backend not in BACKENDS:
+        ap.error(f"--backend: unknown kernel backend {args.backend!r}; valid: {', '.join(BACKENDS)}")
     for flag in ("link_json", "bench_json", "kernels_json"):
         v = getattr(args, flag)
         if v and not os.path.isfile(v):
@@ -344,22 +430,35 @@ def main(argv=None):
     ap.add_argument("--Hkv", type=int, default=8)
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--model-only", action="store_true", help="no GPU: FLOP model for the compute")
+    ap.add_argument("--backend", default="auto",
+                    help="measured mode: local kernel backend the shards are timed with (megatron_splitkv.kernels."
+                         "BACKENDS: auto = flex on CUDA, math on CPU; flex, te, math, and any backend this tree "
+                         "registers, e.g. staircase)")
     ap.add_argument("--kernel-tflops", type=float, default=320.0,
                     help="model: useful fwd+bwd TF/s of the local kernel through the kernel API (3.5x "
-                         "convention; H200 flex 11.97 ms at 16K with a cached mask = 322, docs/benchmarks.md)")
+                         "convention; H200 flex 11.97 ms at 16K with a cached mask = 322, docs/benchmarks.md; "
+                         "a dense-call kernel at 80-90%% of dense SDPA's ~575-600 would be ~460-540)")
     ap.add_argument("--call-overhead-ms", type=float, default=0.3,
                     help="model: fixed ms per kernel call (launches, padding; the BlockMask is cached "
                          "with per-step metadata; without it add ~2 ms, docs/benchmarks.md)")
     ap.add_argument("--no-metadata", action="store_true",
                     help="model the self-contained op calls (masks rebuilt, ring keys travel) instead of "
                          "calls with per-step metadata")
-    ap.add_argument("--op-overhead-ms", type=float, default=6.0,
-                    help="model: op ms beyond the kernel (own block, merges); measured mode measures it")
+    ap.add_argument("--op-overhead-ms", type=float, default=3.4,
+                    help="model: op ms beyond the kernel WITH a separate own-block pass (a fused model takes "
+                         "--own-block-ms off): 3.4 = 1.41 ms measured for the fused op (CP=1 op - kernel, third "
+                         "H200 run, docs/benchmarks.md) + the 2.0 ms stated own block; measured mode measures it")
     ap.add_argument("--fwd-fraction", type=float, default=0.29)
     ap.add_argument("--num-chunks", default="auto",
-                    help="splitkv chunk counts to model, comma list (one splitkv row per value and P), or "
-                         "'auto': the op's default (ops.metadata.resolve_num_chunks: 1 at P = 1, else 4) and "
-                         "1 for comparison when this tree pipelines its merge, else 1")
+                    help="splitkv chunk counts to model, comma list (one splitkv row per value and P; the table "
+                         "reports k = 1 and the best k per P), or 'auto': 1,2,3,4,6,8 (model-only) / 1,2,4 "
+                         "(measured), plus the op's default (ops.metadata.resolve_num_chunks); each clamped to "
+                         "the blocks per rank")
+    ap.add_argument("--chunk-loss", type=float, default=-1.0,
+                    help=f"modelled kernel time lost per extra chunk, fraction of the one-chunk kernel time "
+                         f"(-1: {CHUNK_LOSS}, fitted on the NVLink chunk A/B at CP=2 128K, docs/benchmarks.md). "
+                         f"Used where chunk times are modelled (model-only; measured mode: chunk counts whose "
+                         f"shards were not timed, from the measured k = 1); measured chunk calls carry their own")
     ap.add_argument("--own-block-ms", type=float, default=-1.0,
                     help="fwd+bwd ms of the SEPARATE own-block pass and its lse merge at Lq rows (the pre-fusion "
                          "op; measured by tools/gpu_check.py compare, see --kernels-json); default 2.0 ms "
@@ -371,13 +470,40 @@ def main(argv=None):
                          "stated --op-overhead-ms describes the op WITH a separate own block: fused subtracts "
                          "--own-block-ms from it. A measured overhead is the real op's: adjusted only when "
                          "this flag differs from the tree")
+    ap.add_argument("--overlap-q-gather", default="on", choices=["on", "off"],
+                    help="splitkv's headline variant: the layer overlaps the first Q all-gather with the k/v "
+                         "projections and the last dQ all-to-all with their backward (on), or not (off). "
+                         "Both are always computed and tabulated")
+    ap.add_argument("--hidden", type=int, default=4096,
+                    help="drafter hidden size: the k/v projection is hidden -> 2 * Hkv * D per token")
+    ap.add_argument("--matmul-tflops", type=float, default=790.0,
+                    help="model: bf16 matmul TF/s of the k/v projection (DESIGN.md section 5: ~790 on H200); "
+                         "measured mode times the projection on the GPU instead")
     ap.add_argument("--sample-ranks", type=int, default=2)
+    ap.add_argument("--topology", default="node,flat",
+                    help="communication model(s), comma list, the first is the headline: node (P ranks on "
+                         "ceil(P / gpus-per-node) nodes: NVLink inside, NIC per GPU between; "
+                         "bench.LinkModel) and/or flat (every collective a flat ring of P ranks, all hops "
+                         "inter-node beyond one node: the first model)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--intra-alpha-us", type=float, default=8.0)
-    ap.add_argument("--intra-bw-gbs", type=float, default=225.0)
-    ap.add_argument("--inter-alpha-us", type=float, default=15.0)
-    ap.add_argument("--inter-bw-gbs", type=float, default=50.0)
-    ap.add_argument("--link-json", default="", help="use a fitted intra link from this JSON (simulate output)")
+    ap.add_argument("--intra-alpha-us", type=float, default=8.0,
+                    help="stated NVLink latency per collective step at P = 2 (measured mode fits it)")
+    ap.add_argument("--intra-bw-gbs", type=float, default=225.0,
+                    help="stated NVLink bus bandwidth GB/s (measured mode fits it)")
+    ap.add_argument("--intra-hop-us", type=float, default=3.4,
+                    help="node topology: NVLink latency per extra ring hop (NCCL tuning.cc, ring Simple); the "
+                         "rest of the P = 2 latency is a per-collective base")
+    ap.add_argument("--a2a-peer-us", type=float, default=1.0,
+                    help="node topology: all-to-all issue cost per extra peer (stated assumption)")
+    ap.add_argument("--no-pxn", action="store_true",
+                    help="node topology: off-node all-to-all bytes leave over this GPU's NIC without the PXN "
+                         "NVLink relay")
+    ap.add_argument("--inter-alpha-us", type=float, default=15.0, help="inter-node latency per hop (us)")
+    ap.add_argument("--inter-bw-gbs", "--inter-node-gbps", dest="inter_bw_gbs", type=float, default=50.0,
+                    help="inter-node bandwidth per GPU in GB/s (bytes; 50 = a 400 Gb/s NIC per GPU)")
+    ap.add_argument("--link-json", default="",
+                    help="use a fitted intra link from this JSON (a simulate_scaling.json, or {'link': {'intra': "
+                         "{kind: {alpha_us, bw_GBs}}}})")
     ap.add_argument("--no-measure-collectives", action="store_true")
     ap.add_argument("--bench-json", default="", help="bench_attention.json: show measured CP=2 next to model")
     ap.add_argument("--budget-s", type=float, default=0.0, help="measured mode: stop measuring after this")
@@ -385,6 +511,7 @@ def main(argv=None):
     ap.add_argument("--cpu", action="store_true", help="measured mode on CPU (tiny shapes; tests only)")
     args = ap.parse_args(argv)
     cps, methods, placements = check_args(ap, args)
+    topologies = args._topologies
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
@@ -415,8 +542,9 @@ def main(argv=None):
             if r == rank:
                 _SOLO[0] = g
 
-    # ---- link model
-    link = bench.LinkModel(gpus_per_node=args.gpus_per_node)
+    # ---- link model: one per topology, sharing the fitted / stated figures
+    link = bench.LinkModel(gpus_per_node=args.gpus_per_node, intra_hop_s=args.intra_hop_us * 1e-6,
+                           a2a_peer_s=args.a2a_peer_us * 1e-6, pxn=not args.no_pxn)
     for k in link.intra:
         link.intra[k] = bench.AlphaBeta(args.intra_alpha_us * 1e-6, args.intra_bw_gbs * 1e9)
         link.inter[k] = bench.AlphaBeta(args.inter_alpha_us * 1e-6, args.inter_bw_gbs * 1e9)
@@ -437,7 +565,8 @@ def main(argv=None):
         for k, ab in fits.items():
             link.intra[k] = ab
         link_source = f"fitted to collectives measured on {world} {'GPUs' if dev.type == 'cuda' else 'gloo ranks'}"
-    log(f"[link] {link_source}: {json.dumps(link.to_dict())}")
+    links = {t: dataclasses.replace(link, topology=t) for t in topologies}
+    log(f"[link] {link_source}: {json.dumps(links[topologies[0]].to_dict())}")
 
     # ---- own block: fused into the kernel call (as this tree's ops do) or a separate pass
     tree_fused = bench._fused_own_block()
@@ -455,18 +584,19 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001
             log(f"[own-block] {args.kernels_json}: no own-block timing ({type(e).__name__}: {e}); stated {own_ms} ms")
 
-    # ---- chunk counts of splitkv (the merge pipeline), per P
+    # ---- chunk counts of splitkv (the merge pipeline), per P: candidates, clamped as the op clamps them
     has_chunks = bench._has_chunks()
+    measured = not args.model_only
+    chunk_loss = CHUNK_LOSS if args.chunk_loss < 0 else args.chunk_loss
 
     def chunk_list(P, nb):
-        if args._num_chunks:
-            return list(dict.fromkeys(args._num_chunks))
-        if not has_chunks:
+        if not has_chunks or P == 1:  # nothing to pipeline without communication
             return [1]
-        return sorted({1, bench.resolve_chunks(None, P, nb)})
-
-    def primary_chunks(P, nb):
-        return args._num_chunks[0] if args._num_chunks else (bench.resolve_chunks(None, P, nb) if has_chunks else 1)
+        req = args._num_chunks or ([1, 2, 4] if measured else [1, 2, 3, 4, 6, 8])
+        ks = [bench.resolve_chunks(k, P, nb) for k in req]
+        if not args._num_chunks:
+            ks.append(bench.resolve_chunks(None, P, nb))
+        return sorted(dict.fromkeys(ks), key=lambda k: (k != req[0], k))  # the first requested first
 
     # ---- problems and compute
     plans = {}
@@ -487,12 +617,15 @@ def main(argv=None):
                 elif pl == placements[0]:
                     ks = chunk_list(P, nb)
                 else:
-                    ks = [primary_chunks(P, nb)]
+                    ks = chunk_list(P, nb)[:1]
                 for k in ks:
                     jobs.append((P, m, pl, k))
+    job_index = {jb: j for j, jb in enumerate(jobs)}
 
     # compute tasks: (job index, rank); the most loaded rank of every job first, then the others (so a
-    # budget cut leaves the median ranks to the model, not the slowest); splitkv first, then by P
+    # budget cut leaves the median ranks to the model, not the slowest); k = 1 of every method before the
+    # other chunk counts of splitkv (a chunk count cut by the budget is scaled from the measured k = 1; the
+    # baselines have no such fallback), splitkv first, then by P
     calls_of = {}
     tasks = []
     for j, (P, m, pl, k) in enumerate(jobs):
@@ -503,9 +636,10 @@ def main(argv=None):
             calls_of[(j, r)] = calls
             tasks.append((i, j, r))
     mprio = {m: i for i, m in enumerate(("splitkv", "allgather-kv", "ring-kv"))}
-    tasks = [(j, r) for _, j, r in sorted(tasks, key=lambda t: (t[0], mprio.get(jobs[t[1]][1], 9), jobs[t[1]][0]))]
+    tasks = [(j, r) for _, j, r in sorted(tasks, key=lambda t: (t[0], jobs[t[1]][3] != 1, mprio.get(jobs[t[1]][1], 9),
+                                                                jobs[t[1]][3], jobs[t[1]][0]))]
     comp = {}  # (j, r) -> list of per-call ms
-    measured = not args.model_only
+    proj_rate = None  # measured (fwd, bwd) TF/s of the k/v projection
     if measured:
         mine = [t for i, t in enumerate(tasks) if i % max(world, 1) == rank]
         shapes = dict(Hq=args.Hq, Hkv=args.Hkv, D=args.D)
@@ -515,8 +649,7 @@ def main(argv=None):
                 local[(j, r)] = None
                 continue
             try:
-                kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev,
-                                             backend="auto" if dev.type == "cuda" else "math",
+                kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev, backend=args.backend,
                                              reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]} rank {r}: "
@@ -527,35 +660,44 @@ def main(argv=None):
                 local[(j, r)] = None
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        # op overhead at CP=1: the real op vs its kernel
+        # op overhead at CP=1: the real op vs its kernel; the k/v projection's matmul rate
         op_over = None
         if rank == 0:
             try:
                 plan1 = plans[(1, placements[0])] if (1, placements[0]) in plans else build_problem(1, args, "lpt")
                 x = bench.rank_inputs(plan1, 0, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, device=dev)
-                be = "auto" if dev.type == "cuda" else "math"
                 meta = None if args.no_metadata else bench.prepare_meta(
                     "splitkv", x, block_size=args.B, cp_group=_solo_group(), Hq=args.Hq, Hkv=args.Hkv, D=args.D,
                     dtype=dtype, **({"num_chunks": 1} if bench.op_option("num_chunks") == "prepare" else {}))
                 op_ms, _, _ = bench.time_fn(lambda: bench.run_op("splitkv", x, block_size=args.B, cp_group=_solo_group(),
-                                                                 backend=be, meta=meta), dev, reps=args.reps, warmup=1)
+                                                                 backend=args.backend, meta=meta), dev, reps=args.reps,
+                                            warmup=1)
                 k_ms = bench.time_kernel_calls(bench.kernel_calls("splitkv", plan1, 0, num_chunks=1, own_block=tree_fused),
                                                dtype=dtype, device=dev,
-                                               backend=be, reps=args.reps, warmup=1, Hq=args.Hq, Hkv=args.Hkv,
+                                               backend=args.backend, reps=args.reps, warmup=1, Hq=args.Hq, Hkv=args.Hkv,
                                                D=args.D, fresh_mask=args.no_metadata)["ms"]
                 op_over = max(op_ms - k_ms, 0.0)
                 print(f"[overhead] CP=1 op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = {op_over:.2f} ms", flush=True)
             except Exception:  # noqa: BLE001
                 print(f"[overhead] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
+            try:
+                proj_rate = time_kv_projection(args.ctx_per_rank + args.anchors * args.B, args.hidden,
+                                               2 * args.Hkv * args.D, dtype=dtype, device=dev, reps=args.reps)
+                print(f"[kv-proj] {args.ctx_per_rank + args.anchors * args.B} tokens: fwd {proj_rate[0]:.0f} TF/s, "
+                      f"bwd {proj_rate[1]:.0f} TF/s", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"[kv-proj] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
         if world > 1:
             import torch.distributed as dist
 
             objs = [None] * world
-            dist.all_gather_object(objs, (local, op_over))
-            for loc, ov in objs:
+            dist.all_gather_object(objs, (local, op_over, proj_rate))
+            for loc, ov, pr in objs:
                 comp.update(loc)
                 if ov is not None:
                     op_over = ov
+                if pr is not None:
+                    proj_rate = pr
         else:
             comp.update(local)
         overhead_ms = op_over if op_over is not None else args.op_overhead_ms
@@ -568,15 +710,40 @@ def main(argv=None):
         overhead_ms = max(overhead_ms + (-own_ms if fused else own_ms), 0.0)
         overhead_src += f", {'-' if fused else '+'} own block {own_ms:.2f} ms ({own_src})"
     overhead_src += "; own block " + ("fused in the kernel" if fused else "a separate pass")
+    # unmeasured shards: splitkv k > 1 from the same rank's measured k = 1 x the chunk-loss model, else the
+    # FLOP model (splitkv: the one-call time x the chunk-loss model)
     for (j, r) in tasks:
-        if comp.get((j, r)) is None:
+        if comp.get((j, r)) is not None:
+            comp[("src", j, r)] = "measured"
+            continue
+        P, m, pl, k = jobs[j]
+        pairs = [c.pairs for c in calls_of[(j, r)]]
+        j1 = job_index.get((P, m, pl, 1))
+        if m == "splitkv" and k > 1 and j1 is not None and comp.get((j1, r)) is not None \
+                and comp.get(("src", j1, r)) == "measured":
+            comp[(j, r)] = chunked_calls_ms(sum(comp[(j1, r)]), pairs, chunk_loss)
+            comp[("src", j, r)] = "measured k=1 x chunk loss"
+        elif m == "splitkv":
+            one = bench.KernelCall(np.zeros(1), np.zeros(1), np.zeros(1), None, None, args.B, float(sum(pairs)))
+            t1 = model_call_ms(one, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops, overhead_ms=args.call_overhead_ms)
+            comp[(j, r)] = chunked_calls_ms(t1, pairs, chunk_loss) if sum(pairs) > 0 else [0.0] * len(pairs)
+            comp[("src", j, r)] = "model"
+        else:
             comp[(j, r)] = [model_call_ms(c, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops,
                                           overhead_ms=args.call_overhead_ms) for c in calls_of[(j, r)]]
             comp[("src", j, r)] = "model"
-        else:
-            comp[("src", j, r)] = "measured"
+    if proj_rate is None:
+        proj_rate, proj_src = (args.matmul_tflops, args.matmul_tflops), f"stated {args.matmul_tflops:.0f} TF/s"
+    else:
+        proj_src = f"measured fwd {proj_rate[0]:.0f} / bwd {proj_rate[1]:.0f} TF/s"
 
-    # ---- assemble
+    def proj_ms(plan, r):
+        """(fwd, bwd) ms of rank r's k/v projection: its context tokens + its query block tokens."""
+        tokens = int(plan.token_index(r).shape[0]) + plan.blocks_per_rank * args.B
+        f = kv_proj_flops(tokens, args.hidden, args.Hkv, args.D)
+        return f / (proj_rate[0] * 1e12) * 1e3, 2 * f / (proj_rate[1] * 1e12) * 1e3
+
+    # ---- assemble: every job under every topology, splitkv with and without the projection overlap
     rows = []
     for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
@@ -588,26 +755,32 @@ def main(argv=None):
         recs = bench.predicted_records(m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq,
                                        Hkv=args.Hkv, D=args.D, elem=elem, metadata=not args.no_metadata,
                                        num_chunks=k)
-        t = method_time(m, P, comp[(j, r_slow)], recs, link, fwd_fraction=args.fwd_fraction,
-                        overhead_ms=overhead_ms)
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
-        rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, context=P * args.ctx_per_rank,
-                         sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
-                         per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
-                         sampled_pairs=pairs, planner_imbalance=float(plan.imbalance),
-                         bytes_per_rank=sum(r.bytes for r in recs), **t))
-    # efficiency vs the method's own T at the smallest P given (P0 = 1 by default; when P0 > 1 and
-    # splitkv has several placements, T(P0) is its fastest placement at P0)
+        pj = proj_ms(plan, r_slow)
+        for topo in topologies:
+            for ovl in ((False, True) if m == "splitkv" else (False,)):
+                t = method_time(m, P, comp[(j, r_slow)], recs, links[topo], fwd_fraction=args.fwd_fraction,
+                                overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0))
+                rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
+                                 overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
+                                 context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
+                                 compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
+                                 sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
+                                 planner_imbalance=float(plan.imbalance), bytes_per_rank=sum(r.bytes for r in recs),
+                                 **t))
+    # efficiency vs the method's own T at the smallest P given, per topology (P0 = 1 by default; the fastest
+    # splitkv variant at P0: placements, chunk counts and overlap alike)
     p0 = min(cps)
     base = {}
     for r in rows:
         if r["P"] == p0:
-            base[r["method"]] = min(base.get(r["method"], float("inf")), r["total_ms"])
+            key = (r["method"], r["topology"])
+            base[key] = min(base.get(key, float("inf")), r["total_ms"])
     for r in rows:
-        b = base.get(r["method"])
+        b = base.get((r["method"], r["topology"]))
         r["efficiency"] = b / r["total_ms"] if b and r["total_ms"] > 0 else float("nan")
         r["efficiency_base_P"] = p0
-    # measured CP=2 from bench_attention
+    # measured CP=2 from bench_attention (the op alone: rows without the projection overlap)
     bj = {}
     if args.bench_json and os.path.exists(args.bench_json):
         try:
@@ -617,6 +790,8 @@ def main(argv=None):
             log(f"[bench-json] {args.bench_json}: unreadable ({e})")
     if bj:
         for r in rows:
+            if r["overlap_q_gather"]:
+                continue
             for b in bj.get("rows", []):
                 if (b.get("cp") == r["P"] and b.get("method") == r["method"] and b.get("context") == r["context"]
                         and b.get("placement") in (r["placement"], "-") and "op_ms" in b
@@ -627,10 +802,13 @@ def main(argv=None):
         env=dict(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                  torch=torch.__version__, device=str(dev),
                  gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", world=world),
-        args=vars(args), link=link.to_dict(), link_source=link_source, overhead_ms=overhead_ms,
-        overhead_source=overhead_src, own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms,
-                                                     source=own_src), chunked_pipeline=has_chunks, measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
+        args=vars(args), link=links[topologies[0]].to_dict(), link_source=link_source, topologies=topologies,
+        overhead_ms=overhead_ms, overhead_source=overhead_src,
+        own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms, source=own_src),
+        chunked_pipeline=has_chunks, chunk_loss=chunk_loss, kv_projection=dict(source=proj_src, tflops=list(proj_rate)),
+        measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
         rows=rows, wall_s=time.perf_counter() - t_start)
+    result["summary"] = summarize(result)
     if rank == 0:
         md = render(result)
         with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
@@ -651,6 +829,28 @@ def main(argv=None):
     return result
 
 
+def time_kv_projection(tokens, hidden, out_features, *, dtype, device, reps=5):
+    """Measured (forward, backward) TF/s of the k/v projection y = x W^T, x [tokens, hidden], W
+    [out_features, hidden], backward = dgrad + wgrad (2x the forward FLOPs)."""
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    w = (torch.randn(out_features, hidden, device=device, dtype=dtype) * hidden ** -0.5).requires_grad_(True)
+    gy = torch.randn(tokens, out_features, device=device, dtype=dtype)
+
+    def fwd():
+        with torch.no_grad():
+            torch.nn.functional.linear(x, w)
+
+    def fwdbwd():
+        x.grad = w.grad = None
+        torch.nn.functional.linear(x, w).backward(gy)
+
+    f_ms, _, _ = bench.time_fn(fwd, device, reps=reps, warmup=2)
+    fb_ms, _, _ = bench.time_fn(fwdbwd, device, reps=reps, warmup=2)
+    flops = 2.0 * tokens * hidden * out_features
+    b_ms = max(fb_ms - f_ms, 1e-6)
+    return flops / (f_ms * 1e9), 2 * flops / (b_ms * 1e9)
+
+
 _SOLO = [None]
 
 
@@ -660,16 +860,88 @@ def _solo_group():
 
 
 def label(res, r):
-    """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines."""
+    """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines, and "+ovl"
+    when the layer overlaps the Q gather / dQ all-to-all with the k/v projections."""
     k = r.get("num_chunks", 1)
     if r["method"] == "splitkv" and (res.get("chunked_pipeline") or k != 1):
-        return f"splitkv k={k}"
+        return f"splitkv k={k}" + (" +ovl" if r.get("overlap_q_gather") else "")
+    if r["method"] == "splitkv" and r.get("overlap_q_gather"):
+        return "splitkv +ovl"
     return r["method"]
 
 
-def render(res):
-    """Markdown table (plus a note on the assumptions) of a simulation result dict."""
+def summarize(res):
+    """Per topology and P: splitkv (first placement) at k = 1 and at its best k, each without and with the
+    projection overlap; allgather-kv; ring-kv; and the headline splitkv's speedup over the faster
+    baseline. Returns a list of dicts (one per topology and P); each cell is {T, exposed, efficiency, k}
+    or None."""
     rows = res["rows"]
+    a = res["args"]
+    first = a["placements"].split(",")[0].strip()
+    head_ovl = a.get("overlap_q_gather", "on") == "on"
+
+    def cell(r):
+        return None if r is None else dict(T=r["total_ms"], exposed=r["exposed_comm_ms"], efficiency=r["efficiency"],
+                                           k=r.get("num_chunks", 1), source=r["compute_source"])
+
+    out = []
+    for topo in res.get("topologies", ["flat"]):
+        for P in sorted({r["P"] for r in rows}):
+            sel = [r for r in rows if r["P"] == P and r.get("topology", "flat") == topo]
+            sk = [r for r in sel if r["method"] == "splitkv" and r["placement"] in (first, "-")]
+
+            def pick(ovl, k=None):
+                c = [r for r in sk if bool(r.get("overlap_q_gather")) == ovl and (k is None or r["num_chunks"] == k)]
+                return min(c, key=lambda r: r["total_ms"]) if c else None
+
+            ag = next((r for r in sel if r["method"] == "allgather-kv"), None)
+            rg = next((r for r in sel if r["method"] == "ring-kv"), None)
+            e = dict(topology=topo, P=P, k1=cell(pick(False, 1)), k1_ovl=cell(pick(True, 1)),
+                     best=cell(pick(False)), best_ovl=cell(pick(True)), allgather_kv=cell(ag), ring_kv=cell(rg))
+            head = e["best_ovl"] if head_ovl else e["best"]
+            bases = [c["T"] for c in (e["allgather_kv"], e["ring_kv"]) if c]
+            e["headline"] = "best_ovl" if head_ovl else "best"
+            e["speedup_vs_best_baseline"] = (min(bases) / head["T"]) if head and bases else None
+            out.append(e)
+    return out
+
+
+def render_summary(res):
+    """Markdown: one weak-scaling table per topology (cells: T ms (exposed comm ms) efficiency)."""
+    def fmt(c, with_k=False):
+        if not c:
+            return "-"
+        return (f"k={c['k']}: " if with_k else "") + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%"
+
+    parts = []
+    summ = res.get("summary") or summarize(res)
+    for topo in res.get("topologies", ["flat"]):
+        ents = [e for e in summ if e["topology"] == topo]
+        if not ents:
+            continue
+        head = "best k + ovl" if ents[0]["headline"] == "best_ovl" else "best k"
+        hdr = ["P", "splitkv k=1", "k=1 + ovl", "best k", "best k + ovl", "allgather-kv", "ring-kv",
+               f"speedup ({head}) vs best baseline"]
+        body = [[e["P"], fmt(e["k1"]), fmt(e["k1_ovl"]), fmt(e["best"], True), fmt(e["best_ovl"], True),
+                 fmt(e["allgather_kv"]), fmt(e["ring_kv"]),
+                 "-" if e["speedup_vs_best_baseline"] is None else f"{e['speedup_vs_best_baseline']:.1f}x"]
+                for e in ents]
+        title = {"node": "Topology 'node' (NVLink inside a node, one NIC per GPU between nodes)",
+                 "flat": "Topology 'flat' (the first model: flat rings of P ranks, all hops inter-node beyond one node)"}
+        parts.append(f"{title.get(topo, topo)}; cells: T(P) ms (exposed communication ms) efficiency\n\n"
+                     + bench.md_table(hdr, body))
+    return "\n\n".join(parts)
+
+
+def render(res):
+    """Markdown: the summary tables, then the rows of the headline topology (splitkv at k = 1 and its
+    best k, with and without the overlap; the baselines; other placements), plus a note on the model."""
+    rows = res["rows"]
+    topo = res.get("topologies", ["flat"])[0]
+    summ = res.get("summary") or summarize(res)
+    best_k = {(e["P"], ovl): e[key]["k"] for e in summ if e["topology"] == topo
+              for ovl, key in ((False, "best"), (True, "best_ovl")) if e[key]}
+    first = res["args"]["placements"].split(",")[0].strip()
     hdr = ["P", "method", "placement", "context", "compute ms", "comm ms (exposed)", "overhead ms", "T(P) ms",
            "efficiency", "bytes/rank", "source"]
     has_bench = any("bench_measured_ms" in r for r in rows)
@@ -677,6 +949,11 @@ def render(res):
         hdr.append("measured op ms")
     out = []
     for r in rows:
+        if r.get("topology", "flat") != topo:
+            continue
+        if r["method"] == "splitkv" and r["placement"] in (first, "-") and r["num_chunks"] not in (
+                1, best_k.get((r["P"], bool(r.get("overlap_q_gather"))))):
+            continue
         line = [r["P"], label(res, r), r["placement"], r["context"], f"{r['compute_ms']:.2f}",
                 f"{r['comm_ms']:.2f} ({r['exposed_comm_ms']:.2f})", f"{r['overhead_ms']:.2f}",
                 f"{r['total_ms']:.2f}", f"{100 * r['efficiency']:.0f}%", bench.fmt_bytes(r["bytes_per_rank"]),
@@ -685,52 +962,67 @@ def render(res):
             line.append(bench.finite(r.get("bench_measured_ms")))
         out.append(line)
     a = res["args"]
+    ln = res["link"]
+    kp = res.get("kv_projection", {})
     note = (f"Weak scaling, one attention layer fwd+bwd: {a['ctx_per_rank']} context tokens per rank, "
-            f"Lq = {a['anchors']} x {a['B']}, Hq {a['Hq']}, Hkv {a['Hkv']}, D {a['D']}, bf16. Link: "
-            f"{res['link_source']}; P > {a['gpus_per_node']}: inter-node {a['inter_bw_gbs']} GB/s, "
-            f"{a['inter_alpha_us']} us/hop. Overhead: {res['overhead_source']}. "
-            f"Efficiency = T(P0)/T(P) per method, P0 = {min(r['P'] for r in rows) if rows else 1} (the "
-            f"smallest P given; fastest placement at P0). Overlap as coded: splitkv k=1 none; splitkv k>1 "
-            f"pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's [O | lse] and dQ "
-            f"all-to-alls behind the next chunk's kernel; the first gathers and the last all-to-alls "
-            f"exposed; two-stream schedule in the code's issue order); allgather-kv none; ring-kv: next shard "
-            f"overlaps the current step. Not modelled: NCCL kernels slowing the attention kernel (SM sharing).")
-    return bench.md_table(hdr, out) + "\n\n" + note
+            f"Lq = {a['anchors']} x {a['B']}, Hq {a['Hq']}, Hkv {a['Hkv']}, D {a['D']}, bf16. Link (NVLink): "
+            f"{res['link_source']}; inter-node {a['inter_bw_gbs']} GB/s per GPU, {a['inter_alpha_us']} us per hop; "
+            f"{a['gpus_per_node']} GPUs per node. Topology 'node' (bench.LinkModel): ring all-gather / "
+            f"reduce-scatter a0 + (P-N) h + (N-1) h_net + (P-1) n / min(B_nvl, L B_nic), N nodes of L ranks, "
+            f"h = {ln.get('intra_hop_us', 0):.1f} us per NVLink hop, a0 = the P=2 latency - h; all-to-all "
+            f"a0 + h_path + (P-2) x {ln.get('a2a_peer_us', 0):.1f} us + max(on-node bytes / B_nvl, off-node "
+            f"bytes / B_nic){' (PXN relay on NVLink)' if ln.get('pxn') else ''}. Topology 'flat': every collective "
+            f"a ring of P ranks, (P-1) alpha + (P-1) n / bw, inter-node figures for every hop beyond one node. "
+            f"Overhead: {res['overhead_source']}. Efficiency = T(P0)/T(P) per method and topology, P0 = "
+            f"{min(r['P'] for r in rows) if rows else 1} (the fastest variant at P0). Overlap as coded: splitkv "
+            f"k>1 pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's [O | lse] and dQ "
+            f"all-to-alls behind the next chunk's kernel; the first gathers and the last all-to-alls exposed; "
+            f"two-stream schedule in the code's issue order); kernel time lost per extra chunk: "
+            f"{100 * res.get('chunk_loss', 0):.1f}% where modelled. '+ovl': the layer starts the Q all-gather "
+            f"before its k/v projections and runs their backward while the last dQ all-to-all is in flight "
+            f"(projection hidden {a['hidden']} -> {2 * a['Hkv'] * a['D']}, {kp.get('source', '')}). allgather-kv "
+            f"none; ring-kv: next shard overlaps the current step. Not modelled: NCCL kernels slowing the "
+            f"attention kernel (SM sharing), NCCL's tree/NVLS algorithms, network congestion.")
+    return render_summary(res) + "\n\n" + bench.md_table(hdr, out) + "\n\n" + note
 
 
 def plot(res, path):
-    """PNG: weak-scaling efficiency and T(P) vs P per method/placement (matplotlib, Agg)."""
+    """PNG: weak-scaling efficiency and T(P) vs P (matplotlib, Agg): splitkv at k = 1 and at its best k
+    with the projection overlap, allgather-kv, ring-kv under the headline topology (solid); splitkv k = 1
+    under the other topology (dashed) when it was computed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["rows"]
+    summ = res.get("summary") or summarize(res)
+    topos = res.get("topologies", ["flat"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    series = {}
-    for r in rows:
-        series.setdefault((r["method"], r["placement"] if r["P"] > 1 else None, label(res, r)), []).append(r)
-    base_rows = {r["method"]: r for r in rows if r["P"] == 1}
-    for (m, pl, lab0), rs in series.items():
-        if pl is None:
+    series = [(topos[0], "k1", "splitkv k=1", "-"), (topos[0], "best_ovl", "splitkv best k + ovl", "-"),
+              (topos[0], "allgather_kv", "allgather-kv", "-"), (topos[0], "ring_kv", "ring-kv", "-")]
+    for t in topos[1:]:
+        series += [(t, "k1", f"splitkv k=1 ({t})", "--"), (t, "allgather_kv", f"allgather-kv ({t})", "--")]
+    for topo, key, lab, ls in series:
+        pts = [(e["P"], e[key]) for e in summ if e["topology"] == topo and e.get(key)]
+        if not pts:
             continue
-        rs = ([base_rows[m]] if m in base_rows else []) + sorted(rs, key=lambda r: r["P"])
-        xs = [r["P"] for r in rs]
-        lab = lab0 + (f" ({pl})" if pl != "lpt" else "")
-        axes[0].plot(xs, [100 * r["efficiency"] for r in rs], marker="o", label=lab)
-        axes[1].plot(xs, [r["total_ms"] for r in rs], marker="o", label=lab)
+        xs = [p for p, _ in pts]
+        axes[0].plot(xs, [100 * c["efficiency"] for _, c in pts], marker="o", ls=ls, label=lab)
+        axes[1].plot(xs, [c["T"] for _, c in pts], marker="o", ls=ls, label=lab)
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("CP size P (context per rank fixed)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("weak-scaling efficiency T(1)/T(P) [%]")
     axes[0].set_ylim(0, 110)
+    axes[0].axhline(90, color="gray", lw=0.8, ls=":")
     axes[1].set_ylabel("attention layer fwd+bwd [ms]")
     axes[1].set_yscale("log")
-    axes[0].legend()
+    axes[0].legend(fontsize=8)
     a = res["args"]
     fig.suptitle(f"Simulated weak scaling: {a['ctx_per_rank'] // 1024}K ctx/rank, Lq {a['anchors']}x{a['B']}; "
-                 f"inter-node {a['inter_bw_gbs']} GB/s beyond {a['gpus_per_node']} GPUs", fontsize=10)
+                 f"{a['gpus_per_node']} GPUs/node, inter-node {a['inter_bw_gbs']} GB/s per GPU "
+                 f"(solid: {topos[0]} topology)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

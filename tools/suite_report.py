@@ -185,18 +185,43 @@ def _simulate(work):
     if not s:
         print("\nsimulate: no result")
         return
-    print(f"\nsimulated weak scaling (c) ({s['link_source']}; overhead {s['overhead_ms']:.1f} ms {s['overhead_source']})")
-    print("| P | method | place | T(P) ms | compute | comm (exposed) | eff. | src | measured |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in s["rows"]:
-        if r["placement"] not in ("-", "lpt"):  # the other placements are in tables.md
-            continue
-        k = r.get("num_chunks", 1)
-        m = f"{r['method']} k={k}" if r["method"] == "splitkv" and (s.get("chunked_pipeline") or k != 1) else r["method"]
-        meas = r.get("bench_measured_ms")
-        print(f"| {r['P']} | {m} | {r['placement']} | {r['total_ms']:.1f} | {r['compute_ms']:.1f} | "
-              f"{r['comm_ms']:.1f} ({r['exposed_comm_ms']:.1f}) | {100 * r['efficiency']:.0f}% | {r['compute_source']} | "
-              f"{_f(meas, '{:.1f}')} |")
+    print(f"\nsimulated weak scaling (c) ({s['link_source']}; overhead {s['overhead_ms']:.1f} ms {s['overhead_source']}; "
+          f"backend {s.get('args', {}).get('backend', 'auto')}; k/v projection {s.get('kv_projection', {}).get('source', '-')})")
+    if s.get("summary"):  # per topology: splitkv k=1 / best k, without / with the projection overlap; baselines
+
+        def cell(c, with_k=False):
+            if not c:
+                return "-"
+            src = "" if c.get("source") == "measured" else "*"
+            return (f"k={c['k']}: " if with_k else "") + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%{src}"
+
+        for topo in s.get("topologies", []):
+            print(f"| {topo}: P | splitkv k=1 | k=1 + ovl | best k | best k + ovl | allgather-kv | ring-kv | speedup |")
+            print("|---|---|---|---|---|---|---|---|")
+            for e in s["summary"]:
+                if e["topology"] != topo:
+                    continue
+                sp = e.get("speedup_vs_best_baseline")
+                print(f"| {e['P']} | {cell(e['k1'])} | {cell(e['k1_ovl'])} | {cell(e['best'], True)} | "
+                      f"{cell(e['best_ovl'], True)} | {cell(e['allgather_kv'])} | {cell(e['ring_kv'])} | "
+                      f"{'-' if sp is None else f'{sp:.1f}x'} |")
+        print("cells: T ms (exposed comm ms) efficiency; * = compute modelled, not measured (budget)")
+    else:
+        print("| P | method | place | T(P) ms | compute | comm (exposed) | eff. | src | measured |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in s["rows"]:
+            if r["placement"] not in ("-", "lpt"):  # the other placements are in tables.md
+                continue
+            k = r.get("num_chunks", 1)
+            m = f"{r['method']} k={k}" if r["method"] == "splitkv" and (s.get("chunked_pipeline") or k != 1) else r["method"]
+            meas = r.get("bench_measured_ms")
+            print(f"| {r['P']} | {m} | {r['placement']} | {r['total_ms']:.1f} | {r['compute_ms']:.1f} | "
+                  f"{r['comm_ms']:.1f} ({r['exposed_comm_ms']:.1f}) | {100 * r['efficiency']:.0f}% | {r['compute_source']} | "
+                  f"{_f(meas, '{:.1f}')} |")
+    p2 = [r for r in s["rows"] if r["P"] == 2 and "bench_measured_ms" in r and r.get("topology", "flat") == (s.get("topologies") or ["flat"])[0]]
+    if p2:
+        print("model check P=2: " + "; ".join(f"{r['method']} k={r.get('num_chunks', 1)} {r['placement']}: model "
+                                            f"{r['total_ms']:.1f} vs measured {r['bench_measured_ms']:.1f} ms" for r in p2))
     link = s.get("link", {}).get("intra", {})
     print("link (intra, fitted or stated): " + json.dumps({k: {kk: round(vv, 1) for kk, vv in v.items()}
                                                           for k, v in link.items()}))
