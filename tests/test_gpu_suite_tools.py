@@ -1,6 +1,6 @@
 """The GPU suite's tools on CPU (tiny shapes; the timings mean nothing there, the plumbing and the
 exactness checks do): tools/gpu_check.py compare (flex, te through the CPU emulator of Transformer
-Engine's fused attention, or "unavailable"), tools/tune_flex.py, tools/bench_attention.py's chunk-count
+Engine's fused attention, or "unavailable", staircase and its option sweep), tools/tune_flex.py, tools/bench_attention.py's chunk-count
 A/B and row selection flags, tools/suite_report.py on missing results."""
 
 import json
@@ -34,12 +34,13 @@ def _max_err(e):
 
 def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "compare", "--cpu",
-                        "--te-emulator", "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+                        "--te-emulator", "--out", str(tmp_path), "--staircase-sweep",
+                        "default;group_blocks=4;bwd_mode=key;streams=2;gqa=native"], env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     c = json.loads((tmp_path / "gpu_check_compare_cpu_w1.json").read_text())["compare"]
     rows = {(r["kernel"], r["tk"]): r for r in c["rows"]}
-    assert set(rows) == {("flex", 256), ("flex", 512), ("te", 256), ("te", 512)}
+    assert set(rows) == {(k, tk) for k in ("flex", "te", "staircase") for tk in (256, 512)}
     for key, r in rows.items():
         assert "error" not in r, (key, r)
         assert _max_err(r["exact"]) < 2e-2 and r["exact"]["lse"] < 1e-3 and r["exact"]["nonfinite"] == 0, (key, r)
@@ -48,16 +49,24 @@ def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
             assert _max_err(r["split_exact"]) < 2e-2, (key, r["split_exact"])
     ob = {r["name"]: r for r in c["own_block"]}
     assert _max_err(ob["einsum"]["exact"]) < 1e-5  # fp32 einsums
-    for name in ("flex block-diag", "te block-diag"):
+    for name in ("flex block-diag", "te block-diag", "staircase block-diag"):
         assert _max_err(ob[name]["exact"]) < 2e-2, ob[name]
     assert ob["merge"]["fwd_ms"] > 0
     if bench._fused_own_block():
         fused = {r["kernel"]: r for r in c["fused"]}
-        for name in ("flex", "te"):
+        for name in ("flex", "te", "staircase"):
             assert _max_err(fused[name]["exact"]) < 2e-2, fused[name]
             assert fused[name]["separate_fwdbwd_ms"] > 0
+    # the staircase option sweep: every variant exact, the dense (CPU flash) path exercised
+    sweep = c["staircase_sweep"]
+    assert [r["variant"] for r in sweep[::2]] == ["default", "group_blocks=4", "bwd_mode=key", "streams=2",
+                                                   "gqa=native"]  # native GQA last
+    for r in sweep:
+        assert "error" not in r and r["ok"], r
+    assert any(r["groups"] > 0 and r["paths"]["dense"] == "cpu-flash" for r in sweep)
+    assert {r["paths"].get("bwd") for r in sweep if r["groups"]} == {"query", "key"}
     log = (tmp_path / "gpu_check_compare_cpu_w1.log").read_text()
-    assert "| dense SDPA" in log and "| te | 256 |" in log
+    assert "| dense SDPA" in log and "| te | 256 |" in log and "Staircase option sweep" in log
     assert "| kernel | Tk |" in p.stdout  # the table is printed last
 
 

@@ -9,7 +9,11 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
           buckets (1 each) and a Tk one bucket below a compiled one (0, reused); (3) throughput for 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8,
           D 128 at 16K and 64K keys: useful TFLOP/s (4 * visible pairs * Hq * D forward, x2.5 fwd+bwd)
           next to dense SDPA doing the same useful FLOPs; (4) if the ops import: splitkv / allgather-kv /
-          ring-kv on one GPU (CP=1): exactness vs `dflash_attention_reference` and fwd+bwd time.
+          ring-kv on one GPU (CP=1): exactness vs `dflash_attention_reference` and fwd+bwd time;
+          (5) the staircase kernel (kernels/staircase.py: dense cuDNN rectangles + flex remainder):
+          exactness vs a float64 reference with GLOBAL lse/delta (bf16, packed sequences, with and without
+          own-block intervals, rows needing the math fix-up), for its default options and fine-grained /
+          key-major / 2-stream / native-GQA variants; reports the dense path that ran (`--skip stair`).
   compare single GPU, the local-kernel comparison (issue 6): for the DFlash interval mask (512 anchors x 16,
           Hq 32, Hkv 8, D 128, bf16, one sequence, 16K and 64K keys) every local kernel that loads
           (`--kernels`, default "flex,te"; a kernel that does not import gets a row saying why) through the
@@ -20,8 +24,10 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
           by lse, the op's global-lse path). Then the own-block part (each block's B queries x its own B
           keys): today's fp32 einsum path (ops.common.own_block_forward/backward) and its lse merge vs the
           kernels on a block-diagonal IntervalMask; and, when IntervalMask has second intervals
-          (lo2/hi2), the context and own block fused into one kernel call. JSON + tables are rewritten
-          after every section, so a timeout keeps what finished.
+          (lo2/hi2), the context and own block fused into one kernel call. Then the staircase sweep
+          (`--staircase-sweep`, one row per option variant: TF/s, % of dense, exactness vs float64, the
+          dense path that ran, share of pairs served densely). JSON + tables are rewritten after every
+          section, so a timeout keeps what finished.
   dist    under torchrun (2+ processes, NCCL; gloo with --cpu): op exactness at CP=P (bf16 vs float64,
           output + all five grads) for the three ops, then the timing table: Lq 512 x 16, context 32K and
           128K total, Hq 32, Hkv 8, D 128, bf16, median fwd+bwd with CUDA events, comm bytes per
@@ -31,7 +37,9 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
 
 Examples:
   PYTHONPATH=. python tools/gpu_check.py kernel
-  PYTHONPATH=. python tools/gpu_check.py compare --out $OUT      # flex vs te vs dense SDPA, own block
+  PYTHONPATH=. python tools/gpu_check.py compare --out $OUT      # flex vs te vs staircase vs dense SDPA
+  PYTHONPATH=. python tools/gpu_check.py compare --kernels flex,staircase \
+      --staircase-sweep "group_blocks=16;group_blocks=64;bwd_mode=key;streams=2"
   PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist
   PYTHONPATH=. python tools/gpu_check.py kernel --cpu
   PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist --cpu
@@ -115,6 +123,105 @@ def kernel_exactness(dev, cpu, res):
     worst = {k: max(r[k] for r in rows) for k in ("out", "dq", "dk", "dv", "lse")}
     res["kernel_exactness_ok"] = all(worst[k] < 2e-2 for k in ("out", "dq", "dk", "dv")) and worst["lse"] < 0.05
     return worst
+
+
+#: staircase options for the exactness checks: small rectangles, so these small shapes make many dense calls
+STAIR_FINE = dict(group_blocks=8, min_group_blocks=2, key_grain=128, min_keys=128, min_pairs=0)
+#: the CPU dry run of the compare sweep (8 anchors, 256-512 keys): tiny rectangles so dense calls happen
+STAIR_CPU = dict(group_blocks=2, min_group_blocks=1, key_grain=16, min_keys=16, min_pairs=0)
+#: (name, options) checked by `staircase_exactness`; native GQA last (a rejected call could break the context)
+STAIR_EXACT_VARIANTS = [
+    ("default", {}),
+    ("fine", STAIR_FINE),
+    ("fine key-major", dict(STAIR_FINE, bwd_mode="key")),
+    ("fine kv copy", dict(STAIR_FINE, kv_layout="copy")),
+    ("fine streams=2", dict(STAIR_FINE, streams=2)),
+    ("fine native-gqa", dict(STAIR_FINE, gqa="native")),
+]
+
+
+def _reference_by_kv_head(reference, q, k, v, mask, scale, dout, lse_g, delta):
+    """`reference` (dense float64, [Hq, Tq, Tk] scores) one kv head (and its G query heads) at a time:
+    heads are independent, so memory drops Hkv-fold. Returns (out, lse, dq, dk, dv) over all heads."""
+    hkv = k.shape[1]
+    g = q.shape[1] // hkv
+    parts = []
+    for h in range(hkv):
+        qs = slice(h * g, (h + 1) * g)
+        parts.append(reference(q[:, qs].double(), k[:, h:h + 1].double(), v[:, h:h + 1].double(), mask, scale,
+                               dout[:, qs].double(), lse_g[:, qs], delta[:, qs]))
+    return tuple(torch.cat([p[i] for p in parts], 1) for i in range(5))
+
+
+def staircase_exactness(dev, cpu, res):
+    """Staircase kernel vs a float64 reference of the contract (tests/test_staircase_kernel.py's helpers, on
+    the device): bf16 forward, backward with a GLOBAL lse/delta (other ranks' keys simulated), packed
+    sequences (blocks of 3 sequences, some empty), with and without own-block second intervals, and two
+    entries per call whose dO is zero with a nonzero delta (the math fix-up). One row per variant x own;
+    each row says which dense path ran (cuDNN / CPU flash, GQA fold or native, K/V views or copies, the
+    backward's rectangle set) and how many dense calls it made."""
+    import test_staircase_kernel as tsk
+
+    from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+
+    if cpu:  # dry run: tiny rectangles under every variant so that dense calls happen
+        B, nb, Hq, Hkv, D, lens = 16, 24, 4, 2, 32, [300, 70, 130]
+    else:  # one long sequence (~64 blocks): the default policy makes dense calls too (32-block groups)
+        B, nb, Hq, Hkv, D, lens = 16, 192, 32, 8, 128, [10000, 500, 500]
+    scale = D ** -0.5
+    rows, broken = [], None
+    for name, opts in STAIR_EXACT_VARIANTS:
+        for own in (False, True):
+            r = dict(variant=name, own=own, options=opts)
+            if broken:
+                r["skipped"] = f"CUDA context broken by {broken}"
+                rows.append(r)
+                continue
+            try:
+                gen = torch.Generator().manual_seed(17 + own)
+                m = tsk.dflash_mask(gen, nb, B, lens, p_empty=0.1, own=own, align=128)
+                q, k, v, do = tsk.make_inputs(gen, m, Hq, Hkv, D, torch.bfloat16, poison=False)
+                md = IntervalMask(B, m.lo.to(dev), m.hi.to(dev), m.num_keys,
+                                  m.lo2.to(dev) if own else None, m.hi2.to(dev) if own else None,
+                                  num_ctx_keys=m.num_ctx_keys)
+                qd, kd, vd = q.to(dev), k.to(dev), v.to(dev)
+                kern = StaircaseAttentionKernel(**(dict(opts, **STAIR_CPU) if cpu else opts))
+                t0 = time.perf_counter()
+                out, lse, st = kern.forward(qd, kd, vd, md, scale)
+                lse_g, delta = tsk.global_stats(gen, lse.cpu(), do, out.cpu())
+                plan = kern.plan(md)
+                if plan.groups:  # two entries of a dense block: dO = 0, delta != 0 (a gradient through lse)
+                    row0 = int(plan.blocks[0]) * B
+                    do[row0, 0] = 0
+                    do[row0 + 1] = 0
+                    delta[row0, 0], delta[row0 + 1] = 0.5, -0.25
+                grads = kern.backward(qd, kd, vd, md, scale, do.to(dev), lse_g.float().to(dev), delta.float().to(dev),
+                                      st)
+                sync(dev)
+                r["first_call_s"] = time.perf_counter() - t0
+                ref = _reference_by_kv_head(tsk.reference, qd, kd, vd, md, scale, do.to(dev), lse_g.to(dev),
+                                            delta.to(dev))
+                fin = torch.isfinite(ref[1])
+                r["lse_pattern_ok"] = bool(torch.equal(torch.isfinite(lse), fin))
+                r["lse"] = float((lse.double()[fin] - ref[1][fin]).abs().max()) if bool(fin.any()) else 0.0
+                for key, a, b in zip(("out", "dq", "dk", "dv"), (out,) + tuple(grads), (ref[0],) + tuple(ref[2:])):
+                    r[key] = tsk.rel(a, b)
+                r["nonfinite"] = int(sum(int((~torch.isfinite(t)).sum()) for t in (out,) + tuple(grads)))
+                r["paths"] = dict(kern.paths)
+                r["counts"] = dict(kern.counts)
+                r["dense_fraction"] = plan.dense_fraction
+                r["ok"] = (r["lse_pattern_ok"] and r["nonfinite"] == 0 and r["lse"] < 0.05
+                           and all(r[x] < 2e-2 for x in ("out", "dq", "dk", "dv")))
+                del out, lse, st, grads, ref, qd, kd, vd
+            except Exception as e:  # noqa: BLE001
+                r["traceback"] = traceback.format_exc(limit=6)
+                broken = _row_failed(r, e, dev, f"staircase {name}") or broken
+                r["ok"] = False
+            rows.append(r)
+            log(f"[stair-exact] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'}, default=str)}")
+    res["staircase_exactness"] = rows
+    res["staircase_exactness_ok"] = all(r.get("ok") for r in rows if "skipped" not in r)
+    return rows
 
 
 def compile_counts(dev, cpu, res):
@@ -700,6 +807,7 @@ def kernel_compare(dev, cpu, res, args, flush):
                         r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
                         r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
                     ctx_ms[(name, tk)] = r["fwdbwd_ms"]
+                    _kernel_details(r, kern)
                 except Exception as e:  # noqa: BLE001
                     r["traceback"] = traceback.format_exc(limit=4)
                     broken = _row_failed(r, e, dev, f"{name} at Tk {tk}") or broken
@@ -721,7 +829,105 @@ def kernel_compare(dev, cpu, res, args, flush):
             out["own_block"].append(dict(path=f"{name} kernel, block-diagonal IntervalMask", name=f"{name} block-diag",
                                          kernel=name, Tq=Tq, unavailable=why))
         log(f"[compare] kernel {name}: {time.perf_counter() - t_k:.1f}s")
+    variants = _parse_stair_sweep(args.staircase_sweep)
+    out["staircase_sweep"] = []
+    if variants and broken:
+        out["staircase_sweep"].append(dict(variant="all", skipped=f"CUDA context broken by {broken}"))
+    elif variants:
+        _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, Tq, Hq, D, scale, reps, warm,
+                         flush)
     return out
+
+
+#: the group-size sweep (the main staircase row is group_blocks=32); a fuller one, e.g.
+#: "default;group_blocks=16;group_blocks=64;bwd_mode=query;bwd_mode=key;streams=2;key_grain=1024;kv_layout=copy;gqa=native",
+#: takes minutes on the H200 (cuDNN builds a graph per new dense shape on first use)
+DEFAULT_STAIR_SWEEP = "group_blocks=16;group_blocks=64;group_blocks=128"
+
+
+def _parse_stair_sweep(spec: str):
+    """'a=1,b=x;c=2' -> [("a=1,b=x", {"a": 1, "b": "x"}), ("c=2", {"c": 2})]; 'default' -> ("default", {});
+    'none' / '' -> []. Variants with gqa=native go last (a rejected cuDNN call could break the context).
+    Raises ValueError on a malformed item or an unknown option."""
+    from megatron_splitkv.kernels.staircase import _DEFAULTS
+
+    out = []
+    for item in (x.strip() for x in (spec or "").split(";")):
+        if not item or item == "none":
+            continue
+        if item == "default":
+            out.append(("default", {}))
+            continue
+        opts = {}
+        for kv in item.split(","):
+            if "=" not in kv:
+                raise ValueError(f"--staircase-sweep: expected name=value, got {kv!r} in {item!r}")
+            key, val = (x.strip() for x in kv.split("=", 1))
+            if key not in _DEFAULTS or key == "inner":
+                raise ValueError(f"--staircase-sweep: unknown staircase option {key!r}")
+            opts[key] = int(val) if val.lstrip("-").isdigit() else val
+        out.append((item, opts))
+    return sorted(out, key=lambda x: x[1].get("gqa") == "native")
+
+
+def _kernel_details(r: dict, kern):
+    """Staircase rows: which dense path ran, its options and call counts, the share of pairs served densely."""
+    if hasattr(kern, "paths"):
+        r["paths"] = dict(kern.paths)
+        r["options"] = kern.options()
+        r["kernel_counts"] = dict(kern.counts)
+
+
+def _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, Tq, Hq, D, scale, reps, warm, flush):
+    """One StaircaseAttentionKernel per option variant on the compare mode's masks and tensors: exactness vs
+    the float64 reference, forward and forward + backward timing (kernel API, cached mask), TF/s on useful
+    FLOPs, % of dense SDPA, speed-up over flex, the dense path that ran. On CPU (dry run) every variant
+    gets STAIR_CPU underneath so that the tiny shapes make dense calls."""
+    from megatron_splitkv import bench as mb
+    from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+
+    broken = None
+    for label, opts in variants:
+        for i, tk in enumerate(tks):
+            r = dict(variant=label, tk=tk, options=opts)
+            if broken:
+                r["skipped"] = f"CUDA context broken by {broken}"
+                out["staircase_sweep"].append(r)
+                continue
+            mask, q, k, v, do, pairs = problem(i, tk)
+            try:
+                kern = StaircaseAttentionKernel(**(dict(STAIR_CPU, **opts) if cpu else opts))
+                f_fwd = mb.fwd_flops(pairs, Hq, D)
+                t0 = time.perf_counter()
+                o, l, st = kern.forward(q, k, v, mask, scale)
+                g = kern.backward(q, k, v, mask, scale, do, l, (do.float() * o).sum(-1), st)
+                sync(dev)
+                r["first_call_s"] = time.perf_counter() - t0
+                r["exact"] = _exact(o, l, g, refs[tk])
+                del o, l, st, g
+                plan = kern.plan(mask)
+                r.update(groups=len(plan.groups), dense_fraction=plan.dense_fraction)
+                r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
+                r["fwd_tflops"] = f_fwd / r["fwd_ms"] / 1e9
+                r["fwdbwd_tflops"] = mb.FWD_BWD_FACTOR * f_fwd / r["fwdbwd_ms"] / 1e9
+                sd = sdpa.get(tk, {})
+                if "fwd_tflops" in sd:
+                    r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
+                    r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
+                if ("flex", tk) in ctx_ms:
+                    r["speedup_vs_flex"] = ctx_ms[("flex", tk)] / r["fwdbwd_ms"]
+                _kernel_details(r, kern)
+                e = r["exact"]
+                r["ok"] = e.get("nonfinite", 1) == 0 and all(e.get(x, 1.0) < 2e-2 for x in ("out", "dq", "dk", "dv"))
+            except Exception as e:  # noqa: BLE001
+                r["traceback"] = traceback.format_exc(limit=6)
+                broken = _row_failed(r, e, dev, f"staircase {label}") or broken
+            del mask, q, k, v, do
+            out["staircase_sweep"].append(r)
+            log(f"[stair-sweep] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'}, default=str)}")
+            if dev.type == "cuda" and not broken:
+                torch.cuda.empty_cache()
+        flush()
 
 
 def _einsum_own_block_forward(q, k_blk, v_blk, valid, block_size, scale, acc):
@@ -914,6 +1120,37 @@ def table_compare(res):
                      f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {r.get('fwdbwd_pct_dense', nan):.0f}% | "
                      + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "lse", "dq", "dk", "dv"))
                      + f" | {split} | {r.get('first_call_s', nan):.1f} |")
+    st_rows = [r for r in c["rows"] if "paths" in r]
+    if st_rows:
+        lines += ["", "Staircase rows above: the dense path that ran (kernels/staircase.py):", "",
+                  "| kernel | Tk | dense | gqa | K/V | bwd | streams | groups | pairs served densely | calls fwd/bwd/inner/fixup |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in st_rows:
+            p, n = r["paths"], r.get("kernel_counts", {})
+            lines.append(f"| {r['kernel']} | {r['tk']} | {p.get('dense', '-')} | {p.get('gqa', '-')} | "
+                         f"{p.get('kv_layout', '-')} | {p.get('bwd', '-')} | {p.get('streams', '-')} | "
+                         f"{p.get('groups', '-')} | {100 * p.get('dense_fraction', 0):.1f}% | "
+                         f"{n.get('dense_fwd', 0)}/{n.get('dense_bwd', 0)}/{n.get('inner_bwd', 0)}/{n.get('fixup', 0)} |")
+    sw = c.get("staircase_sweep") or []
+    if sw:
+        lines += ["", "Staircase option sweep (same masks and tensors; TF/s on useful FLOPs, % of dense SDPA, "
+                  "speed-up over flex fwd+bwd, errors vs float64):", "",
+                  "| variant | Tk | groups | dense pairs | bwd | gqa | fwd ms | fwd TF/s | % dense | fwd+bwd ms | "
+                  "fwd+bwd TF/s | % dense | x flex | out | dq | dk | dv | first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sw:
+            head = f"| {r['variant']} | {r.get('tk', '-')} |"
+            if "skipped" in r or ("error" in r and "fwd_ms" not in r):
+                what = r.get("skipped") or f"ERROR {r['error']}"
+                lines.append(head + f" {what[:100]} |" + " |" * 16)
+                continue
+            e, p = r.get("exact", {}), r.get("paths", {})
+            lines.append(head + f" {r.get('groups', '-')} | {100 * r.get('dense_fraction', 0):.1f}% | "
+                         f"{p.get('bwd', '-')} | {p.get('gqa', '-')} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
+                         f"{r.get('fwd_pct_dense', nan):.0f}% | {r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | "
+                         f"{r.get('fwdbwd_pct_dense', nan):.0f}% | {r.get('speedup_vs_flex', nan):.2f} | "
+                         + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "dq", "dk", "dv"))
+                         + f" | {r.get('first_call_s', nan):.1f} |")
     ob = c.get("own_block") or []
     if ob:
         lines += ["", f"Own block ({sh['Tq']} rows, each block's {sh['B']} queries x its own {sh['B']} keys, bidirectional; "
@@ -967,6 +1204,23 @@ def table_kernel(res):
         lines += ["", "| flex exactness (bf16 vs float64) | out | dq | dk | dv | max abs lse err |", "|---|---|---|---|---|---|"]
         for r in ex:
             lines.append(f"| seed {r['seed']} | {r['out']:.2e} | {r['dq']:.2e} | {r['dk']:.2e} | {r['dv']:.2e} | {r['lse']:.2e} |")
+    se = res.get("staircase_exactness")
+    if se:
+        nan = float("nan")
+        lines += ["", f"| staircase exactness (bf16 vs float64, global lse/delta, fix-up rows) | own | ok | out | dq | dk | "
+                  f"dv | max abs lse err | dense path | dense pairs | calls fwd/bwd/inner/fixup | first call s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in se:
+            if "skipped" in r or "error" in r:
+                lines.append(f"| {r['variant']} | {r['own']} | {r.get('skipped') or 'ERROR ' + r['error'][:80]} |"
+                             + " |" * 9)
+                continue
+            p, n = r.get("paths", {}), r.get("counts", {})
+            path = "/".join(str(p.get(x, "-")) for x in ("dense", "gqa", "kv_layout", "bwd", "streams"))
+            lines.append(f"| {r['variant']} | {r['own']} | {r['ok']} | {r['out']:.2e} | {r['dq']:.2e} | {r['dk']:.2e} | "
+                         f"{r['dv']:.2e} | {r['lse']:.2e} | {path} | {100 * r.get('dense_fraction', 0):.0f}% | "
+                         f"{n.get('dense_fwd', 0)}/{n.get('dense_bwd', 0)}/{n.get('inner_bwd', 0)}/{n.get('fixup', 0)} | "
+                         f"{r.get('first_call_s', nan):.1f} |")
     c = res.get("compile")
     if c:
         tq = lambda sh: [nb * 16 for nb, _ in sh]  # noqa: E731
@@ -1038,10 +1292,15 @@ def main():
     ap.add_argument("--cpu", action="store_true", help="tiny CPU dry run (flex emulated, gloo)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu_check"))
     ap.add_argument("--backend", default="flex", help="local kernel backend for the ops")
-    ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,op")
+    ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,stair,op (kernel mode)")
     ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072 (compare: the "
                                                    "key counts Tk, default 16384,65536)")
-    ap.add_argument("--kernels", default="flex,te", help="compare: local kernel backends to compare")
+    ap.add_argument("--kernels", default="flex,te,staircase", help="compare: local kernel backends to compare")
+    ap.add_argument("--staircase-sweep", default=DEFAULT_STAIR_SWEEP,
+                    help="compare: staircase option variants, ';'-separated, each a ','-separated list of "
+                         "name=value (StaircaseAttentionKernel options: group_blocks, min_group_blocks, key_grain, "
+                         "min_keys, min_pairs, bwd_mode, kmajor_min_keys, gqa, kv_layout, streams); 'default' = "
+                         "the kernel's defaults; 'none' skips the sweep. Default: %(default)s")
     ap.add_argument("--te-emulator", action="store_true",
                     help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
     args = ap.parse_args()
@@ -1079,7 +1338,8 @@ def main():
         dev = torch.device("cpu" if args.cpu else "cuda")
         res["env"] = env_info(dev)
         log(f"[env] {res['env']}")
-        stages = [("exact", kernel_exactness), ("compile", compile_counts), ("tput", throughput)]
+        stages = [("exact", kernel_exactness), ("compile", compile_counts), ("tput", throughput),
+                  ("stair", staircase_exactness)]
         for key, fn in stages:
             if key in skip:
                 continue

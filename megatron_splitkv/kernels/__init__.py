@@ -5,6 +5,9 @@ Backends:
     "flex": `FlexAttentionKernel` from `kernels/flex.py` (torch FlexAttention; imported lazily).
     "te":   `TEAttentionKernel` from `kernels/te.py` (Transformer Engine fused attention; imported
             lazily; ImportError with an install hint when Transformer Engine is missing).
+    "staircase": `StaircaseAttentionKernel` from `kernels/staircase.py` (dense cuDNN rectangles for most
+            of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
+            float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars). Never picked by "auto".
     "auto": "flex" on CUDA devices when it imports, the dtype is not float64 and the head dim is at
             least 16 (FlexAttention's minimum in torch 2.11), else "math".
 
@@ -18,7 +21,7 @@ from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS"]
 
-BACKENDS = ("auto", "math", "flex", "te")
+BACKENDS = ("auto", "math", "flex", "te", "staircase")
 _CACHE: dict = {}
 
 
@@ -38,6 +41,10 @@ def _load(backend: str):
                 f"/work/shared/gpu/README.md); import failed: {exc}"
             ) from exc
         return TEAttentionKernel
+    if backend == "staircase":
+        from .staircase import StaircaseAttentionKernel
+
+        return StaircaseAttentionKernel
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -45,7 +52,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None):
     """Return a (cached) local kernel instance.
 
     Args:
-        backend: one of "auto", "math", "flex", "te".
+        backend: one of "auto", "math", "flex", "te", "staircase".
         device: torch.device (or str) the kernel will run on; decides "auto".
         dtype: input dtype; "auto" uses "math" for float64.
         head_dim: D; "auto" uses "math" when D < 16.

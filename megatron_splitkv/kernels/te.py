@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import IntervalMask
+from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 from .flex import bucket_length
 
 __all__ = ["TEAttentionKernel", "TESegments", "te_plan", "load_fused_attn"]
@@ -217,23 +218,8 @@ def te_plan(mask: IntervalMask, groups: int, pair_blocks: bool = True) -> _Plan:
     return _Plan(qmaj, kmaj, own, perm, rows)
 
 
-def _acc(dtype):
-    """fp32 accumulation (float64 stays float64: the CPU emulator in tests)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _fold(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """[T, Hq, ...] -> [T * G, Hkv, ...]: query head h * G + g of row r -> row r * G + g, head h."""
-    t, hq = x.shape[:2]
-    g = hq // hkv
-    return x.reshape(t, hkv, g, *x.shape[2:]).transpose(1, 2).reshape(t * g, hkv, *x.shape[2:])
-
-
-def _unfold(x: torch.Tensor, hq: int) -> torch.Tensor:
-    """Inverse of `_fold`: [T * G, Hkv, ...] -> [T, Hq, ...]."""
-    tg, hkv = x.shape[:2]
-    g = hq // hkv
-    return x.reshape(tg // g, g, hkv, *x.shape[2:]).transpose(1, 2).reshape(tg // g, hq, *x.shape[2:])
+#: fp32 accumulation (float64 stays float64: the CPU emulator in tests); GQA folding (kernels/dense.py)
+_acc, _fold, _unfold = acc_dtype, fold_heads, unfold_heads
 
 
 def _permute_rows(x: torch.Tensor, perm: torch.Tensor, rows: int) -> torch.Tensor:
@@ -339,11 +325,10 @@ class TEAttentionKernel:
         prm = lambda x: _permute_rows(_fold(x, hkv), plan.perm, rows).contiguous()  # noqa: E731
         do_p = prm(dout.to(q.dtype))
         delta_p = prm(delta.to(acc))
-        sq = do_p.to(acc).square().sum(-1)
-        o_p = (do_p.to(acc) * (delta_p / torch.where(sq > 0, sq, 1.0))[..., None]).to(q.dtype)
+        o_p, bad = out_for_delta(do_p, delta_p, q.dtype)
         # delta not expressible as rowsum(dO * O'): dO = 0 (or |dO|^2 subnormal, the ratio then inexact
         # or overflowing) with delta != 0, or O' overflowing q's dtype (one host sync)
-        if bool((((sq < torch.finfo(acc).tiny) & (delta_p != 0)) | ~torch.isfinite(o_p).all(-1)).any()):
+        if bool(bad.any()):
             from .math import MathAttentionKernel  # noqa: PLC0415
 
             dq, dk, dv = MathAttentionKernel().backward(q, k, v, mask, scale, dout, lse, delta, None)

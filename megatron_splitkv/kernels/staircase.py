@@ -1,0 +1,710 @@
+"""Staircase local kernel: most of the DFlash interval mask as DENSE attention rectangles (cuDNN on the
+GPU), the rest through the FlexAttention (or math) kernel, merged by lse.
+
+Source: DESIGN.md section 2 (local context attention of Split-KV, arXiv 2611.05926, with the GLOBAL lse
+and delta in the backward) and section 5 (FlexAttention reaches ~60% of dense attention per useful
+FLOP on the H200, dense cuDNN attention ~575-600 TF/s forward + backward); the decomposition and its
+cost model are in docs/kernels.md, section "Staircase kernel". The kernel contract is
+`megatron_splitkv.kernels.base` (read its module docstring).
+
+The decomposition
+-----------------
+After the local context keys are sorted, query block b sees the key interval [lo[b], hi[b]) (plus,
+optionally, its own B keys [lo2[b], hi2[b]) after the context: the union contract of `kernels/base.py`).
+All blocks of one sequence share lo (the sequence's first local key); sorted by hi they form a staircase.
+Cut the staircase into GROUPS of consecutive blocks (in hi order). Group g, with m_g <= the smallest hi
+of its blocks, sees [lo, m_g) FULLY: a dense rectangle of n_g * B query rows x (m_g - lo) keys. So
+
+    forward:  one dense call per group over keys [lo, m_g)                   -> (O_g, lse_g)
+              one call of the inner kernel (flex on CUDA, math on CPU) with the REMAINDER mask:
+              [m_g, hi[b]) for grouped blocks, [lo, hi) for the others, second intervals unchanged
+                                                                           -> (O_rem, lse_rem)
+              merged per row by lse in fp32 (rows with -inf in both: out 0, lse -inf, never NaN).
+    backward: the inner kernel's backward on the remainder mask with the global (lse, delta), plus the
+              dense backward of every rectangle with the global statistics; dQ, dK, dV accumulated in
+              fp32 (float64 for float64 inputs).
+
+Every visible (row, key) pair belongs to exactly one of: one rectangle, the remainder. The dense
+backward is exact for a key subset given the GLOBAL (O, lse) (measured on the H200 for cuDNN and
+FlashAttention: dQ of key halves sums to the full dQ, dK/dV concatenate). Since the contract passes
+delta = rowsum(dO * O_final) and not O, the dense backward gets O' = dO * delta / |dO|^2
+(`kernels.dense.out_for_delta`, as kernels/te.py does): rowsum(dO * O') = delta up to one rounding of
+the input dtype. Entries (row, head) where O' is not representable (dO = 0 with delta != 0: a gradient
+through the returned lse only; |dO|^2 subnormal; O' overflowing the dtype) are zeroed in the dense pass
+(dO' = O' = 0 contributes nothing) and their dense part is computed by the math kernel's backward on a
+mask restricted to those blocks' rectangles (one host sync per backward decides whether that is needed).
+
+Two equivalent rectangle sets serve the backward (`bwd_mode`):
+  * "query": the forward's groups. dQ rows are disjoint across groups; dK/dV of the prefixes [lo, m_g)
+    overlap and are accumulated in fp32: sum_g (m_g - lo) x Hkv x D x 2 elements, ~10 bytes each
+    (read the dense kernel's bf16 result, read + write the fp32 sum).
+  * "key": one rectangle per key chunk [m_{c-1}, m_c) (m_0 = lo) against every block of groups c..last
+    (they all see the chunk whole): dK/dV rows disjoint, dQ accumulated instead:
+    sum_c rows_c x Hq x D elements. Cheaper when Tk >> Tq (DFlash: Lq = 8192, Lk up to 128K), but each
+    chunk is only (m_c - m_{c-1}) keys wide: few key tiles for the dense backward to parallelise over.
+  * "auto" (default): "key" when its accumulation is smaller AND its chunks are at least
+    `kmajor_min_keys` wide on average, else "query".
+
+Grouping policy (host ints, `staircase_plan`): blocks that see context are sorted by (lo, hi); a run of
+equal lo (one sequence) of N blocks is cut into N // n groups of exactly n = `group_blocks` blocks at the
+high end (largest prefixes), the rest into groups of n/2, n/4, ... >= `min_group_blocks`, and what is
+still left (the blocks with the smallest prefixes) goes to the remainder whole. m_g is rounded DOWN to
+lo + a multiple of `key_grain` (the cut-off keys join the remainder), so a training run meets a bounded
+set of dense shapes: torch builds and caches one cuDNN graph per (rows, keys) shape and direction;
+setting TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch >= 2.9) makes cuDNN reuse graphs across lengths, then
+a finer grain is free. A group becomes a rectangle only if m_g - lo >= `min_keys` and
+rows x keys >= `min_pairs` (a dense call has a fixed cost, ~tens of microseconds forward + backward, and
+the query-major backward an fp32 accumulation proportional to its keys); otherwise its blocks go to the
+remainder whole. Sequences with few blocks or short prefixes thus run entirely in the inner kernel, and a
+mask without any rectangle is handed to the inner kernel unchanged (no merge, no extra pass).
+
+The plan (block order, groups, rectangles, remainder `IntervalMask`) needs host ints; it is computed
+ONCE per `IntervalMask` object and cached on it (`mask._staircase_plans`, one host sync), like the
+FlexAttention BlockMask (`kernels/flex.py`) and the math kernel's grouping. With per-step metadata
+(`ops.prepare_splitkv_metadata`) every layer of a step reuses the same mask object, so layers 2..L pay
+no sync. The remainder mask is a new object per plan; the inner flex kernel caches its BlockMask on it.
+
+Grouped-query attention (`gqa`): "fold" (default) folds the G = Hq // Hkv query heads of a kv head into
+rows (`kernels.dense.fold_heads`: one copy of the gathered query rows per call, incl. the block order),
+so the dense kernel runs multi-head attention over Hkv heads; "native" passes q with Hq heads and K/V
+with Hkv heads (no copy when the dense blocks are a contiguous block range), for dense kernels that
+support GQA (the CPU flash kernel does; whether cuDNN through
+`aten._scaled_dot_product_cudnn_attention` does is checked by tools/gpu_check.py, which reports the path
+that ran). K/V go to the dense kernel as strided [1, Hkv, L, D] views of the [Tk, Hkv, D] tensors
+(`kv_layout="view"`) or as one [1, Hkv, Tk, D] contiguous copy per call ("copy"); "auto" (default) uses
+views when a one-time probe (`probe_kv_views`: a small forward + backward with views and with copies,
+per device, dtype and heads) shows that cuDNN takes them and gives the same result, else copies.
+
+Dense calls (`DenseOps`): CUDA, bf16/fp16: `aten._scaled_dot_product_cudnn_attention` and its backward
+(lse [1, H, L, 1] fp32, natural log). CPU, fp16/bf16/fp32/fp64: `aten._scaled_dot_product_flash_attention
+_for_cpu` and its backward (same global-(O, lse) property, float64 end to end for float64 inputs). Rows
+with a global lse of -inf get +1e30 as the backward's statistics (P = 0) and dO' = O' = 0. Optional side CUDA streams
+(`streams` > 1) run the dense calls round-robin concurrently with each other and with the inner kernel
+(the fp32 accumulations stay on the caller's stream, after an event per call).
+
+Dtypes and results: out [Tq, Hq, D] and lse [Tq, Hq] float32 (float64 for float64 inputs), dq, dk, dv
+float32 (float64 for float64). Dense results carry one rounding to the input dtype (bf16: relative
+2**-9) before the fp32 merge, like flex's.
+
+Errors: ValueError for shape/dtype mismatches, dtypes the dense backend cannot run (CUDA: bf16/fp16
+only; `check_dtype` says so before the ops' first collective), head dims cuDNN rejects on CUDA
+(D % 8 != 0 or D > 256), unknown options; RuntimeError from the dense backend if it rejects a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .base import IntervalMask
+from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
+
+__all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX"]
+
+A = torch.ops.aten
+_BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 1e30) = 0
+
+#: environment variables MEGATRON_SPLITKV_STAIRCASE_<NAME> override the constructor defaults
+ENV_PREFIX = "MEGATRON_SPLITKV_STAIRCASE_"
+_DEFAULTS = dict(group_blocks=32, min_group_blocks=8, key_grain=256, min_keys=512, min_pairs=1 << 20,
+                 kmajor_min_keys=2048, streams=1, bwd_mode="auto", gqa="fold", kv_layout="auto", inner="auto")
+_CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
+
+
+def _option(name, value):
+    """Constructor value, else env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default; validated."""
+    if value is None:
+        env = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
+        value = env if env else _DEFAULTS[name]
+    if name in _CHOICES:
+        value = str(value)
+        if value not in _CHOICES[name]:
+            raise ValueError(f"staircase {name} must be one of {_CHOICES[name]}, got {value!r}")
+        return value
+    if name == "inner":
+        return value
+    try:
+        value = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"staircase {name} must be an int, got {value!r}") from None
+    if value < (0 if name == "min_pairs" else 1):
+        raise ValueError(f"staircase {name} must be >= 1, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ the plan
+@dataclass
+class StaircasePlan:
+    """The staircase decomposition of one `IntervalMask` (see the module docstring).
+
+    Attributes:
+        blocks: [nd] int64 on the mask's device, the blocks served densely, in dense order (runs of equal
+            lo, each sorted by hi); positions below index into it.
+        block_range: (a, b) when blocks == arange(a, b) (row slices instead of gathers), else None.
+        groups: [(p0, p1, klo, khi)] query-major rectangles: blocks[p0:p1] x keys [klo, khi) (the forward,
+            and the backward in "query" mode).
+        key_major: [(p0, p1, klo, khi)] key-major rectangles with the same coverage (backward "key" mode).
+        rem: the remainder `IntervalMask` for the inner kernel (first intervals [m_g, hi) of dense blocks,
+            [lo, hi) of the others, second intervals unchanged), or None when nothing remains.
+        lo_rem: [nb] int64, the remainder's first-interval starts (m_g on dense blocks, lo elsewhere).
+        pairs_total, pairs_dense: visible (query row, key) pairs of the whole mask (both intervals) and of
+            the rectangles (query rows unfolded: B per block).
+        qmajor_keys: sum over groups of khi - klo (dK/dV rows the query-major backward accumulates).
+        kmajor_blocks: sum over key-major rectangles of p1 - p0 (dQ block rows the key-major one adds).
+    """
+
+    blocks: torch.Tensor
+    block_range: tuple | None
+    groups: list
+    key_major: list
+    rem: IntervalMask | None
+    lo_rem: torch.Tensor
+    pairs_total: int
+    pairs_dense: int
+    qmajor_keys: int
+    kmajor_blocks: int
+
+    @property
+    def num_dense_blocks(self) -> int:
+        return int(self.blocks.shape[0])
+
+    @property
+    def dense_fraction(self) -> float:
+        """Share of the visible pairs served by the dense rectangles."""
+        return self.pairs_dense / self.pairs_total if self.pairs_total else 0.0
+
+    def kmajor_mean_keys(self) -> float:
+        if not self.key_major:
+            return 0.0
+        return sum(k1 - k0 for _, _, k0, k1 in self.key_major) / len(self.key_major)
+
+
+def _run_sizes(n_blocks: int, group_blocks: int, min_group_blocks: int):
+    """(left over, [group sizes]) for a run of n_blocks (sorted by hi): the left-over blocks (smallest
+    prefixes) go to the remainder, then groups of n/2, n/4, ... (>= min_group_blocks, ascending), then
+    n_blocks // n groups of exactly n at the high end."""
+    full, rest = divmod(n_blocks, group_blocks)
+    subs, s = [], group_blocks // 2
+    while s >= max(1, min_group_blocks):
+        if rest >= s:
+            subs.append(s)
+            rest -= s
+        s //= 2
+    return rest, subs[::-1] + [group_blocks] * full
+
+
+def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks: int = 8, key_grain: int = 256,
+                   min_keys: int = 512, min_pairs: int = 1 << 20) -> StaircasePlan:
+    """Build the staircase decomposition of `mask` (host side: one host sync reading the intervals).
+
+    Args: see `StaircaseAttentionKernel` (the grouping policy of the module docstring).
+    Returns: a `StaircasePlan`; device tensors live on mask.lo's device.
+    """
+    dev = mask.lo.device
+    nb, bsz = mask.num_blocks, mask.block_size
+    rows = [mask.lo, mask.hi] + ([mask.lo2, mask.hi2] if mask.has_union else [])
+    vals = torch.stack(rows).tolist() if nb else [[] for _ in rows]
+    lo, hi = vals[0], vals[1]
+    own = [b > a for a, b in zip(vals[2], vals[3])] if mask.has_union else [False] * nb
+    live = sorted((b for b in range(nb) if hi[b] > lo[b]), key=lambda b: (lo[b], hi[b], b))
+    grain, min_keys = max(1, key_grain), max(1, min_keys)
+    lo_rem = list(lo)
+    blocks, groups, key_major = [], [], []
+    pairs_dense = qmajor_keys = kmajor_blocks = 0
+    i = 0
+    while i < len(live):
+        j = i
+        while j < len(live) and lo[live[j]] == lo[live[i]]:
+            j += 1
+        run, run_lo = live[i:j], lo[live[i]]
+        left, sizes = _run_sizes(len(run), group_blocks, min_group_blocks)
+        pos, run_groups = left, []
+        for size in sizes:
+            grp = run[pos:pos + size]
+            pos += size
+            kd = (hi[grp[0]] - run_lo) // grain * grain
+            if kd < min_keys or size * bsz * kd < min_pairs:
+                continue  # not worth a dense call: these blocks stay whole in the remainder
+            p0 = len(blocks)
+            blocks.extend(grp)
+            run_groups.append((p0, len(blocks), run_lo, run_lo + kd))
+            for b in grp:
+                lo_rem[b] = run_lo + kd
+            pairs_dense += size * bsz * kd
+            qmajor_keys += kd
+        groups.extend(run_groups)
+        if run_groups:  # key-major: chunk [m_{c-1}, m_c) against the blocks of groups c..last of the run
+            run_end, edge = run_groups[-1][1], run_lo
+            for p0, _, _, khi in run_groups:
+                if khi > edge:
+                    key_major.append((p0, run_end, edge, khi))
+                    kmajor_blocks += run_end - p0
+                    edge = khi
+        i = j
+    pairs_total = bsz * sum(h - l for l, h in zip(lo, hi) if h > l) + bsz * bsz * sum(own)
+    rem_live = any(hi[b] > lo_rem[b] for b in range(nb)) or any(own)
+    lo_rem_t = torch.tensor(lo_rem, dtype=torch.int64, device=dev) if nb else mask.lo.clone()
+    rem = None
+    if rem_live:
+        rem = IntervalMask(bsz, lo_rem_t, mask.hi, mask.num_keys, mask.lo2, mask.hi2,
+                           num_ctx_keys=mask.num_ctx_keys)
+    block_range = None
+    if blocks and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        block_range = (blocks[0], blocks[0] + len(blocks))
+    return StaircasePlan(blocks=torch.tensor(blocks, dtype=torch.int64, device=dev), block_range=block_range,
+                         groups=groups, key_major=key_major, rem=rem, lo_rem=lo_rem_t, pairs_total=pairs_total,
+                         pairs_dense=pairs_dense, qmajor_keys=qmajor_keys, kmajor_blocks=kmajor_blocks)
+
+
+# ------------------------------------------------------------------------------------------ dense calls
+class DenseOps:
+    """One dense attention call and its backward on [1, H, L, D] views (any strides with a unit last
+    stride), scale given, no mask, no dropout.
+
+    fwd(q4, k4, v4, scale) -> (o4 [1, Hq, Lq, D] in the input dtype, lse [Hq, Lq] fp32 (float64 on CPU
+        for float64), natural log).
+    bwd(do4, q4, k4, v4, o4, lse [Hq, Lq], scale) -> (dq4, dk4, dv4) in the input dtype; the backward
+        recomputes P = exp(s - lse) with the GIVEN lse and delta = rowsum(do4 * o4).
+    K/V may have fewer heads than q (grouped-query attention) where the backend supports it.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.kind = "cudnn" if self.device.type == "cuda" else "cpu-flash"
+        self._lse_dim = None  # cuDNN's lse layout as its forward returned it ([1, H, L, 1] or [1, H, L])
+        self._rng = None
+
+    def fwd(self, q4, k4, v4, scale):
+        if self.kind == "cudnn":
+            r = A._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False, scale=scale)
+            o4, lse = r[0], r[1]
+            if self._lse_dim is None:
+                self._lse_dim = lse.dim()
+                self._rng = (r[6], r[7])
+        else:
+            o4, lse = A._scaled_dot_product_flash_attention_for_cpu(q4, k4, v4, 0.0, False, scale=scale)
+        return o4, lse.reshape(lse.shape[1], lse.shape[2])
+
+    def bwd(self, do4, q4, k4, v4, o4, lse, scale):
+        h, n = lse.shape
+        if self.kind == "cudnn":
+            stats = lse.contiguous().view(1, h, n, 1) if self._lse_dim in (None, 4) else lse.contiguous().view(1, h, n)
+            if self._rng is None:  # the forward's dropout seed/offset (unused at p = 0): zeros like torch's
+                z = torch.zeros(1, dtype=torch.int64, device=q4.device)
+                self._rng = (z, z.clone())
+            seed, offset = self._rng
+            return A._scaled_dot_product_cudnn_attention_backward(
+                do4, q4, k4, v4, o4, stats, seed, offset, None, None, None, q4.shape[2], k4.shape[2], 0.0, False,
+                scale=scale)
+        return A._scaled_dot_product_flash_attention_for_cpu_backward(do4, q4, k4, v4, o4, lse.unsqueeze(0), 0.0,
+                                                                     False, scale=scale)
+
+
+#: (device, dtype, head dim, Hq', Hkv) -> ("view" | "copy", why): whether the dense backend takes K/V as
+#: strided views of [L, Hkv, D] rows (kv_layout="auto"; probed once per process on a small problem)
+_KV_PROBE: dict = {}
+
+
+def probe_kv_views(dense: "DenseOps", dtype, d: int, heads_q: int, heads_kv: int):
+    """("view", None) when `dense` runs forward + backward on K/V given as strided [1, Hkv, L, D] views
+    of [L, Hkv, D] rows and matches the same call on contiguous copies; else ("copy", reason). Cached per
+    (device, dtype, D, heads). CPU: always "view" (the CPU flash kernel takes any strides)."""
+    key = (str(dense.device), dtype, d, heads_q, heads_kv)
+    if dense.kind != "cudnn":
+        return "view", None
+    if key not in _KV_PROBE:
+        dev = dense.device
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(256, heads_q, d, device=dev, generator=gen).to(dtype)
+        kt = torch.randn(384, heads_kv, d, device=dev, generator=gen).to(dtype)
+        vt = torch.randn(384, heads_kv, d, device=dev, generator=gen).to(dtype)
+        scale = d ** -0.5
+        try:
+            got = []
+            for k4, v4 in ((_as4(kt), _as4(vt)), (_as4(kt).contiguous(), _as4(vt).contiguous())):
+                o4, lse = dense.fwd(_as4(q), k4, v4, scale)
+                do4 = torch.ones_like(o4)
+                got.append((o4,) + tuple(dense.bwd(do4, _as4(q), k4, v4, o4, lse, scale)))
+            errs = [float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)) for a, b in zip(*got)]
+            _KV_PROBE[key] = ("view", None) if max(errs) < 1e-2 else ("copy", f"views differ from copies: {errs}")
+        except RuntimeError as exc:  # e.g. a cuDNN graph that rejects the strides
+            _KV_PROBE[key] = ("copy", f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+    return _KV_PROBE[key]
+
+
+def _as4(x: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] rows -> the [1, H, L, D] view dense kernels take (no copy)."""
+    return x.permute(1, 0, 2).unsqueeze(0)
+
+
+def _from4(x4: torch.Tensor) -> torch.Tensor:
+    """[1, H, L, D] -> a [L, H, D] view."""
+    return x4[0].transpose(0, 1)
+
+
+class _Lanes:
+    """Round-robin side CUDA streams for the independent dense calls (`streams` > 1), else the current
+    stream. Side streams start after everything queued so far on the current stream."""
+
+    def __init__(self, side: list, device):
+        self.side = side
+        self.main = torch.cuda.current_stream(device) if side else None
+        if side:
+            ready = self.main.record_event()
+            for s in side:
+                s.wait_event(ready)
+
+    def lane(self, i):
+        return torch.cuda.stream(self.side[i % len(self.side)]) if self.side else contextlib.nullcontext()
+
+    def done(self, i):
+        """Event after the work queued so far on lane i (None without side streams)."""
+        return self.side[i % len(self.side)].record_event() if self.side else None
+
+    def join(self):
+        for s in self.side:
+            self.main.wait_stream(s)
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+class StaircaseAttentionKernel:
+    """Dense rectangles (cuDNN on CUDA) + remainder (flex on CUDA, math on CPU), merged by lse; see the
+    module docstring. Implements the `kernels/base.py` contract:
+
+    forward(q, k, v, mask, scale) -> (out [Tq, Hq, D], lse [Tq, Hq], state)
+        q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (CUDA: bf16/fp16; CPU: fp16/bf16/fp32/fp64), Hq % Hkv
+        == 0; mask: `IntervalMask` with num_blocks * block_size == Tq, num_keys == Tk (optionally with
+        own-block second intervals). out/lse float32 (float64 for float64 inputs); rows with no visible
+        key: out 0, lse -inf. state: {"inner": the inner kernel's state of the remainder call}.
+    backward(q, k, v, mask, scale, dout, lse, delta, state) -> (dq [Tq, Hq, D], dk, dv [Tk, Hkv, D])
+        with the GLOBAL lse and delta [Tq, Hq]; float32 (float64 for float64). One host sync (whether any
+        entry needs the math fix-up, see the module docstring).
+
+    Args (None: env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default in brackets):
+        group_blocks: n, blocks per group [32] (dense rows per call: n * B, x G when folded).
+        min_group_blocks: smallest group made of a run's left-over blocks [8].
+        key_grain: dense key counts are multiples of this [256] (bounded set of cuDNN graph shapes).
+        min_keys: smallest dense key count of a rectangle [512].
+        min_pairs: smallest rectangle, query rows (unfolded) x keys [2**20].
+        bwd_mode: "auto" | "query" | "key" [auto] (module docstring).
+        kmajor_min_keys: "auto" takes "key" only if its chunks are this wide on average [2048].
+        gqa: "fold" | "native" [fold].
+        kv_layout: "auto" | "view" | "copy" [auto: views if a one-time probe shows the dense backend takes
+            them (`probe_kv_views`), else copies].
+        streams: side CUDA streams for the dense calls, 1 = none [1].
+        inner: the remainder kernel: a backend name for `kernels.get_kernel` or a kernel instance [auto:
+            flex on CUDA, math on CPU / float64].
+
+    Attributes:
+        paths: what ran last (dense backend, gqa, kv_layout, bwd mode, inner kernel) - tools report it.
+        counts: calls made (dense_fwd, dense_bwd, inner_fwd, inner_bwd, fixup) - tests check the paths.
+
+    Raises:
+        ValueError: bad options, shapes, dtypes (see the module docstring).
+    """
+
+    name = "staircase"
+
+    def __init__(self, group_blocks=None, min_group_blocks=None, key_grain=None, min_keys=None, min_pairs=None,
+                 bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None):
+        self.group_blocks = _option("group_blocks", group_blocks)
+        self.min_group_blocks = min(_option("min_group_blocks", min_group_blocks), self.group_blocks)
+        self.key_grain = _option("key_grain", key_grain)
+        self.min_keys = _option("min_keys", min_keys)
+        self.min_pairs = _option("min_pairs", min_pairs)
+        self.bwd_mode = _option("bwd_mode", bwd_mode)
+        self.kmajor_min_keys = _option("kmajor_min_keys", kmajor_min_keys)
+        self.gqa = _option("gqa", gqa)
+        self.kv_layout = _option("kv_layout", kv_layout)
+        self.streams = _option("streams", streams)
+        self.inner = _option("inner", inner)
+        self.paths: dict = {}
+        self.counts = dict(dense_fwd=0, dense_bwd=0, inner_fwd=0, inner_bwd=0, fixup=0)
+        self._dense: dict = {}
+        self._side: dict = {}
+
+    def options(self) -> dict:
+        """The resolved options (for logs and JSON reports)."""
+        return {k: getattr(self, k) if k != "inner" else (self.inner if isinstance(self.inner, str)
+                                                          else type(self.inner).__name__)
+                for k in _DEFAULTS}
+
+    # ------------------------------------------------------------------ plumbing
+    def plan(self, mask: IntervalMask) -> StaircasePlan:
+        """The decomposition of `mask`, cached on the mask object (`mask._staircase_plans`); the cache
+        assumes lo/hi (lo2/hi2) are not modified in place afterwards."""
+        cache = mask.__dict__.setdefault("_staircase_plans", {})
+        key = (self.group_blocks, self.min_group_blocks, self.key_grain, self.min_keys, self.min_pairs)
+        if key not in cache:
+            cache[key] = staircase_plan(mask, *key)
+        return cache[key]
+
+    def inner_kernel(self, device, dtype, head_dim):
+        if not isinstance(self.inner, str):
+            return self.inner
+        from . import get_kernel  # noqa: PLC0415 - the registry imports this module lazily
+
+        return get_kernel(self.inner, device, dtype, head_dim=head_dim)
+
+    def _dense_ops(self, device) -> DenseOps:
+        key = (device.type, device.index)
+        if key not in self._dense:
+            self._dense[key] = DenseOps(device)
+        return self._dense[key]
+
+    def _side_streams(self, device) -> list:
+        if self.streams <= 1 or device.type != "cuda":
+            return []
+        key = device.index
+        if key not in self._side:
+            self._side[key] = [torch.cuda.Stream(device=device) for _ in range(self.streams)]
+        return self._side[key]
+
+    def check_dtype(self, dtype, device=None):
+        """Raise ValueError when this backend cannot run `dtype` on `device` (CUDA: cuDNN, bf16/fp16 only;
+        CPU: the CPU flash kernel, fp16/bf16/fp32/fp64), or its inner kernel cannot. The ops call it once
+        per call, before their first data collective, so every rank raises."""
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            ok = (torch.bfloat16, torch.float16)
+        elif dev.type == "cpu":
+            ok = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+        else:
+            raise ValueError(f"backend='staircase' runs on CUDA (cuDNN) or CPU, not {dev.type}")
+        if dtype not in ok:
+            raise ValueError(f"backend='staircase' supports q/k/v dtypes {ok} on {dev.type} (cuDNN attention on "
+                             f"CUDA), got {dtype}; use backend='flex' or 'math'")
+        inner = self.inner_kernel(dev, dtype, None)
+        if hasattr(inner, "check_dtype"):
+            inner.check_dtype(dtype, dev)
+
+    def _check(self, q, k, v, mask):
+        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        if q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        self.check_dtype(q.dtype, q.device)
+        if q.is_cuda and (q.shape[2] % 8 or q.shape[2] > 256):
+            raise ValueError(f"backend='staircase' (cuDNN) needs a head dim that is a multiple of 8 and <= 256, "
+                             f"got {q.shape[2]}")
+        if mask.num_blocks * mask.block_size != q.shape[0]:
+            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
+        if mask.num_keys != k.shape[0]:
+            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
+
+    def _dense_rows(self, x, plan: StaircasePlan, bsz: int, hkv: int, fold: bool):
+        """Rows of the dense blocks in plan order, [nd * B (* G), H', ...]: a view for a contiguous block
+        range without folding, else one copy (gather and fold in one)."""
+        if plan.block_range is not None:
+            a, b = plan.block_range
+            rows = x[a * bsz:b * bsz]
+        else:
+            rows = x.unflatten(0, (-1, bsz)).index_select(0, plan.blocks).flatten(0, 1)
+        if fold:
+            rows = fold_heads(rows, hkv)
+        return rows if rows.dim() < 3 or rows.stride(-1) == 1 else rows.contiguous()
+
+    @staticmethod
+    def _scatter(dst, src, plan: StaircasePlan, bsz: int, add: bool):
+        """dst[rows of the dense blocks] (+)= src ([nd * B, ...], plan order)."""
+        if plan.block_range is not None:
+            a, b = plan.block_range
+            view = dst[a * bsz:b * bsz]
+            view.add_(src) if add else view.copy_(src)
+            return
+        d3, s3 = dst.unflatten(0, (-1, bsz)), src.unflatten(0, (-1, bsz))
+        d3.index_add_(0, plan.blocks, s3) if add else d3.index_copy_(0, plan.blocks, s3.contiguous())
+
+    def _kv_layout(self, dense: DenseOps, dtype, d, heads_q, heads_kv) -> str:
+        """"view" or "copy" (`kv_layout`; "auto": `probe_kv_views`, its reason in paths["kv_probe"])."""
+        if self.kv_layout != "auto":
+            return self.kv_layout
+        layout, why = probe_kv_views(dense, dtype, d, heads_q, heads_kv)
+        if why:
+            self.paths["kv_probe"] = why
+        return layout
+
+    @staticmethod
+    def _kv4(x, layout):
+        x4 = _as4(x)
+        return x4.contiguous() if layout == "copy" else x4
+
+    def _bwd_mode(self, plan: StaircasePlan, bsz: int, hq: int, hkv: int) -> str:
+        """"query" or "key" for this plan (`bwd_mode`; "auto": the smaller fp32 accumulation, per head-dim
+        column: query-major dK + dV rows x Hkv x 2 vs key-major dQ rows x Hq, provided the key-major
+        chunks are at least `kmajor_min_keys` wide on average)."""
+        if self.bwd_mode != "auto":
+            return self.bwd_mode
+        q_cost = plan.qmajor_keys * hkv * 2
+        k_cost = plan.kmajor_blocks * bsz * hq
+        wide = plan.kmajor_mean_keys() >= self.kmajor_min_keys
+        return "key" if k_cost < q_cost and wide else "query"
+
+    # ------------------------------------------------------------------ contract
+    def forward(self, q, k, v, mask: IntervalMask, scale: float):
+        self._check(q, k, v, mask)
+        acc = acc_dtype(q.dtype)
+        tq, hq, d = q.shape
+        hkv = k.shape[1]
+        inner = self.inner_kernel(q.device, q.dtype, d)
+        plan = self.plan(mask)
+        self.paths = dict(inner=getattr(inner, "name", type(inner).__name__), dense_fraction=plan.dense_fraction,
+                          groups=len(plan.groups))
+        if not plan.groups:  # nothing dense: the inner kernel serves the whole mask
+            self.counts["inner_fwd"] += 1
+            out, lse, st = inner.forward(q, k, v, mask, scale)
+            return out.to(acc), lse.to(acc), {"inner": st}
+        bsz = mask.block_size
+        fold = self.gqa == "fold"
+        dense = self._dense_ops(q.device)
+        rpb = bsz * (hq // hkv if fold else 1)  # dense rows per block
+        with torch.no_grad():
+            layout = self._kv_layout(dense, q.dtype, d, hkv if fold else hq, hkv)
+            self.paths.update(dense=dense.kind, gqa=self.gqa, kv_layout=layout, streams=self.streams)
+            qd = self._dense_rows(q, plan, bsz, hkv, fold)
+            k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
+            od = torch.empty(qd.shape[:2] + (v.shape[2],), dtype=acc, device=q.device)
+            ld = torch.empty(qd.shape[:2], dtype=acc, device=q.device)
+            lanes = _Lanes(self._side_streams(q.device), q.device)
+            for i, (p0, p1, klo, khi) in enumerate(plan.groups):
+                r0, r1 = p0 * rpb, p1 * rpb
+                with lanes.lane(i):
+                    o4, l_g = dense.fwd(_as4(qd[r0:r1]), k4[:, :, klo:khi], v4[:, :, klo:khi], scale)
+                    od[r0:r1].copy_(_from4(o4))
+                    ld[r0:r1].copy_(l_g.t())
+                self.counts["dense_fwd"] += 1
+        st = None
+        if plan.rem is not None:  # on the current stream, concurrent with side-stream dense calls
+            self.counts["inner_fwd"] += 1
+            out, lse, st = inner.forward(q, k, v, plan.rem, scale)
+            out, lse = out.to(acc), lse.to(acc)
+        else:
+            out = torch.zeros(tq, hq, v.shape[2], dtype=acc, device=q.device)
+            lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=q.device)
+        with torch.no_grad():
+            lanes.join()
+            if fold:
+                od, ld = unfold_heads(od, hq), unfold_heads(ld, hq)
+            if plan.rem is None:
+                self._scatter(out, od, plan, bsz, add=False)
+                self._scatter(lse, ld, plan, bsz, add=False)
+            else:
+                from ..ops.common import merge  # noqa: PLC0415 - the one fp32 lse merge of the package
+
+                o_r = self._dense_rows(out, plan, bsz, hkv, False)
+                l_r = self._dense_rows(lse, plan, bsz, hkv, False)
+                o_m, l_m = merge(o_r, l_r, od, ld)
+                self._scatter(out, o_m, plan, bsz, add=False)
+                self._scatter(lse, l_m, plan, bsz, add=False)
+        return out, lse, {"inner": st}
+
+    def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state):
+        self._check(q, k, v, mask)
+        acc = acc_dtype(q.dtype)
+        tq, hq, d = q.shape
+        hkv = k.shape[1]
+        inner = self.inner_kernel(q.device, q.dtype, d)
+        plan = self.plan(mask)
+        st = state.get("inner") if isinstance(state, dict) else None
+
+        def remainder(m):
+            self.counts["inner_bwd"] += 1
+            g = inner.backward(q, k, v, m, scale, dout, lse, delta, st)
+            return tuple(x.to(acc) for x in g)
+
+        if not plan.groups:
+            return remainder(mask)
+        bsz = mask.block_size
+        fold = self.gqa == "fold"
+        dense = self._dense_ops(q.device)
+        mode = self._bwd_mode(plan, bsz, hq, hkv)
+        rpb = bsz * (hq // hkv if fold else 1)
+        with torch.no_grad():
+            layout = self._kv_layout(dense, q.dtype, d, hkv if fold else hq, hkv)
+            self.paths.update(dense=dense.kind, gqa=self.gqa, kv_layout=layout, bwd=mode, streams=self.streams)
+            qd = self._dense_rows(q, plan, bsz, hkv, fold)
+            dod = self._dense_rows(dout.to(q.dtype), plan, bsz, hkv, fold)
+            lsed = self._dense_rows(lse.to(acc), plan, bsz, hkv, fold)
+            od, bad = out_for_delta(dod, self._dense_rows(delta.to(acc), plan, bsz, hkv, fold), q.dtype)
+            # entries the dense pass must not see: O' not representable (recomputed by the math fix-up) and
+            # rows whose global lse is -inf (P = 0 there, but an overflowing O' would give 0 * NaN)
+            finite = torch.isfinite(lsed)
+            zero = bad | ~finite
+            bad &= finite
+            any_zero, any_bad = torch.stack([zero.any(), bad.any()]).tolist()  # the one host sync
+            if any_zero:
+                od = torch.where(zero[..., None], torch.zeros_like(od), od)
+                dod = torch.where(zero[..., None], torch.zeros_like(dod), dod)
+            stats = torch.where(torch.isfinite(lsed), lsed, torch.full_like(lsed, _BIG))
+            k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
+            dqd = torch.zeros(qd.shape[:2] + (d,), dtype=acc, device=q.device)
+            rects = plan.groups if mode == "query" else plan.key_major
+            lanes = _Lanes(self._side_streams(q.device), q.device)
+
+            def call(p0, p1, klo, khi):
+                r0, r1 = p0 * rpb, p1 * rpb
+                self.counts["dense_bwd"] += 1
+                return dense.bwd(_as4(dod[r0:r1]), _as4(qd[r0:r1]), k4[:, :, klo:khi], v4[:, :, klo:khi],
+                                 _as4(od[r0:r1]), stats[r0:r1].t(), scale)
+
+            def accumulate(rect, grads, dk, dv):
+                p0, p1, klo, khi = rect
+                dq4, dk4, dv4 = grads
+                sl = dqd[p0 * rpb:p1 * rpb]
+                sl.copy_(_from4(dq4)) if mode == "query" else sl.add_(_from4(dq4))
+                dk[klo:khi] += _from4(dk4)
+                dv[klo:khi] += _from4(dv4)
+
+            pending = []
+            if lanes.side:  # dense calls first on the side streams, the remainder concurrently below
+                for i, rect in enumerate(rects):
+                    with lanes.lane(i):
+                        grads = call(*rect)
+                    pending.append((rect, grads, lanes.done(i)))
+        if plan.rem is not None:
+            dq, dk, dv = remainder(plan.rem)
+        else:
+            dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+            dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+            dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        with torch.no_grad():
+            if lanes.side:
+                for rect, grads, ev in pending:
+                    lanes.main.wait_event(ev)
+                    for t in grads:
+                        t.record_stream(lanes.main)
+                    accumulate(rect, grads, dk, dv)
+                pending.clear()
+                lanes.join()
+            else:
+                for rect in rects:
+                    accumulate(rect, call(*rect), dk, dv)
+            self._scatter(dq, unfold_heads(dqd, hq) if fold else dqd, plan, bsz, add=True)
+            if any_bad:
+                self._fixup(q, k, v, mask, scale, dout, lse, delta, plan, bad, fold, dq, dk, dv)
+        return dq, dk, dv
+
+    def _fixup(self, q, k, v, mask, scale, dout, lse, delta, plan, bad, fold, dq, dk, dv):
+        """Dense part of the (row, head) entries whose O' was not representable: the math kernel's
+        backward over [lo, m_g) of their blocks, with dO and delta zeroed on every other entry."""
+        from .math import MathAttentionKernel  # noqa: PLC0415
+
+        tq, hq, _ = q.shape
+        bsz = mask.block_size
+        self.counts["fixup"] += 1
+        bad_full = torch.zeros((tq, hq), dtype=torch.bool, device=q.device)
+        self._scatter(bad_full, unfold_heads(bad, hq) if fold else bad, plan, bsz, add=False)
+        blk = bad_full.unflatten(0, (-1, bsz)).flatten(1).any(1)
+        fix = IntervalMask(bsz, mask.lo, torch.where(blk, plan.lo_rem, mask.lo), mask.num_keys)
+        zero = torch.zeros((), dtype=dout.dtype, device=dout.device)
+        g = MathAttentionKernel().backward(q, k, v, fix, scale, torch.where(bad_full[..., None], dout, zero), lse,
+                                           torch.where(bad_full, delta, torch.zeros((), dtype=delta.dtype,
+                                                                                   device=delta.device)), None)
+        for acc_t, x in zip((dq, dk, dv), g):
+            acc_t += x.to(acc_t.dtype)
