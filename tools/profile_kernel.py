@@ -1,0 +1,96 @@
+"""Profile one local kernel (kernels/) on the DFlash interval mask: where does its time go? (GPU)
+
+For each backend spec and key count: warm up, then `torch.profiler` over `--iters` forward + backward
+calls through the kernel API (backward with the global lse/delta, as in the op; cached mask, as with the
+per-step metadata). Prints, per case, the wall time per iteration, the summed GPU kernel time per
+iteration (busy time; wall - busy = launch gaps / host syncs), and the top GPU kernels by total time.
+Shapes: 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8, D 128, bf16, one sequence (megatron_splitkv.bench).
+
+    python tools/profile_kernel.py --backends "flex;staircase;staircase:streams=2,group_blocks=64" \
+        --keys 16384,65536 [--iters 3] [--top 15]
+
+A spec is `backend[:opt=value,...]`; options go to the kernel's constructor (staircase: see
+kernels/staircase.py). Writes nothing; the last lines are a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from megatron_splitkv import bench as mb
+from megatron_splitkv.kernels import get_kernel
+
+
+def _kernel(spec: str, dev, dtype):
+    name, _, opts = spec.partition(":")
+    if not opts:
+        return get_kernel(name, dev, dtype, 128)
+    kw = {}
+    for item in opts.split(","):
+        k, _, v = item.partition("=")
+        kw[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
+    if name != "staircase":
+        raise SystemExit(f"--backends: options are only supported for staircase, got {spec!r}")
+    from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+
+    return StaircaseAttentionKernel(**kw)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="flex;staircase", help="';'-separated backend specs")
+    ap.add_argument("--keys", default="16384,65536")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernel.py needs a CUDA GPU")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    Hq, Hkv, D, B, n_anchors = 32, 8, 128, 16, 512
+    scale = D ** -0.5
+    summary = []
+    for tk in [int(x) for x in a.keys.split(",")]:
+        mask = mb.dflash_interval_mask(n_anchors, tk, block_size=B, seed=11, device=dev)
+        Tq = n_anchors * B
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(Tq, Hq, D, device=dev, dtype=dt, generator=g)
+        k = torch.randn(tk, Hkv, D, device=dev, dtype=dt, generator=g)
+        v = torch.randn(tk, Hkv, D, device=dev, dtype=dt, generator=g)
+        do = torch.randn(Tq, Hq, D, device=dev, dtype=dt, generator=g)
+        pairs = B * int(mask.hi.sum())
+        for spec in a.backends.split(";"):
+            kern = _kernel(spec, dev, dt)
+
+            def step():
+                o, lse, st = kern.forward(q, k, v, mask, scale)
+                delta = (do.float() * o.float()).sum(-1)
+                return kern.backward(q, k, v, mask, scale, do, lse, delta, st)
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(a.iters):
+                    step()
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) * 1e3 / a.iters
+            ka = prof.key_averages()
+            dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+            busy = sum(getattr(e, dev_attr) for e in ka) / 1e3 / a.iters
+            print(f"\n== {spec} Tk={tk}: wall {wall:.2f} ms/iter, GPU busy {busy:.2f} ms/iter, "
+                  f"useful fwd+bwd {3.5 * 4 * pairs * Hq * D / wall / 1e9:.0f} TF/s", flush=True)
+            print(ka.table(sort_by=dev_attr.replace("_total", "_total"), row_limit=a.top, max_name_column_width=70))
+            summary.append((spec, tk, wall, busy))
+    print("\n| backend | Tk | wall ms/iter (fwd+bwd, incl. delta) | GPU busy ms/iter | gaps ms |")
+    print("|---|---|---|---|---|")
+    for spec, tk, wall, busy in summary:
+        print(f"| {spec} | {tk} | {wall:.2f} | {busy:.2f} | {wall - busy:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
