@@ -36,6 +36,12 @@
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), nometa (bench without per-step
 #      metadata); any extra command in $SUITE_EXTRA
 #
+# Local kernels: SUITE_BACKEND (default auto = flex) for bench / slow / exact / simulate; SUITE_BENCH_BACKENDS
+# (comma list, e.g. staircase) reruns bench's LPT rows with each of them (tables bench_attention_<name>.md,
+# budget SUITE_BENCH2_S, contexts SUITE_BENCH2_CONTEXTS); SUITE_EXACT_BACKENDS likewise for `exact`;
+# SUITE_GC_KERNELS / SUITE_GC_SWEEP / SUITE_KERNELS_S set gpu_check compare's --kernels / --staircase-sweep /
+# time limit.
+#
 # What comes back in $OUT (<= 8 files): suite.log (everything), suite.json (every step's JSON merged),
 # tables.md (every markdown table), simulate_scaling.png (and TE's built .so when `te` built it); the
 # compact summary is printed last. Intermediate files live in $WORK (default /tmp/suite), not in $OUT.
@@ -57,8 +63,9 @@ CHUNKS_AB=${SUITE_CHUNKS_AB-1,2,4}
 AB_CTX=${SUITE_AB_CONTEXTS:-131072}
 TUNE_S=${SUITE_TUNE_S:-75}
 CPU=${SUITE_CPU:-0}
+BACKEND=${SUITE_BACKEND:-auto}  # local kernel of the ops in bench / slow / exact / simulate
 GC_X=(); BENCH_X=(--row-target-s 0.6 --sdpa-max-lk 32768); TUNE_X=()
-SIM_X=(--cps 1,2,8,16,32,64 --backend "${SUITE_SIM_BACKEND:-auto}" --topology node,flat)
+SIM_X=(--cps 1,2,8,16,32,64 --backend "${SUITE_SIM_BACKEND:-$BACKEND}" --topology node,flat)
 if [[ "$CPU" == 1 ]]; then
   GC_X=(--cpu); BENCH_X=(--cpu-smoke --row-target-s 0.2); TUNE_X=(--cpu); CONTEXTS=512,1024; SLOW_CTX=512
   AB_CTX=1024
@@ -161,7 +168,10 @@ if want tune && { (( NGPU >= 2 )) || [[ "$CPU" == 1 ]]; } && [[ "${SUITE_TUNE_PA
     --out "$WORK/tune" "${TUNE_X[@]}"
 fi
 if want kernels; then
-  step a_kernels 170 env CUDA_VISIBLE_DEVICES=0 "$PY" tools/gpu_check.py compare --out "$WORK/kernels" "${GC_X[@]}"
+  GC_K=(); if [[ -n "${SUITE_GC_KERNELS:-}" ]]; then GC_K+=(--kernels "$SUITE_GC_KERNELS"); fi
+  if [[ -n "${SUITE_GC_SWEEP:-}" ]]; then GC_K+=(--staircase-sweep "$SUITE_GC_SWEEP"); fi
+  step a_kernels "${SUITE_KERNELS_S:-170}" env CUDA_VISIBLE_DEVICES=0 "$PY" tools/gpu_check.py compare \
+    --out "$WORK/kernels" "${GC_K[@]}" "${GC_X[@]}"
 fi
 if (( TUNE_BG )); then wait_bg e_tune; fi
 
@@ -198,14 +208,25 @@ if want bench; then
   BB=$(( BB < 60 ? 60 : BB ))
   step b_bench $(( BB + 60 )) "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts "$CONTEXTS" \
     --placements lpt,zigzag --cp1-methods splitkv --alt-placement-methods splitkv,ring-kv --budget-s "$BB" \
-    --ab-reserve-s "$AB_RES" --out "$WORK/bench" "${AB_X[@]}" "${BENCH_X[@]}"
+    --ab-reserve-s "$AB_RES" --backend "$BACKEND" --out "$WORK/bench" "${AB_X[@]}" "${BENCH_X[@]}"
+fi
+# b'. the same ops with other local kernels (SUITE_BENCH_BACKENDS, comma list, e.g. "staircase"), LPT only,
+#     SUITE_BENCH2_CONTEXTS (default: CONTEXTS), in their own process: tables bench_attention_<backend>.md
+if want bench && [[ -n "${SUITE_BENCH_BACKENDS:-}" ]]; then
+  for BK in ${SUITE_BENCH_BACKENDS//,/ }; do
+    step "b_bench_$BK" $(( ${SUITE_BENCH2_S:-90} + 60 )) "${RUN[@]}" tools/bench_attention.py --cp 1,2 \
+      --contexts "${SUITE_BENCH2_CONTEXTS:-$CONTEXTS}" --placements lpt --cp1-methods splitkv --no-sdpa \
+      --budget-s "${SUITE_BENCH2_S:-90}" --ab-reserve-s 0 --backend "$BK" --tag "$BK" --out "$WORK/bench" \
+      "${BENCH_X[@]}"
+  done
 fi
 
 # b. the same over sockets (NCCL network transport on lo: the inter-node stand-in)
 if want slow; then
   step b_slow 100 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
     "${RUN[@]}" tools/bench_attention.py --cp 2 --contexts "$SLOW_CTX" --placements lpt --no-sdpa --slow-path \
-    --tag slow --budget-s 45 --ab-reserve-s 0 --reps 6 --out "$WORK/slow" "${AB_X[@]}" "${BENCH_X[@]}"
+    --tag slow --budget-s 45 --ab-reserve-s 0 --reps 6 --backend "$BACKEND" --out "$WORK/slow" "${AB_X[@]}" \
+    "${BENCH_X[@]}"
 fi
 
 # c. weak-scaling simulation with measured collectives and measured per-rank shards
@@ -226,7 +247,11 @@ fi
 
 # exactness of this tree's ops at CP=2 over NCCL (chunked merge pipeline and fused own block included)
 if want exact; then
-  step x_exact 75 "${RUN[@]}" tools/gpu_check.py dist --skip op --out "$WORK/exact" "${GC_X[@]}"
+  step x_exact 75 "${RUN[@]}" tools/gpu_check.py dist --skip op --backend "$BACKEND" --out "$WORK/exact" "${GC_X[@]}"
+  for BK in ${SUITE_EXACT_BACKENDS:+${SUITE_EXACT_BACKENDS//,/ }}; do  # more kernels' op exactness (e.g. "staircase")
+    step "x_exact_$BK" 75 "${RUN[@]}" tools/gpu_check.py dist --skip op --backend "$BK" --out "$WORK/exact_$BK" \
+      "${GC_X[@]}"
+  done
 fi
 
 if want nometa; then
