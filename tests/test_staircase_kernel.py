@@ -21,7 +21,9 @@ from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel, staircase_plan
 
 #: every rectangle is worth a dense call: small test shapes still exercise the dense path
-TINY = dict(group_blocks=2, min_group_blocks=1, key_grain=1, min_keys=1, min_pairs=1)
+TINY = dict(group_blocks=2, min_group_blocks=1, key_grain=1, min_keys=1, min_pairs=1, sub_group_blocks=0)
+#: two levels: groups of 4 blocks, their ragged parts cut again into sub-groups of 2 (rows in 2 rectangles)
+HIER = dict(group_blocks=4, sub_group_blocks=2, min_group_blocks=1, key_grain=1, min_keys=1, min_pairs=1)
 
 
 def seed_of(*xs):
@@ -154,16 +156,42 @@ CASES = [  # seed, Hq, Hkv, B, seq_lens, n_blocks
 @pytest.mark.parametrize("own", [False, True])
 @pytest.mark.parametrize("bwd_mode", ["query", "key"])
 @pytest.mark.parametrize("gqa", ["fold", "native"])
-def test_matches_float64_reference(seed, hq, hkv, bsz, seq_lens, n_blocks, own, bwd_mode, gqa):
-    gen = torch.Generator().manual_seed(seed_of(seed, own, bwd_mode, gqa))
+@pytest.mark.parametrize("levels", ["one", "two"])
+def test_matches_float64_reference(seed, hq, hkv, bsz, seq_lens, n_blocks, own, bwd_mode, gqa, levels):
+    gen = torch.Generator().manual_seed(seed_of(seed, own, bwd_mode, gqa, levels))
     mask = dflash_mask(gen, n_blocks, bsz, seq_lens, own=own)
     q, k, v, dout = make_inputs(gen, mask, hq, hkv, 8, torch.float64)
-    kern = StaircaseAttentionKernel(bwd_mode=bwd_mode, gqa=gqa, **TINY)
+    kern = StaircaseAttentionKernel(bwd_mode=bwd_mode, gqa=gqa, **(TINY if levels == "one" else HIER))
     run_and_check(kern, mask, q, k, v, dout, 0.35, gen, 1e-10)
     plan = kern.plan(mask)
     assert kern.counts["dense_fwd"] == len(plan.groups) > 0  # the dense path ran (not all remainder)
+    assert levels == "two" or max(plan.levels) == 0  # one level: no sub-group rectangles
     assert kern.counts["dense_bwd"] == len(plan.groups if bwd_mode == "query" else plan.key_major)
     assert kern.paths["bwd"] == bwd_mode and kern.paths["gqa"] == gqa and kern.paths["dense"] == "cpu-flash"
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("bwd_mode", ["query", "key"])
+@pytest.mark.parametrize("gqa", ["fold", "native"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_levels_match_float64_reference(own, bwd_mode, gqa, dtype):
+    """Rows in two rectangles (a group's [lo, m_g) and its sub-group's [m_g, m_s)) plus the remainder:
+    forward merge of three partials and backward accumulation of two dense dQ contributions per row, on
+    packed sequences (gathered, non-contiguous block sets) and on one sequence in block order (row slices)."""
+    for case, (seq_lens, p_empty) in enumerate([([70, 9, 55], 0.1), ([120], 0.0)]):
+        gen = torch.Generator().manual_seed(seed_of("two", own, bwd_mode, gqa, str(dtype), case))
+        mask = dflash_mask(gen, 36, 2, seq_lens, p_empty=p_empty, own=own)
+        if case == 1:  # blocks in hi order: contiguous ranges
+            order = torch.argsort(mask.hi, stable=True)
+            mask = IntervalMask(2, mask.lo[order], mask.hi[order], mask.num_keys, mask.lo2, mask.hi2,
+                                num_ctx_keys=mask.num_ctx_keys)
+        q, k, v, dout = make_inputs(gen, mask, 4, 2, 8, dtype)
+        kern = StaircaseAttentionKernel(bwd_mode=bwd_mode, gqa=gqa, **dict(HIER, group_blocks=8))
+        run_and_check(kern, mask, q, k, v, dout, 0.35, gen, 1e-10 if dtype == torch.float64 else 1e-5)
+        plan = kern.plan(mask)
+        assert plan.levels.count(1) >= 2 and plan.levels.count(0) >= 2
+        assert (plan.block_range is not None) == (case == 1)
+        assert kern.counts["dense_bwd"] == len(plan.groups if bwd_mode == "query" else plan.key_major)
 
 
 @pytest.mark.parametrize("group_blocks,min_group,grain,min_keys", [(1, 1, 1, 1), (3, 1, 4, 1), (4, 2, 1, 9),
@@ -194,6 +222,65 @@ def test_plan_covers_every_visible_pair_once(group_blocks, min_group, grain, min
     assert len(set(blocks)) == len(blocks)
     assert plan.pairs_dense == sum(2 * (k1 - k0) * (p1 - p0) for p0, p1, k0, k1 in plan.groups)
     assert 0 < plan.dense_fraction < 1
+
+
+@pytest.mark.parametrize("group_blocks,sub,min_group,grain,min_keys", [(4, 2, 1, 1, 1), (8, 2, 1, 3, 1),
+                                                                        (6, 3, 2, 1, 5), (8, 4, 4, 4, 8),
+                                                                        (16, 4, 1, 2, 30)])
+def test_two_level_plan_covers_every_visible_pair_once(group_blocks, sub, min_group, grain, min_keys):
+    """Sub-group rectangles: for the query-major and the key-major sets (separately) + the remainder, every
+    visible (block, key) pair is covered exactly once, checked pair by pair; a block's rectangles have
+    disjoint key ranges inside what it sees; sub-rectangles lie within their level-1 group's blocks; key
+    counts multiples of the grain and >= min_keys; counts and sums consistent."""
+    gen = torch.Generator().manual_seed(seed_of("cover2", group_blocks, sub, grain))
+    mask = dflash_mask(gen, 60, 2, [90, 41, 7, 120], p_empty=0.1)
+    plan = staircase_plan(mask, group_blocks, min_group, grain, min_keys, 1, sub)
+    keys = torch.arange(mask.num_keys)
+    want = ((keys >= mask.lo[:, None]) & (keys < mask.hi[:, None])).long()
+    blocks = plan.blocks.tolist()
+    assert len(set(blocks)) == len(blocks) and len(plan.levels) == len(plan.groups)
+    assert 1 in plan.levels  # the second level made rectangles
+    for rects in (plan.groups, plan.key_major):
+        cover = torch.zeros_like(want)
+        for p0, p1, k0, k1 in rects:
+            assert (k1 - k0) % grain == 0 and k1 - k0 >= min_keys and p1 > p0
+            for b in blocks[p0:p1]:
+                cover[b, k0:k1] += 1
+        rem = plan.rem
+        cover += ((keys >= rem.lo[:, None]) & (keys < rem.hi[:, None])).long()
+        assert torch.equal(cover, want), "a visible pair is covered 0 or 2+ times, or an invisible one covered"
+    for (p0, p1, _, _), lv in zip(plan.groups, plan.levels):
+        if lv == 1:
+            assert p1 - p0 <= sub
+        else:
+            assert p1 - p0 <= group_blocks
+    for rect, rng in plan.ranges.items():  # row slices only where the blocks really are a.. b-1
+        if rng is not None:
+            assert blocks[rect[0]:rect[1]] == list(range(*rng))
+    assert plan.pairs_dense == sum(2 * (k1 - k0) * (p1 - p0) for p0, p1, k0, k1 in plan.groups)
+    assert plan.qmajor_keys == sum(k1 - k0 for *_, k0, k1 in plan.groups)
+    assert plan.kmajor_blocks == sum(p1 - p0 for p0, p1, *_ in plan.key_major)
+    one = staircase_plan(mask, group_blocks, min_group, grain, min_keys, 1, 0)
+    assert one.pairs_dense < plan.pairs_dense and set(one.levels) <= {0}  # the second level adds dense pairs
+
+
+def test_two_level_policy_by_hand():
+    """One run of 8 blocks, groups of 4 then sub-groups of 2: level-1 rectangles [0, m_g), then each
+    group's ragged part cut at the sub-groups' smallest hi; a level-1 group too short for a call still gets
+    its sub-rectangles from lo; the remainder starts where each block's last rectangle ends."""
+    lo = torch.zeros(8, dtype=torch.long)
+    hi = torch.tensor([3, 5, 8, 9, 40, 44, 50, 61])
+    mask = IntervalMask(1, lo, hi, 64)
+    p = staircase_plan(mask, 4, 1, 1, 1, 1, 2)
+    got = [(p1 - p0, k0, k1, lv) for (p0, p1, k0, k1), lv in zip(p.groups, p.levels)]
+    assert got == [(4, 0, 3, 0), (2, 3, 8, 1), (4, 0, 40, 0), (2, 40, 50, 1)]
+    assert p.rem.lo.tolist() == [3, 3, 8, 8, 40, 40, 50, 50]
+    assert p.key_major[:2] == [(0, 8, 0, 3), (4, 8, 3, 40)]
+    p = staircase_plan(mask, 4, 1, 1, 4, 1, 2)  # min_keys 4: [0, 3) too short, its sub-groups start at lo
+    got = [(p1 - p0, k0, k1, lv) for (p0, p1, k0, k1), lv in zip(p.groups, p.levels)]
+    assert got == [(2, 0, 8, 1), (4, 0, 40, 0), (2, 40, 50, 1)]
+    assert p.rem.lo.tolist() == [0, 0, 8, 8, 40, 40, 50, 50]
+    assert p.key_major == [(2, 6, 0, 40), (0, 2, 0, 8), (4, 6, 40, 50)]
 
 
 def test_grouping_policy_sizes_and_thresholds():
@@ -400,7 +487,7 @@ def test_options_env_dtypes_and_registry(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ the CP ops
-def _op_worker(rank, world, cases):
+def _op_worker(rank, world, cases, opts=None):
     """Run the ops with backend='staircase' (tiny thresholds: the dense path runs on these small shapes)
     on this gloo rank; returns the results and the kernel's call counts."""
     import torch.distributed as dist
@@ -408,15 +495,15 @@ def _op_worker(rank, world, cases):
     from megatron_splitkv import kernels
     import _splitkv_helpers as H
 
-    kern = StaircaseAttentionKernel(**TINY)
+    kern = StaircaseAttentionKernel(**(opts or TINY))
     for dt in (torch.float64, torch.float32):
         kernels._CACHE[("staircase", "cpu", dt)] = kern
     res = [H.run_local(op, c, rank, dist.group.WORLD) for op, c in cases]
     return res, dict(kern.counts)
 
 
-@pytest.mark.parametrize("P", [1, 2, 3])
-def test_ops_with_staircase_kernel_match_reference(P):
+@pytest.mark.parametrize("P,levels", [(1, "one"), (2, "one"), (3, "one"), (2, "two"), (3, "two")])
+def test_ops_with_staircase_kernel_match_reference(P, levels):
     """splitkv / allgather-kv / ring-kv with backend='staircase' equal the float64 reference in output,
     lse and all five gradients: packed sequences, uneven and empty shards, invalid blocks, anchors at 0,
     GQA, a gradient through lse, the per-step metadata path; the dense path ran."""
@@ -429,7 +516,7 @@ def test_ops_with_staircase_kernel_match_reference(P):
     cases = [(op, H.case(seed + i, P, blocks=blocks, ctx=ctx, backend="staircase", Hq=4, Hkv=2,
                          metadata=(i == 0)))
              for i, op in enumerate(("splitkv", "allgather_kv", "ring_kv"))]
-    per_rank = run_distributed(_op_worker, P, cases, timeout=300)
+    per_rank = run_distributed(_op_worker, P, cases, TINY if levels == "one" else HIER, timeout=300)
     for i, (op, c) in enumerate(cases):
         errs = H.errors(c, [per_rank[r][0][i] for r in range(P)])
         bad = {k: v for k, v in errs.items() if not v < H.TOL["float64"]}

@@ -32,14 +32,18 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fold_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
+def fold_heads(x: torch.Tensor, hkv: int, dtype: torch.dtype = None) -> torch.Tensor:
     """[T, Hq, ...] -> [T * G, Hkv, ...] (G = Hq // hkv): query head h * G + g of row r -> row r * G + g,
-    head h. A copy (unless G == 1, then x itself)."""
+    head h. One copy (unless G == 1 and no conversion, then x itself); `dtype` (default x's): the copy's
+    dtype, converted in the same pass."""
     t, hq = x.shape[:2]
     g = hq // hkv
+    dtype = x.dtype if dtype is None else dtype
     if g == 1:
-        return x
-    return x.reshape(t, hkv, g, *x.shape[2:]).transpose(1, 2).reshape(t * g, hkv, *x.shape[2:])
+        return x.to(dtype)
+    out = torch.empty((t * g, hkv) + tuple(x.shape[2:]), dtype=dtype, device=x.device)
+    out.view(t, g, hkv, *x.shape[2:]).copy_(x.unflatten(1, (hkv, g)).transpose(1, 2))
+    return out
 
 
 def unfold_heads(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -65,9 +69,12 @@ def out_for_delta(dout: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype):
         On bad rows o_prime is arbitrary (possibly inf/NaN): the caller must not use it there.
     """
     acc = acc_dtype(dtype)
-    d = dout.to(acc)
     delta = delta.to(acc)
-    sq = d.square().sum(-1)
-    o = (d * (delta / torch.where(sq > 0, sq, torch.ones_like(sq)))[..., None]).to(dtype)
+    # |dO|^2 accumulated in `acc` straight from dout (no converted copy), then O' = dO * c computed in acc
+    # and rounded to `dtype` in the same pass (out=): the values of (dO.to(acc) * c).to(dtype)
+    sq = torch.linalg.vector_norm(dout, dim=-1, dtype=acc).square_()
+    c = delta / torch.where(sq > 0, sq, torch.ones_like(sq))
+    o = torch.empty(dout.shape, dtype=dtype, device=dout.device)
+    torch.mul(dout, c[..., None], out=o)
     bad = ((sq < torch.finfo(acc).tiny) & (delta != 0)) | ~torch.isfinite(o).all(-1)
     return o, bad

@@ -19,7 +19,10 @@ of its blocks, sees [lo, m_g) FULLY: a dense rectangle of n_g * B query rows x (
               one call of the inner kernel (flex on CUDA, math on CPU) with the REMAINDER mask:
               [m_g, hi[b]) for grouped blocks, [lo, hi) for the others, second intervals unchanged
                                                                            -> (O_rem, lse_rem)
-              merged per row by lse in fp32 (rows with -inf in both: out 0, lse -inf, never NaN).
+              merged per row by lse in fp32 (rows with -inf in both: out 0, lse -inf, never NaN): the final
+              lse L first (small tensors), then out_rem *= exp(lse_rem - L) and one fused
+              out += exp(lse_g - L) * O_g per rectangle, reading the dense result (input dtype, folded
+              layout) through a view: no fp32 copy of O_g, no unfold, no scatter.
     backward: the inner kernel's backward on the remainder mask with the global (lse, delta), plus the
               dense backward of every rectangle with the global statistics; dQ, dK, dV accumulated in
               fp32 (float64 for float64 inputs).
@@ -42,8 +45,17 @@ Two equivalent rectangle sets serve the backward (`bwd_mode`):
     (they all see the chunk whole): dK/dV rows disjoint, dQ accumulated instead:
     sum_c rows_c x Hq x D elements. Cheaper when Tk >> Tq (DFlash: Lq = 8192, Lk up to 128K), but each
     chunk is only (m_c - m_{c-1}) keys wide: few key tiles for the dense backward to parallelise over.
-  * "auto" (default): "key" when its accumulation is smaller AND its chunks are at least
+  * "auto": "key" when its accumulation is smaller AND its chunks are at least
     `kmajor_min_keys` wide on average, else "query".
+
+Two levels (`sub_group_blocks` = s > 0, default): each group's ragged part [m_g, hi[b]) is itself a
+staircase with base m_g; it is cut the same way into sub-groups of s blocks, each with a rectangle
+[m_g, m_s) (m_s = the sub-group's smallest hi rounded down to m_g + a multiple of the grain), and only
+[m_s, hi) goes to the remainder. A block then lies in up to two rectangles with disjoint key ranges; a
+group whose own rectangle is too small still gets sub-rectangles from lo. The remainder shrinks from
+~n/512 to ~s/512 of the pairs (uniform anchors) while the big first-level calls stay big. dQ of every
+rectangle is added into the remainder's fp32 dQ straight from the dense result (a view of its folded
+layout), dK/dV into the fp32 dK/dV.
 
 Grouping policy (host ints, `staircase_plan`): blocks that see context are sorted by (lo, hi); a run of
 equal lo (one sequence) of N blocks is cut into N // n groups of exactly n = `group_blocks` blocks at the
@@ -109,8 +121,9 @@ _BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 
 
 #: environment variables MEGATRON_SPLITKV_STAIRCASE_<NAME> override the constructor defaults
 ENV_PREFIX = "MEGATRON_SPLITKV_STAIRCASE_"
-_DEFAULTS = dict(group_blocks=32, min_group_blocks=8, key_grain=256, min_keys=512, min_pairs=1 << 20,
-                 kmajor_min_keys=2048, streams=1, bwd_mode="auto", gqa="fold", kv_layout="auto", inner="auto")
+_DEFAULTS = dict(group_blocks=128, sub_group_blocks=32, min_group_blocks=8, key_grain=256, min_keys=512,
+                 min_pairs=1 << 20, kmajor_min_keys=2048, streams=2, bwd_mode="query", gqa="fold", kv_layout="auto",
+                 inner="auto")
 _CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
 
 
@@ -130,8 +143,9 @@ def _option(name, value):
         value = int(value)
     except (TypeError, ValueError):
         raise ValueError(f"staircase {name} must be an int, got {value!r}") from None
-    if value < (0 if name == "min_pairs" else 1):
-        raise ValueError(f"staircase {name} must be >= 1, got {value}")
+    if value < (0 if name in ("min_pairs", "sub_group_blocks") else 1):
+        raise ValueError(f"staircase {name} must be >= {0 if name in ('min_pairs', 'sub_group_blocks') else 1}, "
+                         f"got {value}")
     return value
 
 
@@ -145,15 +159,22 @@ class StaircasePlan:
             lo, each sorted by hi); positions below index into it.
         block_range: (a, b) when blocks == arange(a, b) (row slices instead of gathers), else None.
         groups: [(p0, p1, klo, khi)] query-major rectangles: blocks[p0:p1] x keys [klo, khi) (the forward,
-            and the backward in "query" mode).
-        key_major: [(p0, p1, klo, khi)] key-major rectangles with the same coverage (backward "key" mode).
-        rem: the remainder `IntervalMask` for the inner kernel (first intervals [m_g, hi) of dense blocks,
+            and the backward in "query" mode). With sub-groups a block lies in up to two of them (disjoint
+            key ranges [lo, m_g) and [m_g, m_s)).
+        key_major: [(p0, p1, klo, khi)] rectangles with the same coverage for the backward "key" mode: the
+            first level as key chunks against all blocks that see them, sub-group rectangles unchanged.
+        rem: the remainder `IntervalMask` for the inner kernel (first intervals [m_b, hi) of dense blocks,
+            m_b the end of the block's last rectangle,
             [lo, hi) of the others, second intervals unchanged), or None when nothing remains.
         lo_rem: [nb] int64, the remainder's first-interval starts (m_g on dense blocks, lo elsewhere).
         pairs_total, pairs_dense: visible (query row, key) pairs of the whole mask (both intervals) and of
             the rectangles (query rows unfolded: B per block).
-        qmajor_keys: sum over groups of khi - klo (dK/dV rows the query-major backward accumulates).
-        kmajor_blocks: sum over key-major rectangles of p1 - p0 (dQ block rows the key-major one adds).
+        qmajor_keys, qmajor_blocks: sums over `groups` of khi - klo and p1 - p0 (the dK/dV key rows and dQ
+            block rows the query-major backward adds into the fp32 results).
+        kmajor_keys, kmajor_blocks: the same sums over `key_major`.
+        levels: [len(groups)] the level of each group's rectangle (0: [lo, m_g); 1: a sub-group's [m_g, m_s)).
+        ranges: {rectangle: (a, b) when its blocks are the original blocks a..b-1 in order (row slices,
+            no gather), else None}.
     """
 
     blocks: torch.Tensor
@@ -166,6 +187,10 @@ class StaircasePlan:
     pairs_dense: int
     qmajor_keys: int
     kmajor_blocks: int
+    levels: list = None
+    qmajor_blocks: int = 0
+    kmajor_keys: int = 0
+    ranges: dict = None
 
     @property
     def num_dense_blocks(self) -> int:
@@ -197,10 +222,12 @@ def _run_sizes(n_blocks: int, group_blocks: int, min_group_blocks: int):
 
 
 def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks: int = 8, key_grain: int = 256,
-                   min_keys: int = 512, min_pairs: int = 1 << 20) -> StaircasePlan:
+                   min_keys: int = 512, min_pairs: int = 1 << 20, sub_group_blocks: int = 0) -> StaircasePlan:
     """Build the staircase decomposition of `mask` (host side: one host sync reading the intervals).
 
-    Args: see `StaircaseAttentionKernel` (the grouping policy of the module docstring).
+    Args: see `StaircaseAttentionKernel` (the grouping policy of the module docstring). sub_group_blocks:
+        0 (or >= group_blocks): one level of rectangles; else every group's ragged part [m_g, hi) is cut
+        again into sub-groups of that many blocks (second-level rectangles [m_g, m_s)).
     Returns: a `StaircasePlan`; device tensors live on mask.lo's device.
     """
     dev = mask.lo.device
@@ -211,39 +238,65 @@ def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks:
     own = [b > a for a, b in zip(vals[2], vals[3])] if mask.has_union else [False] * nb
     live = sorted((b for b in range(nb) if hi[b] > lo[b]), key=lambda b: (lo[b], hi[b], b))
     grain, min_keys = max(1, key_grain), max(1, min_keys)
+    sizes_by_level = [group_blocks]
+    if 0 < sub_group_blocks < group_blocks:
+        sizes_by_level.append(sub_group_blocks)
     lo_rem = list(lo)
-    blocks, groups, key_major = [], [], []
-    pairs_dense = qmajor_keys = kmajor_blocks = 0
+    rects = []  # (level, [blocks], klo, khi) in the order made
+    pairs_dense = 0
+
+    def split(run, base, level):
+        """Cut `run` (blocks sorted by hi, all seeing [base, hi) whole) into groups of this level; each
+        group's dense rectangle [base, m_g) (if worth a call), then its ragged part one level down."""
+        nonlocal pairs_dense
+        left, sizes = _run_sizes(len(run), sizes_by_level[level], min(min_group_blocks, sizes_by_level[level]))
+        pos = left
+        for size in sizes:
+            grp = run[pos:pos + size]
+            pos += size
+            kd = (hi[grp[0]] - base) // grain * grain
+            top = base
+            if kd >= min_keys and size * bsz * kd >= min_pairs:
+                rects.append((level, grp, base, base + kd))
+                pairs_dense += size * bsz * kd
+                top = base + kd
+                for b in grp:
+                    lo_rem[b] = top
+            if level + 1 < len(sizes_by_level):
+                split(grp, top, level + 1)
+
     i = 0
     while i < len(live):
         j = i
         while j < len(live) and lo[live[j]] == lo[live[i]]:
             j += 1
-        run, run_lo = live[i:j], lo[live[i]]
-        left, sizes = _run_sizes(len(run), group_blocks, min_group_blocks)
-        pos, run_groups = left, []
-        for size in sizes:
-            grp = run[pos:pos + size]
-            pos += size
-            kd = (hi[grp[0]] - run_lo) // grain * grain
-            if kd < min_keys or size * bsz * kd < min_pairs:
-                continue  # not worth a dense call: these blocks stay whole in the remainder
-            p0 = len(blocks)
-            blocks.extend(grp)
-            run_groups.append((p0, len(blocks), run_lo, run_lo + kd))
-            for b in grp:
-                lo_rem[b] = run_lo + kd
-            pairs_dense += size * bsz * kd
-            qmajor_keys += kd
-        groups.extend(run_groups)
-        if run_groups:  # key-major: chunk [m_{c-1}, m_c) against the blocks of groups c..last of the run
-            run_end, edge = run_groups[-1][1], run_lo
-            for p0, _, _, khi in run_groups:
-                if khi > edge:
-                    key_major.append((p0, run_end, edge, khi))
-                    kmajor_blocks += run_end - p0
-                    edge = khi
+        split(live[i:j], lo[live[i]], 0)
         i = j
+    # dense blocks in sorted order; every rectangle's blocks are a contiguous range of this order (nested
+    # groups of consecutive blocks of one run)
+    in_rect = set(b for _, grp, _, _ in rects for b in grp)
+    blocks = [b for b in live if b in in_rect]
+    pos_of = {b: p for p, b in enumerate(blocks)}
+    groups, key_major, levels = [], [], []
+    for level, grp, k0, k1 in rects:
+        groups.append((pos_of[grp[0]], pos_of[grp[-1]] + 1, k0, k1))
+        levels.append(level)
+    # key-major: the first-level rectangles of a run share klo = lo; chunk [m_{c-1}, m_c) against the blocks
+    # of groups c..last of the run (a contiguous suffix of the run's dense blocks: kept groups have
+    # non-decreasing m and size, so the dropped ones are a prefix); deeper levels stay as they are
+    first = [g for g, lv in zip(groups, levels) if lv == 0]
+    c = 0
+    while c < len(first):
+        d = c
+        while d < len(first) and first[d][2] == first[c][2]:
+            d += 1
+        run_end, edge = first[d - 1][1], first[c][2]
+        for p0, _, _, khi in first[c:d]:
+            if khi > edge:
+                key_major.append((p0, run_end, edge, khi))
+                edge = khi
+        c = d
+    key_major += [g for g, lv in zip(groups, levels) if lv > 0]
     pairs_total = bsz * sum(h - l for l, h in zip(lo, hi) if h > l) + bsz * bsz * sum(own)
     rem_live = any(hi[b] > lo_rem[b] for b in range(nb)) or any(own)
     lo_rem_t = torch.tensor(lo_rem, dtype=torch.int64, device=dev) if nb else mask.lo.clone()
@@ -251,12 +304,19 @@ def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks:
     if rem_live:
         rem = IntervalMask(bsz, lo_rem_t, mask.hi, mask.num_keys, mask.lo2, mask.hi2,
                            num_ctx_keys=mask.num_ctx_keys)
-    block_range = None
-    if blocks and blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-        block_range = (blocks[0], blocks[0] + len(blocks))
+
+    def brange(p0, p1):  # original block range of blocks[p0:p1] when contiguous ascending, else None
+        a = blocks[p0]
+        return (a, a + p1 - p0) if blocks[p0:p1] == list(range(a, a + p1 - p0)) else None
+
+    block_range = brange(0, len(blocks)) if blocks else None
     return StaircasePlan(blocks=torch.tensor(blocks, dtype=torch.int64, device=dev), block_range=block_range,
                          groups=groups, key_major=key_major, rem=rem, lo_rem=lo_rem_t, pairs_total=pairs_total,
-                         pairs_dense=pairs_dense, qmajor_keys=qmajor_keys, kmajor_blocks=kmajor_blocks)
+                         pairs_dense=pairs_dense, qmajor_keys=sum(k1 - k0 for _, _, k0, k1 in groups),
+                         kmajor_blocks=sum(p1 - p0 for p0, p1, _, _ in key_major), levels=levels,
+                         qmajor_blocks=sum(p1 - p0 for p0, p1, _, _ in groups),
+                         kmajor_keys=sum(k1 - k0 for _, _, k0, k1 in key_major),
+                         ranges={r: brange(r[0], r[1]) for r in set(groups) | set(key_major)})
 
 
 # ------------------------------------------------------------------------------------------ dense calls
@@ -384,17 +444,20 @@ class StaircaseAttentionKernel:
         entry needs the math fix-up, see the module docstring).
 
     Args (None: env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default in brackets):
-        group_blocks: n, blocks per group [32] (dense rows per call: n * B, x G when folded).
+        group_blocks: n, blocks per group [128] (dense rows per call: n * B, x G when folded).
+        sub_group_blocks: s, blocks per second-level group [32]; 0 or >= group_blocks: one level only.
+            Each group's ragged part [m_g, hi) is cut into sub-groups of s blocks, each with its own
+            rectangle [m_g, m_s) (module docstring, "Two levels").
         min_group_blocks: smallest group made of a run's left-over blocks [8].
         key_grain: dense key counts are multiples of this [256] (bounded set of cuDNN graph shapes).
         min_keys: smallest dense key count of a rectangle [512].
         min_pairs: smallest rectangle, query rows (unfolded) x keys [2**20].
-        bwd_mode: "auto" | "query" | "key" [auto] (module docstring).
+        bwd_mode: "auto" | "query" | "key" [query: measured best with 128-block groups, H200].
         kmajor_min_keys: "auto" takes "key" only if its chunks are this wide on average [2048].
         gqa: "fold" | "native" [fold].
         kv_layout: "auto" | "view" | "copy" [auto: views if a one-time probe shows the dense backend takes
             them (`probe_kv_views`), else copies].
-        streams: side CUDA streams for the dense calls, 1 = none [1].
+        streams: side CUDA streams for the dense calls, 1 = none [2].
         inner: the remainder kernel: a backend name for `kernels.get_kernel` or a kernel instance [auto:
             flex on CUDA, math on CPU / float64].
 
@@ -409,8 +472,10 @@ class StaircaseAttentionKernel:
     name = "staircase"
 
     def __init__(self, group_blocks=None, min_group_blocks=None, key_grain=None, min_keys=None, min_pairs=None,
-                 bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None):
+                 bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None,
+                 sub_group_blocks=None):
         self.group_blocks = _option("group_blocks", group_blocks)
+        self.sub_group_blocks = _option("sub_group_blocks", sub_group_blocks)
         self.min_group_blocks = min(_option("min_group_blocks", min_group_blocks), self.group_blocks)
         self.key_grain = _option("key_grain", key_grain)
         self.min_keys = _option("min_keys", min_keys)
@@ -437,7 +502,8 @@ class StaircaseAttentionKernel:
         """The decomposition of `mask`, cached on the mask object (`mask._staircase_plans`); the cache
         assumes lo/hi (lo2/hi2) are not modified in place afterwards."""
         cache = mask.__dict__.setdefault("_staircase_plans", {})
-        key = (self.group_blocks, self.min_group_blocks, self.key_grain, self.min_keys, self.min_pairs)
+        key = (self.group_blocks, self.min_group_blocks, self.key_grain, self.min_keys, self.min_pairs,
+               self.sub_group_blocks)
         if key not in cache:
             cache[key] = staircase_plan(mask, *key)
         return cache[key]
@@ -498,16 +564,19 @@ class StaircaseAttentionKernel:
         if mask.num_keys != k.shape[0]:
             raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
 
-    def _dense_rows(self, x, plan: StaircasePlan, bsz: int, hkv: int, fold: bool):
-        """Rows of the dense blocks in plan order, [nd * B (* G), H', ...]: a view for a contiguous block
-        range without folding, else one copy (gather and fold in one)."""
+    def _dense_rows(self, x, plan: StaircasePlan, bsz: int, hkv: int, fold: bool, dtype=None):
+        """Rows of the dense blocks in plan order, [nd * B (* G), H', ...], in `dtype` (default x's): a view
+        for a contiguous block range without folding or conversion, else ONE copy (fold and dtype
+        conversion in the same pass; a gather before it when the blocks are not a contiguous range)."""
         if plan.block_range is not None:
             a, b = plan.block_range
             rows = x[a * bsz:b * bsz]
         else:
             rows = x.unflatten(0, (-1, bsz)).index_select(0, plan.blocks).flatten(0, 1)
         if fold:
-            rows = fold_heads(rows, hkv)
+            rows = fold_heads(rows, hkv, dtype)
+        elif dtype is not None:
+            rows = rows.to(dtype)
         return rows if rows.dim() < 3 or rows.stride(-1) == 1 else rows.contiguous()
 
     @staticmethod
@@ -520,6 +589,35 @@ class StaircaseAttentionKernel:
             return
         d3, s3 = dst.unflatten(0, (-1, bsz)), src.unflatten(0, (-1, bsz))
         d3.index_add_(0, plan.blocks, s3) if add else d3.index_copy_(0, plan.blocks, s3.contiguous())
+
+    @staticmethod
+    def _on_rows(xs, rng, idx, bsz: int, hkv: int, fn, write: int = 1):
+        """fn(*views) on the rows of some blocks of the [Tq, Hq(, D)] tensors xs, each view [R, Hkv, G(, D)]
+        (query head h * G + g of kv head h). rng = (a, b): the blocks a..b-1, views are slices (fn writes in
+        place); else the blocks `idx`: gathered copies, the first `write` of them copied back after fn."""
+        if rng is not None:
+            fn(*(x[rng[0] * bsz:rng[1] * bsz].unflatten(1, (hkv, -1)) for x in xs))
+            return
+        parts = [x.unflatten(0, (-1, bsz)).index_select(0, idx) for x in xs]
+        fn(*(p.flatten(0, 1).unflatten(1, (hkv, -1)) for p in parts))
+        for x, p in zip(xs[:write], parts[:write]):
+            x.unflatten(0, (-1, bsz)).index_copy_(0, idx, p)
+
+    @staticmethod
+    def _unfold_view(x, fold: bool, hkv: int, g: int):
+        """A dense call's result as a [R, Hkv, G(, D)] view (no copy): x [1, H', L', D] (o, dq) or
+        [H', L'] (lse); folded: H' = Hkv, L' = R * G (row r * G + g); native: H' = Hq, L' = R."""
+        if x.dim() == 4:
+            x = x[0]
+        if fold:
+            return x.unflatten(1, (-1, g)).transpose(0, 1)
+        return x.transpose(0, 1).unflatten(1, (hkv, -1))
+
+    def _rect_rows(self, plan: StaircasePlan, rect):
+        """(block range or None, block indices) of a rectangle's blocks."""
+        p0, p1 = rect[0], rect[1]
+        rng = plan.ranges.get(tuple(rect)) if plan.ranges else None
+        return rng, (None if rng is not None else plan.blocks[p0:p1])
 
     def _kv_layout(self, dense: DenseOps, dtype, d, heads_q, heads_kv) -> str:
         """"view" or "copy" (`kv_layout`; "auto": `probe_kv_views`, its reason in paths["kv_probe"])."""
@@ -537,12 +635,13 @@ class StaircaseAttentionKernel:
 
     def _bwd_mode(self, plan: StaircasePlan, bsz: int, hq: int, hkv: int) -> str:
         """"query" or "key" for this plan (`bwd_mode`; "auto": the smaller fp32 accumulation, per head-dim
-        column: query-major dK + dV rows x Hkv x 2 vs key-major dQ rows x Hq, provided the key-major
-        chunks are at least `kmajor_min_keys` wide on average)."""
+        column: every dense result is added into the fp32 gradients, dQ rows x Hq + dK/dV rows x Hkv x 2,
+        summed over the query-major vs the key-major rectangles, provided the key-major chunks are at least
+        `kmajor_min_keys` wide on average)."""
         if self.bwd_mode != "auto":
             return self.bwd_mode
-        q_cost = plan.qmajor_keys * hkv * 2
-        k_cost = plan.kmajor_blocks * bsz * hq
+        q_cost = plan.qmajor_keys * hkv * 2 + plan.qmajor_blocks * bsz * hq
+        k_cost = plan.kmajor_keys * hkv * 2 + plan.kmajor_blocks * bsz * hq
         wide = plan.kmajor_mean_keys() >= self.kmajor_min_keys
         return "key" if k_cost < q_cost and wide else "query"
 
@@ -562,22 +661,24 @@ class StaircaseAttentionKernel:
             return out.to(acc), lse.to(acc), {"inner": st}
         bsz = mask.block_size
         fold = self.gqa == "fold"
+        g = hq // hkv
         dense = self._dense_ops(q.device)
-        rpb = bsz * (hq // hkv if fold else 1)  # dense rows per block
+        rpb = bsz * (g if fold else 1)  # dense rows per block
         with torch.no_grad():
             layout = self._kv_layout(dense, q.dtype, d, hkv if fold else hq, hkv)
             self.paths.update(dense=dense.kind, gqa=self.gqa, kv_layout=layout, streams=self.streams)
             qd = self._dense_rows(q, plan, bsz, hkv, fold)
             k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
-            od = torch.empty(qd.shape[:2] + (v.shape[2],), dtype=acc, device=q.device)
-            ld = torch.empty(qd.shape[:2], dtype=acc, device=q.device)
             lanes = _Lanes(self._side_streams(q.device), q.device)
-            for i, (p0, p1, klo, khi) in enumerate(plan.groups):
-                r0, r1 = p0 * rpb, p1 * rpb
+            parts = []  # (rect, o4 in the input dtype, lse [H', L'] fp32): merged straight from these
+            for i, rect in enumerate(plan.groups):
+                p0, p1, klo, khi = rect
                 with lanes.lane(i):
-                    o4, l_g = dense.fwd(_as4(qd[r0:r1]), k4[:, :, klo:khi], v4[:, :, klo:khi], scale)
-                    od[r0:r1].copy_(_from4(o4))
-                    ld[r0:r1].copy_(l_g.t())
+                    o4, l_g = dense.fwd(_as4(qd[p0 * rpb:p1 * rpb]), k4[:, :, klo:khi], v4[:, :, klo:khi], scale)
+                if lanes.side:  # used on the caller's stream after the join
+                    o4.record_stream(lanes.main)
+                    l_g.record_stream(lanes.main)
+                parts.append((rect, o4, l_g))
                 self.counts["dense_fwd"] += 1
         st = None
         if plan.rem is not None:  # on the current stream, concurrent with side-stream dense calls
@@ -589,20 +690,28 @@ class StaircaseAttentionKernel:
             lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=q.device)
         with torch.no_grad():
             lanes.join()
-            if fold:
-                od, ld = unfold_heads(od, hq), unfold_heads(ld, hq)
-            if plan.rem is None:
-                self._scatter(out, od, plan, bsz, add=False)
-                self._scatter(lse, ld, plan, bsz, add=False)
-            else:
-                from ..ops.common import merge  # noqa: PLC0415 - the one fp32 lse merge of the package
-
-                o_r = self._dense_rows(out, plan, bsz, hkv, False)
-                l_r = self._dense_rows(lse, plan, bsz, hkv, False)
-                o_m, l_m = merge(o_r, l_r, od, ld)
-                self._scatter(out, o_m, plan, bsz, add=False)
-                self._scatter(lse, l_m, plan, bsz, add=False)
+            out, lse = self._merge(out, lse, parts, plan, bsz, hkv, g, fold)
         return out, lse, {"inner": st}
+
+    def _merge(self, out, lse, parts, plan: StaircasePlan, bsz, hkv, g, fold):
+        """out/lse (the remainder's, fp32, modified in place) merged with the dense partials, per row:
+        L = logsumexp of all partial lse, out = sum_i exp(lse_i - L) O_i: one scaling pass over the dense
+        rows and one fused multiply-add per partial that reads the dense result (input dtype, folded layout)
+        through a view: no fp32 copy, no unfold, no scatter. Rows where every partial is -inf: weights 0,
+        out 0, lse -inf."""
+        lse_fin = lse.clone()
+        for rect, _, l_g in parts:
+            lg = self._unfold_view(l_g, fold, hkv, g)
+            self._on_rows([lse_fin], *self._rect_rows(plan, rect), bsz, hkv,
+                          lambda t, lg=lg: torch.logaddexp(t, lg, out=t))
+        m = torch.where(torch.isfinite(lse_fin), lse_fin, torch.zeros((), dtype=lse.dtype, device=lse.device))
+        self._on_rows([out, lse, m], plan.block_range, plan.blocks, bsz, hkv,
+                      lambda o, l, mm: o.mul_(torch.exp(l - mm)[..., None]))
+        for rect, o4, l_g in parts:
+            o_v, lg = self._unfold_view(o4, fold, hkv, g), self._unfold_view(l_g, fold, hkv, g)
+            self._on_rows([out, m], *self._rect_rows(plan, rect), bsz, hkv,
+                          lambda o, mm, o_v=o_v, lg=lg: o.addcmul_(o_v, torch.exp(lg - mm)[..., None]))
+        return out, lse_fin
 
     def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state):
         self._check(q, k, v, mask)
@@ -622,14 +731,15 @@ class StaircaseAttentionKernel:
             return remainder(mask)
         bsz = mask.block_size
         fold = self.gqa == "fold"
+        g = hq // hkv
         dense = self._dense_ops(q.device)
         mode = self._bwd_mode(plan, bsz, hq, hkv)
-        rpb = bsz * (hq // hkv if fold else 1)
+        rpb = bsz * (g if fold else 1)
         with torch.no_grad():
             layout = self._kv_layout(dense, q.dtype, d, hkv if fold else hq, hkv)
             self.paths.update(dense=dense.kind, gqa=self.gqa, kv_layout=layout, bwd=mode, streams=self.streams)
             qd = self._dense_rows(q, plan, bsz, hkv, fold)
-            dod = self._dense_rows(dout.to(q.dtype), plan, bsz, hkv, fold)
+            dod = self._dense_rows(dout, plan, bsz, hkv, fold, q.dtype)
             lsed = self._dense_rows(lse.to(acc), plan, bsz, hkv, fold)
             od, bad = out_for_delta(dod, self._dense_rows(delta.to(acc), plan, bsz, hkv, fold), q.dtype)
             # entries the dense pass must not see: O' not representable (recomputed by the math fix-up) and
@@ -641,9 +751,8 @@ class StaircaseAttentionKernel:
             if any_zero:
                 od = torch.where(zero[..., None], torch.zeros_like(od), od)
                 dod = torch.where(zero[..., None], torch.zeros_like(dod), dod)
-            stats = torch.where(torch.isfinite(lsed), lsed, torch.full_like(lsed, _BIG))
+            stats = torch.where(finite, lsed, torch.full_like(lsed, _BIG))
             k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
-            dqd = torch.zeros(qd.shape[:2] + (d,), dtype=acc, device=q.device)
             rects = plan.groups if mode == "query" else plan.key_major
             lanes = _Lanes(self._side_streams(q.device), q.device)
 
@@ -653,13 +762,15 @@ class StaircaseAttentionKernel:
                 return dense.bwd(_as4(dod[r0:r1]), _as4(qd[r0:r1]), k4[:, :, klo:khi], v4[:, :, klo:khi],
                                  _as4(od[r0:r1]), stats[r0:r1].t(), scale)
 
-            def accumulate(rect, grads, dk, dv):
-                p0, p1, klo, khi = rect
+            def accumulate(rect, grads, dq, dk, dv):
+                """The dense input-dtype results added straight into the fp32 gradients (views: the
+                folded dQ read in place, no fp32 buffer, no unfold, no scatter)."""
+                _, _, klo, khi = rect
                 dq4, dk4, dv4 = grads
-                sl = dqd[p0 * rpb:p1 * rpb]
-                sl.copy_(_from4(dq4)) if mode == "query" else sl.add_(_from4(dq4))
-                dk[klo:khi] += _from4(dk4)
-                dv[klo:khi] += _from4(dv4)
+                dq_v = self._unfold_view(dq4, fold, hkv, g)
+                self._on_rows([dq], *self._rect_rows(plan, rect), bsz, hkv, lambda t: t.add_(dq_v))
+                dk[klo:khi].add_(_from4(dk4))
+                dv[klo:khi].add_(_from4(dv4))
 
             pending = []
             if lanes.side:  # dense calls first on the side streams, the remainder concurrently below
@@ -679,13 +790,12 @@ class StaircaseAttentionKernel:
                     lanes.main.wait_event(ev)
                     for t in grads:
                         t.record_stream(lanes.main)
-                    accumulate(rect, grads, dk, dv)
+                    accumulate(rect, grads, dq, dk, dv)
                 pending.clear()
                 lanes.join()
             else:
                 for rect in rects:
-                    accumulate(rect, call(*rect), dk, dv)
-            self._scatter(dq, unfold_heads(dqd, hq) if fold else dqd, plan, bsz, add=True)
+                    accumulate(rect, call(*rect), dq, dk, dv)
             if any_bad:
                 self._fixup(q, k, v, mask, scale, dout, lse, delta, plan, bad, fold, dq, dk, dv)
         return dq, dk, dv
