@@ -124,6 +124,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
+    from megatron_splitkv.megatron.arguments import overlap_query_gather_from_args
     from megatron_splitkv.megatron.models import (
         DFlashDraftModel,
         FeatureStore,
@@ -164,6 +165,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
+        overlap_query_gather=overlap_query_gather_from_args(args),
     )
 
 

@@ -6,13 +6,21 @@ Public API:
         signature; see `megatron_splitkv.ops`).
     prepare_splitkv_metadata: the per-step metadata work (validation, gathers, sorting, masks) done
         once and passed to every layer's op call as `metadata=`.
+    splitkv_start_query_gather: start Split-KV's query all-gather before the k/v projections and pass
+        the handle as `splitkv_attention(..., query_gather=)` (overlap; `megatron_splitkv.ops.splitkv`).
     comm_stats, CommStats, CommRecord: per-rank byte accounting of their collectives
         (`megatron_splitkv.comm`).
     dflash_attention_reference, dflash_attention_mask: single-process float64 ground truth.
 """
 
 from .comm import CommRecord, CommStats, comm_stats
-from .ops import allgather_kv_attention, prepare_splitkv_metadata, ring_kv_attention, splitkv_attention
+from .ops import (
+    allgather_kv_attention,
+    prepare_splitkv_metadata,
+    ring_kv_attention,
+    splitkv_attention,
+    splitkv_start_query_gather,
+)
 from .reference import dflash_attention_mask, dflash_attention_reference
 
 __all__ = [
@@ -20,6 +28,7 @@ __all__ = [
     "allgather_kv_attention",
     "ring_kv_attention",
     "prepare_splitkv_metadata",
+    "splitkv_start_query_gather",
     "comm_stats",
     "CommStats",
     "CommRecord",

@@ -157,7 +157,8 @@ def resolve_group(cp_group=None) -> CommGroup:
 
 
 class Pending:
-    """An issued asynchronous collective: `wait()` returns its result tensor (idempotent).
+    """An issued asynchronous collective: `wait()` returns its result tensor (idempotent); `take()` waits
+    and returns it while dropping the Pending's own reference (so that the caller's last use frees it).
 
     Holds the torch.distributed work handle (None when nothing was sent: group of size 1, empty
     message) and the input and output tensors, which must stay alive and unmodified until `wait()`.
@@ -171,6 +172,12 @@ class Pending:
             self._work.wait()
             self._work = self._keep = None
         return self.result
+
+    def take(self) -> torch.Tensor:
+        """`wait()`, then forget the result (a later wait / take returns None)."""
+        result = self.wait()
+        self.result = None
+        return result
 
 
 def _finish(result, work, keep, async_op):

@@ -14,6 +14,9 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --cp-balance {lpt,contiguous,zigzag,hypergraph}         context sharding strategy (default lpt)
     --dflash-block-size B    draft block size (default 16)
     --dflash-num-anchors N   query budget: anchors (blocks) per sequence (default 512)
+    --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
+                             k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
+                             default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "add_splitkv_args",
     "validate_splitkv_args",
     "check_attention_heads",
+    "overlap_query_gather_from_args",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -122,7 +126,20 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "--dflash-num-anchors", type=int, default=512,
             help="DFlash query budget: anchors (query blocks) per sequence.",
         )
+    if not _has(parser, "--splitkv-no-overlap-q-gather"):
+        group.add_argument(
+            "--splitkv-no-overlap-q-gather", action="store_true", default=None,
+            help="Split-KV: do not start the query all-gather before the key/value projections (it then "
+            "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
+            "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.",
+        )
     return parser
+
+
+def overlap_query_gather_from_args(args):
+    """`overlap_query_gather` for `get_dflash_layer_spec` / `DFlashDraftModel` from parsed args: False
+    with `--splitkv-no-overlap-q-gather`, else None (the environment variable decides, default on)."""
+    return False if getattr(args, "splitkv_no_overlap_q_gather", None) else None
 
 
 def _te_available() -> bool:

@@ -33,13 +33,21 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..ops import allgather_kv_attention, prepare_splitkv_metadata, ring_kv_attention, splitkv_attention
+from ..ops import (
+    SplitKVQueryGather,
+    allgather_kv_attention,
+    prepare_splitkv_metadata,
+    ring_kv_attention,
+    splitkv_attention,
+    splitkv_start_query_gather,
+)
 from ..ops.metadata import SplitKVMetadata
 from .arguments import CP_IMPLS
 
 __all__ = [
     "CP_IMPLS",
     "DFlashPackedSeqParams",
+    "DFlashQueryGather",
     "SplitKVCoreAttention",
     "resolve_cp_attention_fn",
 ]
@@ -196,6 +204,23 @@ def resolve_cp_attention_fn(cp_impl: str) -> Callable:
     return _OPS[cp_impl]
 
 
+@dataclass(eq=False)
+class DFlashQueryGather:
+    """The query all-gather of one DFlash layer started early by `SplitKVCoreAttention.start_query_gather`
+    (Split-KV only): `query` is the tensor given to it (the layer passes the very same tensor to the core
+    attention call), `q` its flattened [Tq_local, Hq, D] view that the op gathers, `gather` the op's
+    `SplitKVQueryGather`. `discard()` releases it unconsumed (the layer calls it when computing k/v
+    raises)."""
+
+    query: Tensor
+    q: Tensor
+    gather: SplitKVQueryGather
+    params: "DFlashPackedSeqParams"
+
+    def discard(self) -> None:
+        self.gather.discard()
+
+
 # --------------------------------------------------------------------------------------------------
 # Core attention module
 # --------------------------------------------------------------------------------------------------
@@ -211,7 +236,7 @@ class SplitKVCoreAttention(MegatronModule):
     `cp_comm_type` is ignored (the implementation is chosen by `cp_impl`).
 
     Call: `forward(query, key, value, attention_mask, *, attn_mask_type=None, attention_bias=None,
-    packed_seq_params=None)` with heads already split by TP:
+    packed_seq_params=None, query_gather=None)` with heads already split by TP:
 
     * DFlash mode (`packed_seq_params` is a `DFlashPackedSeqParams`): sbhd query `[sq, b, Hq_tp, D]`,
       key/value `[sk_ctx + sq, b, Hkv_tp, D]` = `[context keys | block keys]` concatenated along the
@@ -227,8 +252,18 @@ class SplitKVCoreAttention(MegatronModule):
 
     Returns sbhd `[sq, b, Hq_tp * D]` or thd `[t, Hq_tp * D]`, dtype of `query`.
 
+    Early query all-gather (Split-KV, DFlash mode; docs/perf-notes.md item 3): a layer that computes its
+    queries before its keys/values calls `handle = core_attention.start_query_gather(query,
+    packed_seq_params)` right after q (projection, q-norm, RoPE) and passes `query_gather=handle` (a
+    keyword argument beyond Megatron's core-attention contract; None or absent = the plain call) with the
+    SAME query tensor to the call above, after computing k/v. The Q all-gather then overlaps the k/v
+    projections in forward, and the dQ all-to-all their backward. `start_query_gather` returns None
+    when there is nothing to overlap (impl other than splitkv, no DFlash metadata, CP size 1); passing
+    None is the plain call. `DFlashAttention` does this unless built with `overlap_query_gather=False`.
+
     Errors: NotImplementedError for `attention_bias`, causal masks in plain mode; ValueError for
-    inconsistent shapes/metadata. Source: Megatron-Core 0.19 `attention.py` contract; arXiv 2611.05926.
+    inconsistent shapes/metadata, or a `query_gather` started for another query / params / impl.
+    Source: Megatron-Core 0.19 `attention.py` contract; arXiv 2611.05926.
     """
 
     def __init__(
@@ -266,6 +301,54 @@ class SplitKVCoreAttention(MegatronModule):
     def _scale(self, d: int) -> float:
         return 1.0 / math.sqrt(d) if self.softmax_scale is None else self.softmax_scale
 
+    def _cp_size(self) -> int:
+        if self.cp_group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
+
+    def start_query_gather(self, query: Tensor, packed_seq_params, *, num_heads_kv: int) -> Optional[DFlashQueryGather]:
+        """Start this call's Split-KV query all-gather before the k/v projections (see the class
+        docstring). `query`: exactly what will be passed as `query` to `forward` (sbhd [sq, b, Hq_tp, D]
+        or thd [t, Hq_tp, D]); `num_heads_kv`: Hkv per TP rank of the key/value that will follow (it
+        keys the per-step metadata, `DFlashPackedSeqParams.op_metadata`, which this call prepares when
+        it is the step's first: collective over the CP group, as the first layer's call is anyway).
+
+        Returns a `DFlashQueryGather` to pass as `forward(..., query_gather=)`, or None when there is
+        nothing to overlap: cp_impl is not splitkv, `packed_seq_params` is not DFlash metadata, or the
+        CP group has one rank. Errors: those of `forward` for the query's shape, and of
+        `splitkv_start_query_gather`."""
+        if self.cp_impl != "splitkv" or not isinstance(packed_seq_params, DFlashPackedSeqParams):
+            return None
+        if self._cp_size() == 1:
+            return None
+        params = packed_seq_params
+        params.validate()
+        q = self._flat_query(query, params)
+        meta = params.op_metadata(
+            self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=num_heads_kv, head_dim=q.shape[2],
+            dtype=q.dtype, device=q.device, cp_group=self.cp_group,
+        )
+        return DFlashQueryGather(query=query, q=q, gather=splitkv_start_query_gather(q, metadata=meta),
+                                 params=params)
+
+    @staticmethod
+    def _flat_query(query: Tensor, params: "DFlashPackedSeqParams") -> Tensor:
+        """DFlash mode: the op's q [Tq_local, Hq, D] from sbhd [sq, b, H, D] (sample-major flattening)
+        or thd [t, H, D] ([t, 1, H, D] tolerated). ValueError on a wrong rank or query token count."""
+        if params.qkv_format == "sbhd":
+            if query.dim() != 4:
+                raise ValueError(f"sbhd query must be [s, b, h, d], got {tuple(query.shape)}")
+            q = query.transpose(0, 1).reshape(-1, query.shape[2], query.shape[3])
+        else:
+            q = query.squeeze(1) if query.dim() == 4 else query
+        if q.shape[0] != params.num_query_tokens:
+            raise ValueError(
+                f"query tokens {q.shape[0]} != n_blocks {params.num_blocks} x block_size {params.block_size}"
+            )
+        return q
+
     def forward(
         self,
         query: Tensor,
@@ -275,12 +358,15 @@ class SplitKVCoreAttention(MegatronModule):
         attn_mask_type: Optional[AttnMaskType] = None,
         attention_bias: Optional[Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
+        query_gather: Optional[DFlashQueryGather] = None,
         **unused,
     ) -> Tensor:
         if attention_bias is not None:
             raise NotImplementedError("SplitKVCoreAttention does not support attention_bias")
         if isinstance(packed_seq_params, DFlashPackedSeqParams):
-            return self._dflash(query, key, value, packed_seq_params)
+            return self._dflash(query, key, value, packed_seq_params, query_gather)
+        if query_gather is not None:
+            raise ValueError("query_gather= needs DFlash packed_seq_params (it was started for them)")
         if packed_seq_params is not None:
             raise NotImplementedError(
                 "SplitKVCoreAttention: packed_seq_params must be DFlashPackedSeqParams or None "
@@ -288,9 +374,18 @@ class SplitKVCoreAttention(MegatronModule):
             )
         return self._cross(query, key, value, attention_mask, attn_mask_type or self.attn_mask_type)
 
-    def _dflash(self, query, key, value, params: DFlashPackedSeqParams) -> Tensor:
+    def _dflash(self, query, key, value, params: DFlashPackedSeqParams, query_gather=None) -> Tensor:
         params.validate()
         fmt = params.qkv_format
+        if query_gather is not None:
+            if not isinstance(query_gather, DFlashQueryGather):
+                raise ValueError("query_gather must be the DFlashQueryGather returned by start_query_gather, "
+                                 f"got {type(query_gather).__name__}")
+            if query_gather.query is not query or query_gather.params is not params:
+                raise ValueError("query_gather was started for another query tensor or packed_seq_params: pass "
+                                 "the very query given to start_query_gather (and the same params)")
+            if self.cp_impl != "splitkv":
+                raise ValueError(f"query_gather= is Split-KV's; this core attention runs {self.cp_impl}")
         if fmt == "sbhd":
             if query.dim() != 4:
                 raise ValueError(f"sbhd query must be [s, b, h, d], got {tuple(query.shape)}")
@@ -307,12 +402,14 @@ class SplitKVCoreAttention(MegatronModule):
             def flat(x):  # [s, b, h, d] -> [b*s, h, d] (sample-major)
                 return x.transpose(0, 1).reshape(-1, x.shape[2], x.shape[3])
 
-            q = flat(query)
+            q = flat(query) if query_gather is None else query_gather.q  # the tensor being gathered
             k_ctx, k_blk = flat(key[:sk_ctx]), flat(key[sk_ctx:])
             v_ctx, v_blk = flat(value[:sk_ctx]), flat(value[sk_ctx:])
         else:
             if query.dim() == 4:  # [t, 1, h, d] tolerated
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            if query_gather is not None:
+                query = query_gather.q  # the tensor being gathered (same values)
             t = query.shape[0]
             n_ctx = params.num_ctx_tokens
             if key.shape[0] != n_ctx + t:
@@ -334,8 +431,9 @@ class SplitKVCoreAttention(MegatronModule):
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group,
         )
+        extra = {} if query_gather is None else {"query_gather": query_gather.gather}
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
-                 backend=self.kernel_backend, metadata=meta)
+                 backend=self.kernel_backend, metadata=meta, **extra)
         if fmt == "sbhd":
             out = out.reshape(b, sq, -1).transpose(0, 1).contiguous()
         else:

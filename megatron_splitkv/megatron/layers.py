@@ -25,6 +25,7 @@ state dict are inherited unchanged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,7 +50,21 @@ __all__ = [
     "DFlashAttention",
     "DFlashTransformerLayer",
     "apply_rope",
+    "OVERLAP_Q_GATHER_ENV",
+    "resolve_overlap_query_gather",
 ]
+
+#: environment variable read when `overlap_query_gather` is None: "0" / "false" / "off" / "no" turn the
+#: early Split-KV query all-gather off (A/B measurements), anything else (or unset) leaves it on.
+OVERLAP_Q_GATHER_ENV = "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"
+
+
+def resolve_overlap_query_gather(value: Optional[bool]) -> bool:
+    """`overlap_query_gather` of `DFlashAttention`: True / False as given; None = the environment
+    variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0", "false", "off", "no": off), default on."""
+    if value is not None:
+        return bool(value)
+    return os.environ.get(OVERLAP_Q_GATHER_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def apply_rope(x: Tensor, positions: Tensor, *, base: float, rotary_percent: float = 1.0) -> Tensor:
@@ -97,7 +112,16 @@ class DFlashAttention(Attention):
 
     Built by `build_module` from a spec (see `megatron_splitkv.megatron.specs.get_dflash_layer_spec`)
     with `config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection`, plus spec
-    params `rotary_base` (None = no RoPE) and `rotary_percent`.
+    params `rotary_base` (None = no RoPE), `rotary_percent` and `overlap_query_gather`.
+
+    Order of the forward (docs/perf-notes.md item 3): q (projection, q-norm, RoPE) first; then, with
+    `overlap_query_gather` (default: on unless the environment variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER
+    is "0"; `--splitkv-no-overlap-q-gather` turns it off in the training scripts), the core attention
+    starts Split-KV's query all-gather (`SplitKVCoreAttention.start_query_gather`; a no-op for the
+    baselines and at CP size 1); then k/v of [context | block tokens] (projection, k-norm, RoPE), which
+    overlap the gather; then the core attention consumes it (`query_gather=`). In backward the k/v
+    projections' backward runs before the dQ all-to-all is waited for. Results are bit-identical with
+    the overlap on or off.
 
     Head split under TP: `num_attention_heads` and `num_query_groups` must both be divisible by the TP
     size; TP rank r then holds q heads `[r*H/TP, (r+1)*H/TP)` and kv heads `[r*Hkv/TP, (r+1)*Hkv/TP)`,
@@ -127,6 +151,7 @@ class DFlashAttention(Attention):
         rotary_percent: float = 1.0,
         pp_layer_offset: Optional[int] = None,
         name: Optional[str] = None,
+        overlap_query_gather: Optional[bool] = None,
     ):
         if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
             tp_size = get_pg_size(pg_collection.tp)
@@ -150,6 +175,7 @@ class DFlashAttention(Attention):
         )
         self.rotary_base = rotary_base
         self.rotary_percent = rotary_percent
+        self.overlap_query_gather = resolve_overlap_query_gather(overlap_query_gather)
         bias = config.add_bias_linear or config.add_qkv_bias
         self.linear_q = submodules.linear_q(
             config.hidden_size,
@@ -190,18 +216,28 @@ class DFlashAttention(Attention):
         norms applied, RoPE not yet."""
         if output_gate:
             raise NotImplementedError("DFlashAttention: attention_output_gate is not supported")
-        d = self.hidden_size_per_attention_head
+        q = self._query_tensor(hidden_states)
+        k, v = self._key_value_tensors(hidden_states, key_value_states)
+        return q, k, v
+
+    def _query_tensor(self, hidden_states):
+        """q [sq, b, H_tp, D] = q_norm(linear_q(hidden_states)) (RoPE not yet)."""
         q, _ = apply_module(self.linear_q)(hidden_states)
-        q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, d)
+        q = q.view(*q.shape[:2], self.num_attention_heads_per_partition, self.hidden_size_per_attention_head)
+        if self.q_layernorm is not None:
+            q = apply_module(self.q_layernorm)(q)
+        return q
+
+    def _key_value_tensors(self, hidden_states, key_value_states):
+        """k (k-normed, RoPE not yet), v [sk + sq, b, Hkv_tp, D] = linear_kv(cat[context, block tokens])."""
+        d = self.hidden_size_per_attention_head
         kv_in = torch.cat([key_value_states, hidden_states], dim=0)
         kv, _ = apply_module(self.linear_kv)(kv_in)
         kv = kv.view(*kv.shape[:2], self.num_query_groups_per_partition, 2 * d)
         k, v = kv[..., :d], kv[..., d:]
-        if self.q_layernorm is not None:
-            q = apply_module(self.q_layernorm)(q)
         if self.k_layernorm is not None:
             k = apply_module(self.k_layernorm)(k)
-        return q, k, v
+        return k, v
 
     def forward(
         self,
@@ -246,20 +282,40 @@ class DFlashAttention(Attention):
                 f"hidden_states has {b * sq} tokens but the metadata describes {params.num_blocks} "
                 f"blocks x {params.block_size}"
             )
-        q, k, v = self.get_query_key_value_tensors(hidden_states, key_value_states)
+        thd = params.qkv_format == "thd"
+        # 1. queries first (projection, q-norm, RoPE) ...
+        q = self._query_tensor(hidden_states)
         if self.rotary_base is not None:
             q_pos = params.query_positions().view(b, sq).transpose(0, 1)
-            c_pos = params.kv_pos.view(b, sk).transpose(0, 1)
-            k_pos = torch.cat([c_pos, q_pos], dim=0)
             q = apply_rope(q, q_pos, base=self.rotary_base, rotary_percent=self.rotary_percent)
-            k = apply_rope(k, k_pos, base=self.rotary_base, rotary_percent=self.rotary_percent)
-        if params.qkv_format == "thd":
-            q, k, v = q.squeeze(1), k.squeeze(1), v.squeeze(1)
+        if thd:
+            q = q.squeeze(1)
+        # 2. ... so that Split-KV's query all-gather runs while k/v are computed (perf-notes item 3)
+        gather = None
+        start = getattr(self.core_attention, "start_query_gather", None)
+        if self.overlap_query_gather and start is not None:
+            gather = start(q, params, num_heads_kv=self.num_query_groups_per_partition)
+        try:
+            k, v = self._key_value_tensors(hidden_states, key_value_states)
+            if self.rotary_base is not None:
+                c_pos = params.kv_pos.view(b, sk).transpose(0, 1)
+                k_pos = torch.cat([c_pos, q_pos], dim=0)
+                k = apply_rope(k, k_pos, base=self.rotary_base, rotary_percent=self.rotary_percent)
+            if thd:
+                k, v = k.squeeze(1), v.squeeze(1)
+        except BaseException:
+            if gather is not None:  # never consumed: release it (no wait, no warning)
+                gather.discard()
+            raise
+        # 3. core attention (consumes the gather: query_gather= only when one was started, so a core
+        #    attention without that keyword keeps Megatron's plain contract)
+        extra = {} if gather is None else {"query_gather": gather}
         core_out = apply_module(self.core_attention)(
             q, k, v, attention_mask,
             attn_mask_type=self.attn_mask_type,
             attention_bias=attention_bias,
             packed_seq_params=params,
+            **extra,
         )
         core_out = core_out.reshape(sq, b, -1)
         output, bias = apply_module(self.linear_proj)(core_out)

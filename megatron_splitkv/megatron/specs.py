@@ -59,13 +59,14 @@ def splitkv_core_attention(cp_impl: str = "splitkv", kernel_backend: str = "auto
 
 
 def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_backend, qk_layernorm,
-                 rotary_base, rotary_percent, fused_pre_mlp_norm):
+                 rotary_base, rotary_percent, fused_pre_mlp_norm, overlap_query_gather=None):
     attn = ModuleSpec(
         module=DFlashAttention,
         params={
             "attn_mask_type": AttnMaskType.no_mask,
             "rotary_base": rotary_base,
             "rotary_percent": rotary_percent,
+            "overlap_query_gather": overlap_query_gather,
         },
         submodules=DFlashAttentionSubmodules(
             linear_q=linear_col,
@@ -91,18 +92,21 @@ def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_bac
 
 def get_dflash_layer_local_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = True,
                                 rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
-                                kernel_backend: str = "auto") -> ModuleSpec:
+                                kernel_backend: str = "auto",
+                                overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
     """DFlash drafter layer with Megatron-Core's own modules (ColumnParallelLinear/RowParallelLinear,
     torch norms following `config.normalization`, e.g. RMSNorm; MLP from the local backend, gated if
     `config.gated_linear_unit`). Runs on CPU. See `get_dflash_layer_spec` for the arguments."""
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
     return _dflash_spec(ColumnParallelLinear, RowParallelLinear, WrappedTorchNorm, WrappedTorchNorm, mlp,
-                        cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent, False)
+                        cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent, False,
+                        overlap_query_gather)
 
 
 def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = True,
                              rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
-                             kernel_backend: str = "auto") -> ModuleSpec:
+                             kernel_backend: str = "auto",
+                             overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
     """DFlash drafter layer with Transformer Engine linears and norms (TEColumnParallelLinear,
     TERowParallelLinear, TENorm; the MLP's pre-norm fused into TELayerNormColumnParallelLinear).
     The input norm stays a separate TENorm because its output feeds both q and k/v projections.
@@ -119,12 +123,13 @@ def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = T
     mlp = get_mlp_module_spec_for_backend(backend=backend)
     return _dflash_spec(TEColumnParallelLinear, TERowParallelLinear, TENorm, backend.layer_norm(for_qk=True),
                         mlp, cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent,
-                        backend.fuse_layernorm_and_linear())
+                        backend.fuse_layernorm_and_linear(), overlap_query_gather)
 
 
 def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[bool] = None, *,
                           qk_layernorm: bool = True, rotary_base: Optional[float] = 1_000_000.0,
-                          rotary_percent: float = 1.0, kernel_backend: str = "auto") -> ModuleSpec:
+                          rotary_percent: float = 1.0, kernel_backend: str = "auto",
+                          overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
     """ModuleSpec of one DFlash drafter layer (`DFlashTransformerLayer`), fanned out by
     `TransformerBlock` to `config.num_layers` (per pipeline stage).
 
@@ -134,6 +139,9 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
         qk_layernorm: per-head q/k norms (Qwen3 style; the norm class follows `config.normalization`).
         rotary_base: RoPE theta (Qwen3: 1e6); None disables RoPE. rotary_percent: rotated fraction.
         kernel_backend: local attention kernel passed to the op (`backend=`), default "auto".
+        overlap_query_gather: start Split-KV's query all-gather before the k/v projections
+            (`DFlashAttention`; docs/perf-notes.md item 3); None = the environment variable
+            MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0" = off), default on. No effect for the baselines.
     Config requirements: `attention_dropout == 0`; num_attention_heads and num_query_groups divisible
     by TP (checked at construction); `add_bias_linear=False` matches Qwen3.
     Raises SplitKVArgumentError for an unknown cp_impl or use_te=True without TE."""
@@ -144,4 +152,4 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
         use_te = have_te()
     fn = get_dflash_layer_te_spec if use_te else get_dflash_layer_local_spec
     return fn(cp_impl, qk_layernorm=qk_layernorm, rotary_base=rotary_base, rotary_percent=rotary_percent,
-              kernel_backend=kernel_backend)
+              kernel_backend=kernel_backend, overlap_query_gather=overlap_query_gather)

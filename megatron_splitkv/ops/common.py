@@ -88,9 +88,11 @@ def lse_weights(lse: torch.Tensor, m: torch.Tensor):
     return m_safe, torch.exp(lse - m_safe)
 
 
-def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor):
-    """out = num / den (0 where den = 0), lse = m_safe + log(den) (-inf where den = 0)."""
-    out = num / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor, inplace: bool = False):
+    """out = num / den (0 where den = 0), lse = m_safe + log(den) (-inf where den = 0). inplace: divide
+    num in place (the same arithmetic, no second [T, H, D] tensor)."""
+    den_safe = torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    out = num.div_(den_safe) if inplace else num / den_safe
     return out, m_safe + torch.log(den)
 
 
@@ -104,7 +106,7 @@ def merge(o1, lse1, o2, lse2):
         return o1, lse1
     m_safe, w1 = lse_weights(lse1, torch.maximum(lse1, lse2))
     _, w2 = lse_weights(lse2, m_safe)
-    return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe)
+    return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe, inplace=True)
 
 
 def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +120,11 @@ def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torc
     # flattened first: .contiguous() keeps any stride on a size-1 dim (e.g. [T, 1] for one head, as
     # FlexAttention returns it), and a dtype view needs stride 1 in the last dim
     packed = lse.contiguous().reshape(-1).view(dtype).view(*lse.shape, r)
-    return torch.cat([o.to(dtype), packed], -1)
+    d = o.shape[-1]
+    out = torch.empty(tuple(o.shape[:-1]) + (d + r,), dtype=dtype, device=o.device)
+    out[..., :d].copy_(o)  # the cast of o.to(dtype), written in place (no [T, H, D] temporary)
+    out[..., d:].copy_(packed)
+    return out
 
 
 def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
@@ -135,7 +141,21 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor):
     The fused lse merge of Split-KV's owner (DESIGN.md section 2, forward step 3, done after an
     all-to-all instead of an all-reduce MAX + reduce-scatter)."""
     m_safe, w = lse_weights(lse, lse.max(0).values)
-    return finalize(torch.einsum("pthd,pth->thd", o, w), w.sum(0), m_safe)
+    return finalize(torch.einsum("pthd,pth->thd", o, w), w.sum(0), m_safe, inplace=True)
+
+
+def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
+    """`merge_partials` of the all-to-all result of packed partials (`pack_partial`), [P * rows, H, D + r]
+    in a `comm.Pending`, with the same arithmetic but fewer live bytes: the received buffer is released
+    once unpacked (`Pending.take`), the fp32 partials [P, rows, H, D] once summed, and the division is
+    in place. Returns (out [rows, H, D], lse [rows, H]) in `acc`."""
+    o, lse = unpack_partial(pending.take(), head_dim, acc)  # the received buffer dies here
+    o = o.view(num_partials, rows, *o.shape[1:])  # rows may be 0: no -1
+    lse = lse.view(num_partials, rows, *lse.shape[1:])
+    m_safe, w = lse_weights(lse, lse.max(0).values)
+    num = torch.einsum("pthd,pth->thd", o, w)
+    del o
+    return finalize(num, w.sum(0), m_safe, inplace=True)
 
 
 # ----------------------------------------------------------------------------- own block in the kernel

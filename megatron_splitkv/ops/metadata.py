@@ -57,7 +57,7 @@ from .common import (
 )
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
-           "NUM_CHUNKS_ENV"]
+           "NUM_CHUNKS_ENV", "check_query_gather_start"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -73,8 +73,12 @@ _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _INT32 = 1 << 31
 _MAX_MSG = 1000
 #: how an op call was made, exchanged in the op's agreement row (no `metadata=` / `metadata=` with
-#: group_check): a group mixing the two raises the same ValueError on every rank instead of hanging.
-_MODE_PLAIN, _MODE_METADATA = 0, 1
+#: group_check / `metadata=` and `query_gather=` / `splitkv_start_query_gather` with group_check): a group
+#: mixing them raises the same ValueError on every rank instead of hanging.
+_MODE_PLAIN, _MODE_METADATA, _MODE_QUERY_GATHER, _MODE_GATHER_START = 0, 1, 2, 3
+_MODE_NAMES = {_MODE_PLAIN: "without metadata=", _MODE_METADATA: "with metadata=",
+               _MODE_QUERY_GATHER: "with metadata= and query_gather=",
+               _MODE_GATHER_START: "splitkv_start_query_gather"}
 
 
 def _scale_bits(scale: float) -> int:
@@ -321,10 +325,16 @@ def _check_agree(name, table, cols):
             if what == "group_check":
                 vals = [bool(v) for v in vals]
             if what.startswith("metadata="):
-                vals = ["with metadata=" if v == _MODE_METADATA else "without metadata=" for v in vals]
+                modes = set(vals)
+                vals = [_MODE_NAMES.get(v, str(v)) for v in vals]
+                if modes <= {_MODE_PLAIN, _MODE_METADATA}:
+                    raise ValueError(
+                        f"{name}: every rank of the CP group must call the op the same way, all with "
+                        f"metadata= or all without; got {vals} (by rank)")
                 raise ValueError(
-                    f"{name}: every rank of the CP group must call the op the same way, all with "
-                    f"metadata= or all without; got {vals} (by rank)")
+                    f"{name}: every rank of the CP group must call the op the same way: all with "
+                    "splitkv_start_query_gather + splitkv_attention(..., query_gather=) or all without "
+                    f"(and all with metadata= or all without); got {vals} (by rank)")
             raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)")
 
 
@@ -648,7 +658,13 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                      block_size, cp_group, softmax_scale, backend, num_chunks=None):
+                      block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None):
+    if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
+        check = getattr(query_gather, "_check_consume", None)
+        if check is None:
+            raise ValueError("query_gather must be the SplitKVQueryGather returned by "
+                             f"splitkv_start_query_gather, got {type(query_gather).__name__}")
+        check(meta, q)
     if not isinstance(meta, SplitKVMetadata):
         raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata, got "
                          f"{type(meta).__name__}")
@@ -690,7 +706,7 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
 
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-               cp_group, softmax_scale, backend, num_chunks=None) -> Plan:
+               cp_group, softmax_scale, backend, num_chunks=None, query_gather=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata (no host sync, no collective), before any collective of the call.
 
@@ -703,12 +719,17 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     process group's timeout), as Megatron-Core does on shape mismatches; with
     `group_check=True` the verdict (and whether this rank's kernel backend imports) is all-gathered and
     every rank raises the same ValueError (ImportError when the backend is missing).
+
+    `query_gather` (splitkv only): the `SplitKVQueryGather` of `splitkv_start_query_gather`; q must be
+    the very tensor given to it, unmodified, with the same metadata, and the gather not consumed yet
+    (see `SplitKVQueryGather._check_consume`). With group_check its use is part of the exchanged row
+    (call mode), so a group where only some ranks pass it raises on every rank.
     """
     err = ""
     grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                          block_size, cp_group, softmax_scale, backend, num_chunks)
+                          block_size, cp_group, softmax_scale, backend, num_chunks, query_gather)
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
             _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
     except ImportError as exc:
@@ -720,21 +741,68 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     if meta.group_check and meta.group.size > 1:
         # the same [1, 11] row layout as a call without metadata= ("<op>.meta"), so that a group
         # where some ranks pass metadata= (with group_check) and others do not raises everywhere
-        row = [-1] * 8 + [_MODE_METADATA, -1]
+        mode = _MODE_METADATA if query_gather is None else _MODE_QUERY_GATHER
+        row = [-1] * 8 + [mode, -1]
         if not err:
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
-                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), _MODE_METADATA,
+                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    meta.num_chunks_requested]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, table, _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend)
 
 
+def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
+    """Validation of `splitkv_start_query_gather(q, metadata=meta)` before its collectives: meta is a
+    splitkv `SplitKVMetadata`, q a tensor of shape [Tq_local, Hq, D] with the metadata's dtype and device.
+    Local ValueError (this rank only) unless the metadata has group_check, in which case the verdict
+    and the call mode are all-gathered ("splitkv.check", the [1, 11] row of the op's checks) and every
+    rank raises the same ValueError: also when other ranks make a different call at that point (e.g.
+    the op without query_gather=)."""
+    err = ""
+    grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
+    try:
+        if not isinstance(meta, SplitKVMetadata):
+            raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata(..., "
+                             f"impl='splitkv'), got {type(meta).__name__}")
+        if meta.impl != "splitkv":
+            raise ValueError(f"metadata was prepared for impl={meta.impl!r}; the query gather is Split-KV's "
+                             "(prepare it with impl='splitkv')")
+        shape = (meta.tq_local, meta.num_heads_q, meta.head_dim)
+        if not isinstance(q, torch.Tensor):
+            raise ValueError(f"q must be a tensor of shape {list(shape)}, got {type(q).__name__}")
+        if tuple(q.shape) != shape:
+            raise ValueError(f"q.shape {tuple(q.shape)} does not match the metadata: expected {list(shape)} on "
+                             f"CP rank {meta.rank} (Tq_local = n_blocks {meta.n_blocks[meta.rank]} x B "
+                             f"{meta.block_size}, Hq = {meta.num_heads_q}, D = {meta.head_dim})")
+        if q.dtype != meta.dtype:
+            raise ValueError(f"q.dtype {q.dtype} does not match the metadata's dtype {meta.dtype}")
+        if q.device != meta.device:
+            raise ValueError(f"q.device {q.device} does not match the metadata's device {meta.device}")
+    except ValueError as exc:
+        if not grouped:
+            raise ValueError(f"{name}: {exc}") from exc
+        err = str(exc)
+    if grouped:
+        row = [-1] * 8 + [_MODE_GATHER_START, -1]
+        if not err:  # softmax_scale is not known yet: 0 on every starting rank
+            row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
+                   meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
+                   meta.num_chunks_requested]
+        table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
+        _check_agree(name, table, _CALL_AGREE)
+
+
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-           cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None):
+           cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
-    autograd Function. `num_chunks`: splitkv only (the baselines pass None)."""
+    autograd Function. `num_chunks`: splitkv only (the baselines pass None). `query_gather`: splitkv
+    only, needs `metadata`; the Function is then applied to the gathered query chunks of the handle
+    (`ops.splitkv.SplitKVQueryGather`) instead of q."""
+    if query_gather is not None and metadata is None:
+        raise ValueError(f"{name}: query_gather= needs metadata= (the metadata given to "
+                         "splitkv_start_query_gather; the chunking is fixed there)")
     if metadata is None:
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
@@ -742,6 +810,10 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                          backend=backend, num_chunks=num_chunks)
-    out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
+                          backend=backend, num_chunks=num_chunks, query_gather=query_gather)
+    if query_gather is None:
+        out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
+    else:  # q itself is not an input: its gradient flows through the gather's own Function
+        shared, gathered = query_gather._consume()
+        out, lse = fn_cls.apply(plan, None, k_ctx, v_ctx, k_blk, v_blk, shared, *gathered)
     return (out, lse) if return_lse else out

@@ -28,9 +28,30 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
    `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
    Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
+4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
+   that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
+   Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
+   gathering. In backward the op issues the dQ all-to-alls and returns their receive buffers UNWAITED
+   as the gradient of the gathered queries; `_QueryGather.backward` waits and sums the P partials. That
+   node was created before the k/v projections, so autograd (which runs the ready node with the highest
+   sequence number first) runs the k/v projections' backward in between, while the all-to-all is in
+   flight (on the GPU: NCCL's stream synchronises with the current stream at launch, the compute stream
+   waits for it only in `Pending.wait()`). Same collectives and bytes, bit-identical results.
+
+Memory (tools/memory_breakdown.py measures it from this code at the real shapes): the fp32 partial O_r
+is released before the all-to-all buffers are allocated, the packed send buffer is written in place, the
+received buffer and the fp32 partials are released as soon as they are merged (in-place division), the
+merged fp32 O is released right after delta = rowsum(dO * O) in backward (it is a ctx attribute, not a
+saved tensor: a second backward through the same call raises RuntimeError), the padded q / dO / stats
+send tensors are dropped once their last chunk is issued, and the dQ partials are summed one rank at a
+time in fp32 (no [P, rows, Hq, D] fp32 temporary). Bit-identical to summing them at once for P <= 16 on
+CPU and P = 2 on CUDA (the order is the sequential one).
 """
 
 from __future__ import annotations
+
+import collections
+import warnings
 
 import torch
 
@@ -40,48 +61,260 @@ from .common import (
     delta_and_dout,
     kernel_backward,
     kernel_forward,
-    merge_partials,
+    merge_received_partials,
     pack_partial,
     pad_rows,
     split_own_grad,
-    unpack_partial,
     unsort,
     with_own_keys,
     zero_invalid_rows,
 )
-from .metadata import run_op
+from .metadata import check_query_gather_start, run_op
 
-__all__ = ["splitkv_attention"]
+__all__ = ["splitkv_attention", "splitkv_start_query_gather", "SplitKVQueryGather",
+           "UnconsumedQueryGatherWarning"]
+
+
+class UnconsumedQueryGatherWarning(RuntimeWarning):
+    """A `SplitKVQueryGather` was garbage-collected without being consumed by `splitkv_attention` or
+    released with `discard()` (its collectives were issued for nothing)."""
+
+
+def _gather_q_chunk(q_pad, meta, c):
+    """Issue the asynchronous all-gather of query chunk c (rows [b0 * B, b1 * B) of every rank's padded
+    segment): the one collective per chunk named "splitkv.fwd.q"."""
+    b0, b1 = meta.chunks[c]
+    bsz = meta.block_size
+    return all_gather(q_pad[b0 * bsz:b1 * bsz], meta.group, "splitkv.fwd.q", async_op=True)
+
+
+def _sum_dq_partials(pending, meta, rows, dtype, acc):
+    """Wait the dQ all-to-alls (one `Pending` per chunk; the received [P * rc, Hq, D] holds every rank's
+    partial of this rank's rows rc of the chunk) and sum the P partials in `acc` (fp32), one partial at a
+    time in rank order (the same arithmetic as `.to(acc).sum(0)`, without its [P, rc, Hq, D] fp32
+    temporary). Returns dq [rows, Hq, D] in `dtype` (chunks written as they are summed)."""
+    g, bsz = meta.group, meta.block_size
+    dq = None
+    for p, (b0, b1) in zip(pending, meta.chunks):
+        recv = p.take()
+        rc = (b1 - b0) * bsz  # explicit: a chunk may hold no rows at all when every rank has zero blocks
+        parts = recv.view(g.size, rc, *recv.shape[1:])
+        if dq is None:
+            dq = recv.new_empty((rows,) + tuple(recv.shape[1:]), dtype=dtype)
+        r0, r1 = b0 * bsz, min(b1 * bsz, rows)
+        if r1 <= r0:
+            continue
+        acc_c = torch.zeros((r1 - r0,) + tuple(recv.shape[1:]), dtype=acc, device=recv.device)
+        for r in range(g.size):
+            acc_c += parts[r, : r1 - r0]
+        dq[r0:r1].copy_(acc_c)
+        del recv, parts, acc_c
+    return dq
+
+
+class _GatherShared:
+    """What the gather's and the op's autograd nodes share (no reference to the handle, so that a handle
+    dropped unconsumed is freed at once instead of sitting in a reference cycle through the graph)."""
+
+    __slots__ = ("metadata", "pending", "dq", "__weakref__")
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+        self.pending = None  # forward all-gathers, one Pending per chunk (waited by _SplitKV.forward)
+        self.dq = collections.deque()  # per backward of _SplitKV: its dQ all-to-alls, for _QueryGather
+
+    def wait_forward(self, c):
+        self.pending[c].wait()
+        if c == len(self.pending) - 1:
+            self.pending = None
+
+
+class SplitKVQueryGather:
+    """Handle of the in-flight query all-gather of one Split-KV call (`splitkv_start_query_gather`).
+
+    Created by `splitkv_start_query_gather(q, metadata=meta)`, right after the layer computed q; pass it
+    as `splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, metadata=meta, query_gather=handle)` once k/v
+    exist. Consumed exactly once: a second use raises ValueError. If the layer fails between the two calls,
+    call `discard()` (or let it be garbage-collected: an `UnconsumedQueryGatherWarning` is issued then);
+    neither waits for the collectives (they complete on their own on every rank that issued them).
+
+    Attributes: metadata (the `SplitKVMetadata`), state ("pending", "consumed" or "discarded").
+    """
+
+    def __init__(self, metadata, q):
+        self.metadata = metadata
+        self.state = "pending"
+        self._q = q
+        self._q_version = q._version
+        self._shared = _GatherShared(metadata)
+        self._gathered = None  # the gathered chunks: outputs of _QueryGather, inputs of _SplitKV
+
+    def __repr__(self):
+        return f"SplitKVQueryGather(state={self.state!r}, chunks={len(self.metadata.chunks)})"
+
+    @property
+    def pending(self) -> bool:
+        """True until consumed by `splitkv_attention` or discarded."""
+        return self.state == "pending"
+
+    def discard(self) -> None:
+        """Release an unconsumed gather (e.g. when the layer raised before its attention call): drops the
+        references to q and the gathered buffers without waiting; later use raises ValueError. No-op on a
+        consumed or discarded handle."""
+        if self.state == "pending":
+            self.state = "discarded"
+            self._q = self._gathered = None
+            self._shared.pending = None
+
+    def _check_consume(self, meta, q):
+        """ValueError unless this handle may be consumed by a call with metadata `meta` and query q."""
+        if self.state != "pending":
+            raise ValueError(f"query_gather was already {self.state}; a SplitKVQueryGather serves exactly one "
+                             "splitkv_attention call: call splitkv_start_query_gather again for the next one")
+        if meta is not self.metadata:
+            raise ValueError("query_gather was started with another metadata: pass the same metadata= to "
+                             "splitkv_start_query_gather and splitkv_attention")
+        if q is not self._q:
+            raise ValueError("q must be the very tensor given to splitkv_start_query_gather (its rows are "
+                             "already being gathered)")
+        if q._version != self._q_version:
+            raise ValueError("q was modified in place after splitkv_start_query_gather (its rows are already "
+                             "being gathered): compute q completely before starting the gather")
+
+    def _consume(self):
+        """Mark consumed; return (the state shared with the autograd nodes, the gathered chunk tensors:
+        the op's inputs in place of q)."""
+        gathered = self._gathered
+        self.state = "consumed"
+        self._q = self._gathered = None
+        return self._shared, gathered
+
+    def __del__(self):
+        try:
+            if self.state == "pending":
+                self._shared.pending = None
+                warnings.warn("a SplitKVQueryGather was never consumed by splitkv_attention(..., "
+                              "query_gather=) nor discarded (its all-gathers were issued for nothing)",
+                              UnconsumedQueryGatherWarning, stacklevel=2)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+class _QueryGather(torch.autograd.Function):
+    """q -> the gathered padded query chunks (`SplitKVMetadata.chunks`), issued asynchronously.
+
+    Created before the layer's k/v projections, so in backward the autograd engine (highest sequence
+    number first among ready nodes) runs the k/v projections' backward between `_SplitKV.backward`, which
+    issues the dQ all-to-alls without waiting, and this backward, which waits them and sums the P
+    partials of this rank's rows in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, shared, q):
+        meta = shared.metadata
+        rows_max = max(meta.n_blocks) * meta.block_size
+        q_pad = zero_invalid_rows(q, meta.valid_rows, rows_max)  # held by each Pending until its wait
+        shared.pending = [_gather_q_chunk(q_pad, meta, c) for c in range(len(meta.chunks))]
+        ctx.shared, ctx.rows, ctx.dtype = shared, q.shape[0], q.dtype
+        return tuple(p.result for p in shared.pending)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        shared = ctx.shared
+        if not shared.dq:
+            raise RuntimeError("splitkv query gather: no dQ all-to-all to wait for (the gathered queries "
+                               "must reach no other op than splitkv_attention)")
+        pending = shared.dq.popleft()
+        meta = shared.metadata
+        dq = _sum_dq_partials(pending, meta, ctx.rows, ctx.dtype, torch.float64 if ctx.dtype == torch.float64
+                              else torch.float32)
+        return None, dq
+
+
+def splitkv_start_query_gather(q, *, metadata) -> SplitKVQueryGather:
+    """Start Split-KV's query all-gather of one layer early (perf-notes item 3), before k/v exist.
+
+    Issues exactly the collectives `splitkv_attention` would issue first in its forward: per query chunk
+    of the metadata (`num_chunks`), one asynchronous all-gather "splitkv.fwd.q" of this rank's padded q
+    rows (invalid blocks' rows zeroed), same bytes in `comm_stats`. Call it right after q is computed
+    (projection, q-norm, RoPE), then compute k/v (their projections overlap the gather on the GPU: NCCL
+    runs it on its own stream) and pass the handle to
+
+        out = splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, metadata=metadata, query_gather=handle)
+
+    with the very same q tensor, unmodified. Results are bit-identical to the call without
+    `query_gather=`. In backward the dQ all-to-alls are waited for only after the autograd nodes created
+    between the two calls (the k/v projections) have run their backward, so these overlap the dQ
+    all-to-all too.
+
+    Every rank of the CP group must do the same: all start a gather for the layer's call and pass it,
+    or none (with `group_check` metadata a mismatch raises the same ValueError on every rank; without it
+    the collectives do not match and the call fails or hangs, as documented for `metadata=`). A handle
+    serves one call; see `SplitKVQueryGather` for the error path (`discard()`).
+
+    Args:
+        q: [Tq_local, Hq, D] this rank's query rows (the shape, dtype and device the metadata implies).
+        metadata: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="splitkv")` (required: the
+            chunking and the gathered block layout are fixed there).
+
+    Returns:
+        `SplitKVQueryGather`. Differentiable: the gradient of q flows through it (the gathered rows'
+        gradients are summed over ranks in fp32, as in `splitkv_attention`).
+
+    Raises:
+        ValueError: metadata not a splitkv `SplitKVMetadata`; q's shape / dtype / device not the
+            metadata's (on this rank; on every rank with `group_check`).
+    """
+    check_query_gather_start(metadata, q)
+    handle = SplitKVQueryGather(metadata, q)
+    handle._gathered = _QueryGather.apply(handle._shared, q)
+    for p in handle._shared.pending:  # the handle holds the gathered tensors; a Pending holding these
+        p.result = None  # outputs of _QueryGather too would close a cycle through its node's ctx
+    return handle
 
 
 class _SplitKV(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk):
+    def forward(ctx, plan, q, k_ctx, v_ctx, k_blk, v_blk, gather=None, *q_gathered):
+        # with `gather` (the `_GatherShared` of a consumed SplitKVQueryGather): q_gathered are its gathered
+        # chunks (outputs of _QueryGather) and q is None
         g, bsz, meta = plan.group, plan.block_size, plan.meta
-        rows, d = q.shape[0], q.shape[2]
+        rows, d, dtype = meta.tq_local, meta.head_dim, meta.dtype
         rows_max = max(plan.n_blocks) * bsz
         chunks = meta.chunks
+        n, P = len(chunks), g.size
         own = k_blk is not None
         masks = meta.chunk_masks_own if own else meta.chunk_masks
+        # 1. all-gather Q chunk by chunk (invalid blocks' rows zeroed, padded to the largest block count;
+        #    block metadata gathered once per step into the metadata, pads are invalid), prefetched one
+        #    chunk ahead; issued before the local keys are built so that the copies overlap the first
+        #    gather. With `gather`: every chunk's gather was issued by splitkv_start_query_gather.
+        #    Memory: every large temporary is released before the next large allocation (fp32 partial
+        #    before the all-to-all buffers, received buffer and fp32 partials before the merge result).
+        if gather is None:
+            # the padded q is dropped once the last chunk is issued (each Pending keeps its slice until
+            # waited)
+            q_pad = [zero_invalid_rows(q, plan.valid_rows, rows_max)]
+            pend_q = _gather_q_chunk(q_pad[0], meta, 0)
+            if n == 1:
+                q_pad.clear()
         # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]
         k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
         v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
-        # 1. all-gather Q chunk by chunk (invalid blocks' rows zeroed, padded to the largest block count;
-        #    block metadata gathered once per step into the metadata, pads are invalid), prefetched one
-        #    chunk ahead.
-        q_pad = zero_invalid_rows(q, plan.valid_rows, rows_max)
-
-        def gather_q(c):
-            b0, b1 = chunks[c]
-            return all_gather(q_pad[b0 * bsz:b1 * bsz], g, "splitkv.fwd.q", async_op=True)
-
-        n, P = len(chunks), g.size
         q_chunks, states, pend_o = [], [], []
-        pend_q = gather_q(0)
         for c in range(n):
-            nxt = gather_q(c + 1) if c + 1 < n else None
-            q_c = pend_q.wait()
-            pend_q = nxt
+            if gather is None:
+                nxt = None
+                if c + 1 < n:
+                    nxt = _gather_q_chunk(q_pad[0], meta, c + 1)
+                    if c + 2 == n:
+                        q_pad.clear()
+                q_c = pend_q.wait()
+                pend_q = nxt
+            else:
+                gather.wait_forward(c)
+                q_c = q_gathered[c]
             # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
             #    for this rank's own blocks, the own block); intervals precomputed per step.
             o_r, lse_r, state = kernel_forward(plan, q_c, k_x, v_x, masks[c])
@@ -89,76 +322,109 @@ class _SplitKV(torch.autograd.Function):
             states.append(state)
             # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
             #    one asynchronous all-to-all per chunk, overlapping the next chunk's kernel.
-            pend_o.append(all_to_all(pack_partial(o_r, lse_r, q.dtype), g, "splitkv.fwd.out", async_op=True))
-            del o_r, lse_r
+            packed = pack_partial(o_r, lse_r, dtype)
+            del o_r, lse_r  # the fp32 partial: freed before the receive buffer is allocated
+            pend_o.append(all_to_all(packed, g, "splitkv.fwd.out", async_op=True))
+            del packed, q_c
         out_parts, lse_parts = [], []
         for c in range(n):
-            # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums)
+            # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums;
+            #    the received buffer and the fp32 partials are released as soon as they are used)
             rc = (chunks[c][1] - chunks[c][0]) * bsz
-            o_all, lse_all = unpack_partial(pend_o[c].wait(), d, plan.acc)
-            o_c, l_c = merge_partials(o_all.view(P, rc, *o_all.shape[1:]),
-                                      lse_all.view(P, rc, *lse_all.shape[1:]))  # rc may be 0: no -1
+            o_c, l_c = merge_received_partials(pend_o[c], P, rc, d, plan.acc)
+            pend_o[c] = None
             out_parts.append(o_c)
             lse_parts.append(l_c)
+            del o_c, l_c
         out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
         lse = (lse_parts[0] if n == 1 else torch.cat(lse_parts))[:rows]
-        ctx.plan, ctx.masks, ctx.states, ctx.own = plan, masks, states, own
-        ctx.save_for_backward(k_x, v_x, q, out, lse, *q_chunks)
-        return out.to(q.dtype), lse
+        del out_parts, lse_parts
+        ctx.plan, ctx.masks, ctx.states, ctx.own, ctx.gather = plan, masks, states, own, gather
+        # the merged fp32 out is needed only for delta = rowsum(dO * O) at the start of backward: kept as
+        # an attribute (not a saved tensor) so that backward can release it before the kernel backward.
+        # For fp32 / fp64 inputs it IS the returned output (no cast): then it is saved normally (an
+        # attribute holding an output would form a reference cycle through the graph).
+        alias = dtype == plan.acc
+        ctx.out = None if alias else out
+        ctx.save_for_backward(k_x, v_x, lse, out if alias else None, *q_chunks)
+        return out.to(dtype), lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        k_x, v_x, q, out, lse, *q_chunks = ctx.saved_tensors
-        plan, meta = ctx.plan, ctx.plan.meta
+        k_x, v_x, lse, out, *q_chunks = ctx.saved_tensors
+        plan, meta, gather = ctx.plan, ctx.plan.meta, ctx.gather
         g, bsz = plan.group, plan.block_size
-        rows, rows_max = q.shape[0], max(plan.n_blocks) * bsz
+        rows, rows_max, dt = meta.tq_local, max(plan.n_blocks) * bsz, meta.dtype
         chunks = meta.chunks
-        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
+        if out is None:
+            out, ctx.out = ctx.out, None
+        if out is None:
+            raise RuntimeError("splitkv_attention: backward ran a second time through the same call "
+                               "(retain_graph=True); its forward state is released by the first backward")
+        if dout is None:  # only lse was used downstream
+            dout = torch.zeros(out.shape, dtype=dt, device=out.device)
+        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, None)
+        del out  # the merged fp32 O: not needed any more (freed before the kernel backward)
         # all-gather dO and (delta, lse) chunk by chunk (one ahead): the GLOBAL statistics every rank's
-        # local backward needs.
-        do_pad = pad_rows(dout, rows_max)
-        stats = pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))
+        # local backward needs. The padded send tensors are dropped once the last chunk is issued (each
+        # Pending keeps its slice until waited).
+        send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
+        del delta
 
-        def gather(c):
+        def gather_stats(c):
             b0, b1 = chunks[c]
             sl = slice(b0 * bsz, b1 * bsz)
-            return (all_gather(do_pad[sl], g, "splitkv.bwd.dout", async_op=True),
-                    all_gather(stats[sl], g, "splitkv.bwd.stats", async_op=True))
+            pend_c = (all_gather(send[0][sl], g, "splitkv.bwd.dout", async_op=True),
+                      all_gather(send[1][sl], g, "splitkv.bwd.stats", async_op=True))
+            if c == n - 1:
+                send.clear()
+            return pend_c
 
         n = len(chunks)
-        pend, pend_dq, dk_x, dv_x = gather(0), [], None, None
+        pend, pend_dq, dk_x, dv_x = gather_stats(0), [], None, None
         for c in range(n):
-            nxt = gather(c + 1) if c + 1 < n else None
-            do_all, stats_all = pend[0].wait(), pend[1].wait()
+            nxt = gather_stats(c + 1) if c + 1 < n else None
+            do_all, stats_all = pend[0].take(), pend[1].take()
             pend = nxt
             delta_all = torch.nan_to_num(stats_all[..., 0], neginf=0.0)
             dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
                                                stats_all[..., 1], delta_all, ctx.states[c])
             ctx.states[c] = None
+            del do_all, stats_all, delta_all
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
-            pend_dq.append(all_to_all(dq_r.to(q.dtype), g, "splitkv.bwd.dq", async_op=True))
+            pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
+            del dq_r
             if dk_x is None:
                 dk_x, dv_x = dk_c, dv_c
             else:
                 dk_x += dk_c
                 dv_x += dv_c
-        # the owner sums the P partials of its rows in fp32
-        # (explicit row counts: a chunk may hold no rows at all when every rank has zero blocks)
-        dq = [p.wait().view(g.size, (b1 - b0) * bsz, *q.shape[1:]).to(plan.acc).sum(0)
-              for p, (b0, b1) in zip(pend_dq, chunks)]
-        dq = (dq[0] if n == 1 else torch.cat(dq))[:rows]
+            del dk_c, dv_c
+        del q_chunks, k_x, v_x
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
         dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
-        dt = q.dtype
-        return (None, dq.to(dt), unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt),
-                cast(dk_b, dt), cast(dv_b, dt))
+        grads_kv = (unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt), cast(dk_b, dt),
+                    cast(dv_b, dt))
+        if gather is None:
+            # the owner sums the P partials of its rows in fp32
+            return (None, _sum_dq_partials(pend_dq, meta, rows, dt, plan.acc)) + grads_kv
+        # query_gather: the received dQ partials are the gradient of the gathered chunks, NOT waited for
+        # here: _QueryGather.backward waits and sums them after the k/v projections' backward ran.
+        if any(ctx.needs_input_grad[7:]):
+            gather.dq.append(pend_dq)
+            d_gathered = tuple(p.result for p in pend_dq)
+        else:  # issued anyway (every rank issues the same collectives); nothing consumes them
+            for p in pend_dq:
+                p.wait()
+            d_gathered = (None,) * n
+        return (None, None) + grads_kv + (None,) + d_gathered
 
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None, num_chunks=None):
+                      metadata=None, num_chunks=None, query_gather=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -213,6 +479,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
             None, or a positive int that clamps to the metadata's `num_chunks` (e.g. the value given
             to prepare).
+        query_gather: a `SplitKVQueryGather` from `splitkv_start_query_gather(q, metadata=metadata)`,
+            started right after q was computed (before the k/v projections, which then overlap the
+            query all-gather in forward and the dQ all-to-all in backward; docs/perf-notes.md item 3).
+            Requires `metadata=` (the same object); q must be the very tensor given to the start,
+            unmodified; a handle serves exactly one call. The call then issues no "splitkv.fwd.q"
+            all-gather of its own, and its results are bit-identical to the call without it. Every rank
+            of the CP group must pass one, or none (a mixed group is detected with `group_check`).
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -233,9 +506,11 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             first collective (as in Megatron-Core) unless the metadata was prepared with
             `group_check=True`, in which case every rank raises the same ValueError. A dtype the
             backend cannot run (backend "te": bf16/fp16 only; "flex": no float64 on CUDA) raises on every
-            rank that uses that backend, before any data collective.
+            rank that uses that backend, before any data collective. With `query_gather=`: no
+            `metadata=`, a handle already consumed or discarded, started with another metadata, or a q
+            other than (or modified in place since) the one given to `splitkv_start_query_gather`.
         ImportError: backend "flex"/"te" not available.
     """
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse, metadata=metadata, num_chunks=num_chunks)
+                  return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather)

@@ -55,6 +55,9 @@ class DFlashDraftModel(MegatronModule):
         use_te: Transformer Engine layer spec (True), local (False), or TE when installed and CUDA is
             available (None).
         freeze_shared: set requires_grad False on the shared embedding and LM head (default True).
+        overlap_query_gather: Split-KV's query all-gather before the k/v projections
+            (`get_dflash_layer_spec`; None = environment variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER,
+            default on); ignored with `layer_spec`.
 
     Forward: see `forward`. Errors: ValueError for mismatched inputs (see `forward`).
     """
@@ -65,7 +68,7 @@ class DFlashDraftModel(MegatronModule):
                  layer_spec: Optional[ModuleSpec] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, loss_group=None,
                  rotary_base: float = 1e6, kernel_backend: str = "auto", use_te: Optional[bool] = None,
-                 freeze_shared: bool = True):
+                 freeze_shared: bool = True, overlap_query_gather: Optional[bool] = None):
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -82,7 +85,8 @@ class DFlashDraftModel(MegatronModule):
         if use_te is None and not torch.cuda.is_available():
             use_te = False
         spec = layer_spec or get_dflash_layer_spec(cp_impl, use_te=use_te, rotary_base=rotary_base,
-                                                   kernel_backend=kernel_backend)
+                                                   kernel_backend=kernel_backend,
+                                                   overlap_query_gather=overlap_query_gather)
         self.decoder = TransformerBlock(config=config, spec=spec, post_layer_norm=True, pre_process=True,
                                         post_process=True, pg_collection=pg_collection)
         self.word_embeddings = word_embeddings

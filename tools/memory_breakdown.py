@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Predicted per-rank peak memory of one attention layer (forward + backward) of splitkv vs allgather-kv
+(and ring-kv), from the ops' own code at the real shapes, on CPU (issue 6 goal: splitkv's peak <=
+allgather-kv's at every size).
+
+How: P gloo processes run the real op (bench.rank_inputs / prepare_meta / the bench step: grads None,
+forward with the per-step metadata, backward with dout) at the real shapes, with the local kernel's
+attention arithmetic replaced by a stand-in that allocates exactly what FlexAttention returns (`--kernel
+flex`, default: the real `kernels/flex.py` code runs, padding, casts, global-lse backward and all, only its
+`flex_attention` call is replaced by one that returns empty tensors of the right shapes and dtypes) or by
+nothing at all (`--kernel none`: outputs allocated as the kernel contract says, fp32, no padded copies,
+no saved graph). Every tensor allocated during the step is tracked (a TorchDispatchMode over all aten
+ops; a storage counts from its allocation until Python frees it), so the live bytes at every point are
+those of the code as written: no hand model to keep in sync. Not counted: FlexAttention's internal
+workspace (its Triton kernels allocate little: the backward's delta, [Hq, Tq] fp32), NCCL buffers, and the
+CUDA caching allocator's rounding (blocks of 512 bytes; fragmentation is not modelled).
+
+Reported per method (max over ranks): `inputs` (q, k_ctx, v_ctx, k_blk, v_blk, dout: alive for the whole
+step, as in tools/bench_attention.py), `peak` (inputs + the most step-allocated bytes alive at once; what
+torch.cuda.max_memory_allocated shows on the GPU, up to the metadata / BlockMask tables and the
+allocator's rounding), where the peak happens, and the largest tensors alive at that point by the line
+that allocated them. Compare with bench_attention's "peak GiB" column (same workload: Lq = anchors x B,
+Hq 32, Hkv 8, D 128, bf16, one sequence of --context tokens, LPT placement).
+
+Examples (from the repository root):
+  .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2
+  .venv/bin/python tools/memory_breakdown.py --context 131072 --cp 2 --methods splitkv,allgather-kv --top 12
+  .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2 --query-gather   # the early Q gather path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import traceback
+import weakref
+from collections import defaultdict
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+_PKG = os.path.join(ROOT, "megatron_splitkv") + os.sep
+_THIS = os.path.abspath(__file__)
+
+
+def _site():
+    """'file:line function | source' of the innermost frame in megatron_splitkv (else in torch's flex
+    stand-in, else the caller's), for attributing an allocation."""
+    frames = traceback.extract_stack()[:-3]
+    for f in reversed(frames):
+        if f.filename.startswith(_PKG):
+            rel = os.path.relpath(f.filename, ROOT)
+            return f"{rel}:{f.lineno} {f.name} | {(f.line or '').strip()[:90]}"
+    for f in reversed(frames):
+        if f.filename == _THIS:
+            return f"tools/memory_breakdown.py:{f.lineno} {f.name} | {(f.line or '').strip()[:90]}"
+    f = frames[-1]
+    return f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+
+
+class LiveBytes(TorchDispatchMode):
+    """Track every storage created by an aten op while active: live bytes now, the peak, and a snapshot
+    (site -> bytes, tensors) at the peak."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = {}  # storage key -> (nbytes, site, shape, dtype)
+        self.cur = 0
+        self.peak = 0
+        self.peak_snapshot = {}
+        self.peak_site = ""
+        self.ops = 0
+        self.phase = "forward"
+        self.phase_peak = {}  # phase -> (peak live bytes, site, snapshot)
+
+    def _free(self, key):
+        rec = self.live.pop(key, None)
+        if rec is not None:
+            self.cur -= rec[0]
+
+    def _track(self, t, known):
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        s = t.untyped_storage()
+        key = s.data_ptr(), s.nbytes()
+        if key in self.live or key in known or s.nbytes() == 0:
+            return
+        site = _site()
+        self.live[key] = (s.nbytes(), site, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        self.cur += s.nbytes()
+        weakref.finalize(s, self._free, key)
+        if self.cur > self.peak:
+            self.peak = self.cur
+            self.peak_site = site
+            self.peak_snapshot = dict(self.live)
+        if self.cur > self.phase_peak.get(self.phase, (0,))[0]:
+            self.phase_peak[self.phase] = (self.cur, site, dict(self.live))
+
+    def live_bytes(self):
+        return self.cur
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        known = set()
+        for a in tree_leaves((args, kwargs)):  # inputs (incl. in-place / out= targets) are not new
+            if isinstance(a, torch.Tensor) and a.device.type != "meta":
+                s = a.untyped_storage()
+                known.add((s.data_ptr(), s.nbytes()))
+        out = func(*args, **kwargs)
+        self.ops += 1
+        for t in tree_leaves(out):
+            self._track(t, known)
+        return out
+
+
+def _install_flex_standin(kind):
+    """--kernel flex: the real FlexAttentionKernel with its flex_attention call replaced by a stand-in
+    that allocates flex's outputs (out [1, Hq, Tq, D] in q's dtype, lse [1, Hq, Tq] fp32) and, in
+    backward, its input gradients (dq, dk, dv like q, k, v: flex computes GQA dk/dv per kv head).
+    --kernel none: a kernel that allocates only the contract's outputs."""
+    import types
+
+    from megatron_splitkv import kernels
+
+    class _FakeFlex(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            out = q.new_empty(q.shape[:3] + (v.shape[-1],))
+            lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, g_out, g_lse):
+            q, k, v = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def fake_flex(q, k, v, *, block_mask=None, scale=None, enable_gqa=False, return_aux=None, **kw):
+        out, lse = _FakeFlex.apply(q, k, v)
+        if return_aux is not None:
+            return out, types.SimpleNamespace(lse=lse)
+        return out, lse
+
+    if kind == "flex":
+        from megatron_splitkv.kernels.flex import FlexAttentionKernel
+
+        kern = FlexAttentionKernel(compile=False)
+        kern._fn = lambda device: fake_flex  # noqa: SLF001 - the stand-in (see the module docstring)
+        kern.block_mask = lambda mask, q_len, kv_len: None  # no BlockMask (only the stand-in reads it)
+    else:
+        class _Contract:
+            name = "none"
+
+            def forward(self, q, k, v, mask, scale):
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                return (torch.empty(q.shape[:2] + (v.shape[-1],), dtype=acc),
+                        torch.empty(q.shape[:2], dtype=acc), None)
+
+            def backward(self, q, k, v, mask, scale, dout, lse, delta, state):
+                acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+                return (torch.empty(q.shape, dtype=acc), torch.empty(k.shape, dtype=acc),
+                        torch.empty(v.shape, dtype=acc))
+
+        kern = _Contract()
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        kernels._CACHE[("flex", "cpu", dt)] = kern  # noqa: SLF001 - the ops resolve backend "flex" here
+
+
+def _rank_worker(rank, world, init_file, args, queue):
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        out = _run_rank(rank, world, args)
+        dist.destroy_process_group()
+        queue.put((rank, out, None))
+    except BaseException:  # noqa: BLE001
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _run_rank(rank, world, args):
+    from megatron_splitkv import bench
+
+    _install_flex_standin(args.kernel)
+    dtype = getattr(torch, args.dtype)
+    B, Hq, Hkv, D = args.block_size, args.hq, args.hkv, args.d
+    lens, anchors = bench.make_workload(args.context, args.anchors, seed=args.seed + args.context)
+    plan = bench.place(lens, anchors, cp_size=world, strategy=args.placement, block_size=B)
+    x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device="cpu", seed=args.seed)
+    results = {}
+    for method in args.methods:
+        opts = {"num_chunks": args.num_chunks} if method == "splitkv" and args.num_chunks else {}
+        meta = bench.prepare_meta(method, x, block_size=B, cp_group=None, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype,
+                                  **opts)
+        early = args.query_gather and method == "splitkv"
+
+        tracker = None
+
+        def step():
+            for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk"):
+                x[k].grad = None
+            if early:  # a layer-like call: q through one op, the gather started before k/v
+                import megatron_splitkv as msk
+
+                q = x["q"] * 1
+                h = msk.splitkv_start_query_gather(q, metadata=meta)
+                kv = [x[k] * 1 for k in ("k_ctx", "v_ctx", "k_blk", "v_blk")]
+                out = msk.splitkv_attention(q, *kv, metadata=meta, backend="flex", query_gather=h)
+                del q, kv, h
+            else:
+                out = bench.op_fn(method)(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], None, None,
+                                          None, None, metadata=meta, backend="flex")
+            if tracker is not None:
+                tracker.saved = tracker.live_bytes()  # kept from forward to backward (+ the output)
+                tracker.phase = "backward"
+            out.backward(x["dout"])
+            del out
+
+        step()  # warm-up (kernel caches), as bench_attention does before measuring
+        for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk"):
+            x[k].grad = None
+        inputs = sum(_nbytes(x[k]) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "dout"))
+        tracker = LiveBytes()
+        with tracker:
+            step()
+        tracker.phase = "done"
+        grads = sum(_nbytes(x[k].grad) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk"))
+        def top_sites(snapshot):
+            by_site = defaultdict(lambda: [0, 0, None])
+            for nb, site, shape, dt in snapshot.values():
+                e = by_site[site]
+                e[0] += nb
+                e[1] += 1
+                e[2] = f"{list(shape)} {dt}"
+            return sorted(((v[0], k, v[1], v[2]) for k, v in by_site.items()), reverse=True)[: args.top]
+
+        top = top_sites(tracker.peak_snapshot)
+        phases = {ph: dict(peak=inputs + v[0], site=v[1], top=top_sites(v[2]))
+                  for ph, v in tracker.phase_peak.items()}
+        results[method] = dict(inputs=inputs, step_peak=tracker.peak, peak=inputs + tracker.peak,
+                               saved=tracker.saved, phases=phases,
+                               grads_after=grads, peak_site=tracker.peak_site, ops=tracker.ops,
+                               top=top, tk_local=int(x["k_ctx"].shape[0]), tq_local=int(x["q"].shape[0]),
+                               num_chunks=int(getattr(meta, "num_chunks", 1) or 1))
+        del meta
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--context", type=int, default=16384, help="total context tokens (one sequence)")
+    ap.add_argument("--cp", type=int, default=2, help="CP size = number of gloo processes")
+    ap.add_argument("--methods", default="splitkv,allgather-kv")
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--hkv", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--placement", default="lpt")
+    ap.add_argument("--num-chunks", type=int, default=None, help="splitkv's chunk count (default: the op's)")
+    ap.add_argument("--kernel", default="flex", choices=("flex", "none"),
+                    help="flex: kernels/flex.py with a stand-in flex_attention; none: contract outputs only")
+    ap.add_argument("--query-gather", action="store_true",
+                    help="splitkv through splitkv_start_query_gather + query_gather= (layer-like call)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--top", type=int, default=10, help="allocation sites listed at the peak")
+    ap.add_argument("--phases", action="store_true", help="also list the sites at the forward / backward peaks")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        if m not in ("splitkv", "allgather-kv", "ring-kv"):
+            ap.error(f"--methods: unknown method {m!r}")
+    if args.cp < 1:
+        ap.error("--cp must be >= 1")
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_rank_worker, args=(r, args.cp, init, args, queue), daemon=True)
+                 for r in range(args.cp)]
+        for p in procs:
+            p.start()
+        per_rank = {}
+        for _ in range(args.cp):
+            rank, res, err = queue.get(timeout=3600)
+            if err:
+                for p in procs:
+                    p.kill()
+                sys.exit(f"rank {rank} failed:\n{err}")
+            per_rank[rank] = res
+        for p in procs:
+            p.join(timeout=10)
+    gib = 2.0 ** 30
+    print(f"context {args.context}, CP {args.cp}, Lq {args.anchors * args.block_size}, Hq {args.hq}, "
+          f"Hkv {args.hkv}, D {args.d}, {args.dtype}, kernel stand-in: {args.kernel}"
+          + (", early Q gather" if args.query_gather else ""))
+    summary = {}
+    for m in args.methods:
+        worst = max(range(args.cp), key=lambda r: per_rank[r][m]["peak"])
+        r = per_rank[worst][m]
+        summary[m] = dict(peak_gib=r["peak"] / gib, inputs_gib=r["inputs"] / gib, step_gib=r["step_peak"] / gib,
+                          saved_gib=r["saved"] / gib,
+                          phase_peak_gib={ph: v["peak"] / gib for ph, v in r["phases"].items()},
+                          rank=worst, per_rank_peak_gib=[per_rank[i][m]["peak"] / gib for i in range(args.cp)],
+                          peak_site=r["peak_site"], num_chunks=r["num_chunks"],
+                          top=[dict(mib=t[0] / 2**20, site=t[1], count=t[2], example=t[3]) for t in r["top"]])
+        print(f"\n{m}: peak {r['peak'] / gib:.3f} GiB on rank {worst} (inputs {r['inputs'] / gib:.3f} + step "
+              f"{r['step_peak'] / gib:.3f}); Tq_local {r['tq_local']}, Tk_local {r['tk_local']}"
+              + (f", k={r['num_chunks']}" if m == "splitkv" else "") + "; per rank: "
+              + ", ".join(f"{v:.3f}" for v in summary[m]["per_rank_peak_gib"]))
+        print(f"  peak reached at: {r['peak_site']}")
+        print(f"  kept from forward to backward (saved tensors, output, kernel state): {r['saved'] / gib:.3f} GiB; "
+              + "; ".join(f"{ph} peak {v['peak'] / gib:.3f} GiB" for ph, v in r["phases"].items()))
+        print("  live at the peak (allocated during the step), by allocation site:")
+        for nb, site, cnt, ex in r["top"]:
+            print(f"    {nb / 2**20:9.1f} MiB  x{cnt:<3d} {ex:<28s} {site}")
+        if args.phases:
+            for ph, v in r["phases"].items():
+                print(f"  {ph} peak {v['peak'] / gib:.3f} GiB at {v['site']}:")
+                for nb, site, cnt, ex in v["top"]:
+                    print(f"    {nb / 2**20:9.1f} MiB  x{cnt:<3d} {ex:<28s} {site}")
+    if len(args.methods) > 1 and "splitkv" in summary:
+        for m in args.methods:
+            if m != "splitkv":
+                print(f"\nsplitkv / {m} peak: {summary['splitkv']['peak_gib'] / summary[m]['peak_gib']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args={k: v for k, v in vars(args).items()}, summary=summary), f, indent=1)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
