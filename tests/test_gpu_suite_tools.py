@@ -153,3 +153,21 @@ def test_suite_report_on_missing_results(tmp_path):
         assert p.returncode == 0, p.stderr
     assert (out / "suite.json").exists() and (out / "tables.md").exists()
     assert "kernels: no result" in p.stdout and "bench nvlink: no result" in p.stdout and "simulate: no result" in p.stdout
+
+
+def test_suite_rejects_unknown_backend_before_any_step(tmp_path):
+    """A misspelled SUITE_* backend stops the suite at once (exit 2, naming the variable), and the
+    script's list of names is the registry's (megatron_splitkv.kernels.BACKENDS)."""
+    import re
+
+    from megatron_splitkv.kernels import BACKENDS
+
+    script = open(os.path.join(ROOT, "tools", "run_gpu_suite.sh")).read()
+    known = re.search(r'KNOWN_BACKENDS=" ([a-z ]+) "', script).group(1).split()
+    assert sorted(known) == sorted(BACKENDS)
+    for var, val in [("SUITE_BACKEND", "bogus"), ("SUITE_EXACT_BACKENDS", "flex,stair")]:
+        env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="exact", PYTHON=sys.executable,
+                   OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **{var: val})
+        p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and var in p.stderr and "start at" not in p.stdout, (p.stdout, p.stderr)

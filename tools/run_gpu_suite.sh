@@ -86,6 +86,15 @@ declare -A BG_PID BG_T0
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 NGPU=${NGPU:-0}
 
+# the local-kernel names must be registered backends: a typo fails here, not after minutes of steps
+KNOWN_BACKENDS=" auto math flex te staircase "
+for VAR in SUITE_BACKEND SUITE_SIM_BACKEND SUITE_BENCH_BACKENDS SUITE_EXACT_BACKENDS; do
+  for BK in ${!VAR:+${!VAR//,/ }}; do
+    if [[ "$KNOWN_BACKENDS" != *" $BK "* ]]; then
+      echo "run_gpu_suite.sh: $VAR: unknown local kernel '$BK' (one of:$KNOWN_BACKENDS)" >&2; exit 2
+    fi
+  done
+done
 want() { [[ "$STEPS" == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS )); }
 clip() {  # clip MAX: MAX seconds, or what is left of the budget minus 5 s if less

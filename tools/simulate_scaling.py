@@ -47,8 +47,9 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     all-to-all behind the next kernel, the first gathers and the last all-to-all exposed. k = 1 is the
     serial sum (compute + every collective). Each chunk's collectives pay their latency again, and each
     chunk call loses kernel efficiency: what chunking costs.
-    "+ovl" rows (`--overlap-q-gather on` makes them the headline; both are always computed): the layer
-    starts the Q all-gathers (all chunks, `ops.splitkv_start_query_gather`) before its k/v projections and
+    "+ovl" rows (`--overlap-q-gather on` makes them the headline; both are always computed; the overlap
+    is built and on by default in `DFlashAttention`, docs/perf-notes.md item 3): the layer starts the Q
+    all-gathers (all chunks, `ops.splitkv_start_query_gather`) before its k/v projections and
     runs the projections' backward while the dQ all-to-alls are in flight (`splitkv_attention(...,
     query_gather=)`): forward window = the k/v projection, 2 x (Tk_local + Tq_local) x `--hidden` x 2 Hkv D
     FLOPs, backward window twice that, at `--matmul-tflops` (790, DESIGN.md section 5) or timed on the GPU
@@ -83,7 +84,7 @@ the overlap, allgather-kv, ring-kv, speedup; then the headline topology's rows),
 (matplotlib), and the tables printed last. With `--bench-json` (bench_attention.json of the same run) a
 CP=2 row shows the measured op time next to the model's.
 
-Examples (PYTHONPATH=. from the repository root):
+Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --out $OUT          # measured (2 GPUs)
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out $OUT
   python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
@@ -372,6 +373,8 @@ def sample_ranks(method, plan, k):
 def check_args(ap, args):
     """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, methods,
     placements) as lists."""
+    if not str(args.out).strip():
+        ap.error("--out must be a directory path, got an empty string")
     cps = bench.int_list_arg(ap, "--cps", args.cps, 1)
     if len(set(cps)) != len(cps):
         ap.error(f"--cps has duplicates: {args.cps!r}")
