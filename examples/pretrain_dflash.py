@@ -16,9 +16,10 @@
 
 Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
-`--cp-chunk-size` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query budget per
-sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id`; target flags `--target-num-layers`,
-`--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
+`--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase}` (the op's local kernel),
+`--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
+budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id`; target flags
+`--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
 each CP rank reads only its shard's rows; the target is then not built).
@@ -124,7 +125,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
-    from megatron_splitkv.megatron.arguments import overlap_query_gather_from_args
+    from megatron_splitkv.megatron.arguments import kernel_backend_from_args, overlap_query_gather_from_args
     from megatron_splitkv.megatron.models import (
         DFlashDraftModel,
         FeatureStore,
@@ -159,13 +160,14 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         raise ValueError(f"--mask-token-id {args.mask_token_id} outside the vocabulary ({args.padded_vocab_size})")
     print_rank_0(f"DFlash: target {args.target_num_layers} layers, taps {taps}, drafter {dcfg.num_layers} "
                  f"layers, B={args.dflash_block_size}, {args.dflash_num_anchors} anchors/sequence, "
-                 f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner)")
+                 f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner, "
+                 f"{getattr(args, 'splitkv_kernel', None) or 'auto'} kernel)")
     return DFlashDraftModel(
         dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
-        overlap_query_gather=overlap_query_gather_from_args(args),
+        kernel_backend=kernel_backend_from_args(args), overlap_query_gather=overlap_query_gather_from_args(args),
     )
 
 

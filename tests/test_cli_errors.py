@@ -1,5 +1,5 @@
 """The tools/*.py CLIs reject bad flags up front: a one-line argparse error naming the flag, exit status 2
-(never 0, never a traceback). All cases fail during argument validation, before any data, model or
+(never 0, never a traceback); the GPU-only tools exit with one line when there is no CUDA GPU. All cases fail during argument validation, before any data, model or
 process group is set up, so each takes about the interpreter + import time; they run concurrently."""
 
 import os
@@ -25,6 +25,7 @@ CASES = [
     ("simulate_scaling.py", ["--model-only", "--placements", "foo"], "--placements"),
     ("simulate_scaling.py", ["--model-only", "--ctx-per-rank", "-5"], "--ctx-per-rank"),
     ("simulate_scaling.py", ["--model-only", "--Hq", "6", "--Hkv", "4"], "--Hkv"),
+    ("simulate_scaling.py", ["--model-only", "--out", ""], "--out"),
     ("simulate_scaling.py", ["--model-only", "--topology", "torus"], "--topology"),
     ("simulate_scaling.py", ["--model-only", "--backend", "nope"], "--backend"),
     ("simulate_scaling.py", ["--model-only", "--chunk-loss", "-0.5"], "--chunk-loss"),
@@ -102,3 +103,17 @@ def test_bench_attention_exits_nonzero_when_a_row_errors(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and "1 of 1 rows failed" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
     assert "ERROR" in (tmp_path / "b" / "bench_attention.md").read_text()
+
+
+@pytest.mark.parametrize("tool", ["profile_kernel.py", "probe_dense_backends.py"])
+def test_gpu_only_tools_exit_with_one_line_without_cuda(tool):
+    """No CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1 with the single line
+    "<tool> needs a CUDA GPU", no traceback."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, _tool(tool)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    assert lines == [f"{tool} needs a CUDA GPU"], p.stderr[-2000:]

@@ -204,3 +204,74 @@ def test_patch_series_applies_to_wheel_and_imports(tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180)
     assert r.returncode == 0 and "PATCH-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def test_splitkv_kernel_flag_parses_validates_and_reaches_core_attention():
+    """--splitkv-kernel: every kernel name parses (default auto), a bad value names the flag (argparse
+    and validate_splitkv_args), `te` without Transformer Engine is refused, and the value reaches
+    SplitKVCoreAttention.kernel_backend through kernel_backend_from_args -> get_dflash_layer_spec."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_splitkv.kernels import BACKENDS
+    from megatron_splitkv.megatron import SplitKVCoreAttention
+    from megatron_splitkv.megatron.arguments import KERNEL_BACKENDS, kernel_backend_from_args
+
+    assert KERNEL_BACKENDS == tuple(BACKENDS)
+    p = argparse.ArgumentParser()
+    add_splitkv_args(p)
+    add_splitkv_args(p)  # idempotent
+    assert p.parse_args([]).splitkv_kernel == "auto"
+    assert kernel_backend_from_args(argparse.Namespace()) == "auto"  # a parser without the flag
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
+                            use_cpu_initialization=True)
+    for name in ("auto", "math", "flex", "te", "staircase"):
+        a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-kernel", name])
+        assert kernel_backend_from_args(a) == name
+        validate_splitkv_args(_args(splitkv_kernel=name), have_te=True)
+        spec = get_dflash_layer_spec("splitkv", use_te=False, kernel_backend=kernel_backend_from_args(a))
+        core = spec.submodules.self_attention.submodules.core_attention(
+            config=cfg, layer_number=1, attn_mask_type=AttnMaskType.no_mask, attention_type="cross",
+            cp_comm_type=None, softmax_scale=None, pg_collection=None)
+        assert isinstance(core, SplitKVCoreAttention) and core.kernel_backend == name
+    with pytest.raises(SystemExit):
+        p.parse_args(["--splitkv-kernel", "cudnn"])
+    for bad in ("cudnn", "Flex", ""):
+        with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel must be one of"):
+            validate_splitkv_args(_args(splitkv_kernel=bad))
+        with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel"):
+            kernel_backend_from_args(argparse.Namespace(splitkv_kernel=bad))
+    with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel te needs Transformer Engine"):
+        validate_splitkv_args(_args(splitkv_kernel="te"), have_te=False)
+
+
+def test_splitkv_kernel_bad_value_names_the_flag_on_the_command_line(capsys):
+    p = add_splitkv_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):
+        p.parse_args(["--splitkv-kernel", "cudnn"])
+    err = capsys.readouterr().err
+    assert "--splitkv-kernel" in err and "invalid choice" in err, err
+
+
+def test_pretrain_parse_only_threads_splitkv_kernel():
+    """examples/pretrain_dflash.py parses --splitkv-kernel and validates it (CPU-safe)."""
+    import importlib.util
+
+    from megatron_splitkv.megatron.arguments import kernel_backend_from_args
+
+    spec = importlib.util.spec_from_file_location("pretrain_dflash_k", REPO / "examples" / "pretrain_dflash.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+            "--attention-dropout", "0", "--transformer-impl", "local", "--num-anchors", "8"]
+    argv = sys.argv
+    try:
+        assert kernel_backend_from_args(mod.main(base)) == "auto"
+        assert kernel_backend_from_args(mod.main(base + ["--splitkv-kernel", "staircase"])) == "staircase"
+        with pytest.raises(SystemExit):
+            mod.main(base + ["--splitkv-kernel", "cudnn"])
+    finally:
+        sys.argv = argv
+    src = (REPO / "examples" / "pretrain_dflash.py").read_text()
+    assert "kernel_backend=kernel_backend_from_args(args)" in src

@@ -41,7 +41,7 @@ drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv
 placement), rows whose memory estimate (`estimate_mem_gib`) exceeds 85% of the free device memory are
 SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
-Examples (PYTHONPATH=. from the repository root):
+Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 tools/bench_attention.py --cp 2 \
       --contexts 32768,131072 --slow-path --tag slow

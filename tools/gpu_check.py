@@ -16,14 +16,14 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
           key-major / 2-stream / native-GQA variants; reports the dense path that ran (`--skip stair`).
   compare single GPU, the local-kernel comparison (issue 6): for the DFlash interval mask (512 anchors x 16,
           Hq 32, Hkv 8, D 128, bf16, one sequence, 16K and 64K keys) every local kernel that loads
-          (`--kernels`, default "flex,te"; a kernel that does not import gets a row saying why) through the
-          kernel API with a cached mask: forward and forward + backward (backward with the global
-          lse/delta, as in the op) ms, useful TF/s (4 * pairs * Hq * D forward, x3.5 forward + backward,
-          megatron_splitkv.bench's convention) and % of dense SDPA at the same useful FLOPs; exactness vs
-          a float64 reference (out, lse, dq, dk, dv; at the first Tk also over a two-part key split merged
-          by lse, the op's global-lse path). Then the own-block part (each block's B queries x its own B
-          keys): today's fp32 einsum path (ops.common.own_block_forward/backward) and its lse merge vs the
-          kernels on a block-diagonal IntervalMask; and, when IntervalMask has second intervals
+          (`--kernels`, default "flex,te,staircase"; a kernel that does not import gets a row saying why)
+          through the kernel API with a cached mask: forward and forward + backward (backward with the
+          global lse/delta, as in the op) ms, useful TF/s (4 * pairs * Hq * D forward, x3.5 forward +
+          backward, megatron_splitkv.bench's convention) and % of dense SDPA at the same useful FLOPs;
+          exactness vs a float64 reference (out, lse, dq, dk, dv; at the first Tk also over a two-part key
+          split merged by lse, the op's global-lse path). Then the own-block part (each block's B queries x
+          its own B keys): today's fp32 einsum path (ops.common.own_block_forward/backward) and its lse
+          merge vs the kernels on a block-diagonal IntervalMask; and, when IntervalMask has second intervals
           (lo2/hi2), the context and own block fused into one kernel call. Then the staircase sweep
           (`--staircase-sweep`, one row per option variant: TF/s, % of dense, exactness vs float64, the
           dense path that ran, share of pairs served densely). JSON + tables are rewritten after every
@@ -35,14 +35,14 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
 
   --cpu   tiny shapes on CPU (flex emulated, gloo): a dry run of every code path, no timings of note.
 
-Examples:
-  PYTHONPATH=. python tools/gpu_check.py kernel
-  PYTHONPATH=. python tools/gpu_check.py compare --out $OUT      # flex vs te vs staircase vs dense SDPA
-  PYTHONPATH=. python tools/gpu_check.py compare --kernels flex,staircase \
+Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
+  python tools/gpu_check.py kernel
+  python tools/gpu_check.py compare --out $OUT      # flex vs te vs staircase vs dense SDPA
+  python tools/gpu_check.py compare --kernels flex,staircase \
       --staircase-sweep "group_blocks=16;group_blocks=64;bwd_mode=key;streams=2"
-  PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist
-  PYTHONPATH=. python tools/gpu_check.py kernel --cpu
-  PYTHONPATH=. torchrun --nproc-per-node 2 tools/gpu_check.py dist --cpu
+  torchrun --nproc-per-node 2 tools/gpu_check.py dist
+  python tools/gpu_check.py kernel --cpu
+  torchrun --nproc-per-node 2 tools/gpu_check.py dist --cpu
 """
 
 from __future__ import annotations

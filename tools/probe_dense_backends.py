@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_dense_backends.py needs a CUDA GPU")
     dev = torch.device("cuda")
     g = a.heads_q // a.heads_kv
     rows_f = g * a.rows

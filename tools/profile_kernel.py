@@ -16,12 +16,17 @@ kernels/staircase.py). Writes nothing; the last lines are a summary table.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
-from megatron_splitkv import bench as mb
-from megatron_splitkv.kernels import get_kernel
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # as the other tools: runs from a checkout without PYTHONPATH
+
+from megatron_splitkv import bench as mb  # noqa: E402
+from megatron_splitkv.kernels import get_kernel  # noqa: E402
 
 
 def _kernel(spec: str, dev, dtype):

@@ -24,7 +24,7 @@ ones (max relative error < 2e-2, lse < 0.05, nothing non-finite).
 
 Outputs in --out: tune_flex.json, tune_flex.md; the table and the best config are printed last.
 
-Examples (PYTHONPATH=. from the repository root):
+Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   python tools/tune_flex.py --out $OUT --budget-s 120
   python tools/tune_flex.py --configs default,fwd_tma --tks 16384
   python tools/tune_flex.py --cpu        # plumbing only: flex emulated on CPU ignores kernel_options

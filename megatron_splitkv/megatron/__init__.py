@@ -7,7 +7,8 @@ Only this subpackage imports `megatron.core`. Entry points:
   `packed_seq_params=DFlashPackedSeqParams(...)` (mask metadata).
 * `splitkv_core_attention(cp_impl)`: the core-attention builder alone (e.g. for `CrossAttention`).
 * `add_splitkv_args` / `validate_splitkv_args`: `--context-parallel-impl`, `--cp-chunk-size`,
-  `--cp-balance` (Megatron `extra_args_provider`).
+  `--cp-balance`, `--splitkv-kernel`, `--splitkv-no-overlap-q-gather` (Megatron `extra_args_provider`;
+  `arguments.kernel_backend_from_args` / `overlap_query_gather_from_args` map them to the spec options).
 * `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches.
 
 See docs/megatron.md. Source: arXiv 2611.05926 (Split-KV); DESIGN.md section 4.

@@ -17,6 +17,9 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
+    --splitkv-kernel {auto,math,flex,te,staircase}  local attention kernel of the CP op (`backend=`,
+                             the layer spec's `kernel_backend`; default auto = flex on CUDA; see
+                             docs/kernels.md)
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -35,10 +38,14 @@ __all__ = [
     "validate_splitkv_args",
     "check_attention_heads",
     "overlap_query_gather_from_args",
+    "KERNEL_BACKENDS",
+    "kernel_backend_from_args",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
 CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
+# the op's local kernels (`megatron_splitkv.kernels.BACKENDS`; kept literal so parsing imports no torch)
+KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase")
 
 
 class SplitKVArgumentError(ValueError):
@@ -133,7 +140,25 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
             "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.",
         )
+    if not _has(parser, "--splitkv-kernel"):
+        group.add_argument(
+            "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
+            help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
+            "auto (FlexAttention on CUDA, math otherwise), math, flex, te (Transformer Engine) or "
+            "staircase (dense cuDNN rectangles + flex remainder). Default auto; see docs/kernels.md.",
+        )
     return parser
+
+
+def kernel_backend_from_args(args) -> str:
+    """`kernel_backend` for `get_dflash_layer_spec` / `DFlashDraftModel` from parsed args:
+    `--splitkv-kernel` (unset/None = "auto"); SplitKVArgumentError naming the flag for an unknown value."""
+    value = getattr(args, "splitkv_kernel", None)
+    if value is None:
+        return "auto"
+    if value not in KERNEL_BACKENDS:
+        raise SplitKVArgumentError(f"--splitkv-kernel must be one of {KERNEL_BACKENDS}, got {value!r}")
+    return value
 
 
 def overlap_query_gather_from_args(args):
@@ -160,8 +185,9 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
-    transformer_engine` needs Transformer Engine; `--attention-dropout` must be 0; the local spec
-    cannot run `--sequence-parallel`. `have_te` overrides TE detection (tests)."""
+    transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
+    KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`.
+    `have_te` overrides TE detection (tests)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
@@ -199,6 +225,12 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         raise SplitKVArgumentError(
             "--transformer-impl transformer_engine selects the Transformer Engine spec, but "
             "transformer_engine is not installed; install it or pass --transformer-impl local"
+        )
+    kernel = kernel_backend_from_args(args)
+    if kernel == "te" and not (_te_available() if have_te is None else have_te):
+        raise SplitKVArgumentError(
+            "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
+            "transformer_engine is not installed; use --splitkv-kernel auto"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(
