@@ -12,9 +12,13 @@ halves sums to the full dQ, dK/dV of the halves concatenate to the full ones). P
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs without PYTHONPATH
 
 A = torch.ops.aten
 
@@ -70,6 +74,15 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
+    from megatron_splitkv.bench import int_list_arg  # noqa: PLC0415
+
+    keys = int_list_arg(ap, "--keys", a.keys, 2)
+    for flag, v in (("--rows", a.rows), ("--heads-q", a.heads_q), ("--heads-kv", a.heads_kv),
+                    ("--head-dim", a.head_dim), ("--repeats", a.repeats)):
+        if v < 1:
+            ap.error(f"{flag} must be >= 1, got {v}")
+    if a.heads_q % a.heads_kv:
+        ap.error(f"--heads-q ({a.heads_q}) must be a multiple of --heads-kv ({a.heads_kv})")
     if not torch.cuda.is_available():
         raise SystemExit("probe_dense_backends.py needs a CUDA GPU")
     dev = torch.device("cuda")
@@ -77,7 +90,7 @@ def main():
     rows_f = g * a.rows
     scale = a.head_dim ** -0.5
     table = []
-    for lk in [int(x) for x in a.keys.split(",")]:
+    for lk in keys:
         torch.manual_seed(0)
         q = torch.randn(1, a.heads_kv, rows_f, a.head_dim, device=dev, dtype=torch.bfloat16)
         k = torch.randn(1, a.heads_kv, lk, a.head_dim, device=dev, dtype=torch.bfloat16)

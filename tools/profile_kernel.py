@@ -29,16 +29,32 @@ from megatron_splitkv import bench as mb  # noqa: E402
 from megatron_splitkv.kernels import get_kernel  # noqa: E402
 
 
-def _kernel(spec: str, dev, dtype):
-    name, _, opts = spec.partition(":")
-    if not opts:
-        return get_kernel(name, dev, dtype, 128)
+def _spec(ap, spec: str):
+    """(name, options) of one `--backends` item, validated (argparse error naming the flag)."""
+    from megatron_splitkv.kernels import BACKENDS
+
+    name, _, opts = spec.strip().partition(":")
+    if name not in BACKENDS:
+        ap.error(f"--backends: unknown backend {name!r} in {spec!r} (one of {BACKENDS})")
     kw = {}
-    for item in opts.split(","):
+    for item in filter(None, opts.split(",")):
         k, _, v = item.partition("=")
         kw[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
-    if name != "staircase":
-        raise SystemExit(f"--backends: options are only supported for staircase, got {spec!r}")
+    if kw:
+        if name != "staircase":
+            ap.error(f"--backends: options are only supported for staircase, got {spec!r}")
+        from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+
+        try:
+            StaircaseAttentionKernel(**kw)  # validates the options (no device work)
+        except (TypeError, ValueError) as exc:
+            ap.error(f"--backends: {spec!r}: {exc}")
+    return name, kw
+
+
+def _kernel(name: str, kw: dict, dev, dtype):
+    if not kw:
+        return get_kernel(name, dev, dtype, 128)
     from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
 
     return StaircaseAttentionKernel(**kw)
@@ -51,13 +67,20 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
     a = ap.parse_args()
+    specs = [(spec, *_spec(ap, spec)) for spec in a.backends.split(";") if spec.strip()]
+    if not specs:
+        ap.error(f"--backends must name at least one backend, got {a.backends!r}")
+    keys = mb.int_list_arg(ap, "--keys", a.keys, 1)
+    for flag, v in (("--iters", a.iters), ("--top", a.top)):
+        if v < 1:
+            ap.error(f"{flag} must be >= 1, got {v}")
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernel.py needs a CUDA GPU")
     dev, dt = torch.device("cuda"), torch.bfloat16
     Hq, Hkv, D, B, n_anchors = 32, 8, 128, 16, 512
     scale = D ** -0.5
     summary = []
-    for tk in [int(x) for x in a.keys.split(",")]:
+    for tk in keys:
         mask = mb.dflash_interval_mask(n_anchors, tk, block_size=B, seed=11, device=dev)
         Tq = n_anchors * B
         g = torch.Generator(device=dev).manual_seed(0)
@@ -66,8 +89,8 @@ def main():
         v = torch.randn(tk, Hkv, D, device=dev, dtype=dt, generator=g)
         do = torch.randn(Tq, Hq, D, device=dev, dtype=dt, generator=g)
         pairs = B * int(mask.hi.sum())
-        for spec in a.backends.split(";"):
-            kern = _kernel(spec, dev, dt)
+        for spec, name, kw in specs:
+            kern = _kernel(name, kw, dev, dt)
 
             def step():
                 o, lse, st = kern.forward(q, k, v, mask, scale)

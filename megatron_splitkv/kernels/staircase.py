@@ -125,6 +125,7 @@ _DEFAULTS = dict(group_blocks=128, sub_group_blocks=32, min_group_blocks=8, key_
                  min_pairs=1 << 20, kmajor_min_keys=2048, streams=2, bwd_mode="query", gqa="fold", kv_layout="auto",
                  inner="auto")
 _CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
+_INNER_CHOICES = ("auto", "math", "flex", "te")  # never "staircase": it would be its own remainder kernel
 
 
 def _option(name, value):
@@ -137,12 +138,24 @@ def _option(name, value):
         if value not in _CHOICES[name]:
             raise ValueError(f"staircase {name} must be one of {_CHOICES[name]}, got {value!r}")
         return value
-    if name == "inner":
+    if name == "inner":  # the kernel of the ragged remainder: a backend name (not staircase) or a kernel
+        if isinstance(value, str):
+            if value not in _INNER_CHOICES:
+                raise ValueError(f"staircase inner must be one of {_INNER_CHOICES} (env {ENV_PREFIX}INNER), "
+                                 f"got {value!r}")
+            return value
+        if not (callable(getattr(value, "forward", None)) and callable(getattr(value, "backward", None))) \
+                or getattr(value, "name", None) == "staircase":
+            raise ValueError("staircase inner must be a backend name or a local kernel object with forward/"
+                             f"backward (not a staircase kernel), got {value!r}")
         return value
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"staircase {name} must be an int (env {ENV_PREFIX}{name.upper()}), got {value!r}")
     try:
         value = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"staircase {name} must be an int, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"staircase {name} must be an int (env {ENV_PREFIX}{name.upper()}), "
+                         f"got {value!r}") from None
     if value < (0 if name in ("min_pairs", "sub_group_blocks") else 1):
         raise ValueError(f"staircase {name} must be >= {0 if name in ('min_pairs', 'sub_group_blocks') else 1}, "
                          f"got {value}")
