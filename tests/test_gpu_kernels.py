@@ -286,6 +286,37 @@ def test_cpu_recompute_path_matches_saved_graph():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nb", [16, 13])  # 256 rows: already a bucket length (no copy); 208: padded
+def test_backward_memory_paths_are_exact(monkeypatch, dtype, nb):
+    """The memory-saving paths (issue 6) change no bit: a query length that already is a bucket length
+    makes the graph leaf an alias of q (no padded copy); grad_out / grad_lse are computed in row chunks
+    (any chunk size gives the same bits); the gradients are contiguous in the accumulation dtype."""
+    gen = torch.Generator().manual_seed(21)
+    B, Hq, Hkv, D, Tk = 16, 4, 2, 16, 300
+    q, k, v = (torch.randn(n, h, D, generator=gen).to(dtype) for n, h in ((nb * B, Hq), (Tk, Hkv), (Tk, Hkv)))
+    lo, hi = dflash_like_intervals(gen, nb, Tk)
+    m = IntervalMask(B, lo, hi, Tk)
+    dout = torch.randn(nb * B, Hq, D, generator=gen).to(dtype)
+    res = []
+    for chunk in (1 << 22, 3 * Hq * D, Hq * D):
+        monkeypatch.setattr(flex, "_BWD_ROW_CHUNK_ELEMS", chunk)
+        kern = flex.FlexAttentionKernel()
+        o, l, st = kern.forward(q, k, v, m, 0.3)
+        qp = st["leaves"][0]
+        assert (qp.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()) == (nb * B == 256)
+        lse_g = l - 0.5 * (torch.arange(nb * B) % 3 == 0)[:, None].float()  # some rows with c != 1
+        lse_g[:B] = float("-inf")
+        grads = kern.backward(q, k, v, m, 0.3, dout, lse_g, (dout.float() * o).sum(-1), st)
+        for g_, like in zip(grads, (q, k, v)):
+            assert g_.dtype == torch.float32 and g_.shape == like.shape and g_.is_contiguous()
+        assert torch.isfinite(grads[0]).all() and (grads[0][:B] == 0).all()
+        res.append((o, l) + tuple(grads))
+    for other in res[1:]:
+        for a, b in zip(res[0], other):
+            assert torch.equal(a, b)
+
+
 def test_shape_errors():
     kern = flex.FlexAttentionKernel()
     q = torch.randn(8, 4, 16)

@@ -100,6 +100,10 @@ DEFAULT_Q_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEP
 #: turns it off).
 DEFAULT_REUSE_KV_BUCKET = os.environ.get("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", "1") != "0"
 
+#: Row chunk (elements of [rows, Hq, D]) of the backward's grad_out / grad_lse arithmetic: bounds its fp32
+#: temporary (2**22 elements = 16 MiB) instead of three [Tq, Hq, D] fp32 ones.
+_BWD_ROW_CHUNK_ELEMS = 1 << 22
+
 _COMPILED = None
 
 
@@ -388,8 +392,14 @@ class FlexAttentionKernel:
         bm = self.block_mask(mask, Tqp, Tkp)
 
         def padded(x, n):
-            buf = x.new_zeros((n,) + tuple(x.shape[1:]))
+            # x is a fresh detached alias: at a bucket length (e.g. a gathered Lq of 8192) it becomes the
+            # leaf itself, so the graph keeps no second copy of q/k/v. Same sizes and strides as a padded
+            # buffer (contiguous only), so dynamo sees the same graph input either way.
+            if x.shape[0] == n and x.is_contiguous():
+                return x.requires_grad_(grad)
+            buf = x.new_empty((n,) + tuple(x.shape[1:]))
             buf[: x.shape[0]].copy_(x)
+            buf[x.shape[0]:].zero_()
             return buf.requires_grad_(grad)
 
         qp, kp, vp = padded(q.detach(), Tqp), padded(k.detach(), Tkp), padded(v.detach(), Tkp)
@@ -412,7 +422,7 @@ class FlexAttentionKernel:
         acc = _acc(q.dtype)  # float64 only on CPU (the emulation): _check rejects float64 on CUDA
         out_local = out_p.detach()[0, :, :Tq].permute(1, 0, 2)  # [Tq, Hq, D], input dtype
         lse = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc).contiguous()  # natural log (flex scales)
-        out = out_local.to(acc).contiguous()
+        out = _contiguous_as(out_local, acc)  # one copy, not two (.to(acc).contiguous() of a permuted view)
         state = {"leaves": leaves, "out_p": out_p, "lse_p": lse_p} if self.save_graph else None
         return out, lse, state
 
@@ -424,11 +434,11 @@ class FlexAttentionKernel:
         else:
             leaves, out_p, lse_p = state["leaves"], state["out_p"], state["lse_p"]
             state.clear()  # the graph is consumed below; a second backward would need a recompute
-        qp, kp, vp = leaves
-        Tqp = out_p.shape[2]
+        leaves = list(leaves)
+        Tqp, Hq, D = out_p.shape[2], out_p.shape[1], out_p.shape[3]
         # local stats as flex saw them, real rows only: [Tq, Hq] fp32 natural log, O_r in the input dtype.
         # The padding rows (Tq..Tqp) get grad_out = 0 and grad_lse = 0 (c = 0 there: lse_global = -inf);
-        # they are written as zeros into the padded gradient buffers, so no fp32 temporary is Tqp long.
+        # they are written as zeros into the padded gradient buffers, so no temporary is Tqp long.
         acc = _acc(q.dtype)
         lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc)
         o_r = out_p.detach()[0, :, :Tq].permute(1, 0, 2)
@@ -436,28 +446,56 @@ class FlexAttentionKernel:
         finite = torch.isfinite(lse_r) & torch.isfinite(lse_g)
         c = torch.where(finite, torch.exp(torch.where(finite, lse_r - lse_g, torch.zeros_like(lse_r))),
                         torch.zeros_like(lse_r))  # [Tq, Hq]
-        g_out_r = (c[..., None] * dout.to(acc)).to(o_r.dtype)  # rounded as flex will see it
-        g_lse_r = (g_out_r.to(acc) * o_r.to(acc)).sum(-1) - c * delta_g  # [Tq, Hq]
-        g_lse_r = torch.where(finite, g_lse_r, torch.zeros_like(g_lse_r))
+        del lse_r, lse_g
         # same layouts as before the real-rows-only rewrite ([Tqp, Hq, D] / [Tqp, Hq] buffers, permuted
         # views), so the compiled backward sees the tangent strides it was traced with
-        g_out = o_r.new_zeros((Tqp,) + tuple(o_r.shape[1:]))
-        g_out[:Tq] = g_out_r
-        g_lse = torch.zeros((Tqp, g_lse_r.shape[1]), dtype=lse_p.dtype, device=g_lse_r.device)
-        g_lse[:Tq] = g_lse_r
-        grads = torch.autograd.grad(
+        g_out = o_r.new_empty((Tqp, Hq, D))
+        g_out[Tq:].zero_()
+        g_lse = torch.zeros((Tqp, Hq), dtype=lse_p.dtype, device=lse_p.device)
+        # grad_out = c * dO rounded to the input dtype (as flex sees it), written straight into g_out, and
+        # grad_lse = rowsum(grad_out * O_r) - c * delta, both in fp32 over row chunks of at most
+        # _BWD_ROW_CHUNK_ELEMS elements: one bounded fp32 temporary instead of [Tq, Hq, D] ones. Per element
+        # the same fp32 operations as the unchunked expressions (bit-identical; the row sums reduce over
+        # D of a contiguous fp32 [rows, Hq, D] block, as before). Python loop outside the compiled graph.
+        step = max(1, _BWD_ROW_CHUNK_ELEMS // max(1, Hq * D))
+        for r0 in range(0, Tq, step):
+            r1 = min(Tq, r0 + step)
+            t = torch.empty((r1 - r0, Hq, D), dtype=acc, device=dout.device).copy_(dout[r0:r1])
+            t.mul_(c[r0:r1, :, None])
+            g_out[r0:r1].copy_(t)  # rounded as flex will see it
+            t.copy_(g_out[r0:r1])
+            t.mul_(o_r[r0:r1])
+            g_l = t.sum(-1) - c[r0:r1] * delta_g[r0:r1]
+            del t
+            g_lse[r0:r1] = torch.where(finite[r0:r1], g_l, torch.zeros_like(g_l))
+            del g_l
+        del c, finite, o_r, delta_g
+        grads = list(torch.autograd.grad(
             (out_p, lse_p),
-            (qp, kp, vp),
+            leaves,
             (g_out.permute(1, 0, 2).unsqueeze(0), g_lse.transpose(0, 1).unsqueeze(0)),
             allow_unused=True,
-        )
-        n_real = (Tq, Tk, Tk)
-        dq, dk, dv = (
-            x.new_zeros((n,) + tuple(x.shape[1:]), dtype=acc) if g is None
-            else g[:n].to(acc).contiguous()
-            for g, x, n in zip(grads, leaves, n_real)
-        )
+        ))
+        # the graph is freed: drop the padded leaves, flex's out/lse and the tangents before upcasting
+        shapes = [(n,) + tuple(x.shape[1:]) for x, n in zip(leaves, (Tq, Tk, Tk))]
+        dev = out_p.device
+        del leaves, out_p, lse_p, g_out, g_lse
+        res = []
+        for i, shape in enumerate(shapes):  # one at a time: each input-dtype gradient dies after its upcast
+            g, grads[i] = grads[i], None
+            res.append(torch.zeros(shape, dtype=acc, device=dev) if g is None
+                       else _contiguous_as(g[: shape[0]], acc))
+            del g
+        dq, dk, dv = res
         return dq, dk, dv
+
+
+def _contiguous_as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype).contiguous() with at most one copy (a strided x converted straight into a contiguous
+    buffer; the same values: a cast is elementwise)."""
+    if x.dtype == dtype:
+        return x.contiguous()
+    return torch.empty(x.shape, dtype=dtype, device=x.device).copy_(x)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
