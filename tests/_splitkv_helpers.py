@@ -75,6 +75,8 @@ def build(c):
         u = torch.rand(nb, generator=g)
         anchor = torch.where(u < c["p_zero"], torch.zeros_like(anchor), anchor)
         anchor = torch.where(u > 1 - c["p_invalid"], torch.full_like(anchor, -1), anchor)
+        if c.get("poison") and nb and not bool((anchor < 0).any()):
+            anchor[-1] = -1  # the poison case needs an invalid block (p = 0.85**11 ~ 17% without one)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
