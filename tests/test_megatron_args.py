@@ -196,6 +196,15 @@ def test_patch_series_applies_to_wheel_and_imports(tmp_path):
         assert spec.module is DFlashTransformerLayer, spec
         assert spec.submodules.self_attention.submodules.core_attention.keywords["cp_impl"] == "ring-kv"
         assert spec.submodules.self_attention.params["rotary_base"] == 1000000
+        assert spec.submodules.self_attention.submodules.core_attention.keywords["kernel_backend"] == "auto"
+        cfg3 = G.GPTModelConfig(transformer=tc, context_parallel_impl="splitkv", splitkv_kernel="staircase",
+                                splitkv_overlap_q_gather=False)
+        sa3 = G.default_layer_spec(cfg3, vp_stage=None).submodules.self_attention
+        assert sa3.submodules.core_attention.keywords["kernel_backend"] == "staircase"
+        assert sa3.params["overlap_query_gather"] is False
+        import inspect
+        src = inspect.getsource(U.gpt_config_from_args)  # the patched config builder copies both flags
+        assert 'kwargs["splitkv_kernel"]' in src and 'kwargs["splitkv_overlap_q_gather"]' in src
         cfg2 = G.GPTModelConfig(transformer=tc)
         assert G.default_layer_spec(cfg2, vp_stage=None).module is not DFlashTransformerLayer
         print("PATCH-OK")
