@@ -253,3 +253,20 @@ def contiguous_ctx(tk, P):
     """Context split into P contiguous chunks of ceil(tk / P) tokens (the last ones shorter or empty)."""
     step = -(-tk // P)
     return [list(range(min(r * step, tk), min((r + 1) * step, tk))) for r in range(P)]
+
+
+def prefix_intervals(gen, n_blocks, seq_lens, p_empty=0.2):
+    """First intervals of a packed DFlash-like IntervalMask over sorted context keys of len(seq_lens)
+    sequences: block b belongs to a random sequence s and sees a random prefix [start_s, start_s + n) of it
+    (n = 0 for a fraction p_empty). Returns (lo [n_blocks] int64, hi [n_blocks] int64, n_ctx)."""
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+    lo, hi = [], []
+    for _ in range(n_blocks):
+        s = int(torch.randint(len(seq_lens), (1,), generator=gen))
+        n = 0 if float(torch.rand((), generator=gen)) < p_empty else int(
+            torch.randint(seq_lens[s] + 1, (1,), generator=gen))
+        lo.append(starts[s])
+        hi.append(starts[s] + n)
+    return torch.tensor(lo, dtype=torch.int64), torch.tensor(hi, dtype=torch.int64), starts[-1]

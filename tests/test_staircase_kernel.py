@@ -16,6 +16,8 @@ import zlib
 import pytest
 import torch
 
+from _splitkv_helpers import prefix_intervals
+
 from megatron_splitkv.kernels import get_kernel
 from megatron_splitkv.kernels import staircase as sc
 from megatron_splitkv.kernels.base import IntervalMask
@@ -36,18 +38,7 @@ def dflash_mask(gen, n_blocks, bsz, seq_lens, p_empty=0.2, own=True, align=8):
     """Packed DFlash-like mask: block b belongs to a random sequence s and sees a random prefix of its
     sorted local keys [start_s, start_s + n) (n = 0 for a fraction p_empty: anchor at 0, invalid block);
     own keys (second intervals) for a random subset, after the context padded to a multiple of `align`."""
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    n_ctx = starts[-1]
-    lo, hi = [], []
-    for _ in range(n_blocks):
-        s = int(torch.randint(len(seq_lens), (1,), generator=gen))
-        n = 0 if float(torch.rand((), generator=gen)) < p_empty else int(
-            torch.randint(seq_lens[s] + 1, (1,), generator=gen))
-        lo.append(starts[s])
-        hi.append(starts[s] + n)
-    lo, hi = torch.tensor(lo), torch.tensor(hi)
+    lo, hi, n_ctx = prefix_intervals(gen, n_blocks, seq_lens, p_empty)
     if not own:
         return IntervalMask(bsz, lo, hi, n_ctx)
     c0 = -(-n_ctx // align) * align

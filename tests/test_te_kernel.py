@@ -10,24 +10,15 @@ import torch
 
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.kernels.te import TEAttentionKernel, te_plan
+from _splitkv_helpers import prefix_intervals
 from te_emulator import EmulatedFusedAttn
 
 
 def random_mask(gen, n_blocks, block_size, seq_lens, p_empty=0.2, own=True):
     """DFlash-like mask: sorted context keys of len(seq_lens) sequences; every block a prefix of one
     sequence (some empty); own blocks (second intervals) appended after the context for a random subset."""
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
-    n_ctx = starts[-1]
-    lo, hi = [], []
-    for _ in range(n_blocks):
-        s = int(torch.randint(len(seq_lens), (1,), generator=gen))
-        n = 0 if float(torch.rand((), generator=gen)) < p_empty else int(
-            torch.randint(seq_lens[s] + 1, (1,), generator=gen))
-        lo.append(starts[s])
-        hi.append(starts[s] + n)
-    mask = IntervalMask(block_size, torch.tensor(lo), torch.tensor(hi), n_ctx)
+    lo, hi, n_ctx = prefix_intervals(gen, n_blocks, seq_lens, p_empty)
+    mask = IntervalMask(block_size, lo, hi, n_ctx)
     if own:
         owned = [b for b in range(n_blocks) if float(torch.rand((), generator=gen)) < 0.6]
         lo2 = torch.full((n_blocks,), n_ctx, dtype=torch.long)
