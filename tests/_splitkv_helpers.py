@@ -270,3 +270,18 @@ def prefix_intervals(gen, n_blocks, seq_lens, p_empty=0.2):
         lo.append(starts[s])
         hi.append(starts[s] + n)
     return torch.tensor(lo, dtype=torch.int64), torch.tensor(hi, dtype=torch.int64), starts[-1]
+
+
+def with_random_own_slots(gen, lo, hi, num_ctx, B, p_own, align):
+    """IntervalMask with first intervals (lo, hi) over num_ctx context keys and own-block second intervals:
+    own keys after C = num_ctx rounded up to `align`, a random subset (fraction p_own) of the blocks owning
+    disjoint B-key slots in random order (n_blocks slots). Validated."""
+    from megatron_splitkv.kernels.base import IntervalMask
+
+    n_blocks = lo.shape[0]
+    c0 = -(-num_ctx // align) * align
+    slot = torch.randperm(n_blocks, generator=gen)
+    has = torch.rand(n_blocks, generator=gen) < p_own
+    lo2 = torch.where(has, c0 + slot * B, torch.full_like(slot, c0))
+    hi2 = torch.where(has, lo2 + B, lo2)
+    return IntervalMask(B, lo, hi, c0 + n_blocks * B, lo2, hi2, num_ctx_keys=c0).validate()

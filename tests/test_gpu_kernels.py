@@ -13,6 +13,8 @@ import os
 import pytest
 import torch
 
+from _splitkv_helpers import with_random_own_slots
+
 from megatron_splitkv.kernels.base import IntervalMask
 
 flex = pytest.importorskip("megatron_splitkv.kernels.flex")
@@ -59,12 +61,7 @@ def union_intervals(gen, n_blocks, num_ctx, B, kind="random", align=flex.TILE, p
         lo, hi = random_intervals(gen, n_blocks, num_ctx)
     else:
         lo, hi = dflash_like_intervals(gen, n_blocks, num_ctx)
-    c0 = -(-num_ctx // align) * align
-    slot = torch.randperm(n_blocks, generator=gen)
-    has = torch.rand(n_blocks, generator=gen) < p_own
-    lo2 = torch.where(has, c0 + slot * B, torch.full_like(slot, c0))
-    hi2 = torch.where(has, lo2 + B, lo2)
-    return IntervalMask(B, lo, hi, c0 + n_blocks * B, lo2, hi2, num_ctx_keys=c0).validate()
+    return with_random_own_slots(gen, lo, hi, num_ctx, B, p_own, align)
 
 
 def brute_force_tiles(dense, tile):

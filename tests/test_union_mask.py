@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from _splitkv_helpers import with_random_own_slots
+
 from megatron_splitkv.kernels import MathAttentionKernel
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.ops.common import OWN_KEY_ALIGN, own_key_start, with_own_blocks, with_own_keys
@@ -26,12 +28,7 @@ def make_union(gen, n_blocks, num_ctx, B, p_ctx=0.7, p_own=0.7, align=OWN_KEY_AL
     lo = torch.randint(0, num_ctx + 1, (n_blocks,), generator=gen)
     hi = torch.minimum(lo + torch.randint(1, num_ctx + 2, (n_blocks,), generator=gen), torch.tensor(num_ctx))
     hi = torch.where(torch.rand(n_blocks, generator=gen) < p_ctx, hi, lo)
-    c0 = -(-num_ctx // align) * align
-    slot = torch.randperm(n_blocks, generator=gen)
-    has = torch.rand(n_blocks, generator=gen) < p_own
-    lo2 = torch.where(has, c0 + slot * B, torch.full_like(slot, c0))
-    hi2 = torch.where(has, lo2 + B, lo2)
-    return IntervalMask(B, lo, hi, c0 + n_blocks * B, lo2, hi2, num_ctx_keys=c0).validate()
+    return with_random_own_slots(gen, lo, hi, num_ctx, B, p_own, align)
 
 
 def dense_vis(m: IntervalMask):
