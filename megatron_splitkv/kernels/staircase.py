@@ -659,13 +659,14 @@ class StaircaseAttentionKernel:
         return "key" if k_cost < q_cost and wide else "query"
 
     # ------------------------------------------------------------------ contract
-    def forward(self, q, k, v, mask: IntervalMask, scale: float):
+    def _prologue(self, q, k, v, mask):
+        """Checks, then (acc dtype, q.shape, Hkv, inner kernel, cached plan) for forward/backward."""
         self._check(q, k, v, mask)
-        acc = acc_dtype(q.dtype)
-        tq, hq, d = q.shape
-        hkv = k.shape[1]
-        inner = self.inner_kernel(q.device, q.dtype, d)
-        plan = self.plan(mask)
+        return acc_dtype(q.dtype), tuple(q.shape), k.shape[1], self.inner_kernel(q.device, q.dtype, q.shape[2]), \
+            self.plan(mask)
+
+    def forward(self, q, k, v, mask: IntervalMask, scale: float):
+        acc, (tq, hq, d), hkv, inner, plan = self._prologue(q, k, v, mask)
         self.paths = dict(inner=getattr(inner, "name", type(inner).__name__), dense_fraction=plan.dense_fraction,
                           groups=len(plan.groups))
         if not plan.groups:  # nothing dense: the inner kernel serves the whole mask
@@ -727,12 +728,7 @@ class StaircaseAttentionKernel:
         return out, lse_fin
 
     def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state):
-        self._check(q, k, v, mask)
-        acc = acc_dtype(q.dtype)
-        tq, hq, d = q.shape
-        hkv = k.shape[1]
-        inner = self.inner_kernel(q.device, q.dtype, d)
-        plan = self.plan(mask)
+        acc, (tq, hq, d), hkv, inner, plan = self._prologue(q, k, v, mask)
         st = state.get("inner") if isinstance(state, dict) else None
 
         def remainder(m):

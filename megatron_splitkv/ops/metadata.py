@@ -692,17 +692,22 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
     if check_own_block(k_blk, v_blk):
         expect += (("k_blk", k_blk, (tq, hkv, d)), ("v_blk", v_blk, (tq, hkv, d)))
     for n, t, shape in expect:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{n} must be a tensor of shape {list(shape)}, got {type(t).__name__}")
-        if tuple(t.shape) != shape:
-            raise ValueError(
-                f"{n}.shape {tuple(t.shape)} does not match the metadata: expected {list(shape)} on CP rank "
-                f"{meta.rank} (Tq_local = n_blocks {meta.n_blocks[meta.rank]} x B {meta.block_size}, "
-                f"Tk_local = {tk}, Hq = {hq}, Hkv = {hkv}, D = {d})")
-        if t.dtype != meta.dtype:
-            raise ValueError(f"{n}.dtype {t.dtype} does not match the metadata's dtype {meta.dtype}")
-        if t.device != meta.device:
-            raise ValueError(f"{n}.device {t.device} does not match the metadata's device {meta.device}")
+        _check_tensor_against(meta, n, t, shape)
+
+
+def _check_tensor_against(meta, n, t, shape):
+    """ValueError unless `t` (named `n`) is a tensor of `shape` with the metadata's dtype and device."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{n} must be a tensor of shape {list(shape)}, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(
+            f"{n}.shape {tuple(t.shape)} does not match the metadata: expected {list(shape)} on CP rank "
+            f"{meta.rank} (Tq_local = n_blocks {meta.n_blocks[meta.rank]} x B {meta.block_size}, "
+            f"Tk_local = {meta.tk_local}, Hq = {meta.num_heads_q}, Hkv = {meta.num_heads_kv}, D = {meta.head_dim})")
+    if t.dtype != meta.dtype:
+        raise ValueError(f"{n}.dtype {t.dtype} does not match the metadata's dtype {meta.dtype}")
+    if t.device != meta.device:
+        raise ValueError(f"{n}.device {t.device} does not match the metadata's device {meta.device}")
 
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
@@ -769,17 +774,7 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
         if meta.impl != "splitkv":
             raise ValueError(f"metadata was prepared for impl={meta.impl!r}; the query gather is Split-KV's "
                              "(prepare it with impl='splitkv')")
-        shape = (meta.tq_local, meta.num_heads_q, meta.head_dim)
-        if not isinstance(q, torch.Tensor):
-            raise ValueError(f"q must be a tensor of shape {list(shape)}, got {type(q).__name__}")
-        if tuple(q.shape) != shape:
-            raise ValueError(f"q.shape {tuple(q.shape)} does not match the metadata: expected {list(shape)} on "
-                             f"CP rank {meta.rank} (Tq_local = n_blocks {meta.n_blocks[meta.rank]} x B "
-                             f"{meta.block_size}, Hq = {meta.num_heads_q}, D = {meta.head_dim})")
-        if q.dtype != meta.dtype:
-            raise ValueError(f"q.dtype {q.dtype} does not match the metadata's dtype {meta.dtype}")
-        if q.device != meta.device:
-            raise ValueError(f"q.device {q.device} does not match the metadata's device {meta.device}")
+        _check_tensor_against(meta, "q", q, (meta.tq_local, meta.num_heads_q, meta.head_dim))
     except ValueError as exc:
         if not grouped:
             raise ValueError(f"{name}: {exc}") from exc
