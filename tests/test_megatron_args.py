@@ -96,16 +96,21 @@ def test_out_of_range_values_are_rejected_with_their_value(kw, message):
     validate_splitkv_args(_args(micro_batch_size=None, context_parallel_size=None, dflash_block_size=None))
 
 
-def test_pretrain_parse_only_validates_splitkv_flags():
-    """examples/pretrain_dflash.py --parse-only runs validate_splitkv_args (CPU-safe)."""
+def _pretrain_parse_only(modname):
+    """examples/pretrain_dflash.py loaded as a module, and a minimal CPU-safe --parse-only argv."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("pretrain_dflash_t", REPO / "examples" / "pretrain_dflash.py")
+    spec = importlib.util.spec_from_file_location(modname, REPO / "examples" / "pretrain_dflash.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    base = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
-            "--attention-dropout", "0", "--transformer-impl", "local", "--num-anchors", "8"]
+    return mod, ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                 "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+                 "--attention-dropout", "0", "--transformer-impl", "local", "--num-anchors", "8"]
+
+
+def test_pretrain_parse_only_validates_splitkv_flags():
+    """examples/pretrain_dflash.py --parse-only runs validate_splitkv_args (CPU-safe)."""
+    mod, base = _pretrain_parse_only("pretrain_dflash_t")
     argv = sys.argv
     try:
         args = mod.main(base + ["--block-size", "4"])
@@ -264,16 +269,9 @@ def test_splitkv_kernel_bad_value_names_the_flag_on_the_command_line(capsys):
 
 def test_pretrain_parse_only_threads_splitkv_kernel():
     """examples/pretrain_dflash.py parses --splitkv-kernel and validates it (CPU-safe)."""
-    import importlib.util
-
     from megatron_splitkv.megatron.arguments import kernel_backend_from_args
 
-    spec = importlib.util.spec_from_file_location("pretrain_dflash_k", REPO / "examples" / "pretrain_dflash.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    base = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-            "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
-            "--attention-dropout", "0", "--transformer-impl", "local", "--num-anchors", "8"]
+    mod, base = _pretrain_parse_only("pretrain_dflash_k")
     argv = sys.argv
     try:
         assert kernel_backend_from_args(mod.main(base)) == "auto"
