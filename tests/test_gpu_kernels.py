@@ -21,6 +21,8 @@ flex = pytest.importorskip("megatron_splitkv.kernels.flex")
 if flex.BlockMask is None:  # pragma: no cover
     pytest.skip("torch without FlexAttention", allow_module_level=True)
 
+from megatron_splitkv.kernels import flex_bwd_prep  # noqa: E402
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -297,7 +299,7 @@ def test_backward_memory_paths_are_exact(monkeypatch, dtype, nb):
     dout = torch.randn(nb * B, Hq, D, generator=gen).to(dtype)
     res = []
     for chunk in (1 << 22, 3 * Hq * D, Hq * D):
-        monkeypatch.setattr(flex, "_BWD_ROW_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(flex_bwd_prep, "ROW_CHUNK_ELEMS", chunk)
         kern = flex.FlexAttentionKernel()
         o, l, st = kern.forward(q, k, v, m, 0.3)
         qp = st["leaves"][0]
@@ -312,6 +314,69 @@ def test_backward_memory_paths_are_exact(monkeypatch, dtype, nb):
     for other in res[1:]:
         for a, b in zip(res[0], other):
             assert torch.equal(a, b)
+
+
+def _tangent_inputs(gen, Tq, Hq, D, dtype, device):
+    """dO, a permuted O_r view (as flex's [1, Hq, T, D] output gives it), lse_r with -inf rows, a global
+    lse >= lse_r with -inf rows of its own, delta."""
+    dout = torch.randn(Tq, Hq, D, generator=gen).to(dtype).to(device)
+    o_r = torch.randn(1, Hq, Tq + 5, D, generator=gen).to(dtype).to(device)[0, :, :Tq].permute(1, 0, 2)
+    lse_r = torch.randn(Tq, Hq, generator=gen)
+    lse_r[::7] = float("-inf")
+    lse_g = lse_r.clone().nan_to_num(neginf=0.0) + torch.rand(Tq, Hq, generator=gen)
+    lse_g[3::11] = float("-inf")
+    delta = torch.randn(Tq, Hq, generator=gen)
+    return dout, o_r, lse_r.to(device), lse_g.to(device), delta.to(device)
+
+
+def test_grad_tangents_torch_matches_formula():
+    """The torch tangents (any row chunk) equal grad_out = round(c * dO), grad_lse = rowsum(grad_out *
+    O_r) - c * delta computed in float64 from the same inputs (c = exp(lse_r - lse), 0 where not finite)."""
+    gen = torch.Generator().manual_seed(3)
+    Tq, Hq, D = 50, 3, 16
+    dout, o_r, lse_r, lse_g, delta = _tangent_inputs(gen, Tq, Hq, D, torch.bfloat16, "cpu")
+    fin = torch.isfinite(lse_r) & torch.isfinite(lse_g)
+    c = torch.where(fin, (lse_r.double() - lse_g.double()).nan_to_num(0.0).exp(), 0.0)
+    ref_go = (dout.double() * c[..., None]).to(torch.bfloat16)
+    ref_gl = torch.where(fin, (ref_go.double() * o_r.double()).sum(-1) - c * delta.double(), 0.0)
+    for chunk in (None, Hq * D, 7 * Hq * D):
+        g_out = torch.full((Tq + 4, Hq, D), 9.0, dtype=torch.bfloat16)
+        g_lse = torch.full((Tq + 4, Hq), 9.0)
+        flex_bwd_prep.grad_tangents_torch(dout, o_r, lse_r, lse_g, delta, g_out, g_lse, row_chunk_elems=chunk)
+        assert (g_out[Tq:] == 9).all() and (g_lse[Tq:] == 9).all()  # only rows [0, Tq) written
+        torch.testing.assert_close(g_out[:Tq].double(), ref_go.double(), rtol=8e-3, atol=1e-6)
+        torch.testing.assert_close(g_lse[:Tq].double(), ref_gl, rtol=1e-5, atol=1e-5)
+        assert (g_lse[:Tq][~fin] == 0).all() and (g_out[:Tq][~fin] == 0).all()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [128, 64, 80])
+def test_grad_tangents_triton_matches_torch(dtype, D):
+    """The fused Triton tangents equal the torch ones: grad_out to one rounding of the input dtype (exp may
+    differ in the last fp32 bit), and grad_lse equals rowsum(grad_out * O_r) - c * delta computed in
+    float64 from the kernel's OWN grad_out; on a permuted O_r view, -inf rows and a D that is not a power
+    of two."""
+    assert flex_bwd_prep._triton_kernel() is not None
+    gen = torch.Generator().manual_seed(4)
+    Tq, Hq = 333, 5
+    ins = _tangent_inputs(gen, Tq, Hq, D, dtype, "cuda")
+    dout, o_r, lse_r, lse_g, delta = ins
+    assert flex_bwd_prep.use_triton(dout, o_r)
+    outs = []
+    for fn in (flex_bwd_prep.grad_tangents_torch, flex_bwd_prep.grad_tangents_triton):
+        g_out = torch.full((Tq + 3, Hq, D), 7.0, dtype=dtype, device="cuda")
+        g_lse = torch.full((Tq + 3, Hq), 7.0, device="cuda")
+        fn(*ins, g_out, g_lse)
+        assert (g_out[Tq:] == 7).all() and (g_lse[Tq:] == 7).all()
+        outs.append((g_out[:Tq], g_lse[:Tq]))
+    eps = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(outs[1][0].float(), outs[0][0].float(), rtol=eps, atol=1e-6)
+    fin = torch.isfinite(lse_r) & torch.isfinite(lse_g)
+    c = torch.where(fin, (lse_r.double() - lse_g.double()).nan_to_num(0.0).exp(), 0.0)
+    ref_gl = torch.where(fin, (outs[1][0].double() * o_r.double()).sum(-1) - c * delta.double(), 0.0)
+    torch.testing.assert_close(outs[1][1].double(), ref_gl, rtol=1e-5, atol=1e-5)
+    assert (outs[1][1][~fin] == 0).all() and (outs[1][0][~fin] == 0).all()
 
 
 def test_shape_errors():

@@ -73,6 +73,7 @@ import os
 import torch
 
 from .base import IntervalMask
+from .flex_bwd_prep import grad_tangents
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -99,10 +100,6 @@ DEFAULT_Q_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEP
 #: Reuse an already-compiled key bucket one step above the own one (env MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0
 #: turns it off).
 DEFAULT_REUSE_KV_BUCKET = os.environ.get("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", "1") != "0"
-
-#: Row chunk (elements of [rows, Hq, D]) of the backward's grad_out / grad_lse arithmetic: bounds its fp32
-#: temporary (2**22 elements = 16 MiB) instead of three [Tq, Hq, D] fp32 ones.
-_BWD_ROW_CHUNK_ELEMS = 1 << 22
 
 _COMPILED = None
 
@@ -440,36 +437,18 @@ class FlexAttentionKernel:
         # The padding rows (Tq..Tqp) get grad_out = 0 and grad_lse = 0 (c = 0 there: lse_global = -inf);
         # they are written as zeros into the padded gradient buffers, so no temporary is Tqp long.
         acc = _acc(q.dtype)
-        lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc)
+        lse_r = lse_p.detach()[0, :, :Tq].transpose(0, 1)
         o_r = out_p.detach()[0, :, :Tq].permute(1, 0, 2)
-        lse_g, delta_g = lse.to(acc), delta.to(acc)
-        finite = torch.isfinite(lse_r) & torch.isfinite(lse_g)
-        c = torch.where(finite, torch.exp(torch.where(finite, lse_r - lse_g, torch.zeros_like(lse_r))),
-                        torch.zeros_like(lse_r))  # [Tq, Hq]
-        del lse_r, lse_g
         # same layouts as before the real-rows-only rewrite ([Tqp, Hq, D] / [Tqp, Hq] buffers, permuted
         # views), so the compiled backward sees the tangent strides it was traced with
         g_out = o_r.new_empty((Tqp, Hq, D))
         g_out[Tq:].zero_()
         g_lse = torch.zeros((Tqp, Hq), dtype=lse_p.dtype, device=lse_p.device)
         # grad_out = c * dO rounded to the input dtype (as flex sees it), written straight into g_out, and
-        # grad_lse = rowsum(grad_out * O_r) - c * delta, both in fp32 over row chunks of at most
-        # _BWD_ROW_CHUNK_ELEMS elements: one bounded fp32 temporary instead of [Tq, Hq, D] ones. Per element
-        # the same fp32 operations as the unchunked expressions (bit-identical; the row sums reduce over
-        # D of a contiguous fp32 [rows, Hq, D] block, as before). Python loop outside the compiled graph.
-        step = max(1, _BWD_ROW_CHUNK_ELEMS // max(1, Hq * D))
-        for r0 in range(0, Tq, step):
-            r1 = min(Tq, r0 + step)
-            t = torch.empty((r1 - r0, Hq, D), dtype=acc, device=dout.device).copy_(dout[r0:r1])
-            t.mul_(c[r0:r1, :, None])
-            g_out[r0:r1].copy_(t)  # rounded as flex will see it
-            t.copy_(g_out[r0:r1])
-            t.mul_(o_r[r0:r1])
-            g_l = t.sum(-1) - c[r0:r1] * delta_g[r0:r1]
-            del t
-            g_lse[r0:r1] = torch.where(finite[r0:r1], g_l, torch.zeros_like(g_l))
-            del g_l
-        del c, finite, o_r, delta_g
+        # grad_lse = rowsum(grad_out * O_r) - c * delta in fp32: one fused Triton kernel on CUDA, torch
+        # ops over bounded row chunks otherwise (`kernels.flex_bwd_prep`). Outside the compiled graph.
+        grad_tangents(dout, o_r, lse_r, lse, delta, g_out, g_lse, acc=acc)
+        del o_r, lse_r
         grads = list(torch.autograd.grad(
             (out_p, lse_p),
             leaves,
