@@ -7,11 +7,17 @@ Backends:
             lazily; ImportError with an install hint when Transformer Engine is missing).
     "staircase": `StaircaseAttentionKernel` from `kernels/staircase.py` (dense cuDNN rectangles for most
             of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
-            float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars). Never picked by "auto".
-    "auto": "flex" on CUDA devices when it imports, the dtype is not float64 and the head dim is at
-            least 16 (FlexAttention's minimum in torch 2.11), else "math".
+            float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars).
+    "auto": `resolve_auto_backend`: "flex" on CUDA devices when it imports, the dtype is not float64 and
+            the head dim is at least 16 (FlexAttention's minimum in torch 2.11), else "math"; and
+            "staircase" instead of "flex" when the caller passes the keys per kernel call
+            (`get_kernel(..., keys_per_call=)`) and they reach `staircase_auto_min_keys()` (env
+            MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS, default 32768) on a CUDA device where cuDNN SDPA can
+            run the call (bf16/fp16, head dim a multiple of 8 and <= 256). Without keys_per_call "auto"
+            never picks staircase.
 
-Source: DESIGN.md sections 2 and 5 (arXiv 2611.05926, Split-KV).
+Source: DESIGN.md sections 2 and 5 (arXiv 2611.05926, Split-KV); the staircase threshold: docs/kernels.md
+("Staircase kernel", "auto"), measured on the H200 (staircase wins from ~32K context keys per rank).
 """
 
 import torch
@@ -19,7 +25,9 @@ import torch
 from .base import IntervalMask
 from .math import MathAttentionKernel
 
-__all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS"]
+__all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
+           "staircase_auto_min_keys", "staircase_runs_on", "auto_keys_per_call", "AUTO_MIN_KEYS_ENV",
+           "STAIRCASE_AUTO_MIN_KEYS"]
 
 BACKENDS = ("auto", "math", "flex", "te", "staircase")
 _CACHE: dict = {}
@@ -48,7 +56,120 @@ def _load(backend: str):
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None):
+#: env var: context keys per kernel call from which "auto" picks staircase (see `staircase_auto_min_keys`)
+AUTO_MIN_KEYS_ENV = "MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS"
+#: its default: the H200 crossover (staircase 1.21x flex at 64K keys per call, 0.92-1.13x at 16K; at the op
+#: level it wins from ~32K context keys per rank and loses at 8-16K; docs/kernels.md)
+STAIRCASE_AUTO_MIN_KEYS = 32768
+_OFF = ("0", "off", "never", "none", "false", "no")
+
+
+def staircase_auto_min_keys() -> int:
+    """The threshold of "auto" -> "staircase": context keys per kernel call, read from the environment on
+    every call (set it identically on every rank).
+
+    MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS: unset or empty -> 32768 (`STAIRCASE_AUTO_MIN_KEYS`);
+    "0" / "off" / "never" / "none" / "false" / "no" -> 0 = "auto" never picks staircase; a positive int N
+    -> staircase for calls with >= N keys (1: whenever it can run).
+
+    Returns: int >= 0 (keys; 0 = disabled). Raises: ValueError for anything else (negative, not an int).
+    """
+    import os  # noqa: PLC0415
+
+    raw = os.environ.get(AUTO_MIN_KEYS_ENV, "").strip()
+    if not raw:
+        return STAIRCASE_AUTO_MIN_KEYS
+    if raw.lower() in _OFF:
+        return 0
+    try:
+        val = int(raw)
+    except ValueError:
+        val = -1
+    if val < 0:
+        raise ValueError(f"{AUTO_MIN_KEYS_ENV} must be a non-negative int (keys per call) or 'off', got {raw!r}")
+    return val
+
+
+_CUDNN_OK: dict = {}  # device index -> bool (capability and cuDNN version checked once per device)
+
+
+def staircase_runs_on(device, dtype, head_dim=None) -> bool:
+    """True when the staircase kernel's dense part (cuDNN SDPA, `aten._scaled_dot_product_cudnn_attention`)
+    can run q/k/v of `dtype` with head dim `head_dim` on `device`: a CUDA device of compute capability >=
+    8.0, cuDNN >= 8.9 available, cuDNN SDPA not disabled (`torch.backends.cuda.cudnn_sdp_enabled()`),
+    dtype bf16 or fp16 (None: unknown -> False), head dim None or a multiple of 8 <= 256 (the kernel's own
+    check). Never raises; no CUDA work beyond reading the device's properties."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return False
+    try:
+        if not torch.backends.cuda.cudnn_sdp_enabled():
+            return False
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        if idx not in _CUDNN_OK:
+            ver = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+            _CUDNN_OK[idx] = bool(ver and ver >= 8900 and torch.cuda.get_device_capability(idx) >= (8, 0))
+        return _CUDNN_OK[idx]
+    except (RuntimeError, AssertionError, AttributeError):  # no driver, torch without CUDA, ...
+        return False
+
+
+def auto_keys_per_call(impl: str, n_ctx) -> int:
+    """The group-wide context-key count that decides "auto" for one op call, from the all-gathered size
+    table (identical on every rank, so every rank of the CP group picks the same backend):
+    "splitkv" / "ring_kv" ("ring-kv"): max(n_ctx) (each call sees one rank's context: the largest one,
+    the rank that bounds the step); "allgather_kv" ("allgather-kv"): sum(n_ctx) (every call sees all).
+
+    Args: impl: op name; n_ctx: per-rank context token counts (list of P ints). Returns: int (keys).
+    Raises: ValueError for an unknown impl."""
+    n = [int(x) for x in n_ctx]
+    if impl in ("splitkv", "ring_kv", "ring-kv", "ring"):
+        return max(n, default=0)
+    if impl in ("allgather_kv", "allgather-kv"):
+        return sum(n)
+    raise ValueError(f"impl must be splitkv, allgather_kv or ring_kv, got {impl!r}")
+
+
+def _flex_importable() -> bool:
+    try:
+        _load("flex")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> str:
+    """What backend="auto" means for one call: "math", "flex" or "staircase".
+
+    Rule (docs/kernels.md, "Staircase kernel", "auto"): "math" unless the device is CUDA, the dtype is
+    not float64, the head dim is None or >= 16 and flex imports; then "staircase" when keys_per_call is
+    not None, `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
+    head_dim)`; else "flex".
+
+    Args:
+        keys_per_call: context keys the kernel sees per call (int), or None (unknown: never staircase).
+            Pass a GROUP-WIDE quantity (`auto_keys_per_call(impl, n_ctx)` of the all-gathered size
+            table), not this rank's count: the choice is then the same on every rank of the CP group
+            and for every layer of a step (same metadata).
+        device: torch.device or str; dtype: q/k/v dtype (None: unknown); head_dim: D (None: unknown).
+    Returns: backend name. Raises: ValueError from `staircase_auto_min_keys` (a malformed env value).
+    """
+    dev_type = torch.device(device).type if device is not None else "cpu"
+    if dev_type != "cuda" or dtype == torch.float64 or (head_dim is not None and head_dim < 16):
+        return "math"
+    if not _flex_importable():
+        return "math"
+    if keys_per_call is None:
+        return "flex"
+    threshold = staircase_auto_min_keys()
+    if threshold > 0 and int(keys_per_call) >= threshold and staircase_runs_on(device, dtype, head_dim):
+        return "staircase"
+    return "flex"
+
+
+def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, keys_per_call=None):
     """Return a (cached) local kernel instance.
 
     Args:
@@ -56,6 +177,8 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None):
         device: torch.device (or str) the kernel will run on; decides "auto".
         dtype: input dtype; "auto" uses "math" for float64.
         head_dim: D; "auto" uses "math" when D < 16.
+        keys_per_call: "auto" only: the group-wide context keys per call (`auto_keys_per_call`); with it
+            "auto" may pick "staircase" (`resolve_auto_backend`); None: flex / math only.
 
     Raises:
         ValueError: unknown backend. ImportError: "flex"/"te" requested but not importable.
@@ -64,13 +187,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     dev_type = torch.device(device).type if device is not None else "cpu"
     if backend == "auto":
-        backend = "math"
-        if dev_type == "cuda" and dtype != torch.float64 and (head_dim is None or head_dim >= 16):
-            try:
-                _load("flex")
-                backend = "flex"
-            except ImportError:
-                pass
+        backend = resolve_auto_backend(keys_per_call, device, dtype, head_dim)
     key = (backend, dev_type, dtype)  # head_dim only picks the backend
     if key not in _CACHE:
         cls = _load(backend)

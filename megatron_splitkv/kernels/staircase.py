@@ -50,8 +50,9 @@ Two equivalent rectangle sets serve the backward (`bwd_mode`):
 
 Two levels (`sub_group_blocks` = s > 0, default): each group's ragged part [m_g, hi[b]) is itself a
 staircase with base m_g; it is cut the same way into sub-groups of s blocks, each with a rectangle
-[m_g, m_s) (m_s = the sub-group's smallest hi rounded down to m_g + a multiple of the grain), and only
-[m_s, hi) goes to the remainder. A block then lies in up to two rectangles with disjoint key ranges; a
+[m_g, m_s) (m_s <= the sub-group's smallest hi, cut into pieces like the first level), and only
+[m_s, hi) goes to the remainder. A block then lies in up to two rectangles (each one or more dense
+pieces) with disjoint key ranges; a
 group whose own rectangle is too small still gets sub-rectangles from lo. The remainder shrinks from
 ~n/512 to ~s/512 of the pairs (uniform anchors) while the big first-level calls stay big. dQ of every
 rectangle is added into the remainder's fp32 dQ straight from the dense result (a view of its folded
@@ -60,15 +61,30 @@ layout), dK/dV into the fp32 dK/dV.
 Grouping policy (host ints, `staircase_plan`): blocks that see context are sorted by (lo, hi); a run of
 equal lo (one sequence) of N blocks is cut into N // n groups of exactly n = `group_blocks` blocks at the
 high end (largest prefixes), the rest into groups of n/2, n/4, ... >= `min_group_blocks`, and what is
-still left (the blocks with the smallest prefixes) goes to the remainder whole. m_g is rounded DOWN to
-lo + a multiple of `key_grain` (the cut-off keys join the remainder), so a training run meets a bounded
-set of dense shapes: torch builds and caches one cuDNN graph per (rows, keys) shape and direction;
-setting TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (torch >= 2.9) makes cuDNN reuse graphs across lengths, then
-a finer grain is free. A group becomes a rectangle only if m_g - lo >= `min_keys` and
-rows x keys >= `min_pairs` (a dense call has a fixed cost, ~tens of microseconds forward + backward, and
-the query-major backward an fp32 accumulation proportional to its keys); otherwise its blocks go to the
-remainder whole. Sequences with few blocks or short prefixes thus run entirely in the inner kernel, and a
+still left (the blocks with the smallest prefixes) goes to the remainder whole. A group's fully visible
+range [base, m) is cut into dense PIECES (next section); a piece has >= `min_keys` keys and rows x keys
+>= `piece_min_pairs` (default: `min_pairs`), and a group's pieces together >= `min_pairs` (a dense call
+has a fixed cost, measured ~0.2 ms forward + backward with its merge and accumulation, and the query-major
+backward an fp32 accumulation proportional to its keys); keys no piece takes go to the next level or to
+the remainder. Sequences with few blocks or short prefixes thus run entirely in the inner kernel, and a
 mask without any rectangle is handed to the inner kernel unchanged (no merge, no extra pass).
+
+Dense shapes (bounded; our design, docs/kernels.md "Bounded dense shapes"): torch builds and caches one
+cuDNN graph per dense call shape and direction (~20-60 ms per build on the H200, measured), and training
+data changes the rectangles every step. With `key_buckets` = k > 0 (default 4) the key counts come from a
+fixed set, `key_bucket_lengths`: {1..k-1} and {m * 2**e : k <= m < 2k}, rounded down to `key_grain`,
+>= min_keys, <= the tile `max_tile_keys` (default 65536). A range of L keys becomes floor(L / tile) tile
+pieces plus at most `key_pieces` (default 1) bucket pieces with the largest sum <= the rest (`split_keys`;
+that sum never decreases with L, so a run's rectangle ends stay ordered for the key-major backward); each
+piece is one dense call. Row counts are group sizes x B (x G folded), a fixed set too, so whatever the data
+a run meets at most `shape_bound(...)` shapes (103 (rows, keys) for the drafter, B 16, Hq 32 / Hkv 8: 206
+graphs forward + backward with bwd_mode "query"; tools/staircase_shapes.py counts 112 per rank over 1000
+simulated steps at CP 1, vs 958 and still growing with the legacy rounding). Cost (H200): ~1% of the
+visible pairs move from the dense part to flex and 1-4 more dense calls: +1.5% / +3.8% / +6.1% kernel time
+at 32K / 64K / 128K keys. `key_buckets=0` (env MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS=0) is the legacy
+rounding: one piece per rectangle, its key count rounded DOWN to a multiple of `key_grain` (unbounded: up
+to Tk / key_grain lengths). The backward "key" mode makes chunks [m_{c-1}, m_c) that are differences of
+bucketed ends: not in the bounded set.
 
 The plan (block order, groups, rectangles, remainder `IntervalMask`) needs host ints; it is computed
 ONCE per `IntervalMask` object and cached on it (`mask._staircase_plans`, one host sync), like the
@@ -105,7 +121,10 @@ only; `check_dtype` says so before the ops' first collective), head dims cuDNN r
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -114,25 +133,36 @@ import torch
 from .base import IntervalMask
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
-__all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX"]
+__all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
+           "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys"]
 
 A = torch.ops.aten
 _BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 1e30) = 0
+
+#: bounded dense shapes (module docstring, "Dense shapes"): key lengths per octave, bucket pieces per
+#: rectangle below the tile, longest dense key range; key_buckets=0 is the legacy rounding (multiples of key_grain)
+KEY_BUCKETS, KEY_PIECES, MAX_TILE_KEYS = 4, 1, 65536
+#: options that may be 0
+_ZERO_OK = ("min_pairs", "sub_group_blocks", "key_buckets", "max_tile_keys", "piece_min_pairs")
 
 #: environment variables MEGATRON_SPLITKV_STAIRCASE_<NAME> override the constructor defaults
 ENV_PREFIX = "MEGATRON_SPLITKV_STAIRCASE_"
 _DEFAULTS = dict(group_blocks=128, sub_group_blocks=32, min_group_blocks=8, key_grain=256, min_keys=512,
                  min_pairs=1 << 20, kmajor_min_keys=2048, streams=2, bwd_mode="query", gqa="fold", kv_layout="auto",
-                 inner="auto")
+                 inner="auto", key_buckets=KEY_BUCKETS, key_pieces=KEY_PIECES, max_tile_keys=MAX_TILE_KEYS,
+                 piece_min_pairs=None)
 _CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
 _INNER_CHOICES = ("auto", "math", "flex", "te")  # never "staircase": it would be its own remainder kernel
 
 
 def _option(name, value):
-    """Constructor value, else env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default; validated."""
+    """Constructor value, else env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default; validated. A
+    default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given."""
     if value is None:
         env = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
         value = env if env else _DEFAULTS[name]
+        if value is None:
+            return None
     if name in _CHOICES:
         value = str(value)
         if value not in _CHOICES[name]:
@@ -156,9 +186,9 @@ def _option(name, value):
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"staircase {name} must be an int (env {ENV_PREFIX}{name.upper()}), "
                          f"got {value!r}") from None
-    if value < (0 if name in ("min_pairs", "sub_group_blocks") else 1):
-        raise ValueError(f"staircase {name} must be >= {0 if name in ('min_pairs', 'sub_group_blocks') else 1}, "
-                         f"got {value}")
+    if value < (0 if name in _ZERO_OK else 1):
+        raise ValueError(f"staircase {name} must be >= {0 if name in _ZERO_OK else 1} (env {ENV_PREFIX}"
+                         f"{name.upper()}), got {value}")
     return value
 
 
@@ -171,9 +201,10 @@ class StaircasePlan:
         blocks: [nd] int64 on the mask's device, the blocks served densely, in dense order (runs of equal
             lo, each sorted by hi); positions below index into it.
         block_range: (a, b) when blocks == arange(a, b) (row slices instead of gathers), else None.
-        groups: [(p0, p1, klo, khi)] query-major rectangles: blocks[p0:p1] x keys [klo, khi) (the forward,
-            and the backward in "query" mode). With sub-groups a block lies in up to two of them (disjoint
-            key ranges [lo, m_g) and [m_g, m_s)).
+        groups: [(p0, p1, klo, khi)] query-major rectangles, one per dense call: blocks[p0:p1] x keys
+            [klo, khi) (the forward, and the backward in "query" mode). A group's pieces are consecutive
+            entries with the same (p0, p1) and adjacent key ranges; with sub-groups a block lies in the
+            pieces of up to two groups (disjoint key ranges [lo, m_g) and [m_g, m_s)).
         key_major: [(p0, p1, klo, khi)] rectangles with the same coverage for the backward "key" mode: the
             first level as key chunks against all blocks that see them, sub-group rectangles unchanged.
         rem: the remainder `IntervalMask` for the inner kernel (first intervals [m_b, hi) of dense blocks,
@@ -185,7 +216,7 @@ class StaircasePlan:
         qmajor_keys, qmajor_blocks: sums over `groups` of khi - klo and p1 - p0 (the dK/dV key rows and dQ
             block rows the query-major backward adds into the fp32 results).
         kmajor_keys, kmajor_blocks: the same sums over `key_major`.
-        levels: [len(groups)] the level of each group's rectangle (0: [lo, m_g); 1: a sub-group's [m_g, m_s)).
+        levels: [len(groups)] the level of each entry (0: a piece of [lo, m_g); 1: of a sub-group's [m_g, m_s)).
         ranges: {rectangle: (a, b) when its blocks are the original blocks a..b-1 in order (row slices,
             no gather), else None}.
     """
@@ -234,13 +265,92 @@ def _run_sizes(n_blocks: int, group_blocks: int, min_group_blocks: int):
     return rest, subs[::-1] + [group_blocks] * full
 
 
+@functools.lru_cache(maxsize=256)
+def key_bucket_lengths(key_buckets: int, min_keys: int, key_grain: int, limit: int) -> tuple:
+    """The key lengths a dense call may have under bucketed rounding (`key_buckets` = k >= 1).
+
+    The set is {1, ..., k - 1} and {m * 2**e : k <= m < 2k, e >= 0}, each rounded DOWN to a multiple of
+    key_grain, restricted to [max(min_keys, key_grain), limit]: k lengths per octave (k = 1: powers of
+    two; k = 2: 2**e and 1.5 * 2**e; k = 4: 1, 1.25, 1.5, 1.75 x 2**e; for a power of two k: the
+    integers with at most log2(k) + 1 significant bits), fewer in low octaves where the grain merges them.
+    Source: our design (docs/kernels.md, "Staircase kernel", "Bounded dense shapes").
+
+    Args: key_buckets k >= 1; min_keys, key_grain >= 1 (keys); limit: the largest length wanted (keys).
+    Returns: sorted tuple of distinct positive ints (keys); empty when no length fits.
+    Raises: ValueError when key_buckets < 1.
+    """
+    k, grain, floor = int(key_buckets), max(1, int(key_grain)), max(1, int(min_keys), int(key_grain))
+    if k < 1:
+        raise ValueError(f"key_buckets must be >= 1 for bucketed rounding, got {key_buckets!r}")
+    out, e = {m // grain * grain for m in range(1, min(k, limit + 1))}, 0
+    out = {v for v in out if v >= floor}
+    while (k << e) <= limit:
+        for m in range(k, 2 * k):
+            x = m << e
+            if x > limit:
+                break
+            v = x // grain * grain
+            if v >= floor:
+                out.add(v)
+        e += 1
+    return tuple(sorted(out))
+
+
+def split_keys(length: int, buckets: tuple, key_pieces: int, tile: int = 0) -> list:
+    """Cut a fully visible key range of `length` keys into dense pieces: as many `tile`-key pieces as fit
+    (tile 0: none), then at most `key_pieces` pieces with lengths from `buckets` (repeats allowed) whose
+    sum is the LARGEST possible <= what is left (ties: fewer pieces, then the longer first piece). Pieces
+    are non-increasing; their sum S(length) <= length never decreases as length grows (so a run's groups,
+    sorted by hi, keep non-decreasing rectangle ends); the keys left over go to the remainder.
+
+    Args: length (keys, >= 0); buckets: sorted ascending tuple of lengths (`key_bucket_lengths`, possibly
+        filtered); key_pieces >= 0; tile: 0 or a member of buckets. Returns: list of ints (keys)."""
+    out = []
+    if tile > 0:
+        n = length // tile
+        out += [tile] * n
+        length -= n * tile
+    return out + list(_best_pieces(length, buckets, key_pieces))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _best_pieces(length: int, buckets: tuple, n: int) -> tuple:
+    """Non-increasing tuple of <= n members of buckets with the largest sum <= length (see split_keys)."""
+    top = bisect.bisect_right(buckets, length)
+    if n <= 0 or top == 0:
+        return ()
+    if n == 1:
+        return (buckets[top - 1],)
+    best, best_sum = (), 0
+    for i in range(top - 1, -1, -1):
+        b = buckets[i]
+        if b * n < best_sum:  # no later (smaller) first piece can beat it
+            break
+        rest = _best_pieces(length - b, buckets[:i + 1], n - 1)
+        total = b + sum(rest)
+        if total > best_sum or (total == best_sum and 1 + len(rest) < len(best)):
+            best, best_sum = (b,) + rest, total
+        if best_sum == length:
+            break
+    return best
+
+
 def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks: int = 8, key_grain: int = 256,
-                   min_keys: int = 512, min_pairs: int = 1 << 20, sub_group_blocks: int = 0) -> StaircasePlan:
-    """Build the staircase decomposition of `mask` (host side: one host sync reading the intervals).
+                   min_keys: int = 512, min_pairs: int = 1 << 20, sub_group_blocks: int = 0, key_buckets: int = 0,
+                   key_pieces: int = 1, max_tile_keys: int = 0, piece_min_pairs: int = None) -> StaircasePlan:
+    """Build the staircase decomposition of `mask` (host side: one host sync reading the intervals). A
+    pure function of the intervals and the options: no attention runs, any device (CPU included), so
+    tools can count the dense shapes a training run would request (tools/staircase_shapes.py).
 
     Args: see `StaircaseAttentionKernel` (the grouping policy of the module docstring). sub_group_blocks:
         0 (or >= group_blocks): one level of rectangles; else every group's ragged part [m_g, hi) is cut
         again into sub-groups of that many blocks (second-level rectangles [m_g, m_s)).
+        key_buckets: 0 (this function's default, the legacy rounding): a rectangle's key count is
+        rounded DOWN to a multiple of key_grain (one dense call per rectangle; key_pieces and
+        max_tile_keys are ignored); k >= 1: the rectangle is cut by `split_keys` into dense pieces whose
+        key counts lie in `key_bucket_lengths(k, min_keys, key_grain, ...)` (k per octave), at most
+        max_tile_keys each (0: no cap) and at most key_pieces pieces below the cap. Each piece is its own
+        dense call (an entry of `groups`), the keys left over go to the remainder.
     Returns: a `StaircasePlan`; device tensors live on mask.lo's device.
     """
     dev = mask.lo.device
@@ -251,65 +361,73 @@ def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks:
     own = [b > a for a, b in zip(vals[2], vals[3])] if mask.has_union else [False] * nb
     live = sorted((b for b in range(nb) if hi[b] > lo[b]), key=lambda b: (lo[b], hi[b], b))
     grain, min_keys = max(1, key_grain), max(1, min_keys)
+    buckets, tile = (), 0
+    if key_buckets:
+        longest = max((hi[b] - lo[b] for b in live), default=0)
+        limit = max_tile_keys if max_tile_keys > 0 else 1 << max(longest, 1).bit_length()
+        buckets = key_bucket_lengths(key_buckets, min_keys, grain, limit)
+        tile = buckets[-1] if (max_tile_keys > 0 and buckets) else 0
     sizes_by_level = [group_blocks]
     if 0 < sub_group_blocks < group_blocks:
         sizes_by_level.append(sub_group_blocks)
+    piece_min_pairs = min_pairs if piece_min_pairs is None else piece_min_pairs
+    fits = {}  # group size -> bucket lengths passing piece_min_pairs
     lo_rem = list(lo)
     rects = []  # (level, [blocks], klo, khi) in the order made
+    firsts = []  # (run index, [blocks], lo, m_g): the level-0 groups with dense pieces (key-major chunks)
     pairs_dense = 0
 
-    def split(run, base, level):
+    def pieces(length, size):
+        """Dense key counts for `size` blocks that all see `length` keys from the base: the rounding
+        policy, then min_keys / min_pairs per piece (pieces are non-increasing: stop at the first miss)."""
+        if not key_buckets:
+            kd = length // grain * grain
+            return [kd] if kd >= min_keys and size * bsz * kd >= min_pairs else []
+        if size not in fits:  # the bucket lengths a call of `size` blocks may have (piece_min_pairs)
+            fits[size] = tuple(b for b in buckets if size * bsz * b >= piece_min_pairs)
+        ok = fits[size]
+        cand = split_keys(length, ok, key_pieces, tile if ok and ok[-1] == tile else 0)
+        return cand if size * bsz * sum(cand) >= min_pairs else []
+
+    def split(run, base, level, run_id):
         """Cut `run` (blocks sorted by hi, all seeing [base, hi) whole) into groups of this level; each
-        group's dense rectangle [base, m_g) (if worth a call), then its ragged part one level down."""
+        group's dense pieces [base, m_g) (if worth a call), then its ragged part one level down."""
         nonlocal pairs_dense
         left, sizes = _run_sizes(len(run), sizes_by_level[level], min(min_group_blocks, sizes_by_level[level]))
         pos = left
         for size in sizes:
             grp = run[pos:pos + size]
             pos += size
-            kd = (hi[grp[0]] - base) // grain * grain
             top = base
-            if kd >= min_keys and size * bsz * kd >= min_pairs:
-                rects.append((level, grp, base, base + kd))
+            for kd in pieces(hi[grp[0]] - base, size):
+                rects.append((level, grp, top, top + kd))
                 pairs_dense += size * bsz * kd
-                top = base + kd
+                top += kd
+            if top > base:
                 for b in grp:
                     lo_rem[b] = top
+                if level == 0:
+                    firsts.append((run_id, grp, base, top))
             if level + 1 < len(sizes_by_level):
-                split(grp, top, level + 1)
+                split(grp, top, level + 1, run_id)
 
-    i = 0
+    i = run_id = 0
     while i < len(live):
         j = i
         while j < len(live) and lo[live[j]] == lo[live[i]]:
             j += 1
-        split(live[i:j], lo[live[i]], 0)
-        i = j
+        split(live[i:j], lo[live[i]], 0, run_id)
+        i, run_id = j, run_id + 1
     # dense blocks in sorted order; every rectangle's blocks are a contiguous range of this order (nested
     # groups of consecutive blocks of one run)
     in_rect = set(b for _, grp, _, _ in rects for b in grp)
     blocks = [b for b in live if b in in_rect]
     pos_of = {b: p for p, b in enumerate(blocks)}
-    groups, key_major, levels = [], [], []
+    groups, levels = [], []
     for level, grp, k0, k1 in rects:
         groups.append((pos_of[grp[0]], pos_of[grp[-1]] + 1, k0, k1))
         levels.append(level)
-    # key-major: the first-level rectangles of a run share klo = lo; chunk [m_{c-1}, m_c) against the blocks
-    # of groups c..last of the run (a contiguous suffix of the run's dense blocks: kept groups have
-    # non-decreasing m and size, so the dropped ones are a prefix); deeper levels stay as they are
-    first = [g for g, lv in zip(groups, levels) if lv == 0]
-    c = 0
-    while c < len(first):
-        d = c
-        while d < len(first) and first[d][2] == first[c][2]:
-            d += 1
-        run_end, edge = first[d - 1][1], first[c][2]
-        for p0, _, _, khi in first[c:d]:
-            if khi > edge:
-                key_major.append((p0, run_end, edge, khi))
-                edge = khi
-        c = d
-    key_major += [g for g, lv in zip(groups, levels) if lv > 0]
+    key_major = _key_major(firsts, groups, levels, pos_of)
     pairs_total = bsz * sum(h - l for l, h in zip(lo, hi) if h > l) + bsz * bsz * sum(own)
     rem_live = any(hi[b] > lo_rem[b] for b in range(nb)) or any(own)
     lo_rem_t = torch.tensor(lo_rem, dtype=torch.int64, device=dev) if nb else mask.lo.clone()
@@ -330,6 +448,64 @@ def staircase_plan(mask: IntervalMask, group_blocks: int = 32, min_group_blocks:
                          qmajor_blocks=sum(p1 - p0 for p0, p1, _, _ in groups),
                          kmajor_keys=sum(k1 - k0 for _, _, k0, k1 in key_major),
                          ranges={r: brange(r[0], r[1]) for r in set(groups) | set(key_major)})
+
+
+def _key_major(firsts, groups, levels, pos_of) -> list:
+    """The backward's key-major rectangle set (same coverage as `groups`). Per run, the level-0 groups
+    with dense pieces, (p0, p1, lo, m_g) in run order: when they tile a contiguous position range and m_g
+    never decreases (always so for the legacy rounding; checked, since bucketed pieces need not round
+    monotonically), key chunk [m_{c-1}, m_c) (m_0 = lo) against the blocks of groups c..last; otherwise
+    that run keeps its query-major level-0 pieces. Deeper levels stay as they are."""
+    spans_by_run: dict = {}
+    for run_id, grp, k0, k1 in firsts:
+        spans_by_run.setdefault(run_id, []).append((pos_of[grp[0]], pos_of[grp[-1]] + 1, k0, k1))
+    out = []
+    for spans in spans_by_run.values():
+        chained = all(a[1] == b[0] and a[3] <= b[3] for a, b in zip(spans, spans[1:]))
+        if not chained:
+            bounds = {(p0, p1) for p0, p1, _, _ in spans}
+            out += [g for g, lv in zip(groups, levels) if lv == 0 and (g[0], g[1]) in bounds]
+            continue
+        run_end, edge = spans[-1][1], spans[0][2]
+        for p0, _, _, khi in spans:
+            if khi > edge:
+                out.append((p0, run_end, edge, khi))
+                edge = khi
+    return out + [g for g, lv in zip(groups, levels) if lv > 0]
+
+
+#: one dense attention call as the cuDNN graph cache sees it (torch keys its fwd and bwd graph caches on
+#: batch, heads, query rows, key rows, head dims, dtype, and the tensors' sizes and strides: the strides
+#: of the kernel's views depend only on heads and D, see `dense_call_shapes`)
+DenseShape = collections.namedtuple("DenseShape", "direction heads rows heads_kv keys head_dim dtype")
+
+
+def dense_call_shapes(plan: StaircasePlan, block_size: int, heads_q: int, heads_kv: int, head_dim: int,
+                      dtype=torch.bfloat16, gqa: str = "fold", bwd_mode: str = "query") -> list:
+    """The dense calls the staircase kernel makes for `plan`, one `DenseShape` per call: forward over
+    `plan.groups`, backward over `plan.groups` (bwd_mode "query") or `plan.key_major` ("key"). Pure host
+    code: no attention runs (tools/staircase_shapes.py counts the distinct shapes of a training run).
+
+    Shapes: batch 1; gqa "fold": heads = heads_kv and rows = blocks x block_size x (Hq // Hkv); "native":
+    heads = heads_q, rows = blocks x block_size; keys = the call's key count; dtype as a string. The
+    kernel passes q/dO/O' as [1, H', rows, D] views of [rows, H', D] buffers and K/V as views of the
+    [Tk, Hkv, D] inputs (or contiguous copies), so their strides are fixed by (H', Hkv, D) and by the
+    shape: a (direction, shape) pair is one cuDNN graph (built once per process; forward and backward
+    graphs are cached separately).
+
+    Raises: ValueError on an unknown gqa / bwd_mode ("auto" must be resolved by the kernel first:
+        `StaircaseAttentionKernel.call_shapes`).
+    """
+    if gqa not in ("fold", "native") or bwd_mode not in ("query", "key"):
+        raise ValueError(f"gqa must be fold|native and bwd_mode query|key, got {gqa!r}, {bwd_mode!r}")
+    fold = gqa == "fold"
+    g = heads_q // heads_kv
+    rpb = block_size * (g if fold else 1)
+    h = heads_kv if fold else heads_q
+    dt = str(dtype).replace("torch.", "")
+    bwd = plan.groups if bwd_mode == "query" else plan.key_major
+    return ([DenseShape("fwd", h, (p1 - p0) * rpb, heads_kv, k1 - k0, head_dim, dt) for p0, p1, k0, k1 in plan.groups]
+            + [DenseShape("bwd", h, (p1 - p0) * rpb, heads_kv, k1 - k0, head_dim, dt) for p0, p1, k0, k1 in bwd])
 
 
 # ------------------------------------------------------------------------------------------ dense calls
@@ -462,8 +638,16 @@ class StaircaseAttentionKernel:
             Each group's ragged part [m_g, hi) is cut into sub-groups of s blocks, each with its own
             rectangle [m_g, m_s) (module docstring, "Two levels").
         min_group_blocks: smallest group made of a run's left-over blocks [8].
-        key_grain: dense key counts are multiples of this [256] (bounded set of cuDNN graph shapes).
-        min_keys: smallest dense key count of a rectangle [512].
+        key_grain: dense key counts are multiples of this [256].
+        min_keys: smallest dense key count of a call [512].
+        key_buckets: k > 0: key counts from the bucket set, k per octave (`key_bucket_lengths`), ranges cut
+            into tiles + bucket pieces (`split_keys`): a bounded set of shapes (`shape_bound`); 0: the
+            legacy rounding (one call per rectangle, keys rounded down to key_grain: unbounded) [4].
+        key_pieces: bucket pieces per rectangle below the tile (key_buckets > 0) [1].
+        max_tile_keys: longest dense call in keys, rounded down to a bucket length; 0 = no tile (lengths
+            then grow with the context); below min_keys: no dense call at all [65536].
+        piece_min_pairs: key_buckets > 0: smallest piece, rows (unfolded) x keys; min_pairs then applies to
+            a rectangle's pieces together [None: = min_pairs].
         min_pairs: smallest rectangle, query rows (unfolded) x keys [2**20].
         bwd_mode: "auto" | "query" | "key" [query: measured best with 128-block groups, H200].
         kmajor_min_keys: "auto" takes "key" only if its chunks are this wide on average [2048].
@@ -486,7 +670,7 @@ class StaircaseAttentionKernel:
 
     def __init__(self, group_blocks=None, min_group_blocks=None, key_grain=None, min_keys=None, min_pairs=None,
                  bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None,
-                 sub_group_blocks=None):
+                 sub_group_blocks=None, key_buckets=None, key_pieces=None, max_tile_keys=None, piece_min_pairs=None):
         self.group_blocks = _option("group_blocks", group_blocks)
         self.sub_group_blocks = _option("sub_group_blocks", sub_group_blocks)
         self.min_group_blocks = min(_option("min_group_blocks", min_group_blocks), self.group_blocks)
@@ -499,6 +683,11 @@ class StaircaseAttentionKernel:
         self.kv_layout = _option("kv_layout", kv_layout)
         self.streams = _option("streams", streams)
         self.inner = _option("inner", inner)
+        self.key_buckets = _option("key_buckets", key_buckets)
+        self.key_pieces = _option("key_pieces", key_pieces)
+        self.max_tile_keys = _option("max_tile_keys", max_tile_keys)
+        pmp = _option("piece_min_pairs", piece_min_pairs)
+        self.piece_min_pairs = self.min_pairs if pmp is None else pmp
         self.paths: dict = {}
         self.counts = dict(dense_fwd=0, dense_bwd=0, inner_fwd=0, inner_bwd=0, fixup=0)
         self._dense: dict = {}
@@ -516,10 +705,50 @@ class StaircaseAttentionKernel:
         assumes lo/hi (lo2/hi2) are not modified in place afterwards."""
         cache = mask.__dict__.setdefault("_staircase_plans", {})
         key = (self.group_blocks, self.min_group_blocks, self.key_grain, self.min_keys, self.min_pairs,
-               self.sub_group_blocks)
+               self.sub_group_blocks, self.key_buckets, self.key_pieces, self.max_tile_keys, self.piece_min_pairs)
         if key not in cache:
             cache[key] = staircase_plan(mask, *key)
         return cache[key]
+
+    def call_shapes(self, mask: IntervalMask, heads_q: int, heads_kv: int, head_dim: int,
+                    dtype=torch.bfloat16) -> list:
+        """The dense calls forward + backward would make on `mask` with these options, as `DenseShape`s
+        (`dense_call_shapes`, bwd_mode "auto" resolved as the backward does), without running anything
+        (the plan is built, or taken from the mask's cache, on the mask's device: CPU works)."""
+        plan = self.plan(mask)
+        mode = self._bwd_mode(plan, mask.block_size, heads_q, heads_kv)
+        return dense_call_shapes(plan, mask.block_size, heads_q, heads_kv, head_dim, dtype, self.gqa, mode)
+
+    def group_sizes(self) -> list:
+        """Every block count a rectangle can have: group_blocks, then halves down to min_group_blocks
+        (level 0), and the same from sub_group_blocks (level 1, when two levels are on); `_run_sizes`."""
+        out, levels = set(), [(self.group_blocks, self.min_group_blocks)]
+        if 0 < self.sub_group_blocks < self.group_blocks:
+            levels.append((self.sub_group_blocks, min(self.min_group_blocks, self.sub_group_blocks)))
+        for n, m in levels:
+            out.add(n)
+            s = n // 2
+            while s >= max(1, m):
+                out.add(s)
+                s //= 2
+        return sorted(out)
+
+    def shape_bound(self, block_size: int, heads_q: int, heads_kv: int) -> set:
+        """Every (rows, keys) a dense call can have under these options, whatever the data, for the
+        forward and the query-major backward (bwd_mode "query"; "key" makes other backward shapes): rows
+        = blocks x block_size (x Hq // Hkv when gqa="fold") for a block count of `group_sizes`, keys a
+        bucket length <= the tile (`key_bucket_lengths`) with blocks x block_size x keys >= min_pairs.
+        The cuDNN graphs of a run are at most 2 x len(bound) (forward and backward), per (heads, D, dtype).
+
+        Returns: set of (rows, keys) int pairs. Raises: ValueError when the set is unbounded (key_buckets
+            = 0: the legacy rounding; or max_tile_keys = 0: lengths grow with the context)."""
+        if not self.key_buckets or not self.max_tile_keys:
+            raise ValueError("the dense shapes are bounded only with key_buckets > 0 and max_tile_keys > 0, got "
+                             f"key_buckets={self.key_buckets}, max_tile_keys={self.max_tile_keys}")
+        lengths = key_bucket_lengths(self.key_buckets, self.min_keys, self.key_grain, self.max_tile_keys)
+        rpb = block_size * (heads_q // heads_kv if self.gqa == "fold" else 1)
+        return {(n * rpb, k) for n in self.group_sizes() for k in lengths
+                if n * block_size * k >= self.piece_min_pairs}
 
     def inner_kernel(self, device, dtype, head_dim):
         if not isinstance(self.inner, str):
