@@ -25,7 +25,10 @@ returns a `Pending`; `Pending.wait()` returns the result (on CUDA it makes the c
 the collective; gloo blocks the host). The record is made at issue time with the same bytes as the
 synchronous call, so splitting a message into chunks changes the number of records but not the total
 bytes per op name. The caller must `wait()` every Pending before it uses the result, and must not
-modify the input meanwhile (the Pending keeps both alive). Used by Split-KV's chunked merge pipeline. The validation
+modify the input meanwhile (the Pending keeps both alive). Used by Split-KV's chunked merge pipeline.
+`node_groups` builds (once, cached) the two sub-groups of Split-KV's two-level all-to-all (the L ranks of
+a node, the N ranks with one local index); their collectives are recorded like any other, with the
+sub-group's size as `group_size` and P replaced by it in the byte formulas. The validation
 all-gather of each op (a few int64 per rank) is recorded too, as kind "all_gather" with op name
 "<op>.meta". Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2 ("every collective moves
 O(Lq * H * D) elements").
@@ -53,6 +56,7 @@ __all__ = [
     "CommStats",
     "comm_stats",
     "resolve_group",
+    "node_groups",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
@@ -154,6 +158,80 @@ def resolve_group(cp_group=None) -> CommGroup:
             return CommGroup(None, dist.get_world_size(), dist.get_rank())
         return CommGroup(None, 1, 0)
     return CommGroup(cp_group, dist.get_world_size(cp_group), dist.get_rank(cp_group))
+
+
+#: (default group object, the CP group's global ranks, ranks per node) -> (intra, inter) `CommGroup`s
+_NODE_GROUPS: dict = {}
+
+
+def node_groups(group: CommGroup, ranks_per_node: int, device=None):
+    """The two sub-groups of Split-KV's two-level all-to-all, built once per (CP group, L) and cached.
+
+    The CP group's P ranks form N = P / L "nodes" of L consecutive CP ranks (node n = CP ranks
+    [n * L, (n + 1) * L), local index j = rank % L). Returns (intra, inter): `CommGroup`s of this rank's
+    node (size L, rank j) and of the N ranks with its local index j (size N, rank n), with the CP group's
+    backend. Collective over the CP group: every rank of it must call it with the same L, in the same
+    order relative to its other process-group creations (Split-KV calls it while building the metadata,
+    right after the group-wide agreement on L). Later calls with the same (CP ranks, L) return the cached
+    pair without communicating; a re-initialised default group starts a new cache.
+
+    Creation: when the CP group is the whole default group, every rank calls `torch.distributed.new_group`
+    for every node and every local index (the standard contract: all ranks, same order). Otherwise only
+    the CP group's ranks are in the call, so the sub-groups are created with
+    `use_local_synchronization=True` (only members call). torch names such groups by a hash of the member
+    ranks AND of the caller's count of process groups it belongs to, so members with different group
+    histories would wait for each other forever; that count is therefore all-gathered over the CP group
+    first (an unrecorded setup collective, like the group creation itself) and a mismatch raises on
+    every rank instead.
+
+    Args:
+        group: the resolved CP group (`resolve_group`), size P > 1.
+        ranks_per_node: L, 1 < L < P, dividing P (callers use the single all-to-all for L = 1 or P).
+        device: device of the setup all-gather (CUDA with an NCCL group); default CPU.
+
+    Raises:
+        ValueError: L does not satisfy 1 < L < P with P % L == 0; the CP ranks' process-group counts
+            differ (use_local_synchronization path; the same message on every rank).
+        RuntimeError: the created sub-groups do not rank their members in CP-rank order.
+
+    Source: our extension of DESIGN.md section 2's merge for CP groups spanning several nodes.
+    """
+    P, L = group.size, ranks_per_node
+    if isinstance(L, bool) or not isinstance(L, int) or not 1 < L < P or P % L:
+        raise ValueError(f"node_groups: ranks_per_node must satisfy 1 < L < P = {P} and divide P, got {L!r}")
+    N = P // L
+    ranks = tuple(group.global_rank(r) for r in range(P))
+    key = (dist.group.WORLD, ranks, L)
+    hit = _NODE_GROUPS.get(key)
+    if hit is not None:
+        return hit
+    n_me, j_me = divmod(group.rank, L)
+    nodes = [list(ranks[n * L:(n + 1) * L]) for n in range(N)]
+    locals_ = [list(ranks[j::L]) for j in range(L)]
+    backend = dist.get_backend(group.pg)
+    if dist.get_world_size() == P:  # the CP group is the default group: all ranks create every sub-group
+        intra = [dist.new_group(r, backend=backend) for r in nodes][n_me]
+        inter = [dist.new_group(r, backend=backend) for r in locals_][j_me]
+    else:
+        from torch.distributed import distributed_c10d as c10d
+
+        mine = len(getattr(getattr(c10d, "_world", None), "pg_names", ()))
+        counts = torch.empty(P, dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(counts, torch.tensor([mine], dtype=torch.int64, device=device), group=group.pg)
+        counts = counts.tolist()
+        if len(set(counts)) > 1:
+            raise ValueError(
+                "cp_ranks_per_node: cannot create the node sub-groups of this CP group: its ranks belong to "
+                f"different numbers of process groups ({counts} by CP rank), which makes torch's locally "
+                "synchronised group names differ across them; create the CP group's process groups "
+                "symmetrically, or use cp_ranks_per_node=1")
+        intra = dist.new_group(nodes[n_me], backend=backend, use_local_synchronization=True)
+        inter = dist.new_group(locals_[j_me], backend=backend, use_local_synchronization=True)
+    pair = (CommGroup(intra, L, dist.get_rank(intra)), CommGroup(inter, N, dist.get_rank(inter)))
+    if (pair[0].rank, pair[1].rank) != (j_me, n_me):  # new_group ranks members by global rank
+        raise RuntimeError(f"node_groups: sub-group ranks {(pair[0].rank, pair[1].rank)} != {(j_me, n_me)}")
+    _NODE_GROUPS[key] = pair
+    return pair
 
 
 class Pending:

@@ -20,6 +20,8 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernels.base import IntervalMask
@@ -109,21 +111,63 @@ def merge(o1, lse1, o2, lse2):
     return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe, inplace=True)
 
 
-def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
+    """How many `dtype` elements hold one `src` element bit-exact (src.itemsize / dtype.itemsize >= 1).
+    Raises ValueError when `src` does not split into whole `dtype` elements."""
+    a, b = torch.empty((), dtype=src).element_size(), torch.empty((), dtype=dtype).element_size()
+    if a < b or a % b:
+        raise ValueError(f"cannot pack a {src} tensor into {dtype}")
+    return a // b
+
+
+def _as_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., k] (float32/64) reinterpreted as [..., k * r] `dtype` elements (bit-exact, no arithmetic)."""
+    r = _bits_per(x.dtype, dtype)
+    # flattened first: .contiguous() keeps any stride on a size-1 dim (e.g. [T, 1] for one head, as
+    # FlexAttention returns it), and a dtype view needs stride 1 in the last dim
+    return x.contiguous().reshape(-1).view(dtype).view(*x.shape[:-1], x.shape[-1] * r)
+
+
+def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None):
     """One transport tensor for a partial attention state: o [T, H, D] cast to `dtype` (the inputs'
     dtype: the precision FlexAttention/TE already store O in) and lse [T, H] (float32/64) appended
     BIT-EXACT as lse.itemsize / dtype.itemsize extra elements per head -> [T, H, D + r] in `dtype`.
-    Undone by `unpack_partial`; used by Split-KV's all-to-all merge (no arithmetic in transit)."""
-    r = lse.element_size() // torch.empty((), dtype=dtype).element_size()
-    if r < 1 or lse.element_size() % torch.empty((), dtype=dtype).element_size():
-        raise ValueError(f"cannot pack a {lse.dtype} lse into {dtype}")
-    # flattened first: .contiguous() keeps any stride on a size-1 dim (e.g. [T, 1] for one head, as
-    # FlexAttention returns it), and a dtype view needs stride 1 in the last dim
-    packed = lse.contiguous().reshape(-1).view(dtype).view(*lse.shape, r)
-    d = o.shape[-1]
-    out = torch.empty(tuple(o.shape[:-1]) + (d + r,), dtype=dtype, device=o.device)
+    Undone by `unpack_partial`; used by Split-KV's all-to-all merge (no arithmetic in transit). o and lse
+    may have more leading dims ([..., H, D] / [..., H]).
+
+    out: optional destination of shape [..., H, D + r] in `dtype`, e.g. a permuted view of a send buffer
+    (Split-KV's two-level all-to-all writes the rows in node-major order this way, in the same single
+    copy); returned. Raises ValueError when lse's dtype does not split into whole `dtype` elements."""
+    packed = _as_bits(lse[..., None], dtype)
+    d, r = o.shape[-1], packed.shape[-1]
+    if out is None:
+        out = torch.empty(tuple(o.shape[:-1]) + (d + r,), dtype=dtype, device=o.device)
     out[..., :d].copy_(o)  # the cast of o.to(dtype), written in place (no [T, H, D] temporary)
     out[..., d:].copy_(packed)
+    return out
+
+
+def local_index_major(x: torch.Tensor, nodes: int, per_node: int, dtype: torch.dtype | None = None):
+    """Rows of x [P * T, ...] in owner order (P = nodes * per_node owners of T rows each, owner
+    s = n * per_node + j: node n, local index j) reordered local-index-major, in ONE copy (cast to `dtype`,
+    default x's): block j of the result ([nodes * T, ...], node order) holds the rows of the owners
+    (0, j), ..., (nodes - 1, j), i.e. what stage 1 of Split-KV's two-level all-to-all sends to local peer
+    j. Returns a new contiguous [P * T, ...] tensor."""
+    t = x.shape[0] // (nodes * per_node)
+    out = torch.empty(x.shape, dtype=x.dtype if dtype is None else dtype, device=x.device)
+    out.view(per_node, nodes, t, *x.shape[1:]).transpose(0, 1).copy_(x.reshape(nodes, per_node, t, *x.shape[1:]))
+    return out
+
+
+def pack_partial_local_major(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, nodes: int, per_node: int):
+    """`pack_partial(o, lse, dtype)` with the rows reordered as `local_index_major(., nodes, per_node)`, in
+    the same single packing copy: o [P * T, H, D], lse [P * T, H] (owner order) -> [P * T, H, D + r] in
+    `dtype`, the send buffer of stage 1 of Split-KV's two-level forward all-to-all."""
+    t, (h, d) = o.shape[0] // (nodes * per_node), o.shape[1:]
+    r = _bits_per(lse.dtype, dtype)
+    out = torch.empty((o.shape[0], h, d + r), dtype=dtype, device=o.device)
+    pack_partial(o.reshape(nodes, per_node, t, h, d), lse.reshape(nodes, per_node, t, h), dtype,
+                 out=out.view(per_node, nodes, t, h, d + r).transpose(0, 1))
     return out
 
 
@@ -133,6 +177,68 @@ def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
     o = x[..., :head_dim].to(acc)
     lse = x[..., head_dim:].contiguous().view(acc)[..., 0]
     return o, lse
+
+
+#: Environment variable: the smallest CP group size whose backward gathers dO and (delta, lse) in ONE
+#: all-gather per chunk (`fuse_bwd_gather`); default 9, i.e. groups larger than an 8-GPU node.
+FUSED_BWD_GATHER_MIN_P_ENV = "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"
+
+
+def fuse_bwd_gather(cp_size: int, two_level: bool) -> bool:
+    """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
+    (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
+
+    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= the
+    environment variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P (default 9: larger than one 8-GPU node).
+    Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
+    one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
+    fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
+    results either way (bit for bit). The variable must be the same on every rank (the collectives differ).
+
+    Raises ValueError when the environment variable is not a positive int."""
+    env = os.environ.get(FUSED_BWD_GATHER_MIN_P_ENV, "").strip()
+    try:
+        min_p = int(env) if env else 9
+    except ValueError:
+        min_p = 0
+    if min_p < 1:
+        raise ValueError(f"{FUSED_BWD_GATHER_MIN_P_ENV} must be a positive int, got {env!r}")
+    return bool(two_level) or cp_size >= min_p
+
+
+def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One rank's segment of Split-KV's backward all-gather of a chunk: dO and the global statistics in
+    ONE flat transport tensor (one collective instead of two).
+
+    dout [T, Hq, D] (cast to `dtype`, the inputs' dtype: what the separate dO gather sent) and stats
+    [T, Hq, k] in the accumulation dtype (float32 / float64; k = 2: delta, lse) reinterpreted BIT-EXACT
+    as k * r elements of `dtype` per head (r = stats.itemsize / dtype.itemsize, as `pack_partial` packs
+    lse) -> 1-D [T * Hq * D + T * Hq * k * r] in `dtype`: all of dO's rows, then all the statistics (a
+    per-rank block layout, not per row: packing and `unpack_dout_stats` then copy long contiguous runs,
+    about 2.5x faster on an H200 than a per-row layout's strided copies). One concatenation kernel.
+    The caller pads the rows (dO with 0, statistics with -inf, as the separate gathers did).
+
+    Raises ValueError when the stats dtype does not split into whole `dtype` elements."""
+    return torch.cat([dout.to(dtype).reshape(-1), _as_bits(stats, dtype).reshape(-1)])
+
+
+def unpack_dout_stats(x: torch.Tensor, parts: int, heads: int, head_dim: int, acc: torch.dtype, k: int = 2):
+    """Inverse of `pack_dout_stats` after an all-gather of `parts` equal segments: x 1-D [parts * seg] in
+    the inputs' dtype -> (dout [parts * T, Hq, D] contiguous in x's dtype, stats [parts * T, Hq, k]
+    contiguous in `acc`), rank r's rows at [r * T, (r + 1) * T): exactly the two former gathers' results,
+    bit for bit (the caller can release x; the local kernel gets a contiguous dO). Each is ONE batched
+    concatenation of `parts` contiguous runs (on an H200 at memcpy speed, where a 2-D strided copy_ ran
+    2.2x slower)."""
+    r = _bits_per(acc, x.dtype)
+    row = heads * (head_dim + k * r)
+    t = x.numel() // max(parts * row, 1)
+    segs = x.view(parts, t * row)
+    n_do = t * heads * head_dim
+    dout = torch.empty((parts * t, heads, head_dim), dtype=x.dtype, device=x.device)
+    torch.cat(segs[:, :n_do].unbind(0), out=dout.view(-1))
+    stats = torch.empty((parts * t, heads, k * r), dtype=x.dtype, device=x.device)
+    torch.cat(segs[:, n_do:].unbind(0), out=stats.view(-1))
+    return dout, stats.view(acc)
 
 
 def merge_partials(o: torch.Tensor, lse: torch.Tensor):

@@ -26,6 +26,13 @@ rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `Inte
 MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 (measured best over NVLink; 2 is best over a slow link,
 see DEFAULT_NUM_CHUNKS); an explicit value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
 
+Split-KV's two-level all-to-all (ops/splitkv.py item 5): the splitkv metadata also fixes
+`cp_ranks_per_node` (L, `resolve_ranks_per_node`: the argument, else the environment variable
+MEGATRON_SPLITKV_RANKS_PER_NODE clamped to P, else 1; it must divide P and be the same on every rank,
+checked group-wide like num_chunks) and, for 1 < L < P, holds the two cached sub-groups
+(`SplitKVMetadata.node_groups`, `comm.node_groups`). The agreement rows carry it in column 10 next to the
+requested chunk count (`_request_code`: L = 1 leaves the rows exactly as before).
+
 Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
 remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
 (see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
@@ -43,8 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comm import CommGroup, all_gather, resolve_group
-from ..kernels import BACKENDS, get_kernel
+from ..comm import CommGroup, all_gather, node_groups, resolve_group
+from ..kernels import BACKENDS, auto_keys_per_call, get_kernel
 from ..kernels.base import IntervalMask
 from .common import (
     SUPPORTED_DTYPES,
@@ -57,7 +64,7 @@ from .common import (
 )
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
-           "NUM_CHUNKS_ENV", "check_query_gather_start"]
+           "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -99,13 +106,14 @@ NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
 DEFAULT_NUM_CHUNKS = 1
 
 
-#: requested chunk counts are saturated at this value (int64-safe; far above any block count)
-_MAX_REQUESTED_CHUNKS = 1 << 62
+#: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
+#: column 10 holds it in its low 32 bits and cp_ranks_per_node - 1 above them (`_request_code`)
+_MAX_REQUESTED_CHUNKS = (1 << 32) - 1
 
 
 def _requested_chunks(num_chunks) -> int:
     """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
-    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**62. Raises ValueError for a
+    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**32 - 1. Raises ValueError for a
     non-positive / non-int value."""
     if num_chunks is None:
         env = os.environ.get(NUM_CHUNKS_ENV, "").strip()
@@ -121,9 +129,65 @@ def _requested_chunks(num_chunks) -> int:
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         none_or = "None or " if what == "num_chunks" else ""
         raise ValueError(f"{what} must be {none_or}a positive int, got {num_chunks!r}")
-    # saturated so that it fits the int64 agreement row (a larger value is clamped to the block count
+    # saturated so that it fits the agreement row's column (a larger value is clamped to the block count
     # anyway); an int beyond int64 would otherwise fail on its own rank only, outside the group verdict
     return min(num_chunks, _MAX_REQUESTED_CHUNKS)
+
+
+#: environment variable giving Split-KV's CP ranks per node when `cp_ranks_per_node` is None.
+RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
+
+
+def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
+    """L, the CP ranks per node of Split-KV's two-level all-to-all (the forward merge and the dQ
+    exchange; see `ops.splitkv`), for a CP group of size P = cp_size.
+
+    Args:
+        cp_ranks_per_node: None (the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE when set, a
+            positive int describing the machine: clamped to P, so a CP group that fits in one node gets
+            the single all-to-all; else 1) or a positive int that divides P. L = 1 or L = P: the single
+            all-to-all over the whole CP group (today's path, bit-identical); 1 < L < P: two stages.
+        cp_size: P.
+
+    Returns: L, 1 <= L <= P with P % L == 0.
+
+    Raises:
+        ValueError: cp_ranks_per_node (or the environment variable) not a positive int, or not dividing
+            P (the message names the argument or the variable, and P).
+    """
+    if cp_ranks_per_node is None:
+        env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+        if not env:
+            return 1
+        try:
+            value = int(env)
+        except ValueError:
+            value = None
+        if value is None or value < 1:
+            raise ValueError(f"{RANKS_PER_NODE_ENV} must be a positive int, got {env!r}")
+        value = min(value, cp_size)
+        if cp_size % value:
+            raise ValueError(f"{RANKS_PER_NODE_ENV}={env} must divide the CP group size P={cp_size} (CP ranks "
+                             "per node: the CP group must cover whole nodes)")
+        return value
+    if isinstance(cp_ranks_per_node, bool) or not isinstance(cp_ranks_per_node, int) or cp_ranks_per_node < 1:
+        raise ValueError(f"cp_ranks_per_node must be None or a positive int, got {cp_ranks_per_node!r}")
+    if cp_size % cp_ranks_per_node:
+        raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node} must divide the CP group size P={cp_size} "
+                         "(limit: a divisor of P, at most P)")
+    return cp_ranks_per_node
+
+
+def _request_code(chunks_req: int, ranks_per_node: int) -> int:
+    """Column 10 of the agreement rows: the requested chunk count in the low 32 bits, L - 1 above (so the
+    default L = 1 leaves the column exactly the requested chunk count, as before L existed)."""
+    return chunks_req + ((ranks_per_node - 1) << 32)
+
+
+def _decoded(table):
+    """The agreement table with two derived columns appended to every row: 11 = requested num_chunks,
+    12 = cp_ranks_per_node (decoded from column 10; not sent)."""
+    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, (row[10] >> 32) + 1] for row in table]
 
 
 def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
@@ -190,6 +254,12 @@ class SplitKVMetadata:
             against this rank's blocks (step 0 is `mask`; None when built internally by a call without
             `metadata=`: the keys then travel around the ring with K/V, as before).
         num_chunks_requested: the requested chunk count (0 = automatic), agreed across the group.
+        cp_ranks_per_node: splitkv: L, the CP ranks per node of the two-level all-to-all
+            (`resolve_ranks_per_node`, agreed across the group; other impls: 1).
+        node_groups: splitkv with 1 < L < P: (intra, inter) `comm.CommGroup`s, this rank's node (the L
+            CP ranks [n * L, (n + 1) * L), rank j = rank % L) and the N = P / L ranks with its local
+            index j (rank n); built once per (CP group, L) by `comm.node_groups`. None: the single
+            all-to-all over the CP group.
         group_check: when True every call with this metadata exchanges its local verdict (one tiny
             all-gather and a host sync) so that a mismatched tensor raises on EVERY rank; default False.
 
@@ -226,6 +296,8 @@ class SplitKVMetadata:
     chunk_masks: list = None
     chunk_masks_own: list = None
     num_chunks_requested: int = 0
+    cp_ranks_per_node: int = 1
+    node_groups: tuple = None
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
 
@@ -445,6 +517,8 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
         meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
         meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, g.size, nb_max)
         meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+        if 1 < meta.cp_ranks_per_node < g.size:  # the two-level all-to-all's sub-groups (cached)
+            meta.node_groups = node_groups(g, meta.cp_ranks_per_node, _comm_device(g, meta.device))
         by_rank = meta.block_meta.view(g.size, nb_max, 2)
         meta.chunk_masks, meta.chunk_masks_own = [], []
         for b0, b1 in meta.chunks:
@@ -484,7 +558,7 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
-                             group_check=False, num_chunks=None) -> SplitKVMetadata:
+                             group_check=False, num_chunks=None, cp_ranks_per_node=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -521,6 +595,13 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
             inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
             Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
+        cp_ranks_per_node: impl "splitkv" only (ignored by the baselines): L, the CP ranks per node of the
+            two-level all-to-all of the forward merge and the dQ exchange (`resolve_ranks_per_node`):
+            None = the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; a
+            positive int dividing P. 1 or P: the single all-to-all (bit-identical to before the option);
+            1 < L < P: node n = CP ranks [n * L, (n + 1) * L) (L consecutive CP ranks must share a node);
+            its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
+            L); a collective over the CP group). Must be the same on every rank.
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -528,16 +609,18 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         `IntervalMask`(s) whose FlexAttention BlockMask is cached on first use.
 
     Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 11] int64 all-gather of sizes, the
-    requested chunk count and the error flag), then "splitkv.fwd.block_meta" (2 int64 per block),
+    requested chunk count and cp_ranks_per_node, and the error flag), then "splitkv.fwd.block_meta" (2 int64 per block),
     "allgather_kv.fwd.kv_meta" or "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range
     check, the size table, the "already sorted" test and the own-block mask validation.
 
     Raises:
         ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
         (not 1-D integer, lengths of q_seq/q_anchor or kv_seq/kv_pos differing, values out of range),
-        bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0, or
-        block_size, Hq, Hkv, D, dtype, impl, group_check or the requested num_chunks differing across
-        ranks.
+        bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0,
+        cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE) not a positive int or not dividing the CP
+        group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), or block_size, Hq,
+        Hkv, D, dtype, impl, group_check, the requested num_chunks or cp_ranks_per_node differing across
+        ranks; and when the node sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
     """
@@ -565,23 +648,24 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
+        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), chunks_req]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     tag = f"{canon or 'splitkv'}.meta"
-    table = _raise_if_any(name, group, err, row, _comm_device(group, device), tag)
+    table = _decoded(_raise_if_any(name, group, err, row, _comm_device(group, device), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (10, "num_chunks (requested)")))
+                               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
-        num_chunks_requested=table[0][10],
+        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
     )
     return _finish(meta, gather_ctx=True)
 
@@ -589,13 +673,15 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 # ----------------------------------------------------------------------------- per call
 
 
-def _resolve_kernel(name, backend, device, dtype, head_dim):
+def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
     """The local kernel for this call, its dtype checked (`check_dtype`, when the kernel has one).
+    keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
+    (`kernels.auto_keys_per_call` of the agreed size table; None: "auto" = flex / math as before).
 
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
             this dtype on this device."""
-    kernel = get_kernel(backend, device, dtype, head_dim=head_dim)
+    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
@@ -608,16 +694,19 @@ def _resolve_kernel(name, backend, device, dtype, head_dim):
 def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
-    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d,
+                             keys_per_call=auto_keys_per_call(meta.impl, meta.n_ctx))
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
-                          block_size, cp_group, softmax_scale, backend, num_chunks=None) -> Plan:
+                          block_size, cp_group, softmax_scale, backend, num_chunks=None,
+                          cp_ranks_per_node=None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 11] int64: sizes, resolved softmax_scale, call mode, requested chunk
-    count), raise the same ValueError on every rank when any rank is invalid or block_size / Hq / Hkv /
-    D / dtype / softmax_scale / num_chunks differ, then build the metadata internally."""
+    count and cp_ranks_per_node), raise the same ValueError on every rank when any rank is invalid or
+    block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
+    build the metadata internally."""
     group = resolve_group(cp_group)
     err, row, ints = "", [-1] * 8 + [_MODE_PLAIN, -1], None
     try:
@@ -625,8 +714,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         check_scale_backend(softmax_scale, backend)
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
+        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, chunks_req]
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -639,26 +729,28 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     dev = q.device if isinstance(q, torch.Tensor) else None
-    table = _raise_if_any(name, group, err, row, _comm_device(group, dev), f"{name}.meta")
+    table = _decoded(_raise_if_any(name, group, err, row, _comm_device(group, dev), f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
     meta = SplitKVMetadata(
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
-        num_chunks_requested=table[0][10],
+        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
     )
     return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
 #: all-gather the same [1, 11] int64 row (as their first collective), so a group mixing them is detected.
+#: 11 and 12 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (10, "num_chunks (requested)"))
+               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                      block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None):
+                      block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
+                      cp_ranks_per_node=None):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -686,6 +778,12 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
             max(1, min(_requested_chunks(num_chunks), max(meta.n_blocks))) != meta.num_chunks:
         raise ValueError(f"num_chunks={num_chunks!r} differs from the metadata's num_chunks={meta.num_chunks} "
                          "(the chunking is fixed at prepare time: pass num_chunks to prepare_splitkv_metadata)")
+    # cp_ranks_per_node: None, or a valid value (raises otherwise) equal to the metadata's
+    if cp_ranks_per_node is not None and \
+            resolve_ranks_per_node(cp_ranks_per_node, meta.group.size) != meta.cp_ranks_per_node:
+        raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node!r} differs from the metadata's cp_ranks_per_node="
+                         f"{meta.cp_ranks_per_node} (fixed at prepare time: pass cp_ranks_per_node to "
+                         "prepare_splitkv_metadata)")
     check_scale_backend(softmax_scale, backend)
     tq, tk, hq, hkv, d = meta.tq_local, meta.tk_local, meta.num_heads_q, meta.num_heads_kv, meta.head_dim
     expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)))
@@ -711,15 +809,16 @@ def _check_tensor_against(meta, n, t, shape):
 
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-               cp_group, softmax_scale, backend, num_chunks=None, query_gather=None) -> Plan:
+               cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
+               cp_ranks_per_node=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata (no host sync, no collective), before any collective of the call.
 
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
     [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
     dtype and device as prepared; num_chunks None or a positive int that clamps to the metadata's
-    (e.g. the value given to prepare). Every rank checks against the same agreed size table, so a
-    mismatch is a programming error on the rank that raises. Without `group_check` the ValueError is
+    (e.g. the value given to prepare); cp_ranks_per_node None or the metadata's. Every rank checks
+    against the same agreed size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the ValueError is
     raised on that rank only, and the other ranks then block in the call's first collective (until the
     process group's timeout), as Megatron-Core does on shape mismatches; with
     `group_check=True` the verdict (and whether this rank's kernel backend imports) is all-gathered and
@@ -734,7 +833,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
-                          block_size, cp_group, softmax_scale, backend, num_chunks, query_gather)
+                          block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
+                          cp_ranks_per_node)
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
             _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
     except ImportError as exc:
@@ -752,9 +852,9 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
-                   meta.num_chunks_requested]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
-        _check_agree(name, table, _CALL_AGREE)
+        _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend)
 
 
@@ -784,28 +884,30 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
         if not err:  # softmax_scale is not known yet: 0 on every starting rank
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
-                   meta.num_chunks_requested]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
-        _check_agree(name, table, _CALL_AGREE)
+        _check_agree(name, _decoded(table), _CALL_AGREE)
 
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
-           cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None):
+           cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
+           cp_ranks_per_node=None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
-    autograd Function. `num_chunks`: splitkv only (the baselines pass None). `query_gather`: splitkv
-    only, needs `metadata`; the Function is then applied to the gathered query chunks of the handle
-    (`ops.splitkv.SplitKVQueryGather`) instead of q."""
+    autograd Function. `num_chunks`, `cp_ranks_per_node`: splitkv only (the baselines pass None).
+    `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
+    chunks of the handle (`ops.splitkv.SplitKVQueryGather`) instead of q."""
     if query_gather is not None and metadata is None:
         raise ValueError(f"{name}: query_gather= needs metadata= (the metadata given to "
                          "splitkv_start_query_gather; the chunking is fixed there)")
     if metadata is None:
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                                     backend=backend, num_chunks=num_chunks)
+                                     backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                          backend=backend, num_chunks=num_chunks, query_gather=query_gather)
+                          backend=backend, num_chunks=num_chunks, query_gather=query_gather,
+                          cp_ranks_per_node=cp_ranks_per_node)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function

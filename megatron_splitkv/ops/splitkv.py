@@ -28,6 +28,15 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
    `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
    Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
+   The backward's dO and (delta, lse) travel in ONE all-gather per chunk ("splitkv.bwd.dout"): each
+   rank's segment is its chunk rows of dO, then of (delta, lse) bit-packed in q's dtype like lse in item
+   2 (fp32, fp64 for fp64 inputs; `ops.common.pack_dout_stats`; padding rows dO = 0, statistics -inf),
+   unpacked bit-exact into a contiguous dO and the statistics (one collective latency per chunk less;
+   same arithmetic, bit-identical results). Cost: a pack copy of this rank's chunk rows and an unpack
+   copy of the gathered rows on the compute stream (long contiguous runs, memcpy speed): a gain where a
+   collective's latency is large (many ranks, inter-node rings), a loss on a small NVLink group. Measured
+   on 2 x H200 (P = 2, Hq = 32, D = 128, bf16, GPU time of pack + gather + unpack vs the two gathers):
+   37 vs 31 us (256 gathered rows), 84 vs 68 us (2048), 227 vs 182 us (8192; unpack 39 us, pack 20 us).
 4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
    that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
    Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
@@ -37,14 +46,38 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    sequence number first) runs the k/v projections' backward in between, while the all-to-all is in
    flight (on the GPU: NCCL's stream synchronises with the current stream at launch, the compute stream
    waits for it only in `Pending.wait()`). Same collectives and bytes, bit-identical results.
+5. Two-level all-to-all for CP groups spanning several nodes (`cp_ranks_per_node` = L; our extension of
+   DESIGN.md section 2's merge rule, not in the paper): the P CP ranks form N = P / L nodes of L
+   consecutive CP ranks (node n = ranks [n * L, (n + 1) * L), local index j = rank % L), with two cached
+   sub-groups per (CP group, L) (`comm.node_groups`). Forward merge of each chunk: stage 1
+   ("splitkv.fwd.out.intra", an all-to-all among the node's L ranks) sends local peer j' the packed
+   partials [O_r | lse_r] (q's dtype, as in item 2) of the rows of every owner (m, j') (rows reordered in
+   the packing copy, `ops.common.pack_partial_local_major`); the receiver lse-merges the L partials of
+   each row in fp32 (`merge_partials` semantics: max, weights, sums, -inf rows safe) into a node partial;
+   stage 2 ("splitkv.fwd.out.inter", an all-to-all among the N ranks with local index j) sends owner
+   (m, j) the node partial of its rows as fp32 [O | lse] (no second rounding), and the owner merges the N
+   node partials in fp32: the same result up to fp32 reassociation. dQ likewise ("splitkv.bwd.dq.intra"
+   / ".inter"): the L partials in q's dtype summed in fp32, the fp32 node sums summed in fp32 by the
+   owner and cast once. Inter-node bytes per rank drop from ~(P - 1) / P * Lq * Hq * D * 2 (bf16) to
+   ~(N - 1) / N * Lq / L * Hq * D * 4, the rest moves over the intra-node links. Overlap: chunk c's
+   stage 1 is issued where the single all-to-all was; its reduction and stage 2 are issued right after
+   chunk c + 1's stage 1 (so stage 1 overlaps the next chunk's kernel, stage 2 the one after), the last
+   chunk's right after the loop (forward: before the owner merges; backward: after dK/dV are final, so
+   its stage 2 overlaps the caller's backward, e.g. the k/v projections with `query_gather`, whose
+   gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
+   shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
 
 Memory (tools/memory_breakdown.py measures it from this code at the real shapes): the fp32 partial O_r
 is released before the all-to-all buffers are allocated, the packed send buffer is written in place, the
 received buffer and the fp32 partials are released as soon as they are merged (in-place division), the
 merged fp32 O is released right after delta = rowsum(dO * O) in backward (it is a ctx attribute, not a
 saved tensor: a second backward through the same call raises RuntimeError), the padded q / dO / stats
-send tensors are dropped once their last chunk is issued, and the dQ partials are summed one rank at a
-time in fp32 (no [P, rows, Hq, D] fp32 temporary). Bit-identical to summing them at once for P <= 16 on
+send tensors are dropped once their last chunk is packed / issued, each received [dO | stats] buffer is
+released as soon as it is unpacked into a contiguous dO and the statistics (one dO-sized copy per chunk,
+alive together with that buffer only briefly), and the dQ partials are summed one rank at a
+time in fp32 (no [P, rows, Hq, D] fp32 temporary). Two-level all-to-all: the stage-1 receive buffer is
+released once reduced (the fp32 unpack of its L partials is the size of the single all-to-all's), and
+stage 2 moves 1 / L of the rows in fp32. Bit-identical to summing them at once for P <= 16 on
 CPU and P = 2 on CUDA (the order is the sequential one).
 """
 
@@ -61,9 +94,14 @@ from .common import (
     delta_and_dout,
     kernel_backward,
     kernel_forward,
+    local_index_major,
     merge_received_partials,
+    fuse_bwd_gather,
+    pack_dout_stats,
     pack_partial,
+    pack_partial_local_major,
     pad_rows,
+    unpack_dout_stats,
     split_own_grad,
     unsort,
     with_own_keys,
@@ -92,24 +130,90 @@ def _sum_dq_partials(pending, meta, rows, dtype, acc):
     """Wait the dQ all-to-alls (one `Pending` per chunk; the received [P * rc, Hq, D] holds every rank's
     partial of this rank's rows rc of the chunk) and sum the P partials in `acc` (fp32), one partial at a
     time in rank order (the same arithmetic as `.to(acc).sum(0)`, without its [P, rc, Hq, D] fp32
-    temporary). Returns dq [rows, Hq, D] in `dtype` (chunks written as they are summed)."""
+    temporary). Returns dq [rows, Hq, D] in `dtype` (chunks written as they are summed).
+
+    Two-level all-to-all (`meta.node_groups`): one `_TwoStage` per chunk, whose received [N * rc, Hq, D]
+    (acc dtype) holds the N node sums of this rank's rows, summed the same way in node order."""
     g, bsz = meta.group, meta.block_size
+    k = g.size if meta.node_groups is None else meta.node_groups[1].size
     dq = None
     for p, (b0, b1) in zip(pending, meta.chunks):
         recv = p.take()
         rc = (b1 - b0) * bsz  # explicit: a chunk may hold no rows at all when every rank has zero blocks
-        parts = recv.view(g.size, rc, *recv.shape[1:])
+        parts = recv.view(k, rc, *recv.shape[1:])
         if dq is None:
             dq = recv.new_empty((rows,) + tuple(recv.shape[1:]), dtype=dtype)
         r0, r1 = b0 * bsz, min(b1 * bsz, rows)
         if r1 <= r0:
             continue
         acc_c = torch.zeros((r1 - r0,) + tuple(recv.shape[1:]), dtype=acc, device=recv.device)
-        for r in range(g.size):
+        for r in range(k):
             acc_c += parts[r, : r1 - r0]
         dq[r0:r1].copy_(acc_c)
         del recv, parts, acc_c
     return dq
+
+
+class _TwoStage:
+    """One chunk's two-level all-to-all in flight (`cp_ranks_per_node` = L, 1 < L < P).
+
+    Stage 1 (over this rank's node, `meta.node_groups[0]`) is issued at construction; `advance()` waits
+    for it, reduces the L partials received per row (`reduce`: fp32 lse-merge or sum) and issues stage 2
+    (over the ranks with this local index, `meta.node_groups[1]`), once. `wait()` / `take()` behave like
+    `comm.Pending`'s for the stage-2 result, advancing first if needed. The op advances chunk c - 1 right
+    after issuing chunk c's stage 1, so stage 1 overlaps the next chunk's kernel and stage 2 the one
+    after (or the final merges); the last chunk is advanced as soon as the loop ends.
+    """
+
+    __slots__ = ("_first", "_reduce", "_second")
+
+    def __init__(self, first, reduce):
+        self._first, self._reduce, self._second = first, reduce, None
+
+    def advance(self):
+        if self._first is not None:
+            first, reduce = self._first, self._reduce
+            self._first = self._reduce = None
+            self._second = reduce(first)
+        return self
+
+    def wait(self):
+        return self.advance()._second.wait()
+
+    def take(self):
+        return self.advance()._second.take()
+
+
+def _out_stage2(meta, rc, head_dim, acc):
+    """Stage 2 of the forward merge: the L partials [O | lse] (inputs' dtype) received in stage 1 for the
+    rows of the N owners with this local index, lse-merged in fp32 (`merge_received_partials`: max,
+    weights, sums; -inf rows give O = 0, lse = -inf), sent to those owners as fp32 [O | lse]."""
+    intra, inter = meta.node_groups
+
+    def reduce(first):
+        o, lse = merge_received_partials(first, intra.size, inter.size * rc, head_dim, acc)
+        packed = pack_partial(o, lse, acc)
+        del o, lse
+        return all_to_all(packed, inter, "splitkv.fwd.out.inter", async_op=True)
+
+    return reduce
+
+
+def _dq_stage2(meta, rc, acc):
+    """Stage 2 of the dQ exchange: the L partials (inputs' dtype) received in stage 1 for the rows of the N
+    owners with this local index, summed in fp32 in local-rank order, sent to those owners in fp32."""
+    intra, inter = meta.node_groups
+
+    def reduce(first):
+        recv = first.take()
+        parts = recv.view(intra.size, inter.size * rc, *recv.shape[1:])
+        node_sum = torch.zeros(parts.shape[1:], dtype=acc, device=recv.device)
+        for j in range(intra.size):
+            node_sum += parts[j]
+        del recv, parts
+        return all_to_all(node_sum, inter, "splitkv.bwd.dq.inter", async_op=True)
+
+    return reduce
 
 
 class _GatherShared:
@@ -206,7 +310,7 @@ class _QueryGather(torch.autograd.Function):
     Created before the layer's k/v projections, so in backward the autograd engine (highest sequence
     number first among ready nodes) runs the k/v projections' backward between `_SplitKV.backward`, which
     issues the dQ all-to-alls without waiting, and this backward, which waits them and sums the P
-    partials of this rank's rows in fp32.
+    partials of this rank's rows in fp32 (two-level all-to-all: the N fp32 node sums, `_sum_dq_partials`).
     """
 
     @staticmethod
@@ -284,6 +388,7 @@ class _SplitKV(torch.autograd.Function):
         rows_max = max(plan.n_blocks) * bsz
         chunks = meta.chunks
         n, P = len(chunks), g.size
+        hier = meta.node_groups  # (intra, inter) of the two-level all-to-all, or None
         own = k_blk is not None
         masks = meta.chunk_masks_own if own else meta.chunk_masks
         # 1. all-gather Q chunk by chunk (invalid blocks' rows zeroed, padded to the largest block count;
@@ -322,16 +427,30 @@ class _SplitKV(torch.autograd.Function):
             states.append(state)
             # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
             #    one asynchronous all-to-all per chunk, overlapping the next chunk's kernel.
-            packed = pack_partial(o_r, lse_r, dtype)
-            del o_r, lse_r  # the fp32 partial: freed before the receive buffer is allocated
-            pend_o.append(all_to_all(packed, g, "splitkv.fwd.out", async_op=True))
+            if hier is None:
+                packed = pack_partial(o_r, lse_r, dtype)
+                del o_r, lse_r  # the fp32 partial: freed before the receive buffer is allocated
+                pend_o.append(all_to_all(packed, g, "splitkv.fwd.out", async_op=True))
+            else:
+                # two-level: stage 1 sends local peer j' the rows of the owners (m, j') of every node m
+                # (rows reordered local-index-major in the packing copy); chunk c - 1 advances to stage 2
+                rc = (chunks[c][1] - chunks[c][0]) * bsz
+                packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size)
+                del o_r, lse_r
+                pend_o.append(_TwoStage(all_to_all(packed, hier[0], "splitkv.fwd.out.intra", async_op=True),
+                                        _out_stage2(meta, rc, d, plan.acc)))
+                if c:
+                    pend_o[c - 1].advance()
             del packed, q_c
+        if hier is not None:
+            pend_o[-1].advance()  # the last chunk's stage 2 overlaps the merges of the others
         out_parts, lse_parts = [], []
         for c in range(n):
             # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums;
-            #    the received buffer and the fp32 partials are released as soon as they are used)
+            #    the received buffer and the fp32 partials are released as soon as they are used). Two-
+            #    level: the N fp32 node partials, with the same merge.
             rc = (chunks[c][1] - chunks[c][0]) * bsz
-            o_c, l_c = merge_received_partials(pend_o[c], P, rc, d, plan.acc)
+            o_c, l_c = merge_received_partials(pend_o[c], P if hier is None else hier[1].size, rc, d, plan.acc)
             pend_o[c] = None
             out_parts.append(o_c)
             lse_parts.append(l_c)
@@ -355,6 +474,7 @@ class _SplitKV(torch.autograd.Function):
         k_x, v_x, lse, out, *q_chunks = ctx.saved_tensors
         plan, meta, gather = ctx.plan, ctx.plan.meta, ctx.gather
         g, bsz = plan.group, plan.block_size
+        hier = meta.node_groups
         rows, rows_max, dt = meta.tq_local, max(plan.n_blocks) * bsz, meta.dtype
         chunks = meta.chunks
         if out is None:
@@ -366,17 +486,26 @@ class _SplitKV(torch.autograd.Function):
             dout = torch.zeros(out.shape, dtype=dt, device=out.device)
         dout, delta = delta_and_dout(plan, dout, dlse, out, lse, None)
         del out  # the merged fp32 O: not needed any more (freed before the kernel backward)
-        # all-gather dO and (delta, lse) chunk by chunk (one ahead): the GLOBAL statistics every rank's
-        # local backward needs. The padded send tensors are dropped once the last chunk is issued (each
-        # Pending keeps its slice until waited).
+        # all-gather dO and the GLOBAL statistics (delta, lse) every rank's local backward needs, chunk by
+        # chunk (one ahead). Fused (`fuse_bwd_gather`: groups larger than one node, or the two-level
+        # all-to-all): ONE all-gather per chunk of this rank's chunk rows of dO then of (delta, lse)
+        # bit-packed, in q's dtype (`pack_dout_stats`); otherwise two back-to-back all-gathers (on one
+        # NVLink node the second one costs less than the fused path's pack/unpack copies). Padding rows:
+        # dO = 0, statistics -inf. The padded tensors are dropped once the last chunk is issued (each
+        # Pending keeps its segment).
+        fused = fuse_bwd_gather(g.size, hier is not None)
         send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
         del delta
 
         def gather_stats(c):
             b0, b1 = chunks[c]
             sl = slice(b0 * bsz, b1 * bsz)
-            pend_c = (all_gather(send[0][sl], g, "splitkv.bwd.dout", async_op=True),
-                      all_gather(send[1][sl], g, "splitkv.bwd.stats", async_op=True))
+            if fused:
+                pend_c = all_gather(pack_dout_stats(send[0][sl], send[1][sl], dt), g, "splitkv.bwd.dout",
+                                    async_op=True)
+            else:
+                pend_c = (all_gather(send[0][sl], g, "splitkv.bwd.dout", async_op=True),
+                          all_gather(send[1][sl], g, "splitkv.bwd.stats", async_op=True))
             if c == n - 1:
                 send.clear()
             return pend_c
@@ -385,7 +514,11 @@ class _SplitKV(torch.autograd.Function):
         pend, pend_dq, dk_x, dv_x = gather_stats(0), [], None, None
         for c in range(n):
             nxt = gather_stats(c + 1) if c + 1 < n else None
-            do_all, stats_all = pend[0].take(), pend[1].take()
+            if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
+                do_all, stats_all = unpack_dout_stats(pend.take(), g.size, meta.num_heads_q, meta.head_dim,
+                                                      plan.acc)
+            else:
+                do_all, stats_all = pend[0].take(), pend[1].take()
             pend = nxt
             delta_all = torch.nan_to_num(stats_all[..., 0], neginf=0.0)
             dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
@@ -393,7 +526,16 @@ class _SplitKV(torch.autograd.Function):
             ctx.states[c] = None
             del do_all, stats_all, delta_all
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
-            pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
+            if hier is None:
+                pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
+            else:  # two-level, as in forward: stage 1 now, chunk c - 1 advances to stage 2
+                rc = (chunks[c][1] - chunks[c][0]) * bsz
+                send_dq = local_index_major(dq_r, hier[1].size, hier[0].size, dt)
+                pend_dq.append(_TwoStage(all_to_all(send_dq, hier[0], "splitkv.bwd.dq.intra", async_op=True),
+                                         _dq_stage2(meta, rc, plan.acc)))
+                del send_dq
+                if c:
+                    pend_dq[c - 1].advance()
             del dq_r
             if dk_x is None:
                 dk_x, dv_x = dk_c, dv_c
@@ -407,6 +549,8 @@ class _SplitKV(torch.autograd.Function):
         dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
         grads_kv = (unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt), cast(dk_b, dt),
                     cast(dv_b, dt))
+        if hier is not None:
+            pend_dq[-1].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
         if gather is None:
             # the owner sums the P partials of its rows in fp32
             return (None, _sum_dq_partials(pend_dq, meta, rows, dt, plan.acc)) + grads_kv
@@ -414,7 +558,12 @@ class _SplitKV(torch.autograd.Function):
         # here: _QueryGather.backward waits and sums them after the k/v projections' backward ran.
         if any(ctx.needs_input_grad[7:]):
             gather.dq.append(pend_dq)
-            d_gathered = tuple(p.result for p in pend_dq)
+            if hier is None:
+                d_gathered = tuple(p.result for p in pend_dq)
+            else:  # no receive buffer has the gathered chunk's shape: a zero-stride placeholder
+                z = torch.zeros((), dtype=dt, device=grads_kv[0].device)
+                d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, meta.num_heads_q, meta.head_dim)
+                                   for b0, b1 in chunks)
         else:  # issued anyway (every rank issues the same collectives); nothing consumes them
             for p in pend_dq:
                 p.wait()
@@ -424,7 +573,7 @@ class _SplitKV(torch.autograd.Function):
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None, num_chunks=None, query_gather=None):
+                      metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -433,11 +582,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     context, and this rank's own blocks also to their own B keys, in ONE local-kernel call (fp32
     out/lse; the own keys are appended after the sorted context, see the module docstring); send each
     row's partial (O in q's dtype, lse bit-exact) to its owner in one all-to-all, where the P partials
-    merge by lse in fp32. Backward: all-gather dO and the global (delta, lse); local kernel backward with
-    the global statistics; all-to-all of the dQ partials (q's dtype), summed in fp32 by the owner; dK/dV of the context and of the own block stay
-    local. Both passes run over `num_chunks` query chunks, overlapping each chunk's collectives with the
-    next chunk's kernel. Every collective is query-sized (O(Lq * Hq * D)), independent of the context
-    length and of the chunk count.
+    merge by lse in fp32. Backward: ONE all-gather of dO with the global (delta, lse) bit-packed beside
+    it; local kernel backward with the global statistics; all-to-all of the dQ partials (q's dtype),
+    summed in fp32 by the owner; dK/dV of the context and of the own block stay local. With
+    `cp_ranks_per_node` = L (1 < L < P) both all-to-alls run in two stages, inside each node of L ranks
+    and then between nodes in fp32 (module docstring, item 5). Both passes run over `num_chunks` query
+    chunks, overlapping each chunk's collectives with the next chunk's kernel. Every collective is
+    query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
 
     Args:
         q: [Tq_local, Hq, D] this rank's query rows, block by block (Tq_local = n_blocks_local * B).
@@ -486,6 +637,15 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             unmodified; a handle serves exactly one call. The call then issues no "splitkv.fwd.q"
             all-gather of its own, and its results are bit-identical to the call without it. Every rank
             of the CP group must pass one, or none (a mixed group is detected with `group_check`).
+        cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all (module docstring, item 5; our
+            extension of DESIGN.md section 2's merge for CP groups spanning several nodes): None = the
+            environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; otherwise a
+            positive int dividing P (`ops.metadata.resolve_ranks_per_node`). 1 or P: the single
+            all-to-all over the CP group (bit-identical to the op without this option); 1 < L < P: node n
+            = CP ranks [n * L, (n + 1) * L), which must share a node for the traffic split to pay off
+            (correct anyway). Must be the same on every rank (agreed group-wide like num_chunks). With
+            `metadata=` it was fixed by `prepare_splitkv_metadata(..., cp_ranks_per_node=...)`: pass
+            None or that value.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -498,11 +658,14 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks (or the
-            environment variable) not a positive int, or block_size / Hq / Hkv / D / dtype / resolved
-            softmax_scale / requested num_chunks differing across ranks. With `metadata=`: ValueError
+            environment variable) not a positive int, cp_ranks_per_node (or its environment variable)
+            not a positive int or not dividing the CP group size P (the limit is named in the message),
+            or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks /
+            cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
+            consistently (`comm.node_groups`). With `metadata=`: ValueError
             on this rank when a tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs
-            from what the metadata implies, when num_chunks differs from the metadata's, or when the
-            metadata is for another impl; other ranks may then block in the call's
+            from what the metadata implies, when num_chunks or cp_ranks_per_node differs from the
+            metadata's, or when the metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
             `group_check=True`, in which case every rank raises the same ValueError. A dtype the
             backend cannot run (backend "te": bf16/fp16 only; "flex": no float64 on CUDA) raises on every
@@ -513,4 +676,5 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     """
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather)
+                  return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
+                  cp_ranks_per_node=cp_ranks_per_node)
