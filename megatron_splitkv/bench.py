@@ -746,7 +746,7 @@ def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
 
 def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
                       D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False,
-                      num_chunks=None):
+                      num_chunks=None, cp_ranks_per_node=None):
     """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
 
     Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
@@ -756,9 +756,18 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             False: the self-contained call (validation all-gather [1, META_INTS] int64 "<op>.meta", the
             block or key all-gather, ring keys travelling with K/V).
         num_chunks: splitkv's chunk count (None: the op's default at this P, `resolve_chunks`): each of
-            "fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq" is issued once per chunk
-            (record `step` = the chunk index, message = the chunk's share); the bytes per op name do not
-            depend on it.
+            "fwd.q", "fwd.out", "bwd.dout" + "bwd.stats" (groups of one node) or "bwd.dout" alone (ONE
+            all-gather of [dO | delta, lse bit-packed] in the inputs' dtype: `ops.common.fuse_bwd_gather`),
+            "bwd.dq" is issued once per chunk (record `step` = the chunk index, message = the
+            chunk's share); the bytes per op name do not depend on it.
+        cp_ranks_per_node: splitkv's L, CP ranks per node of the two-level all-to-all (None: the op's
+            default, the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE clamped to P, else 1;
+            `ops.metadata.resolve_ranks_per_node`). With 1 < L < P (N = P / L nodes) "fwd.out" becomes
+            "fwd.out.intra" (all_to_all over the L ranks of a node: message N * rc rows of [O | lse] in
+            the inputs' dtype) and "fwd.out.inter" (all_to_all over the N ranks of one local index:
+            message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
+            (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
+            follow the ring convention with the sub-group's size (L or N) in place of P.
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
@@ -766,8 +775,8 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
     name = _OPNAME[method]
     recs = []
 
-    def add(op, kind, msg, step=-1):
-        recs.append(PredRecord(f"{name}.{op}", kind, _ring_bytes(kind, P, msg), msg, step))
+    def add(op, kind, msg, step=-1, size=P):
+        recs.append(PredRecord(f"{name}.{op}", kind, _ring_bytes(kind, size, msg), msg, step))
 
     if not metadata:
         add("meta", "all_gather", META_INTS * 8)
@@ -777,19 +786,43 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         nb_max = max(n_blocks)
         k = resolve_chunks(num_chunks, P, nb_max) if _has_chunks() else 1
         bounds = chunk_bounds(k, nb_max) if nb_max else [(0, 0)]
+        try:  # the op's own resolution (argument, else environment variable clamped to P, else 1)
+            from .ops.metadata import resolve_ranks_per_node
+            L = int(resolve_ranks_per_node(cp_ranks_per_node, P))
+        except ImportError:  # a tree without the two-level all-to-all
+            L = 1
+        N = P // L
+        two_level = 1 < L < P
+        try:  # the op's rule (ops.common.fuse_bwd_gather: multi-node groups)
+            from .ops.common import fuse_bwd_gather
+            fused_gather = fuse_bwd_gather(P, two_level)
+        except ImportError:  # a tree without the fused gather
+            fused_gather = False
+        pk = max(acc // elem, 1)  # elements of the inputs' dtype holding one acc value bit-exact
         if not metadata:
             add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
         for c, (b0, b1) in enumerate(bounds):
             rc = (b1 - b0) * B
             add("fwd.q", "all_gather", rc * Hq * D * elem, c)
             # [O | lse] in the inputs' dtype, lse bit-packed as acc / elem elements (ops.common.pack_partial)
-            add("fwd.out", "all_to_all", rc * Hq * (D + max(acc // elem, 1)) * elem, c)
+            if two_level:  # stage 1: the rows of the N owners with each local index; stage 2: fp32 [O | lse]
+                add("fwd.out.intra", "all_to_all", N * rc * Hq * (D + pk) * elem, c, L)
+                add("fwd.out.inter", "all_to_all", rc * Hq * (D + 1) * acc, c, N)
+            else:
+                add("fwd.out", "all_to_all", rc * Hq * (D + pk) * elem, c)
         if backward:
             for c, (b0, b1) in enumerate(bounds):
                 rc = (b1 - b0) * B
-                add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
-                add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
-                add("bwd.dq", "all_to_all", rc * Hq * D * elem, c)
+                if fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
+                    add("bwd.dout", "all_gather", rc * Hq * (D + 2 * pk) * elem, c)
+                else:
+                    add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
+                    add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
+                if two_level:  # stage 1: partials in the inputs' dtype; stage 2: the node sums in acc
+                    add("bwd.dq.intra", "all_to_all", N * rc * Hq * D * elem, c, L)
+                    add("bwd.dq.inter", "all_to_all", rc * Hq * D * acc, c, N)
+                else:
+                    add("bwd.dq", "all_to_all", rc * Hq * D * elem, c)
     elif method == "allgather-kv":
         add("fwd.kv", "all_gather", tk_max * 2 * Hkv * D * elem)
         if not metadata:
@@ -910,6 +943,11 @@ class LinkModel:
       bytes add to NVLink; the NIC load per GPU is the same on average.
     send / recv (one ring exchange, full duplex): t = a0 + h + n / B if N = 1, else a0 + h_net + n / B_nic
       (the node-boundary pair of a synchronous ring step sets the step time).
+    Sub-groups (`per_node`, for the two-level all-to-all of tools/simulate_scaling.py): the same formulas
+    with the group's own (N, L) = (ceil(P / per_node), per_node): L consecutive CP ranks of one node give
+    N = 1 (NVLink only: a0 + h + (L - 2) c_peer + (L - 1) n / B); the N ranks with one local index, one per
+    node, give L = 1 (NIC only, no PXN relay: a0 + h_net + (N - 2) c_peer + (N - 1) n / B_nic). The flat
+    model takes the inter figures for a sub-group that spans more than one node.
 
     Properties (tests/test_simulate_scaling.py): at P = 2 both topologies give alpha + n / B (what was
     fitted); for P <= G the node model uses no inter-node figure; P = 1 costs nothing.
@@ -937,24 +975,30 @@ class LinkModel:
             return "all_to_all" if "all_to_all" in table else "reduce_scatter"
         return kind
 
-    def ab(self, kind: str, P: int) -> AlphaBeta:
-        """The flat model's `AlphaBeta` of `kind` at P ranks (intra when P <= gpus_per_node)."""
-        table = self.intra if P <= self.gpus_per_node else self.inter
+    def ab(self, kind: str, P: int, per_node=None) -> AlphaBeta:
+        """The flat model's `AlphaBeta` of `kind` at P ranks (intra when the group fits in one node: P <=
+        gpus_per_node, or, for a sub-group with `per_node` ranks per node, when it spans one node)."""
+        one_node = P <= self.gpus_per_node if per_node is None else self.nodes(P, per_node)[0] <= 1
+        table = self.intra if one_node else self.inter
         return table[self._key(table, kind)]
 
-    def nodes(self, P: int):
-        """(N nodes, L ranks per node) of P ranks in the node topology."""
+    def nodes(self, P: int, per_node=None):
+        """(N nodes, L ranks per node) of a group of P ranks in the node topology: a CP group lies node by
+        node (L = min(gpus_per_node, P)); a sub-group has `per_node` of its ranks on each node (clamped to
+        [1, min(gpus_per_node, P)]), e.g. 1 for the ranks with the same local index on every node."""
         G = max(int(self.gpus_per_node), 1)
-        return -(-int(P) // G), min(G, int(P))
+        L = min(G, int(P)) if per_node is None else max(1, min(int(per_node), G, int(P)))
+        return -(-int(P) // L), L
 
-    def parts(self, kind: str, P: int, n: float) -> dict:
+    def parts(self, kind: str, P: int, n: float, per_node=None) -> dict:
         """The node model's pieces of one collective, in seconds: latency, nvlink (NVLink bandwidth
         time), network (NIC bandwidth time), and combine ("max": the two overlap, time = latency +
-        max(nvlink, network)). See the class docstring for the formulas."""
+        max(nvlink, network)). See the class docstring for the formulas. per_node: ranks of this group
+        per node when it is a sub-group of the CP group (`nodes`); None: the CP group's own layout."""
         z = dict(latency=0.0, nvlink=0.0, network=0.0)
         if P <= 1:
             return z
-        N, L = self.nodes(P)
+        N, L = self.nodes(P, per_node)
         ia = self.intra[self._key(self.intra, kind)]
         na = self.inter[self._key(self.inter, kind)]
         h = min(self.intra_hop_s, ia.alpha_s)
@@ -980,13 +1024,15 @@ class LinkModel:
             raise ValueError(f"unknown collective kind {kind!r}")
         return z
 
-    def time(self, kind: str, P: int, n: float) -> float:
-        """Seconds for one collective of `kind` over P ranks with message n bytes (`PredRecord.msg`)."""
+    def time(self, kind: str, P: int, n: float, per_node=None) -> float:
+        """Seconds for one collective of `kind` over P ranks with message n bytes (`PredRecord.msg`);
+        per_node: ranks of the group per node for a sub-group of the CP group (`nodes`), None for the CP
+        group itself (the default: every caller before the two-level all-to-all)."""
         if self.topology == "flat":
-            return self.ab(kind, P).time(kind, P, n)
+            return self.ab(kind, P, per_node).time(kind, P, n)
         if self.topology != "node":
             raise ValueError(f"topology must be 'flat' or 'node', got {self.topology!r}")
-        z = self.parts(kind, P, n)
+        z = self.parts(kind, P, n, per_node)
         return z["latency"] + max(z["nvlink"], z["network"])
 
     def to_dict(self):

@@ -459,3 +459,291 @@ def test_summary_reports_k1_best_k_and_overlap(tmp_path):
     assert all(e["best"]["k"] >= 1 for e in p64)
     md = (tmp_path / "simulate_scaling.md").read_text()
     assert "Topology 'node'" in md and "Topology 'flat'" in md and "best k + ovl" in md
+
+
+# ------------------------------------------------ the fused backward gather and the two-level all-to-all
+
+SHAPE = dict(B=16, Hq=32, Hkv=8, D=128)
+
+
+def _records_before(P, k, *, nb_max, B=16, Hq=32, D=128, elem=2, acc=4):
+    """The op's per-chunk records BEFORE the fused gather and the two-level all-to-all (as
+    bench.predicted_records wrote them): dO and stats gathered separately, one [O | lse] and one dQ
+    all-to-all per chunk."""
+    recs = []
+
+    def add(op, kind, msg, c):
+        recs.append(bench.PredRecord(f"splitkv.{op}", kind, 2 * (P - 1) * msg if P > 1 else 0, msg, c))
+
+    bounds = bench.chunk_bounds(k, nb_max)
+    for c, (b0, b1) in enumerate(bounds):
+        rc = (b1 - b0) * B
+        add("fwd.q", "all_gather", rc * Hq * D * elem, c)
+        add("fwd.out", "all_to_all", rc * Hq * (D + acc // elem) * elem, c)
+    for c, (b0, b1) in enumerate(bounds):
+        rc = (b1 - b0) * B
+        add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
+        add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
+        add("bwd.dq", "all_to_all", rc * Hq * D * elem, c)
+    return recs
+
+
+def _today_ms(P, comp, recs, link, fwd_fraction, proj):
+    """The simulator's Split-KV time as it was before the variants (one NCCL stream, every record timed by
+    link.time(kind, P, msg), summed per name and chunk): the reference L = 1 must reproduce bit for bit."""
+    import simulate_scaling as ss
+
+    n = len(comp)
+    per, serial = {}, []
+    for r in recs:
+        name = r.op.split(".", 1)[1]
+        t = link.time(r.kind, P, r.msg) * 1e3
+        if name in ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq"):
+            key = (name, min(max(r.step, 0), n - 1))
+            per[key] = per.get(key, 0.0) + t
+        else:
+            serial.append(t)
+
+    def col(name):
+        return [per.get((name, c), 0.0) for c in range(n)]
+
+    K = [fwd_fraction * c for c in comp]
+    KB = [(1 - fwd_fraction) * c for c in comp]
+    t = (sum(serial) + ss.splitkv_forward_ms(col("fwd.q"), K, col("fwd.out"), pre=proj[0])
+         + ss.splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"), post=proj[1]))
+    return t, sum(serial) + sum(per.values())
+
+
+@pytest.mark.parametrize("topology", ["node", "flat"])
+@pytest.mark.parametrize("P", [2, 8, 16, 64])
+def test_one_rank_per_node_or_whole_group_reproduces_today_exactly(topology, P):
+    """cp_ranks_per_node L = 1 or L >= P (one all-to-all) with the separate gathers gives exactly the
+    model before the variants, from the records before the change (bwd_gather separate / auto) and from
+    the op's new records (fused dO gather split back by the formula)."""
+    import simulate_scaling as ss
+
+    link = _link(topology)
+    nb = 512 // P
+    for k in (1, 2, 3):
+        old = _records_before(P, k, nb_max=nb)
+        new = bench.predicted_records("splitkv", P=P, rank=0, n_blocks=[nb] * P, n_ctx=[4096] * P, metadata=True,
+                                      num_chunks=k, **SHAPE)
+        comp = [10.0 / k + 0.1 * c for c in range(k)]
+        for proj in ((0.0, 0.0), (0.35, 0.7)):
+            ref_t, ref_comm = _today_ms(P, comp, old, link, 0.3, proj)
+            for L in (1, P, 2 * P):
+                for recs, g in ((old, "separate"), (old, "auto"), (new, "separate")):
+                    det = {}
+                    r = ss.method_time("splitkv", P, comp, recs, link, fwd_fraction=0.3, overhead_ms=1.0,
+                                       proj_ms=proj, bwd_gather=g, cp_ranks_per_node=L, D=128, detail=det)
+                    assert r["total_ms"] == ref_t + 1.0 and r["comm_ms"] == ref_comm, (k, L, g, proj)
+                    assert det["layout"] is None and r["node_merge_ms"] == 0.0
+                    assert sum(det["bytes_by_name"].values()) == sum(x.bytes for x in old)
+
+
+def _sent_per_chunk(cs, name, n):
+    """Bytes SENT per rank per chunk by the collectives of `name` (comm_stats counts sent + received)."""
+    return [sum(x.bytes for x in cs[name][c]) / 2 for c in range(n)]
+
+
+@pytest.mark.parametrize("P,L", [(64, 8), (16, 8), (32, 4), (16, 2)])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_two_level_stage_bytes_match_the_formula(P, L, k):
+    """Per rank and chunk (Lq_c rows in the chunk, N = P / L): stage 1 sends (L - 1) / L x Lq_c x Hq x
+    (2 D + 4) bytes (bf16 O, lse packed), stage 2 (N - 1) / N x Lq_c / L x Hq x (4 D + 4) (fp32 O and lse);
+    dQ the same without the lse (2 D, 4 D). Both from the single all-to-all's records (formula) and, when
+    this tree's predicted_records issues them, from its own ".intra" / ".inter" records."""
+    import simulate_scaling as ss
+
+    Hq, D, B, nb = 32, 128, 16, 512 // P
+    N = P // L
+    lq = [(b1 - b0) * B * P for b0, b1 in bench.chunk_bounds(k, nb)]
+    kw = dict(P=P, rank=0, n_blocks=[nb] * P, n_ctx=[4096] * P, metadata=True, num_chunks=k, **SHAPE)
+    sources = [bench.predicted_records("splitkv", cp_ranks_per_node=1, **kw)]
+    two = bench.predicted_records("splitkv", cp_ranks_per_node=L, **kw)
+    if any(r.op.endswith(".intra") for r in two):
+        sources.append(two)
+    for recs in sources:
+        cs = ss.splitkv_collectives(recs, P, k, cp_ranks_per_node=L, gpus_per_node=8, D=D)
+        assert cs["layout"] == dict(L=L, N=N, intra_per_node=L, inter_per_node=8 // L)
+        for c in range(k):
+            (i1, i2), (d1, d2) = cs["fwd.out"][c], cs["bwd.dq"][c]
+            assert (i1.name, i1.group, i1.stream, i2.name, i2.group, i2.stream) == (
+                "fwd.out.intra", L, "N1", "fwd.out.inter", N, "N2")
+            assert i1.bytes / 2 == pytest.approx((L - 1) / L * lq[c] * Hq * (2 * D + 4), rel=1e-12)
+            assert i2.bytes / 2 == pytest.approx((N - 1) / N * lq[c] / L * Hq * (4 * D + 4), rel=1e-12)
+            assert d1.bytes / 2 == pytest.approx((L - 1) / L * lq[c] * Hq * 2 * D, rel=1e-12)
+            assert d2.bytes / 2 == pytest.approx((N - 1) / N * lq[c] / L * Hq * 4 * D, rel=1e-12)
+    if len(sources) == 2:  # the op's records and the formula agree message by message
+        a, b = (ss.splitkv_collectives(r, P, k, cp_ranks_per_node=L, D=D) for r in sources)
+        for name in ("fwd.out", "bwd.dq"):
+            assert [[(x.name, x.group, x.msg) for x in a[name][c]] for c in range(k)] == \
+                   [[(x.name, x.group, x.msg) for x in b[name][c]] for c in range(k)]
+
+
+def test_two_level_cuts_the_forward_merge_nic_bytes_to_a_quarter():
+    """P = 64 on 8-GPU nodes, L = 8: the [O | lse] bytes each rank sends through its NIC fall from 56/63 of
+    the partials in bf16 (56 x rc Hq (2 D + 4)) to 7 fp32 node partials (7 x rc Hq (4 D + 4)): 0.248x."""
+    import simulate_scaling as ss
+
+    link, P, D = _link("node"), 64, 128
+    recs = bench.predicted_records("splitkv", P=P, rank=0, n_blocks=[8] * P, n_ctx=[16384] * P, metadata=True,
+                                   num_chunks=1, **SHAPE)
+    nic = {}
+    for L in (1, 8):
+        cs = ss.splitkv_collectives(recs, P, 1, cp_ranks_per_node=L, D=D)
+        nic[L] = {name: sum(x.nic_bytes(link) for x in cs[name][0]) for name in ("fwd.out", "bwd.dq")}
+    rc_hq = 128 * 32
+    assert nic[1]["fwd.out"] == 56 * rc_hq * (2 * D + 4)
+    assert nic[8]["fwd.out"] == 7 * rc_hq * (4 * D + 4)
+    ratio = nic[8]["fwd.out"] / nic[1]["fwd.out"]
+    assert ratio == pytest.approx(7 * 516 / (56 * 260)) and 0.23 < ratio < 0.27
+    assert nic[8]["bwd.dq"] / nic[1]["bwd.dq"] == pytest.approx(0.25)  # fp32 vs bf16 partials, 7 vs 56 peers
+    # stage 1 stays on the node: no NIC bytes; stage 2 has no NVLink part (one rank per node, no PXN relay)
+    cs = ss.splitkv_collectives(recs, P, 1, cp_ranks_per_node=8, D=D)
+    s1, s2 = cs["fwd.out"][0]
+    assert s1.nic_bytes(link) == 0 and link.parts(s1.kind, s1.group, s1.msg, s1.per_node)["network"] == 0
+    z2 = link.parts(s2.kind, s2.group, s2.msg, s2.per_node)
+    assert z2["nvlink"] == 0 and z2["network"] == pytest.approx(7 * s2.msg / 50e9)
+
+
+def test_fused_backward_gather_pays_one_latency():
+    """One all-gather of [dO | delta, lse] per chunk instead of two: the bytes of both, one latency. With
+    k = 1 and no overlap the backward saves exactly the stats gather's latency; both record sets agree."""
+    import simulate_scaling as ss
+
+    for P in (8, 64):
+        link = _link("node")
+        old = _records_before(P, 1, nb_max=512 // P)
+        new = bench.predicted_records("splitkv", P=P, rank=0, n_blocks=[512 // P] * P, n_ctx=[4096] * P,
+                                      metadata=True, num_chunks=1, **SHAPE)
+        res = {}
+        for recs in (old, new):
+            for g in ("separate", "fused"):
+                cs = ss.splitkv_collectives(recs, P, 1, bwd_gather=g, D=128)
+                d, st = cs["bwd.dout"][0], cs["bwd.stats"][0]
+                rows_hq = (512 // P) * 16 * 32
+                if g == "fused":
+                    assert len(d) == 1 and st == [] and d[0].msg == rows_hq * (128 * 2 + 8)
+                else:
+                    assert [x.msg for x in d + st] == [rows_hq * 256, rows_hq * 8]
+                res[(id(recs), g)] = ss.method_time("splitkv", P, [10.0], recs, link, fwd_fraction=0.3,
+                                                    overhead_ms=0.0, bwd_gather=g, D=128)["total_ms"]
+        for g in ("separate", "fused"):
+            assert res[(id(old), g)] == pytest.approx(res[(id(new), g)], rel=1e-12)  # robust to both record sets
+        lat = link.parts("all_gather", P, 1.0)["latency"] * 1e3
+        assert res[(id(old), "separate")] - res[(id(old), "fused")] == pytest.approx(lat, rel=1e-9)
+    # auto: as the records are
+    assert ss.splitkv_collectives(old, 64, 1)["bwd_gather"] == "separate"
+    assert ss.splitkv_collectives(new, 64, 1)["bwd_gather"] == "fused"
+
+
+def test_two_level_schedule_hand_computed():
+    """k = 1: serial G + K + stage 1 + node merge + stage 2. k = 2 (inline, as built): Q gathers [0, 1],
+    [1, 2]; kernel 0 [1, 6]; stage 1 of 0 [6, 7] waited; merge 0 [7, 7.5]; stage 2 of 0 [7.5, 9.5] behind
+    kernel 1 [7.5, 12.5]; stage 1 of 1 [12.5, 13.5]; merge [13.5, 14]; stage 2 [14, 16]: 16. Deferred: kernel
+    1 [6, 11] right after kernel 0, stage 1 of 0 [6, 7] hidden; merge 0 [11, 11.5], stage 2 of 0 [11.5, 13.5];
+    stage 1 of 1 [11, 12] waited; merge 1 [12, 12.5]; stage 2 of 1 [13.5, 15.5] (after stage 2 of 0 on "N2"): 15.5."""
+    import simulate_scaling as ss
+
+    assert ss.splitkv_forward_ms([1.0], [5.0], [2.0], A1=[1.0], NM=[0.5]) == pytest.approx(9.5)
+    assert ss.splitkv_forward_ms([1.0], [5.0], [2.0], A1=[1.0], NM=[0.5], defer=True) == pytest.approx(9.5)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2, 2], A1=[1, 1], NM=[0.5, 0.5]) == pytest.approx(16.0)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2, 2], A1=[1, 1], NM=[0.5, 0.5], defer=True) == pytest.approx(15.5)
+    # backward, k = 1: dO + stats + kernel + stage 1 + node sum + stage 2; fused gather: no stats
+    assert ss.splitkv_backward_ms([1.0], [0.5], [20.0], [2.0], RQ1=[1.0], NS=[0.5]) == pytest.approx(25.0)
+    assert ss.splitkv_backward_ms([1.0], [0.0], [20.0], [2.0], RQ1=[1.0], NS=[0.5]) == pytest.approx(24.5)
+    # the projection backward hides stage 2 only (stage 1 and the node sum are waited inside the op)
+    assert ss.splitkv_backward_ms([1.0], [0.0], [20.0], [2.0], RQ1=[1.0], NS=[0.5], post=5.0) == pytest.approx(22.5)
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 5):
+        for _ in range(30):
+            G, K, A, A1, NM = (list(rng.uniform(0, 3, n)) for _ in range(5))
+            t, td = (ss.splitkv_forward_ms(G, K, A, A1=A1, NM=NM, defer=d) for d in (False, True))
+            serial = sum(G) + sum(K) + sum(A) + sum(A1) + sum(NM)
+            last = sum(G) + K[-1] + A1[-1] + NM[-1] + A[-1]  # the last chunk's chain after every Q gather
+            for x in (t, td):
+                assert max(sum(K) + sum(NM), last) - 1e-9 <= x <= serial + 1e-9
+            assert t >= sum(K) + sum(A1) + sum(NM) - 1e-9  # inline: every stage 1 on the compute path
+            # (deferred is not always faster: it holds each stage 2 back by one kernel)
+
+
+def test_sub_group_link_model():
+    """per_node: a stage-1 group of L consecutive ranks of one node is the CP group of L ranks (NVLink only);
+    a stage-2 group of N ranks, one per node, is NIC only with one network latency and no PXN relay."""
+    for topo in ("node", "flat"):
+        link = _link(topo)
+        for L in (2, 4, 8):
+            for kind in KINDS:
+                assert link.time(kind, L, 1 << 22, per_node=L) == link.time(kind, L, 1 << 22)
+    link = _link("node")
+    ab, n = link.intra["reduce_scatter"], 1 << 22
+    for N in (2, 4, 8):
+        z = link.parts("all_to_all", N, n, per_node=1)
+        assert z["nvlink"] == 0 and z["network"] == pytest.approx((N - 1) * n / 50e9)
+        assert z["latency"] == pytest.approx(ab.alpha_s - link.intra_hop_s + 15e-6 + (N - 2) * link.a2a_peer_s)
+        assert _link("flat").time("all_to_all", N, n, per_node=1) == pytest.approx((N - 1) * (15e-6 + n / 50e9))
+    assert link.nodes(8, per_node=1) == (8, 1) and link.nodes(8, per_node=8) == (1, 8) and link.nodes(64) == (8, 8)
+
+
+def test_model_only_variants_end_to_end(tmp_path):
+    import simulate_scaling as ss
+
+    res = ss.main(["--model-only", "--cps", "1,2,8,64", "--ctx-per-rank", "4096", "--placements", "lpt",
+                   "--num-chunks", "1,2", "--bwd-gather", "separate,fused", "--cp-ranks-per-node", "1,8",
+                   "--out", str(tmp_path)])
+    labels = ["sep/L=1", "fused/L=1", "sep/L=8", "fused/L=8"]
+    assert [v["label"] for v in res["variants"]] == labels
+
+    def key(r):
+        return r["P"], r["num_chunks"], r["topology"], r["overlap_q_gather"]
+
+    sk = {(r["variant"],) + key(r): r for r in res["rows"] if r["method"] == "splitkv"}
+    assert len(sk) == len([r for r in res["rows"] if r["method"] == "splitkv"])
+    for (v, P, k, topo, ovl), r in sk.items():
+        assert r["two_level"] == (v.endswith("L=8") and P == 64)
+        if P <= 8 and v.endswith("L=8"):  # L >= P: the single all-to-all, exactly as L = 1
+            assert r["total_ms"] == sk[(v.replace("L=8", "L=1"), P, k, topo, ovl)]["total_ms"]
+        if r["two_level"]:
+            assert {"fwd.out.intra", "fwd.out.inter", "bwd.dq.intra", "bwd.dq.inter"} <= set(r["bytes_by_name"])
+            assert r["node_merge_ms"] > 0 and "fwd.out" not in r["bytes_by_name"]
+        assert ("bwd.stats" in r["bytes_by_name"]) == v.startswith("sep") or P == 1
+    for e in res["summary"]:
+        assert set(e["variants"]) == set(labels)
+        best = min(e["variants"][v]["best_ovl"]["T"] for v in labels)
+        assert e["head"]["T"] == best and e["variants"][e["headline_variant"]]["best_ovl"]["T"] == best
+        assert e["best_ovl"] == e["variants"]["sep/L=1"]["best_ovl"]  # the reference columns: the first variant
+        if e["P"] == 64 and e["topology"] == "node":  # the two changes help at P = 64, each and together
+            T = {v: e["variants"][v]["best_ovl"]["T"] for v in labels}
+            assert T["fused/L=8"] < min(T["fused/L=1"], T["sep/L=8"])
+            assert max(T["fused/L=1"], T["sep/L=8"]) < T["sep/L=1"]
+    md = (tmp_path / "simulate_scaling.md").read_text()
+    assert "splitkv variants" in md and "fused/L=8: best k + ovl" in md and "headline (best variant)" in md
+
+
+def test_measured_mode_cpu_runs_the_variants(tmp_path):
+    """The measured path (kernel shards and the node merge timed on the device; here the CPU, tiny shapes)
+    carries the new options: L = 2 on 2-rank 'nodes' makes P = 4 two-level."""
+    import simulate_scaling as ss
+
+    res = ss.main(["--cpu", "--cps", "1,2,4", "--ctx-per-rank", "256", "--anchors", "8", "--B", "4", "--Hq", "4",
+                   "--Hkv", "2", "--D", "16", "--hidden", "64", "--reps", "1", "--gpus-per-node", "2",
+                   "--methods", "splitkv", "--placements", "lpt", "--num-chunks", "1,2",
+                   "--bwd-gather", "separate,fused", "--cp-ranks-per-node", "1,2", "--out", str(tmp_path)])
+    assert res["node_merge"]["source"].startswith("measured")
+    two = [r for r in res["rows"] if r["two_level"]]
+    assert two and {r["P"] for r in two} == {4} and all(r["cp_ranks_per_node"] == 2 for r in two)
+    assert all(r["compute_source"].startswith("measured") for r in res["rows"] if r["num_chunks"] == 1)
+    assert all(np.isfinite(r["total_ms"]) and r["total_ms"] > 0 for r in res["rows"])
+
+
+@pytest.mark.parametrize("argv,flag", [(["--cp-ranks-per-node", "3"], "--cp-ranks-per-node"),
+                                       (["--cp-ranks-per-node", "0"], "--cp-ranks-per-node"),
+                                       (["--bwd-gather", "both"], "--bwd-gather"),
+                                       (["--merge-gbs", "0"], "--merge-gbs")])
+def test_variant_flag_errors(argv, flag, capsys):
+    import simulate_scaling as ss
+
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--model-only", "--cps", "1,2,8"] + argv)
+    assert e.value.code == 2 and flag in capsys.readouterr().err

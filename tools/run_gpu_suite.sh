@@ -65,12 +65,12 @@ TUNE_S=${SUITE_TUNE_S:-75}
 CPU=${SUITE_CPU:-0}
 BACKEND=${SUITE_BACKEND:-auto}  # local kernel of the ops in bench / slow / exact / simulate
 GC_X=(); BENCH_X=(--row-target-s 0.6 --sdpa-max-lk 32768); TUNE_X=()
-SIM_X=(--cps 1,2,8,16,32,64 --backend "${SUITE_SIM_BACKEND:-$BACKEND}" --topology node,flat)
+SIM_X=(--cps 1,2,8,16,32,64 --backend "${SUITE_SIM_BACKEND:-$BACKEND}" --topology node,flat --bwd-gather auto,separate,fused --cp-ranks-per-node 1,8)
 if [[ "$CPU" == 1 ]]; then
   GC_X=(--cpu); BENCH_X=(--cpu-smoke --row-target-s 0.2); TUNE_X=(--cpu); CONTEXTS=512,1024; SLOW_CTX=512
   AB_CTX=1024
   SIM_X=(--cpu --cps 1,2,4 --ctx-per-rank 256 --anchors 8 --B 4 --Hq 4 --Hkv 2 --D 16 --hidden 64 --reps 2 \
-         --gpus-per-node 2 --topology node,flat)
+         --gpus-per-node 2 --topology node,flat --bwd-gather auto,separate,fused --cp-ranks-per-node 1,2)
   export NIGHTLY_CPU=1
 fi
 AB_X=()

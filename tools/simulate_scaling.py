@@ -60,6 +60,22 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     accumulator exchanges share the link), plus the last dK/dV hop exposed. Ring steps are synchronous:
     the most loaded rank's step time is used.
     Forward share of kernel time: `--fwd-fraction` (0.29, docs/benchmarks.md: flex fwd 3.06 of 10.15 ms).
+  - splitkv variants (compared in one run, one set of rows each; the first is the summary's reference, the
+    best at the headline setting per P is the headline; `splitkv_collectives`, `splitkv_time_ms`):
+    `--bwd-gather` separate / fused / auto: the backward's dO and (delta, lse) as two all-gathers per chunk,
+    or ONE all-gather of [dO | delta, lse] (the stats bit-packed in the inputs' dtype: the bytes of both, one
+    latency), auto = as `bench.predicted_records` issues them (no "splitkv.bwd.stats" = fused; either record
+    set is converted to the variant asked for). `--cp-ranks-per-node` L (comma list; clamped to P; 1 or >= P
+    = one all-to-all, bit for bit the model before): the two-level all-to-all of [O | lse] and of dQ: stage
+    1 among the node's L ranks (NVLink; the rows of the N = P / L owners with each local index, inputs'
+    dtype), waited on the compute stream, which merges (forward) or sums (dQ) the L partials in fp32
+    (`--merge-gbs` of received bytes, measured on the device in measured mode), then stage 2 among the N
+    ranks with the same local index (one per node, NICs; fp32 node partials), in flight behind the next
+    kernel / the k/v projection's backward; each stage on its sub-group's own NCCL stream. Messages from the
+    op's "<name>.intra" / "<name>.inter" records when present, else `two_level_msgs`. `--two-level-wait
+    deferred` (default, as the op is built: chunk c's node merge and stage 2 are issued after chunk c + 1's
+    kernel and stage 1, so stage 1 overlaps that kernel); `inline`: a what-if (stage 1 waited right after
+    its own chunk's kernel).
   - own block: fused into the kernel call (second intervals over the block keys appended after the
     context, `ops.common.with_own_blocks`) when the tree does it (`--fused-own-block auto`): its few
     FLOPs are in the kernel calls (`bench.kernel_calls`) and no separate pass remains. The stated
@@ -78,17 +94,20 @@ Not modelled: NCCL kernels slowing the attention kernel (SM contention), NCCL's 
 algorithms, network congestion, the op-level cost of chunks beyond their kernel calls in measured mode
 (dK/dV accumulation across chunks), and the rest of the layer (projections, MLP) except as overlap windows.
 
-Outputs to --out: simulate_scaling.json (rows for every P x method x placement x k x topology x overlap,
-plus "summary"), simulate_scaling.md (a summary table per topology: splitkv k = 1 / best k, without / with
-the overlap, allgather-kv, ring-kv, speedup; then the headline topology's rows), simulate_scaling.png
-(matplotlib), and the tables printed last. With `--bench-json` (bench_attention.json of the same run) a
-CP=2 row shows the measured op time next to the model's.
+Outputs to --out: simulate_scaling.json (rows for every P x method x placement x k x topology x overlap x
+splitkv variant, plus "summary"), simulate_scaling.md (a summary table per topology: splitkv k = 1 / best k,
+without / with the overlap, allgather-kv, ring-kv, speedup; with several splitkv variants one more table
+per topology: every variant's best k (+ ovl) and the best variant; then the headline topology's rows),
+simulate_scaling.png (matplotlib), and the tables printed last. With `--bench-json` (bench_attention.json
+of the same run) a CP=2 row shows the measured op time next to the model's.
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --out $OUT          # measured (2 GPUs)
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out $OUT
   python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
       --out /tmp/sim                                                        # CPU, FLOP model
+  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+      --bwd-gather separate,fused --cp-ranks-per-node 1,8 --out /tmp/sim    # before / after the two op changes
 """
 
 from __future__ import annotations
@@ -96,6 +115,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import sys
@@ -183,22 +203,22 @@ class Streams:
     `wait(stream, t)` is a cudaStreamWaitEvent: later work on `stream` starts no earlier than t."""
 
     def __init__(self):
-        self.free = {"C": 0.0, "N": 0.0}
+        self.free = {"C": 0.0, "N": 0.0}  # further NCCL streams ("N1", "N2": sub-group communicators) on first use
 
     def op(self, stream, dur, deps=()):
-        start = max([self.free[stream]] + [d for d in deps if d is not None])
+        start = max([self.free.get(stream, 0.0)] + [d for d in deps if d is not None])
         self.free[stream] = start + dur
         return self.free[stream]
 
     def wait(self, stream, t):
         if t is not None:
-            self.free[stream] = max(self.free[stream], t)
+            self.free[stream] = max(self.free.get(stream, 0.0), t)
 
     def end(self):
         return max(self.free.values())
 
 
-def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0):
+def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False):
     """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
     two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
     c + 1 (prefetch), wait for chunk c's Q, kernel c, issue chunk c's all-to-all of [O | lse] (after the
@@ -211,11 +231,21 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0):
     work, not the op's, so it is subtracted: the result is the op's time from the moment the projections
     end (>= the time without `pre` minus `pre`, never less than the compute). With pre > 0 the gathers of
     ALL chunks are issued first, as `ops.splitkv_start_query_gather` does (then the all-to-alls queue
-    behind them on the NCCL stream)."""
+    behind them on the NCCL stream).
+
+    A1, NM (per-chunk ms; None: the single all-to-all): the two-level all-to-all (`two_level_layout`). At
+    the place of the single all-to-all, chunk c's stage 1 (A1[c], the intra-node sub-group's NCCL stream
+    "N1") is issued after kernel c and WAITED by the compute stream, which then lse-merges the L partials
+    in fp32 (NM[c]); stage 2 (A2A[c], the inter-node sub-group's stream "N2") is issued after that merge
+    and overlaps the next kernel. So stage 1 and the node merge of every chunk are on the compute
+    stream's path; only stage 2 overlaps. defer=True (NOT how the op is built; a what-if): chunk c's stage
+    1 is waited only after kernel c + 1 was issued (merge c and stage 2 c after kernel c + 1), so stage 1
+    overlaps the next kernel too; the last chunk's is waited at once."""
     n = len(K)
     M = M or [0.0] * n
     S = Streams()
     g, a = [None] * n, [None] * n
+    held = []  # two-level: (chunk, stage-1 end) not yet waited
     early = pre > 0
     if early:
         S.op("C", pre)
@@ -228,14 +258,24 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0):
             g[c + 1] = S.op("N", G[c + 1])
         S.wait("C", g[c])
         k = S.op("C", K[c])
-        a[c] = S.op("N", A2A[c], [k])
+        if A1 is None:
+            a[c] = S.op("N", A2A[c], [k])
+        else:  # two-level: stage 1 waited, node merge, stage 2 in flight
+            held.append((c, S.op("N1", A1[c], [k])))
+            while len(held) > (1 if defer else 0):
+                c0, s1 = held.pop(0)
+                S.wait("C", s1)
+                a[c0] = S.op("N2", A2A[c0], [S.op("C", NM[c0] if NM else 0.0)])
+    for c0, s1 in held:
+        S.wait("C", s1)
+        a[c0] = S.op("N2", A2A[c0], [S.op("C", NM[c0] if NM else 0.0)])
     for c in range(n):
         S.wait("C", a[c])
         S.op("C", M[c])
     return S.end() - pre
 
 
-def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0):
+def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False):
     """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
     per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
     issue chunk c's dQ all-to-all (after the kernel). Ends when the last all-to-all and the compute
@@ -244,10 +284,17 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0):
 
     post: ms of compute that may run after the last kernel while the last dQ all-to-all is in flight (the
     k/v projections' backward, dgrad + wgrad: it needs dK/dV, complete after the last chunk, not dQ); the
-    layer's work, subtracted like `pre` in `splitkv_forward_ms`."""
+    layer's work, subtracted like `pre` in `splitkv_forward_ms`.
+
+    ST may be all zeros: the fused backward gather (one all-gather of [dO | delta, lse] per chunk, its time
+    in DO). RQ1, NS (None: the single dQ all-to-all): the two-level dQ all-to-all, as in the forward:
+    stage 1 (RQ1[c], stream "N1") waited by the compute stream, the fp32 node sum of the L partials
+    (NS[c]) on it, then stage 2 (RQ[c], stream "N2") in flight behind the next kernel; defer as in
+    `splitkv_forward_ms`."""
     n = len(KB)
     S = Streams()
     d, st, rq = [None] * n, [None] * n, [None] * n
+    held = []
     d[0] = S.op("N", DO[0])
     st[0] = S.op("N", ST[0])
     for c in range(n):
@@ -257,58 +304,294 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0):
         S.wait("C", d[c])
         S.wait("C", st[c])
         kb = S.op("C", KB[c])
-        rq[c] = S.op("N", RQ[c], [kb])
+        if RQ1 is None:
+            rq[c] = S.op("N", RQ[c], [kb])
+        else:
+            held.append((c, S.op("N1", RQ1[c], [kb])))
+            while len(held) > (1 if defer else 0):
+                c0, s1 = held.pop(0)
+                S.wait("C", s1)
+                rq[c0] = S.op("N2", RQ[c0], [S.op("C", NS[c0] if NS else 0.0)])
+    for c0, s1 in held:
+        S.wait("C", s1)
+        rq[c0] = S.op("N2", RQ[c0], [S.op("C", NS[c0] if NS else 0.0)])
     if post > 0:
         S.op("C", post)
     return S.end() - post
 
 
-_SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
+#: Split-KV's per-chunk collectives (record names after "splitkv."): Q gather, [O | lse] all-to-all, dO and
+#: stats gathers (one fused gather of [dO | delta, lse] when the op packs them: no "bwd.stats"), dQ
+#: all-to-all, and the two stages of the two-level all-to-all when the op issues them
+_SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq",
+                    "fwd.out.intra", "fwd.out.inter", "bwd.dq.intra", "bwd.dq.inter")
+
+#: `--bwd-gather`: auto = as the records say (no "splitkv.bwd.stats" record: the op packs the stats into
+#: the dO gather), separate = two all-gathers per chunk (dO; delta and lse), fused = one all-gather per chunk
+BWD_GATHERS = ("auto", "separate", "fused")
+
+#: stated rate (GB/s of RECEIVED stage-1 bytes) of the two-level all-to-all's node merge on the compute
+#: stream: forward, unpack the L bf16 partials to fp32, lse max, weights, weighted sum (`ops.common.
+#: merge_partials`); backward, sum the L bf16 dQ partials in fp32. ~10 HBM bytes per received 2-byte element
+#: (read bf16, write + read fp32, accumulate) at ~4 TB/s. Measured mode times it on the GPU instead.
+MERGE_GBS = 800.0
 
 
-def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0)):
+@dataclasses.dataclass(frozen=True)
+class Coll:
+    """One collective of the modelled Split-KV schedule. name: record name after "splitkv." ("fwd.out",
+    "fwd.out.intra", ...); kind; group: ranks in the collective's group; msg: bytes per rank and block
+    (`bench.PredRecord.msg` convention: an all-to-all sends msg to each of group - 1 peers); chunk (-1: not
+    chunked); per_node: ranks of the group per node for a sub-group of the CP group (None: the CP group,
+    node by node; `bench.LinkModel.nodes`); stream: "N" (the CP group's NCCL stream), "N1" / "N2" (the
+    two-level all-to-all's intra-node / inter-node sub-groups: own communicators, own streams)."""
+
+    name: str
+    kind: str
+    group: int
+    msg: float
+    chunk: int = -1
+    per_node: object = None
+    stream: str = "N"
+
+    @property
+    def bytes(self) -> float:
+        """Bytes sent + received by this rank (the comm_stats convention, `megatron_splitkv.comm`)."""
+        g = self.group
+        if g <= 1:
+            return 0.0
+        if self.kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            return 2.0 * (g - 1) * self.msg
+        if self.kind == "all_reduce":
+            return 4.0 * (g - 1) * self.msg / g
+        return float(self.msg)
+
+    def ms(self, link) -> float:
+        return link.time(self.kind, self.group, self.msg, per_node=self.per_node) * 1e3
+
+    def nic_bytes(self, link) -> float:
+        """Bytes this rank SENDS to peers on other nodes (all-to-all only; 0 for other kinds): (group - l)
+        msg with l the group's ranks on this node (`LinkModel.nodes`)."""
+        if self.kind != "all_to_all" or self.group <= 1:
+            return 0.0
+        _, l = link.nodes(self.group, self.per_node)
+        return float((self.group - l) * self.msg)
+
+
+def two_level_layout(P, cp_ranks_per_node, gpus_per_node=8):
+    """The two-level all-to-all's groups at CP size P with L = `cp_ranks_per_node` (clamped to P): None when
+    the op keeps ONE all-to-all (L = 1 or L = P: one rank per node, or the whole group on one node), else
+    dict(L, N = P / L, intra_per_node = ranks of a stage-1 group (L consecutive ranks) per node, inter_per_node
+    = ranks of a stage-2 group (the N ranks with one local index, stride L) per node: 1 when L = gpus per
+    node). Raises ValueError when L does not divide P."""
+    P = int(P)
+    L = min(int(cp_ranks_per_node), P)
+    if L <= 1 or L >= P:
+        return None
+    if P % L:
+        raise ValueError(f"cp_ranks_per_node {L} must divide the CP size {P}")
+    G = max(int(gpus_per_node), 1)
+    return dict(L=L, N=P // L, intra_per_node=min(L, G), inter_per_node=max(G // L, 1))
+
+
+def packed_row_bytes(D, elem, acc, stats=1):
+    """Bytes per row and head of a tensor of D elements in the inputs' dtype with `stats` fp32 (acc) values
+    bit-packed beside it (`ops.common.pack_partial`): (D + stats * max(acc / elem, 1)) * elem."""
+    return (D + stats * max(acc // elem, 1)) * elem
+
+
+def two_level_msgs(what, single_msg, N, *, D, elem=2, acc=4):
+    """(stage 1, stage 2) per-peer messages of the two-level all-to-all from the single all-to-all's per-peer
+    message m = rh x (row bytes), rh = the rows of ONE owner in the chunk x Hq:
+      fwd.out: m = rh (D + acc / elem) elem ([O | lse] packed in the inputs' dtype);
+        stage 1 (intra-node, L ranks): to local peer j' the rows of the N owners with local index j',
+          packed like m: N m;
+        stage 2 (inter-node, N ranks): to each other node the node-merged rows of ONE owner, fp32 O and
+          fp32 lse: rh (D + 1) acc.
+      bwd.dq: m = rh D elem; stage 1 N m (bf16 partials); stage 2 rh D acc (fp32 node sums).
+    Per rank and chunk (Lq_c = P rc rows in the chunk, rc per owner) that sends (L - 1) N m = (L - 1) / L
+    Lq_c Hq (D elem + acc) in stage 1 and (N - 1) rh (D + 1) acc = (N - 1) / N (Lq_c / L) Hq (D + 1) acc in
+    stage 2 (forward; dQ without the lse terms)."""
+    if what == "fwd.out":
+        rh = single_msg / packed_row_bytes(D, elem, acc)
+        return N * single_msg, rh * (D + 1) * acc
+    if what == "bwd.dq":
+        rh = single_msg / (D * elem)
+        return N * single_msg, rh * D * acc
+    raise ValueError(f"two-level all-to-all of {what!r}: only 'fwd.out' and 'bwd.dq'")
+
+
+def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_node=1, gpus_per_node=8,
+                        D=None, elem=2, acc=4):
+    """The collectives the modelled Split-KV op issues, from `bench.predicted_records` (either record set:
+    the op's before or after the fused backward gather and the two-level all-to-all), transformed to the
+    variant asked for. Returns dict(serial = [Coll] not chunked (exposed first), "fwd.q" / "fwd.out" /
+    "bwd.dout" / "bwd.stats" / "bwd.dq" = per-chunk lists of `Coll`, layout = `two_level_layout` (None: one
+    all-to-all), bwd_gather = "separate" / "fused" (resolved), sources = where each part came from).
+
+    - bwd_gather: "separate" = dO ("bwd.dout", rh D elem) and stats ("bwd.stats", rh 2 acc) as two
+      all-gathers per chunk; "fused" = ONE all-gather "bwd.dout" of rh (D + 2 acc / elem) elem per chunk
+      (the two messages' sum, one latency), no "bwd.stats"; "auto" = as the records are. Records without
+      "bwd.stats" are read as the fused gather (dout carries both): "separate" then splits it by the
+      formula (needs D).
+    - cp_ranks_per_node L (`two_level_layout`): L = 1 or L >= P: the records' single all-to-alls, unchanged
+      (bit for bit today's model). Otherwise stage 1 ("<name>.intra", group L, NVLink, stream "N1") and
+      stage 2 ("<name>.inter", group N, one rank per node, NICs, stream "N2"): from records with those
+      names when present (per-peer message = record bytes / (2 (group - 1)), the comm_stats convention),
+      else from the single all-to-all's message by `two_level_msgs` (needs D). Missing single records (a
+      two-level record set asked for one all-to-all) are rebuilt from the Q gather's message (rh = msg /
+      (D elem))."""
+    n = max(int(n_chunks), 1)
+    by, serial = {}, []
+    for r in recs:
+        name = r.op.split(".", 1)[1]
+        if name in _SPLITKV_CHUNKED:
+            key = (name, min(max(r.step, 0), n - 1))
+            by.setdefault(key, []).append(r)
+        else:
+            serial.append(Coll(name, r.kind, P, r.msg))
+    names = {k[0] for k in by}
+    lay = two_level_layout(P, cp_ranks_per_node, gpus_per_node) if P > 1 else None
+    has_stats = "bwd.stats" in names
+    if bwd_gather not in BWD_GATHERS:
+        raise ValueError(f"bwd_gather must be one of {BWD_GATHERS}, got {bwd_gather!r}")
+    mode = ("separate" if has_stats else "fused") if bwd_gather == "auto" else bwd_gather
+    src = dict(bwd_gather="records" if mode == ("separate" if has_stats else "fused") else "formula")
+
+    def need_d(what):
+        if D is None:
+            raise ValueError(f"splitkv_collectives: {what} needs the head dim D")
+        return D
+
+    def rec_colls(name, c):
+        return [Coll(name, r.kind, P, r.msg, c) for r in by.get((name, c), [])]
+
+    out = {k: [[] for _ in range(n)] for k in ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")}
+    for c in range(n):
+        out["fwd.q"][c] = rec_colls("fwd.q", c)
+    for what in ("fwd.out", "bwd.dq"):
+        for c in range(n):
+            single = by.get((what, c), [])
+            intra, inter = by.get((what + ".intra", c), []), by.get((what + ".inter", c), [])
+            if single:
+                m = float(sum(r.msg for r in single))
+            else:  # rebuilt from the Q gather: rh = rows of one owner x Hq
+                rh = sum(r.msg for r in by.get(("fwd.q", c), [])) / (need_d("a missing " + what) * elem)
+                m = rh * (packed_row_bytes(D, elem, acc) if what == "fwd.out" else D * elem)
+            if lay is None:
+                out[what][c] = rec_colls(what, c) if single else [Coll(what, "all_to_all", P, m, c)]
+                src[what] = "records" if single else "formula (from fwd.q)"
+            elif intra and inter:
+                L, N = lay["L"], lay["N"]
+                out[what][c] = (
+                    [Coll(what + ".intra", r.kind, L, r.bytes / (2.0 * (L - 1)), c, lay["intra_per_node"], "N1")
+                     for r in intra]
+                    + [Coll(what + ".inter", r.kind, N, r.bytes / (2.0 * (N - 1)), c, lay["inter_per_node"], "N2")
+                       for r in inter])
+                src[what] = "records (.intra / .inter)"
+            else:
+                m1, m2 = two_level_msgs(what, m, lay["N"], D=need_d("the two-level " + what), elem=elem, acc=acc)
+                out[what][c] = [Coll(what + ".intra", "all_to_all", lay["L"], m1, c, lay["intra_per_node"], "N1"),
+                                Coll(what + ".inter", "all_to_all", lay["N"], m2, c, lay["inter_per_node"], "N2")]
+                src[what] = "formula (two_level_msgs)"
+    for c in range(n):
+        dout, st = by.get(("bwd.dout", c), []), by.get(("bwd.stats", c), [])
+        if mode == "separate" and not has_stats:  # split the fused records: stats = rh 2 acc
+            m = float(sum(r.msg for r in dout))
+            rh = m / packed_row_bytes(need_d("splitting the fused dO gather"), elem, acc, stats=2)
+            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m - rh * 2 * acc, c)] if dout else []
+            out["bwd.stats"][c] = [Coll("bwd.stats", "all_gather", P, rh * 2 * acc, c)] if dout else []
+        elif mode == "fused" and has_stats:  # one gather: the two messages' sum
+            m = float(sum(r.msg for r in dout) + sum(r.msg for r in st))
+            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m, c)] if (dout or st) else []
+        else:
+            out["bwd.dout"][c], out["bwd.stats"][c] = rec_colls("bwd.dout", c), rec_colls("bwd.stats", c)
+    return dict(serial=serial, layout=lay, bwd_gather=mode, sources=src, **out)
+
+
+def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0), bwd_gather="auto",
+                    cp_ranks_per_node=1, D=None, elem=2, acc=4, merge_gbs=MERGE_GBS, two_level_wait="deferred",
+                    detail=None):
     """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
     (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
     (split forward / backward by `fwd_fraction`). Records not chunked (the self-contained call's
     "meta" / "fwd.block_meta" gathers) are exposed, before the pipeline. comm = all collectives' time
     (what a serial schedule would expose). proj_ms = (forward, backward) ms of the k/v projections the
     layer overlaps with the first Q gather and the last dQ all-to-all ((0, 0): no overlap, the op alone).
+    bwd_gather, cp_ranks_per_node, D, elem, acc: the variant (`splitkv_collectives`); with the two-level
+    all-to-all every chunk's node merge (forward) and node sum (backward) take L x the stage-1 per-peer
+    message (the received bytes, own partial included) / `merge_gbs` GB/s (one rate, or (forward,
+    backward)) on the compute stream (in the
+    returned total, not in comm). detail: a dict to fill with the variant's bytes per rank (comm_stats
+    convention) per collective name, the all-to-alls' off-node bytes sent per rank, the node merge ms, the
+    resolved bwd_gather, the layout and the sources. two_level_wait: "deferred" (as the op is built: stage 1
+    of chunk c waited after chunk c + 1's kernel was issued; `splitkv_forward_ms`) or "inline" (a what-if:
+    waited right after the chunk's own kernel).
     """
     n = max(len(comp_calls_ms), 1)
-    per = {}
-    serial = []
-    for r in recs:
-        name = r.op.split(".", 1)[1]
-        t = link.time(r.kind, P, r.msg) * 1e3
-        if name in _SPLITKV_CHUNKED:
-            c = min(max(r.step, 0), n - 1)
-            per[(name, c)] = per.get((name, c), 0.0) + t
-        else:
-            serial.append(t)
+    cs = splitkv_collectives(recs, P, n, bwd_gather=bwd_gather, cp_ranks_per_node=cp_ranks_per_node,
+                             gpus_per_node=link.gpus_per_node, D=D, elem=elem, acc=acc)
+    lay = cs["layout"]
 
-    def col(name):
-        return [per.get((name, c), 0.0) for c in range(n)]
+    def col(name, stream=None):
+        return [sum(x.ms(link) for x in cs[name][c] if stream is None or x.stream == stream) for c in range(n)]
+
+    rates = tuple(merge_gbs) if isinstance(merge_gbs, (tuple, list)) else (merge_gbs, merge_gbs)
+
+    def merge(name):  # ms of each chunk's node merge: the received stage-1 bytes (L blocks) at merge_gbs
+        gbs = rates[0] if name == "fwd.out" else rates[1]
+        return [sum(x.group * x.msg for x in cs[name][c] if x.stream == "N1") / (gbs * 1e9) * 1e3
+                for c in range(n)]
 
     comp = list(comp_calls_ms) or [0.0]
     K = [fwd_fraction * c for c in comp]
     KB = [(1 - fwd_fraction) * c for c in comp]
-    t_f = splitkv_forward_ms(col("fwd.q"), K, col("fwd.out"), pre=proj_ms[0])
-    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, col("bwd.dq"), post=proj_ms[1])
-    comm = sum(serial) + sum(per.values())
+    if lay is None:
+        A, A1, NM = col("fwd.out"), None, None
+        RQ, RQ1, NS = col("bwd.dq"), None, None
+    else:
+        A, A1, NM = col("fwd.out", "N2"), col("fwd.out", "N1"), merge("fwd.out")
+        RQ, RQ1, NS = col("bwd.dq", "N2"), col("bwd.dq", "N1"), merge("bwd.dq")
+    defer = two_level_wait == "deferred"
+    t_f = splitkv_forward_ms(col("fwd.q"), K, A, pre=proj_ms[0], A1=A1, NM=NM, defer=defer)
+    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS,
+                              defer=defer)
+    serial = [x.ms(link) for x in cs["serial"]]
+    # every chunk's collectives in the records' order (chunk by chunk, forward then backward), as summed before
+    per = [sum(x.ms(link) for x in cs[name][c]) for name in ("fwd.q", "fwd.out") for c in range(n)]
+    per = [v for c in range(n) for v in (per[c], per[n + c])]
+    per += [sum(x.ms(link) for x in cs[name][c]) for c in range(n) for name in ("bwd.dout", "bwd.stats", "bwd.dq")]
+    comm = sum(serial) + sum(per)
+    if detail is not None:
+        by_name, nic = {}, {}
+        for x in cs["serial"] + [x for name in ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")
+                                 for c in range(n) for x in cs[name][c]]:
+            by_name[x.name] = by_name.get(x.name, 0.0) + x.bytes
+            if x.kind == "all_to_all":
+                nic[x.name] = nic.get(x.name, 0.0) + x.nic_bytes(link)
+        detail.update(bytes_by_name=by_name, a2a_nic_bytes_sent=nic, bwd_gather=cs["bwd_gather"], layout=lay,
+                      sources=cs["sources"], node_merge_ms=sum(NM or []) + sum(NS or []))
     return sum(serial) + t_f + t_b, comm
 
 
-def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms, proj_ms=(0.0, 0.0)):
+def method_time(method, P, comp_calls_ms, recs, link, *, fwd_fraction, overhead_ms, proj_ms=(0.0, 0.0),
+                **variant):
     """T(P) in ms and its parts for one method. comp_calls_ms: the slowest rank's per-call fwd+bwd ms
     (splitkv: one per chunk; allgather-kv: one; ring-kv: one per step). Overlap as the code does it:
     splitkv pipelines its chunks (`splitkv_time_ms`; one chunk = no overlap) and, with proj_ms != (0, 0),
     hides its first Q gather behind the k/v projections and its last dQ all-to-all behind their backward;
-    allgather-kv none, ring-kv overlaps the next shard's exchange with the current step."""
+    allgather-kv none, ring-kv overlaps the next shard's exchange with the current step. variant: splitkv's
+    `splitkv_time_ms` options (bwd_gather, cp_ranks_per_node, D, elem, acc, merge_gbs, detail); the splitkv
+    result then has node_merge_ms (inside exposed_comm_ms: the two-level all-to-all's merges on the compute
+    stream)."""
     if method == "splitkv":
         comp = float(sum(comp_calls_ms))
-        t, comm = splitkv_time_ms(P, comp_calls_ms, recs, link, fwd_fraction=fwd_fraction, proj_ms=proj_ms)
+        detail = variant.pop("detail", None)
+        det = {} if detail is None else detail
+        t, comm = splitkv_time_ms(P, comp_calls_ms, recs, link, fwd_fraction=fwd_fraction, proj_ms=proj_ms,
+                                  detail=det, **variant)
         return dict(compute_ms=comp, comm_ms=comm, exposed_comm_ms=max(t - comp, 0.0), overhead_ms=overhead_ms,
-                    total_ms=t + overhead_ms)
+                    total_ms=t + overhead_ms, node_merge_ms=det.get("node_merge_ms", 0.0))
     if method == "allgather-kv":
         comp = float(sum(comp_calls_ms))
         comm = comm_time_s(recs, P, link) * 1e3
@@ -409,6 +692,15 @@ def check_args(ap, args):
     if not (np.isfinite(args.chunk_loss) and (args.chunk_loss >= 0 or args.chunk_loss == -1.0)):
         ap.error(f"--chunk-loss must be a finite number >= 0 (or -1: the fitted {CHUNK_LOSS}), got {args.chunk_loss}")
     args._topologies = bench.choices_arg(ap, "--topology", args.topology, ("node", "flat"), "topology")
+    args._bwd_gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
+                                                             "backward gather")))
+    args._ranks_per_node = list(dict.fromkeys(bench.int_list_arg(ap, "--cp-ranks-per-node", args.cp_ranks_per_node, 1)))
+    for L in args._ranks_per_node:
+        bad = [P for P in cps if P > L and P % L]
+        if bad:
+            ap.error(f"--cp-ranks-per-node {L} must divide every CP size above it; not {bad} of --cps")
+    if not (np.isfinite(args.merge_gbs) and args.merge_gbs > 0):
+        ap.error(f"--merge-gbs must be a finite number > 0, got {args.merge_gbs}")
     from megatron_splitkv.kernels import BACKENDS
 
     if args.backend not in BACKENDS:
@@ -482,6 +774,25 @@ def main(argv=None):
     ap.add_argument("--matmul-tflops", type=float, default=790.0,
                     help="model: bf16 matmul TF/s of the k/v projection (DESIGN.md section 5: ~790 on H200); "
                          "measured mode times the projection on the GPU instead")
+    ap.add_argument("--bwd-gather", default="auto",
+                    help="splitkv backward gathers per chunk, comma list (one splitkv variant per value, compared in "
+                         "one run): separate (dO; delta and lse: two all-gathers), fused (one all-gather of [dO | "
+                         "delta, lse], the stats bit-packed: the bytes of both, one latency), auto (as "
+                         "bench.predicted_records issues them: no 'bwd.stats' record = fused)")
+    ap.add_argument("--cp-ranks-per-node", default="1",
+                    help="splitkv's two-level all-to-all, comma list of L (CP ranks per node; one variant per value): "
+                         "1 = one all-to-all of the CP group (as before); L > 1 = stage 1 among the node's L ranks "
+                         "(NVLink, inputs' dtype), node merge in fp32, stage 2 among the N = P / L ranks of one "
+                         "local index (NICs, fp32) for the [O | lse] merge and the dQ sums; clamped to P (L >= P: "
+                         "one all-to-all); must divide every P of --cps that exceeds it")
+    ap.add_argument("--merge-gbs", type=float, default=MERGE_GBS,
+                    help=f"model: GB/s of received stage-1 bytes of the two-level all-to-all's node merge / node sum "
+                         f"on the compute stream (stated {MERGE_GBS:.0f}: ~10 HBM bytes per received bf16 element at "
+                         f"~4 TB/s); measured mode times the merge on the device")
+    ap.add_argument("--two-level-wait", default="deferred", choices=["inline", "deferred"],
+                    help="two-level all-to-all: deferred = as the op is built (stage 1 of chunk c waited after chunk "
+                         "c + 1's kernel was issued, so it overlaps that kernel; then the node merge and stage 2); "
+                         "inline = a what-if: each chunk's stage 1 waited right after its own kernel")
     ap.add_argument("--sample-ranks", type=int, default=2)
     ap.add_argument("--topology", default="node,flat",
                     help="communication model(s), comma list, the first is the headline: node (P ranks on "
@@ -643,6 +954,7 @@ def main(argv=None):
                                                                 jobs[t[1]][3], jobs[t[1]][0]))]
     comp = {}  # (j, r) -> list of per-call ms
     proj_rate = None  # measured (fwd, bwd) TF/s of the k/v projection
+    merge_rate = None  # measured (fwd, bwd) GB/s of the two-level all-to-all's node merge / node sum
     if measured:
         mine = [t for i, t in enumerate(tasks) if i % max(world, 1) == rank]
         shapes = dict(Hq=args.Hq, Hkv=args.Hkv, D=args.D)
@@ -683,6 +995,16 @@ def main(argv=None):
                 print(f"[overhead] CP=1 op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = {op_over:.2f} ms", flush=True)
             except Exception:  # noqa: BLE001
                 print(f"[overhead] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
+            if any(two_level_layout(P, L, args.gpus_per_node) for P in cps for L in args._ranks_per_node):
+                try:
+                    Lm = max(L for L in args._ranks_per_node if any(two_level_layout(P, L, args.gpus_per_node)
+                                                                   for P in cps))
+                    merge_rate = time_node_merge(min(Lm, max(cps)), args.anchors * args.B, args.Hq, args.D,
+                                                 dtype=dtype, device=dev, reps=args.reps)
+                    print(f"[node-merge] L={Lm}, {args.anchors * args.B} rows: fwd {merge_rate[0]:.1f} GB/s, "
+                          f"bwd {merge_rate[1]:.1f} GB/s of received bytes", flush=True)
+                except Exception:  # noqa: BLE001
+                    print(f"[node-merge] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
             try:
                 proj_rate = time_kv_projection(args.ctx_per_rank + args.anchors * args.B, args.hidden,
                                                2 * args.Hkv * args.D, dtype=dtype, device=dev, reps=args.reps)
@@ -694,13 +1016,15 @@ def main(argv=None):
             import torch.distributed as dist
 
             objs = [None] * world
-            dist.all_gather_object(objs, (local, op_over, proj_rate))
-            for loc, ov, pr in objs:
+            dist.all_gather_object(objs, (local, op_over, proj_rate, merge_rate))
+            for loc, ov, pr, mr in objs:
                 comp.update(loc)
                 if ov is not None:
                     op_over = ov
                 if pr is not None:
                     proj_rate = pr
+                if mr is not None:
+                    merge_rate = mr
         else:
             comp.update(local)
         overhead_ms = op_over if op_over is not None else args.op_overhead_ms
@@ -739,6 +1063,13 @@ def main(argv=None):
         proj_rate, proj_src = (args.matmul_tflops, args.matmul_tflops), f"stated {args.matmul_tflops:.0f} TF/s"
     else:
         proj_src = f"measured fwd {proj_rate[0]:.0f} / bwd {proj_rate[1]:.0f} TF/s"
+    if merge_rate is None:
+        merge_rate, merge_src = (args.merge_gbs, args.merge_gbs), f"stated {args.merge_gbs:.0f} GB/s"
+    else:
+        merge_src = f"measured fwd {merge_rate[0]:.0f} / bwd {merge_rate[1]:.0f} GB/s"
+    variants = splitkv_variants(args, elem)
+    log("[variants] " + "; ".join(f"{v['label']}: backward gather {v['bwd_gather']}, L = {v['cp_ranks_per_node']}"
+                                  for v in variants))
 
     def proj_ms(plan, r):
         """(fwd, bwd) ms of rank r's k/v projection: its context tokens + its query block tokens."""
@@ -746,8 +1077,10 @@ def main(argv=None):
         f = kv_proj_flops(tokens, args.hidden, args.Hkv, args.D)
         return f / (proj_rate[0] * 1e12) * 1e3, 2 * f / (proj_rate[1] * 1e12) * 1e3
 
-    # ---- assemble: every job under every topology, splitkv with and without the projection overlap
+    # ---- assemble: every job under every topology, splitkv with and without the projection overlap, per
+    # splitkv variant (backward gather x two-level all-to-all)
     rows = []
+    takes_l = "cp_ranks_per_node" in inspect.signature(bench.predicted_records).parameters
     for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         rks = [r for (jj, r) in tasks if jj == j]
@@ -755,22 +1088,42 @@ def main(argv=None):
         r_slow = max(rks, key=lambda r: sum(comp[(j, r)]))
         nb = [plan.blocks_per_rank] * P
         nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
-        recs = bench.predicted_records(m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq,
-                                       Hkv=args.Hkv, D=args.D, elem=elem, metadata=not args.no_metadata,
-                                       num_chunks=k)
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
         pj = proj_ms(plan, r_slow)
-        for topo in topologies:
-            for ovl in ((False, True) if m == "splitkv" else (False,)):
-                t = method_time(m, P, comp[(j, r_slow)], recs, links[topo], fwd_fraction=args.fwd_fraction,
-                                overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0))
-                rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
-                                 overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
-                                 context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
-                                 compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
-                                 sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
-                                 planner_imbalance=float(plan.imbalance), bytes_per_rank=sum(r.bytes for r in recs),
-                                 **t))
+        recs_of = {}
+        for v in (variants if m == "splitkv" else [None]):
+            L = v["cp_ranks_per_node"] if v else 1
+            if L not in recs_of:  # the op's records for this L (its own two-level records when it has them)
+                recs_of[L] = bench.predicted_records(
+                    m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq, Hkv=args.Hkv, D=args.D,
+                    elem=elem, metadata=not args.no_metadata, num_chunks=k,
+                    **({"cp_ranks_per_node": min(L, P)} if takes_l and m == "splitkv" else {}))  # clamped as the
+                # op clamps MEGATRON_SPLITKV_RANKS_PER_NODE: a CP group within one node gets one all-to-all
+            recs = recs_of[L]
+            opts = {} if v is None else dict(bwd_gather=v["bwd_gather"], cp_ranks_per_node=L, D=args.D, elem=elem,
+                                             acc=4, merge_gbs=merge_rate, two_level_wait=args.two_level_wait)
+            for topo in topologies:
+                for ovl in ((False, True) if m == "splitkv" else (False,)):
+                    det = {}
+                    t = method_time(m, P, comp[(j, r_slow)], recs, links[topo], fwd_fraction=args.fwd_fraction,
+                                    overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0),
+                                    **(dict(opts, detail=det) if v else {}))
+                    extra = {}
+                    if v is not None:
+                        lay = det.get("layout")
+                        extra = dict(variant=v["label"], bwd_gather=det.get("bwd_gather"), cp_ranks_per_node=L,
+                                     two_level=lay is not None, comm_sources=det.get("sources"),
+                                     bytes_by_name={a: int(round(b)) for a, b in det.get("bytes_by_name", {}).items()},
+                                     a2a_nic_bytes_sent={a: int(round(b)) for a, b in
+                                                         det.get("a2a_nic_bytes_sent", {}).items()})
+                    nbytes = sum(extra["bytes_by_name"].values()) if v else sum(r.bytes for r in recs)
+                    rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
+                                     overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
+                                     context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
+                                     compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
+                                     sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
+                                     planner_imbalance=float(plan.imbalance), bytes_per_rank=nbytes,
+                                     **extra, **t))
     # efficiency vs the method's own T at the smallest P given, per topology (P0 = 1 by default; the fastest
     # splitkv variant at P0: placements, chunk counts and overlap alike)
     p0 = min(cps)
@@ -809,6 +1162,7 @@ def main(argv=None):
         overhead_ms=overhead_ms, overhead_source=overhead_src,
         own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms, source=own_src),
         chunked_pipeline=has_chunks, chunk_loss=chunk_loss, kv_projection=dict(source=proj_src, tflops=list(proj_rate)),
+        variants=variants, node_merge=dict(source=merge_src, gbs=list(merge_rate)),
         measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
         rows=rows, wall_s=time.perf_counter() - t_start)
     result["summary"] = summarize(result)
@@ -854,6 +1208,50 @@ def time_kv_projection(tokens, hidden, out_features, *, dtype, device, reps=5):
     return flops / (f_ms * 1e9), 2 * flops / (b_ms * 1e9)
 
 
+def time_node_merge(L, rows, Hq, D, *, dtype, device, reps=5):
+    """Measured (forward, backward) GB/s of RECEIVED bytes of the two-level all-to-all's node merge: L packed
+    [O | lse] partials of rows / L rows (`ops.common.pack_partial`) unpacked to fp32 and lse-merged
+    (`unpack_partial` + `merge_partials`, as the owner merges); the dQ node sum of L partials in the inputs'
+    dtype, accumulated in fp32 one partial at a time (as `ops.splitkv._sum_dq_partials` sums)."""
+    from megatron_splitkv.ops.common import merge_partials, pack_partial, unpack_partial
+
+    r = max(int(rows) // int(L), 1)
+    acc = torch.float32
+    x = pack_partial(torch.randn(L * r, Hq, D, device=device, dtype=dtype),
+                     torch.randn(L * r, Hq, device=device, dtype=acc), dtype)
+    dq = torch.randn(L, r, Hq, D, device=device, dtype=dtype)
+
+    def fwd():
+        o, lse = unpack_partial(x, D, acc)
+        merge_partials(o.view(L, r, Hq, D), lse.view(L, r, Hq))
+
+    def bwd():
+        a = torch.zeros((r, Hq, D), dtype=acc, device=device)
+        for i in range(L):
+            a += dq[i]
+
+    f_ms, _, _ = bench.time_fn(fwd, device, reps=reps, warmup=2)
+    b_ms, _, _ = bench.time_fn(bwd, device, reps=reps, warmup=2)
+    return (x.numel() * x.element_size() / (max(f_ms, 1e-6) * 1e6),
+            dq.numel() * dq.element_size() / (max(b_ms, 1e-6) * 1e6))
+
+
+def splitkv_variants(args, elem=2):
+    """The splitkv variants of a run: every --cp-ranks-per-node L x every --bwd-gather, duplicates dropped,
+    in the order given (the first is the reference variant of the summary). "auto" stays auto: it is
+    resolved per P by the records this tree's `bench.predicted_records` issues there (the op fuses the
+    backward gathers only for groups larger than one node or with the two-level all-to-all,
+    `ops.common.fuse_bwd_gather`). Each: dict(label, bwd_gather, cp_ranks_per_node)."""
+    out = []
+    for L in args._ranks_per_node:
+        for g in args._bwd_gathers:
+            name = {"separate": "sep", "fused": "fused", "auto": "auto"}[g]
+            v = dict(label=f"{name}/L={L}", bwd_gather=g, cp_ranks_per_node=L)
+            if v not in out:
+                out.append(v)
+    return out
+
+
 _SOLO = [None]
 
 
@@ -866,26 +1264,37 @@ def label(res, r):
     """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines, and "+ovl"
     when the layer overlaps the Q gather / dQ all-to-all with the k/v projections."""
     k = r.get("num_chunks", 1)
+    var = f" [{r['variant']}]" if len(res.get("variants") or []) > 1 and r.get("variant") else ""
     if r["method"] == "splitkv" and (res.get("chunked_pipeline") or k != 1):
-        return f"splitkv k={k}" + (" +ovl" if r.get("overlap_q_gather") else "")
+        return f"splitkv k={k}" + (" +ovl" if r.get("overlap_q_gather") else "") + var
     if r["method"] == "splitkv" and r.get("overlap_q_gather"):
-        return "splitkv +ovl"
-    return r["method"]
+        return "splitkv +ovl" + var
+    return r["method"] + (var if r["method"] == "splitkv" else "")
+
+
+def variant_labels(res):
+    """The splitkv variants' labels in the run's order (the first is the reference); [None] for results
+    without variants."""
+    return [v["label"] for v in res.get("variants") or []] or [None]
 
 
 def summarize(res):
     """Per topology and P: splitkv (first placement) at k = 1 and at its best k, each without and with the
-    projection overlap; allgather-kv; ring-kv; and the headline splitkv's speedup over the faster
-    baseline. Returns a list of dicts (one per topology and P); each cell is {T, exposed, efficiency, k}
-    or None."""
+    projection overlap, for the reference variant (the first of `res["variants"]`) and, in "variants", for
+    every variant; allgather-kv; ring-kv; the headline variant (the fastest at the headline setting: best k,
+    with the overlap unless --overlap-q-gather off) and its speedup over the faster baseline. Returns a
+    list of dicts (one per topology and P); each cell is {T, exposed, efficiency, k, variant} or None."""
     rows = res["rows"]
     a = res["args"]
     first = a["placements"].split(",")[0].strip()
     head_ovl = a.get("overlap_q_gather", "on") == "on"
+    head_key = "best_ovl" if head_ovl else "best"
+    labels = variant_labels(res)
 
     def cell(r):
         return None if r is None else dict(T=r["total_ms"], exposed=r["exposed_comm_ms"], efficiency=r["efficiency"],
-                                           k=r.get("num_chunks", 1), source=r["compute_source"])
+                                           k=r.get("num_chunks", 1), source=r["compute_source"],
+                                           variant=r.get("variant"))
 
     out = []
     for topo in res.get("topologies", ["flat"]):
@@ -893,24 +1302,34 @@ def summarize(res):
             sel = [r for r in rows if r["P"] == P and r.get("topology", "flat") == topo]
             sk = [r for r in sel if r["method"] == "splitkv" and r["placement"] in (first, "-")]
 
-            def pick(ovl, k=None):
-                c = [r for r in sk if bool(r.get("overlap_q_gather")) == ovl and (k is None or r["num_chunks"] == k)]
+            def pick(ovl, k=None, var=None):
+                c = [r for r in sk if bool(r.get("overlap_q_gather")) == ovl and (k is None or r["num_chunks"] == k)
+                     and (var is None or r.get("variant") == var)]
                 return min(c, key=lambda r: r["total_ms"]) if c else None
 
+            per = {v: dict(k1=cell(pick(False, 1, v)), k1_ovl=cell(pick(True, 1, v)), best=cell(pick(False, None, v)),
+                           best_ovl=cell(pick(True, None, v))) for v in labels}
+            ref = per[labels[0]]
             ag = next((r for r in sel if r["method"] == "allgather-kv"), None)
             rg = next((r for r in sel if r["method"] == "ring-kv"), None)
-            e = dict(topology=topo, P=P, k1=cell(pick(False, 1)), k1_ovl=cell(pick(True, 1)),
-                     best=cell(pick(False)), best_ovl=cell(pick(True)), allgather_kv=cell(ag), ring_kv=cell(rg))
-            head = e["best_ovl"] if head_ovl else e["best"]
+            e = dict(topology=topo, P=P, allgather_kv=cell(ag), ring_kv=cell(rg), **ref)
+            e["variants"] = per
+            cands = [v for v in labels if per[v][head_key]]
+            hv = min(cands, key=lambda v: per[v][head_key]["T"]) if cands else labels[0]
+            head = per[hv][head_key]
             bases = [c["T"] for c in (e["allgather_kv"], e["ring_kv"]) if c]
-            e["headline"] = "best_ovl" if head_ovl else "best"
+            e["headline"] = head_key
+            e["headline_variant"] = hv
+            e["head"] = head
             e["speedup_vs_best_baseline"] = (min(bases) / head["T"]) if head and bases else None
             out.append(e)
     return out
 
 
 def render_summary(res):
-    """Markdown: one weak-scaling table per topology (cells: T ms (exposed comm ms) efficiency)."""
+    """Markdown: one weak-scaling table per topology (cells: T ms (exposed comm ms) efficiency) for the
+    reference splitkv variant, then, with several variants, one table per topology of every variant's
+    headline cell and the best variant."""
     def fmt(c, with_k=False):
         if not c:
             return "-"
@@ -918,6 +1337,10 @@ def render_summary(res):
 
     parts = []
     summ = res.get("summary") or summarize(res)
+    labels = variant_labels(res)
+    multi = len(labels) > 1
+    title = {"node": "Topology 'node' (NVLink inside a node, one NIC per GPU between nodes)",
+             "flat": "Topology 'flat' (the first model: flat rings of P ranks, all hops inter-node beyond one node)"}
     for topo in res.get("topologies", ["flat"]):
         ents = [e for e in summ if e["topology"] == topo]
         if not ents:
@@ -925,14 +1348,27 @@ def render_summary(res):
         head = "best k + ovl" if ents[0]["headline"] == "best_ovl" else "best k"
         hdr = ["P", "splitkv k=1", "k=1 + ovl", "best k", "best k + ovl", "allgather-kv", "ring-kv",
                f"speedup ({head}) vs best baseline"]
+        def sp(e, c):  # the faster baseline's T / the cell's T
+            bases = [b["T"] for b in (e["allgather_kv"], e["ring_kv"]) if b]
+            return f"{min(bases) / c['T']:.1f}x" if c and bases else "-"
+
+        def ref_sp(e):
+            return sp(e, e[e["headline"]])
         body = [[e["P"], fmt(e["k1"]), fmt(e["k1_ovl"]), fmt(e["best"], True), fmt(e["best_ovl"], True),
-                 fmt(e["allgather_kv"]), fmt(e["ring_kv"]),
-                 "-" if e["speedup_vs_best_baseline"] is None else f"{e['speedup_vs_best_baseline']:.1f}x"]
-                for e in ents]
-        title = {"node": "Topology 'node' (NVLink inside a node, one NIC per GPU between nodes)",
-                 "flat": "Topology 'flat' (the first model: flat rings of P ranks, all hops inter-node beyond one node)"}
-        parts.append(f"{title.get(topo, topo)}; cells: T(P) ms (exposed communication ms) efficiency\n\n"
-                     + bench.md_table(hdr, body))
+                 fmt(e["allgather_kv"]), fmt(e["ring_kv"]), ref_sp(e)] for e in ents]
+        parts.append(f"{title.get(topo, topo)}{f', splitkv variant {labels[0]}' if multi else ''}; cells: T(P) ms "
+                     f"(exposed communication ms) efficiency\n\n" + bench.md_table(hdr, body))
+        if multi:
+            key = ents[0]["headline"]
+            hdr = (["P", f"{labels[0]}: k=1 + ovl" if key == "best_ovl" else f"{labels[0]}: k=1"]
+                   + [f"{v}: {head}" for v in labels] + ["headline (best variant)", "speedup vs best baseline"])
+            body = [[e["P"], fmt(e["variants"][labels[0]]["k1_ovl" if key == "best_ovl" else "k1"])]
+                    + [fmt(e["variants"][v][key], True) for v in labels]
+                    + [f"{e['headline_variant']} " + fmt(e["head"], True), sp(e, e["head"])] for e in ents]
+            parts.append(f"{title.get(topo, topo)}, splitkv variants (sep / fused: backward dO and stats gathers "
+                         f"separate / one fused gather; L: CP ranks per node of the two-level all-to-all, 1 = one "
+                         f"all-to-all); cells: T(P) ms (exposed communication ms) efficiency\n\n"
+                         + bench.md_table(hdr, body))
     return "\n\n".join(parts)
 
 
@@ -942,8 +1378,9 @@ def render(res):
     rows = res["rows"]
     topo = res.get("topologies", ["flat"])[0]
     summ = res.get("summary") or summarize(res)
-    best_k = {(e["P"], ovl): e[key]["k"] for e in summ if e["topology"] == topo
-              for ovl, key in ((False, "best"), (True, "best_ovl")) if e[key]}
+    best_k = {(e["P"], ovl, v): e["variants"][v][key]["k"] for e in summ if e["topology"] == topo
+              for v in variant_labels(res) for ovl, key in ((False, "best"), (True, "best_ovl"))
+              if e["variants"][v][key]}
     first = res["args"]["placements"].split(",")[0].strip()
     hdr = ["P", "method", "placement", "context", "compute ms", "comm ms (exposed)", "overhead ms", "T(P) ms",
            "efficiency", "bytes/rank", "source"]
@@ -955,7 +1392,7 @@ def render(res):
         if r.get("topology", "flat") != topo:
             continue
         if r["method"] == "splitkv" and r["placement"] in (first, "-") and r["num_chunks"] not in (
-                1, best_k.get((r["P"], bool(r.get("overlap_q_gather"))))):
+                1, best_k.get((r["P"], bool(r.get("overlap_q_gather")), r.get("variant")))):
             continue
         line = [r["P"], label(res, r), r["placement"], r["context"], f"{r['compute_ms']:.2f}",
                 f"{r['comm_ms']:.2f} ({r['exposed_comm_ms']:.2f})", f"{r['overhead_ms']:.2f}",
@@ -991,8 +1428,9 @@ def render(res):
 
 def plot(res, path):
     """PNG: weak-scaling efficiency and T(P) vs P (matplotlib, Agg): splitkv at k = 1 and at its best k
-    with the projection overlap, allgather-kv, ring-kv under the headline topology (solid); splitkv k = 1
-    under the other topology (dashed) when it was computed."""
+    with the projection overlap, allgather-kv, ring-kv under the headline topology (solid), every other
+    splitkv variant's best k + ovl (dash-dot); splitkv k = 1 under the other topology (dashed) when it was
+    computed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1003,10 +1441,19 @@ def plot(res, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     series = [(topos[0], "k1", "splitkv k=1", "-"), (topos[0], "best_ovl", "splitkv best k + ovl", "-"),
               (topos[0], "allgather_kv", "allgather-kv", "-"), (topos[0], "ring_kv", "ring-kv", "-")]
+    labels = variant_labels(res)
+    if len(labels) > 1:  # every other variant's best k + ovl, and the reference's label on its own lines
+        series = [(t, k, f"{lab} [{labels[0]}]", ls) if k in ("k1", "best_ovl") else (t, k, lab, ls)
+                  for t, k, lab, ls in series]
+        series[2:2] = [(topos[0], ("variants", v, "best_ovl"), f"splitkv best k + ovl [{v}]", "-.") for v in labels[1:]]
     for t in topos[1:]:
         series += [(t, "k1", f"splitkv k=1 ({t})", "--"), (t, "allgather_kv", f"allgather-kv ({t})", "--")]
+
+    def get(e, key):
+        return e.get(key) if isinstance(key, str) else e.get(key[0], {}).get(key[1], {}).get(key[2])
+
     for topo, key, lab, ls in series:
-        pts = [(e["P"], e[key]) for e in summ if e["topology"] == topo and e.get(key)]
+        pts = [(e["P"], get(e, key)) for e in summ if e["topology"] == topo and get(e, key)]
         if not pts:
             continue
         xs = [p for p, _ in pts]
