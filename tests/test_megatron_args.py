@@ -282,3 +282,23 @@ def test_pretrain_parse_only_threads_splitkv_kernel():
         sys.argv = argv
     src = (REPO / "examples" / "pretrain_dflash.py").read_text()
     assert "kernel_backend=kernel_backend_from_args(args)" in src
+
+
+def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
+    """--splitkv-cp-ranks-per-node parses (default None: the op's default), must divide the CP size (the
+    error names the flag and the CP size), and a valid value is exported as the environment variable the
+    op resolves when it prepares a step (ops.metadata.resolve_ranks_per_node)."""
+    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
+
+    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    p = add_splitkv_args(argparse.ArgumentParser())
+    assert p.parse_args([]).splitkv_cp_ranks_per_node is None
+    validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
+    assert RANKS_PER_NODE_ENV not in os.environ  # unset flag: nothing exported
+    for bad in (3, 0, -2):
+        with pytest.raises(SplitKVArgumentError, match=r"--splitkv-cp-ranks-per-node .* --context-parallel-size \(8\)"):
+            validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=bad))
+    a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-cp-ranks-per-node", "4"])
+    assert a.splitkv_cp_ranks_per_node == 4
+    validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))
+    assert os.environ[RANKS_PER_NODE_ENV] == "4" and resolve_ranks_per_node(None, 8) == 4

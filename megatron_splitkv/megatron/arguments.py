@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import numbers
+import os
 
 __all__ = [
     "CP_IMPLS",
@@ -46,6 +47,8 @@ CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
 CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 # the op's local kernels (`megatron_splitkv.kernels.BACKENDS`; kept literal so parsing imports no torch)
 KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase")
+# `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
+RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
 
 
 class SplitKVArgumentError(ValueError):
@@ -140,6 +143,15 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
             "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.",
         )
+    if not _has(parser, "--splitkv-cp-ranks-per-node"):
+        group.add_argument(
+            "--splitkv-cp-ranks-per-node", type=int, default=None,
+            help="Split-KV: CP ranks per node (L) for the two-level all-to-all of the output merge and the dQ "
+            "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
+            "at L=8). Must divide --context-parallel-size; 1 (or the CP size) = one all-to-all. Usually the "
+            "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
+            "MEGATRON_SPLITKV_RANKS_PER_NODE, else 1. docs/perf-notes.md item 9.",
+        )
     if not _has(parser, "--splitkv-kernel"):
         group.add_argument(
             "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
@@ -186,7 +198,9 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
-    KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`.
+    KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
+    `--splitkv-cp-ranks-per-node` a positive divisor of the CP size, exported (when given) as the
+    environment variable MEGATRON_SPLITKV_RANKS_PER_NODE that the op reads when it prepares a step.
     `have_te` overrides TE detection (tests)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
@@ -236,6 +250,14 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         raise SplitKVArgumentError(
             f"--attention-dropout must be 0 with --context-parallel-impl {impl} (got {args.attention_dropout})"
         )
+    rpn = getattr(args, "splitkv_cp_ranks_per_node", None)
+    if rpn is not None:
+        rpn = _as_int(rpn, "--splitkv-cp-ranks-per-node")
+        if rpn < 1 or cp % rpn:
+            raise SplitKVArgumentError(
+                f"--splitkv-cp-ranks-per-node ({rpn}) must be a positive divisor of --context-parallel-size ({cp})")
+        # the op reads it when the step's metadata is prepared, identically on every rank
+        os.environ[RANKS_PER_NODE_ENV] = str(rpn)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(
             "--sequence-parallel is not supported by the local spec (torch norms); use "
