@@ -18,8 +18,10 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
     --splitkv-kernel {auto,math,flex,te,staircase}  local attention kernel of the CP op (`backend=`,
-                             the layer spec's `kernel_backend`; default auto = flex on CUDA; see
-                             docs/kernels.md)
+                             the layer spec's `kernel_backend`; default auto = staircase on CUDA
+                             from 32K context keys per call, else flex on CUDA; see docs/kernels.md)
+    --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
+                             exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -156,7 +158,8 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         group.add_argument(
             "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
             help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
-            "auto (FlexAttention on CUDA, math otherwise), math, flex, te (Transformer Engine) or "
+            "auto (staircase on CUDA from 32K context keys per call, else FlexAttention on CUDA, math "
+            "otherwise), math, flex, te (Transformer Engine) or "
             "staircase (dense cuDNN rectangles + flex remainder). Default auto; see docs/kernels.md.",
         )
     return parser
