@@ -252,16 +252,12 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor):
 
 def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
     """`merge_partials` of the all-to-all result of packed partials (`pack_partial`), [P * rows, H, D + r]
-    in a `comm.Pending`, with the same arithmetic but fewer live bytes: the received buffer is released
-    once unpacked (`Pending.take`), the fp32 partials [P, rows, H, D] once summed, and the division is
-    in place. Returns (out [rows, H, D], lse [rows, H]) in `acc`."""
-    o, lse = unpack_partial(pending.take(), head_dim, acc)  # the received buffer dies here
-    o = o.view(num_partials, rows, *o.shape[1:])  # rows may be 0: no -1
-    lse = lse.view(num_partials, rows, *lse.shape[1:])
-    m_safe, w = lse_weights(lse, lse.max(0).values)
-    num = torch.einsum("pthd,pth->thd", o, w)
-    del o
-    return finalize(num, w.sum(0), m_safe, inplace=True)
+    in a `comm.Pending`: `ops.fused_merge.merge_packed` (one Triton kernel on CUDA; the torch path
+    elsewhere, which releases the fp32 partials once summed and divides in place); the received buffer is
+    released once merged. Returns (out [rows, H, D], lse [rows, H]) in `acc`."""
+    from .fused_merge import merge_packed
+
+    return merge_packed(pending.take(), num_partials, rows, head_dim, acc)
 
 
 # ----------------------------------------------------------------------------- own block in the kernel

@@ -74,11 +74,11 @@ merged fp32 O is released right after delta = rowsum(dO * O) in backward (it is 
 saved tensor: a second backward through the same call raises RuntimeError), the padded q / dO / stats
 send tensors are dropped once their last chunk is packed / issued, each received [dO | stats] buffer is
 released as soon as it is unpacked into a contiguous dO and the statistics (one dO-sized copy per chunk,
-alive together with that buffer only briefly), and the dQ partials are summed one rank at a
-time in fp32 (no [P, rows, Hq, D] fp32 temporary). Two-level all-to-all: the stage-1 receive buffer is
-released once reduced (the fp32 unpack of its L partials is the size of the single all-to-all's), and
-stage 2 moves 1 / L of the rows in fp32. Bit-identical to summing them at once for P <= 16 on
-CPU and P = 2 on CUDA (the order is the sequential one).
+alive together with that buffer only briefly), and the dQ partials are summed in one fp32 reduction
+(`fused_merge.sum_partials`: no [P, rows, Hq, D] fp32 temporary). The [O | lse] merges (owner and node)
+run as one Triton kernel on CUDA (`fused_merge.merge_packed`: no fp32 copy of the P partials; the torch
+path elsewhere). Two-level all-to-all: the stage-1 receive buffer is released once reduced, and stage 2
+moves 1 / L of the rows in fp32.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ from .common import (
     with_own_keys,
     zero_invalid_rows,
 )
+from .fused_merge import sum_partials
 from .metadata import check_query_gather_start, run_op
 
 __all__ = ["splitkv_attention", "splitkv_start_query_gather", "SplitKVQueryGather",
@@ -128,9 +129,9 @@ def _gather_q_chunk(q_pad, meta, c):
 
 def _sum_dq_partials(pending, meta, rows, dtype, acc):
     """Wait the dQ all-to-alls (one `Pending` per chunk; the received [P * rc, Hq, D] holds every rank's
-    partial of this rank's rows rc of the chunk) and sum the P partials in `acc` (fp32), one partial at a
-    time in rank order (the same arithmetic as `.to(acc).sum(0)`, without its [P, rc, Hq, D] fp32
-    temporary). Returns dq [rows, Hq, D] in `dtype` (chunks written as they are summed).
+    partial of this rank's rows rc of the chunk) and sum the P partials in `acc` (fp32) in one reduction
+    (`fused_merge.sum_partials`: no [P, rc, Hq, D] fp32 temporary, no per-partial launches). Returns dq
+    [rows, Hq, D] in `dtype` (chunks written as they are summed).
 
     Two-level all-to-all (`meta.node_groups`): one `_TwoStage` per chunk, whose received [N * rc, Hq, D]
     (acc dtype) holds the N node sums of this rank's rows, summed the same way in node order."""
@@ -146,11 +147,8 @@ def _sum_dq_partials(pending, meta, rows, dtype, acc):
         r0, r1 = b0 * bsz, min(b1 * bsz, rows)
         if r1 <= r0:
             continue
-        acc_c = torch.zeros((r1 - r0,) + tuple(recv.shape[1:]), dtype=acc, device=recv.device)
-        for r in range(k):
-            acc_c += parts[r, : r1 - r0]
-        dq[r0:r1].copy_(acc_c)
-        del recv, parts, acc_c
+        dq[r0:r1].copy_(sum_partials(parts[:, : r1 - r0], acc))
+        del recv, parts
     return dq
 
 
@@ -201,16 +199,14 @@ def _out_stage2(meta, rc, head_dim, acc):
 
 def _dq_stage2(meta, rc, acc):
     """Stage 2 of the dQ exchange: the L partials (inputs' dtype) received in stage 1 for the rows of the N
-    owners with this local index, summed in fp32 in local-rank order, sent to those owners in fp32."""
+    owners with this local index, summed in fp32 (`fused_merge.sum_partials`: one reduction), sent to those
+    owners in fp32."""
     intra, inter = meta.node_groups
 
     def reduce(first):
         recv = first.take()
-        parts = recv.view(intra.size, inter.size * rc, *recv.shape[1:])
-        node_sum = torch.zeros(parts.shape[1:], dtype=acc, device=recv.device)
-        for j in range(intra.size):
-            node_sum += parts[j]
-        del recv, parts
+        node_sum = sum_partials(recv.view(intra.size, inter.size * rc, *recv.shape[1:]), acc)
+        del recv
         return all_to_all(node_sum, inter, "splitkv.bwd.dq.inter", async_op=True)
 
     return reduce

@@ -1,0 +1,144 @@
+"""Fused merges of Split-KV's partial states on the receiving rank (the owner, or a node in the two-level
+all-to-all): the lse merge of P packed [O | lse] partials and the fp32 sum of P dQ partials.
+
+Source: DESIGN.md section 2 (forward step 3: lse = logsumexp_r lse_r, O = sum_r exp(lse_r - lse) O_r in
+fp32; backward step 3: dQ = sum_r dQ_r in fp32), issue 6 deliverable 3 ("fuse the lse merge"),
+docs/perf-notes.md item 11.
+
+`merge_packed` reads the all-to-all's receive buffer once: on CUDA with fp32 accumulation, ONE Triton kernel
+per call (per row tile and head: the max of the P partial lse, then the weighted sum of the P partial O rows in
+fp32, the division and the merged lse), instead of the torch path's unpack to an fp32 copy of all P partials,
+max, exp, an einsum, a sum, a division and a log (~8 launches and a [P, rows, H, D] fp32 temporary). Elsewhere
+(CPU, float64, no Triton) the torch path. `sum_partials` sums P partials in ONE reduction (fp32 accumulator),
+instead of P in-place additions (P launches: ~0.3-0.6 ms of launch latency at P = 64).
+
+Both are exact to fp32 rounding against the float64 reference; the order of the P terms may differ from
+the torch path's (reassociation only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_TRITON = None  # the Triton kernel once defined; False when Triton is unavailable
+
+
+def _triton_kernel():
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton
+            import triton.language as tl
+        except Exception:  # noqa: BLE001 - Triton is optional
+            _TRITON = False
+            return None
+
+        @triton.jit
+        def _merge(x_ptr, l_ptr, o_ptr, lo_ptr, rows, H, s_xp, s_xt, s_xh, s_lp, s_lt, s_lh, l_off,
+                   s_ot, s_oh, s_lot, s_loh,
+                   P: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+            # P is a compile-time constant: one compiled variant per partial count (the CP size or the
+            # ranks per node: a handful per job), the loops over partials unrolled
+            pid = tl.program_id(0)
+            h = tl.program_id(1)
+            t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+            tm = t < rows
+            d = tl.arange(0, BLOCK_D)
+            m2 = tm[:, None] & (d < D)[None, :]
+            ninf = float("-inf")
+            m = tl.full([BLOCK_T], ninf, tl.float32)
+            for p in range(P):
+                lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
+                m = tl.maximum(m, lp)
+            m_safe = tl.where(m > ninf, m, 0.0)  # every partial -inf: weights exp(-inf) = 0
+            num = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+            den = tl.zeros([BLOCK_T], tl.float32)
+            for p in range(P):
+                lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
+                w = tl.exp(lp - m_safe)
+                o = tl.load(x_ptr + p * s_xp + t[:, None] * s_xt + h * s_xh + d[None, :], mask=m2, other=0.0)
+                num += w[:, None] * o.to(tl.float32)
+                den += w
+            den_safe = tl.where(den > 0, den, 1.0)
+            tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + d[None, :], num / den_safe[:, None], mask=m2)
+            tl.store(lo_ptr + t * s_lot + h * s_loh, m_safe + tl.log(den), mask=tm)
+
+        _TRITON = (_merge,)
+    return _TRITON[0] if _TRITON else None
+
+
+def use_triton(x: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether `merge_packed` runs the Triton kernel: CUDA (or the Triton interpreter), fp32 accumulation,
+    Triton importable, not disabled by MEGATRON_SPLITKV_TRITON_MERGE=0."""
+    if acc != torch.float32 or os.environ.get("MEGATRON_SPLITKV_TRITON_MERGE", "1") == "0":
+        return False
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return _triton_kernel() is not None
+
+
+def merge_packed_torch(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
+    """The torch path of `merge_packed` (unpack to `acc`, max, weights, weighted sum, finalize)."""
+    from .common import finalize, lse_weights, unpack_partial
+
+    o, lse = unpack_partial(x, head_dim, acc)
+    o = o.view(num_partials, rows, *o.shape[1:])  # rows may be 0: no -1
+    lse = lse.view(num_partials, rows, *lse.shape[1:])
+    m_safe, w = lse_weights(lse, lse.max(0).values)
+    num = torch.einsum("pthd,pth->thd", o, w)
+    del o
+    return finalize(num, w.sum(0), m_safe, inplace=True)
+
+
+def merge_packed_triton(x: torch.Tensor, num_partials: int, rows: int, head_dim: int):
+    """The Triton path of `merge_packed` (fp32 accumulation; x contiguous [P * rows, H, D + r])."""
+    H = x.shape[1]
+    out = torch.empty((rows, H, head_dim), dtype=torch.float32, device=x.device)
+    lse = torch.empty((rows, H), dtype=torch.float32, device=x.device)
+    if rows == 0 or H == 0:
+        return out, lse
+    x = x.contiguous()
+    w = x.shape[2]  # D + r elements of x's dtype per (row, head)
+    esz = x.element_size()
+    # the packed lse as fp32: the same storage viewed as 4-byte words (row pitch w * esz bytes, a multiple
+    # of 4: D + r elements of 2 or 4 bytes with r = 4 / esz), lse at element D of each (row, head)
+    lw = x.view(-1).view(torch.float32)
+    words = w * esz // 4
+    l_off = head_dim * esz // 4
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_t = max(1, min(32, 4096 // block_d))
+    grid = ((rows + block_t - 1) // block_t, H)
+    _triton_kernel()[grid](x, lw, out, lse, rows, H,
+                           rows * H * w, H * w, w, rows * H * words, H * words, words, l_off,
+                           out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                           P=num_partials, D=head_dim, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4)
+    return out, lse
+
+
+def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
+    """Exact lse merge of P packed partial states of the same rows.
+
+    Args:
+        x: [P * rows, H, D + r] in the transport dtype (bf16 / fp16 / fp32 / fp64): partial p's rows at
+            [p * rows, (p + 1) * rows), each (row, head) = O_p (D elements) then lse_p bit-packed in r
+            elements (`ops.common.pack_partial`; lse float32, or float64 for float64).
+        num_partials: P (>= 1). rows: rows per partial (>= 0). head_dim: D. acc: float32 or float64.
+
+    Returns:
+        (out [rows, H, D], lse [rows, H]) in `acc`: lse = logsumexp_p lse_p, out = sum_p exp(lse_p - lse) O_p;
+        rows whose every partial has lse = -inf give out 0 and lse -inf (never NaN).
+
+    Raises: nothing of its own (the caller's shapes)."""
+    if use_triton(x, acc) and (x.element_size() in (2, 4)) and (head_dim * x.element_size()) % 4 == 0:
+        return merge_packed_triton(x, num_partials, rows, head_dim)
+    return merge_packed_torch(x, num_partials, rows, head_dim, acc)
+
+
+def sum_partials(parts: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """parts [P, rows, ...] (any float dtype) -> their sum over P in `acc` (float32 / float64), in ONE
+    reduction with an `acc` accumulator (no [P, rows, ...] `acc` copy, no per-partial launches)."""
+    if parts.shape[0] == 1:
+        return parts[0].to(acc)
+    return torch.sum(parts, 0, dtype=acc)
