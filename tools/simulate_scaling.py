@@ -161,6 +161,23 @@ def model_call_ms(call, *, Hq, D, tflops, overhead_ms):
 CHUNK_LOSS = 0.085
 
 
+def calibrated_tflops(samples, *, Hq, D, overhead_ms):
+    """The kernel rate (TF/s, useful fwd+bwd FLOPs as `model_call_ms` counts them) at which the FLOP model
+    reproduces measured shards: sum of their modelled FLOP-ms at 1 TF/s / (sum of measured ms - the per-call
+    overhead of their non-empty calls). samples: [(calls, measured per-call ms)]. None without usable
+    samples (no FLOPs, or measured time not above the overheads)."""
+    flop_ms, ms = 0.0, 0.0
+    for calls, times in samples:
+        for c, t in zip(calls, times):
+            if c.rows == 0 or c.num_keys == 0:
+                continue
+            flop_ms += model_call_ms(c, Hq=Hq, D=D, tflops=1.0, overhead_ms=0.0)
+            ms += float(t) - overhead_ms
+    if flop_ms <= 0 or ms <= 0:
+        return None
+    return flop_ms / ms
+
+
 def chunked_calls_ms(one_chunk_ms, pairs, chunk_loss):
     """Per-chunk fwd+bwd ms of Split-KV's k = len(pairs) chunk calls from the time of the same work in ONE
     call: the total grows to one_chunk_ms * (1 + chunk_loss * (k - 1)) (smaller kernel calls lose
@@ -959,8 +976,10 @@ def main(argv=None):
         mine = [t for i, t in enumerate(tasks) if i % max(world, 1) == rank]
         shapes = dict(Hq=args.Hq, Hkv=args.Hkv, D=args.D)
         local = {}
-        for (j, r) in mine:
-            if args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s:
+        for i, (j, r) in enumerate(mine):
+            # each rank measures at least its first shard (tasks are ordered k = 1 first, smallest P first),
+            # whatever the budget: the calibration of the modelled shards needs one
+            if i and args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s:
                 local[(j, r)] = None
                 continue
             try:
@@ -1038,7 +1057,21 @@ def main(argv=None):
         overhead_src += f", {'-' if fused else '+'} own block {own_ms:.2f} ms ({own_src})"
     overhead_src += "; own block " + ("fused in the kernel" if fused else "a separate pass")
     # unmeasured shards: splitkv k > 1 from the same rank's measured k = 1 x the chunk-loss model, else the
-    # FLOP model (splitkv: the one-call time x the chunk-loss model)
+    # FLOP model (splitkv: the one-call time x the chunk-loss model) at a kernel rate CALIBRATED on this
+    # run's measured k = 1 shards of the same method (else of any method; else --kernel-tflops), so that a
+    # budget-cut measurement does not mix a measured T(1) with a differently fast model at larger P
+    rates, rate_src = {}, {}
+    if not args.model_only:
+        def measured(m=None):
+            return [(calls_of[(j, r)], comp[(j, r)]) for (j, r) in tasks
+                    if comp.get((j, r)) is not None and jobs[j][3] == 1 and (m is None or jobs[j][1] == m)]
+        every = calibrated_tflops(measured(), Hq=args.Hq, D=args.D, overhead_ms=args.call_overhead_ms)
+        for m in dict.fromkeys(jobs[j][1] for j, _ in tasks):
+            own = calibrated_tflops(measured(m), Hq=args.Hq, D=args.D, overhead_ms=args.call_overhead_ms)
+            if own is not None:
+                rates[m], rate_src[m] = own, f"calibrated on its measured shards: {own:.0f} TF/s"
+            elif every is not None:
+                rates[m], rate_src[m] = every, f"calibrated on all measured shards: {every:.0f} TF/s"
     for (j, r) in tasks:
         if comp.get((j, r)) is not None:
             comp[("src", j, r)] = "measured"
@@ -1052,11 +1085,12 @@ def main(argv=None):
             comp[("src", j, r)] = "measured k=1 x chunk loss"
         elif m == "splitkv":
             one = bench.KernelCall(np.zeros(1), np.zeros(1), np.zeros(1), None, None, args.B, float(sum(pairs)))
-            t1 = model_call_ms(one, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops, overhead_ms=args.call_overhead_ms)
+            t1 = model_call_ms(one, Hq=args.Hq, D=args.D, tflops=rates.get(m, args.kernel_tflops),
+                               overhead_ms=args.call_overhead_ms)
             comp[(j, r)] = chunked_calls_ms(t1, pairs, chunk_loss) if sum(pairs) > 0 else [0.0] * len(pairs)
             comp[("src", j, r)] = "model"
         else:
-            comp[(j, r)] = [model_call_ms(c, Hq=args.Hq, D=args.D, tflops=args.kernel_tflops,
+            comp[(j, r)] = [model_call_ms(c, Hq=args.Hq, D=args.D, tflops=rates.get(m, args.kernel_tflops),
                                           overhead_ms=args.call_overhead_ms) for c in calls_of[(j, r)]]
             comp[("src", j, r)] = "model"
     if proj_rate is None:
@@ -1160,6 +1194,8 @@ def main(argv=None):
                  gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", world=world),
         args=vars(args), link=links[topologies[0]].to_dict(), link_source=link_source, topologies=topologies,
         overhead_ms=overhead_ms, overhead_source=overhead_src,
+        model_kernel_rate={m: rate_src.get(m, f"stated {args.kernel_tflops:.0f} TF/s") for m in
+                           dict.fromkeys(jobs[j][1] for j, _ in tasks)},
         own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms, source=own_src),
         chunked_pipeline=has_chunks, chunk_loss=chunk_loss, kv_projection=dict(source=proj_src, tflops=list(proj_rate)),
         variants=variants, node_merge=dict(source=merge_src, gbs=list(merge_rate)),
@@ -1413,7 +1449,9 @@ def render(res):
             f"a0 + h_path + (P-2) x {ln.get('a2a_peer_us', 0):.1f} us + max(on-node bytes / B_nvl, off-node "
             f"bytes / B_nic){' (PXN relay on NVLink)' if ln.get('pxn') else ''}. Topology 'flat': every collective "
             f"a ring of P ranks, (P-1) alpha + (P-1) n / bw, inter-node figures for every hop beyond one node. "
-            f"Overhead: {res['overhead_source']}. Efficiency = T(P0)/T(P) per method and topology, P0 = "
+            f"Overhead: {res['overhead_source']}. Modelled shards' kernel rate: "
+            f"{'; '.join(f'{m} {v}' for m, v in res.get('model_kernel_rate', {}).items()) or 'stated'}. "
+            f"Efficiency = T(P0)/T(P) per method and topology, P0 = "
             f"{min(r['P'] for r in rows) if rows else 1} (the fastest variant at P0). Overlap as coded: splitkv "
             f"k>1 pipelines its k query chunks (Q/dO gathers one chunk ahead, each chunk's [O | lse] and dQ "
             f"all-to-alls behind the next chunk's kernel; the first gathers and the last all-to-alls exposed; "
