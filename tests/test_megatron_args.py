@@ -296,8 +296,17 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
     assert RANKS_PER_NODE_ENV not in os.environ  # unset flag: nothing exported
     for bad in (3, 0, -2):
-        with pytest.raises(SplitKVArgumentError, match=r"--splitkv-cp-ranks-per-node .* --context-parallel-size \(8\)"):
+        with pytest.raises(SplitKVArgumentError, match=r"--splitkv-cp-ranks-per-node"):
             validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=bad))
+    # >= the CP size: clamped (one all-to-all), as the op clamps the environment variable
+    validate_splitkv_args(_args(context_parallel_size=4, dflash_num_anchors=8, splitkv_cp_ranks_per_node=8))
+    assert os.environ[RANKS_PER_NODE_ENV] == "4"
+    # without the flag, a malformed environment variable fails at start-up, naming it
+    for bad in ("3", "x", "0"):
+        monkeypatch.setenv(RANKS_PER_NODE_ENV, bad)
+        with pytest.raises(SplitKVArgumentError, match=RANKS_PER_NODE_ENV):
+            validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
+    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-cp-ranks-per-node", "4"])
     assert a.splitkv_cp_ranks_per_node == 4
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))

@@ -95,13 +95,6 @@ def parse_variants(spec: str):
     return out
 
 
-def int_list(s: str):
-    vals = [int(x) for x in s.split(",") if x.strip()]
-    if not vals or min(vals) < 1:
-        raise ValueError(f"expected a list of positive ints, got {s!r}")
-    return vals
-
-
 def sample_lengths(rng, n, dist, lo, hi):
     """n sequence lengths (tokens) from `dist` in [lo, hi]."""
     if dist == "uniform":
@@ -340,13 +333,20 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    try:
-        args.steps = int_list(args.steps)
-        args.cp = int_list(args.cp)
-        args.sizes = int_list(args.sizes)
-        args.key_bins = int_list(args.key_bins)
-    except ValueError as exc:
-        ap.error(str(exc))
+    from megatron_splitkv.bench import int_list_arg
+    from megatron_splitkv.planning import STRATEGIES
+
+    for flag in ("--steps", "--cp", "--sizes", "--key-bins"):
+        name = flag[2:].replace("-", "_")
+        setattr(args, name, int_list_arg(ap, flag, getattr(args, name), 1))
+    if args.strategy not in STRATEGIES:
+        ap.error(f"--strategy must be one of {', '.join(STRATEGIES)}, got {args.strategy!r}")
+    if args.max_seqs < 0:
+        ap.error(f"--max-seqs must be >= 0 (0: no limit), got {args.max_seqs}")
+    for flag in ("--moved-pair-ns", "--call-us"):
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if not math.isfinite(v) or v < 0:
+            ap.error(f"{flag} must be a finite number >= 0, got {v}")
     try:
         args.variants = parse_variants(args.variants)
         from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel

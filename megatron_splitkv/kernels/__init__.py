@@ -20,14 +20,16 @@ Source: DESIGN.md sections 2 and 5 (arXiv 2611.05926, Split-KV); the staircase t
 ("Staircase kernel", "auto"), measured on the H200 (staircase wins from ~32K context keys per rank).
 """
 
+import os
+
 import torch
 
 from .base import IntervalMask
 from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
-           "staircase_auto_min_keys", "staircase_runs_on", "auto_keys_per_call", "AUTO_MIN_KEYS_ENV",
-           "STAIRCASE_AUTO_MIN_KEYS"]
+           "staircase_auto_min_keys", "staircase_runs_on", "validate_kernel_env", "auto_keys_per_call",
+           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS"]
 
 BACKENDS = ("auto", "math", "flex", "te", "staircase")
 _CACHE: dict = {}
@@ -138,6 +140,25 @@ def _flex_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def validate_kernel_env() -> None:
+    """Parse every environment variable that decides or configures a kernel later in a run:
+    MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS (`staircase_auto_min_keys`) and, when any is set, the staircase
+    kernel's MEGATRON_SPLITKV_STAIRCASE_<NAME> options (by constructing the kernel, which reads them). The
+    ops call it where they validate group-wide, before any data collective, so a malformed value raises
+    the same ValueError on every rank at the first call / `prepare_splitkv_metadata`, not on one rank at
+    the first step whose size makes "auto" pick the staircase kernel.
+
+    Raises: ValueError naming the variable."""
+    staircase_auto_min_keys()
+    prefix = "MEGATRON_SPLITKV_STAIRCASE_"
+    if any(k.startswith(prefix) and k != AUTO_MIN_KEYS_ENV and os.environ[k].strip() for k in os.environ):
+        try:
+            cls = _load("staircase")
+        except ImportError:  # no FlexAttention: the staircase kernel can never be picked
+            return
+        cls()
 
 
 def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> str:

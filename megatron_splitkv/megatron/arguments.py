@@ -150,7 +150,8 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "--splitkv-cp-ranks-per-node", type=int, default=None,
             help="Split-KV: CP ranks per node (L) for the two-level all-to-all of the output merge and the dQ "
             "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
-            "at L=8). Must divide --context-parallel-size; 1 (or the CP size) = one all-to-all. Usually the "
+            "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
+            "one all-to-all. Usually the "
             "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
             "MEGATRON_SPLITKV_RANKS_PER_NODE, else 1. docs/perf-notes.md item 9.",
         )
@@ -202,8 +203,9 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
-    `--splitkv-cp-ranks-per-node` a positive divisor of the CP size, exported (when given) as the
-    environment variable MEGATRON_SPLITKV_RANKS_PER_NODE that the op reads when it prepares a step.
+    `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
+    positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
+    which the op reads when it prepares a step.
     `have_te` overrides TE detection (tests)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
@@ -254,11 +256,21 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
             f"--attention-dropout must be 0 with --context-parallel-impl {impl} (got {args.attention_dropout})"
         )
     rpn = getattr(args, "splitkv_cp_ranks_per_node", None)
+    flag = "--splitkv-cp-ranks-per-node"
+    if rpn is None and os.environ.get(RANKS_PER_NODE_ENV, "").strip():  # checked here too: fail at start-up
+        raw, flag = os.environ[RANKS_PER_NODE_ENV].strip(), RANKS_PER_NODE_ENV
+        try:
+            rpn = int(raw)
+        except ValueError:
+            raise SplitKVArgumentError(f"{flag} must be a positive int, got {raw!r}") from None
     if rpn is not None:
-        rpn = _as_int(rpn, "--splitkv-cp-ranks-per-node")
-        if rpn < 1 or cp % rpn:
+        rpn = _as_int(rpn, flag)
+        if rpn < 1:
+            raise SplitKVArgumentError(f"{flag} must be a positive int, got {rpn}")
+        rpn = min(rpn, cp)  # as the op clamps the environment variable: L >= CP = one all-to-all
+        if cp % rpn:
             raise SplitKVArgumentError(
-                f"--splitkv-cp-ranks-per-node ({rpn}) must be a positive divisor of --context-parallel-size ({cp})")
+                f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
         # the op reads it when the step's metadata is prepared, identically on every rank
         os.environ[RANKS_PER_NODE_ENV] = str(rpn)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):

@@ -184,25 +184,44 @@ def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
 FUSED_BWD_GATHER_MIN_P_ENV = "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"
 
 
-def fuse_bwd_gather(cp_size: int, two_level: bool) -> bool:
-    """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
-    (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
+#: default of FUSED_BWD_GATHER_MIN_P_ENV: groups larger than one 8-GPU node
+FUSED_BWD_GATHER_MIN_P = 9
+#: largest threshold the agreement row carries (`ops.metadata._request_code`); larger values mean the same
+_MAX_FUSED_MIN_P = 1 << 14
 
-    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= the
-    environment variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P (default 9: larger than one 8-GPU node).
-    Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
-    one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
-    fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
-    results either way (bit for bit). The variable must be the same on every rank (the collectives differ).
 
-    Raises ValueError when the environment variable is not a positive int."""
+def fused_bwd_gather_min_p() -> int:
+    """The fused-gather threshold from the environment: MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P (a positive
+    int; unset or empty: `FUSED_BWD_GATHER_MIN_P` = 9), saturated at 2**14 (no CP group is that large).
+    Read where the ops validate group-wide (prepare / per-call agreement rows), so every rank uses the
+    same value or every rank raises. Raises ValueError naming the variable for a malformed value."""
     env = os.environ.get(FUSED_BWD_GATHER_MIN_P_ENV, "").strip()
+    if not env:
+        return FUSED_BWD_GATHER_MIN_P
     try:
-        min_p = int(env) if env else 9
+        min_p = int(env)
     except ValueError:
         min_p = 0
     if min_p < 1:
         raise ValueError(f"{FUSED_BWD_GATHER_MIN_P_ENV} must be a positive int, got {env!r}")
+    return min(min_p, _MAX_FUSED_MIN_P)
+
+
+def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:
+    """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
+    (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
+
+    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
+    (the metadata's agreed `fused_bwd_gather_min_p`; None: `fused_bwd_gather_min_p()`, the environment
+    variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, default 9: larger than one 8-GPU node).
+    Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
+    one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
+    fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
+    results either way (bit for bit).
+
+    Raises ValueError (min_p None) when the environment variable is malformed."""
+    if min_p is None:
+        min_p = fused_bwd_gather_min_p()
     return bool(two_level) or cp_size >= min_p
 
 

@@ -51,12 +51,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
-from ..kernels import BACKENDS, auto_keys_per_call, get_kernel
+from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
 from ..kernels.base import IntervalMask
 from .common import (
+    FUSED_BWD_GATHER_MIN_P,
     SUPPORTED_DTYPES,
     acc_dtype,
     context_keys,
+    fused_bwd_gather_min_p,
     intervals,
     pad_rows,
     sort_keys,
@@ -178,16 +180,17 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
     return cp_ranks_per_node
 
 
-def _request_code(chunks_req: int, ranks_per_node: int) -> int:
-    """Column 10 of the agreement rows: the requested chunk count in the low 32 bits, L - 1 above (so the
-    default L = 1 leaves the column exactly the requested chunk count, as before L existed)."""
-    return chunks_req + ((ranks_per_node - 1) << 32)
+def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P) -> int:
+    """Column 10 of the agreement rows: the requested chunk count in the low 32 bits, L - 1 in bits 32-47,
+    the fused backward gather's threshold (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48."""
+    return chunks_req + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
 
 
 def _decoded(table):
-    """The agreement table with two derived columns appended to every row: 11 = requested num_chunks,
-    12 = cp_ranks_per_node (decoded from column 10; not sent)."""
-    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, (row[10] >> 32) + 1] for row in table]
+    """The agreement table with three derived columns appended to every row: 11 = requested num_chunks,
+    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold (decoded from column 10; not sent)."""
+    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48]
+            for row in table]
 
 
 def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
@@ -297,6 +300,7 @@ class SplitKVMetadata:
     chunk_masks_own: list = None
     num_chunks_requested: int = 0
     cp_ranks_per_node: int = 1
+    fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     node_groups: tuple = None
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
@@ -649,8 +653,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
+        # environment variables read later in the run: parsed here, so a malformed value raises on every rank
+        fused_req = fused_bwd_gather_min_p() if canon == "splitkv" else FUSED_BWD_GATHER_MIN_P
+        validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req)]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
@@ -659,13 +666,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     table = _decoded(_raise_if_any(name, group, err, row, _comm_device(group, device), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node")))
+                               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
+                               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
-        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
+        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
     )
     return _finish(meta, gather_ctx=True)
 
@@ -715,8 +723,10 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
+        fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
+        validate_kernel_env()
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req)]
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -735,7 +745,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
-        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
+        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
     )
     return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
 
@@ -745,7 +755,8 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 #: 11 and 12 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"))
+               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
+               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
@@ -852,7 +863,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node)]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend)
@@ -884,7 +895,7 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
         if not err:  # softmax_scale is not known yet: 0 on every starting rank
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node)]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
 

@@ -489,7 +489,7 @@ class _SplitKV(torch.autograd.Function):
         # NVLink node the second one costs less than the fused path's pack/unpack copies). Padding rows:
         # dO = 0, statistics -inf. The padded tensors are dropped once the last chunk is issued (each
         # Pending keeps its segment).
-        fused = fuse_bwd_gather(g.size, hier is not None)
+        fused = fuse_bwd_gather(g.size, hier is not None, meta.fused_bwd_gather_min_p)
         send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
         del delta
 
@@ -516,7 +516,10 @@ class _SplitKV(torch.autograd.Function):
             else:
                 do_all, stats_all = pend[0].take(), pend[1].take()
             pend = nxt
-            delta_all = torch.nan_to_num(stats_all[..., 0], neginf=0.0)
+            # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
+            # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
+            # returned lse), as in the reference
+            delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
             dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
                                                stats_all[..., 1], delta_all, ctx.states[c])
             ctx.states[c] = None
