@@ -87,6 +87,10 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--data-seed", type=int, default=0)
     d.add_argument("--features-path", type=str, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
+    # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
+    # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
+    # is still an error naming the flag
+    parser.set_defaults(attention_dropout=0.0)
     return parser
 
 

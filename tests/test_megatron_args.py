@@ -290,7 +290,10 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     op resolves when it prepares a step (ops.metadata.resolve_ranks_per_node)."""
     from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
 
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+    # setenv first so that monkeypatch restores the variable's original state at teardown, also after
+    # validate_splitkv_args wrote it through os.environ (it must not leak into later tests)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
+    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     p = add_splitkv_args(argparse.ArgumentParser())
     assert p.parse_args([]).splitkv_cp_ranks_per_node is None
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
@@ -306,7 +309,6 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
         monkeypatch.setenv(RANKS_PER_NODE_ENV, bad)
         with pytest.raises(SplitKVArgumentError, match=RANKS_PER_NODE_ENV):
             validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-cp-ranks-per-node", "4"])
     assert a.splitkv_cp_ranks_per_node == 4
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))

@@ -37,9 +37,9 @@ Outputs (stdout, and `--out` markdown, `--json`):
   3. the same shares over the simulated steps, by context keys per call (buckets of `--key-bins`).
 
 Usage:
-    PYTHONPATH=. python tools/staircase_shapes.py                      # 1000 steps, CP 1,2,8
-    PYTHONPATH=. python tools/staircase_shapes.py --steps 10,100 --cp 1,8 --dist uniform
-    PYTHONPATH=. python tools/staircase_shapes.py --variants "legacy:key_buckets=0;default;k2:key_buckets=2"
+    python tools/staircase_shapes.py                      # 1000 steps, CP 1,2,8
+    python tools/staircase_shapes.py --steps 10,100 --cp 1,8 --dist uniform
+    python tools/staircase_shapes.py --variants "legacy:key_buckets=0;default;k2:key_buckets=2"
 
 Variants: `name:opt=value,...` separated by ';' (options of `StaircaseAttentionKernel`, env-free: the
 defaults of kernels/staircase.py `_DEFAULTS`); "default" alone is the current defaults; the first
