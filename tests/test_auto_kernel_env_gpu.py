@@ -25,7 +25,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.devi
                                 reason="needs 2 CUDA devices (NCCL)")
 
 
-def _worker(rank, world, envs):
+def _run(rank, world, envs, *, tk, D, backend):
+    """splitkv_attention forward + backward on CUDA over NCCL with this rank's environment `envs[rank]`:
+    ("ok", x) with the inputs x (their .grad set), or (exception name, message)."""
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
@@ -34,19 +36,24 @@ def _worker(rank, world, envs):
     group = dist.new_group(list(range(world)), backend="nccl")
     dev = torch.device("cuda", rank)
     g = torch.Generator().manual_seed(rank)
-    nb, B, tk, D = 2, 16, 256, 64
+    nb, B = 2, 16
     x = {k: torch.randn(n, h, D, generator=g).to(dev, torch.bfloat16).requires_grad_()
          for k, n, h in (("q", nb * B, 4), ("k_ctx", tk, 2), ("v_ctx", tk, 2), ("k_blk", nb * B, 2),
                          ("v_blk", nb * B, 2))}
     m = [torch.zeros(nb, dtype=torch.int64, device=dev), torch.tensor([5, 200], device=dev),
          torch.zeros(tk, dtype=torch.int64, device=dev), torch.arange(tk, device=dev) + rank * tk]
     try:
-        out = msk.splitkv_attention(*x.values(), *m, block_size=B, cp_group=group, backend="auto")
+        out = msk.splitkv_attention(*x.values(), *m, block_size=B, cp_group=group, backend=backend)
         out.float().sum().backward()
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001
         return (type(exc).__name__, str(exc))
-    return ("ok", "")
+    return ("ok", x)
+
+
+def _worker(rank, world, envs):
+    kind, x = _run(rank, world, envs, tk=256, D=64, backend="auto")
+    return (kind, "" if kind == "ok" else x)
 
 
 def test_malformed_auto_min_keys_on_one_rank_raises_everywhere():
@@ -68,26 +75,9 @@ def test_malformed_staircase_option_on_one_rank_raises_everywhere():
 
 def _fused_worker(rank, world, envs):
     """Backend "math" on CUDA over NCCL (no compile): forward + backward, dq checksum or the exception."""
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    for k, v in envs[rank].items():
-        os.environ[k] = v
-    group = dist.new_group(list(range(world)), backend="nccl")
-    dev = torch.device("cuda", rank)
-    g = torch.Generator().manual_seed(rank)
-    nb, B, tk, D = 2, 16, 64, 32
-    x = {k: torch.randn(n, h, D, generator=g).to(dev, torch.bfloat16).requires_grad_()
-         for k, n, h in (("q", nb * B, 4), ("k_ctx", tk, 2), ("v_ctx", tk, 2), ("k_blk", nb * B, 2),
-                         ("v_blk", nb * B, 2))}
-    m = [torch.zeros(nb, dtype=torch.int64, device=dev), torch.tensor([5, 200], device=dev),
-         torch.zeros(tk, dtype=torch.int64, device=dev), torch.arange(tk, device=dev) + rank * tk]
-    try:
-        out = msk.splitkv_attention(*x.values(), *m, block_size=B, cp_group=group, backend="math")
-        out.float().sum().backward()
-        torch.cuda.synchronize()
-    except Exception as exc:  # noqa: BLE001
-        return (type(exc).__name__, str(exc))
+    kind, x = _run(rank, world, envs, tk=64, D=32, backend="math")
+    if kind != "ok":
+        return (kind, x)
     return ("ok", x["q"].grad.float().cpu(), x["k_ctx"].grad.float().cpu())
 
 

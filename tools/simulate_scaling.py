@@ -235,6 +235,16 @@ class Streams:
         return max(self.free.values())
 
 
+def _advance_two_level(S, held, stage2, merge, out, keep):
+    """Advance the two-level all-to-all's chunks held in stage 1 ((chunk, stage-1 op), oldest first) until
+    `keep` remain: the compute stream waits for stage 1, runs the node merge / sum (`merge[c]` ms), and
+    stage 2 (`stage2[c]` ms) is issued on its own NCCL stream; out[c] = the stage-2 op."""
+    while len(held) > keep:
+        c0, s1 = held.pop(0)
+        S.wait("C", s1)
+        out[c0] = S.op("N2", stage2[c0], [S.op("C", merge[c0] if merge else 0.0)])
+
+
 def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False):
     """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
     two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
@@ -279,13 +289,8 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
             a[c] = S.op("N", A2A[c], [k])
         else:  # two-level: stage 1 waited, node merge, stage 2 in flight
             held.append((c, S.op("N1", A1[c], [k])))
-            while len(held) > (1 if defer else 0):
-                c0, s1 = held.pop(0)
-                S.wait("C", s1)
-                a[c0] = S.op("N2", A2A[c0], [S.op("C", NM[c0] if NM else 0.0)])
-    for c0, s1 in held:
-        S.wait("C", s1)
-        a[c0] = S.op("N2", A2A[c0], [S.op("C", NM[c0] if NM else 0.0)])
+            _advance_two_level(S, held, A2A, NM, a, 1 if defer else 0)
+    _advance_two_level(S, held, A2A, NM, a, 0)
     for c in range(n):
         S.wait("C", a[c])
         S.op("C", M[c])
@@ -325,13 +330,8 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False
             rq[c] = S.op("N", RQ[c], [kb])
         else:
             held.append((c, S.op("N1", RQ1[c], [kb])))
-            while len(held) > (1 if defer else 0):
-                c0, s1 = held.pop(0)
-                S.wait("C", s1)
-                rq[c0] = S.op("N2", RQ[c0], [S.op("C", NS[c0] if NS else 0.0)])
-    for c0, s1 in held:
-        S.wait("C", s1)
-        rq[c0] = S.op("N2", RQ[c0], [S.op("C", NS[c0] if NS else 0.0)])
+            _advance_two_level(S, held, RQ, NS, rq, 1 if defer else 0)
+    _advance_two_level(S, held, RQ, NS, rq, 0)
     if post > 0:
         S.op("C", post)
     return S.end() - post
