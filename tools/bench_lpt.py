@@ -9,7 +9,8 @@ Imbalance = max/mean - 1 of the realized per-rank cost (default CostModel); plan
 thread CPU time of `plan_context_parallel` over repeats (single-threaded, so this equals wall time on
 an idle machine and is robust to other jobs; wall times go to the JSON; per-rank index arrays are
 built lazily on each rank and are not included). Writes `lpt_bench.md` (markdown table), `lpt_bench.png`
-(plot) and `lpt_bench.json` into --out (default docs/).
+(plot) and `lpt_bench.json` into --out (default out/lpt_bench; the committed results in docs/ were
+written with `--out docs`).
 
     .venv/bin/python tools/bench_lpt.py [--out docs] [--batches 8] [--long-batches 4] [--quick]
 
@@ -60,7 +61,9 @@ def time_plan(batch, P, variant, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
+                                                  "lpt_bench"),
+                    help="output directory (default out/lpt_bench; `--out docs` rewrites the committed results)")
     ap.add_argument("--batches", type=int, default=8, help="ShareGPT 32K batches")
     ap.add_argument("--long-batches", type=int, default=4, help="synthetic 128K batches")
     ap.add_argument("--repeats", type=int, default=21, help="timing repeats (lpt/contiguous/zigzag)")

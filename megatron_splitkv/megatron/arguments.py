@@ -118,8 +118,8 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         group.add_argument(
             "--context-parallel-impl", type=str, default=None, choices=CP_IMPLS,
             help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
-            "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default: unset "
-            "(Megatron's native context parallelism).",
+            "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default here: unset "
+            "(Megatron's native context parallelism); examples/pretrain_dflash.py defaults to splitkv.",
         )
     if not _has(parser, "--cp-chunk-size"):
         group.add_argument(
