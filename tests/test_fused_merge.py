@@ -133,3 +133,23 @@ def test_merge_packed_triton_on_cuda(dt):
         assert torch.equal(torch.isinf(a[1]), torch.isinf(b[1]))
         ref_o, _ = _reference(o, lse)
         torch.testing.assert_close(b[0].double().cpu(), ref_o, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_failure_falls_back_to_torch_with_a_warning(monkeypatch):
+    """A Triton merge that fails to compile / launch warns once and the torch path serves (same result)."""
+    g = torch.Generator().manual_seed(11)
+    x, o, lse = _partials(g, 3, 10, 2, 16, torch.bfloat16)
+    monkeypatch.setattr(fm, "use_triton", lambda *_: True)
+    monkeypatch.setattr(fm, "_TRITON_FAILED", False)
+
+    def boom(*_a, **_k):
+        raise RuntimeError("no GPU for this kernel")
+
+    monkeypatch.setattr(fm, "merge_packed_triton", boom)
+    with pytest.warns(RuntimeWarning, match="Triton merge kernel failed"):
+        out, l = fm.merge_packed(x, 3, 10, 16, torch.float32)
+    ref = fm.merge_packed_torch(x, 3, 10, 16, torch.float32)
+    assert torch.equal(out, ref[0]) and torch.equal(l, ref[1])
+    assert fm._TRITON_FAILED
+    out2, _ = fm.merge_packed(x, 3, 10, 16, torch.float32)  # no second warning, torch path
+    assert torch.equal(out2, ref[0])

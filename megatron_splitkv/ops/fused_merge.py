@@ -19,10 +19,12 @@ the torch path's (reassociation only).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 _TRITON = None  # the Triton kernel once defined; False when Triton is unavailable
+_TRITON_FAILED = False  # set when the kernel failed to compile / launch: the torch path from then on
 
 
 def _triton_kernel():
@@ -130,9 +132,19 @@ def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, a
         (out [rows, H, D], lse [rows, H]) in `acc`: lse = logsumexp_p lse_p, out = sum_p exp(lse_p - lse) O_p;
         rows whose every partial has lse = -inf give out 0 and lse -inf (never NaN).
 
-    Raises: nothing of its own (the caller's shapes)."""
-    if use_triton(x, acc) and (x.element_size() in (2, 4)) and (head_dim * x.element_size()) % 4 == 0:
-        return merge_packed_triton(x, num_partials, rows, head_dim)
+    Raises: nothing of its own (the caller's shapes). The Triton kernel (new in session 4, checked in
+    Triton's interpreter and by tests/test_fused_merge.py on CUDA) falls back to the torch path with a
+    RuntimeWarning if it ever fails to compile or launch."""
+    global _TRITON_FAILED
+    if not _TRITON_FAILED and use_triton(x, acc) and x.element_size() in (2, 4) \
+            and (head_dim * x.element_size()) % 4 == 0:
+        try:
+            return merge_packed_triton(x, num_partials, rows, head_dim)
+        except Exception as exc:  # noqa: BLE001 - a compile / launch failure: the torch path, once warned
+            _TRITON_FAILED = True
+            warnings.warn(f"megatron_splitkv: the Triton merge kernel failed ({type(exc).__name__}: {exc}); "
+                          "using the torch merge from now on (MEGATRON_SPLITKV_TRITON_MERGE=0 silences this)",
+                          RuntimeWarning, stacklevel=2)
     return merge_packed_torch(x, num_partials, rows, head_dim, acc)
 
 
