@@ -285,3 +285,16 @@ def with_random_own_slots(gen, lo, hi, num_ctx, B, p_own, align):
     lo2 = torch.where(has, c0 + slot * B, torch.full_like(slot, c0))
     hi2 = torch.where(has, lo2 + B, lo2)
     return IntervalMask(B, lo, hi, c0 + n_blocks * B, lo2, hi2, num_ctx_keys=c0).validate()
+
+
+def small_inputs(rank=0):
+    """A tiny fp32 Split-KV input for error-path tests: 4 blocks of B = 4 rows (one invalid, anchor -1),
+    Hq 4 / Hkv 2, D 8, 9 context tokens of one sequence. Returns (x: q, k_ctx, v_ctx, k_blk, v_blk; m: the
+    metadata keyword arguments q_seq, q_anchor, kv_seq, kv_pos)."""
+    g = torch.Generator().manual_seed(rank)
+    nb, B, tk = 4, 4, 9
+    x = {k: torch.randn(n, h, 8, generator=g) for k, n, h in (("q", nb * B, 4), ("k_ctx", tk, 2), ("v_ctx", tk, 2),
+                                                                 ("k_blk", nb * B, 2), ("v_blk", nb * B, 2))}
+    m = dict(q_seq=torch.zeros(nb, dtype=torch.int64), q_anchor=torch.tensor([0, 3, -1, 9]),
+             kv_seq=torch.zeros(tk, dtype=torch.int64), kv_pos=torch.arange(tk))
+    return x, m

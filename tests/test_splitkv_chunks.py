@@ -14,7 +14,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, build, case, check, local, loss_of, new_seed
+from _splitkv_helpers import GRAD_NAMES, build, case, check, local, loss_of, new_seed, small_inputs
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV, chunk_bounds, resolve_num_chunks
 
@@ -195,19 +195,9 @@ def test_resolve_num_chunks_and_bounds(monkeypatch):
     assert chunk_bounds(1, 0) == [(0, 0)]
 
 
-def _small(rank=0):
-    g = torch.Generator().manual_seed(rank)
-    nb, B, tk = 4, 4, 9
-    x = {k: torch.randn(n, h, 8, generator=g) for k, n, h in (("q", nb * B, 4), ("k_ctx", tk, 2), ("v_ctx", tk, 2),
-                                                                 ("k_blk", nb * B, 2), ("v_blk", nb * B, 2))}
-    m = dict(q_seq=torch.zeros(nb, dtype=torch.int64), q_anchor=torch.tensor([0, 3, -1, 9]),
-             kv_seq=torch.zeros(tk, dtype=torch.int64), kv_pos=torch.arange(tk))
-    return x, m
-
-
 def test_single_process_chunks_and_errors(monkeypatch):
     monkeypatch.delenv(NUM_CHUNKS_ENV, raising=False)
-    x, m = _small()
+    x, m = small_inputs()
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     for k in (1, 2, 3, 4, 9):
         out = msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=k)
@@ -233,7 +223,7 @@ def test_single_process_chunks_and_errors(monkeypatch):
 
 
 def _disagree_worker(rank, world_size):
-    x, m = _small(rank)
+    x, m = small_inputs(rank)
     seen = []
     for what, fn in (
         ("prepare", lambda: msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4,

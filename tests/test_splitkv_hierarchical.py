@@ -19,7 +19,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, TOL, build, case, check, local, loss_of, new_seed, rel_err
+from _splitkv_helpers import GRAD_NAMES, TOL, build, case, check, local, loss_of, new_seed, rel_err, small_inputs
 from megatron_splitkv import bench, comm_stats
 from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
 
@@ -244,16 +244,6 @@ def test_six_ranks_and_local_subgroups():
 # ------------------------------------------------------------------------------------------ errors
 
 
-def _small(rank=0):
-    g = torch.Generator().manual_seed(rank)
-    nb, B, tk = 4, 4, 9
-    x = {k: torch.randn(n, h, 8, generator=g) for k, n, h in (("q", nb * B, 4), ("k_ctx", tk, 2), ("v_ctx", tk, 2),
-                                                                 ("k_blk", nb * B, 2), ("v_blk", nb * B, 2))}
-    m = dict(q_seq=torch.zeros(nb, dtype=torch.int64), q_anchor=torch.tensor([0, 3, -1, 9]),
-             kv_seq=torch.zeros(tk, dtype=torch.int64), kv_pos=torch.arange(tk))
-    return x, m
-
-
 def _prep(m, **kw):
     return msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
                                         dtype=torch.float32, **kw)
@@ -262,7 +252,7 @@ def _prep(m, **kw):
 def _errors_worker(rank, world):
     import os
 
-    x, m = _small(rank)
+    x, m = small_inputs(rank)
     seen = []
     cases = (
         ("prepare, L = 3", lambda: _prep(m, cp_ranks_per_node=3),
@@ -347,7 +337,7 @@ def test_resolve_ranks_per_node(monkeypatch):
 
 def test_single_process(monkeypatch):
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "8")  # clamped to P = 1
-    x, m = _small()
+    x, m = small_inputs()
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     assert torch.equal(msk.splitkv_attention(*x.values(), *m.values(), block_size=4, cp_ranks_per_node=1), ref)
     with pytest.raises(ValueError, match="cp_ranks_per_node=2 must divide the CP group size P=1"):

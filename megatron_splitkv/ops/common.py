@@ -190,21 +190,28 @@ FUSED_BWD_GATHER_MIN_P = 9
 _MAX_FUSED_MIN_P = 1 << 14
 
 
+def env_positive_int(name: str):
+    """The positive int in environment variable `name`, or None when it is unset or empty (whitespace
+    stripped). Raises ValueError naming the variable for anything else (not an int, or < 1)."""
+    env = os.environ.get(name, "").strip()
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be a positive int, got {env!r}")
+    return value
+
+
 def fused_bwd_gather_min_p() -> int:
     """The fused-gather threshold from the environment: MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P (a positive
     int; unset or empty: `FUSED_BWD_GATHER_MIN_P` = 9), saturated at 2**14 (no CP group is that large).
     Read where the ops validate group-wide (prepare / per-call agreement rows), so every rank uses the
     same value or every rank raises. Raises ValueError naming the variable for a malformed value."""
-    env = os.environ.get(FUSED_BWD_GATHER_MIN_P_ENV, "").strip()
-    if not env:
-        return FUSED_BWD_GATHER_MIN_P
-    try:
-        min_p = int(env)
-    except ValueError:
-        min_p = 0
-    if min_p < 1:
-        raise ValueError(f"{FUSED_BWD_GATHER_MIN_P_ENV} must be a positive int, got {env!r}")
-    return min(min_p, _MAX_FUSED_MIN_P)
+    min_p = env_positive_int(FUSED_BWD_GATHER_MIN_P_ENV)
+    return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
 
 
 def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:

@@ -44,7 +44,6 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 from __future__ import annotations
 
 import math
-import os
 import struct
 from dataclasses import dataclass, field
 
@@ -58,6 +57,7 @@ from .common import (
     SUPPORTED_DTYPES,
     acc_dtype,
     context_keys,
+    env_positive_int,
     fused_bwd_gather_min_p,
     intervals,
     pad_rows,
@@ -118,13 +118,9 @@ def _requested_chunks(num_chunks) -> int:
     variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**32 - 1. Raises ValueError for a
     non-positive / non-int value."""
     if num_chunks is None:
-        env = os.environ.get(NUM_CHUNKS_ENV, "").strip()
-        if not env:
+        num_chunks = env_positive_int(NUM_CHUNKS_ENV)
+        if num_chunks is None:
             return 0
-        try:
-            num_chunks = int(env)
-        except ValueError:
-            raise ValueError(f"{NUM_CHUNKS_ENV} must be a positive int, got {env!r}") from None
         what = NUM_CHUNKS_ENV
     else:
         what = "num_chunks"
@@ -158,16 +154,10 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
             P (the message names the argument or the variable, and P).
     """
     if cp_ranks_per_node is None:
-        env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-        if not env:
+        env = env_positive_int(RANKS_PER_NODE_ENV)
+        if env is None:
             return 1
-        try:
-            value = int(env)
-        except ValueError:
-            value = None
-        if value is None or value < 1:
-            raise ValueError(f"{RANKS_PER_NODE_ENV} must be a positive int, got {env!r}")
-        value = min(value, cp_size)
+        value = min(env, cp_size)
         if cp_size % value:
             raise ValueError(f"{RANKS_PER_NODE_ENV}={env} must divide the CP group size P={cp_size} (CP ranks "
                              "per node: the CP group must cover whole nodes)")
