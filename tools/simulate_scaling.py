@@ -1020,8 +1020,11 @@ def main(argv=None):
                                                                    for P in cps))
                     merge_rate = time_node_merge(min(Lm, max(cps)), args.anchors * args.B, args.Hq, args.D,
                                                  dtype=dtype, device=dev, reps=args.reps)
+                    old = time_node_merge(min(Lm, max(cps)), args.anchors * args.B, args.Hq, args.D,
+                                          dtype=dtype, device=dev, reps=args.reps, path="torch")
                     print(f"[node-merge] L={Lm}, {args.anchors * args.B} rows: fwd {merge_rate[0]:.1f} GB/s, "
-                          f"bwd {merge_rate[1]:.1f} GB/s of received bytes", flush=True)
+                          f"bwd {merge_rate[1]:.1f} GB/s of received bytes (the op's merge; the torch path: "
+                          f"fwd {old[0]:.1f}, bwd {old[1]:.1f})", flush=True)
                 except Exception:  # noqa: BLE001
                     print(f"[node-merge] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
             try:
@@ -1244,13 +1247,19 @@ def time_kv_projection(tokens, hidden, out_features, *, dtype, device, reps=5):
     return flops / (f_ms * 1e9), 2 * flops / (b_ms * 1e9)
 
 
-def time_node_merge(L, rows, Hq, D, *, dtype, device, reps=5):
+def time_node_merge(L, rows, Hq, D, *, dtype, device, reps=5, path="op"):
     """Measured (forward, backward) GB/s of RECEIVED bytes of the two-level all-to-all's node merge: L packed
-    [O | lse] partials of rows / L rows (`ops.common.pack_partial`) unpacked to fp32 and lse-merged
-    (`unpack_partial` + `merge_partials`, as the owner merges); the dQ node sum of L partials in the inputs'
-    dtype, accumulated in fp32 one partial at a time (as `ops.splitkv._sum_dq_partials` sums)."""
-    from megatron_splitkv.ops.common import merge_partials, pack_partial, unpack_partial
+    [O | lse] partials of rows / L rows (`ops.common.pack_partial`) lse-merged, and the dQ node sum of L
+    partials in the inputs' dtype accumulated in fp32.
 
+    path="op": what the op runs (`ops.fused_merge.merge_packed`: one Triton kernel on CUDA, else the torch
+    path; `fused_merge.sum_partials`: one reduction). path="torch": the session-4 torch path (unpack to an
+    fp32 copy, max / exp / einsum / finalize; the dQ sum one partial at a time), for the side-by-side record."""
+    from megatron_splitkv.ops.common import pack_partial
+    from megatron_splitkv.ops.fused_merge import merge_packed, merge_packed_torch, sum_partials
+
+    if path not in ("op", "torch"):
+        raise ValueError(f"path must be 'op' or 'torch', got {path!r}")
     r = max(int(rows) // int(L), 1)
     acc = torch.float32
     x = pack_partial(torch.randn(L * r, Hq, D, device=device, dtype=dtype),
@@ -1258,10 +1267,12 @@ def time_node_merge(L, rows, Hq, D, *, dtype, device, reps=5):
     dq = torch.randn(L, r, Hq, D, device=device, dtype=dtype)
 
     def fwd():
-        o, lse = unpack_partial(x, D, acc)
-        merge_partials(o.view(L, r, Hq, D), lse.view(L, r, Hq))
+        (merge_packed if path == "op" else merge_packed_torch)(x, L, r, D, acc)
 
     def bwd():
+        if path == "op":
+            sum_partials(dq, acc)
+            return
         a = torch.zeros((r, Hq, D), dtype=acc, device=device)
         for i in range(L):
             a += dq[i]

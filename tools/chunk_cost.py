@@ -1,0 +1,185 @@
+"""What does splitkv's merge pipeline cost the local kernel? Query chunks vs head chunks (GPU; one device).
+
+The chunked merge pipeline (docs/perf-notes.md item 2) runs the local kernel k times per layer so that each
+chunk's collectives overlap the next chunk's kernel. Measured in the sixth run (docs/benchmarks.md), a chunk
+costs ~6-10% of the kernel per extra chunk. This tool times, on ONE rank's real shard (the planner's placement
+of the weak-scaling batch, the most loaded rank), forward + backward through the kernel API with the global
+(lse, delta) as the op passes them, side by side (interleaved repeats, medians):
+
+  one call      k = 1: every gathered query row against this rank's keys
+  query k       the op's chunks today (`bench.kernel_calls(num_chunks=k)`: chunk c = blocks [b0_c, b1_c) of
+                every rank's segment, one IntervalMask each), with dK / dV accumulated in fp32 across chunks
+                as `ops.splitkv._SplitKV.backward` does
+  head k        k calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups
+                stay whole), the one-call mask shared; dK / dV of a chunk are its heads' rows: no accumulation
+
+    python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase
+
+Prints one markdown table (ms, ratio to one call, peak GiB of the timed step) and writes it with the JSON
+to --out (default out/chunk_cost). Timings are medians of --reps interleaved rounds; no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_splitkv import bench  # noqa: E402
+
+
+def _mask(call, device):
+    from megatron_splitkv.kernels.base import IntervalMask
+
+    lo, hi = torch.as_tensor(call.lo, device=device), torch.as_tensor(call.hi, device=device)
+    if call.own_lo is None:
+        return IntervalMask(call.block_size, lo, hi, call.num_keys)
+    return IntervalMask(call.block_size, lo, hi, call.num_keys, torch.as_tensor(call.own_lo, device=device),
+                        torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
+
+
+def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen):
+    """k calls (the op's query chunks) with the fp32 dK / dV accumulation of the op's backward."""
+    parts = []
+    for c in calls:
+        if c.rows == 0 or c.num_keys == 0:
+            continue
+        parts.append((bench._rand((c.rows, Hq, D), gen, dev, dtype), bench._rand((c.rows, Hq, D), gen, dev, dtype),
+                      _mask(c, dev)))
+    nk = calls[0].num_keys
+    k = bench._rand((nk, Hkv, D), gen, dev, dtype)
+    v = bench._rand((nk, Hkv, D), gen, dev, dtype)
+    scale = D ** -0.5
+
+    def step():
+        states = [kern.forward(q, k, v, m, scale) for q, _, m in parts]
+        dk = dv = None
+        for (q, do, m), (o, lse, st) in zip(parts, states):
+            delta = (do.float() * o).sum(-1)
+            _, dk_c, dv_c = kern.backward(q, k, v, m, scale, do, lse, delta, st)
+            if dk is None:
+                dk, dv = dk_c, dv_c
+            else:
+                dk += dk_c
+                dv += dv_c
+    return step
+
+
+def _head_variant(kern, call, n, Hq, Hkv, D, dtype, dev, gen):
+    """n calls over all rows, Hq / n and Hkv / n heads each, one shared mask; dK / dV written per head chunk."""
+    hq, hkv = Hq // n, Hkv // n
+    m = _mask(call, dev)
+    parts = [(bench._rand((call.rows, hq, D), gen, dev, dtype), bench._rand((call.num_keys, hkv, D), gen, dev, dtype),
+              bench._rand((call.num_keys, hkv, D), gen, dev, dtype), bench._rand((call.rows, hq, D), gen, dev, dtype))
+             for _ in range(n)]
+    scale = D ** -0.5
+
+    def step():
+        states = [kern.forward(q, k, v, m, scale) for q, k, v, _ in parts]
+        for (q, k, v, do), (o, lse, st) in zip(parts, states):
+            delta = (do.float() * o).sum(-1)
+            kern.backward(q, k, v, m, scale, do, lse, delta, st)
+    return step
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cp", type=int, default=2, help="CP size of the placed batch (one rank's shard is timed)")
+    ap.add_argument("--ctx-per-rank", default="16384,65536", help="comma list of context tokens per rank")
+    ap.add_argument("--chunks", default="2,4", help="comma list of chunk counts k > 1")
+    ap.add_argument("--backends", default="flex,staircase", help="comma list of local kernels")
+    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
+    args = ap.parse_args(argv)
+    ctxs = bench.int_list_arg(ap, "--ctx-per-rank", args.ctx_per_rank, 1)
+    ks = bench.int_list_arg(ap, "--chunks", args.chunks, 2)
+    from megatron_splitkv.kernels import BACKENDS, get_kernel
+
+    backends = bench.choices_arg(ap, "--backends", args.backends, BACKENDS, "backend")
+    if args.cp < 1 or args.reps < 1 or args.anchors < 1:
+        ap.error("--cp, --reps and --anchors must be >= 1")
+    s = bench.QWEN3_8B_DRAFTER
+    Hq, Hkv, D, B = s["Hq"], s["Hkv"], s["D"], s["B"]
+    if args.cpu:
+        dev, dtype, Hq, Hkv, D, B = torch.device("cpu"), torch.float32, 4, 4, 16, 4
+    elif not torch.cuda.is_available():
+        sys.exit("chunk_cost.py: needs a CUDA device (or --cpu for a tiny smoke run)")
+    else:
+        dev, dtype = torch.device("cuda", 0), torch.bfloat16
+    cuda = dev.type == "cuda"
+    for k in ks:
+        if Hkv % k:
+            ap.error(f"--chunks: {k} does not divide the {Hkv} kv heads (head chunks keep GQA groups whole)")
+    rows, t0 = [], time.time()
+    for ctx in ctxs:
+        lens, anchors = bench.make_workload(args.cp * ctx, args.anchors, seed=args.seed + args.cp)
+        plan = bench.place(lens, anchors, cp_size=args.cp, strategy="lpt", block_size=B)
+        pairs = [sum(c.pairs for c in bench.kernel_calls("splitkv", plan, r, num_chunks=1))
+                 for r in range(args.cp)]
+        r = max(range(args.cp), key=lambda i: pairs[i])
+        one = bench.kernel_calls("splitkv", plan, r, num_chunks=1)
+        for be in backends:
+            kern = get_kernel(be, dev, dtype, head_dim=D)
+            gen = torch.Generator(device=dev).manual_seed(args.seed)
+            names, fns = ["one call"], [_query_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
+            for k in ks:
+                qc = bench.kernel_calls("splitkv", plan, r, num_chunks=k)
+                names.append(f"query k={len(qc)}")
+                fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen))
+                names.append(f"head k={k}")
+                fns.append(_head_variant(kern, one[0], k, Hq, Hkv, D, dtype, dev, gen))
+            peaks = []
+            for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
+                if not cuda:
+                    fn()
+                    peaks.append(float("nan"))
+                    continue
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                fn()
+                torch.cuda.synchronize()
+                peaks.append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
+            res = bench.time_fns_interleaved(fns, dev, reps=args.reps, warmup=2)
+            ms1 = res[0][0]
+            for name, (med, mn, _), pk in zip(names, res, peaks):
+                rows.append(dict(ctx_per_rank=ctx, cp=args.cp, rank=r, backend=be, variant=name, ms=med,
+                                 min_ms=mn, vs_one=med / ms1, step_peak_gib=pk,
+                                 tflops=bench.FWD_BWD_FACTOR * bench.fwd_flops(pairs[r], Hq, D) / med / 1e9))
+                print(f"[chunk-cost] ctx/rank {ctx} {be} {name}: {med:.2f} ms ({med / ms1:.3f}x), "
+                      f"step peak {pk:.2f} GiB", flush=True)
+            del fns
+            if cuda:
+                torch.cuda.empty_cache()
+    lines = [f"chunk cost (CP={args.cp} batch, most loaded rank's shard, fwd+bwd through the kernel API, median of "
+             f"{args.reps}; {torch.cuda.get_device_name(0) if cuda else 'CPU'}, torch {torch.__version__}, "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
+             "| ctx/rank | kernel | variant | ms | vs one call | TF/s (useful) | step peak GiB (above inputs) |",
+             "|---|---|---|---|---|---|---|"]
+    for x in rows:
+        lines.append(f"| {_tokens(x['ctx_per_rank'])} | {x['backend']} | {x['variant']} | {x['ms']:.2f} | "
+                     f"{x['vs_one']:.3f}x | {x['tflops']:.0f} | {x['step_peak_gib']:.2f} |")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "chunk_cost.json"), "w") as f:
+        json.dump(dict(rows=rows, argv=sys.argv, seconds=time.time() - t0), f, indent=1)
+    with open(os.path.join(args.out, "chunk_cost.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
