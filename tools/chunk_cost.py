@@ -45,8 +45,21 @@ def _mask(call, device):
                         torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
 
 
-def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen):
-    """k calls (the op's query chunks) with the fp32 dK / dV accumulation of the op's backward."""
+def _reversed(call):
+    """The call with its query blocks in reverse order (the data is random: only the mask's block order
+    changes), so that the kernels' grids meet the blocks with the largest prefixes first."""
+    import copy
+
+    r = copy.copy(call)
+    for a in ("lo", "hi", "own_lo", "own_hi"):
+        if getattr(r, a) is not None:
+            setattr(r, a, getattr(r, a)[::-1].copy())
+    return r
+
+
+def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, streams=0):
+    """k calls (the op's query chunks) with the fp32 dK / dV accumulation of the op's backward; streams = 2:
+    the chunks' kernels alternate between two side streams (a chunk's tail overlaps the next chunk)."""
     parts = []
     for c in calls:
         if c.rows == 0 or c.num_keys == 0:
@@ -57,6 +70,29 @@ def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen):
     k = bench._rand((nk, Hkv, D), gen, dev, dtype)
     v = bench._rand((nk, Hkv, D), gen, dev, dtype)
     scale = D ** -0.5
+    if streams:
+        side = [torch.cuda.Stream(dev) for _ in range(streams)]
+
+        def step():
+            main = torch.cuda.current_stream(dev)
+            for s_ in side:
+                s_.wait_stream(main)
+            states = []
+            for i, (q, _, m) in enumerate(parts):
+                with torch.cuda.stream(side[i % streams]):
+                    states.append(kern.forward(q, k, v, m, scale))
+            grads = []
+            for i, ((q, do, m), (o, lse, st)) in enumerate(zip(parts, states)):
+                with torch.cuda.stream(side[i % streams]):
+                    delta = (do.float() * o).sum(-1)
+                    grads.append(kern.backward(q, k, v, m, scale, do, lse, delta, st))
+            for s_ in side:
+                main.wait_stream(s_)
+            dk, dv = grads[0][1], grads[0][2]
+            for _, dk_c, dv_c in grads[1:]:
+                dk += dk_c
+                dv += dv_c
+        return step
 
     def step():
         states = [kern.forward(q, k, v, m, scale) for q, _, m in parts]
@@ -89,6 +125,27 @@ def _head_variant(kern, call, n, Hq, Hkv, D, dtype, dev, gen):
     return step
 
 
+def _profile(fn, name, tag, iters=2, top=8):
+    """GPU-busy ms per step (sum of the kernels' device time) of fn under torch.profiler; prints the wall
+    time, the busy time and the top kernels."""
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / iters
+    ka = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    kern = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy = sum(getattr(e, attr) for e in kern) / 1e3 / iters
+    print(f"[profile] {tag} {name}: wall {wall:.2f} ms/step (profiled), GPU busy {busy:.2f} ms/step", flush=True)
+    for e in sorted(kern, key=lambda e: -getattr(e, attr))[:top]:
+        print(f"    {getattr(e, attr) / 1e3 / iters:8.3f} ms  x{e.count // iters:<4d} {e.key[:90]}", flush=True)
+    return busy
+
+
 def _tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -104,6 +161,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
+    ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")
+    ap.add_argument("--reverse", action="store_true",
+                    help="also time each query variant with its blocks in reverse order (largest prefixes first)")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="also time the query chunks on this many side streams, alternating (CUDA; 0 = no)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per variant: torch.profiler over 2 steps: wall vs GPU-busy ms and the top kernels")
     args = ap.parse_args(argv)
     ctxs = bench.int_list_arg(ap, "--ctx-per-rank", args.ctx_per_rank, 1)
     ks = bench.int_list_arg(ap, "--chunks", args.chunks, 2)
@@ -136,12 +200,22 @@ def main(argv=None):
             kern = get_kernel(be, dev, dtype, head_dim=D)
             gen = torch.Generator(device=dev).manual_seed(args.seed)
             names, fns = ["one call"], [_query_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
+            if args.reverse:
+                names.append("one call, reversed")
+                fns.append(_query_variant(kern, [_reversed(c) for c in one], Hq, Hkv, D, dtype, dev, gen))
             for k in ks:
                 qc = bench.kernel_calls("splitkv", plan, r, num_chunks=k)
                 names.append(f"query k={len(qc)}")
                 fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen))
-                names.append(f"head k={k}")
-                fns.append(_head_variant(kern, one[0], k, Hq, Hkv, D, dtype, dev, gen))
+                if args.reverse:
+                    names.append(f"query k={len(qc)}, reversed")
+                    fns.append(_query_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
+                if args.streams and cuda:
+                    names.append(f"query k={len(qc)}, {args.streams} streams")
+                    fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, streams=args.streams))
+                if args.heads:
+                    names.append(f"head k={k}")
+                    fns.append(_head_variant(kern, one[0], k, Hq, Hkv, D, dtype, dev, gen))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
                 if not cuda:
@@ -155,10 +229,12 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 peaks.append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
             res = bench.time_fns_interleaved(fns, dev, reps=args.reps, warmup=2)
+            busy = [_profile(fn, name, f"{_tokens(ctx)} {be}") if args.profile and cuda else float("nan")
+                    for name, fn in zip(names, fns)]
             ms1 = res[0][0]
-            for name, (med, mn, _), pk in zip(names, res, peaks):
+            for name, (med, mn, _), pk, bz in zip(names, res, peaks, busy):
                 rows.append(dict(ctx_per_rank=ctx, cp=args.cp, rank=r, backend=be, variant=name, ms=med,
-                                 min_ms=mn, vs_one=med / ms1, step_peak_gib=pk,
+                                 min_ms=mn, vs_one=med / ms1, step_peak_gib=pk, gpu_busy_ms=bz,
                                  tflops=bench.FWD_BWD_FACTOR * bench.fwd_flops(pairs[r], Hq, D) / med / 1e9))
                 print(f"[chunk-cost] ctx/rank {ctx} {be} {name}: {med:.2f} ms ({med / ms1:.3f}x), "
                       f"step peak {pk:.2f} GiB", flush=True)
@@ -168,11 +244,12 @@ def main(argv=None):
     lines = [f"chunk cost (CP={args.cp} batch, most loaded rank's shard, fwd+bwd through the kernel API, median of "
              f"{args.reps}; {torch.cuda.get_device_name(0) if cuda else 'CPU'}, torch {torch.__version__}, "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})",
-             "| ctx/rank | kernel | variant | ms | vs one call | TF/s (useful) | step peak GiB (above inputs) |",
-             "|---|---|---|---|---|---|---|"]
+             "| ctx/rank | kernel | variant | ms | vs one call | TF/s (useful) | GPU busy ms (profiler) | "
+             "step peak GiB (above inputs) |",
+             "|---|---|---|---|---|---|---|---|"]
     for x in rows:
         lines.append(f"| {_tokens(x['ctx_per_rank'])} | {x['backend']} | {x['variant']} | {x['ms']:.2f} | "
-                     f"{x['vs_one']:.3f}x | {x['tflops']:.0f} | {x['step_peak_gib']:.2f} |")
+                     f"{x['vs_one']:.3f}x | {x['tflops']:.0f} | {x['gpu_busy_ms']:.2f} | {x['step_peak_gib']:.2f} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "chunk_cost.json"), "w") as f:
         json.dump(dict(rows=rows, argv=sys.argv, seconds=time.time() - t0), f, indent=1)
