@@ -472,25 +472,108 @@ def adaptive_reps(max_reps: int, est_s: float, target_s: float, min_reps: int = 
     return int(max(min(min_reps, max_reps), min(max_reps, int(target_s / est_s))))
 
 
+def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
+    """Split-KV's chunk loop of local-kernel calls as the op issues them (`ops.splitkv._SplitKV`): parts =
+    [(q, dout, mask)] per chunk against the same k / v; every chunk's forward, then every chunk's backward
+    with delta = rowsum(dO * O) and its dK / dV summed in fp32 on the caller's stream in chunk order. With
+    `lanes` > 1 on CUDA, chunk c's kernel runs on lane c % lanes, issued one chunk ahead of the caller's
+    stream waiting for it (`ops.common.KernelLanes`); else all on the caller's stream. Returns the summed
+    (dk, dv) (None without backward)."""
+    from .ops.common import KernelLanes
+
+    def loop(fn, consume):
+        ln = KernelLanes(k.device, len(parts), lanes)
+        ahead = {}
+        for i in range(len(parts)):
+            if ln.on and i + 1 < len(parts):
+                ahead[i + 1] = fn(ln, i + 1)
+            r = ahead.pop(i) if i in ahead else fn(ln, i)
+            ln.done(i, *(t for t in r if isinstance(t, torch.Tensor)))
+            consume(r)
+
+    def fwd(ln, i):
+        with ln.launch(i):
+            return kern.forward(parts[i][0], k, v, parts[i][2], scale)
+
+    states = []
+    loop(fwd, states.append)
+    if not backward:
+        return None
+
+    def bwd(ln, i):
+        q, do, m = parts[i]
+        o, lse, st = states[i]
+        with ln.launch(i):
+            delta = (do.float() * o).sum(-1)
+            return kern.backward(q, k, v, m, scale, do, lse, delta, st)
+
+    acc = []
+
+    def add(grads):  # as the op: dK / dV summed on the caller's stream right after each chunk's wait
+        if not acc:
+            acc.extend(grads[1:])
+        else:
+            acc[0] += grads[1]
+            acc[1] += grads[2]
+
+    loop(bwd, add)
+    return tuple(acc)
+
+
 def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
                       reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
-                      fresh_mask: bool = False):
+                      fresh_mask: bool = False, lanes=None):
     """Time the local kernel over `calls` (from `kernel_calls`): forward (+ backward with the global
     lse/delta taken from the forward, as in the op) through the kernel API. Random inputs (never zeros).
     fresh_mask=False (default): one IntervalMask per call reused across repeats, so the FlexAttention
     BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
     True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
 
-    Returns dict: ms (median of the sum over calls), per_call_ms (median each), pairs, tile_pairs,
-    fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when backward).
+    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, CUDA and
+    lanes > 1 the calls run as Split-KV's chunk loop runs them (`ops.common.KernelLanes`): every call's
+    forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
+    stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
+
+    Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
+    step / k), pairs, tile_pairs, fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when
+    backward), lanes (the lanes used: 1 = calls timed alone).
     """
     from .kernels import get_kernel
     from .kernels.base import IntervalMask
+
+    from .ops.common import kernel_lanes
 
     device = torch.device(device)
     kern = get_kernel(backend, device, dtype, head_dim=D)
     gen = torch.Generator(device=device).manual_seed(seed)
     scale = D ** -0.5
+    n_lanes = kernel_lanes() if lanes is None else int(lanes)
+    live = [c for c in calls if c.rows and c.num_keys]
+    if device.type == "cuda" and n_lanes > 1 and len(live) > 1:
+        ins = []
+        for c in live:
+            lo, hi = torch.as_tensor(c.lo, device=device), torch.as_tensor(c.hi, device=device)
+            own = {} if c.own_lo is None else dict(lo2=torch.as_tensor(c.own_lo, device=device),
+                                                   hi2=torch.as_tensor(c.own_hi, device=device),
+                                                   num_ctx_keys=c.ctx_keys_padded)
+            ins.append((_rand((c.rows, Hq, D), gen, device, dtype), _rand((c.rows, Hq, D), gen, device, dtype),
+                        (c.block_size, lo, hi, c.num_keys), own))
+        k = _rand((live[0].num_keys, Hkv, D), gen, device, dtype)
+        v = _rand((live[0].num_keys, Hkv, D), gen, device, dtype)
+        masks0 = [IntervalMask(*a, **o) for _, _, a, o in ins]
+
+        def lanes_step():
+            masks = [IntervalMask(*a, **o) for _, _, a, o in ins] if fresh_mask else masks0
+            chunk_loop(kern, [(q, do, m) for (q, do, _, _), m in zip(ins, masks)], k, v, scale, n_lanes,
+                       backward=backward)
+
+        med, _, _ = time_fn(lanes_step, device, reps=reps, warmup=warmup)
+        per_call = [med / len(live) if (c.rows and c.num_keys) else 0.0 for c in calls]
+        pairs = sum(c.pairs for c in calls)
+        f = fwd_flops(pairs, Hq, D)
+        fac = FWD_BWD_FACTOR if backward else 1.0
+        return dict(ms=med, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
+                    fwd_flops=f, tflops=(fac * f / med / 1e9) if med > 0 else float("nan"), lanes=n_lanes)
     per_call = []
     for c in calls:
         if c.rows == 0 or c.num_keys == 0:
@@ -528,7 +611,7 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     ms = float(sum(per_call))
     fac = FWD_BWD_FACTOR if backward else 1.0
     return dict(ms=ms, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
-                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"))
+                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"), lanes=1)
 
 
 def dense_sdpa_rate(Lq: int, pairs: float, *, Hq: int, D: int, dtype=torch.bfloat16, device="cuda",

@@ -246,8 +246,16 @@ class Pending:
         self.result, self._work, self._keep = result, work, keep
 
     def wait(self) -> torch.Tensor:
+        """Make the CURRENT stream wait for the collective (NCCL: a stream wait; gloo: blocks) and return
+        the result. The input kept alive until now is marked used by the current stream before it is
+        released, so that the caching allocator does not hand its memory out on the stream it was
+        allocated on before the waiting stream (which now follows the collective) got there: waiting on
+        another stream than the issuing one (Split-KV's kernel lanes, `ops.common.KernelLanes`) stays safe."""
         if self._work is not None:
             self._work.wait()
+            keep = self._keep
+            if isinstance(keep, torch.Tensor) and keep.is_cuda:
+                keep.record_stream(torch.cuda.current_stream(keep.device))
             self._work = self._keep = None
         return self.result
 

@@ -33,12 +33,12 @@ def _emulate_cuda_env_read():
     kernels.resolve_auto_backend = resolve
 
 
-def _worker(rank, world, bad_rank, use_meta):
+def _worker(rank, world, bad_rank, use_meta, var=kernels.AUTO_MIN_KEYS_ENV, value="lots"):
     _emulate_cuda_env_read()
     if rank == bad_rank:
-        os.environ[kernels.AUTO_MIN_KEYS_ENV] = "lots"
+        os.environ[var] = value
     else:
-        os.environ.pop(kernels.AUTO_MIN_KEYS_ENV, None)
+        os.environ.pop(var, None)
     g = torch.Generator().manual_seed(rank)
     nb, B, tk = 2, 4, 9
     x = {k: torch.randn(n, h, 8, generator=g).requires_grad_()
@@ -64,3 +64,29 @@ def test_malformed_auto_min_keys_on_one_rank_raises_everywhere(use_meta):
     res = run_distributed(_worker, 2, 1, use_meta, timeout=120)
     for r, (kind, msg) in enumerate(res):
         assert kind == "ValueError" and "AUTO_MIN_KEYS" in msg, (r, kind, msg)
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-2"])
+def test_malformed_kernel_lanes_on_one_rank_raises_everywhere(value):
+    """MEGATRON_SPLITKV_KERNEL_LANES (the chunked pipeline's side streams) is parsed with the kernel variables,
+    before any data collective: a bad value on one rank raises on every rank."""
+    from megatron_splitkv.ops.common import KERNEL_LANES_ENV
+
+    res = run_distributed(_worker, 2, 0, True, KERNEL_LANES_ENV, value, timeout=120)
+    for r, (kind, msg) in enumerate(res):
+        assert kind == "ValueError" and KERNEL_LANES_ENV in msg, (r, kind, msg)
+
+
+def test_kernel_lanes_values(monkeypatch):
+    from megatron_splitkv.ops.common import DEFAULT_KERNEL_LANES, KERNEL_LANES_ENV, KernelLanes, kernel_lanes
+
+    monkeypatch.setenv(KERNEL_LANES_ENV, "")
+    assert kernel_lanes() == DEFAULT_KERNEL_LANES == 2
+    for value, want in (("1", 1), (" 3 ", 3), ("9", 4)):
+        monkeypatch.setenv(KERNEL_LANES_ENV, value)
+        assert kernel_lanes() == want
+    monkeypatch.setenv(KERNEL_LANES_ENV, "two")
+    with pytest.raises(ValueError, match=KERNEL_LANES_ENV):
+        kernel_lanes()
+    monkeypatch.setenv(KERNEL_LANES_ENV, "")
+    assert not KernelLanes(torch.device("cpu"), 4).on  # CPU: one stream, the op's single-stream order

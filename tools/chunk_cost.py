@@ -7,13 +7,15 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
 (lse, delta) as the op passes them, side by side (interleaved repeats, medians):
 
   one call      k = 1: every gathered query row against this rank's keys
-  query k       the op's chunks today (`bench.kernel_calls(num_chunks=k)`: chunk c = blocks [b0_c, b1_c) of
+  query k       the op's chunks (`bench.kernel_calls(num_chunks=k)`: chunk c = blocks [b0_c, b1_c) of
                 every rank's segment, one IntervalMask each), with dK / dV accumulated in fp32 across chunks
-                as `ops.splitkv._SplitKV.backward` does
+                as `ops.splitkv._SplitKV.backward` does, all on one stream (the op's lanes off)
+  query k, n lanes   the same with the chunks' kernels on n alternating side streams, as the op runs them
+                by default (`ops.common.KernelLanes`, `--lanes`, default 2)
   head k        k calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups
                 stay whole), the one-call mask shared; dK / dV of a chunk are its heads' rows: no accumulation
 
-    python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase
+    python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase --reverse
 
 Prints one markdown table (ms, ratio to one call, peak GiB of the timed step) and writes it with the JSON
 to --out (default out/chunk_cost). Timings are medians of --reps interleaved rounds; no thresholds.
@@ -57,9 +59,9 @@ def _reversed(call):
     return r
 
 
-def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, streams=0):
-    """k calls (the op's query chunks) with the fp32 dK / dV accumulation of the op's backward; streams = 2:
-    the chunks' kernels alternate between two side streams (a chunk's tail overlaps the next chunk)."""
+def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, lanes=1):
+    """k calls (the op's query chunks) as the op's chunk loop runs them (`bench.chunk_loop`: fp32 dK / dV
+    sums; lanes > 1: the chunks' kernels on alternating side streams, `ops.common.KernelLanes`)."""
     parts = []
     for c in calls:
         if c.rows == 0 or c.num_keys == 0:
@@ -70,42 +72,7 @@ def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, streams=0):
     k = bench._rand((nk, Hkv, D), gen, dev, dtype)
     v = bench._rand((nk, Hkv, D), gen, dev, dtype)
     scale = D ** -0.5
-    if streams:
-        side = [torch.cuda.Stream(dev) for _ in range(streams)]
-
-        def step():
-            main = torch.cuda.current_stream(dev)
-            for s_ in side:
-                s_.wait_stream(main)
-            states = []
-            for i, (q, _, m) in enumerate(parts):
-                with torch.cuda.stream(side[i % streams]):
-                    states.append(kern.forward(q, k, v, m, scale))
-            grads = []
-            for i, ((q, do, m), (o, lse, st)) in enumerate(zip(parts, states)):
-                with torch.cuda.stream(side[i % streams]):
-                    delta = (do.float() * o).sum(-1)
-                    grads.append(kern.backward(q, k, v, m, scale, do, lse, delta, st))
-            for s_ in side:
-                main.wait_stream(s_)
-            dk, dv = grads[0][1], grads[0][2]
-            for _, dk_c, dv_c in grads[1:]:
-                dk += dk_c
-                dv += dv_c
-        return step
-
-    def step():
-        states = [kern.forward(q, k, v, m, scale) for q, _, m in parts]
-        dk = dv = None
-        for (q, do, m), (o, lse, st) in zip(parts, states):
-            delta = (do.float() * o).sum(-1)
-            _, dk_c, dv_c = kern.backward(q, k, v, m, scale, do, lse, delta, st)
-            if dk is None:
-                dk, dv = dk_c, dv_c
-            else:
-                dk += dk_c
-                dv += dv_c
-    return step
+    return lambda: bench.chunk_loop(kern, parts, k, v, scale, lanes)
 
 
 def _head_variant(kern, call, n, Hq, Hkv, D, dtype, dev, gen):
@@ -164,8 +131,10 @@ def main(argv=None):
     ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")
     ap.add_argument("--reverse", action="store_true",
                     help="also time each query variant with its blocks in reverse order (largest prefixes first)")
-    ap.add_argument("--streams", type=int, default=0,
-                    help="also time the query chunks on this many side streams, alternating (CUDA; 0 = no)")
+    ap.add_argument("--lanes", type=int, default=2,
+                    help="also time the query chunks with their kernels on this many side streams, alternating "
+                         "(the op's kernel lanes, CUDA; <= 1: no such variant). The plain 'query k' rows run "
+                         "on one stream (the op with MEGATRON_SPLITKV_KERNEL_LANES=1)")
     ap.add_argument("--profile", action="store_true",
                     help="per variant: torch.profiler over 2 steps: wall vs GPU-busy ms and the top kernels")
     args = ap.parse_args(argv)
@@ -210,9 +179,9 @@ def main(argv=None):
                 if args.reverse:
                     names.append(f"query k={len(qc)}, reversed")
                     fns.append(_query_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
-                if args.streams and cuda:
-                    names.append(f"query k={len(qc)}, {args.streams} streams")
-                    fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, streams=args.streams))
+                if args.lanes > 1 and cuda:
+                    names.append(f"query k={len(qc)}, {args.lanes} lanes")
+                    fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
                 if args.heads:
                     names.append(f"head k={k}")
                     fns.append(_head_variant(kern, one[0], k, Hq, Hkv, D, dtype, dev, gen))

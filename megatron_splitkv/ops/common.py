@@ -20,6 +20,7 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -212,6 +213,79 @@ def fused_bwd_gather_min_p() -> int:
     same value or every rank raises. Raises ValueError naming the variable for a malformed value."""
     min_p = env_positive_int(FUSED_BWD_GATHER_MIN_P_ENV)
     return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
+
+
+KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
+#: CUDA side streams Split-KV's chunked pipeline runs its chunks' local kernels on (docs/perf-notes.md item 12)
+DEFAULT_KERNEL_LANES = 2
+_LANE_STREAMS: dict = {}  # device index -> the side streams, created once per process
+
+
+def kernel_lanes() -> int:
+    """Side streams of the chunked pipeline's kernels: MEGATRON_SPLITKV_KERNEL_LANES (a positive int; 1 =
+    every kernel on the caller's stream, as before; unset or empty: `DEFAULT_KERNEL_LANES` = 2), capped at 4.
+    Local to a rank (no collective depends on it). Raises ValueError naming the variable for a malformed
+    value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank)."""
+    lanes = env_positive_int(KERNEL_LANES_ENV)
+    return DEFAULT_KERNEL_LANES if lanes is None else min(lanes, 4)
+
+
+class KernelLanes:
+    """The local kernels of a chunked Split-KV pass on alternating CUDA side streams ("lanes").
+
+    Why (docs/perf-notes.md item 12, measured with tools/chunk_cost.py on the H200): a kernel call's last
+    wave runs a few long tiles (the query blocks with the longest prefixes) while most SMs idle, so k
+    chunks paid k such tails: +7% kernel time at k = 2 with FlexAttention (16K and 64K keys per rank). With
+    chunk c's kernel on lane c % n, chunk c + 1's kernel fills chunk c's tail: 1.01x / 0.99x of one call.
+
+    Contract (the op's loop): `launch` context for chunk c (its inputs' waits, the kernel, anything derived
+    there lives on the lane); `done(c, *outputs)`: the caller's stream ("main") waits for chunk c's lane
+    and the outputs are marked as used by main; everything handed to a collective and every merge stays on
+    main. Tensors allocated elsewhere and read on a lane are passed to `use(c, ...)` (record_stream: the
+    caching allocator does not reuse their memory until the lane's work issued before they are freed is
+    done). Off (`on` False: not CUDA, one chunk, or `kernel_lanes()` == 1): every method is a no-op and
+    the op keeps its single-stream issue order. Results are bit-identical either way (same kernels, same
+    inputs; the fp32 dK / dV sums run on main in chunk order)."""
+
+    def __init__(self, device: torch.device, n_chunks: int, lanes: int | None = None):
+        lanes = kernel_lanes() if lanes is None else lanes
+        self.on = torch.device(device).type == "cuda" and n_chunks > 1 and lanes > 1
+        if not self.on:
+            return
+        dev = torch.device(device)
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        pool = _LANE_STREAMS.setdefault(idx, [])
+        while len(pool) < lanes:
+            pool.append(torch.cuda.Stream(device=idx))
+        self.side = pool[:lanes]
+        self.main = torch.cuda.current_stream(idx)
+        start = self.main.record_event()
+        for s in self.side:
+            s.wait_event(start)  # everything main issued so far (keys, masks, padded inputs) is ready
+        self.events = {}
+
+    def stream(self, c: int):
+        return self.side[c % len(self.side)]
+
+    def launch(self, c: int):
+        """Context manager: chunk c's work on its lane (a no-op context when off)."""
+        return torch.cuda.stream(self.stream(c)) if self.on else contextlib.nullcontext()
+
+    def use(self, c: int, *tensors) -> None:
+        """Tensors not allocated on chunk c's lane that the lane reads (inputs, received buffers)."""
+        if self.on:
+            s = self.stream(c)
+            for t in tensors:
+                if t is not None and t.is_cuda:
+                    t.record_stream(s)
+
+    def done(self, c: int, *outputs) -> None:
+        """Main waits for chunk c's lane; its outputs (allocated on the lane) are marked used by main."""
+        if self.on:
+            self.main.wait_stream(self.stream(c))
+            for t in outputs:
+                if t is not None and t.is_cuda:
+                    t.record_stream(self.main)
 
 
 def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:

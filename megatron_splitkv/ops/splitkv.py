@@ -28,6 +28,12 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
    `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
    Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
+   Kernel lanes (perf-notes item 12, `ops.common.KernelLanes`, CUDA with k > 1): chunk c's kernel (its
+   inputs' waits included) runs on side stream c % 2 and is issued BEFORE the caller's stream waits for
+   chunk c - 1, so each kernel's last wave (a few long tiles) overlaps the next chunk's kernel instead of
+   idling the GPU: measured +7% kernel time per extra chunk on one stream, +1% with the lanes
+   (tools/chunk_cost.py). Collectives, packs, merges and the fp32 dK / dV sums stay on the caller's
+   stream; results are bit-identical (MEGATRON_SPLITKV_KERNEL_LANES=1: one stream, as before).
    The backward's dO and (delta, lse) travel in ONE all-gather per chunk ("splitkv.bwd.dout"): each
    rank's segment is its chunk rows of dO, then of (delta, lse) bit-packed in q's dtype like lse in item
    2 (fp32, fp64 for fp64 inputs; `ops.common.pack_dout_stats`; padding rows dO = 0, statistics -inf),
@@ -90,6 +96,7 @@ import torch
 
 from ..comm import all_gather, all_to_all
 from .common import (
+    KernelLanes,
     cast,
     delta_and_dout,
     kernel_backward,
@@ -397,28 +404,45 @@ class _SplitKV(torch.autograd.Function):
             # the padded q is dropped once the last chunk is issued (each Pending keeps its slice until
             # waited)
             q_pad = [zero_invalid_rows(q, plan.valid_rows, rows_max)]
-            pend_q = _gather_q_chunk(q_pad[0], meta, 0)
-            if n == 1:
-                q_pad.clear()
+            pend_q = {}
+        issued = [0]  # Q chunks whose all-gather is issued
+
+        def prefetch(upto):  # issue the Q all-gathers of chunks < upto (gather=None path)
+            while gather is None and issued[0] < min(upto, n):
+                c = issued[0]
+                pend_q[c] = _gather_q_chunk(q_pad[0], meta, c)
+                issued[0] += 1
+                if issued[0] == n:
+                    q_pad.clear()
+
+        prefetch(1)
         # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]
         k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
         v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
-        q_chunks, states, pend_o = [], [], []
+        # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
+        # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
+        # the caller's stream. Off: the single-stream order (chunk c + 1's kernel after chunk c's all-to-all).
+        lanes = KernelLanes(k_x.device, n)
+
+        def launch(c):
+            prefetch(c + 2)  # Q one chunk ahead of this kernel
+            with lanes.launch(c):
+                if gather is None:
+                    q_c = pend_q.pop(c).wait()
+                else:
+                    gather.wait_forward(c)
+                    q_c = q_gathered[c]
+                lanes.use(c, q_c, k_x, v_x)
+                # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
+                #    for this rank's own blocks, the own block); intervals precomputed per step.
+                return (q_c,) + kernel_forward(plan, q_c, k_x, v_x, masks[c])
+
+        q_chunks, states, pend_o, ahead = [], [], [], {}
         for c in range(n):
-            if gather is None:
-                nxt = None
-                if c + 1 < n:
-                    nxt = _gather_q_chunk(q_pad[0], meta, c + 1)
-                    if c + 2 == n:
-                        q_pad.clear()
-                q_c = pend_q.wait()
-                pend_q = nxt
-            else:
-                gather.wait_forward(c)
-                q_c = q_gathered[c]
-            # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
-            #    for this rank's own blocks, the own block); intervals precomputed per step.
-            o_r, lse_r, state = kernel_forward(plan, q_c, k_x, v_x, masks[c])
+            if lanes.on and c + 1 < n:
+                ahead[c + 1] = launch(c + 1)
+            q_c, o_r, lse_r, state = ahead.pop(c) if c in ahead else launch(c)
+            lanes.done(c, o_r, lse_r)
             q_chunks.append(q_c)
             states.append(state)
             # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
@@ -507,23 +531,44 @@ class _SplitKV(torch.autograd.Function):
             return pend_c
 
         n = len(chunks)
-        pend, pend_dq, dk_x, dv_x = gather_stats(0), [], None, None
-        for c in range(n):
-            nxt = gather_stats(c + 1) if c + 1 < n else None
-            if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
-                do_all, stats_all = unpack_dout_stats(pend.take(), g.size, meta.num_heads_q, meta.head_dim,
-                                                      plan.acc)
-            else:
-                do_all, stats_all = pend[0].take(), pend[1].take()
-            pend = nxt
-            # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
-            # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
-            # returned lse), as in the reference
-            delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
-            dq_r, dk_c, dv_c = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all,
-                                               stats_all[..., 1], delta_all, ctx.states[c])
+        pend_g, pend_dq, dk_x, dv_x = {}, [], None, None
+        issued = [0]
+
+        def prefetch(upto):  # issue the [dO | stats] all-gathers of chunks < upto
+            while issued[0] < min(upto, n):
+                pend_g[issued[0]] = gather_stats(issued[0])
+                issued[0] += 1
+
+        lanes = KernelLanes(k_x.device, n)  # as in forward: chunk c's kernel on lane c % 2
+
+        def launch(c):
+            prefetch(c + 2)  # one chunk ahead of this kernel
+            pend = pend_g.pop(c)
+            with lanes.launch(c):
+                if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
+                    buf = pend.take()
+                    lanes.use(c, buf)
+                    do_all, stats_all = unpack_dout_stats(buf, g.size, meta.num_heads_q, meta.head_dim, plan.acc)
+                    del buf
+                else:
+                    do_all, stats_all = pend[0].take(), pend[1].take()
+                    lanes.use(c, do_all, stats_all)
+                lanes.use(c, q_chunks[c], k_x, v_x)
+                # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
+                # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
+                # returned lse), as in the reference
+                delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
+                grads = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all, stats_all[..., 1],
+                                        delta_all, ctx.states[c])
             ctx.states[c] = None
-            del do_all, stats_all, delta_all
+            return grads
+
+        ahead = {}
+        for c in range(n):
+            if lanes.on and c + 1 < n:
+                ahead[c + 1] = launch(c + 1)
+            dq_r, dk_c, dv_c = ahead.pop(c) if c in ahead else launch(c)
+            lanes.done(c, dq_r, dk_c, dv_c)
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
             if hier is None:
                 pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
