@@ -529,8 +529,9 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
     True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
 
-    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, CUDA and
-    lanes > 1 the calls run as Split-KV's chunk loop runs them (`ops.common.KernelLanes`): every call's
+    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, all with the
+    same key count (Split-KV's chunks: one k / v), CUDA and lanes > 1 the calls run as Split-KV's chunk
+    loop runs them (`ops.common.KernelLanes`): every call's
     forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
     stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
 
@@ -549,7 +550,8 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     scale = D ** -0.5
     n_lanes = kernel_lanes() if lanes is None else int(lanes)
     live = [c for c in calls if c.rows and c.num_keys]
-    if device.type == "cuda" and n_lanes > 1 and len(live) > 1:
+    same_keys = len({c.num_keys for c in live}) == 1  # the chunk loop's contract: one k / v for every call
+    if device.type == "cuda" and n_lanes > 1 and len(live) > 1 and same_keys:
         ins = []
         for c in live:
             lo, hi = torch.as_tensor(c.lo, device=device), torch.as_tensor(c.hi, device=device)

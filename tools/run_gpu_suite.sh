@@ -4,6 +4,9 @@
 #   bash tools/run_gpu_suite.sh            # from the repository root; writes to $OUT (default out/suite)
 #   SUITE_CPU=1 PYTHON=.venv/bin/python bash tools/run_gpu_suite.sh     # every step on CPU, tiny shapes
 #
+# One GPU (nvidia-h200): bench runs CP = 1 only, slow / exact are skipped (logged), simulate takes the link fit
+# from SUITE_LINK_JSON (default docs/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU.
+#
 # Steps (SUITE_STEPS, comma list, default "kernels,tune,bench,slow,simulate,exact"), in this order of
 # priority; each runs under `timeout`, clipped to what is left of SUITE_BUDGET_S (default 540 s of a 600 s
 # call), so one failure or hang cannot eat the call (a failed step is logged and the suite goes on; the
@@ -31,7 +34,9 @@
 #      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`)
 #   exact. torchrun 2 x tools/gpu_check.py dist --skip op: op exactness at CP=2 over NCCL (bf16 vs float64,
 #      out + five gradients) of this tree's ops
-#   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gpucheck (gpu_check dist
+#   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gputests (FIRST, alone: pytest
+#      of SUITE_GPU_TESTS, default the GPU test files of kernels, lanes, merges, staircase, env), chunkcost
+#      (after simulate: tools/chunk_cost.py, one stream vs the op's kernel lanes at 16K / 64K keys), gpucheck (gpu_check dist
 #      exactness + timing table at 32K/128K), nightly (tests/nightly/run.sh, Megatron-Core from .whl),
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), nometa (bench without per-step
 #      metadata); any extra command in $SUITE_EXTRA
@@ -55,7 +60,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out/suite}
 WORK=${WORK:-/tmp/suite}
 BUDGET=${SUITE_BUDGET_S:-540}
-NPROC=${SUITE_NPROC:-2}
+NPROC_SET=${SUITE_NPROC:-}
 STEPS=",${SUITE_STEPS:-kernels,tune,bench,slow,simulate,exact},"
 CONTEXTS=${SUITE_CONTEXTS:-32768,131072,524288,262144,65536,16384}
 SLOW_CTX=${SUITE_SLOW_CONTEXTS:-32768,131072}
@@ -80,11 +85,16 @@ mkdir -p "$OUT" "$WORK"
 (cd "$WORK" && rm -rf kernels tune bench slow sim exact gpucheck nometa pretrain ./*.out)
 LOG="$OUT/suite.log"
 : > "$LOG"
-RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 declare -A STATUS
 declare -A BG_PID BG_T0
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 NGPU=${NGPU:-0}
+# ranks of the torchrun steps: 2, or 1 on a one-GPU machine (then bench runs CP=1 only, slow / exact are
+# skipped, simulate takes the intra-node link fit from SUITE_LINK_JSON instead of measuring it)
+if [[ -n "$NPROC_SET" ]]; then NPROC=$NPROC_SET; elif [[ "$CPU" != 1 ]] && (( NGPU == 1 )); then NPROC=1; else NPROC=2; fi
+LINK_JSON=${SUITE_LINK_JSON:-docs/results/link_h200x2_2026-11-30f.json}
+BENCH_CPS=$([[ "$NPROC" -ge 2 ]] && echo 1,2 || echo 1)
+RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 
 # the local-kernel names must be registered backends: a typo fails here, not after minutes of steps
 KNOWN_BACKENDS=" auto math flex te staircase "
@@ -169,6 +179,13 @@ if [[ "$CPU" != 1 && "${SUITE_TE_INSTALL:-1}" == 1 ]] && compgen -G "/tmp/tp/p0*
 fi
 echo "transformer_engine: $(te_ok && echo importable || echo 'not importable (te rows say so)')" | tee -a "$LOG"
 
+# g. the GPU tests, alone on the machine (a benchmark beside them spoils its rows): SUITE_GPU_TESTS
+if want gputests; then
+  GT=${SUITE_GPU_TESTS:-tests/test_kernel_lanes_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
+  # shellcheck disable=SC2086
+  step g_gputests "${SUITE_GPU_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $GT
+fi
+
 # a + e. local-kernel comparison on GPU 0; the kernel_options sweep on GPU 1 at the same time
 TUNE_BG=0
 if want tune && { (( NGPU >= 2 )) || [[ "$CPU" == 1 ]]; } && [[ "${SUITE_TUNE_PARALLEL:-1}" == 1 ]]; then
@@ -215,7 +232,7 @@ if want bench; then
   BB=$(( $(left) - AFTER - 60 ))
   BB=$(( BB > ${SUITE_BENCH_S:-240} ? ${SUITE_BENCH_S:-240} : BB ))
   BB=$(( BB < 60 ? 60 : BB ))
-  step b_bench $(( BB + 60 )) "${RUN[@]}" tools/bench_attention.py --cp 1,2 --contexts "$CONTEXTS" \
+  step b_bench $(( BB + 60 )) "${RUN[@]}" tools/bench_attention.py --cp "$BENCH_CPS" --contexts "$CONTEXTS" \
     --placements lpt,zigzag --cp1-methods splitkv --alt-placement-methods splitkv,ring-kv --budget-s "$BB" \
     --ab-reserve-s "$AB_RES" --backend "$BACKEND" --out "$WORK/bench" "${AB_X[@]}" "${BENCH_X[@]}"
 fi
@@ -223,7 +240,7 @@ fi
 #     SUITE_BENCH2_CONTEXTS (default: CONTEXTS), in their own process: tables bench_attention_<backend>.md
 if want bench && [[ -n "${SUITE_BENCH_BACKENDS:-}" ]]; then
   for BK in ${SUITE_BENCH_BACKENDS//,/ }; do
-    step "b_bench_$BK" $(( ${SUITE_BENCH2_S:-90} + 60 )) "${RUN[@]}" tools/bench_attention.py --cp 1,2 \
+    step "b_bench_$BK" $(( ${SUITE_BENCH2_S:-90} + 60 )) "${RUN[@]}" tools/bench_attention.py --cp "$BENCH_CPS" \
       --contexts "${SUITE_BENCH2_CONTEXTS:-$CONTEXTS}" --placements lpt --cp1-methods splitkv --no-sdpa \
       --budget-s "${SUITE_BENCH2_S:-90}" --ab-reserve-s 0 --backend "$BK" --tag "$BK" --out "$WORK/bench" \
       "${BENCH_X[@]}"
@@ -231,7 +248,13 @@ if want bench && [[ -n "${SUITE_BENCH_BACKENDS:-}" ]]; then
 fi
 
 # b. the same over sockets (NCCL network transport on lo: the inter-node stand-in)
-if want slow; then
+two_ranks() {  # two_ranks NAME: true when the step can run (2 ranks), else logged as skipped
+  if (( NPROC >= 2 )); then return 0; fi
+  echo "=== [$1] SKIPPED: needs 2 GPUs (this machine: $NGPU)" | tee -a "$LOG"
+  STATUS[$1]="skipped (one GPU)"
+  return 1
+}
+if want slow && two_ranks b_slow; then
   step b_slow 100 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
     "${RUN[@]}" tools/bench_attention.py --cp 2 --contexts "$SLOW_CTX" --placements lpt --no-sdpa --slow-path \
     --tag slow --budget-s 45 --ab-reserve-s 0 --reps 6 --backend "$BACKEND" --out "$WORK/slow" "${AB_X[@]}" \
@@ -244,6 +267,7 @@ if want simulate; then
   BJ="$WORK/bench/bench_attention.json"; KJ="$WORK/kernels/gpu_check_compare$([[ $CPU == 1 ]] && echo _cpu)_w1.json"
   if [[ -s "$BJ" ]]; then SIM_J+=(--bench-json "$BJ"); fi
   if [[ -s "$KJ" ]]; then SIM_J+=(--kernels-json "$KJ"); fi
+  if (( NPROC < 2 )) && [[ "$CPU" != 1 ]]; then SIM_J+=(--link-json "$LINK_JSON"); fi
   SIM_S=${SUITE_SIM_S:-65}  # shards measured for SB s (k = 1 of every method first), the rest modelled
   SB=$(( $(left) - 45 )); SB=$(( SB > SIM_S ? SIM_S : (SB < 20 ? 20 : SB) ))
   step c_simulate $(( SIM_S + 45 )) "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s "$SB" "${SIM_J[@]}" --out "$WORK/sim"
@@ -255,12 +279,20 @@ if want tune && (( ! TUNE_BG )); then
 fi
 
 # exactness of this tree's ops at CP=2 over NCCL (chunked merge pipeline and fused own block included)
-if want exact; then
+if want exact && two_ranks x_exact; then
   step x_exact 75 "${RUN[@]}" tools/gpu_check.py dist --skip op --backend "$BACKEND" --out "$WORK/exact" "${GC_X[@]}"
   for BK in ${SUITE_EXACT_BACKENDS:+${SUITE_EXACT_BACKENDS//,/ }}; do  # more kernels' op exactness (e.g. "staircase")
     step "x_exact_$BK" 75 "${RUN[@]}" tools/gpu_check.py dist --skip op --backend "$BK" --out "$WORK/exact_$BK" \
       "${GC_X[@]}"
   done
+fi
+
+# k. what a chunk of the merge pipeline costs the local kernel, one stream vs the op's kernel lanes
+if want chunkcost; then
+  step k_chunkcost "${SUITE_CHUNKCOST_S:-120}" "$PY" tools/chunk_cost.py --cp 2 \
+    --ctx-per-rank "$([[ $CPU == 1 ]] && echo 256 || echo "${SUITE_CHUNKCOST_CTX:-16384,65536}")" --chunks 2,4 \
+    --backends "$([[ $CPU == 1 ]] && echo math || echo flex,staircase)" --no-heads --reps 7 --out "$WORK/chunkcost" \
+    $([[ $CPU == 1 ]] && echo "--cpu --anchors 8")
 fi
 
 if want nometa; then

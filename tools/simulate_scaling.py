@@ -154,11 +154,12 @@ def model_call_ms(call, *, Hq, D, tflops, overhead_ms):
     return overhead_ms + bench.FWD_BWD_FACTOR * bench.fwd_flops(call.pairs, Hq, D) / (tflops * 1e12) * 1e3
 
 
-#: kernel time lost per extra chunk, as a fraction of the one-chunk kernel time (fitted on the chunk A/B of
-#: docs/benchmarks.md, NVLink, CP=2, 128K, same process: op k = 1 / 2 / 4 = 44.73 / 47.91 / 55.04 ms; with
-#: the ~1 ms of NVLink communication mostly exposed at k = 1 and half hidden at k > 1 the kernel grew by
-#: ~3.7 ms (k = 2) and ~10.9 ms (k = 4) over the 42.4 ms one-chunk kernel: 8.7% and 8.6% per extra chunk)
-CHUNK_LOSS = 0.085
+#: kernel time lost per extra chunk, as a fraction of the one-chunk kernel time, with the op's kernel lanes
+#: (docs/perf-notes.md item 12; tools/chunk_cost.py on the H200, 2026-11-30, flex, CP=2 shards of 16K / 64K
+#: keys: k = 2 1.001x / 1.012x, k = 4 1.125x / 1.082x of one call, i.e. 0.1-4.2% per extra chunk, mean 2%;
+#: without the lanes it was 8.5% per extra chunk: the chunk A/B of docs/benchmarks.md and chunk_cost's
+#: one-stream rows, 1.07x / 1.06x at k = 2). Used only for shards the budget left unmeasured.
+CHUNK_LOSS = 0.02
 
 
 def calibrated_tflops(samples, *, Hq, D, overhead_ms):
@@ -983,8 +984,11 @@ def main(argv=None):
                 local[(j, r)] = None
                 continue
             try:
+                # splitkv's chunks run as the op runs them (kernel lanes on CUDA, `bench.chunk_loop`); the
+                # baselines' calls one by one (ring-kv's steps are separated by its exchanges)
                 kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev, backend=args.backend,
-                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
+                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata,
+                                             lanes=None if jobs[j][1] == "splitkv" else 1, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]} rank {r}: "
                       f"{kt['ms']:.2f} ms, {kt['tflops']:.0f} TF/s", flush=True)
