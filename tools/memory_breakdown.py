@@ -13,7 +13,11 @@ no saved graph). Every tensor allocated during the step is tracked (a TorchDispa
 ops; a storage counts from its allocation until Python frees it), so the live bytes at every point are
 those of the code as written: no hand model to keep in sync. Not counted: FlexAttention's internal
 workspace (its Triton kernels allocate little: the backward's delta, [Hq, Tq] fp32), NCCL buffers, and the
-CUDA caching allocator's rounding (blocks of 512 bytes; fragmentation is not modelled).
+CUDA caching allocator's rounding (blocks of 512 bytes; fragmentation is not modelled). Not modelled: the
+staircase kernel (CUDA's `auto` picks it from 32K context keys per rank), and CUDA lifetimes: a buffer of an
+asynchronous collective or a side-stream kernel is `record_stream`-ed and stays allocated until its stream's
+work is done, while here it is freed when Python drops it (at CP=2 the GPU peaks are ~0.1 GiB above this
+tool's, at CP=1 within 1%: docs/benchmarks.md, "Peak memory vs P at fixed total context").
 
 Reported per method (max over ranks): `inputs` (q, k_ctx, v_ctx, k_blk, v_blk, dout: alive for the whole
 step, as in tools/bench_attention.py), `peak` (inputs + the most step-allocated bytes alive at once; what
@@ -22,10 +26,25 @@ allocator's rounding), where the peak happens, and the largest tensors alive at 
 that allocated them. Compare with bench_attention's "peak GiB" column (same workload: Lq = anchors x B,
 Hq 32, Hkv 8, D 128, bf16, one sequence of --context tokens, LPT placement).
 
+Context vs query split (issue 6: "the context part of the peak falling as 1/P at a fixed total context"):
+every tracked tensor (and every input) is put in a class by its token dimension (its largest dimension):
+`query_all` (the gathered query rows: Lq = all ranks' query rows, or Lq / num_chunks, or their flex
+bucket: gathered Q, partial O / lse, gathered dO and (delta, lse), dQ partials, padded flex q/out),
+`query_local` (this rank's Tq_local rows or their bucket: q / dout inputs, own-block k_blk / v_blk, the
+merged O, dq), `context` (>= the smallest rank's context token count and not query-sized: k_ctx / v_ctx,
+their grads, the own-block-appended and padded K/V copies, fp32 dK / dV, allgather-kv's gathered K/V) and
+`other` (everything smaller: per-block tables, scalars). At CP=1 Tq_local = Lq: its rows count as
+`query_all`. The classes assume the query sizes and the context sizes differ (at the real shapes: for P <
+total context / Lq, i.e. P <= 8 at 128K); the tool warns when they overlap. `--cp-sweep 1,2,4,8` runs
+those CP sizes one after the other at the same --context and prints, per method and P: inputs, peak, and
+the peak split into its context-sized and query-sized parts (inputs + step-allocated tensors live at the
+peak), with context(P) * P / context(P0) * P0 for the sweep's smallest P0 (1.00 = exactly 1/P).
+
 Examples (from the repository root):
   .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2
   .venv/bin/python tools/memory_breakdown.py --context 131072 --cp 2 --methods splitkv,allgather-kv --top 12
   .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2 --query-gather   # the early Q gather path
+  .venv/bin/python tools/memory_breakdown.py --context 131072 --cp-sweep 1,2,4,8   # context part vs P
 """
 
 from __future__ import annotations
@@ -191,6 +210,50 @@ def _nbytes(t):
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+CLASSES = ("context", "query_all", "query_local", "other")
+
+
+def size_classes(tq_local, lq_all, tk_ranks, num_chunks=1):
+    """The token counts that make a tensor query-sized or context-sized on one rank (see the module
+    docstring): {"query_all": set, "query_local": set, "ctx_min": int, "overlap": bool}. Query sizes: the
+    rows and their per-chunk parts, each also as flex pads it (`bucket_length`, query and key steps)."""
+    from megatron_splitkv.kernels.flex import DEFAULT_BUCKET_STEPS, DEFAULT_Q_BUCKET_STEPS, bucket_length
+
+    def sizes(n):
+        out = set()
+        for k in {1, max(1, int(num_chunks))}:
+            m = n // k
+            if m > 0:
+                out |= {m, bucket_length(m, DEFAULT_Q_BUCKET_STEPS), bucket_length(m, DEFAULT_BUCKET_STEPS)}
+        return out
+
+    q_all, q_local = sizes(int(lq_all)), sizes(int(tq_local)) - sizes(int(lq_all))
+    ctx_min = min(int(t) for t in tk_ranks)
+    return dict(query_all=q_all, query_local=q_local, ctx_min=ctx_min,
+                overlap=ctx_min <= max(q_all | q_local))
+
+
+def classify(shape, classes):
+    """'context' | 'query_all' | 'query_local' | 'other' of a tensor of `shape` by its token dimension
+    (its largest one) under `size_classes`."""
+    n = max(shape) if len(shape) else 0
+    if n in classes["query_all"]:
+        return "query_all"
+    if n in classes["query_local"]:
+        return "query_local"
+    if n >= classes["ctx_min"]:
+        return "context"
+    return "other"
+
+
+def split_bytes(records, classes):
+    """{class: bytes} of (nbytes, shape) records."""
+    out = dict.fromkeys(CLASSES, 0)
+    for nb, shape in records:
+        out[classify(shape, classes)] += nb
+    return out
+
+
 def _run_rank(rank, world, args):
     from megatron_splitkv import bench
 
@@ -248,13 +311,26 @@ def _run_rank(rank, world, args):
             return sorted(((v[0], k, v[1], v[2]) for k, v in by_site.items()), reverse=True)[: args.top]
 
         top = top_sites(tracker.peak_snapshot)
+        n_chunks = int(getattr(meta, "num_chunks", 1) or 1)
+        classes = size_classes(int(x["q"].shape[0]), plan.blocks_per_rank * world * B,
+                               [int(plan.token_index(r).shape[0]) for r in range(world)], n_chunks)
+        in_split = split_bytes([(_nbytes(x[k]), tuple(x[k].shape))
+                                for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "dout")], classes)
+        step_split = split_bytes([(v[0], v[2]) for v in tracker.peak_snapshot.values()], classes)
+        site_cls = defaultdict(lambda: defaultdict(int))  # the largest sites of each class at the peak
+        for nb, site, shape, dt in tracker.peak_snapshot.values():
+            site_cls[classify(shape, classes)][(site, f"{list(shape)} {dt}")] += nb
+        by_class = {c: sorted(((b, k[0], k[1]) for k, b in d.items()), reverse=True)[:4]
+                    for c, d in site_cls.items()}
         phases = {ph: dict(peak=inputs + v[0], site=v[1], top=top_sites(v[2]))
                   for ph, v in tracker.phase_peak.items()}
         results[method] = dict(inputs=inputs, step_peak=tracker.peak, peak=inputs + tracker.peak,
                                saved=tracker.saved, phases=phases,
                                grads_after=grads, peak_site=tracker.peak_site, ops=tracker.ops,
                                top=top, tk_local=int(x["k_ctx"].shape[0]), tq_local=int(x["q"].shape[0]),
-                               num_chunks=int(getattr(meta, "num_chunks", 1) or 1))
+                               num_chunks=n_chunks, inputs_split=in_split, step_split=step_split,
+                               class_top=by_class,
+                               classes_overlap=bool(classes["overlap"]))
         del meta
     return results
 
@@ -280,6 +356,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--top", type=int, default=10, help="allocation sites listed at the peak")
     ap.add_argument("--phases", action="store_true", help="also list the sites at the forward / backward peaks")
+    ap.add_argument("--class-sites", action="store_true",
+                    help="also list the largest sites of each size class (context / query) at the peak")
+    ap.add_argument("--cp-sweep", default=None, metavar="P1,P2,...",
+                    help="run these CP sizes one after the other at the same --context (overrides --cp) and "
+                         "tabulate the peak's context vs query parts per P")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
@@ -289,18 +370,35 @@ def main(argv=None):
     if args.cp < 1:
         ap.error("--cp must be >= 1")
 
+    if args.cp_sweep:
+        try:
+            cps = [int(c) for c in args.cp_sweep.split(",") if c.strip()]
+        except ValueError:
+            ap.error(f"--cp-sweep: expected a comma list of CP sizes, got {args.cp_sweep!r}")
+        if not cps or min(cps) < 1:
+            ap.error("--cp-sweep: CP sizes must be >= 1")
+        return _sweep(args, cps)
+    summary = _report(args, args.cp, _spawn(args, args.cp))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args={k: v for k, v in vars(args).items()}, summary=summary), f, indent=1)
+    return summary
+
+
+def _spawn(args, cp):
+    """Run the step on `cp` gloo processes; {rank: _run_rank's results}."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_worker, args=(r, args.cp, init, args, queue), daemon=True)
-                 for r in range(args.cp)]
+        procs = [ctx.Process(target=_rank_worker, args=(r, cp, init, args, queue), daemon=True)
+                 for r in range(cp)]
         for p in procs:
             p.start()
         per_rank = {}
-        for _ in range(args.cp):
+        for _ in range(cp):
             rank, res, err = queue.get(timeout=3600)
             if err:
                 for p in procs:
@@ -309,19 +407,30 @@ def main(argv=None):
             per_rank[rank] = res
         for p in procs:
             p.join(timeout=10)
+    return per_rank
+
+
+def _report(args, cp, per_rank):
+    """Print one CP size's report; the summary (max over ranks) per method."""
     gib = 2.0 ** 30
-    print(f"context {args.context}, CP {args.cp}, Lq {args.anchors * args.block_size}, Hq {args.hq}, "
+    print(f"context {args.context}, CP {cp}, Lq {args.anchors * args.block_size}, Hq {args.hq}, "
           f"Hkv {args.hkv}, D {args.d}, {args.dtype}, kernel stand-in: {args.kernel}"
           + (", early Q gather" if args.query_gather else ""))
     summary = {}
     for m in args.methods:
-        worst = max(range(args.cp), key=lambda r: per_rank[r][m]["peak"])
+        worst = max(range(cp), key=lambda r: per_rank[r][m]["peak"])
         r = per_rank[worst][m]
+        split = {c: (r["inputs_split"][c] + r["step_split"][c]) / gib for c in CLASSES}
         summary[m] = dict(peak_gib=r["peak"] / gib, inputs_gib=r["inputs"] / gib, step_gib=r["step_peak"] / gib,
                           saved_gib=r["saved"] / gib,
                           phase_peak_gib={ph: v["peak"] / gib for ph, v in r["phases"].items()},
-                          rank=worst, per_rank_peak_gib=[per_rank[i][m]["peak"] / gib for i in range(args.cp)],
+                          rank=worst, per_rank_peak_gib=[per_rank[i][m]["peak"] / gib for i in range(cp)],
                           peak_site=r["peak_site"], num_chunks=r["num_chunks"],
+                          tk_local=r["tk_local"], tq_local=r["tq_local"],
+                          split_gib=split,
+                          inputs_split_gib={c: v / gib for c, v in r["inputs_split"].items()},
+                          step_split_gib={c: v / gib for c, v in r["step_split"].items()},
+                          classes_overlap=r["classes_overlap"],
                           top=[dict(mib=t[0] / 2**20, site=t[1], count=t[2], example=t[3]) for t in r["top"]])
         print(f"\n{m}: peak {r['peak'] / gib:.3f} GiB on rank {worst} (inputs {r['inputs'] / gib:.3f} + step "
               f"{r['step_peak'] / gib:.3f}); Tq_local {r['tq_local']}, Tk_local {r['tk_local']}"
@@ -330,9 +439,18 @@ def main(argv=None):
         print(f"  peak reached at: {r['peak_site']}")
         print(f"  kept from forward to backward (saved tensors, output, kernel state): {r['saved'] / gib:.3f} GiB; "
               + "; ".join(f"{ph} peak {v['peak'] / gib:.3f} GiB" for ph, v in r["phases"].items()))
+        print("  the peak by size class (inputs + step): "
+              + ", ".join(f"{c} {split[c]:.3f} GiB ({r['inputs_split'][c] / gib:.3f} + {r['step_split'][c] / gib:.3f})"
+                          for c in CLASSES))
+        if r["classes_overlap"]:
+            print("  warning: query and context token counts overlap at these sizes; the class split is unreliable")
         print("  live at the peak (allocated during the step), by allocation site:")
         for nb, site, cnt, ex in r["top"]:
             print(f"    {nb / 2**20:9.1f} MiB  x{cnt:<3d} {ex:<28s} {site}")
+        if args.class_sites:
+            for c in CLASSES:
+                for nb, site, ex in r["class_top"].get(c, []):
+                    print(f"    [{c:<11s}] {nb / 2**20:9.1f} MiB  {ex:<28s} {site}")
         if args.phases:
             for ph, v in r["phases"].items():
                 print(f"  {ph} peak {v['peak'] / gib:.3f} GiB at {v['site']}:")
@@ -342,10 +460,44 @@ def main(argv=None):
         for m in args.methods:
             if m != "splitkv":
                 print(f"\nsplitkv / {m} peak: {summary['splitkv']['peak_gib'] / summary[m]['peak_gib']:.3f}")
+    return summary
+
+
+def _sweep(args, cps):
+    """--cp-sweep: each CP size in turn at the same --context; a table per method of the peak split into
+    its context and query parts, and context(P) * P / context(P0) for the smallest P0 of the sweep."""
+    per_cp = {}
+    for cp in cps:
+        print(f"\n===== CP {cp} =====", flush=True)
+        per_cp[cp] = _report(args, cp, _spawn(args, cp))
+    p0 = min(cps)
+    rows = {}
+    print(f"\n===== peak per rank vs P at a fixed total context of {args.context} tokens (GiB; the rank with "
+          f"the highest peak; split = inputs + step-allocated tensors live at the peak) =====")
+    for m in args.methods:
+        ctx0 = per_cp[p0][m]["split_gib"]["context"]
+        print(f"\n{m}:\n| P | Tk_local | Tq_local | inputs | peak | context part | query part (all Lq rows) | "
+              f"query part (local rows) | other | context x P / context(P={p0}) x {p0} |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        rows[m] = []
+        for cp in cps:
+            s_ = per_cp[cp][m]
+            sp = s_["split_gib"]
+            ratio = sp["context"] * cp / (ctx0 * p0) if ctx0 > 0 else float("nan")
+            rows[m].append(dict(cp=cp, tk_local=s_["tk_local"], tq_local=s_["tq_local"], inputs_gib=s_["inputs_gib"],
+                                peak_gib=s_["peak_gib"], context_gib=sp["context"], query_all_gib=sp["query_all"],
+                                query_local_gib=sp["query_local"], other_gib=sp["other"], context_ratio=ratio,
+                                context_inputs_gib=s_["inputs_split_gib"]["context"],
+                                context_step_gib=s_["step_split_gib"]["context"],
+                                classes_overlap=s_["classes_overlap"]))
+            print(f"| {cp} | {s_['tk_local']} | {s_['tq_local']} | {s_['inputs_gib']:.3f} | {s_['peak_gib']:.3f} | "
+                  f"{sp['context']:.3f} | {sp['query_all']:.3f} | {sp['query_local']:.3f} | {sp['other']:.4f} | "
+                  f"{ratio:.3f} |" + (" (classes overlap)" if s_["classes_overlap"] else ""))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(args={k: v for k, v in vars(args).items()}, summary=summary), f, indent=1)
-    return summary
+            json.dump(dict(args={k: v for k, v in vars(args).items()}, rows=rows,
+                           summary={str(cp): v for cp, v in per_cp.items()}), f, indent=1)
+    return dict(rows=rows, summary=per_cp)
 
 
 if __name__ == "__main__":
