@@ -104,6 +104,17 @@ class IntervalMask:
             ValueError naming the violated property (shapes, region bounds, second-interval lengths,
             overlapping second intervals).
         """
+        flags = self.validate_flags()
+        if flags:
+            self.raise_flags(torch.stack(flags).tolist())
+        return self
+
+    def validate_flags(self) -> list:
+        """The contract checks of `validate` WITHOUT the host sync: the shape / dtype checks run here
+        (ValueError), the value checks are returned as 0-dim bool tensors on the mask's device (True =
+        violated, in `raise_flags`' order: 1 without second intervals, 4 with, 3 for a single block; [] for
+        a mask without blocks), for a caller that
+        reads many checks with one `.tolist()` and passes the values to `raise_flags`."""
         n = self.num_blocks
         tensors = [("lo", self.lo), ("hi", self.hi)]
         if self.has_union:
@@ -112,25 +123,29 @@ class IntervalMask:
             if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int64:
                 raise ValueError(f"IntervalMask.{name} must be [{n}] int64, got {tuple(t.shape)} {t.dtype}")
         if n == 0:
-            return self
+            return []
         live = self.hi > self.lo
-        zero = torch.zeros((), dtype=torch.bool, device=self.lo.device)
         checks = [(live & ((self.lo < 0) | (self.hi > self.num_ctx_keys))).any()]
         if self.has_union:
             length = self.hi2 - self.lo2
             own = length > 0
             checks.append(((length != 0) & (length != self.block_size)).any())
             checks.append((own & ((self.lo2 < self.num_ctx_keys) | (self.hi2 > self.num_keys))).any())
-            starts = torch.sort(torch.where(own, self.lo2, torch.full_like(self.lo2, -1))).values
-            gaps = starts[1:] - starts[:-1]
-            checks.append(((starts[1:] >= 0) & (starts[:-1] >= 0) & (gaps < self.block_size)).any()
-                          if n > 1 else zero)
-        bad = torch.stack(checks).tolist()
+            if n > 1:
+                # starts of the non-empty second intervals, ascending, -1 (first) for the empty ones: two
+                # neighbours closer than B overlap; starts[:-1] >= 0 implies starts[1:] >= 0 (sorted)
+                starts = torch.sort(torch.where(own, self.lo2, -1)).values
+                checks.append(((starts[:-1] >= 0) & (starts[1:] - starts[:-1] < self.block_size)).any())
+        return checks
+
+    def raise_flags(self, flags) -> "IntervalMask":
+        """Raise the ValueError of the first violated check of `validate_flags` (flags: their values,
+        host bools / ints in the same order); returns self when none is."""
         names = ["first intervals must lie in [0, num_ctx_keys)",
                  f"second intervals must have length 0 or block_size={self.block_size}",
                  "second intervals must lie in [num_ctx_keys, num_keys)",
                  "second intervals must be pairwise disjoint"]
-        for flag, what in zip(bad, names):
+        for flag, what in zip(flags, names):
             if flag:
                 raise ValueError(f"IntervalMask: {what} (num_ctx_keys={self.num_ctx_keys}, "
                                  f"num_keys={self.num_keys})")

@@ -11,7 +11,10 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   intersects it, and *full* if every row of the query tile sees the whole key tile. Needed-but-not-full
   tiles are *partial*: there the `mask_mod` `lo[q // B] <= kv < hi[q // B]` is evaluated. No dense
   Tq x Tk mask is built and `create_block_mask` (which evaluates the mask on every pair) is never called.
-  See `interval_block_tables`. Masks with own-block second intervals (`IntervalMask.lo2/hi2`, the union
+  See `interval_block_tables`. The transposed tables (per key tile, the query tiles: what flex's backward
+  reads) come from the same classification instead of `BlockMask.from_kv_blocks`' re-derivation from the
+  key tables (`_block_tables`; the same values, ~23 device ops per BlockMask instead of ~66: docs/perf-notes.md
+  "Prepare cost (item 13)"). Masks with own-block second intervals (`IntervalMask.lo2/hi2`, the union
   contract of `kernels/base.py`) are classified the same way on both intervals; their own-block region
   (from `num_ctx_keys`, a multiple of 128 in the ops) is block-diagonal: only the key tiles a query
   tile's own blocks intersect are listed (partial, B x B blocks inside 128 x 128 tiles), and the
@@ -172,19 +175,27 @@ def bucket_length(n: int, steps: int = DEFAULT_BUCKET_STEPS, tile: int = TILE) -
 def _row_intervals(mask: IntervalMask, n_rows_padded: int):
     """Per-row (lo, hi, lo2, hi2) int32 for the padded query length; padding rows get [0, 0).
 
-    lo2/hi2 are None when the mask has no second (own-block) intervals."""
+    lo2/hi2 are None when the mask has no second (own-block) intervals. The four are rows of one
+    [4, n_rows_padded] (or [2, ...]) tensor (`_rows_table`)."""
+    rows = _rows_table(mask, n_rows_padded)
+    return (rows[0], rows[1]) + ((rows[2], rows[3]) if mask.has_union else (None, None))
+
+
+def _rows_table(mask: IntervalMask, n_rows_padded: int) -> torch.Tensor:
+    """[n, n_rows_padded] int32, n = 4 (lo, hi, lo2, hi2) or 2 (lo, hi): every block's intervals
+    repeated over its B rows, zeros for the padding rows. Two or three launches (stack, the cast and
+    repeat in one broadcast copy, the padding's zeros) instead of three to four per interval row."""
     B = mask.block_size
     pad = n_rows_padded - mask.num_blocks * B
     if pad < 0:
         raise ValueError("padded query length shorter than the mask")
-
-    def rows(x):
-        if x is None:
-            return None
-        r = x.to(torch.int32).repeat_interleave(B)
-        return torch.cat([r, torch.zeros(pad, dtype=torch.int32, device=r.device)]) if pad else r
-
-    return rows(mask.lo), rows(mask.hi), rows(mask.lo2), rows(mask.hi2)
+    blocks = torch.stack([mask.lo, mask.hi] + ([mask.lo2, mask.hi2] if mask.has_union else []))
+    n, nb = blocks.shape
+    rows = torch.empty(n, n_rows_padded, dtype=torch.int32, device=blocks.device)
+    rows[:, : nb * B].view(n, nb, B).copy_(blocks[:, :, None].expand(n, nb, B))  # cast + repeat_interleave
+    if pad:
+        rows[:, nb * B:].zero_()
+    return rows
 
 
 def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int, kv_len: int,
@@ -214,34 +225,43 @@ def interval_block_tables(lo_row: torch.Tensor, hi_row: torch.Tensor, q_len: int
         intervals the own-block region is block-diagonal: a query tile lists only the key tiles its
         rows' own blocks intersect.
     """
+    rows = [lo_row, hi_row] + ([lo2_row, hi2_row] if lo2_row is not None else [])
+    return _block_tables(torch.stack(rows).to(torch.int32), q_len, kv_len, tile, rows_per_block)[:4]
+
+
+def _block_tables(rows: torch.Tensor, q_len: int, kv_len: int, tile: int = TILE, rows_per_block: int = 1,
+                  q_tables: bool = False):
+    """`interval_block_tables` of a [2 or 4, q_len] int32 row table (lo, hi[, lo2, hi2]: `_rows_table`),
+    both intervals classified in the same launches. With `q_tables`, also the transposed tables
+    `BlockMask.from_kv_blocks` would derive (q_num_blocks, q_indices, full_q_num_blocks, full_q_indices:
+    per key tile the query tiles, [1, 1, nk] and [1, 1, nk, nq] int32, ordered like flex's
+    `_dense_to_ordered`) straight from the same tile classification. ~20 launches for all eight tables."""
     if q_len % tile or kv_len % tile:
         raise ValueError(f"q_len={q_len} and kv_len={kv_len} must be multiples of {tile}")
     nq, nk = q_len // tile, kv_len // tile
-    kstart = torch.arange(0, kv_len, tile, device=lo_row.device, dtype=torch.int32)  # [nk]
+    kstart = torch.arange(0, kv_len, tile, device=rows.device, dtype=torch.int32)  # [nk]
     kend = kstart + tile
-
-    def per_tile(x):
-        x = x.to(torch.int32).reshape(nq, tile)
-        if rows_per_block > 1 and tile % rows_per_block == 0:
-            x = x[:, ::rows_per_block]
-        return x[:, :, None]
-
-    def touch_cover(lo_r, hi_r):
-        lo3, hi3 = per_tile(lo_r), per_tile(hi_r)
-        touches = (hi3 > lo3) & (lo3 < kend) & (hi3 > kstart)  # [nq, r, nk]
-        covers = (lo3 <= kstart) & (hi3 >= kend)  # an empty row (lo >= hi) never covers a tile
-        return touches, covers
-
-    touches, covers = touch_cover(lo_row, hi_row)
-    if lo2_row is not None:
-        t2, c2 = touch_cover(lo2_row, hi2_row)
-        touches, covers = touches | t2, covers | c2
-    needed = touches.any(1)
-    full = covers.all(1)
-    sel = torch.stack([needed & ~full, full])  # [2, nq, nk]: partial, full
+    x = rows.view(rows.shape[0], nq, tile)
+    if rows_per_block > 1 and tile % rows_per_block == 0:
+        x = x[:, :, ::rows_per_block]
+    x = x[..., None]  # [2 or 4, nq, r, 1]
+    lo3, hi3 = x[0::2], x[1::2]  # [1 or 2 intervals, nq, r, 1]
+    touches = (hi3 > lo3) & (lo3 < kend) & (hi3 > kstart)  # [i, nq, r, nk]
+    covers = (lo3 <= kstart) & (hi3 >= kend)  # an empty row (lo >= hi) never covers a tile
+    needed = touches.any(dim=(0, 2))  # some row, through either interval, sees some key of the tile
+    full = (covers.any(0) if covers.shape[0] > 1 else covers[0]).all(1)  # every row, through one of them
+    sel = torch.stack([needed > full, full])  # [2, nq, nk]: partial (needed and not full), full
+    # listed tiles first, in increasing order, then the others: a stable descending sort of 0/1 (bool
+    # viewed as int8, no copy), the order of the former stable ascending sort of ~sel
     num = sel.sum(-1, dtype=torch.int32)
-    idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-    return num[0][None, None], idx[0][None, None], num[1][None, None], idx[1][None, None]
+    idx = torch.sort(sel.view(torch.int8), dim=-1, descending=True, stable=True).indices.to(torch.int32)
+    out = (num[0][None, None], idx[0][None, None], num[1][None, None], idx[1][None, None])
+    if q_tables:
+        q_num = sel.sum(-2, dtype=torch.int32)  # [2, nk]
+        q_idx = torch.sort(sel.view(torch.int8).transpose(-1, -2), dim=-1, descending=True, stable=True).indices
+        q_idx = q_idx.to(torch.int32, memory_format=torch.contiguous_format)  # [2, nk, nq]
+        out += (q_num[0][None, None], q_idx[0][None, None], q_num[1][None, None], q_idx[1][None, None])
+    return out
 
 
 def _interval_mask_mod(lo_row: torch.Tensor, hi_row: torch.Tensor, lo2_row=None, hi2_row=None):
@@ -265,13 +285,18 @@ def build_block_mask(mask: IntervalMask, q_len: int, kv_len: int, tile: int = TI
     """
     if BlockMask is None:
         raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
-    lo_row, hi_row, lo2_row, hi2_row = _row_intervals(mask, q_len)
-    kv_num, kv_idx, full_num, full_idx = interval_block_tables(lo_row, hi_row, q_len, kv_len, tile,
-                                                               rows_per_block=mask.block_size,
-                                                               lo2_row=lo2_row, hi2_row=hi2_row)
-    return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, tile),
-        mask_mod=_interval_mask_mod(lo_row, hi_row, lo2_row, hi2_row), seq_lengths=(q_len, kv_len),
+    rows = _rows_table(mask, q_len)
+    tables = _block_tables(rows, q_len, kv_len, tile, rows_per_block=mask.block_size, q_tables=True)
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
+    lo_row, hi_row, lo2_row, hi2_row = (rows[0], rows[1]) + ((rows[2], rows[3]) if mask.has_union else (None, None))
+    # the BlockMask `from_kv_blocks` builds, with the q tables from the tile classification instead of
+    # its `_transpose_ordered` (dense tables re-derived from the kv tables, ~30 more launches): the same
+    # values (tests/test_prepare_cost.py)
+    return BlockMask(
+        seq_lengths=(q_len, kv_len), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx, BLOCK_SIZE=(tile, tile),
+        mask_mod=_interval_mask_mod(lo_row, hi_row, lo2_row, hi2_row),
     )
 
 

@@ -33,6 +33,10 @@ checked group-wide like num_chunks) and, for 1 < L < P, holds the two cached sub
 (`SplitKVMetadata.node_groups`, `comm.node_groups`). The agreement rows carry it in column 10 next to the
 requested chunk count (`_request_code`: L = 1 leaves the rows exactly as before).
 
+Cost of a prepare (docs/perf-notes.md "Prepare cost (item 13)", `tools/prepare_cost.py`): Split-KV's
+metadata takes ~50 small device ops whatever num_chunks (the intervals of every chunk at once, the mask
+contract checked once) and one host sync in a size-1 group.
+
 Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
 remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
 (see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
@@ -60,6 +64,7 @@ from .common import (
     env_positive_int,
     fused_bwd_gather_min_p,
     intervals,
+    own_key_start,
     pad_rows,
     sort_keys,
     with_own_blocks,
@@ -237,7 +242,8 @@ class SplitKVMetadata:
         valid_rows: [Tq_local] bool, `valid` per query row (zeroes invalid blocks' own keys).
         num_chunks, chunks: splitkv: the resolved chunk count k (see `resolve_num_chunks`) and the
             per-rank block range (b0, b1) of each chunk (`chunk_bounds`; other impls: 1 and None).
-        chunk_masks, chunk_masks_own: splitkv: lists of k `IntervalMask`, chunk c = the blocks
+        chunk_masks, chunk_masks_own: splitkv: lists of k `IntervalMask` (their lo / hi / lo2 / hi2 are
+            rows of one table, views of it at P = 1), chunk c = the blocks
             [b0, b1) of every rank's gathered segment (P * (b1 - b0) blocks, rank order) against this
             rank's sorted keys; `_own` adds this rank's own blocks as second intervals over the keys
             [sorted context ; padding ; k_blk] (`ops.common.with_own_blocks`; used when k_blk is given).
@@ -353,8 +359,14 @@ def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: st
     the messages and raise the same ValueError on every rank (ImportError when every reported error is
     an ImportError: a kernel backend missing there). Returns the table (list of P rows)."""
     msg = err.encode()[:_MAX_MSG]
-    local = torch.tensor([len(msg) if err else -1] + list(row), dtype=torch.int64, device=dev)
-    table = all_gather(local[None], group, tag).tolist()
+    head = [len(msg) if err else -1] + list(row)
+    if group.size == 1:
+        # a single rank's table is its own row: no device tensor, no host sync (comm_stats still records
+        # the collective, of nothing: a meta tensor has no data)
+        all_gather(torch.empty(1, len(head), dtype=torch.int64, device="meta"), group, tag)
+        table = [head]
+    else:
+        table = all_gather(_device_row(head, dev)[None], group, tag).tolist()
     bad = [r for r in range(group.size) if table[r][0] >= 0]
     if bad:
         width = max(max(table[r][0] for r in bad), 1)
@@ -370,6 +382,76 @@ def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: st
         cls = ImportError if all(m.startswith("ImportError: ") for m in by_msg) else ValueError
         raise cls(f"{name}: invalid input on CP rank(s) {bad}: " + "; ".join(parts))
     return table
+
+
+def _device_row(values: list, dev) -> torch.Tensor:
+    """An int64 row of host ints on `dev`. On CUDA through pinned memory with a non-blocking copy: a copy
+    from pageable memory would synchronise the host with the GPU (PyTorch waits for the stream)."""
+    dev = torch.device(dev)
+    if dev.type == "cuda":
+        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device=dev)
+
+
+class _HostReads:
+    """Device values the host needs at the end of a prepare (the deferred range check, the "already
+    sorted" test, the mask contract), read with ONE `.tolist()`, i.e. one host sync instead of one each.
+
+    `add(tensors, use)`: 0-dim or 1-D tensors (bool or integer) and a callable that gets their values
+    (a flat list of ints) and raises when they say so; `read()` runs the callables in the order added."""
+
+    def __init__(self):
+        self._parts, self._uses = [], []
+
+    def add(self, tensors, use):
+        tensors = [t.reshape(-1) for t in tensors]
+        self._parts += tensors
+        self._uses.append((sum(int(t.numel()) for t in tensors), use))
+
+    def read(self):
+        if not self._parts:
+            return
+        values = torch.cat(self._parts).tolist()  # bools promote to int64: one tensor, one sync
+        self._parts = []
+        at = 0
+        for n, use in self._uses:
+            use(values[at:at + n])
+            at += n
+        self._uses = []
+
+
+class _RangeCheck:
+    """The int32 range check of the metadata tensors (sequence ids and positions in [-2**31, 2**31)):
+    min and max of each non-empty tensor computed on its device, checked on the host by `check` (one
+    host sync) or later with other values through `_HostReads` (`defer`)."""
+
+    def __init__(self, named):
+        self.names = [n for n, _ in named]
+        self.parts = [b for _, t in named for b in torch.aminmax(t)]  # min, max per tensor (0-dim)
+
+    def check(self):
+        if self.parts:
+            self.raise_if_bad(torch.stack(self.parts).tolist())
+
+    def raise_if_bad(self, values, prefix=""):
+        for i, n in enumerate(self.names):
+            lo, hi = values[2 * i], values[2 * i + 1]
+            if lo < -_INT32 or hi >= _INT32:
+                raise ValueError(f"{prefix}{n} values must lie in [-2**31, 2**31), got range [{lo}, {hi}]")
+
+    def defer(self, reads: _HostReads, name: str):
+        """Read the bounds with the other host values of the prepare (`reads`); a violation then raises
+        ValueError("<name>: ..."), as the immediate check does in a size-1 group."""
+        if self.parts:
+            reads.add(self.parts, lambda v: self.raise_if_bad(v, f"{name}: "))
+
+    def raise_first(self, name: str):
+        """On another local error of a size-1 group: the range check comes first (as when it was not
+        deferred), so raise its ValueError("<name>: ...") if it fails."""
+        try:
+            self.check()
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
 
 
 def _local_error(exc: Exception) -> str:
@@ -425,6 +507,14 @@ def check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
     """Metadata tensors: 1-D integer of lengths nb, nb, tk, tk (nb/tk None: taken from q_seq/kv_seq);
     returns them as int64 on `device` (q_seq zeroed on invalid blocks). Includes the int32 range check
     (one host sync)."""
+    q_seq, q_anchor, kv_seq, kv_pos, _, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device)
+    rng.check()
+    return q_seq, q_anchor, kv_seq, kv_pos
+
+
+def _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
+    """`check_metadata_tensors` without the host sync: (q_seq, q_anchor, kv_seq, kv_pos, valid, range
+    check), valid = q_anchor >= 0, the `_RangeCheck` not yet read (its `check` or `defer`)."""
     def length_of(t):
         return int(t.shape[0]) if isinstance(t, torch.Tensor) and t.dim() == 1 else -1
 
@@ -441,14 +531,10 @@ def check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
             raise ValueError(f"{n} must have an integer dtype (int64), got {t.dtype}")
         meta.append(t.to(device=device, dtype=torch.int64))
     q_seq, q_anchor, kv_seq, kv_pos = meta
-    q_seq = torch.where(q_anchor >= 0, q_seq, torch.zeros_like(q_seq))
-    checks = [(n, t) for n, t in (("q_seq", q_seq), ("kv_seq", kv_seq), ("kv_pos", kv_pos)) if t.numel()]
-    if checks:
-        bounds = torch.stack([torch.stack([t.min(), t.max()]) for _, t in checks]).tolist()
-        for (n, _), (lo, hi) in zip(checks, bounds):
-            if lo < -_INT32 or hi >= _INT32:
-                raise ValueError(f"{n} values must lie in [-2**31, 2**31), got range [{lo}, {hi}]")
-    return q_seq, q_anchor, kv_seq, kv_pos
+    valid = q_anchor >= 0
+    q_seq = torch.where(valid, q_seq, 0)
+    rng = _RangeCheck([(n, t) for n, t in (("q_seq", q_seq), ("kv_seq", kv_seq), ("kv_pos", kv_pos)) if t.numel()])
+    return q_seq, q_anchor, kv_seq, kv_pos, valid, rng
 
 
 def check_own_block(k_blk, v_blk):
@@ -497,33 +583,18 @@ def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
 # ----------------------------------------------------------------------------- building
 
 
-def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
+def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = None) -> SplitKVMetadata:
     """Collectives and derived tensors of the metadata (sizes already agreed group-wide). Validates the
-    own-block masks against the union contract (`IntervalMask.validate`, host syncs at metadata time)."""
+    own-block masks against the union contract (`IntervalMask.validate`, at metadata time). splitkv: the
+    host reads its values with one `.tolist()` at the end (`_HostReads`: `reads` from the caller, e.g.
+    a deferred range check, first), the baselines keep one host sync per read."""
     g, bsz, name = meta.group, meta.block_size, meta.impl
-    meta.valid = meta.q_anchor >= 0
+    if meta.valid is None:
+        meta.valid = meta.q_anchor >= 0
     meta.valid_rows = meta.valid.repeat_interleave(bsz)
     nb_local = meta.n_blocks[g.rank]
     if name == "splitkv":
-        meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
-        nb_max = max(meta.n_blocks)
-        bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
-        meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
-        meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, g.size, nb_max)
-        meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
-        if 1 < meta.cp_ranks_per_node < g.size:  # the two-level all-to-all's sub-groups (cached)
-            meta.node_groups = node_groups(g, meta.cp_ranks_per_node, _comm_device(g, meta.device))
-        by_rank = meta.block_meta.view(g.size, nb_max, 2)
-        meta.chunk_masks, meta.chunk_masks_own = [], []
-        for b0, b1 in meta.chunks:
-            blocks = by_rank[:, b0:b1].reshape(-1, 2)
-            # sequence ids may be negative: pass them unchanged (padding rows carry anchor -1, so
-            # `intervals` gives them an empty interval whatever their sequence id)
-            m = intervals(meta.keys, blocks[:, 0], blocks[:, 1], bsz)
-            own = meta.valid[b0:max(b0, min(b1, nb_local))]  # this rank's real blocks of the chunk
-            meta.chunk_masks.append(m)
-            meta.chunk_masks_own.append(with_own_blocks(m, own, nb_local, first_block=g.rank * (b1 - b0),
-                                                        first_key_block=b0))
+        _finish_splitkv(meta, reads if reads is not None else _HostReads())
     elif name == "allgather_kv":
         tk_max = max(meta.n_ctx)
         keys_all = all_gather(pad_rows(context_keys(meta.kv_seq, meta.kv_pos), tk_max), g,
@@ -548,6 +619,77 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool) -> SplitKVMetadata:
                 masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz))
             meta.step_masks = masks
     return meta
+
+
+def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
+    """Split-KV's part of `_finish`: context keys and their sort, the gathered block metadata and the
+    chunks' interval masks, with ONE host sync (`reads`).
+
+    The intervals of every gathered block are computed at once into a [4, P, nb_max] table (rows lo, hi,
+    lo2, hi2; block j of rank r in column (r, j)); chunk c's masks are its columns [b0, b1) of every rank,
+    a view at P = 1 and one copy otherwise, with the same values as the per-chunk `ops.common.intervals`
+    and `with_own_blocks` (tests/test_prepare_cost.py). The union contract is checked once on the whole
+    table (`IntervalMask.validate_flags`: a chunk's blocks are a subset, so every chunk passes when the
+    table does); only if the table fails are the chunks validated one by one, raising as before."""
+    g, bsz, dev = meta.group, meta.block_size, meta.q_seq.device
+    P, nb_local = g.size, meta.n_blocks[g.rank]
+    # context keys (seq, pos) -> seq * 2**32 + pos + 2**31 (`ops.common.context_keys`), sorted
+    # unconditionally: whether they already were is read with the other values at the end
+    keys = torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32)
+    n_keys = int(keys.shape[0])
+    if n_keys > 1:
+        in_order = (keys[1:] >= keys[:-1]).all()
+        sorted_keys, order = torch.sort(keys, stable=True)
+
+        def use_order(v):  # `ops.common.sort_keys`: the keys themselves and no order when sorted
+            meta.keys, meta.order = (keys, None) if v[0] else (sorted_keys, order)
+
+        reads.add([in_order], use_order)
+    else:
+        sorted_keys = meta.keys = keys
+    nb_max = max(meta.n_blocks)
+    bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
+    meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
+    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, g.size, nb_max)
+    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+    if 1 < meta.cp_ranks_per_node < g.size:  # the two-level all-to-all's sub-groups (cached)
+        meta.node_groups = node_groups(g, meta.cp_ranks_per_node, _comm_device(g, meta.device))
+    table = torch.empty(4, P * nb_max, dtype=torch.int64, device=dev)
+    # first intervals (`ops.common.intervals`): block b sees the keys of sequence seq[b] with position <
+    # anchor[b]; anchor < 0 (invalid, padding rows) the empty [lo, lo). Sequence ids may be negative
+    # (padding rows carry anchor -1, so they get an empty interval whatever their sequence id)
+    seq, anchor = meta.block_meta[:, 0], meta.block_meta[:, 1]
+    base = seq * (1 << 32)
+    torch.searchsorted(sorted_keys, base, out=table[0])
+    hi = torch.searchsorted(sorted_keys, base + (anchor.clamp(0, _INT32) + (_INT32 - 1)), right=True)
+    torch.where(anchor >= 0, hi, table[0], out=table[1])
+    # second intervals (`ops.common.with_own_blocks`): this rank's block i sees own keys [c0 + i B,
+    # c0 + (i + 1) B) when valid, every other block (other ranks', padding, invalid) the empty [c0, c0)
+    c0 = own_key_start(n_keys)
+    if P > 1 or nb_local < nb_max:
+        table[2:].fill_(c0)
+    if nb_local:
+        own = table[2:].view(2, P, nb_max)[:, g.rank, :nb_local]
+        edges = torch.arange(0, (nb_local + 1) * bsz, bsz, dtype=torch.int64, device=dev)  # i B, i <= nb_local
+        torch.mul(edges.unfold(0, nb_local, 1), meta.valid, out=own)  # valid * i B ; valid * (i + 1) B
+        own.add_(c0)
+    num_keys_own = c0 + nb_local * bsz
+    meta.chunk_masks, meta.chunk_masks_own = [], []
+    by_rank = table.view(4, P, nb_max)
+    for b0, b1 in meta.chunks:
+        lo, hi, lo2, hi2 = by_rank[:, :, b0:b1].reshape(4, -1)
+        m = IntervalMask(bsz, lo, hi, n_keys)
+        meta.chunk_masks.append(m)
+        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
+    whole = IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
+
+    def check_masks(v):
+        if any(v):  # some chunk may violate the contract: validate them in order, raising as before
+            for m in meta.chunk_masks_own:
+                m.validate()
+
+    reads.add(whole.validate_flags(), check_masks)
+    reads.read()
 
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
@@ -604,8 +746,13 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 
     Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 11] int64 all-gather of sizes, the
     requested chunk count and cp_ranks_per_node, and the error flag), then "splitkv.fwd.block_meta" (2 int64 per block),
-    "allgather_kv.fwd.kv_meta" or "ring_kv.ctx_meta" (one int64 per context token). Host syncs: the range
-    check, the size table, the "already sorted" test and the own-block mask validation.
+    "allgather_kv.fwd.kv_meta" or "ring_kv.ctx_meta" (one int64 per context token). Host syncs, impl
+    "splitkv": ONE in a size-1 group (the range check, the "already sorted" test and the own-block masks'
+    contract are read together at the end; the size table of one rank needs no device tensor), three
+    at P > 1 (the range check before the size table's all-gather, so that a bad value raises on every
+    rank; the size table; the rest at the end); the baselines: the range check, the size table (P > 1),
+    the "already sorted" test and the own-block mask validation (docs/perf-notes.md "Prepare cost (item
+    13)").
 
     Raises:
         ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
@@ -624,7 +771,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    err, row, ints = "", [-1] * 10, None
+    err, row, ints, rng, reads = "", [-1] * 10, None, None, _HostReads()
     try:
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -639,7 +786,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
         if _comm_device(group, device).type != device.type:
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
-        ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
+        *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
+        if group.size == 1 and canon == "splitkv":
+            rng.defer(reads, name)  # read with the metadata's other host values: one sync per prepare
+        else:
+            rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
@@ -650,6 +801,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
+            if rng is not None:  # a deferred range check still comes first
+                rng.raise_first(name)
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     tag = f"{canon or 'splitkv'}.meta"
@@ -662,10 +815,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
-        group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
+        valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
     )
-    return _finish(meta, gather_ctx=True)
+    return _finish(meta, gather_ctx=True, reads=reads)
 
 
 # ----------------------------------------------------------------------------- per call
@@ -706,11 +859,15 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints = "", [-1] * 8 + [_MODE_PLAIN, -1], None
+    err, row, ints, rng, reads = "", [-1] * 8 + [_MODE_PLAIN, -1], None, None, _HostReads()
     try:
         nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
-        ints = check_metadata_tensors(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
+        *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
+        if group.size == 1 and name == "splitkv":
+            rng.defer(reads, name)  # read with the metadata's other host values: one sync
+        else:
+            rng.check()
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
         fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
@@ -722,10 +879,14 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         _resolve_kernel(name, backend, q.device, q.dtype, d)
     except ImportError as exc:  # kept an ImportError on every rank (`_raise_if_any`)
         if group.size == 1:
+            if rng is not None:  # a deferred range check still comes first
+                rng.raise_first(name)
             raise
         err = _local_error(exc)
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
+            if rng is not None:
+                rng.raise_first(name)
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     dev = q.device if isinstance(q, torch.Tensor) else None
@@ -735,9 +896,10 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
-        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
+        valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
+        fused_bwd_gather_min_p=table[0][13],
     )
-    return _call_plan(_finish(meta, gather_ctx=False), name, softmax_scale, backend)
+    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
