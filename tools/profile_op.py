@@ -1,0 +1,149 @@
+"""Where does a Split-KV chunk cost its time at the OP level? (GPU, torchrun over NCCL)
+
+tools/chunk_cost.py times the local kernel's chunks alone; over NCCL the op's k = 2 cost more than that
+(docs/benchmarks.md, seventh run: CP=2 16K op 8.92 -> 10.73 ms at k = 1 -> 2). This tool runs the real op
+(per-step metadata, forward + backward, LPT placement, drafter shapes) for each (num_chunks, kernel lanes)
+variant and, on rank 0, profiles 3 steps with torch.profiler: wall ms per step, GPU-busy ms (union of all
+kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates), the
+NCCL kernels' summed time, and the time the local kernels overlap NCCL kernels. Prints a table last.
+
+    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:2,2:1,2:2
+
+A variant is `num_chunks:lanes`. Writes nothing; no thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_splitkv import bench  # noqa: E402
+
+
+def _intervals(events, pred):
+    from torch.autograd import DeviceType
+
+    out = []
+    for e in events:
+        if e.device_type != DeviceType.CUDA:
+            continue
+        if pred(e.name):
+            out.append((e.time_range.start, e.time_range.end))
+    return out
+
+
+def _union(iv):
+    tot, end = 0.0, None
+    for a, b in sorted(iv):
+        if end is None or a > end:
+            tot += b - a
+            end = b
+        elif b > end:
+            tot += b - end
+            end = b
+    return tot
+
+
+def _overlap(a, b):
+    """Total time (us) where an interval of a overlaps an interval of b (each list unioned first)."""
+    def merged(iv):
+        out = []
+        for x, y in sorted(iv):
+            if out and x <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], y)
+            else:
+                out.append([x, y])
+        return out
+    a, b = merged(a), merged(b)
+    i = j = 0
+    tot = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            tot += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--variants", default="1:2,2:1,2:2", help="comma list of num_chunks:lanes")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    variants = []
+    for v in a.variants.split(","):
+        k, _, ln = v.partition(":")
+        variants.append((int(k), int(ln or 2)))
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(dev)
+    s = bench.QWEN3_8B_DRAFTER
+    lens, anchors = bench.make_workload(a.context, s["n_anchors"], seed=world)
+    plan = bench.place(lens, anchors, cp_size=world, strategy="lpt", block_size=s["B"])
+    x = bench.rank_inputs(plan, rank, Hq=s["Hq"], Hkv=s["Hkv"], D=s["D"], dtype=s["dtype"], device=dev)
+    g = dist.group.WORLD
+    rows = []
+    for k, lanes in variants:
+        os.environ["MEGATRON_SPLITKV_KERNEL_LANES"] = str(lanes)
+        meta = bench.prepare_meta("splitkv", x, block_size=s["B"], cp_group=g, Hq=s["Hq"], Hkv=s["Hkv"], D=s["D"],
+                                  num_chunks=k)
+
+        def step():
+            bench.run_op("splitkv", x, block_size=s["B"], cp_group=g, backend=a.backend, meta=meta)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) * 1e3 / a.steps
+        dist.barrier()
+        if rank == 0:
+            ev = prof.events()
+            allk = _intervals(ev, lambda n: True)
+            nccl = _intervals(ev, lambda n: "nccl" in n.lower())
+            local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha")))
+            other = [iv for iv in allk if iv not in set(nccl) | set(local)]
+            n = a.steps * 1e3
+            rows.append(dict(k=k, lanes=lanes, wall=wall, busy=_union(allk) / n, local=sum(b - x0 for x0, b in local) / n,
+                             local_union=_union(local) / n, nccl=_union(nccl) / n, overlap=_overlap(local, nccl) / n,
+                             other=sum(b - x0 for x0, b in other) / n, n_other=len(other) // a.steps))
+            ka = prof.key_averages()
+            attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+            print(f"\n== k={k} lanes={lanes}: wall {wall:.2f} ms/step", flush=True)
+            kern = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            for e in sorted(kern, key=lambda e: -getattr(e, attr))[:12]:
+                print(f"    {getattr(e, attr) / 1e3 / a.steps:8.3f} ms  x{e.count // a.steps:<4d} {e.key[:90]}", flush=True)
+    if rank == 0:
+        print(f"\nop profile (CP={world}, context {a.context}, rank 0, {a.steps} steps, {torch.cuda.get_device_name(0)}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); ms per step")
+        print("| num_chunks | lanes | wall | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
+              "| local x NCCL overlap | other kernels (sum, count) |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
+                  f"| {r['nccl']:.2f} | {r['overlap']:.2f} | {r['other']:.2f} ({r['n_other']}) |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
