@@ -81,7 +81,7 @@ def test_kernel_lanes_values(monkeypatch):
     from megatron_splitkv.ops.common import DEFAULT_KERNEL_LANES, KERNEL_LANES_ENV, KernelLanes, kernel_lanes
 
     monkeypatch.setenv(KERNEL_LANES_ENV, "")
-    assert kernel_lanes() == DEFAULT_KERNEL_LANES == 2
+    assert kernel_lanes() == DEFAULT_KERNEL_LANES == 1  # opt-in (docs/perf-notes.md item 12)
     for value, want in (("1", 1), (" 3 ", 3), ("9", 4)):
         monkeypatch.setenv(KERNEL_LANES_ENV, value)
         assert kernel_lanes() == want
@@ -89,4 +89,4 @@ def test_kernel_lanes_values(monkeypatch):
     with pytest.raises(ValueError, match=KERNEL_LANES_ENV):
         kernel_lanes()
     monkeypatch.setenv(KERNEL_LANES_ENV, "")
-    assert not KernelLanes(torch.device("cpu"), 4).on  # CPU: one stream, the op's single-stream order
+    assert not KernelLanes(torch.device("cpu"), 4, 2).on  # CPU: one stream, the op's single-stream order

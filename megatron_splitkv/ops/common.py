@@ -216,14 +216,17 @@ def fused_bwd_gather_min_p() -> int:
 
 
 KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
-#: CUDA side streams Split-KV's chunked pipeline runs its chunks' local kernels on (docs/perf-notes.md item 12)
-DEFAULT_KERNEL_LANES = 2
+#: CUDA side streams Split-KV's chunked pipeline runs its chunks' local kernels on (docs/perf-notes.md item 12).
+#: 1 (off) by default: the lanes remove the chunks' kernel tails when the kernels run alone (chunk_cost: k = 2
+#: 1.07x -> 1.00x of one call), but over NCCL the op with k = 2 was not faster with them (CP=2 16K: 10.73 vs
+#: 10.51 ms without; 128K staircase: 43.65 vs 39.63 ms), so they stay opt-in (MEGATRON_SPLITKV_KERNEL_LANES=2)
+DEFAULT_KERNEL_LANES = 1
 _LANE_STREAMS: dict = {}  # device index -> the side streams, created once per process
 
 
 def kernel_lanes() -> int:
     """Side streams of the chunked pipeline's kernels: MEGATRON_SPLITKV_KERNEL_LANES (a positive int; 1 =
-    every kernel on the caller's stream, as before; unset or empty: `DEFAULT_KERNEL_LANES` = 2), capped at 4.
+    every kernel on the caller's stream; unset or empty: `DEFAULT_KERNEL_LANES` = 1), capped at 4.
     Local to a rank (no collective depends on it). Raises ValueError naming the variable for a malformed
     value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank)."""
     lanes = env_positive_int(KERNEL_LANES_ENV)
@@ -236,7 +239,9 @@ class KernelLanes:
     Why (docs/perf-notes.md item 12, measured with tools/chunk_cost.py on the H200): a kernel call's last
     wave runs a few long tiles (the query blocks with the longest prefixes) while most SMs idle, so k
     chunks paid k such tails: +7% kernel time at k = 2 with FlexAttention (16K and 64K keys per rank). With
-    chunk c's kernel on lane c % n, chunk c + 1's kernel fills chunk c's tail: 1.01x / 0.99x of one call.
+    chunk c's kernel on lane c % n, chunk c + 1's kernel fills chunk c's tail: 1.00x / 1.01x of one call
+    when the kernels run alone. Over NCCL the op was not faster with them (tools/profile_op.py: the op's
+    k = 2 loses its time to GPU idle gaps, not to the tails), hence off by default (`kernel_lanes`).
 
     Contract (the op's loop): `launch` context for chunk c (its inputs' waits, the kernel, anything derived
     there lives on the lane); `done(c, *outputs)`: the caller's stream ("main") waits for chunk c's lane

@@ -28,12 +28,13 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
    `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
    Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
-   Kernel lanes (perf-notes item 12, `ops.common.KernelLanes`, CUDA with k > 1): chunk c's kernel (its
-   inputs' waits included) runs on side stream c % 2 and is issued BEFORE the caller's stream waits for
-   chunk c - 1, so each kernel's last wave (a few long tiles) overlaps the next chunk's kernel instead of
-   idling the GPU: measured +7% kernel time per extra chunk on one stream, +1% with the lanes
-   (tools/chunk_cost.py). Collectives, packs, merges and the fp32 dK / dV sums stay on the caller's
-   stream; results are bit-identical (MEGATRON_SPLITKV_KERNEL_LANES=1: one stream, as before).
+   Kernel lanes (perf-notes item 12, `ops.common.KernelLanes`, opt-in: MEGATRON_SPLITKV_KERNEL_LANES=2,
+   CUDA with k > 1): chunk c's kernel (its inputs' waits included) runs on side stream c % 2 and is issued
+   BEFORE the caller's stream waits for chunk c - 1, so each kernel's last wave (a few long tiles) overlaps
+   the next chunk's kernel: +7% kernel time per extra chunk on one stream, +1% with the lanes when the
+   kernels run alone (tools/chunk_cost.py), but no gain for the op over NCCL (docs/benchmarks.md, seventh
+   run), hence off by default. Collectives, packs, merges and the fp32 dK / dV sums stay on the caller's
+   stream; results are bit-identical either way.
    The backward's dO and (delta, lse) travel in ONE all-gather per chunk ("splitkv.bwd.dout"): each
    rank's segment is its chunk rows of dO, then of (delta, lse) bit-packed in q's dtype like lse in item
    2 (fp32, fp64 for fp64 inputs; `ops.common.pack_dout_stats`; padding rows dO = 0, statistics -inf),
