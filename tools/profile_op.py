@@ -3,7 +3,8 @@
 tools/chunk_cost.py times the local kernel's chunks alone; over NCCL the op's k = 2 cost more than that
 (docs/benchmarks.md, seventh run: CP=2 16K op 8.92 -> 10.73 ms at k = 1 -> 2). This tool runs the real op
 (per-step metadata, forward + backward, LPT placement, drafter shapes) for each (num_chunks, kernel lanes)
-variant and, on rank 0, profiles 3 steps with torch.profiler: wall ms per step, GPU-busy ms (union of all
+variant and, on rank 0, times the host's issue of one step (no synchronize inside: close to the wall time when
+the host is the bottleneck) and profiles 3 steps with torch.profiler: wall ms per step, the top host ops, GPU-busy ms (union of all
 kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates), the
 NCCL kernels' summed time, and the time the local kernels overlap NCCL kernels. Prints a table last.
 
@@ -109,6 +110,14 @@ def main():
             step()
         torch.cuda.synchronize()
         dist.barrier()
+        # host time to issue one step (no synchronize inside): ~wall when the host is the bottleneck
+        issue = []
+        for _ in range(a.steps):
+            t1 = time.perf_counter()
+            step()
+            issue.append((time.perf_counter() - t1) * 1e3)
+            torch.cuda.synchronize()
+        dist.barrier()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             t0 = time.perf_counter()
@@ -124,7 +133,7 @@ def main():
             local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha")))
             other = [iv for iv in allk if iv not in set(nccl) | set(local)]
             n = a.steps * 1e3
-            rows.append(dict(k=k, lanes=lanes, wall=wall, busy=_union(allk) / n, local=sum(b - x0 for x0, b in local) / n,
+            rows.append(dict(k=k, lanes=lanes, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n, local=sum(b - x0 for x0, b in local) / n,
                              local_union=_union(local) / n, nccl=_union(nccl) / n, overlap=_overlap(local, nccl) / n,
                              other=sum(b - x0 for x0, b in other) / n, n_other=len(other) // a.steps))
             ka = prof.key_averages()
@@ -133,14 +142,18 @@ def main():
             kern = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
             for e in sorted(kern, key=lambda e: -getattr(e, attr))[:12]:
                 print(f"    {getattr(e, attr) / 1e3 / a.steps:8.3f} ms  x{e.count // a.steps:<4d} {e.key[:90]}", flush=True)
+            print("  host (self CPU time per step, top ops):", flush=True)
+            host = [e for e in ka if not str(getattr(e, "device_type", "")).endswith("CUDA")]
+            for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]:
+                print(f"    {e.self_cpu_time_total / 1e3 / a.steps:8.3f} ms  x{e.count // a.steps:<4d} {e.key[:90]}", flush=True)
     if rank == 0:
         print(f"\nop profile (CP={world}, context {a.context}, rank 0, {a.steps} steps, {torch.cuda.get_device_name(0)}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); ms per step")
-        print("| num_chunks | lanes | wall | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
+        print("| num_chunks | lanes | wall | host issue (no profiler) | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
               "| local x NCCL overlap | other kernels (sum, count) |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
+            print(f"| {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['issue']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
                   f"| {r['nccl']:.2f} | {r['overlap']:.2f} | {r['other']:.2f} ({r['n_other']}) |")
     dist.destroy_process_group()
 
