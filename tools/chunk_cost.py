@@ -157,6 +157,10 @@ def main(argv=None):
     for k in ks:
         if Hkv % k:
             ap.error(f"--chunks: {k} does not divide the {Hkv} kv heads (head chunks keep GQA groups whole)")
+    try:  # before the measurement: an unusable --out must not cost the run
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        ap.error(f"--out {args.out!r}: cannot create the directory ({exc.strerror or exc})")
     rows, t0 = [], time.time()
     for ctx in ctxs:
         lens, anchors = bench.make_workload(args.cp * ctx, args.anchors, seed=args.seed + args.cp)

@@ -369,6 +369,19 @@ def main(argv=None):
             ap.error(f"--methods: unknown method {m!r}")
     if args.cp < 1:
         ap.error("--cp must be >= 1")
+    for flag in ("context", "anchors", "block_size", "hq", "hkv", "d"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.hq % args.hkv:
+        ap.error(f"--hq {args.hq} must be a multiple of --hkv {args.hkv}")
+    if args.num_chunks is not None and args.num_chunks < 1:
+        ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
+    if args.top < 0:
+        ap.error(f"--top must be >= 0, got {args.top}")
+    from megatron_splitkv.planning import STRATEGIES
+
+    if args.placement not in STRATEGIES:
+        ap.error(f"--placement must be one of {', '.join(STRATEGIES)}, got {args.placement!r}")
 
     if args.cp_sweep:
         try:

@@ -289,7 +289,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     contexts = bench.int_list_arg(ap, "--contexts", args.contexts, 1)
     chunks = bench.int_list_arg(ap, "--num-chunks", args.num_chunks, 1)
-    device = torch.device(args.device)
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError):
+        ap.error(f"--device: not a device, got {args.device!r}")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu or a CUDA device, got {args.device!r}")
+    if device.type == "cuda" and not (torch.cuda.is_available() and 0 <= (device.index or 0) < torch.cuda.device_count()):
+        ap.error(f"--device {args.device}: no such CUDA device here ({torch.cuda.device_count()} available)")
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
     group = size_one_group()

@@ -87,7 +87,22 @@ def main():
     variants = []
     for v in a.variants.split(","):
         k, _, ln = v.partition(":")
-        variants.append((int(k), int(ln or 2)))
+        try:
+            variants.append((int(k), int(ln or 2)))
+        except ValueError:
+            ap.error(f"--variants: expected a comma list of num_chunks:lanes (positive ints), got {a.variants!r}")
+    if not variants or min(min(v) for v in variants) < 1:
+        ap.error(f"--variants: num_chunks and lanes must be >= 1, got {a.variants!r}")
+    if a.context < 1 or a.steps < 1:
+        ap.error("--context and --steps must be >= 1")
+    from megatron_splitkv.kernels import BACKENDS
+
+    if a.backend not in BACKENDS:
+        ap.error(f"--backend must be one of {', '.join(BACKENDS)}, got {a.backend!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_op.py needs a CUDA GPU")
+    if "RANK" not in os.environ:
+        raise SystemExit("profile_op.py runs under torchrun (e.g. torchrun --nproc-per-node 2 tools/profile_op.py)")
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -105,6 +105,20 @@ for VAR in SUITE_BACKEND SUITE_SIM_BACKEND SUITE_BENCH_BACKENDS SUITE_EXACT_BACK
     fi
   done
 done
+# step names and time limits are checked here too: a misspelled step would run nothing, a non-integer limit
+# breaks the budget arithmetic (exit 2 naming the variable, before any step)
+KNOWN_STEPS=" gputests kernels tune bench slow simulate exact gpucheck nightly pretrain chunkcost nometa "
+for ST in ${STEPS//,/ }; do
+  if [[ "$KNOWN_STEPS" != *" $ST "* ]]; then
+    echo "run_gpu_suite.sh: SUITE_STEPS: unknown step '$ST' (one of:$KNOWN_STEPS)" >&2; exit 2
+  fi
+done
+for VAR in SUITE_BUDGET_S SUITE_TUNE_S SUITE_GPU_TESTS_S SUITE_KERNELS_S SUITE_BENCH_S SUITE_BENCH2_S \
+           SUITE_AFTER_BENCH_S SUITE_SIM_S SUITE_CHUNKCOST_S SUITE_PRETRAIN_S; do
+  if [[ -n "${!VAR+x}" && ! "${!VAR}" =~ ^[0-9]+$ ]]; then
+    echo "run_gpu_suite.sh: $VAR must be a whole number of seconds, got '${!VAR}'" >&2; exit 2
+  fi
+done
 want() { [[ "$STEPS" == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS )); }
 clip() {  # clip MAX: MAX seconds, or what is left of the budget minus 5 s if less
