@@ -228,7 +228,9 @@ def kernel_lanes() -> int:
     """Side streams of the chunked pipeline's kernels: MEGATRON_SPLITKV_KERNEL_LANES (a positive int; 1 =
     every kernel on the caller's stream; unset or empty: `DEFAULT_KERNEL_LANES` = 1), capped at 4.
     Local to a rank (no collective depends on it). Raises ValueError naming the variable for a malformed
-    value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank)."""
+    value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank). The op
+    reads it once per call where the call is validated (`ops.metadata.check_call` / the call without
+    `metadata=`) and keeps it in the call's `Plan.lanes`: its forward and backward never parse it."""
     lanes = env_positive_int(KERNEL_LANES_ENV)
     return DEFAULT_KERNEL_LANES if lanes is None else min(lanes, 4)
 

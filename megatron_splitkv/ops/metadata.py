@@ -64,6 +64,7 @@ from .common import (
     env_positive_int,
     fused_bwd_gather_min_p,
     intervals,
+    kernel_lanes,
     own_key_start,
     pad_rows,
     sort_keys,
@@ -85,6 +86,7 @@ IMPLS = {
 _IMPL_CODE = {"splitkv": 0, "allgather_kv": 1, "ring_kv": 2}
 _DTYPE_CODE = {dt: i for i, dt in enumerate(SUPPORTED_DTYPES)}
 _INT32 = 1 << 31
+_UINT64 = getattr(torch, "uint64", None)
 _MAX_MSG = 1000
 #: how an op call was made, exchanged in the op's agreement row (no `metadata=` / `metadata=` with
 #: group_check / `metadata=` and `query_gather=` / `splitkv_start_query_gather` with group_check): a group
@@ -329,6 +331,10 @@ class Plan:
     scale: float
     kernel: object
     acc: torch.dtype
+    #: Split-KV's kernel lanes (`ops.common.kernel_lanes`), read once per call where the call is validated
+    #: (group-wide with `group_check` / without `metadata=`), so forward and backward never parse the
+    #: environment variable themselves (a malformed value set later on one rank cannot fail them there)
+    lanes: int = 1
 
     group = property(lambda self: self.meta.group)
     rank = property(lambda self: self.meta.group.rank)
@@ -352,6 +358,40 @@ def _comm_device(group: CommGroup, device) -> torch.device:
     if group.size > 1 and dist.get_backend(group.pg) == "nccl" and device.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _check_device(device, what: str = "device") -> torch.device:
+    """`device` as a torch.device this rank can allocate on; ValueError naming `what` otherwise (not a
+    device, the meta device, CUDA missing or an index beyond this rank's GPUs). Host-side only."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what} must be a torch.device or a device string, got {device!r}") from exc
+    if not _usable_device(dev):
+        raise ValueError(f"{what}={dev} cannot hold the metadata on this rank (" + (
+            "the meta device has no data" if dev.type == "meta" else
+            f"{torch.cuda.device_count()} CUDA device(s) available") + ")")
+    return dev
+
+
+def _usable_device(dev: torch.device) -> bool:
+    if dev.type == "meta":
+        return False
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index is None or 0 <= dev.index < torch.cuda.device_count())
+    return True
+
+
+def _verdict_device(group: CommGroup, device, err: str) -> torch.device:
+    """The device of a group verdict's all-gather (`_raise_if_any`): `_comm_device(group, device)`, except
+    on a rank that failed locally with a device it cannot use for the exchange (not a device, meta, CUDA
+    missing): there the group's default (CPU with gloo, the current CUDA device with NCCL), so that its
+    error reaches every rank instead of failing in the exchange on that rank alone (the others would hang)."""
+    try:
+        dev = _comm_device(group, device)
+    except (RuntimeError, TypeError, ValueError):
+        return _comm_device(group, None)
+    return _comm_device(group, None) if err and not _usable_device(dev) else dev
 
 
 def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: str):
@@ -529,6 +569,10 @@ def _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, device):
             raise ValueError(f"{n} must be a 1-D integer tensor{need}, got {shape}")
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"{n} must have an integer dtype (int64), got {t.dtype}")
+        if t.dtype == _UINT64:  # values >= 2**63 would wrap to negative int64 and pass the range check
+            raise ValueError(f"{n} must have a signed integer dtype (int64), got {t.dtype}")
+        if t.device.type == "meta":
+            raise ValueError(f"{n} must hold data, got a tensor on the meta device")
         meta.append(t.to(device=device, dtype=torch.int64))
     q_seq, q_anchor, kv_seq, kv_pos = meta
     valid = q_anchor >= 0
@@ -556,6 +600,8 @@ def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
             raise ValueError(f"{n} must be a 3-D tensor [tokens, heads, head_dim], got {shape}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"q.dtype must be one of bf16/fp16/fp32/fp64, got {q.dtype}")
+    if q.device.type == "meta":
+        raise ValueError("q.device must hold data, got the meta device")
     for n, t in zip(names[1:], tensors[1:]):
         if t.dtype != q.dtype:
             raise ValueError(f"{n}.dtype ({t.dtype}) must equal q.dtype ({q.dtype})")
@@ -756,7 +802,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 
     Raises:
         ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
-        (not 1-D integer, lengths of q_seq/q_anchor or kv_seq/kv_pos differing, values out of range),
+        (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
+        values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
+        missing or an index beyond its GPUs),
         bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0,
         cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE) not a positive int or not dividing the CP
         group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), or block_size, Hq,
@@ -770,9 +818,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     name = "prepare_splitkv_metadata"  # the same on every rank, even if impl differs
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
-    device = torch.device(device)
     err, row, ints, rng, reads = "", [-1] * 10, None, None, _HostReads()
     try:
+        device = _check_device(device)  # a bad device on one rank raises on every rank (not only there)
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
         check_block_size(block_size)
@@ -806,7 +854,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     tag = f"{canon or 'splitkv'}.meta"
-    table = _decoded(_raise_if_any(name, group, err, row, _comm_device(group, device), tag))
+    table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, device, err), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
                                (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
@@ -842,12 +890,12 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
     return kernel
 
 
-def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
+def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend, lanes: int = 1) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
     kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d,
                              keys_per_call=auto_keys_per_call(meta.impl, meta.n_ctx))
-    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
+    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype), lanes=lanes)
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
@@ -859,7 +907,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints, rng, reads = "", [-1] * 8 + [_MODE_PLAIN, -1], None, None, _HostReads()
+    err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1], None, None, _HostReads(), 1
     try:
         nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
@@ -872,6 +920,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
         fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
         validate_kernel_env()
+        lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
                _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
@@ -890,7 +939,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     dev = q.device if isinstance(q, torch.Tensor) else None
-    table = _decoded(_raise_if_any(name, group, err, row, _comm_device(group, dev), f"{name}.meta"))
+    table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, dev, err), f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
     meta = SplitKVMetadata(
         impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
@@ -899,7 +948,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
         fused_bwd_gather_min_p=table[0][13],
     )
-    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
+    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend, lanes)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
@@ -992,12 +1041,14 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (see `SplitKVQueryGather._check_consume`). With group_check its use is part of the exchanged row
     (call mode), so a group where only some ranks pass it raises on every rank.
     """
-    err = ""
+    err, lanes = "", 1
     grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
                           cp_ranks_per_node)
+        # the kernel lanes: parsed here (part of the group verdict with group_check), not in forward / backward
+        lanes = kernel_lanes() if name == "splitkv" else 1
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
             _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
     except ImportError as exc:
@@ -1018,7 +1069,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
-    return _call_plan(meta, name, softmax_scale, backend)
+    return _call_plan(meta, name, softmax_scale, backend, lanes)
 
 
 def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):

@@ -423,7 +423,7 @@ class _SplitKV(torch.autograd.Function):
         # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
         # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
         # the caller's stream. Off: the single-stream order (chunk c + 1's kernel after chunk c's all-to-all).
-        lanes = KernelLanes(k_x.device, n)
+        lanes = KernelLanes(k_x.device, n, plan.lanes)
 
         def launch(c):
             prefetch(c + 2)  # Q one chunk ahead of this kernel
@@ -540,7 +540,7 @@ class _SplitKV(torch.autograd.Function):
                 pend_g[issued[0]] = gather_stats(issued[0])
                 issued[0] += 1
 
-        lanes = KernelLanes(k_x.device, n)  # as in forward: chunk c's kernel on lane c % 2
+        lanes = KernelLanes(k_x.device, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
 
         def launch(c):
             prefetch(c + 2)  # one chunk ahead of this kernel
