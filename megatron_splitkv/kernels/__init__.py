@@ -151,12 +151,13 @@ def validate_kernel_env() -> None:
     the first step whose size makes "auto" pick the staircase kernel.
 
     Also MEGATRON_SPLITKV_KERNEL_LANES (`ops.common.kernel_lanes`: the side streams of Split-KV's chunked
-    pipeline).
+    pipeline) and MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`).
 
     Raises: ValueError naming the variable."""
-    from ..ops.common import kernel_lanes  # noqa: PLC0415 - ops import kernels at module level
+    from ..ops.common import debug_checks, kernel_lanes  # noqa: PLC0415 - ops import kernels at module level
 
     kernel_lanes()
+    debug_checks()
     staircase_auto_min_keys()
     prefix = "MEGATRON_SPLITKV_STAIRCASE_"
     if any(k.startswith(prefix) and k != AUTO_MIN_KEYS_ENV and os.environ[k].strip() for k in os.environ):

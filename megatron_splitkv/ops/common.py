@@ -215,6 +215,27 @@ def fused_bwd_gather_min_p() -> int:
     return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
 
 
+DEBUG_CHECKS_ENV = "MEGATRON_SPLITKV_DEBUG_CHECKS"
+
+
+def debug_checks() -> bool:
+    """Whether the ops re-check the interval masks they build themselves against the union contract of
+    `kernels/base.py` (`IntervalMask.validate` / `validate_flags`): MEGATRON_SPLITKV_DEBUG_CHECKS "1" on,
+    "0" / unset / empty off (the default). The masks come from validated inputs by construction (first
+    intervals from a searchsorted over the sorted keys, second intervals B-long and disjoint by layout), so
+    the check cannot fail for any input; off it saves ~25 small device ops of every prepare
+    (docs/perf-notes.md item 13, launch-bound on the GPU). The test suite runs with it on (tests/conftest.py)
+    and checks that both settings give identical results. Input validation is NOT affected.
+
+    Raises: ValueError naming the variable for any other value."""
+    v = os.environ.get(DEBUG_CHECKS_ENV, "").strip()
+    if v in ("", "0"):
+        return False
+    if v == "1":
+        return True
+    raise ValueError(f"{DEBUG_CHECKS_ENV} must be 0 or 1, got {v!r}")
+
+
 KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
 #: CUDA side streams Split-KV's chunked pipeline runs its chunks' local kernels on (docs/perf-notes.md item 12).
 #: 1 (off) by default: the lanes remove the chunks' kernel tails when the kernels run alone (chunk_cost: k = 2
@@ -387,8 +408,9 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     Keys of the result: [context (mask.num_keys) ; zeros up to C = own_key_start(mask.num_keys) ; own keys
     of `num_own_blocks` blocks (B each)] (what `with_own_keys` builds). Block first_block + i, for
     i < len(valid), sees own keys [C + (first_key_block + i) * B, + B) when valid[i] (bool); every other
-    block gets an empty second interval. Validated against the union contract (one host sync: call at
-    metadata time). Raises ValueError when it is violated (a caller bug).
+    block gets an empty second interval. With `debug_checks()` on, validated against the union contract
+    (one host sync: call at metadata time; ValueError when it is violated: a bug of the caller's layout);
+    off (the default) the result is correct by construction for any first_block / valid in range.
     """
     bsz, dev = mask.block_size, mask.lo.device
     c0 = own_key_start(mask.num_keys)
@@ -398,7 +420,8 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     hi2 = lo2.clone()
     lo2[first_block:first_block + n] = torch.where(valid, start, c0)
     hi2[first_block:first_block + n] = torch.where(valid, start + bsz, c0)
-    return IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0).validate()
+    out = IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0)
+    return out.validate() if debug_checks() else out
 
 
 def with_own_keys(src: torch.Tensor, index, k_blk, valid_rows: torch.Tensor) -> torch.Tensor:
