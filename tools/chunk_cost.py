@@ -1,4 +1,5 @@
-"""What does splitkv's merge pipeline cost the local kernel? Query chunks vs head chunks (GPU; one device).
+"""What does splitkv's merge pipeline cost the local kernel? Query chunks vs head chunks (one GPU; `--cpu`: tiny
+shapes, a smoke test).
 
 The chunked merge pipeline (docs/perf-notes.md item 2) runs the local kernel k times per layer so that each
 chunk's collectives overlap the next chunk's kernel. Measured in the sixth run (docs/benchmarks.md), a chunk
@@ -11,7 +12,8 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
                 every rank's segment, one IntervalMask each), with dK / dV accumulated in fp32 across chunks
                 as `ops.splitkv._SplitKV.backward` does, all on one stream (the op's lanes off)
   query k, n lanes   the same with the chunks' kernels on n alternating side streams, as the op runs them
-                by default (`ops.common.KernelLanes`, `--lanes`, default 2)
+                with MEGATRON_SPLITKV_KERNEL_LANES=n (`ops.common.KernelLanes`; the op's default is 1 = off;
+                this tool's `--lanes` default 2 adds the variant)
   head k        k calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups
                 stay whole), the one-call mask shared; dK / dV of a chunk are its heads' rows: no accumulation
 
@@ -120,10 +122,12 @@ def _tokens(n: int) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int, default=2, help="CP size of the placed batch (one rank's shard is timed)")
-    ap.add_argument("--ctx-per-rank", default="16384,65536", help="comma list of context tokens per rank")
+    ap.add_argument("--ctx-per-rank", default=None,
+                    help="comma list of context tokens per rank (default 16384,65536; with --cpu 256)")
     ap.add_argument("--chunks", default="2,4", help="comma list of chunk counts k > 1")
     ap.add_argument("--backends", default="flex,staircase", help="comma list of local kernels")
-    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--anchors", type=int, default=None, help="anchors (query blocks) of the batch (default 512; "
+                                                                 "with --cpu 8)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
@@ -138,6 +142,10 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="per variant: torch.profiler over 2 steps: wall vs GPU-busy ms and the top kernels")
     args = ap.parse_args(argv)
+    if args.ctx_per_rank is None:
+        args.ctx_per_rank = "256" if args.cpu else "16384,65536"
+    if args.anchors is None:
+        args.anchors = 8 if args.cpu else 512
     ctxs = bench.int_list_arg(ap, "--ctx-per-rank", args.ctx_per_rank, 1)
     ks = bench.int_list_arg(ap, "--chunks", args.chunks, 2)
     from megatron_splitkv.kernels import BACKENDS, get_kernel

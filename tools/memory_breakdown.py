@@ -44,7 +44,8 @@ Examples (from the repository root):
   .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2
   .venv/bin/python tools/memory_breakdown.py --context 131072 --cp 2 --methods splitkv,allgather-kv --top 12
   .venv/bin/python tools/memory_breakdown.py --context 16384 --cp 2 --query-gather   # the early Q gather path
-  .venv/bin/python tools/memory_breakdown.py --context 131072 --cp-sweep 1,2,4,8   # context part vs P
+  .venv/bin/python tools/memory_breakdown.py --context 131072 --cp-sweep 1,2,4,8   # context part vs P (P = 8
+      at 128K: 8 processes of ~3-4 GiB each; on a 23 GiB host allgather-kv's P = 8 is killed: --methods splitkv)
 """
 
 from __future__ import annotations
@@ -416,7 +417,10 @@ def _spawn(args, cp):
             if err:
                 for p in procs:
                     p.kill()
-                sys.exit(f"rank {rank} failed:\n{err}")
+                hint = ("\n(a peer's 'Connection closed' usually means that rank was killed, e.g. by the host's "
+                        "out-of-memory killer: each of the P processes holds tensors of the real shapes; use fewer "
+                        "ranks or a smaller --context)") if "Connection closed" in err or "closed by peer" in err else ""
+                sys.exit(f"rank {rank} failed:\n{err}{hint}")
             per_rank[rank] = res
         for p in procs:
             p.join(timeout=10)
@@ -479,10 +483,18 @@ def _report(args, cp, per_rank):
 def _sweep(args, cps):
     """--cp-sweep: each CP size in turn at the same --context; a table per method of the peak split into
     its context and query parts, and context(P) * P / context(P0) for the smallest P0 of the sweep."""
-    per_cp = {}
+    per_cp, failed = {}, None
     for cp in cps:
         print(f"\n===== CP {cp} =====", flush=True)
-        per_cp[cp] = _report(args, cp, _spawn(args, cp))
+        try:
+            per_cp[cp] = _report(args, cp, _spawn(args, cp))
+        except SystemExit as exc:  # one CP size failed (e.g. out of host memory): report the finished ones
+            failed = f"--cp-sweep: CP {cp} failed: {exc}"
+            print(failed, file=sys.stderr, flush=True)
+            break
+    if not per_cp:
+        sys.exit(failed)
+    cps = [cp for cp in cps if cp in per_cp]
     p0 = min(cps)
     rows = {}
     print(f"\n===== peak per rank vs P at a fixed total context of {args.context} tokens (GiB; the rank with "
@@ -509,7 +521,9 @@ def _sweep(args, cps):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args={k: v for k, v in vars(args).items()}, rows=rows,
-                           summary={str(cp): v for cp, v in per_cp.items()}), f, indent=1)
+                           summary={str(cp): v for cp, v in per_cp.items()}, failed=failed), f, indent=1)
+    if failed:
+        sys.exit(failed + " (the table above has the CP sizes that finished)")
     return dict(rows=rows, summary=per_cp)
 
 

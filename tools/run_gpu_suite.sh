@@ -4,8 +4,10 @@
 #   bash tools/run_gpu_suite.sh            # from the repository root; writes to $OUT (default out/suite)
 #   SUITE_CPU=1 PYTHON=.venv/bin/python bash tools/run_gpu_suite.sh     # every step on CPU, tiny shapes
 #
-# One GPU (nvidia-h200): bench runs CP = 1 only, slow / exact are skipped (logged), simulate takes the link fit
-# from SUITE_LINK_JSON (default docs/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU.
+# One GPU (nvidia-h200): bench runs CP = 1 only (its chunk A/B needs CP >= 2: a "SKIPPED" row), slow / exact are
+# skipped (logged), simulate takes the link fit from SUITE_LINK_JSON (default
+# docs/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU. SUITE_NPROC forces the rank
+# count of the torchrun steps (default: 1 on a one-GPU machine, else 2).
 #
 # Steps (SUITE_STEPS, comma list, default "kernels,tune,bench,slow,simulate,exact"), in this order of
 # priority; each runs under `timeout`, clipped to what is left of SUITE_BUDGET_S (default 540 s of a 600 s

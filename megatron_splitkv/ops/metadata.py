@@ -109,8 +109,7 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
 
 #: environment variable giving the Split-KV chunk count when `num_chunks` is None (a positive int).
 NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
-#: default chunk count at CP size > 1 (clamped to the largest per-rank block count).
-#: automatic chunk count: 1 (no pipelining). Measured on 2 x H200, CP=2, 128K (docs/perf-notes.md item 2):
+#: automatic chunk count (clamped to the largest per-rank block count): 1 (no pipelining). Measured on 2 x H200, CP=2, 128K (docs/perf-notes.md item 2):
 #: k = 1 / 2 / 4 took 44.7 / 47.9 / 55.0 ms over NVLink (chunking costs kernel efficiency and launches) but
 #: 110.5 / 83.1 / 85.7 ms over sockets: set k = 2 for CP groups that cross a slow (inter-node) link.
 DEFAULT_NUM_CHUNKS = 1
