@@ -51,7 +51,8 @@
 #
 # What comes back in $OUT (<= 8 files): suite.log (everything), suite.json (every step's JSON merged),
 # tables.md (every markdown table), simulate_scaling.png (and TE's built .so when `te` built it); the
-# compact summary is printed last. Intermediate files live in $WORK (default /tmp/suite), not in $OUT.
+# compact summary is printed last. Intermediate files live in $WORK (default: a new /tmp/suite.XXXXXX per run),
+# not in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -60,7 +61,8 @@ if [[ -d /tmp/site && ":$PYTHONPATH:" != *":/tmp/site:"* ]]; then export PYTHONP
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/suite_inductor}"  # shared by all steps
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/out/suite}
-WORK=${WORK:-/tmp/suite}
+WORK=${WORK:-$(mktemp -d /tmp/suite.XXXXXX)}  # a fresh one per run: concurrent runs do not clobber each other
+export WORK  # SUITE_EXTRA commands write to "$WORK/<name>" to have their tables collected
 BUDGET=${SUITE_BUDGET_S:-540}
 NPROC_SET=${SUITE_NPROC:-}
 STEPS=",${SUITE_STEPS:-kernels,tune,bench,slow,simulate,exact},"
