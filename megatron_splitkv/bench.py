@@ -483,12 +483,7 @@ def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
 
     def loop(fn, consume):
         ln = KernelLanes(k.device, len(parts), lanes)
-        ahead = {}
-        for i in range(len(parts)):
-            if ln.on and i + 1 < len(parts):
-                ahead[i + 1] = fn(ln, i + 1)
-            r = ahead.pop(i) if i in ahead else fn(ln, i)
-            ln.done(i, *(t for t in r if isinstance(t, torch.Tensor)))
+        for _, r in ln.pipeline(len(parts), lambda i: fn(ln, i)):
             consume(r)
 
     def fwd(ln, i):
@@ -571,11 +566,7 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
 
         med, _, _ = time_fn(lanes_step, device, reps=reps, warmup=warmup)
         per_call = [med / len(live) if (c.rows and c.num_keys) else 0.0 for c in calls]
-        pairs = sum(c.pairs for c in calls)
-        f = fwd_flops(pairs, Hq, D)
-        fac = FWD_BWD_FACTOR if backward else 1.0
-        return dict(ms=med, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
-                    fwd_flops=f, tflops=(fac * f / med / 1e9) if med > 0 else float("nan"), lanes=n_lanes)
+        return _calls_result(calls, per_call, med, Hq, D, backward, n_lanes)
     per_call = []
     for c in calls:
         if c.rows == 0 or c.num_keys == 0:
@@ -608,12 +599,16 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
         med, _, _ = time_fn(step, device, reps=reps, warmup=warmup)
         per_call.append(med)
         del q, k, v, do
+    return _calls_result(calls, per_call, float(sum(per_call)), Hq, D, backward, 1)
+
+
+def _calls_result(calls, per_call, ms, Hq, D, backward, lanes):
+    """`time_kernel_calls`' result dict from the measured per-call and total ms."""
     pairs = sum(c.pairs for c in calls)
     f = fwd_flops(pairs, Hq, D)
-    ms = float(sum(per_call))
     fac = FWD_BWD_FACTOR if backward else 1.0
     return dict(ms=ms, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
-                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"), lanes=1)
+                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"), lanes=lanes)
 
 
 def dense_sdpa_rate(Lq: int, pairs: float, *, Hq: int, D: int, dtype=torch.bfloat16, device="cuda",

@@ -263,10 +263,10 @@ class KernelLanes:
     wave runs a few long tiles (the query blocks with the longest prefixes) while most SMs idle, so k
     chunks paid k such tails: +7% kernel time at k = 2 with FlexAttention (16K and 64K keys per rank). With
     chunk c's kernel on lane c % n, chunk c + 1's kernel fills chunk c's tail: 1.00x / 1.01x of one call
-    when the kernels run alone. Over NCCL the op was not faster with them (tools/profile_op.py: the op's
-    k = 2 loses its time to GPU idle gaps, not to the tails), hence off by default (`kernel_lanes`).
+    when the kernels run alone. Over NCCL the op was not faster with them (docs/benchmarks.md, seventh run:
+    CP=2 16K k = 2 10.73 ms with, 10.51 without), hence off by default (`kernel_lanes`).
 
-    Contract (the op's loop): `launch` context for chunk c (its inputs' waits, the kernel, anything derived
+    Contract (the op's loop, `pipeline`): `launch` context for chunk c (its inputs' waits, the kernel, anything derived
     there lives on the lane); `done(c, *outputs)`: the caller's stream ("main") waits for chunk c's lane
     and the outputs are marked as used by main; everything handed to a collective and every merge stays on
     main. Tensors allocated elsewhere and read on a lane are passed to `use(c, ...)` (record_stream: the
@@ -290,7 +290,6 @@ class KernelLanes:
         start = self.main.record_event()
         for s in self.side:
             s.wait_event(start)  # everything main issued so far (keys, masks, padded inputs) is ready
-        self.events = {}
 
     def stream(self, c: int):
         return self.side[c % len(self.side)]
@@ -314,6 +313,21 @@ class KernelLanes:
             for t in outputs:
                 if t is not None and t.is_cuda:
                     t.record_stream(self.main)
+
+    def pipeline(self, n: int, launch):
+        """Chunks 0..n-1 in the op's issue order: yields (c, launch(c)) after `done(c, ...)` with the result's
+        top-level tensors. On: chunk c + 1 is launched BEFORE main waits for chunk c (so it fills c's tail);
+        off: launch(c) right before its own yield (the single-stream order)."""
+        ahead = {}
+        for c in range(n):
+            if self.on and c + 1 < n:
+                ahead[c + 1] = launch(c + 1)
+            box = [ahead.pop(c) if c in ahead else launch(c)]
+            self.done(c, *(t for t in (box[0] if isinstance(box[0], tuple) else box[:1])
+                           if isinstance(t, torch.Tensor)))
+            # handed over without a reference left in this frame: the caller frees what it drops (the op
+            # releases the fp32 partial before the all-to-all buffers are allocated)
+            yield c, box.pop()
 
 
 def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:

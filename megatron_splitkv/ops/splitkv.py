@@ -438,12 +438,8 @@ class _SplitKV(torch.autograd.Function):
                 #    for this rank's own blocks, the own block); intervals precomputed per step.
                 return (q_c,) + kernel_forward(plan, q_c, k_x, v_x, masks[c])
 
-        q_chunks, states, pend_o, ahead = [], [], [], {}
-        for c in range(n):
-            if lanes.on and c + 1 < n:
-                ahead[c + 1] = launch(c + 1)
-            q_c, o_r, lse_r, state = ahead.pop(c) if c in ahead else launch(c)
-            lanes.done(c, o_r, lse_r)
+        q_chunks, states, pend_o = [], [], []
+        for c, (q_c, o_r, lse_r, state) in lanes.pipeline(n, launch):
             q_chunks.append(q_c)
             states.append(state)
             # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
@@ -564,12 +560,7 @@ class _SplitKV(torch.autograd.Function):
             ctx.states[c] = None
             return grads
 
-        ahead = {}
-        for c in range(n):
-            if lanes.on and c + 1 < n:
-                ahead[c + 1] = launch(c + 1)
-            dq_r, dk_c, dv_c = ahead.pop(c) if c in ahead else launch(c)
-            lanes.done(c, dq_r, dk_c, dv_c)
+        for c, (dq_r, dk_c, dv_c) in lanes.pipeline(n, launch):
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
             if hier is None:
                 pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
