@@ -8,9 +8,17 @@ the host is the bottleneck) and profiles 3 steps with torch.profiler: wall ms pe
 kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates), the
 NCCL kernels' summed time, and the time the local kernels overlap NCCL kernels. Prints a table last.
 
-    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:2,2:1,2:2
+With `--ab-rounds R` it first times the variants round-robin without the profiler (R rounds; before each
+step a barrier and a synchronize, so no rank starts a step late; CUDA events; median per rank, then the
+MAX over ranks, since the slowest rank sets the step). `--all-ranks` profiles and reports every rank (the
+per-rank rows are gathered to rank 0), `--trace DIR` writes each rank's chrome trace per variant there
+(trace_k{k}_l{lanes}_r{rank}.json).
 
-A variant is `num_chunks:lanes`. Writes nothing; no thresholds.
+    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:2,2:1,2:2
+    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:1,2:1 --ab-rounds 30 \
+        --all-ranks --trace out/trace
+
+A variant is `num_chunks:lanes`. Writes nothing but the traces; no thresholds.
 """
 
 from __future__ import annotations
@@ -82,7 +90,10 @@ def main():
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--variants", default="1:2,2:1,2:2", help="comma list of num_chunks:lanes")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
+    ap.add_argument("--ab-rounds", type=int, default=0, help="round-robin timed steps per variant (0: none)")
+    ap.add_argument("--all-ranks", action="store_true", help="profile rows of every rank (default rank 0)")
+    ap.add_argument("--trace", default=None, help="directory for per-rank chrome traces")
     a = ap.parse_args()
     variants = []
     for v in a.variants.split(","):
@@ -95,6 +106,8 @@ def main():
         ap.error(f"--variants: num_chunks and lanes must be >= 1, got {a.variants!r}")
     if a.context < 1 or a.steps < 1:
         ap.error("--context and --steps must be >= 1")
+    if a.ab_rounds < 0:
+        ap.error(f"--ab-rounds must be >= 0, got {a.ab_rounds}")
     from megatron_splitkv.kernels import BACKENDS
 
     if a.backend not in BACKENDS:
@@ -112,24 +125,48 @@ def main():
     plan = bench.place(lens, anchors, cp_size=world, strategy="lpt", block_size=s["B"])
     x = bench.rank_inputs(plan, rank, Hq=s["Hq"], Hkv=s["Hkv"], D=s["D"], dtype=s["dtype"], device=dev)
     g = dist.group.WORLD
+    metas = {}
+    for k, lanes in variants:
+        if k not in metas:
+            metas[k] = bench.prepare_meta("splitkv", x, block_size=s["B"], cp_group=g, Hq=s["Hq"], Hkv=s["Hkv"],
+                                          D=s["D"], num_chunks=k)
+
+    def step(k, lanes):
+        os.environ["MEGATRON_SPLITKV_KERNEL_LANES"] = str(lanes)  # read once per call
+        bench.run_op("splitkv", x, block_size=s["B"], cp_group=g, backend=a.backend, meta=metas[k])
+
+    for v in variants:
+        for _ in range(3):
+            step(*v)
+    torch.cuda.synchronize()
+    dist.barrier()
+    ab = {}
+    if a.ab_rounds:
+        times = {v: [] for v in variants}
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(a.ab_rounds):
+            for v in variants:
+                torch.cuda.synchronize()
+                dist.barrier()
+                e0.record()
+                step(*v)
+                e1.record()
+                torch.cuda.synchronize()
+                times[v].append(e0.elapsed_time(e1))
+        med = torch.tensor([sorted(times[v])[len(times[v]) // 2] for v in variants], device=dev)
+        allmed = [torch.empty_like(med) for _ in range(world)]
+        dist.all_gather(allmed, med)
+        allmed = torch.stack(allmed).cpu()
+        for i, v in enumerate(variants):
+            ab[v] = dict(max=float(allmed[:, i].max()), per_rank=[float(t) for t in allmed[:, i]])
     rows = []
     for k, lanes in variants:
-        os.environ["MEGATRON_SPLITKV_KERNEL_LANES"] = str(lanes)
-        meta = bench.prepare_meta("splitkv", x, block_size=s["B"], cp_group=g, Hq=s["Hq"], Hkv=s["Hkv"], D=s["D"],
-                                  num_chunks=k)
-
-        def step():
-            bench.run_op("splitkv", x, block_size=s["B"], cp_group=g, backend=a.backend, meta=meta)
-
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
         dist.barrier()
         # host time to issue one step (no synchronize inside): ~wall when the host is the bottleneck
         issue = []
         for _ in range(a.steps):
             t1 = time.perf_counter()
-            step()
+            step(k, lanes)
             issue.append((time.perf_counter() - t1) * 1e3)
             torch.cuda.synchronize()
         dist.barrier()
@@ -137,20 +174,26 @@ def main():
         with torch.profiler.profile(activities=acts) as prof:
             t0 = time.perf_counter()
             for _ in range(a.steps):
-                step()
+                step(k, lanes)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / a.steps
         dist.barrier()
-        if rank == 0:
+        if a.trace:
+            os.makedirs(a.trace, exist_ok=True)
+            prof.export_chrome_trace(os.path.join(a.trace, f"trace_k{k}_l{lanes}_r{rank}.json"))
+        row = None
+        if rank == 0 or a.all_ranks:
             ev = prof.events()
             allk = _intervals(ev, lambda n: True)
             nccl = _intervals(ev, lambda n: "nccl" in n.lower())
             local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha")))
             other = [iv for iv in allk if iv not in set(nccl) | set(local)]
             n = a.steps * 1e3
-            rows.append(dict(k=k, lanes=lanes, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n, local=sum(b - x0 for x0, b in local) / n,
-                             local_union=_union(local) / n, nccl=_union(nccl) / n, overlap=_overlap(local, nccl) / n,
-                             other=sum(b - x0 for x0, b in other) / n, n_other=len(other) // a.steps))
+            row = dict(rank=rank, k=k, lanes=lanes, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n,
+                       local=sum(b - x0 for x0, b in local) / n, local_union=_union(local) / n, nccl=_union(nccl) / n,
+                       overlap=_overlap(local, nccl) / n, other=sum(b - x0 for x0, b in other) / n,
+                       n_other=len(other) // a.steps)
+        if rank == 0:
             ka = prof.key_averages()
             attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
             print(f"\n== k={k} lanes={lanes}: wall {wall:.2f} ms/step", flush=True)
@@ -161,14 +204,27 @@ def main():
             host = [e for e in ka if not str(getattr(e, "device_type", "")).endswith("CUDA")]
             for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:10]:
                 print(f"    {e.self_cpu_time_total / 1e3 / a.steps:8.3f} ms  x{e.count // a.steps:<4d} {e.key[:90]}", flush=True)
+        got = [None] * world
+        dist.all_gather_object(got, row)
+        rows += [r for r in got if r is not None]
     if rank == 0:
-        print(f"\nop profile (CP={world}, context {a.context}, rank 0, {a.steps} steps, {torch.cuda.get_device_name(0)}, "
+        if ab:
+            print(f"\nround-robin A/B (CP={world}, context {a.context}, {a.ab_rounds} rounds, barrier + synchronize "
+                  "before each step; ms per step: median per rank, max over ranks)")
+            print("| num_chunks | lanes | max over ranks | per rank | vs first variant |")
+            print("|---|---|---|---|---|")
+            base = ab[variants[0]]["max"]
+            for v in variants:
+                pr = " / ".join(f"{t:.2f}" for t in ab[v]["per_rank"])
+                print(f"| {v[0]} | {v[1]} | {ab[v]['max']:.2f} | {pr} | {ab[v]['max'] / base:.3f}x |")
+        who = "every rank" if a.all_ranks else "rank 0"
+        print(f"\nop profile (CP={world}, context {a.context}, {who}, {a.steps} steps, {torch.cuda.get_device_name(0)}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); ms per step")
-        print("| num_chunks | lanes | wall | host issue (no profiler) | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
+        print("| rank | num_chunks | lanes | wall | host issue (no profiler) | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
               "| local x NCCL overlap | other kernels (sum, count) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['issue']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
+            print(f"| {r['rank']} | {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['issue']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
                   f"| {r['nccl']:.2f} | {r['overlap']:.2f} | {r['other']:.2f} ({r['n_other']}) |")
     dist.destroy_process_group()
 
