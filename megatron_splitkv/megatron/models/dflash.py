@@ -108,8 +108,27 @@ class DFlashDraftModel(MegatronModule):
             )
         return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
 
+    def packed_seq_params(self, blocks: DraftBlocks, kv_seq: Tensor, kv_pos: Tensor) -> DFlashPackedSeqParams:
+        """The per-micro-batch `DFlashPackedSeqParams` that `forward` builds for this batch (int64 copies
+        of `blocks.q_seq` / `blocks.q_anchor`, `kv_seq`, `kv_pos` on the model's device).
+
+        Reuse across calls: `forward(..., packed_seq_params=p)` with the object `p` returned here runs the
+        model on that object instead of a new one, so the op metadata cached on it by its first use (the
+        first layer's call: `DFlashPackedSeqParams.op_metadata`, i.e. `prepare_splitkv_metadata` and the
+        local kernel's mask caches such as the FlexAttention BlockMask) is reused by later calls. Only for
+        calls on the SAME batch (same blocks, kv_seq and kv_pos, same CP group): e.g. an A/B of a training
+        step with and without its per-step preparation (`tools/step_overhead.py`), or a repeated step. A
+        training loop with a new batch per step passes nothing (the default), which prepares afresh.
+        """
+        dev = self.fc.weight.device
+        return DFlashPackedSeqParams(
+            q_seq=blocks.q_seq.to(dev, torch.int64), q_anchor=blocks.q_anchor.to(dev, torch.int64),
+            kv_seq=kv_seq.to(dev, torch.int64), kv_pos=kv_pos.to(dev, torch.int64),
+            block_size=self.block_size,
+        )
+
     def forward(self, context_features: Tensor, blocks: DraftBlocks, kv_seq: Tensor, kv_pos: Tensor,
-                *, return_logits: bool = False):
+                *, return_logits: bool = False, packed_seq_params: Optional[DFlashPackedSeqParams] = None):
         """Drafter loss on this rank's query blocks against this rank's context shard.
 
         Args:
@@ -120,23 +139,36 @@ class DFlashDraftModel(MegatronModule):
             kv_seq, kv_pos: [T_r] int64 sequence ids and GLOBAL positions of the context tokens
                 (`shard_batch(...)["kv_seq"/"kv_pos"]`).
             return_logits: also return the vocab-parallel logits [n*B, V/tp] (float32).
+            packed_seq_params: None (default: a new `DFlashPackedSeqParams` per call), or the object
+                `self.packed_seq_params(blocks, kv_seq, kv_pos)` returned for this same batch, to reuse
+                the op metadata cached on it by an earlier call (see `packed_seq_params`). Only its type,
+                block size and lengths are checked (no host sync): the caller guarantees it describes
+                this batch.
         Returns:
             `DFlashLoss` (loss: this rank's share, differentiable; total: the global loss; weight_sum),
             or (DFlashLoss, logits) with return_logits.
         Every rank of the CP and loss groups must call it (collectives inside).
-        Errors: ValueError for a block size different from the model's or mismatched lengths.
+        Errors: ValueError for a block size different from the model's, mismatched lengths, or a
+        `packed_seq_params` that is not a `DFlashPackedSeqParams` of this block size and these lengths.
         """
         if blocks.block_size != self.block_size:
             raise ValueError(f"blocks have B={blocks.block_size}, the model B={self.block_size}")
         if kv_seq.shape[0] != context_features.shape[0] or kv_pos.shape[0] != context_features.shape[0]:
             raise ValueError("kv_seq / kv_pos must have one entry per context token")
         dev = self.fc.weight.device
+        if packed_seq_params is None:
+            params = self.packed_seq_params(blocks, kv_seq, kv_pos)
+        else:
+            params = packed_seq_params
+            if not isinstance(params, DFlashPackedSeqParams):
+                raise ValueError("packed_seq_params must be the DFlashPackedSeqParams of this batch "
+                                 f"(model.packed_seq_params(...)), got {type(params).__name__}")
+            got = (params.block_size, params.num_blocks, params.num_ctx_tokens)
+            want = (self.block_size, int(blocks.q_seq.numel()), int(kv_seq.shape[0]))
+            if got != want:
+                raise ValueError(f"packed_seq_params describes another batch: (block size, blocks, context "
+                                 f"tokens) {got}, this call {want}")
         ctx = self.fuse_context(context_features.to(dev))  # [T_r, H]
-        params = DFlashPackedSeqParams(
-            q_seq=blocks.q_seq.to(dev, torch.int64), q_anchor=blocks.q_anchor.to(dev, torch.int64),
-            kv_seq=kv_seq.to(dev, torch.int64), kv_pos=kv_pos.to(dev, torch.int64),
-            block_size=self.block_size,
-        )
         ids = blocks.input_ids.to(dev, torch.int64)
         h = self.word_embeddings(ids[None, :]).transpose(0, 1).contiguous()  # [n*B, 1, H]
         h = self.decoder(hidden_states=h, attention_mask=None, context=ctx[:, None, :],
