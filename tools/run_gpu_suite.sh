@@ -40,8 +40,11 @@
 #      of SUITE_GPU_TESTS, default the GPU test files of kernels, lanes, merges, staircase, env), chunkcost
 #      (after simulate: tools/chunk_cost.py, one stream vs the op's kernel lanes at 16K / 64K keys), gpucheck (gpu_check dist
 #      exactness + timing table at 32K/128K), nightly (tests/nightly/run.sh, Megatron-Core from .whl),
-#      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), nometa (bench without per-step
-#      metadata); any extra command in $SUITE_EXTRA
+#      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), stepcost (after pretrain:
+#      tools/step_overhead.py, planner + sharding + prepare + BlockMask against a real drafter training step
+#      at the Qwen3-8B drafter shapes, CP=1 on GPU 0 then CP=2 with 2 GPUs, Megatron-Core from .whl; each
+#      under SUITE_STEPCOST_S, default 270 s; contexts SUITE_STEPCOST_CONTEXTS, default 16K,32K,128K),
+#      nometa (bench without per-step metadata); any extra command in $SUITE_EXTRA
 #
 # Local kernels: SUITE_BACKEND (default auto = flex) for bench / slow / exact / simulate; SUITE_BENCH_BACKENDS
 # (comma list, e.g. staircase) reruns bench's LPT rows with each of them (tables bench_attention_<name>.md,
@@ -86,7 +89,7 @@ AB_X=()
 if [[ -n "$CHUNKS_AB" ]]; then AB_X=(--chunks-ab "$CHUNKS_AB" --ab-contexts "$AB_CTX"); fi
 mkdir -p "$OUT" "$WORK"
 # a rerun on a warm machine must not collect the previous run's files
-(cd "$WORK" && rm -rf kernels tune bench slow sim exact gpucheck nometa pretrain ./*.out)
+(cd "$WORK" && rm -rf kernels tune bench slow sim exact gpucheck nometa pretrain stepcost ./*.out)
 LOG="$OUT/suite.log"
 : > "$LOG"
 declare -A STATUS
@@ -111,14 +114,14 @@ for VAR in SUITE_BACKEND SUITE_SIM_BACKEND SUITE_BENCH_BACKENDS SUITE_EXACT_BACK
 done
 # step names and time limits are checked here too: a misspelled step would run nothing, a non-integer limit
 # breaks the budget arithmetic (exit 2 naming the variable, before any step)
-KNOWN_STEPS=" gputests kernels tune bench slow simulate exact gpucheck nightly pretrain chunkcost nometa "
+KNOWN_STEPS=" gputests kernels tune bench slow simulate exact gpucheck nightly pretrain stepcost chunkcost nometa "
 for ST in ${STEPS//,/ }; do
   if [[ "$KNOWN_STEPS" != *" $ST "* ]]; then
     echo "run_gpu_suite.sh: SUITE_STEPS: unknown step '$ST' (one of:$KNOWN_STEPS)" >&2; exit 2
   fi
 done
 for VAR in SUITE_BUDGET_S SUITE_TUNE_S SUITE_GPU_TESTS_S SUITE_KERNELS_S SUITE_BENCH_S SUITE_BENCH2_S \
-           SUITE_AFTER_BENCH_S SUITE_SIM_S SUITE_CHUNKCOST_S SUITE_PRETRAIN_S; do
+           SUITE_AFTER_BENCH_S SUITE_SIM_S SUITE_CHUNKCOST_S SUITE_PRETRAIN_S SUITE_STEPCOST_S; do
   if [[ -n "${!VAR+x}" && ! "${!VAR}" =~ ^[0-9]+$ ]]; then
     echo "run_gpu_suite.sh: $VAR must be a whole number of seconds, got '${!VAR}'" >&2; exit 2
   fi
@@ -179,6 +182,13 @@ wait_bg() {
   unset "BG_PID[$name]"
 }
 
+two_ranks() {  # two_ranks NAME: true when the step can run (2 ranks), else logged as skipped
+  if (( NPROC >= 2 )); then return 0; fi
+  echo "=== [$1] SKIPPED: needs 2 GPUs (this machine: $NGPU)" | tee -a "$LOG"
+  STATUS[$1]="skipped (one GPU)"
+  return 1
+}
+
 # 0. environment
 {
   echo "date: $(date -u)"; echo "steps: $STEPS budget ${BUDGET}s cpu=$CPU gpus=$NGPU"
@@ -226,7 +236,7 @@ if want gpucheck; then
 fi
 
 # Megatron-Core from the carried wheel, only for the steps that need it (carry ".whl")
-if { want nightly || want pretrain; } && compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import megatron.core" 2>/dev/null; then
+if { want nightly || want pretrain || want stepcost; } && compgen -G ".whl/*.whl" > /dev/null && ! "$PY" -c "import megatron.core" 2>/dev/null; then
   step megatron_install 40 "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
   if [[ ":$PYTHONPATH:" != *":/tmp/site:"* ]]; then export PYTHONPATH="$PYTHONPATH:/tmp/site"; fi
 fi
@@ -236,6 +246,20 @@ fi
 if want pretrain && [[ -d .gpu/feat && "$CPU" != 1 ]]; then
   step pretrain "${SUITE_PRETRAIN_S:-170}" env OUT="$WORK/pretrain" BUDGET_S=$(( ${SUITE_PRETRAIN_S:-170} - 10 )) \
     bash tools/run_pretrain_gpu.sh
+fi
+# s. planner + sharding overhead against a real DFlash drafter training step (tools/step_overhead.py): CP=1 on
+#    GPU 0, then CP=2 over NCCL; the tool stops starting contexts 40 s before its limit (files written per context)
+if want stepcost; then
+  SC_S=${SUITE_STEPCOST_S:-270}
+  SC_X=(--contexts "${SUITE_STEPCOST_CONTEXTS:-16384,32768,131072}")
+  if [[ "$CPU" == 1 ]]; then SC_X=(--cpu-smoke --reps 2); fi
+  sc_budget() { local lim; lim=$(clip "$SC_S"); echo $(( lim > 80 ? lim - 40 : 40 )); }  # the tool's --budget-s
+  step s_stepcost_cp1 "$SC_S" env CUDA_VISIBLE_DEVICES=0 "$PY" tools/step_overhead.py --out "$WORK/stepcost" \
+    --budget-s "$(sc_budget)" "${SC_X[@]}"
+  if two_ranks s_stepcost_cp2; then
+    step s_stepcost_cp2 "$SC_S" "${RUN[@]}" tools/step_overhead.py --out "$WORK/stepcost" --budget-s "$(sc_budget)" \
+      "${SC_X[@]}"
+  fi
 fi
 
 # b. bench, NVLink, CP=1 and CP=2 (+ the chunk A/B at 128K): rows until its budget, which leaves the later
@@ -266,12 +290,6 @@ if want bench && [[ -n "${SUITE_BENCH_BACKENDS:-}" ]]; then
 fi
 
 # b. the same over sockets (NCCL network transport on lo: the inter-node stand-in)
-two_ranks() {  # two_ranks NAME: true when the step can run (2 ranks), else logged as skipped
-  if (( NPROC >= 2 )); then return 0; fi
-  echo "=== [$1] SKIPPED: needs 2 GPUs (this machine: $NGPU)" | tee -a "$LOG"
-  STATUS[$1]="skipped (one GPU)"
-  return 1
-}
 if want slow && two_ranks b_slow; then
   step b_slow 100 env NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
     "${RUN[@]}" tools/bench_attention.py --cp 2 --contexts "$SLOW_CTX" --placements lpt --no-sdpa --slow-path \

@@ -240,6 +240,22 @@ def _exact(work):
             print(f"exact {key[len('op_exactness_'):]} {r['op']}: ok={r['ok']} {errs}" + (" ERROR" if "error" in r else ""))
 
 
+def _stepcost(work):
+    """tools/step_overhead.py (step `stepcost`): overhead against the drafter training step, per CP size."""
+    paths = sorted(glob.glob(os.path.join(work, "stepcost", "step_overhead_cp*.json")))
+    print("\n| stepcost: context | CP | step ms (fresh) | attention ms | overhead ms (a / b) | % of step (a / b) |")
+    print("|---|---|---|---|---|---|")
+    for p in paths:
+        d = _load(work, os.path.relpath(p, work)) or {}
+        for r in d.get("rows", []):
+            if "skipped" in r:
+                print(f"| {r.get('context')} | {r.get('cp')} | skipped: {r['skipped']} | | | |")
+                continue
+            print(f"| {r['context']} | {r['cp']} | {_f(r.get('step_fresh_ms'))} | {_f(r.get('attention_ms'))} | "
+                  f"{_f(r.get('overhead_pieces_ms'))} / {_f(r.get('overhead_ab_ms'))} | "
+                  f"{_f(r.get('pct_step_pieces'))} / {_f(r.get('pct_step_ab'))} |")
+
+
 def summary(work):
     for fn in (_kernels, _tune):
         fn(work)
@@ -249,6 +265,8 @@ def summary(work):
         _bench(work, "no-metadata", "nometa/bench_attention_nometa.json")
     _simulate(work)
     _exact(work)
+    if glob.glob(os.path.join(work, "stepcost", "*.json")):
+        _stepcost(work)
 
 
 def main(argv):

@@ -1,0 +1,178 @@
+"""tools/step_overhead.py --cpu-smoke (the planner and sharding overhead against a DFlash drafter training
+step): one process and two gloo ranks, tiny shapes. Checks the table's columns, that the numbers are finite
+and positive, that a fresh step prepares the op metadata once and a reused one never, and that both give
+the same loss; no timing thresholds. Also the flag errors (exit 2 naming the flag) and the model's
+`packed_seq_params=` reuse hook (`DFlashDraftModel.forward`)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _dist import run_distributed
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "step_overhead.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+                PYTHONWARNINGS="ignore")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_step_overhead_cpu_smoke(tmp_path, nproc):
+    from step_overhead import COLUMNS
+
+    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", str(nproc)]
+    p = subprocess.run(launch + [TOOL, "--cpu-smoke", "--contexts", "256,512", "--reps", "2", "--out", str(tmp_path)],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    # the table is printed last, with every column
+    lines = p.stdout.strip().splitlines()
+    assert lines[-4] == "| " + " | ".join(COLUMNS) + " |", lines[-6:]
+    assert [ln.split(" | ")[:2] for ln in lines[-2:]] == [["| 256", str(nproc)], ["| 512", str(nproc)]]
+    data = json.loads((tmp_path / f"step_overhead_cp{nproc}.json").read_text())
+    assert "offline features" in data["setup"]
+    rows = data["rows"]
+    assert [r["context"] for r in rows] == [256, 512] and all(r["cp"] == nproc for r in rows)
+    positive = ["step_fresh_ms", "step_reused_ms", "fwdbwd_ms", "gradsync_opt_ms", "data_ms", "fwd_ms", "bwd_ms",
+                "attention_ms", "rest_ms", "plan_ms", "shard_ms", "prepare_ms", "op_first_call_ms",
+                "op_cached_call_ms", "overhead_pieces_ms", "pct_step_pieces", "pct_fwdbwd_pieces", "loss_fresh"]
+    finite = positive + ["mask_ms", "overhead_ab_ms", "pct_step_ab", "pct_fwdbwd_ab"]  # differences: may be < 0
+    for r in rows:
+        assert "skipped" not in r, r
+        for k in finite:
+            assert isinstance(r[k], float) and math.isfinite(r[k]), (k, r)
+        for k in positive:
+            assert r[k] > 0, (k, r)
+        # the A/B is what it says: a fresh step prepares once, a reused one never; same weights, same loss
+        assert r["prepares_per_step_fresh"] == [1] and r["prepares_per_step_reused"] == [0], r
+        assert r["loss_max_abs_diff"] <= 1e-6 * abs(r["loss_fresh"]), r
+        assert r["loss_fresh"] == r["loss_reused"], r
+        assert r["blocks_per_rank"] * nproc >= 8 and r["tokens_this_rank"] > 0
+    md = (tmp_path / f"step_overhead_cp{nproc}.md").read_text()
+    assert "| " + " | ".join(COLUMNS) + " |" in md and md.count(f" | {nproc} | ") >= 2
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--cpu-smoke", "--reps", "0"], "--reps"),
+    (["--cpu-smoke", "--contexts", "256,x"], "--contexts"),
+    (["--cpu-smoke", "--contexts", "1"], "--contexts"),
+    (["--cpu-smoke", "--kernel", "bogus"], "--kernel"),
+    (["--cpu-smoke", "--balance", "best"], "--balance"),
+    (["--cpu-smoke", "--optimizer", "sgd"], "--optimizer"),
+    (["--cpu-smoke", "--heads", "6", "--kv-heads", "4"], "--heads"),
+    (["--cpu-smoke", "--budget-s", "-1"], "--budget-s"),
+    (["--cpu-smoke", "--frobnicate"], "--frobnicate"),
+])
+def test_step_overhead_bad_flags_exit_2(argv, flag):
+    p = subprocess.run([sys.executable, TOOL] + argv, env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_step_overhead_needs_cuda_without_cpu_smoke():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    p = subprocess.run([sys.executable, TOOL, "--reps", "1"], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "--cpu-smoke" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def _reuse_worker(rank, world):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_splitkv.dflash import build_draft_blocks
+    from megatron_splitkv.megatron.models import DFlashDraftModel, build_target_model, qwen3_config
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
+    try:
+        pgs = ProcessGroupCollection.use_mpu_process_groups()
+        cfg = dict(hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=64)
+        target = build_target_model(qwen3_config(num_layers=1, **cfg), vocab_size=64, max_sequence_length=128,
+                                    pg_collection=pgs, seed=0)
+        torch.manual_seed(0)
+        model = DFlashDraftModel(qwen3_config(num_layers=2, **cfg), num_taps=2,
+                                 word_embeddings=target.embedding.word_embeddings, output_layer=target.output_layer,
+                                 mask_token_id=63, block_size=4, pg_collection=pgs, use_te=False)
+        ids = torch.randint(0, 63, (40,))
+        blocks = build_draft_blocks(ids, [40], torch.tensor([0, 0]), torch.tensor([5, 20]), block_size=4,
+                                    mask_token_id=63)
+        kv_seq, kv_pos = torch.zeros(40, dtype=torch.long), torch.arange(40)
+        feats = torch.randn(40, 64)
+        params = model.packed_seq_params(blocks, kv_seq, kv_pos)
+        fresh = float(model(feats, blocks, kv_seq, kv_pos).total)
+        first = float(model(feats, blocks, kv_seq, kv_pos, packed_seq_params=params).total)
+        meta = dict(params._op_metadata)
+        again = float(model(feats, blocks, kv_seq, kv_pos, packed_seq_params=params).total)
+        same_meta = len(meta) == 1 and all(params._op_metadata[k] is v for k, v in meta.items())
+        errors = []
+        for bad in (PackedSeqParams(qkv_format="thd"),
+                    model.packed_seq_params(blocks, kv_seq[:30], kv_pos[:30])):
+            try:
+                model(feats, blocks, kv_seq, kv_pos, packed_seq_params=bad)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        return fresh, first, again, same_meta, errors
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_drafter_packed_seq_params_reuse_hook():
+    """`forward(..., packed_seq_params=model.packed_seq_params(...))` gives the loss of a plain call, keeps
+    the op metadata cached on the object across calls, and rejects params of another type or batch."""
+    fresh, first, again, same_meta, errors = run_distributed(_reuse_worker, 1, timeout=240)[0]
+    assert fresh == first == again and same_meta
+    assert "got PackedSeqParams" in errors[0], errors
+    assert "describes another batch" in errors[1], errors
+
+
+def test_suite_step_stepcost_cpu(tmp_path):
+    """tools/run_gpu_suite.sh's `stepcost` step on CPU: the tool at CP=1 and CP=2, collected and summarised."""
+    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="stepcost", PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+               WORK=str(tmp_path / "work"))
+    p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "[s_stepcost_cp1] rc=0" in p.stdout and "[s_stepcost_cp2] rc=0" in p.stdout, p.stdout[-3000:]
+    assert "| stepcost: context | CP |" in p.stdout and "| 512 | 2 |" in p.stdout
+    suite = json.loads((tmp_path / "out" / "suite.json").read_text())
+    assert {"stepcost/step_overhead_cp1.json", "stepcost/step_overhead_cp2.json"} <= set(suite)
+
+
+def test_step_overhead_skips_a_context_that_runs_out_of_memory(tmp_path):
+    """CP=1: a context whose step raises an out-of-memory error is reported as skipped and the next one
+    runs (the error injected by wrapping measure_context in a driver process)."""
+    driver = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); import step_overhead as so\n"
+        "inner = so.measure_context\n"
+        "def fake(context, *a):\n"
+        "    if context == 512:\n"
+        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
+        "    return inner(context, *a)\n"
+        "so.measure_context = fake\n"
+        "sys.exit(so.main(sys.argv[2:]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", driver, os.path.join(ROOT, "tools"), "--cpu-smoke", "--contexts",
+                        "512,256", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)], env=_env(), cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "out of device memory at context 512, CP=1" in p.stderr
+    rows = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]
+    assert rows[0] == {"context": 512, "cp": 1, "skipped": "out of memory"} and rows[1]["context"] == 256
+    assert "skipped" not in rows[1] and rows[1]["step_fresh_ms"] > 0
+    assert "| 512 | 1 | skipped: out of memory |" in p.stdout
