@@ -405,6 +405,16 @@ def _has_chunks() -> bool:
     return True
 
 
+def _has_two_level_gather() -> bool:
+    """True when this tree's Split-KV op gathers the backward's [dO | stats] in two stages with the two-level
+    all-to-all (ops/splitkv.py `_gather_dout_stats`, records "splitkv.bwd.dout.inter" / ".intra")."""
+    try:
+        from .ops.splitkv import _gather_dout_stats as _g  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def fwd_flops(pairs: float, Hq: int, D: int) -> float:
     """Useful forward FLOPs of attention over `pairs` visible (row, key) pairs: 4 * pairs * Hq * D."""
     return 4.0 * pairs * Hq * D
@@ -847,7 +857,11 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             the inputs' dtype) and "fwd.out.inter" (all_to_all over the N ranks of one local index:
             message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
             (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
-            follow the ring convention with the sub-group's size (L or N) in place of P.
+            follow the ring convention with the sub-group's size (L or N) in place of P. From N >= 8 nodes
+            (`ops.common.two_level_bwd_gather`) the backward's fused [dO | delta, lse] gather runs in two
+            stages too: "bwd.dout.inter" (all_gather over the N ranks of one local index, message the
+            rank's segment of rc rows) and "bwd.dout.intra" (all_gather over the L ranks of a node,
+            message N segments); the same total bytes as "bwd.dout".
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
@@ -878,6 +892,11 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             fused_gather = fuse_bwd_gather(P, two_level)
         except ImportError:  # a tree without the fused gather
             fused_gather = False
+        try:  # the op's rule for gathering it in two stages (ops.common.two_level_bwd_gather: N >= 8 nodes)
+            from .ops.common import two_level_bwd_gather
+            two_gather = fused_gather and two_level and _has_two_level_gather() and two_level_bwd_gather(N)
+        except ImportError:  # a tree without the two-level gather
+            two_gather = False
         pk = max(acc // elem, 1)  # elements of the inputs' dtype holding one acc value bit-exact
         if not metadata:
             add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
@@ -893,7 +912,12 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
         if backward:
             for c, (b0, b1) in enumerate(bounds):
                 rc = (b1 - b0) * B
-                if fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
+                if two_gather:
+                    # the same packed segment in two stages (ops/splitkv.py `_gather_dout_stats`): between
+                    # nodes (N ranks, this rank's segment), then inside the node (L ranks, N segments)
+                    add("bwd.dout.inter", "all_gather", rc * Hq * (D + 2 * pk) * elem, c, N)
+                    add("bwd.dout.intra", "all_gather", N * rc * Hq * (D + 2 * pk) * elem, c, L)
+                elif fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
                     add("bwd.dout", "all_gather", rc * Hq * (D + 2 * pk) * elem, c)
                 else:
                     add("bwd.dout", "all_gather", rc * Hq * D * elem, c)

@@ -334,7 +334,8 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
-    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
+    Fused when the two-level all-to-all is on (`two_level`: a multi-node group; from 8 nodes on the packed
+    gather then runs in two stages, `two_level_bwd_gather`) or when cp_size >= min_p
     (the metadata's agreed `fused_bwd_gather_min_p`; None: `fused_bwd_gather_min_p()`, the environment
     variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, default 9: larger than one 8-GPU node).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
@@ -346,6 +347,31 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     if min_p is None:
         min_p = fused_bwd_gather_min_p()
     return bool(two_level) or cp_size >= min_p
+
+
+#: smallest node count N = P / L from which Split-KV's backward gathers [dO | stats] in two stages with the
+#: two-level all-to-all (`two_level_bwd_gather`, docs/perf-notes.md item 14). A constant, not an environment
+#: variable: every rank derives the same decision from the agreed P and L (tests lower it in every process).
+TWO_LEVEL_GATHER_MIN_NODES = 8
+
+
+def two_level_bwd_gather(nodes: int) -> bool:
+    """Whether Split-KV's backward all-gathers each chunk's packed [dO | delta, lse] (`pack_dout_stats`) in
+    two stages, between the N = P / L nodes and then inside the node (`ops/splitkv.py`
+    `_gather_dout_stats`), instead of one ring over the P ranks. Asked only with the two-level all-to-all
+    on (`cp_ranks_per_node` L, 1 < L < P); True from `TWO_LEVEL_GATHER_MIN_NODES` (8) nodes on.
+
+    Why (docs/perf-notes.md item 14; `tools/simulate_scaling.py`, link of the sixth H200 run, 50 GB/s and
+    15 us per hop between nodes, 8 GPUs per node): the two stages pay (N - 1) network + (L - 1) NVLink
+    hops and two collective bases instead of the ring's (N - 1) network + (P - N) NVLink hops and one
+    base, but the NIC stage and the NVLink stage no longer pipeline. Per gather, two stages minus ring
+    ~ a0 - (N - 1) [(L - 1) h - s (1 / B_nic - 1 / B_nvl)] (a0 the per-collective base, h per NVLink hop,
+    s the per-rank segment): at Lq 8192, Hq 32, D 128, L = 8 and one chunk +0.10 / +0.08 / +0.01 / -0.17
+    ms at N = 2 / 4 / 8 / 16 (the whole gather is exposed at k = 1); with two chunks -0.06 ms per gather
+    at N = 8, of which the op's schedule keeps -0.008 ms per layer (before its first kernel it also waits
+    for chunk 1's stage 1). A break-even at P = 64, hence the threshold there. Same bytes and results
+    either way (bit for bit)."""
+    return int(nodes) >= TWO_LEVEL_GATHER_MIN_NODES
 
 
 def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -364,22 +390,40 @@ def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype)
     return torch.cat([dout.to(dtype).reshape(-1), _as_bits(stats, dtype).reshape(-1)])
 
 
-def unpack_dout_stats(x: torch.Tensor, parts: int, heads: int, head_dim: int, acc: torch.dtype, k: int = 2):
+def unpack_dout_stats(x: torch.Tensor, parts: int, heads: int, head_dim: int, acc: torch.dtype, k: int = 2,
+                      nodes: int = 1):
     """Inverse of `pack_dout_stats` after an all-gather of `parts` equal segments: x 1-D [parts * seg] in
     the inputs' dtype -> (dout [parts * T, Hq, D] contiguous in x's dtype, stats [parts * T, Hq, k]
     contiguous in `acc`), rank r's rows at [r * T, (r + 1) * T): exactly the two former gathers' results,
     bit for bit (the caller can release x; the local kernel gets a contiguous dO). Each is ONE batched
     concatenation of `parts` contiguous runs (on an H200 at memcpy speed, where a 2-D strided copy_ ran
-    2.2x slower)."""
+    2.2x slower).
+
+    nodes: N > 1 when x came from Split-KV's two-level gather (`cp_ranks_per_node` L = parts / N): x then
+    holds the segments local-index-major (position j * N + n = rank n * L + j, the layout of
+    `local_index_major`), and the same two concatenations take them in rank order (the permutation costs
+    no copy of its own). 1 (default): segments in rank order. Raises ValueError when N does not divide
+    `parts`."""
     r = _bits_per(acc, x.dtype)
     row = heads * (head_dim + k * r)
     t = x.numel() // max(parts * row, 1)
-    segs = x.view(parts, t * row)
     n_do = t * heads * head_dim
+    if nodes == 1:
+        segs = x.view(parts, t * row)
+        dout = torch.empty((parts * t, heads, head_dim), dtype=x.dtype, device=x.device)
+        torch.cat(segs[:, :n_do].unbind(0), out=dout.view(-1))
+        stats = torch.empty((parts * t, heads, k * r), dtype=x.dtype, device=x.device)
+        torch.cat(segs[:, n_do:].unbind(0), out=stats.view(-1))
+        return dout, stats.view(acc)
+    if nodes < 1 or parts % nodes:
+        raise ValueError(f"unpack_dout_stats: nodes={nodes} must divide parts={parts}")
+    # [L, N, seg] local-index-major -> rank n * L + j = segment (j, n): a list of views in rank order
+    segs = [s for per_node in x.view(parts // nodes, nodes, t * row).transpose(0, 1).unbind(0)
+            for s in per_node.unbind(0)]
     dout = torch.empty((parts * t, heads, head_dim), dtype=x.dtype, device=x.device)
-    torch.cat(segs[:, :n_do].unbind(0), out=dout.view(-1))
+    torch.cat([s[:n_do] for s in segs], out=dout.view(-1))
     stats = torch.empty((parts * t, heads, k * r), dtype=x.dtype, device=x.device)
-    torch.cat(segs[:, n_do:].unbind(0), out=stats.view(-1))
+    torch.cat([s[n_do:] for s in segs], out=stats.view(-1))
     return dout, stats.view(acc)
 
 

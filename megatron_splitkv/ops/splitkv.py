@@ -73,6 +73,24 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    its stage 2 overlaps the caller's backward, e.g. the k/v projections with `query_gather`, whose
    gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
    shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
+   Backward [dO | stats] gather (docs/perf-notes.md item 14): with the two-level all-to-all the packed
+   segment of item 3 is always fused; from N >= 8 nodes (`ops.common.two_level_bwd_gather`) it is
+   all-gathered in two stages (`_gather_dout_stats`): "splitkv.bwd.dout.inter" among the N ranks with
+   local index j (each rank's segment over its own NIC), then "splitkv.bwd.dout.intra" among the node's L
+   ranks of the N-segment buffer (NVLink). The result holds the segments local-index-major (position
+   j * N + n = CP rank n * L + j); the unpack copy of item 3 takes them in rank order, so the unpacked dO
+   and statistics are the flat gather's bit for bit (all-gathers move bits; same comm_stats bytes). Two
+   ring latencies of N and L ranks replace one of P, but the NIC and NVLink stages no longer pipeline:
+   the model gives about nothing at P = 64 (L = 8, 50 GB/s NICs: +0.007 ms at k = 1, -0.008 ms at k = 2
+   per layer) and -0.17 ms at P = 128, and a loss at N = 2 or 4 (+0.08-0.10 ms), hence the node
+   threshold. Between nodes first: gathering the node first and then the L-segment buffer between nodes
+   would send every node's rows through each of its L NICs (L x the NIC bytes). Schedule: stage 1 two
+   chunks ahead of its kernel, stage 2 one ahead, issued before kernel c after the current stream waited
+   for chunk c + 1's stage 1 (a stream wait, no host block; issued a kernel earlier, so it is done but for
+   the first two chunks), so chunk c + 1's stage 2 runs while kernel c runs. The forward's Q all-gather
+   stays one flat ring: it is issued before the layer's k/v projections (item 4), and in the model two
+   stages would not shorten it (0.590 vs 0.586 ms at P = 64, k = 1) while stage 2 would have to wait on
+   the compute stream, before or after the projection, exposing more than the flat ring's 0.20 ms.
 
 Memory (tools/memory_breakdown.py measures it from this code at the real shapes): the fp32 partial O_r
 is released before the all-to-all buffers are allocated, the packed send buffer is written in place, the
@@ -111,6 +129,7 @@ from .common import (
     pad_rows,
     unpack_dout_stats,
     split_own_grad,
+    two_level_bwd_gather,
     unsort,
     with_own_keys,
     zero_invalid_rows,
@@ -161,14 +180,18 @@ def _sum_dq_partials(pending, meta, rows, dtype, acc):
 
 
 class _TwoStage:
-    """One chunk's two-level all-to-all in flight (`cp_ranks_per_node` = L, 1 < L < P).
+    """One chunk's two-level collective in flight (`cp_ranks_per_node` = L, 1 < L < P): `first` (a
+    `comm.Pending`) is stage 1, issued by the caller; `advance()` hands it to `reduce`, which waits for it
+    (`Pending.wait` / `take`: a stream wait on CUDA), does what lies between the stages and returns the
+    issued stage 2 (a `comm.Pending`), once. `wait()` / `take()` behave like `comm.Pending`'s for the
+    stage-2 result, advancing first if needed.
 
-    Stage 1 (over this rank's node, `meta.node_groups[0]`) is issued at construction; `advance()` waits
-    for it, reduces the L partials received per row (`reduce`: fp32 lse-merge or sum) and issues stage 2
-    (over the ranks with this local index, `meta.node_groups[1]`), once. `wait()` / `take()` behave like
-    `comm.Pending`'s for the stage-2 result, advancing first if needed. The op advances chunk c - 1 right
-    after issuing chunk c's stage 1, so stage 1 overlaps the next chunk's kernel and stage 2 the one
-    after (or the final merges); the last chunk is advanced as soon as the loop ends.
+    All-to-alls (forward [O | lse], dQ): stage 1 over this rank's node (`meta.node_groups[0]`), `reduce`
+    = the fp32 lse-merge or sum of the L partials received per row, stage 2 over the ranks with this
+    local index (`meta.node_groups[1]`). The op advances chunk c - 1 right after issuing chunk c's stage
+    1, so stage 1 overlaps the next chunk's kernel and stage 2 the one after (or the final merges); the
+    last chunk is advanced as soon as the loop ends. Backward [dO | stats] all-gather
+    (`_gather_dout_stats`): stage 1 between nodes, stage 2 inside the node, nothing in between.
     """
 
     __slots__ = ("_first", "_reduce", "_second")
@@ -218,6 +241,37 @@ def _dq_stage2(meta, rc, acc):
         return all_to_all(node_sum, inter, "splitkv.bwd.dq.inter", async_op=True)
 
     return reduce
+
+
+def _gather_dout_stats(seg, meta, two_level):
+    """Issue the asynchronous all-gather of one backward chunk's packed [dO | delta, lse] segment (this
+    rank's chunk rows, 1-D in q's dtype: `ops.common.pack_dout_stats`).
+
+    two_level False: ONE all-gather "splitkv.bwd.dout" over the P ranks of the CP group; returns a
+    `comm.Pending` of [P * seg], CP-rank order.
+
+    two_level True (the op's rule: the two-level all-to-all on, `cp_ranks_per_node` L with 1 < L < P, and
+    N = P / L >= 8 nodes, `ops.common.two_level_bwd_gather`; docs/perf-notes.md item 14): a `_TwoStage`.
+    Stage 1 "splitkv.bwd.dout.inter", issued now: all-gather of the segment over the N ranks with this
+    rank's local index j (one per node, each over its own NIC) -> [N * seg] in node order. Stage 2
+    "splitkv.bwd.dout.intra", issued by `advance()` after the current stream waited for stage 1 (a stream
+    wait on CUDA, no host block): all-gather of that buffer over the node's L ranks (NVLink) -> [L * N * seg],
+    local-index-major (position j * N + n holds CP rank n * L + j), which `unpack_dout_stats(...,
+    nodes=N)` reads in rank order within its usual copies. All-gathers move bits: the unpacked dO and
+    statistics are the flat gather's, bit for bit; comm_stats bytes 2 (N - 1) seg + 2 (L - 1) N seg =
+    2 (P - 1) seg, the flat gather's. Ring latency: (N - 1) network + (L - 1) NVLink hops and two bases
+    instead of (N - 1) network + (P - N) NVLink hops and one base. Between nodes first: node first and
+    then the L-segment buffer between nodes would carry every node's rows over each of its L NICs (L x the
+    NIC bytes of this order, (N - 1) seg per rank).
+    """
+    if not two_level:
+        return all_gather(seg, meta.group, "splitkv.bwd.dout", async_op=True)
+    intra, inter = meta.node_groups
+
+    def stage2(first):
+        return all_gather(first.take(), intra, "splitkv.bwd.dout.intra", async_op=True)
+
+    return _TwoStage(all_gather(seg, inter, "splitkv.bwd.dout.inter", async_op=True), stage2)
 
 
 class _GatherShared:
@@ -506,11 +560,14 @@ class _SplitKV(torch.autograd.Function):
         # all-gather dO and the GLOBAL statistics (delta, lse) every rank's local backward needs, chunk by
         # chunk (one ahead). Fused (`fuse_bwd_gather`: groups larger than one node, or the two-level
         # all-to-all): ONE all-gather per chunk of this rank's chunk rows of dO then of (delta, lse)
-        # bit-packed, in q's dtype (`pack_dout_stats`); otherwise two back-to-back all-gathers (on one
-        # NVLink node the second one costs less than the fused path's pack/unpack copies). Padding rows:
-        # dO = 0, statistics -inf. The padded tensors are dropped once the last chunk is issued (each
-        # Pending keeps its segment).
+        # bit-packed, in q's dtype (`pack_dout_stats`); with the two-level all-to-all that gather runs in
+        # two stages, between nodes then inside the node (`_gather_dout_stats`); otherwise two
+        # back-to-back all-gathers (on one NVLink node the second one costs less than the fused path's
+        # pack/unpack copies). Padding rows: dO = 0, statistics -inf. The padded tensors are dropped once
+        # the last chunk is issued (each Pending keeps its segment).
         fused = fuse_bwd_gather(g.size, hier is not None, meta.fused_bwd_gather_min_p)
+        # N > 1: the packed gather in two stages (`_gather_dout_stats`), its segments local-index-major
+        nodes = hier[1].size if hier is not None and two_level_bwd_gather(hier[1].size) else 1
         send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
         del delta
 
@@ -518,8 +575,7 @@ class _SplitKV(torch.autograd.Function):
             b0, b1 = chunks[c]
             sl = slice(b0 * bsz, b1 * bsz)
             if fused:
-                pend_c = all_gather(pack_dout_stats(send[0][sl], send[1][sl], dt), g, "splitkv.bwd.dout",
-                                    async_op=True)
+                pend_c = _gather_dout_stats(pack_dout_stats(send[0][sl], send[1][sl], dt), meta, nodes > 1)
             else:
                 pend_c = (all_gather(send[0][sl], g, "splitkv.bwd.dout", async_op=True),
                           all_gather(send[1][sl], g, "splitkv.bwd.stats", async_op=True))
@@ -529,23 +585,32 @@ class _SplitKV(torch.autograd.Function):
 
         n = len(chunks)
         pend_g, pend_dq, dk_x, dv_x = {}, [], None, None
-        issued = [0]
+        issued, advanced = [0], [0]  # chunks whose (first-stage) gather / two-level stage 2 is issued
 
-        def prefetch(upto):  # issue the [dO | stats] all-gathers of chunks < upto
-            while issued[0] < min(upto, n):
+        def prefetch(c):
+            """Before chunk c's kernel: the [dO | stats] gathers of chunks <= c + 1 issued, so chunk c + 1's
+            is in flight while kernel c runs. Two-level: stage 1 of chunks <= c + 2 and stage 2 of chunks
+            <= c + 1. The current stream waits for a chunk's stage 1 before its stage 2 is issued (a stream
+            wait, no host block), and that stage 1 was issued before the previous kernel, so the wait finds
+            it done (except for the first two chunks); stage 2 then runs during kernel c."""
+            while issued[0] < min(c + (2 if nodes == 1 else 3), n):
                 pend_g[issued[0]] = gather_stats(issued[0])
                 issued[0] += 1
+            while nodes > 1 and advanced[0] < min(c + 2, n):
+                pend_g[advanced[0]].advance()
+                advanced[0] += 1
 
         lanes = KernelLanes(k_x.device, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
 
         def launch(c):
-            prefetch(c + 2)  # one chunk ahead of this kernel
+            prefetch(c)  # one chunk ahead of this kernel
             pend = pend_g.pop(c)
             with lanes.launch(c):
                 if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
                     buf = pend.take()
                     lanes.use(c, buf)
-                    do_all, stats_all = unpack_dout_stats(buf, g.size, meta.num_heads_q, meta.head_dim, plan.acc)
+                    do_all, stats_all = unpack_dout_stats(buf, g.size, meta.num_heads_q, meta.head_dim, plan.acc,
+                                                          nodes=nodes)
                     del buf
                 else:
                     do_all, stats_all = pend[0].take(), pend[1].take()
@@ -622,9 +687,10 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     it; local kernel backward with the global statistics; all-to-all of the dQ partials (q's dtype),
     summed in fp32 by the owner; dK/dV of the context and of the own block stay local. With
     `cp_ranks_per_node` = L (1 < L < P) both all-to-alls run in two stages, inside each node of L ranks
-    and then between nodes in fp32 (module docstring, item 5). Both passes run over `num_chunks` query
-    chunks, overlapping each chunk's collectives with the next chunk's kernel. Every collective is
-    query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
+    and then between nodes in fp32, and from N = P / L >= 8 nodes the dO all-gather too, between nodes
+    and then inside each node (the same bytes; module docstring, item 5). Both passes run over
+    `num_chunks` query chunks, overlapping each chunk's collectives with the next chunk's kernel. Every
+    collective is query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
 
     Args:
         q: [Tq_local, Hq, D] this rank's query rows, block by block (Tq_local = n_blocks_local * B).
