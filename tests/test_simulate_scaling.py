@@ -783,3 +783,164 @@ def test_measured_mode_models_cut_shards_at_the_calibrated_rate(tmp_path):
     assert all(r["compute_ms"] > 2 * ss.model_call_ms(bench.KernelCall(np.zeros(1), np.zeros(1), np.zeros(1), None,
                                                                         None, 4, 1.0), Hq=4, D=16, tflops=1e6,
                                                       overhead_ms=0.3) for r in modelled)
+
+
+# ------------------------------------------------ the two-level [dO | stats] all-gather (perf-notes item 14)
+
+
+def test_two_level_dout_gather_schedule_hand_computed():
+    """The op's prefetch with the two-stage gather (stage 1 "N2" two chunks ahead, stage 2 "N1" issued from
+    the compute stream after it waited for stage 1, one chunk ahead). k = 1: serial. k = 2: stage 1 of 0
+    [0, 1] and of 1 [1, 2]; the compute stream waits 1, stage 2 of 0 [1, 1.5]; waits 2, stage 2 of 1
+    [2, 2.5]; kernel 0 [2, 7], kernel 1 [7, 12]; dQ all-to-alls [7, 9], [12, 14]: 14. k = 4: stage 1 of 3
+    [3, 4] before kernel 1, stage 2 of 2 [7, 7.5] and of 3 [12, 12.5] behind kernels 1 and 2: only the first
+    2 ms exposed, 22."""
+    import simulate_scaling as ss
+
+    assert ss.splitkv_backward_ms([0.5], [0.0], [5.0], [2.0], DO1=[1.0]) == pytest.approx(8.5)
+    assert ss.splitkv_backward_ms([0.5] * 2, [0.0] * 2, [5.0] * 2, [2.0] * 2, DO1=[1.0] * 2) == pytest.approx(14.0)
+    assert ss.splitkv_backward_ms([0.5] * 4, [0.0] * 4, [5.0] * 4, [0.0] * 4, DO1=[1.0] * 4) == pytest.approx(22.0)
+    # with the two-level dQ all-to-all on the same sub-group streams (stage 1 "N1", stage 2 "N2"): k = 1
+    # serial, dO stage 1 + stage 2 + kernel + dQ stage 1 + node sum + dQ stage 2
+    assert ss.splitkv_backward_ms([0.5], [0.0], [5.0], [2.0], RQ1=[1.0], NS=[0.25], DO1=[1.0]) == pytest.approx(9.75)
+    # flat (DO1 None), each gather as long as both stages: 1.5 + 10 + 2 = 13.5; the two stages pay 0.5 more
+    # at k = 2 (before kernel 0 the compute stream also waits for chunk 1's stage 1, which queues behind
+    # chunk 0's on "N2")
+    assert ss.splitkv_backward_ms([1.5] * 2, [0.0] * 2, [5.0] * 2, [2.0] * 2) == pytest.approx(13.5)
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 3, 5):
+        for _ in range(30):
+            DO, DO1, KB, RQ = (list(rng.uniform(0, 3, n)) for _ in range(4))
+            t = ss.splitkv_backward_ms(DO, [0.0] * n, KB, RQ, DO1=DO1)
+            assert DO1[0] + DO[0] + sum(KB) - 1e-9 <= t <= sum(DO) + sum(DO1) + sum(KB) + sum(RQ) + 1e-9
+
+
+def _records_two_gather(P, L, k, threshold):
+    """The op's records with the two-level gather's node threshold set to `threshold`."""
+    from megatron_splitkv.ops import common
+
+    old = common.TWO_LEVEL_GATHER_MIN_NODES
+    common.TWO_LEVEL_GATHER_MIN_NODES = threshold
+    try:
+        return bench.predicted_records("splitkv", P=P, rank=0, n_blocks=[512 // P] * P, n_ctx=[4096] * P,
+                                       metadata=True, num_chunks=k, cp_ranks_per_node=L, **SHAPE)
+    finally:
+        common.TWO_LEVEL_GATHER_MIN_NODES = old
+
+
+@pytest.mark.parametrize("P,L", [(64, 8), (32, 8), (16, 4), (128, 8)])
+def test_two_level_dout_gather_collectives_and_time(P, L):
+    """Stage 1 between nodes (group N, NIC, "N2", message = the packed segment m), stage 2 in the node (group
+    L, NVLink, "N1", message N m): the flat gather's bytes. From either record set (the op's at the rule's
+    threshold, or flat ones converted), "auto" as the records; at k = 1 the whole gather is exposed, so the
+    two-level T minus the flat T is exactly (stage 1 + stage 2) - the flat ring."""
+    import simulate_scaling as ss
+
+    N, D = P // L, 128
+    link = _link("node")
+    m = (512 // P) * 16 * 32 * (D + 4) * 2
+    for k in (1, 2):
+        two = _records_two_gather(P, L, k, 1)
+        flat = _records_two_gather(P, L, k, 1 << 20)
+        assert {r.op for r in two} >= {"splitkv.bwd.dout.inter", "splitkv.bwd.dout.intra"}
+        assert "splitkv.bwd.dout" in {r.op for r in flat}
+        assert sum(r.bytes for r in two) == sum(r.bytes for r in flat)
+        ref = None
+        for recs, g in ((two, "auto"), (two, "two-level"), (flat, "two-level")):
+            cs = ss.splitkv_collectives(recs, P, k, bwd_gather=g, cp_ranks_per_node=L, D=D)
+            assert cs["bwd_gather"] == "two-level" and cs["bwd.stats"] == [[]] * k
+            got = [[(x.name, x.kind, x.group, x.msg, x.stream, x.per_node) for x in cs["bwd.dout"][c]]
+                   for c in range(k)]
+            assert got[0] == [("bwd.dout.inter", "all_gather", N, m / k, "N2", max(8 // L, 1)),
+                              ("bwd.dout.intra", "all_gather", L, N * m / k, "N1", L)]
+            assert ref is None or got == ref
+            ref = got
+        for recs in (two, flat):  # the flat gather from either record set
+            cs = ss.splitkv_collectives(recs, P, k, bwd_gather="fused", cp_ranks_per_node=L, D=D)
+            assert [[(x.name, x.group, x.msg) for x in cs["bwd.dout"][c]] for c in range(k)] == \
+                   [[("bwd.dout", P, m / k)]] * k
+    t = {g: ss.method_time("splitkv", P, [10.0], two_recs, link, fwd_fraction=0.3, overhead_ms=0.0, bwd_gather=g,
+                           cp_ranks_per_node=L, D=D)["total_ms"]
+         for g, two_recs in (("auto", _records_two_gather(P, L, 1, 1)), ("fused", _records_two_gather(P, L, 1, 1)))}
+    s1 = link.time("all_gather", N, m, per_node=max(8 // L, 1)) * 1e3
+    s2 = link.time("all_gather", L, N * m, per_node=L) * 1e3
+    assert t["auto"] - t["fused"] == pytest.approx(s1 + s2 - link.time("all_gather", P, m) * 1e3, rel=1e-9, abs=1e-12)
+
+
+def test_two_level_dout_gather_where_the_op_uses_it():
+    """"auto" follows the op's rule (two stages from 8 nodes on: P = 64 with L = 8, not P = 32); a layout
+    without two levels (L = 1, or L >= P) keeps the flat gather even when asked for two levels."""
+    import simulate_scaling as ss
+
+    rec64 = bench.predicted_records("splitkv", P=64, rank=0, n_blocks=[8] * 64, n_ctx=[0] * 64, metadata=True,
+                                    num_chunks=1, cp_ranks_per_node=8, **SHAPE)
+    rec32 = bench.predicted_records("splitkv", P=32, rank=0, n_blocks=[16] * 32, n_ctx=[0] * 32, metadata=True,
+                                    num_chunks=1, cp_ranks_per_node=8, **SHAPE)
+    assert ss.splitkv_collectives(rec64, 64, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "two-level"
+    assert ss.splitkv_collectives(rec32, 32, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "fused"
+    for L in (1, 64):
+        cs = ss.splitkv_collectives(rec64, 64, 1, bwd_gather="two-level", cp_ranks_per_node=L, D=128)
+        assert cs["bwd_gather"] == "fused" and [x.name for x in cs["bwd.dout"][0]] == ["bwd.dout"]
+
+
+SEVENTH = os.path.join(ROOT, "docs", "results", "simulate_scaling_2026-11-30g_h200.json")
+
+
+def test_replay_reproduces_the_saved_run_and_isolates_the_change(tmp_path):
+    """`--replay` of the committed seventh-run JSON: every splitkv row the change does not touch comes back
+    as saved ("auto" = this tree's op), the P = 64, L = 8 rows come back as saved with the flat gather
+    ("fused", what the op did then), and with this tree's two-level gather k = 1 differs by exactly the
+    gather's modelled change (the whole gather is exposed at k = 1)."""
+    import simulate_scaling as ss
+
+    with open(SEVENTH) as f:
+        saved = json.load(f)
+
+    def key(r):
+        return r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"], r["cp_ranks_per_node"]
+
+    old = {key(r): r for r in saved["rows"] if r["method"] == "splitkv"}
+    res = ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--out", str(tmp_path)])
+    assert [v["label"] for v in res["variants"]] == ["fused/L=1", "auto/L=1", "fused/L=8", "auto/L=8"]
+    n_changed = 0
+    for r in res["rows"]:
+        if r["method"] != "splitkv":
+            continue
+        s = old[key(r)]
+        changed = r["P"] == 64 and r["cp_ranks_per_node"] == 8 and r["variant"].startswith("auto")
+        if r["variant"].startswith("fused") and r["P"] < 16:
+            continue  # the saved op used two separate gathers on one node: "fused" is a what-if there
+        if changed:
+            n_changed += 1
+            assert r["bwd_gather"] == "two-level" and "bwd.dout.inter" in r["bytes_by_name"]
+            assert r["bytes_per_rank"] == s["bytes_per_rank"]
+            if r["num_chunks"] == 1:
+                link = ss.link_from_dict(saved["link"], r["topology"])
+                m = 128 * 32 * 132 * 2
+                delta = (link.time("all_gather", 8, m, per_node=1) + link.time("all_gather", 8, 8 * m, per_node=8)
+                         - link.time("all_gather", 64, m)) * 1e3
+                assert r["total_ms"] - s["total_ms"] == pytest.approx(delta, rel=1e-9)
+        else:
+            assert r["total_ms"] == pytest.approx(s["total_ms"], rel=1e-12, abs=1e-12), (key(r), r["variant"])
+    assert n_changed == 2 * 2 * 3 + 2 * 2  # lpt: 2 topologies x 2 overlaps x k 1,2,4; zigzag: k = 1
+    def bkey(r):
+        return r["method"], r["P"], r["placement"], r["topology"]
+
+    base = {bkey(r): r["total_ms"] for r in saved["rows"] if r["method"] != "splitkv"}
+    assert {bkey(r): r["total_ms"] for r in res["rows"] if r["method"] != "splitkv"} == base
+    md = (tmp_path / "simulate_scaling.md").read_text()
+    assert md.startswith(f"Replay of {SEVENTH}") and "auto/L=8: best k + ovl" in md
+    assert json.loads((tmp_path / "simulate_scaling.json").read_text())["replay"]["source"] == SEVENTH
+
+
+def test_replay_errors(tmp_path, capsys):
+    import simulate_scaling as ss
+
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--replay", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--replay" in capsys.readouterr().err
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({"rows": [], "args": {}}))
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--replay", str(bad), "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--replay" in capsys.readouterr().err

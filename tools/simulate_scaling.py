@@ -62,10 +62,15 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     Forward share of kernel time: `--fwd-fraction` (0.29, docs/benchmarks.md: flex fwd 3.06 of 10.15 ms).
   - splitkv variants (compared in one run, one set of rows each; the first is the summary's reference, the
     best at the headline setting per P is the headline; `splitkv_collectives`, `splitkv_time_ms`):
-    `--bwd-gather` separate / fused / auto: the backward's dO and (delta, lse) as two all-gathers per chunk,
-    or ONE all-gather of [dO | delta, lse] (the stats bit-packed in the inputs' dtype: the bytes of both, one
-    latency), auto = as `bench.predicted_records` issues them (no "splitkv.bwd.stats" = fused; either record
-    set is converted to the variant asked for). `--cp-ranks-per-node` L (comma list; clamped to P; 1 or >= P
+    `--bwd-gather` separate / fused / two-level / auto: the backward's dO and (delta, lse) as two all-gathers
+    per chunk, or ONE all-gather of [dO | delta, lse] (the stats bit-packed in the inputs' dtype: the bytes of
+    both, one latency), or that gather in two stages with a two-level layout (`ops/splitkv.py`
+    `_gather_dout_stats`: stage 1 among the N ranks of one local index over the NICs, stream "N2", two chunks
+    ahead of its kernel; stage 2 among the node's L ranks over NVLink, stream "N1", issued from the compute
+    stream after it waited for stage 1, one chunk ahead; `splitkv_backward_ms`), auto = as
+    `bench.predicted_records` issues them (no "splitkv.bwd.stats" = fused; "splitkv.bwd.dout.inter" /
+    ".intra" = two-level, which the op does from N >= 8 nodes; either record set is converted to the variant
+    asked for). `--cp-ranks-per-node` L (comma list; clamped to P; 1 or >= P
     = one all-to-all, bit for bit the model before): the two-level all-to-all of [O | lse] and of dQ: stage
     1 among the node's L ranks (NVLink; the rows of the N = P / L owners with each local index, inputs'
     dtype), waited on the compute stream, which merges (forward) or sums (dQ) the L partials in fp32
@@ -108,6 +113,13 @@ Examples (from the repository root; no PYTHONPATH needed: the script puts the re
       --out /tmp/sim                                                        # CPU, FLOP model
   python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
       --bwd-gather separate,fused --cp-ranks-per-node 1,8 --out /tmp/sim    # before / after the two op changes
+  python tools/simulate_scaling.py --replay docs/results/simulate_scaling_2026-11-30g_h200.json \
+      --bwd-gather fused,auto --out /tmp/replay   # a saved run's measurements, this tree's collectives (CPU)
+
+`--replay` (`replay`): a saved simulate_scaling.json's splitkv rows recomputed without a GPU from what the run
+saved per row (per-chunk kernel ms, k/v projection windows, op overhead) and per run (link, node-merge rate,
+workload arguments), with this tree's `bench.predicted_records` and schedule model; the baselines' rows as
+saved. The same tree and variants reproduce the saved rows (tests/test_simulate_scaling.py).
 """
 
 from __future__ import annotations
@@ -299,7 +311,7 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
     return S.end() - pre
 
 
-def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False):
+def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False, DO1=None):
     """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
     per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
     issue chunk c's dQ all-to-all (after the kernel). Ends when the last all-to-all and the compute
@@ -314,17 +326,40 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False
     in DO). RQ1, NS (None: the single dQ all-to-all): the two-level dQ all-to-all, as in the forward:
     stage 1 (RQ1[c], stream "N1") waited by the compute stream, the fp32 node sum of the L partials
     (NS[c]) on it, then stage 2 (RQ[c], stream "N2") in flight behind the next kernel; defer as in
-    `splitkv_forward_ms`."""
+    `splitkv_forward_ms`.
+
+    DO1 (per-chunk ms; None: one flat gather per chunk): the two-level [dO | stats] gather (`ops/splitkv.py`
+    `_gather_dout_stats`), DO then being its stage 2. Stage 1 (DO1[c], between nodes: the inter-node
+    sub-group's stream "N2") is issued two chunks ahead of its kernel (before kernel c - 2; chunks 0, 1
+    and 2 before kernel 0); before kernel c the compute stream waits for stage 1 of chunk c + 1 and issues
+    its stage 2 (DO[c + 1], inside the node: stream "N1"), which therefore starts after everything the
+    compute stream ran before (kernel c - 1) and runs during kernel c; kernel c waits for its own stage 2.
+    So only chunk 0's gather and, before kernel 0, the wait for chunk 1's stage 1 are exposed."""
     n = len(KB)
     S = Streams()
     d, st, rq = [None] * n, [None] * n, [None] * n
     held = []
-    d[0] = S.op("N", DO[0])
-    st[0] = S.op("N", ST[0])
+    s1, issued, adv = [None] * n, [0], [0]
+
+    def prefetch(c):  # the op's `prefetch(c)`, before kernel c
+        if DO1 is None:
+            while issued[0] < min(c + 2, n):
+                i = issued[0]
+                d[i] = S.op("N", DO[i])
+                st[i] = S.op("N", ST[i])
+                issued[0] += 1
+            return
+        while issued[0] < min(c + 3, n):
+            s1[issued[0]] = S.op("N2", DO1[issued[0]])
+            issued[0] += 1
+        while adv[0] < min(c + 2, n):
+            i = adv[0]
+            S.wait("C", s1[i])
+            d[i] = S.op("N1", DO[i], [S.op("C", 0.0)])  # issued from the compute stream's position
+            adv[0] += 1
+
     for c in range(n):
-        if c + 1 < n:
-            d[c + 1] = S.op("N", DO[c + 1])
-            st[c + 1] = S.op("N", ST[c + 1])
+        prefetch(c)
         S.wait("C", d[c])
         S.wait("C", st[c])
         kb = S.op("C", KB[c])
@@ -343,11 +378,15 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False
 #: stats gathers (one fused gather of [dO | delta, lse] when the op packs them: no "bwd.stats"), dQ
 #: all-to-all, and the two stages of the two-level all-to-all when the op issues them
 _SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq",
-                    "fwd.out.intra", "fwd.out.inter", "bwd.dq.intra", "bwd.dq.inter")
+                    "fwd.out.intra", "fwd.out.inter", "bwd.dq.intra", "bwd.dq.inter",
+                    "bwd.dout.inter", "bwd.dout.intra")
 
 #: `--bwd-gather`: auto = as the records say (no "splitkv.bwd.stats" record: the op packs the stats into
-#: the dO gather), separate = two all-gathers per chunk (dO; delta and lse), fused = one all-gather per chunk
-BWD_GATHERS = ("auto", "separate", "fused")
+#: the dO gather; "splitkv.bwd.dout.inter" / ".intra" records: that gather in two stages), separate = two
+#: all-gathers per chunk (dO; delta and lse), fused = one flat all-gather per chunk over the CP group,
+#: two-level = the fused gather in two stages (between nodes, then inside the node) where the two-level
+#: layout applies (`two_level_layout`; elsewhere = fused)
+BWD_GATHERS = ("auto", "separate", "fused", "two-level")
 
 #: stated rate (GB/s of RECEIVED stage-1 bytes) of the two-level all-to-all's node merge on the compute
 #: stream: forward, unpack the L bf16 partials to fp32, lse max, weights, weighted sum (`ops.common.
@@ -450,9 +489,14 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
 
     - bwd_gather: "separate" = dO ("bwd.dout", rh D elem) and stats ("bwd.stats", rh 2 acc) as two
       all-gathers per chunk; "fused" = ONE all-gather "bwd.dout" of rh (D + 2 acc / elem) elem per chunk
-      (the two messages' sum, one latency), no "bwd.stats"; "auto" = as the records are. Records without
-      "bwd.stats" are read as the fused gather (dout carries both): "separate" then splits it by the
-      formula (needs D).
+      (the two messages' sum, one latency), no "bwd.stats"; "two-level" (only with a two-level layout,
+      else "fused") = that packed segment m gathered in two stages as `ops/splitkv.py` `_gather_dout_stats`
+      does: "bwd.dout.inter" (all_gather over the N ranks of one local index, one per node: NIC only,
+      stream "N2", message m) then "bwd.dout.intra" (all_gather over the node's L ranks: NVLink, stream
+      "N1", message N m), both in the "bwd.dout" lists; "auto" = as the records are. Records without
+      "bwd.stats" are read as the fused gather (dout carries both), records with "bwd.dout.inter" /
+      ".intra" as the two-level one (m = the inter record's message); the other variants are derived from
+      m: "separate" splits it by the formula (needs D).
     - cp_ranks_per_node L (`two_level_layout`): L = 1 or L >= P: the records' single all-to-alls, unchanged
       (bit for bit today's model). Otherwise stage 1 ("<name>.intra", group L, NVLink, stream "N1") and
       stage 2 ("<name>.inter", group N, one rank per node, NICs, stream "N2"): from records with those
@@ -474,8 +518,11 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
     has_stats = "bwd.stats" in names
     if bwd_gather not in BWD_GATHERS:
         raise ValueError(f"bwd_gather must be one of {BWD_GATHERS}, got {bwd_gather!r}")
-    mode = ("separate" if has_stats else "fused") if bwd_gather == "auto" else bwd_gather
-    src = dict(bwd_gather="records" if mode == ("separate" if has_stats else "fused") else "formula")
+    rec_mode = "separate" if has_stats else ("two-level" if "bwd.dout.inter" in names else "fused")
+    mode = rec_mode if bwd_gather == "auto" else bwd_gather
+    if mode == "two-level" and lay is None:  # one node or one rank per node: the op's flat gather
+        mode = "fused"
+    src = dict(bwd_gather="records" if mode == rec_mode else "formula")
 
     def need_d(what):
         if D is None:
@@ -515,16 +562,32 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
                 src[what] = "formula (two_level_msgs)"
     for c in range(n):
         dout, st = by.get(("bwd.dout", c), []), by.get(("bwd.stats", c), [])
-        if mode == "separate" and not has_stats:  # split the fused records: stats = rh 2 acc
-            m = float(sum(r.msg for r in dout))
-            rh = m / packed_row_bytes(need_d("splitting the fused dO gather"), elem, acc, stats=2)
-            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m - rh * 2 * acc, c)] if dout else []
-            out["bwd.stats"][c] = [Coll("bwd.stats", "all_gather", P, rh * 2 * acc, c)] if dout else []
-        elif mode == "fused" and has_stats:  # one gather: the two messages' sum
-            m = float(sum(r.msg for r in dout) + sum(r.msg for r in st))
-            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m, c)] if (dout or st) else []
-        else:
+        inter, intra = by.get(("bwd.dout.inter", c), []), by.get(("bwd.dout.intra", c), [])
+        if mode == rec_mode:  # as the records are
             out["bwd.dout"][c], out["bwd.stats"][c] = rec_colls("bwd.dout", c), rec_colls("bwd.stats", c)
+            if inter or intra:  # per-peer message = record bytes / (2 (group - 1)), as for the all-to-alls
+                colls = []
+                for r, (name, grp, pn, stream) in [(r, ("bwd.dout.inter", lay["N"], lay["inter_per_node"], "N2"))
+                                                   for r in inter] + \
+                                                  [(r, ("bwd.dout.intra", lay["L"], lay["intra_per_node"], "N1"))
+                                                   for r in intra]:
+                    colls.append(Coll(name, r.kind, grp, r.bytes / (2.0 * (grp - 1)), c, pn, stream))
+                out["bwd.dout"][c] = colls
+            continue
+        # the packed per-rank segment m = rh (D + 2 acc / elem) elem of the chunk, from any record set
+        if not (dout or st or inter):
+            continue
+        m = float(sum(r.msg for r in dout) + sum(r.msg for r in st) + sum(r.msg for r in inter))
+        if mode == "separate":  # stats = rh 2 acc
+            rh = m / packed_row_bytes(need_d("splitting the fused dO gather"), elem, acc, stats=2)
+            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m - rh * 2 * acc, c)]
+            out["bwd.stats"][c] = [Coll("bwd.stats", "all_gather", P, rh * 2 * acc, c)]
+        elif mode == "fused":  # one gather: the two messages' sum
+            out["bwd.dout"][c] = [Coll("bwd.dout", "all_gather", P, m, c)]
+        else:  # two-level
+            out["bwd.dout"][c] = [
+                Coll("bwd.dout.inter", "all_gather", lay["N"], m, c, lay["inter_per_node"], "N2"),
+                Coll("bwd.dout.intra", "all_gather", lay["L"], lay["N"] * m, c, lay["intra_per_node"], "N1")]
     return dict(serial=serial, layout=lay, bwd_gather=mode, sources=src, **out)
 
 
@@ -573,8 +636,11 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
         RQ, RQ1, NS = col("bwd.dq", "N2"), col("bwd.dq", "N1"), merge("bwd.dq")
     defer = two_level_wait == "deferred"
     t_f = splitkv_forward_ms(col("fwd.q"), K, A, pre=proj_ms[0], A1=A1, NM=NM, defer=defer)
-    t_b = splitkv_backward_ms(col("bwd.dout"), col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS,
-                              defer=defer)
+    if any(x.stream == "N2" for c in range(n) for x in cs["bwd.dout"][c]):  # the two-level [dO | stats] gather
+        DO, DO1 = col("bwd.dout", "N1"), col("bwd.dout", "N2")
+    else:
+        DO, DO1 = col("bwd.dout"), None
+    t_b = splitkv_backward_ms(DO, col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1)
     serial = [x.ms(link) for x in cs["serial"]]
     # every chunk's collectives in the records' order (chunk by chunk, forward then backward), as summed before
     per = [sum(x.ms(link) for x in cs[name][c]) for name in ("fwd.q", "fwd.out") for c in range(n)]
@@ -795,9 +861,11 @@ def main(argv=None):
                          "measured mode times the projection on the GPU instead")
     ap.add_argument("--bwd-gather", default="auto",
                     help="splitkv backward gathers per chunk, comma list (one splitkv variant per value, compared in "
-                         "one run): separate (dO; delta and lse: two all-gathers), fused (one all-gather of [dO | "
-                         "delta, lse], the stats bit-packed: the bytes of both, one latency), auto (as "
-                         "bench.predicted_records issues them: no 'bwd.stats' record = fused)")
+                         "one run): separate (dO; delta and lse: two all-gathers), fused (one flat all-gather of [dO "
+                         "| delta, lse], the stats bit-packed: the bytes of both, one latency), two-level (that "
+                         "gather in two stages with a two-level layout: between nodes, then inside the node; "
+                         "elsewhere = fused), auto (as bench.predicted_records issues them: no 'bwd.stats' record "
+                         "= fused, 'bwd.dout.inter' records = two-level)")
     ap.add_argument("--cp-ranks-per-node", default="1",
                     help="splitkv's two-level all-to-all, comma list of L (CP ranks per node; one variant per value): "
                          "1 = one all-to-all of the CP group (as before); L > 1 = stage 1 among the node's L ranks "
@@ -842,7 +910,14 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=0.0, help="measured mode: stop measuring after this")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
     ap.add_argument("--cpu", action="store_true", help="measured mode on CPU (tiny shapes; tests only)")
+    ap.add_argument("--replay", default="",
+                    help="a saved simulate_scaling.json: recompute its splitkv rows with this tree's collectives and "
+                         "schedule model from the run's saved kernel times, projection windows, overhead, node-merge "
+                         "rate and link (no GPU; `replay`); --bwd-gather picks the variants (crossed with the saved "
+                         "run's L values), --out the output directory; the other flags are ignored")
     args = ap.parse_args(argv)
+    if args.replay:
+        return replay_main(ap, args)
     cps, methods, placements = check_args(ap, args)
     topologies = args._topologies
     t_start = time.perf_counter()
@@ -1150,14 +1225,7 @@ def main(argv=None):
                     t = method_time(m, P, comp[(j, r_slow)], recs, links[topo], fwd_fraction=args.fwd_fraction,
                                     overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0),
                                     **(dict(opts, detail=det) if v else {}))
-                    extra = {}
-                    if v is not None:
-                        lay = det.get("layout")
-                        extra = dict(variant=v["label"], bwd_gather=det.get("bwd_gather"), cp_ranks_per_node=L,
-                                     two_level=lay is not None, comm_sources=det.get("sources"),
-                                     bytes_by_name={a: int(round(b)) for a, b in det.get("bytes_by_name", {}).items()},
-                                     a2a_nic_bytes_sent={a: int(round(b)) for a, b in
-                                                         det.get("a2a_nic_bytes_sent", {}).items()})
+                    extra = variant_fields(v, det, L) if v is not None else {}
                     nbytes = sum(extra["bytes_by_name"].values()) if v else sum(r.bytes for r in recs)
                     rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
                                      overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
@@ -1166,18 +1234,7 @@ def main(argv=None):
                                      sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
                                      planner_imbalance=float(plan.imbalance), bytes_per_rank=nbytes,
                                      **extra, **t))
-    # efficiency vs the method's own T at the smallest P given, per topology (P0 = 1 by default; the fastest
-    # splitkv variant at P0: placements, chunk counts and overlap alike)
-    p0 = min(cps)
-    base = {}
-    for r in rows:
-        if r["P"] == p0:
-            key = (r["method"], r["topology"])
-            base[key] = min(base.get(key, float("inf")), r["total_ms"])
-    for r in rows:
-        b = base.get((r["method"], r["topology"]))
-        r["efficiency"] = b / r["total_ms"] if b and r["total_ms"] > 0 else float("nan")
-        r["efficiency_base_P"] = p0
+    set_efficiency(rows, min(cps))
     # measured CP=2 from bench_attention (the op alone: rows without the projection overlap)
     bj = {}
     if args.bench_json and os.path.exists(args.bench_json):
@@ -1228,6 +1285,31 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def replay_main(ap, args):
+    """`--replay`: validate, `replay`, write simulate_scaling.json / .md (prefixed with the replay note) to
+    --out and print the tables. Returns the result."""
+    if not os.path.isfile(args.replay):
+        ap.error(f"--replay: no such file {args.replay!r}")
+    if not str(args.out).strip():
+        ap.error("--out must be a directory path, got an empty string")
+    gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
+                                                   "backward gather")))
+    with open(args.replay) as f:
+        saved = json.load(f)
+    try:
+        res = replay(saved, bwd_gathers=gathers, source=args.replay)
+    except KeyError as e:
+        ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
+    os.makedirs(args.out, exist_ok=True)
+    md = f"Replay of {args.replay}: {res['replay']['note']}.\n\n" + render(res)
+    with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
+        f.write(md + "\n")
+    print(md, flush=True)
+    return res
 
 
 def time_kv_projection(tokens, hidden, out_features, *, dtype, device, reps=5):
@@ -1288,6 +1370,104 @@ def time_node_merge(L, rows, Hq, D, *, dtype, device, reps=5, path="op"):
             dq.numel() * dq.element_size() / (max(b_ms, 1e-6) * 1e6))
 
 
+def variant_fields(v, det, L):
+    """The splitkv variant's columns of a row: label, resolved backward gather, L, two-level or not, where the
+    collectives came from, bytes per collective name (comm_stats convention) and the all-to-alls' off-node
+    bytes sent (`splitkv_time_ms`'s `detail`)."""
+    lay = det.get("layout")
+    return dict(variant=v["label"], bwd_gather=det.get("bwd_gather"), cp_ranks_per_node=L,
+                two_level=lay is not None, comm_sources=det.get("sources"),
+                bytes_by_name={a: int(round(b)) for a, b in det.get("bytes_by_name", {}).items()},
+                a2a_nic_bytes_sent={a: int(round(b)) for a, b in det.get("a2a_nic_bytes_sent", {}).items()})
+
+
+def set_efficiency(rows, p0):
+    """Efficiency of every row vs its method's own T at P0 (the smallest P), per topology: the fastest row of
+    that method at P0 (splitkv: placements, chunk counts, overlap and variants alike)."""
+    base = {}
+    for r in rows:
+        if r["P"] == p0:
+            key = (r["method"], r.get("topology", "flat"))
+            base[key] = min(base.get(key, float("inf")), r["total_ms"])
+    for r in rows:
+        b = base.get((r["method"], r.get("topology", "flat")))
+        r["efficiency"] = b / r["total_ms"] if b and r["total_ms"] > 0 else float("nan")
+        r["efficiency_base_P"] = p0
+
+
+def link_from_dict(d, topology=None):
+    """The `bench.LinkModel` of its `to_dict()` (a saved simulate_scaling.json's "link"), under `topology`
+    (default: the saved one). Raises KeyError on a dict without intra / inter tables."""
+    def table(t):
+        return {k: bench.AlphaBeta(v["alpha_us"] * 1e-6, v["bw_GBs"] * 1e9) for k, v in t.items()}
+
+    return bench.LinkModel(intra=table(d["intra"]), inter=table(d["inter"]), gpus_per_node=int(d["gpus_per_node"]),
+                           topology=topology or d.get("topology", "node"),
+                           intra_hop_s=d.get("intra_hop_us", 3.4) * 1e-6, a2a_peer_s=d.get("a2a_peer_us", 1.0) * 1e-6,
+                           pxn=bool(d.get("pxn", True)))
+
+
+def replay(saved, *, bwd_gathers=None, source=""):
+    """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
+    collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
+    saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
+    rate, the link (fitted NVLink, stated inter-node) and the workload arguments (the plans are rebuilt to
+    get the per-rank block counts). No GPU, no measuring. The baselines' rows are kept as saved.
+
+    bwd_gathers: the variants' backward gathers (`BWD_GATHERS`; default the saved run's), crossed with the
+    saved run's `--cp-ranks-per-node` values. "auto" means as this tree's op issues them (the saved run's
+    "auto" meant its own tree's op); "fused" with L = 8 is the op before the two-level [dO | stats] gather.
+    Returns a result dict like `main`'s (rows, variants, summary; "replay" = source and note); the same
+    inputs with the saved run's variants and tree reproduce its rows.
+    Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
+    import argparse as _ap
+
+    a = _ap.Namespace(**{k: v for k, v in saved["args"].items()})
+    a._ranks_per_node = list(saved["args"]["_ranks_per_node"])
+    a._bwd_gathers = list(saved["args"]["_bwd_gathers"] if bwd_gathers is None else bwd_gathers)
+    variants = splitkv_variants(a)
+    topologies = list(saved.get("topologies") or ["node"])
+    links = {t: link_from_dict(saved["link"], t) for t in topologies}
+    merge = tuple(saved["node_merge"]["gbs"])
+    first = a.placements.split(",")[0].strip()
+    plans, groups = {}, {}
+    for r in saved["rows"]:  # one saved row per (P, placement, k, topology, overlap): its measured inputs
+        if r["method"] == "splitkv":
+            groups.setdefault((r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"]), r)
+    rows = []
+    for (P, pl, k, topo, ovl), r in groups.items():
+        key = (P, pl if P > 1 else first)
+        if key not in plans:
+            plans[key] = build_problem(P, a, key[1] if P > 1 else "lpt")
+        plan = plans[key]
+        nb = [plan.blocks_per_rank] * P
+        nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
+        for v in variants:
+            L = v["cp_ranks_per_node"]
+            recs = bench.predicted_records("splitkv", P=P, rank=r["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
+                                           Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
+                                           num_chunks=k, cp_ranks_per_node=min(L, P))
+            det = {}
+            t = method_time("splitkv", P, r["per_call_ms"], recs, links[topo], fwd_fraction=a.fwd_fraction,
+                            overhead_ms=r["overhead_ms"], proj_ms=(r["proj_fwd_ms"], r["proj_bwd_ms"]) if ovl
+                            else (0.0, 0.0), bwd_gather=v["bwd_gather"], cp_ranks_per_node=L, D=a.D, elem=2, acc=4,
+                            merge_gbs=merge, two_level_wait=a.two_level_wait, detail=det)
+            row = dict(r)
+            row.update(variant_fields(v, det, L))
+            row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
+            row.update(t)
+            rows.append(row)
+    rows += [dict(r) for r in saved["rows"] if r["method"] != "splitkv"]
+    set_efficiency(rows, min(r["P"] for r in rows))
+    res = dict(saved)
+    res.update(args=dict(vars(a)), variants=variants, rows=rows,
+               replay=dict(source=source, note="splitkv rows recomputed from the saved per-chunk kernel times, "
+                                               "projection windows, overhead, node-merge rate and link with this "
+                                               "tree's collectives; baselines as saved"))
+    res["summary"] = summarize(res)
+    return res
+
+
 def splitkv_variants(args, elem=2):
     """The splitkv variants of a run: every --cp-ranks-per-node L x every --bwd-gather, duplicates dropped,
     in the order given (the first is the reference variant of the summary). "auto" stays auto: it is
@@ -1297,7 +1477,7 @@ def splitkv_variants(args, elem=2):
     out = []
     for L in args._ranks_per_node:
         for g in args._bwd_gathers:
-            name = {"separate": "sep", "fused": "fused", "auto": "auto"}[g]
+            name = {"separate": "sep", "fused": "fused", "auto": "auto", "two-level": "2lvl"}[g]
             v = dict(label=f"{name}/L={L}", bwd_gather=g, cp_ranks_per_node=L)
             if v not in out:
                 out.append(v)
