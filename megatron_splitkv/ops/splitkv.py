@@ -103,7 +103,9 @@ alive together with that buffer only briefly), and the dQ partials are summed in
 (`fused_merge.sum_partials`: no [P, rows, Hq, D] fp32 temporary). The [O | lse] merges (owner and node)
 run as one Triton kernel on CUDA (`fused_merge.merge_packed`: no fp32 copy of the P partials; the torch
 path elsewhere). Two-level all-to-all: the stage-1 receive buffer is released once reduced, and stage 2
-moves 1 / L of the rows in fp32.
+moves 1 / L of the rows in fp32. Two-level [dO | stats] gather: besides the gathered chunk in flight (as
+with one ring), the stage-1 buffers (N of the P segments) of up to two chunks, each released when its
+stage 2 is waited.
 """
 
 from __future__ import annotations
