@@ -868,16 +868,16 @@ def test_two_level_dout_gather_collectives_and_time(P, L):
 
 
 def test_two_level_dout_gather_where_the_op_uses_it():
-    """"auto" follows the op's rule (two stages from 8 nodes on: P = 64 with L = 8, not P = 32); a layout
+    """"auto" follows the op's rule (two stages from 16 nodes on: P = 128 with L = 8, not P = 64); a layout
     without two levels (L = 1, or L >= P) keeps the flat gather even when asked for two levels."""
     import simulate_scaling as ss
 
+    rec128 = bench.predicted_records("splitkv", P=128, rank=0, n_blocks=[4] * 128, n_ctx=[0] * 128, metadata=True,
+                                     num_chunks=1, cp_ranks_per_node=8, **SHAPE)
     rec64 = bench.predicted_records("splitkv", P=64, rank=0, n_blocks=[8] * 64, n_ctx=[0] * 64, metadata=True,
                                     num_chunks=1, cp_ranks_per_node=8, **SHAPE)
-    rec32 = bench.predicted_records("splitkv", P=32, rank=0, n_blocks=[16] * 32, n_ctx=[0] * 32, metadata=True,
-                                    num_chunks=1, cp_ranks_per_node=8, **SHAPE)
-    assert ss.splitkv_collectives(rec64, 64, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "two-level"
-    assert ss.splitkv_collectives(rec32, 32, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "fused"
+    assert ss.splitkv_collectives(rec128, 128, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "two-level"
+    assert ss.splitkv_collectives(rec64, 64, 1, cp_ranks_per_node=8, D=128)["bwd_gather"] == "fused"
     for L in (1, 64):
         cs = ss.splitkv_collectives(rec64, 64, 1, bwd_gather="two-level", cp_ranks_per_node=L, D=128)
         assert cs["bwd_gather"] == "fused" and [x.name for x in cs["bwd.dout"][0]] == ["bwd.dout"]
@@ -886,12 +886,16 @@ def test_two_level_dout_gather_where_the_op_uses_it():
 SEVENTH = os.path.join(ROOT, "docs", "results", "simulate_scaling_2026-11-30g_h200.json")
 
 
-def test_replay_reproduces_the_saved_run_and_isolates_the_change(tmp_path):
+def test_replay_reproduces_the_saved_run_and_isolates_the_change(tmp_path, monkeypatch):
     """`--replay` of the committed seventh-run JSON: every splitkv row the change does not touch comes back
     as saved ("auto" = this tree's op), the P = 64, L = 8 rows come back as saved with the flat gather
-    ("fused", what the op did then), and with this tree's two-level gather k = 1 differs by exactly the
-    gather's modelled change (the whole gather is exposed at k = 1)."""
+    ("fused", what the op did then), and with the two-level gather (threshold lowered to P = 64's 8 nodes;
+    the op's default, 16, keeps the flat gather there) k = 1 differs by exactly the gather's modelled
+    change (the whole gather is exposed at k = 1)."""
     import simulate_scaling as ss
+    from megatron_splitkv.ops import common
+
+    monkeypatch.setattr(common, "TWO_LEVEL_GATHER_MIN_NODES", 8)
 
     with open(SEVENTH) as f:
         saved = json.load(f)

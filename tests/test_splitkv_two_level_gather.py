@@ -5,7 +5,7 @@ With the two-level all-to-all (`cp_ranks_per_node` L, 1 < L < P, N = P / L) and 
 each chunk's packed segment in two stages: "splitkv.bwd.dout.inter" (all-gather over the N ranks with this
 local index) then "splitkv.bwd.dout.intra" (all-gather of that N-segment buffer over the node's L ranks),
 which delivers the segments local-index-major; `unpack_dout_stats(..., nodes=N)` reads them in rank order.
-CPU, gloo, one spawn of 8 ranks; the node threshold (`TWO_LEVEL_GATHER_MIN_NODES`, 8) is lowered in every
+CPU, gloo, one spawn of 8 ranks; the node threshold (`TWO_LEVEL_GATHER_MIN_NODES`, 16) is lowered in every
 process so that P = 4 (L = 2) and P = 8 (L = 2, 4) take the two-stage route, and raised to force the flat
 gather with the same L:
 
@@ -77,20 +77,21 @@ def test_unpack_rejects_a_node_count_not_dividing_the_parts():
 
 
 def test_rule_and_default_threshold():
-    assert common.TWO_LEVEL_GATHER_MIN_NODES == 8
-    assert [common.two_level_bwd_gather(n) for n in (2, 4, 7, 8, 16)] == [False, False, False, True, True]
-    # the records follow the rule: P = 64 with L = 8 (8 nodes) gathers in two stages, P = 32 (4 nodes) does not
-    kw = dict(rank=0, n_ctx=[0] * 64, B=16, Hq=32, Hkv=8, D=128, metadata=True, num_chunks=1, cp_ranks_per_node=8)
-    ops64 = {r.op for r in bench.predicted_records("splitkv", P=64, n_blocks=[8] * 64, **kw)}
-    ops32 = {r.op for r in bench.predicted_records("splitkv", P=32, n_blocks=[16] * 32, **dict(kw, n_ctx=[0] * 32))}
-    assert set(STAGES) <= ops64 and "splitkv.bwd.dout" not in ops64
-    assert "splitkv.bwd.dout" in ops32 and not set(STAGES) & ops32
+    assert common.TWO_LEVEL_GATHER_MIN_NODES == 16
+    assert [common.two_level_bwd_gather(n) for n in (2, 4, 8, 15, 16, 32)] == [False] * 4 + [True, True]
+    # the records follow the rule: P = 128 with L = 8 (16 nodes) gathers in two stages, P = 64 (8 nodes) does not
+    kw = dict(rank=0, B=16, Hq=32, Hkv=8, D=128, metadata=True, num_chunks=1, cp_ranks_per_node=8)
+    ops128 = {r.op for r in bench.predicted_records("splitkv", P=128, n_blocks=[4] * 128, n_ctx=[0] * 128, **kw)}
+    ops64 = {r.op for r in bench.predicted_records("splitkv", P=64, n_blocks=[8] * 64, n_ctx=[0] * 64, **kw)}
+    assert set(STAGES) <= ops128 and "splitkv.bwd.dout" not in ops128
+    assert "splitkv.bwd.dout" in ops64 and not set(STAGES) & ops64
 
 
-def test_predicted_stage_bytes_at_p64():
-    """P = 64, L = 8, k = 1, bf16, Hq 32, D 128, 8 blocks of 16 rows per rank: the segment is 128 rows x 32
+def test_predicted_stage_bytes_at_p64(monkeypatch):
+    """P = 64 (threshold lowered to its 8 nodes), L = 8, k = 1, bf16, Hq 32, D 128, 8 blocks of 16 rows per rank: the segment is 128 rows x 32
     heads x (128 + 4) bf16 elements; stage 1 moves 2 x 7 segments, stage 2 2 x 7 x 8: together the flat
     gather's 2 x 63 segments."""
+    monkeypatch.setattr(common, "TWO_LEVEL_GATHER_MIN_NODES", 8)
     kw = dict(P=64, rank=0, n_blocks=[8] * 64, n_ctx=[0] * 64, B=16, Hq=32, Hkv=8, D=128, metadata=True,
               num_chunks=1)
     two = {r.op: r for r in bench.predicted_records("splitkv", cp_ranks_per_node=8, **kw)}
@@ -179,7 +180,7 @@ def _worker(rank, world, transport_jobs, op_jobs):
             if rank < c["P"]:
                 out["op"][j] = _run_op(c, rank, groups.get(c["P"]), L, k, use_meta, early, min_nodes)
     finally:
-        common.TWO_LEVEL_GATHER_MIN_NODES = 8
+        common.TWO_LEVEL_GATHER_MIN_NODES = 16
     return out
 
 

@@ -69,7 +69,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     ahead of its kernel; stage 2 among the node's L ranks over NVLink, stream "N1", issued from the compute
     stream after it waited for stage 1, one chunk ahead; `splitkv_backward_ms`), auto = as
     `bench.predicted_records` issues them (no "splitkv.bwd.stats" = fused; "splitkv.bwd.dout.inter" /
-    ".intra" = two-level, which the op does from N >= 8 nodes; either record set is converted to the variant
+    ".intra" = two-level, which the op does from N >= 16 nodes; either record set is converted to the variant
     asked for). `--cp-ranks-per-node` L (comma list; clamped to P; 1 or >= P
     = one all-to-all, bit for bit the model before): the two-level all-to-all of [O | lse] and of dQ: stage
     1 among the node's L ranks (NVLink; the rows of the N = P / L owners with each local index, inputs'

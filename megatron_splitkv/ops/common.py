@@ -352,14 +352,14 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
 #: smallest node count N = P / L from which Split-KV's backward gathers [dO | stats] in two stages with the
 #: two-level all-to-all (`two_level_bwd_gather`, docs/perf-notes.md item 14). A constant, not an environment
 #: variable: every rank derives the same decision from the agreed P and L (tests lower it in every process).
-TWO_LEVEL_GATHER_MIN_NODES = 8
+TWO_LEVEL_GATHER_MIN_NODES = 16
 
 
 def two_level_bwd_gather(nodes: int) -> bool:
     """Whether Split-KV's backward all-gathers each chunk's packed [dO | delta, lse] (`pack_dout_stats`) in
     two stages, between the N = P / L nodes and then inside the node (`ops/splitkv.py`
     `_gather_dout_stats`), instead of one ring over the P ranks. Asked only with the two-level all-to-all
-    on (`cp_ranks_per_node` L, 1 < L < P); True from `TWO_LEVEL_GATHER_MIN_NODES` (8) nodes on.
+    on (`cp_ranks_per_node` L, 1 < L < P); True from `TWO_LEVEL_GATHER_MIN_NODES` (16) nodes on.
 
     Why (docs/perf-notes.md item 14; `tools/simulate_scaling.py`, link of the sixth H200 run, 50 GB/s and
     15 us per hop between nodes, 8 GPUs per node): the two stages pay (N - 1) network + (L - 1) NVLink
@@ -369,8 +369,8 @@ def two_level_bwd_gather(nodes: int) -> bool:
     s the per-rank segment): at Lq 8192, Hq 32, D 128, L = 8 and one chunk +0.10 / +0.08 / +0.01 / -0.17
     ms at N = 2 / 4 / 8 / 16 (the whole gather is exposed at k = 1); with two chunks -0.06 ms per gather
     at N = 8, of which the op's schedule keeps -0.008 ms per layer (before its first kernel it also waits
-    for chunk 1's stage 1). A break-even at P = 64, hence the threshold there. Same bytes and results
-    either way (bit for bit)."""
+    for chunk 1's stage 1). A break-even at N = 8 (P = 64, L = 8: +0.007 ms at the default k = 1), a gain
+    from N = 16 on, hence the threshold there. Same bytes and results either way (bit for bit)."""
     return int(nodes) >= TWO_LEVEL_GATHER_MIN_NODES
 
 

@@ -74,7 +74,7 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
    shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
    Backward [dO | stats] gather (docs/perf-notes.md item 14): with the two-level all-to-all the packed
-   segment of item 3 is always fused; from N >= 8 nodes (`ops.common.two_level_bwd_gather`) it is
+   segment of item 3 is always fused; from N >= 16 nodes (`ops.common.two_level_bwd_gather`) it is
    all-gathered in two stages (`_gather_dout_stats`): "splitkv.bwd.dout.inter" among the N ranks with
    local index j (each rank's segment over its own NIC), then "splitkv.bwd.dout.intra" among the node's L
    ranks of the N-segment buffer (NVLink). The result holds the segments local-index-major (position
@@ -253,7 +253,7 @@ def _gather_dout_stats(seg, meta, two_level):
     `comm.Pending` of [P * seg], CP-rank order.
 
     two_level True (the op's rule: the two-level all-to-all on, `cp_ranks_per_node` L with 1 < L < P, and
-    N = P / L >= 8 nodes, `ops.common.two_level_bwd_gather`; docs/perf-notes.md item 14): a `_TwoStage`.
+    N = P / L >= 16 nodes, `ops.common.two_level_bwd_gather`; docs/perf-notes.md item 14): a `_TwoStage`.
     Stage 1 "splitkv.bwd.dout.inter", issued now: all-gather of the segment over the N ranks with this
     rank's local index j (one per node, each over its own NIC) -> [N * seg] in node order. Stage 2
     "splitkv.bwd.dout.intra", issued by `advance()` after the current stream waited for stage 1 (a stream
@@ -689,7 +689,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     it; local kernel backward with the global statistics; all-to-all of the dQ partials (q's dtype),
     summed in fp32 by the owner; dK/dV of the context and of the own block stay local. With
     `cp_ranks_per_node` = L (1 < L < P) both all-to-alls run in two stages, inside each node of L ranks
-    and then between nodes in fp32, and from N = P / L >= 8 nodes the dO all-gather too, between nodes
+    and then between nodes in fp32, and from N = P / L >= 16 nodes the dO all-gather too, between nodes
     and then inside each node (the same bytes; module docstring, item 5). Both passes run over
     `num_chunks` query chunks, overlapping each chunk's collectives with the next chunk's kernel. Every
     collective is query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
