@@ -6,6 +6,9 @@ Public API:
         signature; see `megatron_splitkv.ops`).
     prepare_splitkv_metadata: the per-step metadata work (validation, gathers, sorting, masks) done
         once and passed to every layer's op call as `metadata=`.
+    prepare_splitkv_metadata_from_plan: the same metadata built on the host from the global plan (no
+        process group; e.g. in a data-loader worker), attached to the CP group at step time with
+        `SplitKVMetadata.bind`.
     splitkv_start_query_gather: start Split-KV's query all-gather before the k/v projections and pass
         the handle as `splitkv_attention(..., query_gather=)` (overlap; `megatron_splitkv.ops.splitkv`).
     comm_stats, CommStats, CommRecord: per-rank byte accounting of their collectives
@@ -17,6 +20,7 @@ from .comm import CommRecord, CommStats, comm_stats
 from .ops import (
     allgather_kv_attention,
     prepare_splitkv_metadata,
+    prepare_splitkv_metadata_from_plan,
     ring_kv_attention,
     splitkv_attention,
     splitkv_start_query_gather,
@@ -28,6 +32,7 @@ __all__ = [
     "allgather_kv_attention",
     "ring_kv_attention",
     "prepare_splitkv_metadata",
+    "prepare_splitkv_metadata_from_plan",
     "splitkv_start_query_gather",
     "comm_stats",
     "CommStats",

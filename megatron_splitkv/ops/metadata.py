@@ -73,7 +73,8 @@ from .common import (
 )
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
-           "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node"]
+           "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
+           "prepare_splitkv_metadata_from_plan"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -302,6 +303,103 @@ class SplitKVMetadata:
     node_groups: tuple = None
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
+    #: `prepare_splitkv_metadata_from_plan` only: the host-side build record (`_HostBuild`: CP size and
+    #: rank of the plan, environment-derived requests, packed pinned buffer) until `bind` attaches the CP
+    #: group; None for bound metadata (every metadata from `prepare_splitkv_metadata`).
+    host_build: object = field(default=None, repr=False)
+
+    @property
+    def bound(self) -> bool:
+        """False for the host-built metadata of `prepare_splitkv_metadata_from_plan` before `bind`: the ops
+        refuse it (its `group` is a placeholder of the plan's CP size and rank)."""
+        return self.host_build is None
+
+    def pin_memory(self) -> "SplitKVMetadata":
+        """Unbound metadata: a copy whose tensors are views of ONE pinned host buffer (packed, 8-byte
+        aligned), so that `bind` uploads everything with a single non-blocking copy. The DataLoader's
+        pin-memory thread calls it (`torch.utils.data` pins any object with a `pin_memory()` method), off
+        the step's critical path. Bound metadata and already pinned metadata are returned as they are.
+        Needs CUDA (torch pins through the CUDA host allocator)."""
+        rec = self.host_build
+        if rec is None or (rec.buffer is not None and rec.buffer.is_pinned()):
+            return self
+        tensors = _unique_tensors(self)
+        buf, offs = _pack(tensors, pin=True)
+        new = {id(t): _unpacked(buf, o, t) for t, o in zip(tensors, offs)}
+        return _remapped(self, new, host_build=_replace(rec, buffer=buf, layout=offs))
+
+    def bind(self, cp_group=None, device=None, non_blocking: bool = True) -> "SplitKVMetadata":
+        """Attach the CP group to host-built metadata (`prepare_splitkv_metadata_from_plan`) and move it to
+        the device: returns a new, bound `SplitKVMetadata` for the op calls' `metadata=` (this one stays
+        unbound and can be bound again). No collective except the first creation of the node sub-groups
+        (cp_ranks_per_node L with 1 < L < P: `comm.node_groups`, once per (CP group, L), like prepare).
+
+        Args:
+            cp_group: the CP ProcessGroup (None = the default group when initialised, else one process).
+                Its size must equal the plan's cp_size and this process's rank in it the `cp_rank` the
+                metadata was built for.
+            device: the activations' device; None = the group's default (the current CUDA device with an
+                NCCL group, else CPU). With NCCL it must be a CUDA device.
+            non_blocking: upload asynchronously (the default; from pinned memory, see `pin_memory`, or
+                through a pinned staging buffer made here), so the host does not wait for the GPU.
+
+        Device work: one host-to-device copy of the packed buffer (int64 / bool tensors are views of it)
+        and nothing else: no compute op, no host sync (from pinned memory). A CPU target keeps the host
+        tensors (no copy).
+
+        Environment, resolved here as prepare resolves it on each rank: the kernel environment
+        (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
+        cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
+        MEGATRON_SPLITKV_RANKS_PER_NODE in the building process) the variables must resolve to the same
+        values here. The kernel lanes stay per call (`check_call`).
+
+        Raises:
+            ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; the
+            group's size or this rank's rank in it differ from the plan's cp_size / cp_rank; a device that
+            is not usable here or not CUDA with NCCL; a malformed environment variable, or one that
+            resolves differently from the building process.
+        """
+        name = "SplitKVMetadata.bind"
+        rec = self.host_build
+        if rec is None:
+            raise ValueError(f"{name}: this metadata is already bound to a CP group (bind the unbound metadata "
+                             "of prepare_splitkv_metadata_from_plan)")
+        try:
+            group = resolve_group(cp_group)
+            if group.size != rec.cp_size:
+                raise ValueError(f"cp_group has size {group.size} but the metadata was built for a plan with "
+                                 f"cp_size={rec.cp_size}")
+            if group.rank != rec.cp_rank:
+                raise ValueError(f"this process is rank {group.rank} of cp_group but the metadata was built for "
+                                 f"cp_rank={rec.cp_rank}")
+            device = _check_device(_comm_device(group, None) if device is None else device)
+            if _comm_device(group, device).type != device.type:
+                raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
+            validate_kernel_env()
+            fused = fused_bwd_gather_min_p() if self.impl == "splitkv" else FUSED_BWD_GATHER_MIN_P
+            if rec.chunks_env is not None and _requested_chunks(None) != rec.chunks_env:
+                raise ValueError(f"{NUM_CHUNKS_ENV} resolves to {_requested_chunks(None)} here but to "
+                                 f"{rec.chunks_env} where the metadata was built (0 = unset); pass num_chunks")
+            if rec.ranks_env is not None and resolve_ranks_per_node(None, rec.cp_size) != rec.ranks_env:
+                raise ValueError(f"{RANKS_PER_NODE_ENV} resolves to cp_ranks_per_node="
+                                 f"{resolve_ranks_per_node(None, rec.cp_size)} here but to {rec.ranks_env} where "
+                                 "the metadata was built; pass cp_ranks_per_node")
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from exc
+        tensors = _unique_tensors(self)
+        if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+            new = {id(t): t for t in tensors}
+        else:
+            buf, offs = rec.buffer, rec.layout
+            if buf is None:
+                buf, offs = _pack(tensors, pin=non_blocking and device.type == "cuda")
+            dev_buf = buf.to(device, non_blocking=non_blocking)
+            new = {id(t): _unpacked(dev_buf, o, t) for t, o in zip(tensors, offs)}
+        ngroups = None
+        if 1 < self.cp_ranks_per_node < group.size:  # the two-level all-to-all's sub-groups (cached)
+            ngroups = node_groups(group, self.cp_ranks_per_node, _comm_device(group, device))
+        return _remapped(self, new, group=group, device=device, node_groups=ngroups, fused_bwd_gather_min_p=fused,
+                         host_build=None)
 
     @property
     def rank(self) -> int:
@@ -974,6 +1072,8 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
     if not isinstance(meta, SplitKVMetadata):
         raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata, got "
                          f"{type(meta).__name__}")
+    if not meta.bound:
+        raise ValueError(_UNBOUND_MSG)
     if meta.impl != name:
         raise ValueError(f"metadata was prepared for impl={meta.impl!r} but passed to {name}_attention; "
                          f"prepare it with impl={name!r}")
@@ -1044,7 +1144,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (call mode), so a group where only some ranks pass it raises on every rank.
     """
     err, lanes = "", 1
-    grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
+    grouped = isinstance(meta, SplitKVMetadata) and meta.bound and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
@@ -1082,11 +1182,13 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
     rank raises the same ValueError: also when other ranks make a different call at that point (e.g.
     the op without query_gather=)."""
     err = ""
-    grouped = isinstance(meta, SplitKVMetadata) and meta.group_check and meta.group.size > 1
+    grouped = isinstance(meta, SplitKVMetadata) and meta.bound and meta.group_check and meta.group.size > 1
     try:
         if not isinstance(meta, SplitKVMetadata):
             raise ValueError(f"metadata must be a SplitKVMetadata from prepare_splitkv_metadata(..., "
                              f"impl='splitkv'), got {type(meta).__name__}")
+        if not meta.bound:
+            raise ValueError(_UNBOUND_MSG)
         if meta.impl != "splitkv":
             raise ValueError(f"metadata was prepared for impl={meta.impl!r}; the query gather is Split-KV's "
                              "(prepare it with impl='splitkv')")
@@ -1130,3 +1232,323 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
         shared, gathered = query_gather._consume()
         out, lse = fn_cls.apply(plan, None, k_ctx, v_ctx, k_blk, v_blk, shared, *gathered)
     return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- from the plan, on the host
+
+_UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound to a CP group yet: pass "
+                "meta.bind(cp_group, device) (a new, bound SplitKVMetadata) as metadata=")
+
+
+@dataclass
+class _HostBuild:
+    """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
+    this metadata's CP rank (checked against the group), the requested chunk count / ranks per node when
+    they were read from the environment at build time (None when given as arguments), and the packed
+    host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every `_unique_tensors` entry)."""
+
+    cp_size: int
+    cp_rank: int
+    chunks_env: int = None
+    ranks_env: int = None
+    buffer: torch.Tensor = None
+    layout: list = None
+
+
+def _replace(obj, **changes):
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(obj, **changes)
+
+
+_META_TENSORS = ("q_seq", "q_anchor", "kv_seq", "kv_pos", "valid", "keys", "order", "block_meta", "gather_index",
+                 "valid_rows")
+_META_MASKS = ("mask", "mask_own")
+_META_MASK_LISTS = ("step_masks", "chunk_masks", "chunk_masks_own")
+_MASK_TENSORS = ("lo", "hi", "lo2", "hi2")
+
+
+def _unique_masks(meta) -> list:
+    seen = {}
+    for n in _META_MASKS:
+        m = getattr(meta, n)
+        if m is not None:
+            seen.setdefault(id(m), m)
+    for n in _META_MASK_LISTS:
+        for m in getattr(meta, n) or ():
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def _unique_tensors(meta) -> list:
+    """Every tensor of the metadata (its fields and its masks' lo / hi / lo2 / hi2), each object once, in
+    a fixed order (the layout of `_pack`; shared objects, e.g. a chunk's lo in both of its masks, stay
+    shared)."""
+    seen = {}
+    for n in _META_TENSORS:
+        t = getattr(meta, n)
+        if t is not None:
+            seen.setdefault(id(t), t)
+    for m in _unique_masks(meta):
+        for a in _MASK_TENSORS:
+            t = getattr(m, a)
+            if t is not None:
+                seen.setdefault(id(t), t)
+    return list(seen.values())
+
+
+def _pack(tensors, pin: bool):
+    """(buffer, offsets): the tensors' bytes in one uint8 buffer (pinned when `pin`), each at an 8-byte
+    aligned offset, so that `_unpacked` views them back with their dtype and shape."""
+    offs, at = [], 0
+    for t in tensors:
+        offs.append(at)
+        at += -(-t.numel() * t.element_size() // 8) * 8
+    buf = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
+    for t, o in zip(tensors, offs):
+        _unpacked(buf, o, t).copy_(t)
+    return buf, offs
+
+
+def _unpacked(buf, off, like):
+    """The view of `buf` at byte offset `off` with like's dtype and shape (contiguous)."""
+    n = like.numel() * like.element_size()
+    return buf[off: off + n].view(like.dtype).view(like.shape)
+
+
+def _remapped(meta, new: dict, **changes):
+    """A copy of `meta` whose tensors are new[id(old tensor)] (masks rebuilt around them, shared masks
+    kept shared; caches on the old masks, e.g. a FlexAttention BlockMask, are not carried) with `changes`."""
+    masks = {}
+
+    def mask(m):
+        if m is None:
+            return None
+        if id(m) not in masks:
+            t = {a: (None if getattr(m, a) is None else new[id(getattr(m, a))]) for a in _MASK_TENSORS}
+            masks[id(m)] = IntervalMask(m.block_size, t["lo"], t["hi"], m.num_keys, t["lo2"], t["hi2"],
+                                        num_ctx_keys=m.num_ctx_keys)
+        return masks[id(m)]
+
+    fields = {n: (None if getattr(meta, n) is None else new[id(getattr(meta, n))]) for n in _META_TENSORS}
+    fields.update({n: mask(getattr(meta, n)) for n in _META_MASKS})
+    fields.update({n: (None if getattr(meta, n) is None else [mask(m) for m in getattr(meta, n)])
+                   for n in _META_MASK_LISTS})
+    fields["chunks"] = None if meta.chunks is None else list(meta.chunks)
+    fields["n_blocks"], fields["n_ctx"] = list(meta.n_blocks), list(meta.n_ctx)
+    fields.update(changes)
+    return _replace(meta, **fields)
+
+
+def _host_ints(x, name: str, length: int) -> torch.Tensor:
+    """A 1-D integer numpy array / tensor of `length` as an int64 CPU tensor; ValueError naming `name`."""
+    import numpy as np  # noqa: PLC0415
+
+    if isinstance(x, np.ndarray):
+        if x.ndim != 1 or not np.issubdtype(x.dtype, np.integer) or x.dtype == np.uint64:
+            raise ValueError(f"{name} must be a 1-D signed integer array of length {length}, got shape "
+                             f"{x.shape} dtype {x.dtype}")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, torch.Tensor) or x.dim() != 1:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a 1-D integer tensor of length {length}, got {shape}")
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool or x.dtype == _UINT64:
+        raise ValueError(f"{name} must have a signed integer dtype (int64), got {x.dtype}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} must hold data, got a tensor on the meta device")
+    if x.shape[0] != length:
+        raise ValueError(f"{name} must have length {length} (this rank's context tokens under the plan), got "
+                         f"{x.shape[0]}")
+    return x.to(device="cpu", dtype=torch.int64)
+
+
+def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
+                                       impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
+                                       kv_pos=None, group_check=False, device="cpu") -> SplitKVMetadata:
+    """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
+    no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
+    `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
+    (one non-blocking copy), and the bound result equals, tensor for tensor and field for field, what
+    `prepare_splitkv_metadata` returns on that rank for the same shard (tests/test_metadata_from_plan.py).
+
+    Every CP rank computes the same plan from the batch, so what prepare all-gathers is known here: the
+    size table (n_blocks = plan.blocks_per_rank on every rank, n_ctx[r] = the context tokens the plan gives
+    rank r) and the gathered block metadata (plan.q_seq / plan.q_anchor of every rank, q_seq zeroed on
+    invalid blocks). This rank's query blocks are plan.q_seq/q_anchor[plan.query_slice(cp_rank)], its
+    context (kv_seq, kv_pos) `plan.token_seq_ids(cp_rank)` / `plan.token_positions(cp_rank)`, the order
+    `data.shard_batch` gives the context K/V rows, unless kv_seq / kv_pos are passed.
+
+    Pipeline (e.g. in the worker that runs the planner and `shard_batch`, then in the training step):
+
+        meta = prepare_splitkv_metadata_from_plan(plan, r, block_size=16, num_heads_q=32, num_heads_kv=8,
+                                                  head_dim=128, dtype=torch.bfloat16)   # worker, CPU
+        meta = meta.pin_memory()          # the DataLoader's pin-memory thread does this itself
+        bound = meta.bind(cp_group, torch.device("cuda", local_rank))      # step: one H2D copy
+        out = splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, None, None, None, None, metadata=bound)
+
+    Args:
+        plan: the batch's `planning.Plan` (the same object on every CP rank: same batch, same planner call).
+        cp_rank: this rank's index in the CP group, an int in [0, plan.cp_size).
+        block_size: B, must equal plan.block_size.
+        num_heads_q, num_heads_kv, head_dim, dtype: as `prepare_splitkv_metadata` (Hq % Hkv == 0; dtype
+            bf16 / fp16 / fp32 / fp64).
+        impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
+            `prepare_splitkv_metadata`).
+        num_chunks, cp_ranks_per_node: as `prepare_splitkv_metadata`; None reads MEGATRON_SPLITKV_NUM_CHUNKS
+            / MEGATRON_SPLITKV_RANKS_PER_NODE in THIS process (a worker inherits the trainer's environment;
+            `bind` checks that the variables resolve to the same values there).
+        kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
+            order than the plan's (its values are not compared with the plan; only the length is).
+        group_check: as `prepare_splitkv_metadata` (per-call group-wide shape verdicts).
+        device: where the unbound tensors are built (default CPU; another device gets the host-built
+            tensors uploaded once, as `bind` does).
+
+    Returns: an unbound `SplitKVMetadata` (`bound` False; `group` is a placeholder of size plan.cp_size and
+        rank cp_rank, `device` the build device, `node_groups` None). Tensors int64 (bool: valid,
+        valid_rows): q_seq, q_anchor, valid [nb]; kv_seq, kv_pos, keys [Tk]; order [Tk] or None (the
+        plan's order is sorted: None); block_meta [P * nb, 2]; valid_rows [nb * B]; chunk_masks(_own): k
+        `IntervalMask`s with [P * (b1 - b0)] lo / hi (/ lo2 / hi2). The ops refuse it until bound.
+
+    Checks (host, from the plan and the arguments; ValueError naming the argument, prefixed
+    "prepare_splitkv_metadata_from_plan: "): plan not a Plan; cp_rank not an int in [0, cp_size); block_size
+    not a positive int or != plan.block_size; head counts / head_dim not positive ints, Hq % Hkv != 0;
+    dtype; impl; num_chunks / cp_ranks_per_node (and their variables) as prepare; kv_seq / kv_pos not 1-D
+    signed integer of this rank's context length, only one of them given; values outside [-2**31, 2**31)
+    (q_seq, kv_seq, kv_pos: prepare's range check); a bad device; malformed kernel environment variables.
+    Every rank validates the same plan with the same arguments, so a bad plan or argument raises the same
+    ValueError on every rank, without communicating.
+
+    NOT checked group-wide, unlike prepare (there is no collective): that every rank passes the same plan,
+    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, cp_ranks_per_node and sees the same
+    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; that each rank's cp_rank is its rank in the group (checked
+    locally by `bind`); that kv_seq / kv_pos hold the tokens the plan gives this rank. A rank that differs
+    makes the ops' collectives mismatch (wrong results, an error or a hang), as a rank passing different
+    tensors to prepare would for the values prepare does not gather. `group_check=True` (one tiny
+    all-gather per call) exchanges the sizes, shapes, dtype and requests per call and raises on every rank.
+
+    Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 2-3.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    name = "prepare_splitkv_metadata_from_plan"
+    try:
+        for attr in ("cp_size", "block_size", "q_seq", "q_anchor", "chunk_rank", "chunk_start", "chunk_end",
+                     "token_seq_ids", "token_positions", "query_slice", "blocks_per_rank"):
+            if not hasattr(plan, attr):
+                raise ValueError(f"plan must be a megatron_splitkv.planning.Plan, got {type(plan).__name__}")
+        P = int(plan.cp_size)
+        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < P:
+            raise ValueError(f"cp_rank must be an int in [0, {P}) (plan.cp_size = {P}), got {cp_rank!r}")
+        rank = int(cp_rank)
+        canon = IMPLS.get(impl) if isinstance(impl, str) else None
+        if canon is None:
+            raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
+        if canon != "splitkv":
+            raise ValueError(f"impl={impl!r}: only 'splitkv' metadata is built from the plan (the baselines' "
+                             "metadata depends on the other ranks' context order: use prepare_splitkv_metadata)")
+        check_block_size(block_size)
+        if block_size != plan.block_size:
+            raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
+        for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        if num_heads_q % num_heads_kv:
+            raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
+                             "Hq must be a multiple of Hkv")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+        device = _check_device(device)
+        chunks_req = _requested_chunks(num_chunks)
+        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
+        fused_req = fused_bwd_gather_min_p()
+        validate_kernel_env()
+        # the size table every rank would all-gather: equal block counts, the plan's context counts
+        nb = int(plan.blocks_per_rank)
+        n_ctx = np.zeros(P, dtype=np.int64)
+        np.add.at(n_ctx, np.asarray(plan.chunk_rank, dtype=np.int64),
+                  np.asarray(plan.chunk_end, dtype=np.int64) - np.asarray(plan.chunk_start, dtype=np.int64))
+        n_ctx = [int(v) for v in n_ctx]
+        if (kv_seq is None) != (kv_pos is None):
+            raise ValueError("kv_seq and kv_pos must both be given or both be None (the plan's context order)")
+        if kv_seq is None:
+            kv_seq_t = torch.from_numpy(np.ascontiguousarray(plan.token_seq_ids(rank), dtype=np.int64))
+            kv_pos_t = torch.from_numpy(np.ascontiguousarray(plan.token_positions(rank), dtype=np.int64))
+        else:
+            kv_seq_t = _host_ints(kv_seq, "kv_seq", n_ctx[rank])
+            kv_pos_t = _host_ints(kv_pos, "kv_pos", n_ctx[rank])
+        q_anchor_all = torch.from_numpy(np.ascontiguousarray(plan.q_anchor, dtype=np.int64))
+        valid_all = q_anchor_all >= 0
+        q_seq_all = torch.where(valid_all, torch.from_numpy(np.ascontiguousarray(plan.q_seq, dtype=np.int64)), 0)
+        if q_seq_all.shape[0] != P * nb or q_anchor_all.shape[0] != P * nb:
+            raise ValueError(f"plan must have P * blocks_per_rank = {P * nb} query blocks, got q_seq "
+                             f"{tuple(q_seq_all.shape)}, q_anchor {tuple(q_anchor_all.shape)}")
+        for n, t in (("q_seq", q_seq_all), ("kv_seq", kv_seq_t), ("kv_pos", kv_pos_t)):
+            if t.numel():
+                lo, hi = int(t.min()), int(t.max())
+                if lo < -_INT32 or hi >= _INT32:
+                    raise ValueError(f"{n} values must lie in [-2**31, 2**31), got range [{lo}, {hi}]")
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
+    sl = slice(rank * nb, (rank + 1) * nb)
+    # clones: the local slices must not keep the whole plan's block arrays alive / shared
+    q_seq_t, q_anchor_t, valid = q_seq_all[sl].clone(), q_anchor_all[sl].clone(), valid_all[sl].clone()
+    meta = SplitKVMetadata(
+        impl=canon, group=CommGroup(None, P, rank), block_size=block_size, num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"), n_blocks=[nb] * P,
+        n_ctx=n_ctx, q_seq=q_seq_t, q_anchor=q_anchor_t, kv_seq=kv_seq_t, kv_pos=kv_pos_t, valid=valid,
+        group_check=bool(group_check), num_chunks_requested=chunks_req, cp_ranks_per_node=ranks_req,
+        fused_bwd_gather_min_p=fused_req,
+        host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
+                              ranks_env=ranks_req if cp_ranks_per_node is None else None),
+    )
+    meta.valid_rows = valid.repeat_interleave(block_size)
+    _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
+    if device.type != "cpu":
+        tensors = _unique_tensors(meta)
+        buf, offs = _pack(tensors, pin=device.type == "cuda")
+        dev_buf = buf.to(device, non_blocking=device.type == "cuda")
+        meta = _remapped(meta, {id(t): _unpacked(dev_buf, o, t) for t, o in zip(tensors, offs)}, device=device)
+    return meta
+
+
+def _host_finish_splitkv(meta: SplitKVMetadata, block_meta: torch.Tensor) -> None:
+    """`_finish_splitkv` on the host, with the gathered block metadata given (every rank's (q_seq, anchor),
+    [P * nb, 2], equal block counts: no padding rows) and no process group: the same tensor ops on CPU
+    (so the same values, bit for bit; tests/test_metadata_from_plan.py compares them), the "already
+    sorted" test read directly (the sort is skipped when sorted) and, with `debug_checks()`, the union
+    contract validated on the host. Keep in step with `_finish_splitkv`."""
+    P, rank, bsz = meta.group.size, meta.group.rank, meta.block_size
+    nb_local = meta.n_blocks[rank]
+    keys = torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32)
+    n_keys = int(keys.shape[0])
+    meta.keys, meta.order = keys, None
+    if n_keys > 1 and not bool((keys[1:] >= keys[:-1]).all()):
+        meta.keys, meta.order = torch.sort(keys, stable=True)
+    sorted_keys = meta.keys
+    nb_max = max(meta.n_blocks)
+    meta.block_meta = block_meta
+    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, nb_max)
+    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+    table = torch.empty(4, P * nb_max, dtype=torch.int64)
+    seq, anchor = block_meta[:, 0], block_meta[:, 1]
+    base = seq * (1 << 32)
+    torch.searchsorted(sorted_keys, base, out=table[0])
+    hi = torch.searchsorted(sorted_keys, base + (anchor.clamp(0, _INT32) + (_INT32 - 1)), right=True)
+    torch.where(anchor >= 0, hi, table[0], out=table[1])
+    c0 = own_key_start(n_keys)
+    table[2:].fill_(c0)
+    if nb_local:
+        own = table[2:].view(2, P, nb_max)[:, rank, :nb_local]
+        edges = torch.arange(0, (nb_local + 1) * bsz, bsz, dtype=torch.int64)
+        torch.mul(edges.unfold(0, nb_local, 1), meta.valid, out=own)
+        own.add_(c0)
+    num_keys_own = c0 + nb_local * bsz
+    meta.chunk_masks, meta.chunk_masks_own = [], []
+    by_rank = table.view(4, P, nb_max)
+    for b0, b1 in meta.chunks:
+        # contiguous copies (views of one table would pack and upload the table once per chunk)
+        lo, hi, lo2, hi2 = by_rank[:, :, b0:b1].reshape(4, -1).clone()
+        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
+        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
+    if debug_checks():
+        IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0).validate()
