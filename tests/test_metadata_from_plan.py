@@ -134,10 +134,10 @@ def meta_diff(a: SplitKVMetadata, b: SplitKVMetadata) -> list:
 # ----------------------------------------------------------------------------- the distributed run
 
 
-def run_op(meta, x, dout, dlse):
+def run_op(meta, x, dout, dlse, backend="math"):
     x = {k: v.clone().requires_grad_(True) for k, v in x.items()}
     out, lse = splitkv_attention(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=meta,
-                                 backend="math", return_lse=True)
+                                 backend=backend, return_lse=True)
     loss_of(out, lse, dout, dlse).backward()
     res = dict(out=out.detach(), lse=lse.detach())
     res.update({n: x[k].grad for n, k in zip(GRAD_NAMES, KEYS)})
@@ -176,11 +176,56 @@ def worker(rank, world_size, cases, seed):
                  v_blk=t["v_blk"][rows])
         res_plan = run_op(bound, x, t["dout"][rows], t["dlse"][rows])
         res_coll = run_op(coll, x, t["dout"][rows], t["dlse"][rows])
+        # the FlexAttention BlockMasks built on the host (flex's CPU emulation reads the block tables)
+        host_f = prepare_splitkv_metadata_from_plan(plan, rank, block_size=B, num_heads_q=HQ, num_heads_kv=HKV,
+                                                    head_dim=D, dtype=torch.float64, num_chunks=c["k"],
+                                                    cp_ranks_per_node=c["L"], flex_block_masks=True, **over)
+        bound_f = pickle.loads(pickle.dumps(host_f)).bind(group, "cpu")
+        cached = [dict(m.__dict__.get("_flex_block_masks", {})) for m in bound_f.chunk_masks_own]
+        flex_diff = block_mask_diff(bound_f, coll)
+        res_flex = run_op(bound_f, x, t["dout"][rows], t["dlse"][rows], backend="flex")
+        res_flex_coll = run_op(coll, x, t["dout"][rows], t["dlse"][rows], backend="flex")
+        rebuilt = [m.__dict__.get("_flex_block_masks", {}) != before
+                   for m, before in zip(bound_f.chunk_masks_own, cached)]
         out[j] = dict(diff=meta_diff(bound, coll), bind_records=bind_records, idx=idx, plan=res_plan,
                       coll=res_coll, num_chunks=bound.num_chunks, L=bound.cp_ranks_per_node,
                       has_order=bound.order is not None, nb=bound.n_blocks[rank], nk=bound.tk_local,
-                      node_groups=bound.node_groups is not None)
+                      node_groups=bound.node_groups is not None, flex=res_flex, flex_coll=res_flex_coll,
+                      flex_diff=flex_diff, flex_rebuilt=rebuilt, flex_cached=[len(d) for d in cached],
+                      diff_f=meta_diff(bound_f, coll))
     return out
+
+
+def block_mask_diff(meta, ref_meta) -> list:
+    """For every chunk c: what differs between the BlockMask cached on meta.chunk_masks_own[c] (from the
+    host tables) and `kernels.flex.build_block_mask` of ref_meta's mask at the same lengths (what the
+    kernel builds on the device): "missing" when a mask with rows and keys has none cached, "tables" /
+    "lengths" / "mask_mod" (evaluated densely) when they differ; [] when all equal."""
+    from megatron_splitkv.kernels import flex
+
+    bad = []
+    for c, (m, r) in enumerate(zip(meta.chunk_masks_own, ref_meta.chunk_masks_own)):
+        cache = m.__dict__.get("_flex_block_masks", {})
+        if m.num_blocks * m.block_size == 0 or m.num_keys == 0:
+            if cache:
+                bad.append((c, "unexpected"))
+            continue
+        want = flex.padded_lengths(m.num_blocks * m.block_size, m.num_keys)
+        if list(cache) != [want]:
+            bad.append((c, "missing"))
+            continue
+        got, ref = cache[want], flex.build_block_mask(r, *want)
+        if got.seq_lengths != ref.seq_lengths or got.BLOCK_SIZE != ref.BLOCK_SIZE:
+            bad.append((c, "lengths"))
+        names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices")
+        if any(_tensor_diff(getattr(got, n), getattr(ref, n)) or getattr(got, n).stride() != getattr(ref, n).stride()
+               for n in names):
+            bad.append((c, "tables"))
+        qi, ki = torch.arange(want[0])[:, None], torch.arange(want[1])[None, :]
+        if not torch.equal(got.mask_mod(0, 0, qi, ki), ref.mask_mod(0, 0, qi, ki)):
+            bad.append((c, "mask_mod"))
+    return bad
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +273,26 @@ def _all_keys(c, res):
     plan = make_plan(c)
     seq, pos = _all_seq(plan)[res["idx"]], _all_pos(plan)[res["idx"]]
     return seq * (1 << 32) + pos
+
+
+@pytest.mark.parametrize("j", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_host_built_flex_block_masks(plan_run, j):
+    """flex_block_masks=True: the BlockMasks cached at bind equal the device builder's (tables, lengths,
+    mask_mod), the flex kernel uses them (no new build during forward + backward) and the op's results
+    equal the collective metadata's bit for bit."""
+    seed, results = plan_run
+    c = CASES[j]
+    for r in range(c["P"]):
+        res = results[r][j]
+        assert res["diff_f"] == [], f"{c['name']} rank {r}: fields differ with flex_block_masks: {res['diff_f']}"
+        assert res["flex_diff"] == [], f"{c['name']} rank {r} (seed {seed}): BlockMask differs: {res['flex_diff']}"
+        assert not any(res["flex_rebuilt"]), f"{c['name']} rank {r}: the kernel built a BlockMask itself"
+        if res["nb"] and c["P"] == 1:
+            assert res["flex_cached"] == [1] * res["num_chunks"]
+        for k in res["flex"]:
+            assert torch.equal(res["flex"][k], res["flex_coll"][k]), f"{c['name']} rank {r}: flex {k} differs"
+    if any(results[r][j]["nb"] for r in range(c["P"])):  # some rank holds query rows: masks were built
+        assert any(sum(results[r][j]["flex_cached"]) for r in range(c["P"]))
 
 
 @pytest.mark.parametrize("j", range(len(CASES)), ids=[c["name"] for c in CASES])
@@ -310,7 +375,7 @@ def test_single_process_matches_prepare_and_packed_upload_layout():
         # q_seq q_anchor kv_seq kv_pos valid keys block_meta valid_rows + lo hi lo2 hi2 per chunk (lo / hi shared)
         assert len(tensors) == 8 + 4 * k
         buf, offs = md._pack(tensors, pin=False)
-        assert all(o % 8 == 0 for o in offs) and buf.dtype == torch.uint8
+        assert all(o % 16 == 0 for o in offs) and buf.dtype == torch.uint8
         packed = md._remapped(host, {id(t): md._unpacked(buf, o, t) for t, o in zip(tensors, offs)}, host_build=None,
                               group=bound.group)
         assert meta_diff(packed, bound) == []
@@ -456,3 +521,63 @@ def test_pin_memory_and_cuda_bind():
 def md_tensor_fields(meta):
     return [n for n in ("q_seq", "q_anchor", "kv_seq", "kv_pos", "valid", "keys", "block_meta", "valid_rows")
             if getattr(meta, n) is not None]
+
+
+def test_flex_tables_larger_plan_match_device_builder():
+    """Many tiles (B = 16, ~1.1K context tokens, P = 1 and 3, k = 1 and 2): the host-built tables equal
+    `build_block_mask` of the same mask (which part 1's tests show equals prepare's), for every rank."""
+    rng = np.random.default_rng(0)
+    lens = [300, 700, 90, 45]
+    anchors = [np.sort(rng.choice(n - 1, size=min(n - 1, 12), replace=False)) for n in lens]
+    for P in (1, 3):
+        plan = plan_context_parallel(lens, anchors, block_size=16, cp_size=P, chunk_size=64)
+        for k in (1, 2):
+            for r in range(P):
+                host = prepare_splitkv_metadata_from_plan(plan, r, block_size=16, num_heads_q=HQ, num_heads_kv=HKV,
+                                                          head_dim=D, dtype=torch.bfloat16, num_chunks=k,
+                                                          flex_block_masks=True)
+                # the tables are built at bind; compare on a copy bound as if P were 1 (no group needed)
+                fake = dataclasses.replace(host, host_build=None)
+                from megatron_splitkv.ops import metadata as md
+                ts = md._unique_tensors(fake)
+                bound = md._remapped(fake, {id(t): t for t in ts}, block_masks=True)
+                assert block_mask_diff(bound, host) == [], (P, k, r)
+                assert all(len(m.__dict__["_flex_host_tables"]) == 1 for m in host.chunk_masks_own)
+                assert not any(m.__dict__.get("_flex_block_masks") for m in host.chunk_masks_own)  # host: tables only
+
+
+def test_flex_block_masks_single_process_op():
+    """P = 1 with a larger plan: the op through the flex kernel with host-built BlockMasks (bind(None))
+    equals the call with prepare's metadata bit for bit, without building a BlockMask in the kernel."""
+    from megatron_splitkv.kernels import flex
+
+    rng = np.random.default_rng(1)
+    lens = [300, 200]
+    anchors = [np.sort(rng.choice(n - 1, size=10, replace=False)) for n in lens]
+    plan = plan_context_parallel(lens, anchors, block_size=16, cp_size=1, chunk_size=64)
+    host = prepare_splitkv_metadata_from_plan(plan, 0, block_size=16, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D,
+                                              dtype=torch.float32, num_chunks=2, flex_block_masks=True)
+    bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
+    ref = prepare_splitkv_metadata(torch.from_numpy(plan.q_seq.copy()), torch.from_numpy(plan.q_anchor.copy()),
+                                   torch.from_numpy(plan.token_seq_ids(0)), torch.from_numpy(plan.token_positions(0)),
+                                   block_size=16, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D, dtype=torch.float32,
+                                   num_chunks=2)
+    assert meta_diff(bound, ref) == [] and block_mask_diff(bound, ref) == []
+    g = torch.Generator().manual_seed(0)
+    nq, T = bound.tq_local, bound.tk_local
+    x = {k: torch.randn(n, h, D, generator=g) for k, n, h in (("q", nq, HQ), ("k_ctx", T, HKV), ("v_ctx", T, HKV),
+                                                               ("k_blk", nq, HKV), ("v_blk", nq, HKV))}
+    dout, dlse = torch.randn(nq, HQ, D, generator=g, dtype=torch.float64), torch.randn(nq, HQ, generator=g,
+                                                                                        dtype=torch.float64)
+    builds = []
+    orig = flex.build_block_mask
+    flex.build_block_mask = lambda *a, **k: builds.append(1) or orig(*a, **k)
+    try:
+        a = run_op(bound, x, dout, dlse, backend="flex")
+        assert builds == []  # every BlockMask came from the host tables
+        b = run_op(ref, x, dout, dlse, backend="flex")
+        assert len(builds) == 2  # the collective metadata's masks: built by the kernel, one per chunk
+    finally:
+        flex.build_block_mask = orig
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

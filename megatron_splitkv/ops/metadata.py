@@ -315,7 +315,7 @@ class SplitKVMetadata:
         return self.host_build is None
 
     def pin_memory(self) -> "SplitKVMetadata":
-        """Unbound metadata: a copy whose tensors are views of ONE pinned host buffer (packed, 8-byte
+        """Unbound metadata: a copy whose tensors are views of ONE pinned host buffer (packed, 16-byte
         aligned), so that `bind` uploads everything with a single non-blocking copy. The DataLoader's
         pin-memory thread calls it (`torch.utils.data` pins any object with a `pin_memory()` method), off
         the step's critical path. Bound metadata and already pinned metadata are returned as they are.
@@ -343,9 +343,11 @@ class SplitKVMetadata:
             non_blocking: upload asynchronously (the default; from pinned memory, see `pin_memory`, or
                 through a pinned staging buffer made here), so the host does not wait for the GPU.
 
-        Device work: one host-to-device copy of the packed buffer (int64 / bool tensors are views of it)
-        and nothing else: no compute op, no host sync (from pinned memory). A CPU target keeps the host
-        tensors (no copy).
+        Device work: one host-to-device copy of the packed buffer on the current stream (every tensor,
+        int64 / int32 / bool, is a 16-byte aligned view of it) and nothing else: no compute op, no host
+        sync (from pinned memory). With `flex_block_masks` at build time the FlexAttention BlockMasks are
+        assembled from the uploaded tables (Python objects, no device op) and cached on the bound masks.
+        A CPU target keeps the host tensors (no copy).
 
         Environment, resolved here as prepare resolves it on each rank: the kernel environment
         (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
@@ -398,8 +400,8 @@ class SplitKVMetadata:
         ngroups = None
         if 1 < self.cp_ranks_per_node < group.size:  # the two-level all-to-all's sub-groups (cached)
             ngroups = node_groups(group, self.cp_ranks_per_node, _comm_device(group, device))
-        return _remapped(self, new, group=group, device=device, node_groups=ngroups, fused_bwd_gather_min_p=fused,
-                         host_build=None)
+        return _remapped(self, new, block_masks=True, group=group, device=device, node_groups=ngroups,
+                         fused_bwd_gather_min_p=fused, host_build=None)
 
     @property
     def rank(self) -> int:
@@ -1294,16 +1296,26 @@ def _unique_tensors(meta) -> list:
             t = getattr(m, a)
             if t is not None:
                 seen.setdefault(id(t), t)
+        for key in sorted(m.__dict__.get(_FLEX_HOST, {})):
+            rows, tables = m.__dict__[_FLEX_HOST][key]
+            for t in (rows,) + tuple(tables):
+                seen.setdefault(id(t), t)
     return list(seen.values())
 
 
+#: byte alignment of every tensor in the packed upload buffer (inductor's assumed input alignment)
+_PACK_ALIGN = 16
+
+
 def _pack(tensors, pin: bool):
-    """(buffer, offsets): the tensors' bytes in one uint8 buffer (pinned when `pin`), each at an 8-byte
-    aligned offset, so that `_unpacked` views them back with their dtype and shape."""
+    """(buffer, offsets): the tensors' bytes in one uint8 buffer (pinned when `pin`), each at a 16-byte
+    aligned offset (any dtype can be viewed there, and compiled kernels, e.g. inductor's flex graphs, see
+    aligned inputs: a misaligned one would be copied per call), so that `_unpacked` views them back with
+    their dtype and shape."""
     offs, at = [], 0
     for t in tensors:
         offs.append(at)
-        at += -(-t.numel() * t.element_size() // 8) * 8
+        at += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
     buf = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
     for t, o in zip(tensors, offs):
         _unpacked(buf, o, t).copy_(t)
@@ -1316,9 +1328,11 @@ def _unpacked(buf, off, like):
     return buf[off: off + n].view(like.dtype).view(like.shape)
 
 
-def _remapped(meta, new: dict, **changes):
+def _remapped(meta, new: dict, block_masks: bool = False, **changes):
     """A copy of `meta` whose tensors are new[id(old tensor)] (masks rebuilt around them, shared masks
-    kept shared; caches on the old masks, e.g. a FlexAttention BlockMask, are not carried) with `changes`."""
+    kept shared; caches on the old masks, e.g. a FlexAttention BlockMask, are not carried) with `changes`.
+    Host-built FlexAttention tables (`_FLEX_HOST`) are carried, remapped; with `block_masks` they also
+    become the new masks' cached BlockMasks (`kernels.flex.FlexAttentionKernel.block_mask`)."""
     masks = {}
 
     def mask(m):
@@ -1326,8 +1340,16 @@ def _remapped(meta, new: dict, **changes):
             return None
         if id(m) not in masks:
             t = {a: (None if getattr(m, a) is None else new[id(getattr(m, a))]) for a in _MASK_TENSORS}
-            masks[id(m)] = IntervalMask(m.block_size, t["lo"], t["hi"], m.num_keys, t["lo2"], t["hi2"],
-                                        num_ctx_keys=m.num_ctx_keys)
+            nm = IntervalMask(m.block_size, t["lo"], t["hi"], m.num_keys, t["lo2"], t["hi2"],
+                              num_ctx_keys=m.num_ctx_keys)
+            host = m.__dict__.get(_FLEX_HOST)
+            if host:
+                nm.__dict__[_FLEX_HOST] = {key: (new[id(rows)], tuple(new[id(x)] for x in tables))
+                                           for key, (rows, tables) in host.items()}
+                if block_masks:
+                    nm.__dict__["_flex_block_masks"] = {key: _flex_block_mask(nm, key, *v)
+                                                        for key, v in nm.__dict__[_FLEX_HOST].items()}
+            masks[id(m)] = nm
         return masks[id(m)]
 
     fields = {n: (None if getattr(meta, n) is None else new[id(getattr(meta, n))]) for n in _META_TENSORS}
@@ -1364,7 +1386,8 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
-                                       kv_pos=None, group_check=False, device="cpu") -> SplitKVMetadata:
+                                       kv_pos=None, group_check=False, device="cpu",
+                                       flex_block_masks=False) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -1402,6 +1425,14 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         group_check: as `prepare_splitkv_metadata` (per-call group-wide shape verdicts).
         device: where the unbound tensors are built (default CPU; another device gets the host-built
             tensors uploaded once, as `bind` does).
+        flex_block_masks: also build the FlexAttention block tables of every chunk's own-block mask
+            (`chunk_masks_own`, the masks of calls WITH k_blk / v_blk) on the host, at the padded lengths
+            the flex kernel runs them (`kernels.flex.padded_lengths` with the default bucket steps of this
+            process's environment); `bind` uploads them with the rest and caches the BlockMasks on the
+            bound masks, so the first layer's flex call does not build them (~23 device ops per mask,
+            0.5-1 ms on the H200). Bit-identical to the device-built tables (the same integer ops). A call
+            at other lengths (the kernel reusing a compiled key bucket one step larger, custom bucket steps)
+            or without own block builds its BlockMask on the device as before. Default False.
 
     Returns: an unbound `SplitKVMetadata` (`bound` False; `group` is a placeholder of size plan.cp_size and
         rank cp_rank, `device` the build device, `node_groups` None). Tensors int64 (bool: valid,
@@ -1503,6 +1534,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
+    if flex_block_masks:
+        _host_flex_tables(meta.chunk_masks_own)
     if device.type != "cpu":
         tensors = _unique_tensors(meta)
         buf, offs = _pack(tensors, pin=device.type == "cuda")
@@ -1552,3 +1585,40 @@ def _host_finish_splitkv(meta: SplitKVMetadata, block_meta: torch.Tensor) -> Non
         meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
     if debug_checks():
         IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0).validate()
+
+
+#: attribute of a host-built IntervalMask: {(q_len, kv_len): (rows [n, q_len] int32, the 8 BlockMask tables)}
+_FLEX_HOST = "_flex_host_tables"
+
+
+def _host_flex_tables(masks) -> None:
+    """The FlexAttention block tables of `masks` at the flex kernel's default padded lengths, built on the
+    host with the kernel's own functions (`kernels.flex._rows_table` / `_block_tables`, what
+    `build_block_mask` runs on the device) and stored on each mask (`_FLEX_HOST`; tensors only, so the
+    mask stays picklable). Masks without query rows or keys are skipped (the ops never call the kernel)."""
+    from ..kernels import flex  # noqa: PLC0415 - FlexAttention is optional
+
+    if flex.BlockMask is None:
+        raise RuntimeError(f"FlexAttention is not available in this torch build: {flex._FLEX_IMPORT_ERROR}")
+    for m in masks:
+        rows_n = m.num_blocks * m.block_size
+        if rows_n == 0 or m.num_keys == 0:
+            continue
+        q_len, kv_len = flex.padded_lengths(rows_n, m.num_keys)
+        rows = flex._rows_table(m, q_len)
+        tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=m.block_size, q_tables=True)
+        m.__dict__[_FLEX_HOST] = {(q_len, kv_len): (rows, tuple(t.contiguous() for t in tables))}
+
+
+def _flex_block_mask(mask, key, rows, tables):
+    """The BlockMask `kernels.flex.build_block_mask(mask, *key)` builds, from host-built tables (moved)."""
+    from ..kernels import flex  # noqa: PLC0415
+
+    kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
+    lo2, hi2 = (rows[2], rows[3]) if mask.has_union else (None, None)
+    return flex.BlockMask(
+        seq_lengths=tuple(key), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx, BLOCK_SIZE=(flex.TILE, flex.TILE),
+        mask_mod=flex._interval_mask_mod(rows[0], rows[1], lo2, hi2),
+    )
