@@ -22,16 +22,20 @@ budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
-each CP rank reads only its shard's rows; the target is then not built).
+each CP rank reads only its shard's rows; the target is then not built); `--dflash-data-workers N`
+(default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline.
 
 Per micro-batch (one packed ShareGPT batch of up to --seq-length tokens per data-parallel rank; every CP
 rank of a DP rank iterates the same deterministic loader): the LPT planner assigns context chunks to CP
-ranks, `shard_batch` gives this rank its tokens (global positions), the frozen target (or the feature
-store) gives their tapped hidden states, the drafter computes the decayed DFlash loss normalised over
-the CP group. Logged per iteration (Megatron's log line): the loss, `tokens-per-sec` (context tokens of
-the global batch per second) and `planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's
-`--save/--load` (drafter and optimizer; the frozen shared embedding/LM head travel with it); on resume
-the data loader skips the batches already consumed.
+ranks, `shard_batch` gives this rank its tokens (global positions), `build_draft_blocks` its query blocks
+and the feature store its feature rows - all in DataLoader worker processes, batches ahead of the step, in
+pinned memory (`megatron_splitkv.megatron.prefetch_planned_batches`; docs/megatron.md "Data pipeline");
+the step uploads them (non-blocking), the frozen target (or the feature rows) gives the tapped hidden
+states, the drafter computes the decayed DFlash loss normalised over the CP group. Logged per iteration
+(Megatron's log line): the loss, `tokens-per-sec` (context tokens of the global batch per second) and
+`planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's `--save/--load` (drafter and optimizer;
+the frozen shared embedding/LM head travel with it); on resume the data pipeline skips the batches
+already consumed (without building them).
 
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
 (`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace).
@@ -175,71 +179,71 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     )
 
 
-def _batches(skip: int):
-    """This DP rank's packed batches, endless, deterministic; `skip` already-consumed ones first."""
+def _batch_source(skip: int):
+    """This DP rank's packed batches as a zero-argument callable (what the data pipeline's workers call):
+    endless, deterministic, `skip` already-consumed ones left out (without building them)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_splitkv.data import ShareGPTLoader
+    from megatron_splitkv.data import ShareGPTLoader, data_parallel_batches
 
     args = get_args()
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     corpus = _STATE["store"].corpus() if _STATE["store"] is not None else None
     loader = ShareGPTLoader(max_tokens=args.seq_length, num_anchors=args.dflash_num_anchors,
                             seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus)
-    n, epoch = 0, 0
-    while True:
-        loader.set_epoch(epoch)
-        for i, batch in enumerate(loader):
-            if i % dp != dpr:
-                continue
-            if n >= skip:
-                yield batch
-            n += 1
-        epoch += 1
+    return partial(data_parallel_batches, loader, dp, dpr, skip)
+
+
+def _batches(skip: int):
+    """This DP rank's packed batches, endless, deterministic; `skip` already-consumed ones first."""
+    return _batch_source(skip)()
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """External data iterators (`--dataloader-type external`): packed ShareGPT batches, one per
-    micro-batch; resumes after `args.iteration * micro-batches-per-iteration` batches."""
+    """External data iterators (`--dataloader-type external`): one planned and sharded batch per
+    micro-batch (`megatron_splitkv.data.pipeline.PlannedBatch`: this CP rank's shard, draft blocks, kv_seq /
+    kv_pos and feature rows), prepared by `--dflash-data-workers` DataLoader worker processes ahead of the
+    step (0: in forward_step); resumes after `args.iteration * micro-batches-per-iteration` batches."""
     args = get_args()
+    from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
+    from megatron_splitkv.megatron import prefetch_planned_batches
+
     skip = int(args.iteration) * get_num_microbatches()
-    return _batches(skip), None, None
+    it = prefetch_planned_batches(_batch_source(skip), args, mask_token_id=args.mask_token_id,
+                                  gamma=args.loss_decay_gamma, feature_store=_STATE["store"],
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size())
+    where = "synchronously in forward_step (--dflash-data-workers 0)"
+    if it.num_workers:
+        where = (f"in {it.num_workers} DataLoader worker process(es), {it.prefetch} batch(es) ahead each"
+                 + (", pinned" if it.pin_memory else ""))
+    what = "plan + shard + draft blocks" + (" + feature rows" if _STATE["store"] is not None else "")
+    print_rank_0(f"DFlash data pipeline: {what} {where}" + (f"; resuming after {skip} batches" if skip else ""))
+    return it, None, None
 
 
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def _device():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def forward_step(data_iterator, model):
-    """One micro-batch: plan, shard, features, drafter loss."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_splitkv.data import shard_batch
-    from megatron_splitkv.dflash import build_draft_blocks
-    from megatron_splitkv.planning import plan_context_parallel
-
-    args = get_args()
+    """One micro-batch: the planned and sharded batch from the data pipeline, uploaded (non-blocking from
+    pinned memory), its features (feature store rows, or the online target), the drafter loss."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    batch = next(data_iterator)
-    cp, cpr = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=args.dflash_block_size,
-                                 cp_size=cp, chunk_size=args.cp_chunk_size, strategy=args.cp_balance)
-    shard = shard_batch(batch.to_dict(), plan, cpr)
-    sl = plan.query_slice(cpr)
-    blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],
-                                block_size=args.dflash_block_size, mask_token_id=args.mask_token_id,
-                                loss_mask=batch.loss_mask, gamma=args.loss_decay_gamma).to("cuda")
-    kv_seq = torch.as_tensor(shard["kv_seq"]).cuda()
-    kv_pos = torch.as_tensor(shard["kv_pos"]).cuda()
+    item = next(data_iterator)  # PlannedBatch on the host (plan, shard, blocks, features)
+    dev = item.to(_device(), non_blocking=True)
     timers("batch-generator").stop()
     if _STATE["store"] is not None:
-        feats = _STATE["store"].rows(batch.source, shard["kv_seq"], shard["kv_pos"]).cuda(non_blocking=True)
+        feats = dev.features
     else:
-        feats = _STATE["provider"](torch.as_tensor(shard["input_ids"]).cuda(), kv_seq, kv_pos)
-    out = model(feats, blocks, kv_seq, kv_pos)
-    _STATE["stats"] = {"tokens": batch.num_tokens, "imbalance": float(plan.imbalance)}
+        feats = _STATE["provider"](dev.input_ids, dev.kv_seq, dev.kv_pos)
+    out = model(feats, dev.blocks, dev.kv_seq, dev.kv_pos)
+    _STATE["stats"] = {"tokens": item.num_tokens, "imbalance": item.imbalance}
     return out.loss, partial(loss_func, out)
 
 

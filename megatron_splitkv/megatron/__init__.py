@@ -9,7 +9,8 @@ Only this subpackage imports `megatron.core`. Entry points:
 * `add_splitkv_args` / `validate_splitkv_args`: `--context-parallel-impl`, `--cp-chunk-size`,
   `--cp-balance`, `--splitkv-kernel`, `--splitkv-no-overlap-q-gather` (Megatron `extra_args_provider`;
   `arguments.kernel_backend_from_args` / `overlap_query_gather_from_args` map them to the spec options).
-* `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches.
+* `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches;
+  `prefetch_planned_batches`: the same in DataLoader workers ahead of the step (`--dflash-data-workers`).
 
 See docs/megatron.md. Source: arXiv 2611.05926 (Split-KV); DESIGN.md section 4.
 """
@@ -24,7 +25,7 @@ from .arguments import (
 )
 from .attention import DFlashPackedSeqParams, SplitKVCoreAttention, resolve_cp_attention_fn
 from .layers import DFlashAttention, DFlashAttentionSubmodules, DFlashTransformerLayer, apply_rope
-from .sharding import get_batch_on_this_cp_rank_splitkv, planner_kwargs_from_args
+from .sharding import get_batch_on_this_cp_rank_splitkv, planner_kwargs_from_args, prefetch_planned_batches
 from .specs import (
     get_dflash_layer_local_spec,
     get_dflash_layer_spec,
@@ -52,4 +53,5 @@ __all__ = [
     "splitkv_core_attention",
     "get_batch_on_this_cp_rank_splitkv",
     "planner_kwargs_from_args",
+    "prefetch_planned_batches",
 ]

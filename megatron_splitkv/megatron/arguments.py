@@ -22,6 +22,10 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              from 32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
+    --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
+                             the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
+                             in forward_step)
+    --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -43,6 +47,8 @@ __all__ = [
     "overlap_query_gather_from_args",
     "KERNEL_BACKENDS",
     "kernel_backend_from_args",
+    "data_workers_from_args",
+    "data_prefetch_from_args",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -163,7 +169,41 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "otherwise), math, flex, te (Transformer Engine) or "
             "staircase (dense cuDNN rectangles + flex remainder). Default auto; see docs/kernels.md.",
         )
+    if not _has(parser, "--dflash-data-workers"):
+        group.add_argument(
+            "--dflash-data-workers", type=int, default=None,
+            help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
+            "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
+            "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
+            "on the step's critical path). Default: 1 when CUDA is available, else 0.",
+        )
+    if not _has(parser, "--dflash-data-prefetch"):
+        group.add_argument(
+            "--dflash-data-prefetch", type=int, default=None,
+            help="Batches each data-pipeline worker prepares ahead (the DataLoader's prefetch_factor, >= 1; "
+            "default 2). Host memory: about workers x prefetch + 2 prepared batches (offline feature rows).",
+        )
     return parser
+
+
+def data_workers_from_args(args) -> int:
+    """Data-pipeline worker processes from `--dflash-data-workers` (unset/None: 1 when CUDA is available,
+    else 0); SplitKVArgumentError naming the flag for a non-integer or negative value."""
+    value = getattr(args, "dflash_data_workers", None)
+    if value is None:
+        import torch
+
+        return 1 if torch.cuda.is_available() else 0
+    value = _as_int(value, "--dflash-data-workers")
+    if value < 0:
+        raise SplitKVArgumentError(f"--dflash-data-workers must be >= 0 (0 = synchronous), got {value}")
+    return value
+
+
+def data_prefetch_from_args(args) -> int:
+    """Batches each data worker prepares ahead, from `--dflash-data-prefetch` (unset/None: 2);
+    SplitKVArgumentError naming the flag for a non-integer value or one < 1."""
+    return _int_arg(args, "dflash_data_prefetch", "--dflash-data-prefetch", 2, 1)
 
 
 def kernel_backend_from_args(args) -> str:
@@ -203,6 +243,7 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
+    `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step.
@@ -210,6 +251,9 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
+    if getattr(args, "dflash_data_workers", None) is not None:  # None: resolved at run time (CUDA or not)
+        data_workers_from_args(args)
+    data_prefetch_from_args(args)
     if impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
     tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)

@@ -8,6 +8,10 @@ tokens with GLOBAL positions and sequence ids plus an equal share of the query b
 same plan from the same global batch (Megatron loads the identical micro-batch on all CP ranks) and no
 communication is needed.
 
+`prefetch_planned_batches` does the same planning and sharding (plus the draft blocks and the feature rows)
+in the data pipeline: DataLoader worker processes prepare each batch ahead of the training step
+(`megatron_splitkv.data.pipeline`, `--dflash-data-workers`), so the step only uploads pinned tensors.
+
 Source: DESIGN.md section 3; arXiv 2611.05926 ("LPT load balancing").
 """
 
@@ -19,7 +23,7 @@ import torch
 
 from .attention import DFlashPackedSeqParams
 
-__all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args"]
+__all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "prefetch_planned_batches"]
 
 
 def planner_kwargs_from_args(args) -> dict:
@@ -116,3 +120,39 @@ def get_batch_on_this_cp_rank_splitkv(
         block_size=int(plan.block_size),
     )
     return local, params, plan
+
+
+def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Optional[float] = None,
+                             feature_store=None, cp_group=None, pg_collection=None, cp_rank: Optional[int] = None,
+                             cp_size: Optional[int] = None, num_workers: Optional[int] = None,
+                             prefetch: Optional[int] = None, pin_memory: Optional[bool] = None):
+    """The data pipeline of a DFlash drafter job: an iterator of `megatron_splitkv.data.pipeline.PlannedBatch`
+    (plan, this CP rank's shard, draft blocks, kv_seq / kv_pos, feature rows), prepared in DataLoader worker
+    processes ahead of the step; in forward_step `item = next(it); dev = item.to(device)` (non_blocking).
+
+    Args:
+        batches: zero-argument callable returning this DP rank's packed-batch iterator (e.g.
+            `functools.partial(megatron_splitkv.data.pipeline.data_parallel_batches, loader, dp, dp_rank, skip)`).
+        args: parsed Megatron args: `--cp-balance`, `--cp-chunk-size`, `--dflash-block-size`
+            (`planner_kwargs_from_args`), `--dflash-data-workers`, `--dflash-data-prefetch`.
+        mask_token_id, gamma: of `dflash.build_draft_blocks`. feature_store: a `models.FeatureStore` or None.
+        cp_group / pg_collection / cp_rank / cp_size: the CP group (default parallel_state's).
+        num_workers, prefetch, pin_memory: override the flags / the default (pinned on CUDA).
+    Returns `megatron_splitkv.data.pipeline.PrefetchedBatches` (0 workers: synchronous, in the step).
+    Raises SplitKVArgumentError naming `--dflash-data-workers` / `--dflash-data-prefetch` for bad values.
+    """
+    from megatron_splitkv.data.pipeline import PrefetchedBatches
+
+    from .arguments import data_prefetch_from_args, data_workers_from_args
+
+    if cp_rank is None or cp_size is None:
+        r, p = _cp_rank_size(cp_group, pg_collection)
+        cp_rank = r if cp_rank is None else cp_rank
+        cp_size = p if cp_size is None else cp_size
+    kw = planner_kwargs_from_args(args)
+    workers = data_workers_from_args(args) if num_workers is None else num_workers
+    depth = data_prefetch_from_args(args) if prefetch is None else prefetch
+    return PrefetchedBatches(batches, num_workers=workers, prefetch=depth, pin_memory=pin_memory, cp_size=cp_size,
+                             cp_rank=cp_rank, block_size=kw["block_size"], chunk_size=kw["chunk_size"],
+                             strategy=kw["strategy"], mask_token_id=int(mask_token_id), gamma=gamma,
+                             feature_store=feature_store)

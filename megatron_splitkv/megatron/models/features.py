@@ -91,6 +91,7 @@ class FeatureStore:
     """
 
     def __init__(self, path: str):
+        self.path = path
         with open(os.path.join(path, "meta.json")) as f:
             self.meta = json.load(f)
         self.dim = int(self.meta["dim"])
@@ -109,6 +110,14 @@ class FeatureStore:
     def __len__(self) -> int:
         return int(self.conv_ids.shape[0])
 
+    def __getstate__(self):
+        # pickled by path (a data-pipeline worker started by spawn / forkserver reopens the memory map)
+        # instead of by value (np.memmap pickles as a full in-memory copy of the features)
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
     def corpus(self):
         """The stored conversations as a `megatron_splitkv.data.sharegpt.TokenizedCorpus`, so that
         `ShareGPTLoader(corpus=store.corpus())` packs them; `PackedBatch.source` then holds indices
@@ -117,23 +126,35 @@ class FeatureStore:
 
         return TokenizedCorpus(self.tokens, self.loss_mask, self.offsets)
 
-    def rows(self, source, kv_seq, kv_pos) -> torch.Tensor:
+    def rows(self, source, kv_seq, kv_pos, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Features of one CP rank's context tokens.
 
         Args:
             source: [n_seq] store indices of the packed batch's sequences (`PackedBatch.source`).
             kv_seq, kv_pos: [T_r] sequence ids (into `source`) and positions of this rank's tokens
                 (`shard_batch(...)["kv_seq"/"kv_pos"]`).
+            out: optional contiguous CPU tensor [T_r, dim] of the stored dtype (`torch_dtype`) to read into
+                (the data pipeline reads straight into its shared buffer); returned.
         Returns: [T_r, dim] tensor in the stored dtype (CPU); reads only these rows.
-        Raises: IndexError when a position lies beyond its conversation.
+        Raises: IndexError when a position lies beyond its conversation (or is negative); ValueError for an
+            `out` of the wrong shape, dtype or device, or not contiguous.
         """
         src = np.asarray(source, dtype=np.int64)
         seq = np.asarray(kv_seq.cpu() if torch.is_tensor(kv_seq) else kv_seq, dtype=np.int64)
         pos = np.asarray(kv_pos.cpu() if torch.is_tensor(kv_pos) else kv_pos, dtype=np.int64)
         conv = src[seq]
-        if np.any(pos >= self.offsets[conv + 1] - self.offsets[conv]):
+        if np.any(pos >= self.offsets[conv + 1] - self.offsets[conv]) or np.any(pos < 0):
             raise IndexError("a context position lies beyond its stored conversation")
-        out = torch.from_numpy(np.ascontiguousarray(self._mm[self.offsets[conv] + pos]))
+        idx = self.offsets[conv] + pos
+        if out is not None:
+            if (tuple(out.shape) != (idx.shape[0], self.dim) or out.dtype != self.torch_dtype
+                    or out.device.type != "cpu" or not out.is_contiguous()):
+                raise ValueError(f"out must be a contiguous CPU tensor [{idx.shape[0]}, {self.dim}] of "
+                                 f"{self.torch_dtype}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+            dst = out.view(torch.uint8).numpy().view(self._mm.dtype).reshape(idx.shape[0], self.dim)
+            np.take(self._mm, idx, axis=0, out=dst, mode="clip")  # indices checked above; "clip" is unbuffered
+            return out
+        out = torch.from_numpy(np.ascontiguousarray(self._mm[idx]))
         return out.view(torch.bfloat16) if self.torch_dtype == torch.bfloat16 else out
 
 

@@ -1,0 +1,351 @@
+"""The drafter's data pipeline: plan and shard every packed batch in DataLoader worker processes, ahead of the
+training step (framework level: torch, numpy; no Megatron import).
+
+Per packed global batch (identical on every CP rank of a data-parallel rank) a training step needs the LPT
+plan (`planning.plan_context_parallel`), this CP rank's shard (`data.shard_batch`), its draft blocks
+(`dflash.build_draft_blocks`), the context tokens' sequence ids and GLOBAL positions (kv_seq, kv_pos) and,
+with offline features, this rank's feature rows. All of it depends on the batch only, so `plan_batch` does it
+on the host and `PrefetchedBatches` runs it in `torch.utils.data.DataLoader` worker processes (an
+`IterableDataset`, `batch_size=None`, pinned memory on CUDA) while the GPU runs the previous steps: the step
+itself only uploads pinned host tensors (`PlannedBatch.to(device, non_blocking=True)`). With 0 workers the
+same `plan_batch` runs in the training process when the step asks for the batch (the synchronous path).
+
+Determinism: worker w of N prepares the batches k = w, w + N, ... of the stream (every worker iterates the
+same deterministic stream and skips the others' batches); the DataLoader hands its workers' items out round
+robin, and `PrefetchedBatches` checks each item's index, so the items come out in stream order and equal
+what 0 workers produce (same batches, plans, shards, blocks, features). Errors raised in a worker are raised
+in the training process by the DataLoader with the worker's traceback; a worker that dies is reported too.
+
+Source: DESIGN.md sections 1 and 3 (the plan is a data-sharding hook); docs/megatron.md "Data pipeline".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches", "data_parallel_batches"]
+
+
+_ALIGN = 64  # byte alignment of each tensor in a packed buffer (any dtype's view is aligned)
+_BLOCK_FIELDS = ("input_ids", "position_ids", "q_seq", "q_anchor", "block_keep", "labels", "loss_weight")
+
+
+def _nbytes(dtype, shape) -> int:
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+def _layout(specs):
+    """[(name, dtype, shape)] -> ([(name, dtype, shape, byte offset)], total bytes), offsets _ALIGN-aligned."""
+    out, off = [], 0
+    for name, dtype, shape in specs:
+        out.append((name, dtype, tuple(int(d) for d in shape), off))
+        off += -(-_nbytes(dtype, shape) // _ALIGN) * _ALIGN
+    return out, off
+
+
+def _new_bytes(n: int, shared: bool) -> torch.Tensor:
+    """An uninitialised uint8 buffer; in shared memory from the start when `shared` (a DataLoader worker: the
+    buffer then travels to the training process as one shared segment, without a copy)."""
+    if shared:
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(n, 1)))
+    return torch.empty(max(n, 1), dtype=torch.uint8)
+
+
+def _views(buf: torch.Tensor, layout) -> dict:
+    return {name: buf[off:off + _nbytes(dt, shape)].view(dt).view(shape) for name, dt, shape, off in layout}
+
+
+def _fill(views: dict, tensors: dict) -> None:
+    for k, t in tensors.items():
+        if t.numel():
+            views[k].copy_(t)
+
+
+@dataclass
+class PlannedBatch:
+    """One packed batch, planned and sharded for one CP rank (host tensors; `to` uploads them).
+
+    Attributes:
+        index: position in the batch stream (0 = the first batch after the skipped ones).
+        cp_rank: the CP rank it was sharded for.
+        plan: the `planning.Plan` of the global batch (the same on every CP rank).
+        shard: `shard_batch(batch.to_dict(), plan, cp_rank)` as CPU tensors (per local context token entries,
+            "kv_seq" / "kv_pos", and the "q_*" per local query block entries).
+        blocks: this rank's `dflash.DraftBlocks` (`build_draft_blocks` over `plan.query_slice(cp_rank)`).
+        kv_seq, kv_pos: [T_r] int64 sequence ids and GLOBAL positions of this rank's context tokens.
+        input_ids: [T_r] int64 their token ids (the online target's input).
+        features: [T_r, dim] this rank's rows of the feature store, or None without one.
+        source: [n_seq] int64 conversation ids of the packed sequences (`PackedBatch.source`).
+        num_tokens: context tokens of the global batch.
+
+    Storage: the upload set (blocks, kv_seq, kv_pos, input_ids, features) are views of ONE flat byte buffer,
+    the shard and source of a second one (`plan_batch` packs them), so that a worker hands an item to the
+    training process as two shared-memory segments, the pin-memory thread pins it with one copy and `to`
+    uploads it with one host-to-device copy.
+    """
+
+    index: int
+    cp_rank: int
+    plan: object
+    shard: dict
+    blocks: object
+    kv_seq: torch.Tensor
+    kv_pos: torch.Tensor
+    input_ids: torch.Tensor
+    features: Optional[torch.Tensor]
+    source: torch.Tensor
+    num_tokens: int
+    # (upload buffer, its layout, host buffer, its layout): what the tensors above are views of
+    buffers: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def imbalance(self) -> float:
+        """The plan's load imbalance, max/mean - 1 (what pretrain_dflash.py logs as planner-imbalance)."""
+        return float(self.plan.imbalance)
+
+    @staticmethod
+    def _upload_fields(upload, layout, block_size) -> dict:
+        """The upload set's fields as views of the flat buffer `upload` (on any device)."""
+        from megatron_splitkv.dflash import DraftBlocks
+
+        u = _views(upload, layout)
+        blocks = DraftBlocks(**{f: u["blocks." + f] for f in _BLOCK_FIELDS}, block_size=int(block_size))
+        return dict(blocks=blocks, kv_seq=u["kv_seq"], kv_pos=u["kv_pos"], input_ids=u["input_ids"],
+                    features=u.get("features"))
+
+    @classmethod
+    def _from_buffers(cls, index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout):
+        h = _views(host, host_layout)
+        shard = {k[len("shard."):]: v for k, v in h.items() if k.startswith("shard.")}
+        return cls(index=int(index), cp_rank=int(cp_rank), plan=plan, shard=shard, source=h["source"],
+                   num_tokens=int(num_tokens), buffers=(upload, upload_layout, host, host_layout),
+                   **cls._upload_fields(upload, upload_layout, plan.block_size))
+
+    def __reduce__(self):
+        # to another process: the two flat buffers (shared memory, one segment each) and the small objects;
+        # the plan without its per-rank index caches (rebuilt on demand)
+        if self.buffers is None:  # built by hand: field by field
+            return (PlannedBatch, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        plan = dataclasses.replace(self.plan, _cache={}) if hasattr(self.plan, "_cache") else self.plan
+        return (_rebuild_planned_batch, (self.index, self.cp_rank, plan, self.num_tokens) + tuple(self.buffers))
+
+    def _with_upload(self, upload_fn) -> "PlannedBatch":
+        if self.buffers is None:  # built by hand: tensor by tensor
+            blocks = self.blocks.__class__(**{f: upload_fn(getattr(self.blocks, f)) for f in _BLOCK_FIELDS},
+                                           block_size=self.blocks.block_size)
+            return dataclasses.replace(self, blocks=blocks, kv_seq=upload_fn(self.kv_seq),
+                                       kv_pos=upload_fn(self.kv_pos), input_ids=upload_fn(self.input_ids),
+                                       features=None if self.features is None else upload_fn(self.features))
+        upload, ul, host, hl = self.buffers
+        upload = upload_fn(upload)
+        return dataclasses.replace(self, buffers=(upload, ul, host, hl),
+                                   **self._upload_fields(upload, ul, self.blocks.block_size))
+
+    def pin_memory(self, device=None) -> "PlannedBatch":
+        """The upload set in page-locked memory, one copy (the DataLoader's pin-memory thread calls this)."""
+        return self._with_upload(lambda t: t.pin_memory())
+
+    def to(self, device, non_blocking: bool = True) -> "PlannedBatch":
+        """A copy whose upload set lives on `device` (one host-to-device copy of the upload buffer; plan, shard
+        and source stay on the host). From pinned memory with non_blocking=True the copy is queued on the
+        current stream without a host wait."""
+        return self._with_upload(lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def _rebuild_planned_batch(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout):
+    return PlannedBatch._from_buffers(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout)
+
+
+def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token_id: int,
+               chunk_size: Optional[int] = None, strategy: str = "lpt", gamma: Optional[float] = None,
+               feature_store=None, index: int = 0) -> PlannedBatch:
+    """Plan, shard, draft blocks and (optionally) feature rows of one packed batch for one CP rank.
+
+    Args:
+        batch: a `data.sharegpt.PackedBatch` (seq_lens, anchors, input_ids, loss_mask, source, to_dict()).
+        cp_size, cp_rank: the CP group size and this rank (0 <= cp_rank < cp_size).
+        block_size: B; mask_token_id: the MASK id; gamma: loss decay (None: `dflash.default_gamma(B)`).
+        chunk_size, strategy: the planner's (`--cp-chunk-size`, `--cp-balance`).
+        feature_store: an object with `rows(source, kv_seq, kv_pos) -> [T_r, dim] tensor`
+            (`megatron.models.FeatureStore`, which also has `dim`, `torch_dtype` and `rows(..., out=)`: the
+            rows are then read straight into the item's buffer), or None.
+        index: stored in the result (stream position).
+    Returns: `PlannedBatch` (CPU tensors, packed; in a DataLoader worker in shared memory). Raises what the
+        planner, `shard_batch`, `build_draft_blocks` or the feature store raise for inconsistent inputs.
+    """
+    from megatron_splitkv.data.sharding import shard_batch
+    from megatron_splitkv.dflash import build_draft_blocks
+    from megatron_splitkv.planning import plan_context_parallel
+
+    plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=block_size, cp_size=cp_size,
+                                 chunk_size=chunk_size, strategy=strategy)
+    shard = shard_batch(batch.to_dict(), plan, cp_rank)
+    sl = plan.query_slice(cp_rank)
+    blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],
+                                block_size=block_size, mask_token_id=mask_token_id, loss_mask=batch.loss_mask,
+                                gamma=gamma)
+    host_t = {"shard." + k: torch.as_tensor(v) for k, v in shard.items()}
+    host_t["source"] = torch.as_tensor(np.asarray(batch.source, dtype=np.int64))
+    kv_seq = host_t["shard.kv_seq"].to(torch.int64)
+    kv_pos = host_t["shard.kv_pos"].to(torch.int64)
+    up_t = {"blocks." + f: getattr(blocks, f) for f in _BLOCK_FIELDS}
+    up_t.update(kv_seq=kv_seq, kv_pos=kv_pos, input_ids=host_t["shard.input_ids"].to(torch.int64))
+    up_specs = [(k, t.dtype, t.shape) for k, t in up_t.items()]
+    direct = feature_store is not None and hasattr(feature_store, "dim") and hasattr(feature_store, "torch_dtype")
+    if feature_store is not None:
+        if direct:  # read the rows straight into the buffer below
+            up_specs.append(("features", feature_store.torch_dtype, (kv_seq.shape[0], int(feature_store.dim))))
+        else:
+            up_t["features"] = feature_store.rows(batch.source, kv_seq, kv_pos)
+            up_specs.append(("features", up_t["features"].dtype, up_t["features"].shape))
+    shared = torch.utils.data.get_worker_info() is not None
+    up_layout, up_n = _layout(up_specs)
+    host_layout, host_n = _layout([(k, t.dtype, t.shape) for k, t in host_t.items()])
+    upload, host = _new_bytes(up_n, shared), _new_bytes(host_n, shared)
+    item = PlannedBatch._from_buffers(index, cp_rank, plan, batch.num_tokens, upload, up_layout, host, host_layout)
+    uv = _views(upload, up_layout)
+    _fill(uv, up_t)
+    _fill(_views(host, host_layout), host_t)
+    if direct:
+        feature_store.rows(batch.source, kv_seq, kv_pos, out=uv["features"])
+    return item
+
+
+class PlannedBatchDataset(torch.utils.data.IterableDataset):
+    """`plan_batch` over a stream of packed batches, split over DataLoader workers by stream position.
+
+    Args:
+        batches: a zero-argument callable returning an iterator of packed batches (the same deterministic
+            stream on every call; picklable, e.g. a `functools.partial` of `data_parallel_batches`, when the
+            DataLoader's workers are not forked).
+        plan_kwargs: keyword arguments of `plan_batch` (cp_size, cp_rank, block_size, mask_token_id, ...).
+    Worker w of N yields the `PlannedBatch` of stream positions k = w, w + N, ...; in the training process
+    (no worker) every position.
+    """
+
+    def __init__(self, batches: Callable[[], Iterator], **plan_kwargs):
+        super().__init__()
+        if not callable(batches):
+            raise TypeError(f"batches must be a zero-argument callable returning an iterator, got {type(batches)}")
+        self.batches, self.plan_kwargs = batches, plan_kwargs
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        n, w = (1, 0) if info is None else (info.num_workers, info.id)
+        for k, batch in enumerate(self.batches()):
+            if k % n == w:
+                yield plan_batch(batch, index=k, **self.plan_kwargs)
+
+
+def _identity(item):
+    return item
+
+
+def _check_count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class PrefetchedBatches:
+    """Iterator of `PlannedBatch` items, prepared ahead of the step in DataLoader worker processes.
+
+    Args:
+        batches: zero-argument callable returning the packed-batch iterator (see `PlannedBatchDataset`).
+        num_workers: worker processes (`--dflash-data-workers`); 0 = synchronous: `plan_batch` runs in this
+            process when `next` is called (the behaviour before the pipeline existed).
+        prefetch: items each worker prepares ahead (the DataLoader's prefetch_factor, >= 1); the host holds up
+            to about num_workers * prefetch + 2 items (with offline features mostly their rows).
+        pin_memory: page-lock the upload set (default: with workers, when CUDA is available).
+        multiprocessing_context: the DataLoader's (default: torch's, fork on Linux).
+        plan_kwargs: `plan_batch`'s keyword arguments (cp_size, cp_rank, block_size, mask_token_id, ...).
+    Raises ValueError for a negative num_workers or a prefetch < 1. `next` re-raises a worker's exception
+    (the DataLoader's wrapper: same type, the worker's traceback in the message) and raises RuntimeError
+    when a worker died or an item arrives out of stream order.
+    """
+
+    def __init__(self, batches: Callable[[], Iterator], *, num_workers: int = 1, prefetch: int = 2,
+                 pin_memory: Optional[bool] = None, multiprocessing_context=None, **plan_kwargs):
+        self.num_workers = _check_count(num_workers, "num_workers", 0)
+        self.prefetch = _check_count(prefetch, "prefetch", 1)
+        self.dataset = PlannedBatchDataset(batches, **plan_kwargs)
+        self.pin_memory = bool(torch.cuda.is_available() if pin_memory is None else pin_memory) and self.num_workers > 0
+        self._next_index = 0
+        self.loader = None
+        if self.num_workers == 0:
+            self._it = iter(self.dataset)
+        else:
+            self.loader = torch.utils.data.DataLoader(
+                self.dataset, batch_size=None, collate_fn=_identity, num_workers=self.num_workers,
+                prefetch_factor=self.prefetch, pin_memory=self.pin_memory,
+                multiprocessing_context=multiprocessing_context, in_order=True)
+            self._it = iter(self.loader)  # starts the workers, which start preparing
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PlannedBatch:
+        if self._it is None:
+            raise StopIteration
+        item = next(self._it)
+        if item.index != self._next_index:
+            raise RuntimeError(f"data pipeline: got batch {item.index} of the stream, expected {self._next_index} "
+                               "(the DataLoader returned its workers' items out of order)")
+        self._next_index += 1
+        return item
+
+    def close(self) -> None:
+        """Stop the workers (also done when the iterator is garbage collected or the process exits)."""
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def data_parallel_batches(loader, dp_size: int, dp_rank: int, skip: int = 0):
+    """This data-parallel rank's packed batches, endless and deterministic: epoch e = 0, 1, ... of `loader`
+    (`set_epoch(e)`), the batches i with i % dp_size == dp_rank, the first `skip` of them left out.
+
+    `loader` is a `data.sharegpt.ShareGPTLoader` (or anything with `set_epoch(epoch, start=)`, `len()` after
+    set_epoch, and iteration from `start`). Resume does not build the skipped batches: whole epochs are
+    counted with `len`, then the resumed epoch starts at its batch (a batch depends only on the seed, the
+    epoch and its index). Raises ValueError when the loader has no batches (the stream would be empty).
+    """
+    dp_size = _check_count(dp_size, "dp_size", 1)
+    dp_rank = _check_count(dp_rank, "dp_rank", 0)
+    skip = _check_count(skip, "skip", 0)
+    if dp_rank >= dp_size:
+        raise ValueError(f"dp_rank must be < dp_size = {dp_size}, got {dp_rank}")
+    epoch, start = 0, dp_rank
+    while True:  # whole epochs already consumed
+        loader.set_epoch(epoch)
+        n = len(loader)
+        if n == 0:
+            raise ValueError(f"the loader has no batches in epoch {epoch} (empty corpus?)")
+        mine = max(0, math.ceil((n - dp_rank) / dp_size))
+        if skip < mine:
+            start = dp_rank + skip * dp_size
+            break
+        skip -= mine
+        epoch += 1
+    while True:
+        loader.set_epoch(epoch, start=start)
+        if len(loader) == 0:
+            raise ValueError(f"the loader has no batches in epoch {epoch} (empty corpus?)")
+        for j, batch in enumerate(loader):
+            if (start + j) % dp_size == dp_rank:
+                yield batch
+        epoch, start = epoch + 1, 0

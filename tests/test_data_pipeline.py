@@ -1,0 +1,464 @@
+"""The prefetching data pipeline (`megatron_splitkv.data.pipeline`, `--dflash-data-workers`): DataLoader worker
+processes yield exactly what the synchronous path computes in forward_step (plans, shards, draft blocks,
+kv_seq / kv_pos, feature rows), in stream order, at CP=1 and on both ranks of CP=2, also after a resume
+(`skip`); a worker's error reaches the training process with its message; bad values are errors naming the
+flag; examples/pretrain_dflash.py's provider and forward_step with 0 and 1 workers. CPU only, no timing."""
+
+import functools
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_splitkv.data import PrefetchedBatches, ShareGPTLoader, data_parallel_batches, plan_batch
+from megatron_splitkv.data.sharegpt import TokenizedCorpus
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK, MASK_ID, ANCHORS, MAX_TOKENS = 4, 999, 6, 512
+
+
+def _corpus(n=14, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(20, 300, size=n)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    tokens = rng.integers(0, MASK_ID, size=int(offsets[-1])).astype(np.int32)
+    mask = rng.random(int(offsets[-1])) < 0.7
+    return TokenizedCorpus(tokens, mask, offsets)
+
+
+def _source(skip=0, dp=1, dpr=0, corpus=None):
+    loader = ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3,
+                            corpus=corpus if corpus is not None else _corpus())
+    return functools.partial(data_parallel_batches, loader, dp, dpr, skip)
+
+
+def _kw(cp, rank, store=None):
+    return dict(cp_size=cp, cp_rank=rank, block_size=BLOCK, mask_token_id=MASK_ID, chunk_size=64, strategy="lpt",
+                gamma=None, feature_store=store)
+
+
+def _naive_batches(loader, dp, dpr, skip):
+    """examples/pretrain_dflash.py's `_batches` before the pipeline: build every batch, drop the skipped."""
+    n, epoch = 0, 0
+    while True:
+        loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i % dp != dpr:
+                continue
+            if n >= skip:
+                yield batch
+            n += 1
+        epoch += 1
+
+
+def _old_forward_step_items(batches, cp, rank, store=None):
+    """What forward_step computed synchronously before the pipeline (its code, device moves left out)."""
+    from megatron_splitkv.data import shard_batch
+    from megatron_splitkv.dflash import build_draft_blocks
+    from megatron_splitkv.planning import plan_context_parallel
+
+    for batch in batches:
+        plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=BLOCK, cp_size=cp, chunk_size=64,
+                                     strategy="lpt")
+        shard = shard_batch(batch.to_dict(), plan, rank)
+        sl = plan.query_slice(rank)
+        blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],
+                                    block_size=BLOCK, mask_token_id=MASK_ID, loss_mask=batch.loss_mask, gamma=None)
+        feats = store.rows(batch.source, shard["kv_seq"], shard["kv_pos"]) if store is not None else None
+        yield plan, shard, blocks, feats, batch
+
+
+def _same_tensor(a, b, what):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), what
+
+
+def _same_plan(p, q):
+    import dataclasses
+
+    for f in dataclasses.fields(p):
+        if f.name == "_cache":
+            continue
+        a, b = getattr(p, f.name), getattr(q, f.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f.name
+        else:
+            assert a == b, f.name
+
+
+def _same_item(x, y):
+    """Two PlannedBatch items are identical (every tensor: dtype, shape, values)."""
+    import dataclasses
+
+    assert (x.index, x.cp_rank, x.num_tokens) == (y.index, y.cp_rank, y.num_tokens)
+    _same_plan(x.plan, y.plan)
+    assert sorted(x.shard) == sorted(y.shard)
+    for k in x.shard:
+        _same_tensor(x.shard[k], y.shard[k], k)
+    for f in dataclasses.fields(x.blocks):
+        a, b = getattr(x.blocks, f.name), getattr(y.blocks, f.name)
+        if f.name == "block_size":
+            assert a == b
+        else:
+            _same_tensor(a, b, f"blocks.{f.name}")
+    for k in ("kv_seq", "kv_pos", "input_ids", "source"):
+        _same_tensor(getattr(x, k), getattr(y, k), k)
+    assert (x.features is None) == (y.features is None)
+    if x.features is not None:
+        _same_tensor(x.features, y.features, "features")
+
+
+def _take(it, n):
+    with it:
+        return list(itertools.islice(it, n))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A tiny offline feature store (bf16 rows, as tools/extract_features.py writes them)."""
+    pytest.importorskip("megatron.core")
+    from megatron_splitkv.megatron.models import FeatureStore, FeatureWriter
+
+    corpus = _corpus(seed=1)
+    path = str(tmp_path_factory.mktemp("feat") / "f")
+    w = FeatureWriter(path, 8, torch.bfloat16, {"tap_layers": [1]})
+    g = torch.Generator().manual_seed(0)
+    for i in range(len(corpus)):
+        ids, m = corpus.conversation(i)
+        w.append(100 + i, ids, m, torch.randn(ids.shape[0], 8, generator=g))
+    w.close()
+    return FeatureStore(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# identity with the synchronous path
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_sync_path_equals_the_old_forward_step(cp):
+    """0 workers = what forward_step computed before (plan, shard, blocks), item by item."""
+    n = 5
+    for rank in range(cp):
+        items = _take(PrefetchedBatches(_source(), num_workers=0, **_kw(cp, rank)), n)
+        ref = list(itertools.islice(_old_forward_step_items(_source()(), cp, rank), n))
+        assert [it.index for it in items] == list(range(n))
+        for it, (plan, shard, blocks, feats, batch) in zip(items, ref):
+            _same_plan(it.plan, plan)
+            assert sorted(it.shard) == sorted(shard)
+            for k in shard:
+                _same_tensor(it.shard[k], torch.as_tensor(shard[k]), k)
+            for k in ("input_ids", "q_seq", "q_anchor", "block_keep", "labels", "loss_weight", "position_ids"):
+                _same_tensor(getattr(it.blocks, k), getattr(blocks, k), k)
+            _same_tensor(it.kv_seq, torch.as_tensor(shard["kv_seq"]), "kv_seq")
+            _same_tensor(it.kv_pos, torch.as_tensor(shard["kv_pos"]), "kv_pos")
+            assert it.features is None and it.num_tokens == batch.num_tokens
+            assert it.imbalance == float(plan.imbalance)
+
+
+@pytest.mark.parametrize("cp, workers", [(1, 1), (2, 1), (2, 2)])
+def test_workers_yield_exactly_the_synchronous_items(cp, workers):
+    """Worker processes (1 and 2, prefetch 2 and 1) give the synchronous items, in order, on every CP rank;
+    several batches cross an epoch boundary (the test corpus packs into a few batches per epoch)."""
+    n = 9
+    for rank in range(cp):
+        sync = _take(PrefetchedBatches(_source(), num_workers=0, **_kw(cp, rank)), n)
+        pre = _take(PrefetchedBatches(_source(), num_workers=workers, prefetch=3 - workers, **_kw(cp, rank)), n)
+        assert len(sync) == len(pre) == n
+        for x, y in zip(sync, pre):
+            _same_item(x, y)
+            # one shared-memory segment for the upload set, one for the rest (a cheap hand-over)
+            up, host = y.buffers[0].untyped_storage(), y.buffers[2].untyped_storage()
+            assert y.buffers[0].is_shared() and y.buffers[2].is_shared()
+            for t in (y.kv_seq, y.kv_pos, y.input_ids, y.blocks.labels, y.blocks.block_keep, y.blocks.loss_weight):
+                assert t.untyped_storage().data_ptr() == up.data_ptr()
+            for t in (y.source, *y.shard.values()):
+                assert t.untyped_storage().data_ptr() == host.data_ptr()
+    epoch_len = len(ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3, corpus=_corpus()))
+    assert epoch_len < n  # the stream crossed an epoch boundary
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_resume_skip_gives_the_later_items(cp):
+    """A run resumed after `skip` batches (worker processes) yields the items a straight run yields from
+    position `skip` on (the index counts from the resume point)."""
+    skip, n = 4, 5
+    for rank in range(cp):
+        straight = _take(PrefetchedBatches(_source(), num_workers=0, **_kw(cp, rank)), skip + n)
+        resumed = _take(PrefetchedBatches(_source(skip), num_workers=1, **_kw(cp, rank)), n)
+        for x, y in zip(straight[skip:], resumed):
+            y.index += skip
+            _same_item(x, y)
+
+
+@pytest.mark.parametrize("dp, skip", [(1, 0), (1, 3), (1, 11), (2, 0), (2, 5), (3, 7)])
+def test_data_parallel_batches_equals_the_old_generator(dp, skip):
+    """The fast resume (whole epochs counted, the resumed epoch started at its batch) gives the batches of
+    pretrain_dflash.py's old `_batches` generator, which built and dropped every skipped batch."""
+    corpus = _corpus()
+    for dpr in range(dp):
+        fast = _source(skip, dp, dpr, corpus)()
+        old = _naive_batches(ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3, corpus=corpus),
+                             dp, dpr, skip)
+        for a, b in zip(itertools.islice(fast, 8), itertools.islice(old, 8)):
+            np.testing.assert_array_equal(a.input_ids, b.input_ids)
+            np.testing.assert_array_equal(a.source, b.source)
+            assert all(np.array_equal(x, y) for x, y in zip(a.anchors, b.anchors))
+
+
+def test_feature_rows_in_workers(store):
+    """With a feature store the workers read this rank's rows: equal to the synchronous path and to the
+    old forward_step's `store.rows(...)`, at CP=1 and CP=2."""
+    n = 4
+    for cp in (1, 2):
+        for rank in range(cp):
+            src = _source(corpus=store.corpus())
+            sync = _take(PrefetchedBatches(src, num_workers=0, **_kw(cp, rank, store)), n)
+            pre = _take(PrefetchedBatches(src, num_workers=1, **_kw(cp, rank, store)), n)
+            ref = list(itertools.islice(_old_forward_step_items(src(), cp, rank, store), n))
+            for x, y, r in zip(sync, pre, ref):
+                _same_item(x, y)
+                assert x.features.dtype == torch.bfloat16 and x.features.shape == (x.kv_seq.shape[0], 8)
+                _same_tensor(x.features, r[3], "features")
+
+
+def test_feature_store_rows_into_a_buffer(store):
+    """FeatureStore.rows(..., out=) reads the same rows into the given tensor; a wrong `out` is an error."""
+    src, seq, pos = np.array([3, 0]), torch.tensor([0, 0, 1, 1]), torch.tensor([5, 0, 7, 2])
+    ref = store.rows(src, seq, pos)
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert store.rows(src, seq, pos, out=out) is out and torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    with pytest.raises(ValueError, match="out must be a contiguous CPU tensor"):
+        store.rows(src, seq, pos, out=torch.empty(4, 8))
+    with pytest.raises(IndexError, match="beyond its stored conversation"):
+        store.rows(src, seq, torch.tensor([5, 0, 7, -1]), out=out)
+
+
+def test_spawned_workers_reopen_the_feature_store_by_path(store):
+    """A worker started by spawn gets the dataset pickled: the FeatureStore travels by path (not its rows)."""
+    import pickle
+
+    assert len(pickle.dumps(store)) < 1000
+    src = _source(corpus=store.corpus())
+    sync = _take(PrefetchedBatches(src, num_workers=0, **_kw(2, 1, store)), 2)
+    pre = _take(PrefetchedBatches(src, num_workers=1, multiprocessing_context="spawn", **_kw(2, 1, store)), 2)
+    for x, y in zip(sync, pre):
+        _same_item(x, y)
+
+
+def test_pin_memory_and_upload():
+    """`pin_memory` pins the upload set (blocks, kv_seq, kv_pos, input_ids, features) and `to` moves only it;
+    the plan, shard and source stay on the host."""
+    item = next(PrefetchedBatches(_source(), num_workers=0, **_kw(2, 0)))
+    moved = item.to("cpu")
+    _same_item(item, moved)
+    import pickle
+
+    _same_item(item, pickle.loads(pickle.dumps(item)))  # by value, as the flat buffers
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory needs CUDA")
+    pinned = item.pin_memory()
+    assert pinned.kv_seq.is_pinned() and pinned.blocks.input_ids.is_pinned() and pinned.input_ids.is_pinned()
+    dev = pinned.to("cuda")
+    assert dev.kv_pos.is_cuda and dev.blocks.loss_weight.is_cuda and not dev.shard["kv_seq"].is_cuda
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _failing_batches(fail_at):
+    for k, batch in enumerate(_source()()):
+        if k == fail_at:
+            raise ValueError(f"corrupt packed batch {k} in the test stream")
+        yield batch
+
+
+class _BadStore:
+    def rows(self, source, kv_seq, kv_pos):
+        raise IndexError("a context position lies beyond its stored conversation (test)")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_worker_error_surfaces_with_its_message(workers):
+    """An error in the batch stream (after two good batches) and one in the preparation (the feature read)
+    are raised by `next` in the training process, with their message and type; no hang."""
+    it = PrefetchedBatches(functools.partial(_failing_batches, 2), num_workers=workers, **_kw(2, 0))
+    assert [next(it).index, next(it).index] == [0, 1]
+    with pytest.raises(ValueError, match="corrupt packed batch 2 in the test stream"):
+        next(it)
+    it.close()
+    it = PrefetchedBatches(_source(), num_workers=workers, **_kw(1, 0, _BadStore()))
+    with pytest.raises(IndexError, match="beyond its stored conversation"):
+        next(it)
+    it.close()
+
+
+def _dying_batches():
+    os._exit(7)  # a worker killed (e.g. by the OOM killer) before it delivers anything
+    yield
+
+
+def test_dead_worker_is_an_error_not_a_hang():
+    it = PrefetchedBatches(_dying_batches, num_workers=1, **_kw(1, 0))
+    with pytest.raises(RuntimeError, match="DataLoader worker .* exited unexpectedly"):
+        next(it)
+    it.close()
+
+
+@pytest.mark.parametrize("kw, msg", [({"num_workers": -1}, "num_workers must be an integer >= 0"),
+                                     ({"num_workers": 1.5}, "num_workers must be an integer >= 0"),
+                                     ({"num_workers": True}, "num_workers must be an integer >= 0"),
+                                     ({"prefetch": 0}, "prefetch must be an integer >= 1")])
+def test_bad_pipeline_arguments(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        PrefetchedBatches(_source(), **kw, **_kw(1, 0))
+    with pytest.raises(TypeError, match="zero-argument callable"):
+        PrefetchedBatches(iter([]), num_workers=0, **_kw(1, 0))
+
+
+def test_plan_batch_rank_out_of_range():
+    batch = next(_source()())
+    with pytest.raises(ValueError, match="cp_rank"):
+        plan_batch(batch, **_kw(2, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# flags (Megatron)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_data_flags_parse_default_and_errors(capsys):
+    pytest.importorskip("megatron.core")
+    import argparse
+
+    from megatron_splitkv.megatron import SplitKVArgumentError, add_splitkv_args, validate_splitkv_args
+    from megatron_splitkv.megatron.arguments import data_prefetch_from_args, data_workers_from_args
+
+    p = add_splitkv_args(argparse.ArgumentParser())
+    a = p.parse_args([])
+    assert a.dflash_data_workers is None and a.dflash_data_prefetch is None
+    assert data_workers_from_args(a) == (1 if torch.cuda.is_available() else 0) and data_prefetch_from_args(a) == 2
+    a = p.parse_args(["--dflash-data-workers", "0", "--dflash-data-prefetch", "1"])
+    assert data_workers_from_args(a) == 0 and data_prefetch_from_args(a) == 1
+    assert data_workers_from_args(p.parse_args(["--dflash-data-workers", "3"])) == 3
+    for argv, flag, msg in ((["--dflash-data-workers", "-1"], "--dflash-data-workers", "must be >= 0"),
+                            (["--dflash-data-prefetch", "0"], "--dflash-data-prefetch", "must be >= 1")):
+        a = p.parse_args(argv + ["--context-parallel-impl", "splitkv"])
+        with pytest.raises(SplitKVArgumentError, match=f"{flag} {msg}"):
+            (data_workers_from_args if "workers" in flag else data_prefetch_from_args)(a)
+        with pytest.raises(SplitKVArgumentError, match=flag):
+            validate_splitkv_args(a, have_te=True)
+    with pytest.raises(SplitKVArgumentError, match="--dflash-data-workers must be an integer"):
+        data_workers_from_args(argparse.Namespace(dflash_data_workers="2"))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dflash-data-workers", "two"])
+    assert "--dflash-data-workers" in capsys.readouterr().err
+
+
+def _load_pretrain(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", "pretrain_dflash.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+PARSE = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+         "256", "--max-position-embeddings", "256", "--micro-batch-size", "1", "--attention-dropout", "0",
+         "--transformer-impl", "local", "--num-anchors", "8"]
+
+
+def test_pretrain_parse_only_data_flags():
+    pytest.importorskip("megatron.core")
+    from megatron_splitkv.megatron import SplitKVArgumentError
+
+    mod = _load_pretrain("pretrain_dflash_dp")
+    argv = sys.argv
+    try:
+        args = mod.main(PARSE + ["--dflash-data-workers", "2", "--dflash-data-prefetch", "3"])
+        assert (args.dflash_data_workers, args.dflash_data_prefetch) == (2, 3)
+        for bad, msg in ((["--dflash-data-workers", "-2"], "--dflash-data-workers must be >= 0"),
+                         (["--dflash-data-prefetch", "0"], "--dflash-data-prefetch must be >= 1")):
+            with pytest.raises(SplitKVArgumentError, match=msg):
+                mod.main(PARSE + bad)
+    finally:
+        sys.argv = argv
+
+
+# ---------------------------------------------------------------------------------------------------------
+# examples/pretrain_dflash.py: the provider and forward_step (CPU, parallel state and args stubbed)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _Timer:
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+class _Model:
+    """Records what forward_step hands the drafter; returns a loss object."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, feats, blocks, kv_seq, kv_pos):
+        self.calls.append((feats, blocks, kv_seq, kv_pos))
+
+        class Out:
+            loss = torch.zeros(())
+            total = torch.zeros(())
+
+        return Out()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pretrain_provider_and_forward_step(store, monkeypatch, workers):
+    """train_valid_test_datasets_provider (DP=2 rank 1, CP=2 rank 1, resumed at iteration 2 with 2
+    micro-batches per iteration) and forward_step with a stand-in drafter: the drafter gets this rank's
+    features, blocks, kv_seq and kv_pos of the batches the old synchronous code would have built (checked
+    against it), the logged stats are the batch's tokens and the plan's imbalance."""
+    import argparse
+
+    import megatron.core.num_microbatches_calculator as nmc
+    from megatron.core import parallel_state as ps
+
+    mod = _load_pretrain(f"pretrain_dflash_fs{workers}")
+    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
+                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_workers=workers,
+                              dflash_data_prefetch=2)
+    monkeypatch.setattr(mod, "get_args", lambda: args)
+    monkeypatch.setattr(mod, "get_timers", lambda: (lambda *a, **k: _Timer()))
+    monkeypatch.setattr(mod, "print_rank_0", lambda *a, **k: None)
+    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
+    for name, v in (("get_data_parallel_world_size", 2), ("get_data_parallel_rank", 1),
+                    ("get_context_parallel_world_size", 2), ("get_context_parallel_rank", 1)):
+        monkeypatch.setattr(ps, name, lambda v=v, **k: v)
+    monkeypatch.setitem(mod._STATE, "store", store)
+    if not torch.cuda.is_available():  # forward_step uploads to the current CUDA device; here: the CPU
+        monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
+    it, valid, test = mod.train_valid_test_datasets_provider(None)
+    assert valid is None and test is None and it.num_workers == workers
+    model = _Model()
+    loader = ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3, corpus=store.corpus())
+    ref = _old_forward_step_items(_naive_batches(loader, 2, 1, 4), 2, 1, store)
+    for _ in range(3):
+        loss, _fn = mod.forward_step(it, model)
+        feats, blocks, kv_seq, kv_pos = model.calls[-1]
+        plan, shard, rblocks, rfeats, batch = next(ref)
+        _same_tensor(feats, rfeats, "features")
+        _same_tensor(kv_seq, torch.as_tensor(shard["kv_seq"]), "kv_seq")
+        _same_tensor(kv_pos, torch.as_tensor(shard["kv_pos"]), "kv_pos")
+        _same_tensor(blocks.labels, rblocks.labels, "labels")
+        _same_tensor(blocks.loss_weight, rblocks.loss_weight, "loss_weight")
+        assert mod._STATE["stats"] == {"tokens": batch.num_tokens, "imbalance": float(plan.imbalance)}
+    it.close()
