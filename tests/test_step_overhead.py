@@ -45,8 +45,11 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
     assert [r["context"] for r in rows] == [256, 512] and all(r["cp"] == nproc for r in rows)
     positive = ["step_fresh_ms", "step_reused_ms", "fwdbwd_ms", "gradsync_opt_ms", "data_ms", "fwd_ms", "bwd_ms",
                 "attention_ms", "rest_ms", "plan_ms", "shard_ms", "prepare_ms", "op_first_call_ms",
-                "op_cached_call_ms", "overhead_pieces_ms", "pct_step_pieces", "pct_fwdbwd_pieces", "loss_fresh"]
-    finite = positive + ["mask_ms", "overhead_ab_ms", "pct_step_ab", "pct_fwdbwd_ab"]  # differences: may be < 0
+                "op_cached_call_ms", "overhead_pieces_ms", "pct_step_pieces", "pct_fwdbwd_pieces", "loss_fresh",
+                "step_prefetched_ms", "prefetched_data_ms", "upload_ms"]
+    finite = positive + ["mask_ms", "overhead_ab_ms", "pct_step_ab", "pct_fwdbwd_ab",  # differences: may be < 0
+                         "overhead_prefetched_ms", "pct_step_prefetched", "pct_fwdbwd_prefetched",
+                         "overhead_pieces_prefetched_ms"]
     for r in rows:
         assert "skipped" not in r, r
         for k in finite:
@@ -55,11 +58,21 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
             assert r[k] > 0, (k, r)
         # the A/B is what it says: a fresh step prepares once, a reused one never; same weights, same loss
         assert r["prepares_per_step_fresh"] == [1] and r["prepares_per_step_reused"] == [0], r
+        assert r["prepares_per_step_prefetched"] == [1] and r["data_workers"] == 1, r
         assert r["loss_max_abs_diff"] <= 1e-6 * abs(r["loss_fresh"]), r
-        assert r["loss_fresh"] == r["loss_reused"], r
+        assert r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"], r
         assert r["blocks_per_rank"] * nproc >= 8 and r["tokens_this_rank"] > 0
     md = (tmp_path / f"step_overhead_cp{nproc}.md").read_text()
     assert "| " + " | ".join(COLUMNS) + " |" in md and md.count(f" | {nproc} | ") >= 2
+    # the prefetched arm's columns, next to the A/B's; the header says which arm is which
+    for col in ("next + upload ms", "overhead ms (b: fresh - reused)", "overhead ms (c: prefetched - reused)",
+                "% of step (c)"):
+        assert col in COLUMNS, col
+    assert COLUMNS.index("overhead ms (c: prefetched - reused)") == COLUMNS.index("overhead ms (b: fresh - reused)") + 1
+    assert COLUMNS.index("% of step (c)") == COLUMNS.index("% of step (b)") + 1
+    for words in ("arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
+                  "DataLoader worker", "(c) = prefetched - reused"):
+        assert words in data["setup"] and words in md.splitlines()[0], words
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -71,6 +84,8 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
     (["--cpu-smoke", "--optimizer", "sgd"], "--optimizer"),
     (["--cpu-smoke", "--heads", "6", "--kv-heads", "4"], "--heads"),
     (["--cpu-smoke", "--budget-s", "-1"], "--budget-s"),
+    (["--cpu-smoke", "--data-workers", "0"], "--data-workers"),
+    (["--cpu-smoke", "--data-prefetch", "0"], "--data-prefetch"),
     (["--cpu-smoke", "--frobnicate"], "--frobnicate"),
 ])
 def test_step_overhead_bad_flags_exit_2(argv, flag):

@@ -40,6 +40,13 @@ alternating), medians over `--reps` repeats of the max over CP ranks:
       tensors and the `DFlashPackedSeqParams` of the previous step, whose cached metadata and mask skip
       the prepare and the mask build: `DFlashDraftModel.forward(..., packed_seq_params=)`); overhead =
       median of the paired differences. Both give the same loss (checked, reported).
+  (c) the same A/B for the arm "prefetched", pretrain_dflash.py's default data pipeline
+      (`megatron_splitkv.data.pipeline.PrefetchedBatches`, `--dflash-data-workers`): plan + shard + draft
+      blocks of the coming steps' batches are produced by `--data-workers` DataLoader worker processes
+      (pinned memory on CUDA) while earlier steps run; the step takes the next one (`next`), uploads it
+      (non_blocking) and builds new params, so it still prepares the metadata and builds the BlockMask.
+      Overhead = median of (prefetched - reused); the piece "next + upload" is timed alone too. Same loss.
+  The three arms run in every order in turn (one order per repeat).
 
 Also reported: the step's split (data = plan + shard in the fresh step, forward, backward, grad sync +
 optimizer; CUDA events), the core attention's own time (forward + backward of every layer's
@@ -65,6 +72,7 @@ rows are in the files). No thresholds: the numbers are reported, not checked.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -98,9 +106,14 @@ SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, voc
              anchors=8, block_size=16, contexts="256,512", reps=3, warmup=1)
 
 COLUMNS = ["context", "CP", "step ms (fresh)", "step ms (reused)", "fwd+bwd ms", "grad sync + opt ms",
-           "attention ms", "rest ms", "plan ms", "shard ms", "prepare ms", "BlockMask ms",
-           "overhead ms (a: pieces)", "overhead ms (b: A/B)", "% of step (a)", "% of step (b)",
-           "% of fwd+bwd (a)", "loss fresh - reused", "peak GiB"]
+           "attention ms", "rest ms", "plan ms", "shard ms", "prepare ms", "BlockMask ms", "next + upload ms",
+           "overhead ms (a: pieces)", "overhead ms (b: fresh - reused)", "overhead ms (c: prefetched - reused)",
+           "% of step (a)", "% of step (b)", "% of step (c)", "% of fwd+bwd (a)", "loss - reused (b, c)",
+           "peak GiB"]
+#: the step's arms (see the module docstring), and the orders they run in, one per repeat in turn
+ARMS = ("fresh", "reused", "prefetched")
+ORDERS = [("fresh", "reused", "prefetched"), ("prefetched", "fresh", "reused"), ("reused", "prefetched", "fresh"),
+          ("fresh", "prefetched", "reused"), ("reused", "fresh", "prefetched"), ("prefetched", "reused", "fresh")]
 
 
 def parse_args(argv=None):
@@ -127,6 +140,11 @@ def parse_args(argv=None):
     ap.add_argument("--chunk-size", type=int, default=None, help="planner chunk (--cp-chunk-size; default auto)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "none"),
                     help="optimizer step in the step: torch AdamW with lr 0 (default) or none")
+    ap.add_argument("--data-workers", type=int, default=1,
+                    help="DataLoader worker processes of the prefetched arm's data pipeline "
+                         "(pretrain_dflash.py --dflash-data-workers; default 1)")
+    ap.add_argument("--data-prefetch", type=int, default=2,
+                    help="batches each worker prepares ahead (--dflash-data-prefetch; default 2)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="start no new context after this many seconds (default 480; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
@@ -142,7 +160,8 @@ def parse_args(argv=None):
     for flag, name, lo in (("--reps", "reps", 1), ("--warmup", "warmup", 0), ("--anchors", "anchors", 1),
                            ("--block-size", "block_size", 2), ("--hidden", "hidden", 1), ("--layers", "layers", 1),
                            ("--heads", "heads", 1), ("--kv-heads", "kv_heads", 1), ("--head-dim", "head_dim", 1),
-                           ("--ffn", "ffn", 1), ("--vocab", "vocab", 2), ("--target-layers", "target_layers", 1)):
+                           ("--ffn", "ffn", 1), ("--vocab", "vocab", 2), ("--target-layers", "target_layers", 1),
+                           ("--data-workers", "data_workers", 1), ("--data-prefetch", "data_prefetch", 1)):
         if getattr(args, name) < lo:
             ap.error(f"{flag} must be >= {lo}, got {getattr(args, name)}")
     if args.heads % args.kv_heads:
@@ -379,6 +398,12 @@ class Trainer:
         self.flat.zero_()
 
 
+def _repeat(batch):
+    """The same packed batch, endless (the prefetched arm's batch stream)."""
+    while True:
+        yield batch
+
+
 class Workload:
     """One context length: a packed batch of one sequence (random ids, loss mask all ones, `anchors`
     DFlash anchors), this rank's random features, and the pieces of the per-step preparation."""
@@ -395,6 +420,18 @@ class Workload:
         g = torch.Generator(device=device).manual_seed(args.seed + 7 * rank + 1)
         self.feats = torch.randn(kv_seq.shape[0], num_taps * args.hidden, generator=g, device=device,
                                  dtype=torch.float32).to(dtype)
+
+    def prefetcher(self):
+        """The data pipeline of pretrain_dflash.py (`data.pipeline.PrefetchedBatches`) over this batch, repeated:
+        --data-workers DataLoader worker processes plan, shard and build the draft blocks of the next steps'
+        batches (the features are on the device already, as in `__init__`), pinned on CUDA."""
+        from megatron_splitkv.data.pipeline import PrefetchedBatches
+
+        a = self.args
+        return PrefetchedBatches(functools.partial(_repeat, self.batch), num_workers=a.data_workers,
+                                 prefetch=a.data_prefetch, pin_memory=self.device.type == "cuda", cp_size=self.world,
+                                 cp_rank=self.rank, block_size=a.block_size, mask_token_id=self.mask_id,
+                                 chunk_size=a.chunk_size, strategy=a.balance)
 
     def plan(self):
         from megatron_splitkv.planning import plan_context_parallel
@@ -443,20 +480,25 @@ class PrepareCounter:
         att.prepare_splitkv_metadata = counted
 
 
-def run_step(model, trainer, work, clock, attn, params_reused=None):
-    """One training step; `params_reused` None = fresh (plan, shard, new params: prepare + mask in the
-    first layer), else the cached batch and params. Returns (timings dict, loss tensor)."""
+def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetcher=None):
+    """One training step of arm `kind`: "fresh" (plan, shard, new params: prepare + mask in the first layer),
+    "reused" (the cached batch and params `reused`) or "prefetched" (the next planned batch of `prefetcher`,
+    prepared by its DataLoader worker while earlier steps ran: upload, new params: prepare + mask).
+    Returns (timings dict, loss tensor)."""
     clock.barrier()
     attn.reset()
     n_prep = PREPARES.calls
     t0 = time.perf_counter()
     s0 = clock.stamp()
-    if params_reused is None:
+    if kind == "fresh":
         plan = work.plan()
         _, blocks, kv_seq, kv_pos = work.shard(plan)
         params = None
+    elif kind == "prefetched":
+        dev = next(prefetcher).to(work.device, non_blocking=True)
+        blocks, kv_seq, kv_pos, params = dev.blocks, dev.kv_seq, dev.kv_pos, None
     else:
-        blocks, kv_seq, kv_pos, params = work.blocks, work.kv_seq, work.kv_pos, params_reused
+        blocks, kv_seq, kv_pos, params = work.blocks, work.kv_seq, work.kv_pos, reused
     s1 = clock.stamp()
     out = model(work.feats, blocks, kv_seq, kv_pos, packed_seq_params=params)
     s2 = clock.stamp()
@@ -471,8 +513,9 @@ def run_step(model, trainer, work, clock, attn, params_reused=None):
     return t, out.total.detach()
 
 
-def time_pieces(model, work, clock, args, qkv):
-    """(a): plan, shard, prepare, BlockMask (first op call minus a cached call), each alone."""
+def time_pieces(model, work, clock, args, qkv, prefetcher):
+    """(a): plan, shard, prepare, BlockMask (first op call minus a cached call), each alone; and the
+    prefetched arm's data piece alone: the next planned batch from the pipeline + its upload."""
     from megatron_splitkv import splitkv_attention
 
     cp = model.pg_collection.cp
@@ -485,6 +528,11 @@ def time_pieces(model, work, clock, args, qkv):
     _, blocks, kv_seq, kv_pos = work.shard(plan)
     clock.sync()
     shard_ms = (time.perf_counter() - t0) * 1e3
+    clock.barrier()
+    t0 = time.perf_counter()
+    next(prefetcher).to(work.device, non_blocking=True)
+    clock.sync()
+    upload_ms = (time.perf_counter() - t0) * 1e3
     params = model.packed_seq_params(blocks, kv_seq, kv_pos)
     clock.barrier()
     t0 = time.perf_counter()
@@ -502,7 +550,7 @@ def time_pieces(model, work, clock, args, qkv):
         clock.sync()
         calls.append((time.perf_counter() - t0) * 1e3)
     return {"plan": plan_ms, "shard": shard_ms, "prepare": prep_ms, "mask": calls[0] - calls[1],
-            "op_cold": calls[0], "op_warm": calls[1]}
+            "op_cold": calls[0], "op_warm": calls[1], "upload": upload_ms}
 
 
 def _med(xs):
@@ -522,28 +570,31 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
     qkv = (rnd(nq, args.heads, args.head_dim), rnd(work.kv_seq.shape[0], args.kv_heads, args.head_dim),
            rnd(work.kv_seq.shape[0], args.kv_heads, args.head_dim), rnd(nq, args.kv_heads, args.head_dim),
            rnd(nq, args.kv_heads, args.head_dim))
-    attn.on = True
-    for _ in range(args.warmup):  # compiles, cuDNN graphs, allocator; the reused params get their metadata
-        run_step(model, trainer, work, clock, attn)
-        run_step(model, trainer, work, clock, attn, reused)
-        time_pieces(model, work, clock, args, qkv)
-    keys = ["fresh_wall", "reused_wall", "diff", "fresh_data", "fresh_fwd", "fresh_bwd", "fresh_opt",
-            "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
-            "plan", "shard", "prepare", "mask", "op_cold", "op_warm"]
-    per_rep, losses, prepares = [], [], {"fresh": set(), "reused": set()}
-    for r in range(args.reps):
-        order = ("fresh", "reused") if r % 2 == 0 else ("reused", "fresh")
-        res = {}
-        for kind in order:
-            t, loss = run_step(model, trainer, work, clock, attn, None if kind == "fresh" else reused)
-            res[kind], res[kind + "_loss"] = t, loss
-            prepares[kind].add(t["prepares"])
-        p = time_pieces(model, work, clock, args, qkv)
-        f, u = res["fresh"], res["reused"]
-        per_rep.append([f["wall"], u["wall"], f["wall"] - u["wall"], f["data"], f["fwd"], f["bwd"], f["opt"],
-                        f["attn"], u["fwd"], u["bwd"], u["opt"], u["attn"]] + [p[k] for k in keys[12:]])
-        losses.append((float(res["fresh_loss"]), float(res["reused_loss"])))
-    attn.on = False
+    with work.prefetcher() as prefetcher:
+        attn.on = True
+        for _ in range(args.warmup):  # compiles, cuDNN graphs, allocator; the reused params get their metadata
+            for kind in ARMS:
+                run_step(model, trainer, work, clock, attn, kind, reused, prefetcher)
+            time_pieces(model, work, clock, args, qkv, prefetcher)
+        keys = ["fresh_wall", "reused_wall", "diff", "fresh_data", "fresh_fwd", "fresh_bwd", "fresh_opt",
+                "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
+                "pref_wall", "pref_diff", "pref_data",
+                "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload"]
+        n_step_keys = keys.index("plan")
+        per_rep, losses, prepares = [], [], {k: set() for k in ARMS}
+        for r in range(args.reps):
+            res = {}
+            for kind in ORDERS[r % len(ORDERS)]:  # every order of the three arms in turn
+                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, prefetcher)
+                res[kind], res[kind + "_loss"] = t, loss
+                prepares[kind].add(t["prepares"])
+            p = time_pieces(model, work, clock, args, qkv, prefetcher)
+            f, u, q = res["fresh"], res["reused"], res["prefetched"]
+            per_rep.append([f["wall"], u["wall"], f["wall"] - u["wall"], f["data"], f["fwd"], f["bwd"], f["opt"],
+                            f["attn"], u["fwd"], u["bwd"], u["opt"], u["attn"], q["wall"], q["wall"] - u["wall"],
+                            q["data"]] + [p[k] for k in keys[n_step_keys:]])
+            losses.append((float(res["fresh_loss"]), float(res["reused_loss"]), float(res["prefetched_loss"])))
+        attn.on = False
     # max over ranks per repeat (every rank's time counts: the step waits for the slowest), then medians
     flat = [v for row in per_rep for v in row]
     by_rank = clock.gather(flat)
@@ -555,7 +606,7 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         peak = max(v[0] for v in clock.gather([torch.cuda.max_memory_allocated(device) / 2**30]))
     pieces = med["plan"] + med["shard"] + med["prepare"] + med["mask"]
     fwdbwd = med["fresh_wall"] - med["fresh_opt"]
-    loss_diff = max(abs(a - b) for a, b in losses)
+    loss_diff = max(max(abs(a - b), abs(c - b)) for a, b, c in losses)
     return {
         "context": context, "cp": world, "tokens_this_rank": int(work.kv_seq.shape[0]),
         "blocks_per_rank": int(work.blocks.q_seq.shape[0]), "imbalance": float(work.plan0.imbalance),
@@ -569,9 +620,16 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         "overhead_pieces_ms": pieces, "overhead_ab_ms": med["diff"],
         "pct_step_pieces": 100 * pieces / med["fresh_wall"], "pct_step_ab": 100 * med["diff"] / med["fresh_wall"],
         "pct_fwdbwd_pieces": 100 * pieces / fwdbwd, "pct_fwdbwd_ab": 100 * med["diff"] / fwdbwd,
-        "loss_fresh": losses[-1][0], "loss_reused": losses[-1][1], "loss_max_abs_diff": loss_diff,
-        "peak_gib": peak, "reps": args.reps,
+        # (c) the prefetched arm: plan + shard + blocks in the data pipeline's worker, the step uploads
+        "step_prefetched_ms": med["pref_wall"], "prefetched_data_ms": med["pref_data"], "upload_ms": med["upload"],
+        "overhead_prefetched_ms": med["pref_diff"], "pct_step_prefetched": 100 * med["pref_diff"] / med["fresh_wall"],
+        "pct_fwdbwd_prefetched": 100 * med["pref_diff"] / fwdbwd,
+        "overhead_pieces_prefetched_ms": med["upload"] + med["prepare"] + med["mask"],
+        "data_workers": args.data_workers,
+        "loss_fresh": losses[-1][0], "loss_reused": losses[-1][1], "loss_prefetched": losses[-1][2],
+        "loss_max_abs_diff": loss_diff, "peak_gib": peak, "reps": args.reps,
         "prepares_per_step_fresh": sorted(prepares["fresh"]), "prepares_per_step_reused": sorted(prepares["reused"]),
+        "prepares_per_step_prefetched": sorted(prepares["prefetched"]),
     }
 
 
@@ -587,8 +645,9 @@ def table(rows) -> str:
             continue
         out.append([r["context"], r["cp"], _fmt(r["step_fresh_ms"]), _fmt(r["step_reused_ms"]), _fmt(r["fwdbwd_ms"]),
                     _fmt(r["gradsync_opt_ms"]), _fmt(r["attention_ms"]), _fmt(r["rest_ms"]), _fmt(r["plan_ms"]),
-                    _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _fmt(r["mask_ms"]), _fmt(r["overhead_pieces_ms"]),
-                    _fmt(r["overhead_ab_ms"]), _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]),
+                    _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _fmt(r["mask_ms"]), _fmt(r["upload_ms"]),
+                    _fmt(r["overhead_pieces_ms"]), _fmt(r["overhead_ab_ms"]), _fmt(r["overhead_prefetched_ms"]),
+                    _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]), _fmt(r["pct_step_prefetched"]),
                     _fmt(r["pct_fwdbwd_pieces"]), f"{r['loss_max_abs_diff']:.1e}", _fmt(r["peak_gib"])])
     return bench.md_table(COLUMNS, out)
 
@@ -616,7 +675,13 @@ def header(args, device, world, num_params) -> str:
             f"{args.ffn}, vocab {args.vocab}, taps of a {args.target_layers}-layer target, "
             f"{num_params / 1e6:.4g}M trainable {dt} params; {args.anchors} anchors x B {args.block_size}; "
             f"splitkv, kernel {args.kernel}, planner {args.balance}; offline features (target forward not in "
-            f"the step); optimizer: {opt}; {args.reps} repeats, medians of the max over ranks; torch "
+            f"the step); optimizer: {opt}; {args.reps} repeats, medians of the max over ranks; arms: fresh = plan + "
+            f"shard (+ blocks, upload) + prepare + BlockMask in the step (pretrain_dflash.py with "
+            f"--dflash-data-workers 0), reused = none of them (the previous step's batch and params), prefetched = "
+            f"plan + shard + blocks in {args.data_workers} DataLoader worker process(es) ahead of the step, which "
+            f"takes the next batch, uploads it{' from pinned memory' if device.type == 'cuda' else ''} and does "
+            f"prepare + BlockMask (the default data pipeline); overhead (a) = plan + shard + prepare + BlockMask "
+            f"each alone, (b) = fresh - reused, (c) = prefetched - reused (paired per repeat); torch "
             f"{torch.__version__}, megatron-core {mcore}, git {git}, "
             f"MEGATRON_SPLITKV_DEBUG_CHECKS={os.environ.get('MEGATRON_SPLITKV_DEBUG_CHECKS', 'unset')}")
 
