@@ -23,14 +23,18 @@ budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
 each CP rank reads only its shard's rows; the target is then not built); `--dflash-data-workers N`
-(default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline.
+(default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline;
+`--dflash-host-metadata {on,off}` (default on with splitkv and workers > 0): the Split-KV attention metadata
+built there too, from the plan (the step binds it to the CP group instead of preparing it).
 
 Per micro-batch (one packed ShareGPT batch of up to --seq-length tokens per data-parallel rank; every CP
 rank of a DP rank iterates the same deterministic loader): the LPT planner assigns context chunks to CP
 ranks, `shard_batch` gives this rank its tokens (global positions), `build_draft_blocks` its query blocks
 and the feature store its feature rows - all in DataLoader worker processes, batches ahead of the step, in
 pinned memory (`megatron_splitkv.megatron.prefetch_planned_batches`; docs/megatron.md "Data pipeline");
-the step uploads them (non-blocking), the frozen target (or the feature rows) gives the tapped hidden
+with --dflash-host-metadata also this rank's Split-KV attention metadata
+(`prepare_splitkv_metadata_from_plan`); the step uploads them (non-blocking), binds the metadata to the CP
+group (`SplitKVMetadata.bind`: no collective, no copy beyond the upload), the frozen target (or the feature rows) gives the tapped hidden
 states, the drafter computes the decayed DFlash loss normalised over the CP group. Logged per iteration
 (Megatron's log line): the loss, `tokens-per-sec` (context tokens of the global batch per second) and
 `planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's `--save/--load` (drafter and optimizer;
@@ -61,7 +65,7 @@ from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
-_STATE = {"provider": None, "store": None, "stats": {}}
+_STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None}
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -149,6 +153,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     pgs = _pgs(pg_collection)
     dcfg = core_transformer_config_from_args(args)
     taps = target_layer_ids(args.target_num_layers, dcfg.num_layers)
+    _STATE["config"], _STATE["pgs"] = dcfg, pgs  # the data pipeline's metadata shapes; the step's CP group
     tcfg = _target_config(args, dcfg.params_dtype)
     target = build_target_model(tcfg, vocab_size=args.padded_vocab_size,
                                 max_sequence_length=args.max_position_embeddings,
@@ -208,17 +213,33 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-    from megatron_splitkv.megatron import prefetch_planned_batches
+    from megatron_splitkv.megatron import prefetch_planned_batches, splitkv_metadata_spec
+    from megatron_splitkv.megatron.arguments import (
+        data_workers_from_args,
+        host_metadata_from_args,
+        kernel_backend_from_args,
+    )
 
     skip = int(args.iteration) * get_num_microbatches()
+    spec = None
+    if host_metadata_from_args(args, data_workers_from_args(args)):
+        if _STATE["config"] is None:
+            raise ValueError("--dflash-host-metadata on: the drafter's config is unknown (model_provider runs "
+                             "before the data pipeline is built); use --dflash-host-metadata off")
+        # the core attention's shapes: heads split over TP as Megatron's Attention splits them
+        spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
+                                     kernel_backend=kernel_backend_from_args(args),
+                                     cuda=_device().type == "cuda")
     it = prefetch_planned_batches(_batch_source(skip), args, mask_token_id=args.mask_token_id,
                                   gamma=args.loss_decay_gamma, feature_store=_STATE["store"],
-                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size())
+                                  cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+                                  metadata=spec)
     where = "synchronously in forward_step (--dflash-data-workers 0)"
     if it.num_workers:
         where = (f"in {it.num_workers} DataLoader worker process(es), {it.prefetch} batch(es) ahead each"
                  + (", pinned" if it.pin_memory else ""))
     what = "plan + shard + draft blocks" + (" + feature rows" if _STATE["store"] is not None else "")
+    what += " + Split-KV metadata (--dflash-host-metadata)" if spec is not None else ""
     print_rank_0(f"DFlash data pipeline: {what} {where}" + (f"; resuming after {skip} batches" if skip else ""))
     return it, None, None
 
@@ -230,19 +251,33 @@ def _device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def _cp_group():
+    """The drafter's CP group (its pg_collection's, else parallel_state's): what its core attention uses."""
+    pgs = _STATE["pgs"]
+    if pgs is not None:
+        return getattr(pgs, "cp", None)
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_group()
+
+
 def forward_step(data_iterator, model):
     """One micro-batch: the planned and sharded batch from the data pipeline, uploaded (non-blocking from
-    pinned memory), its features (feature store rows, or the online target), the drafter loss."""
+    pinned memory), its Split-KV metadata (when the pipeline built it: --dflash-host-metadata) bound to the
+    CP group, its features (feature store rows, or the online target), the drafter loss."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    item = next(data_iterator)  # PlannedBatch on the host (plan, shard, blocks, features)
+    item = next(data_iterator)  # PlannedBatch on the host (plan, shard, blocks, features, metadata)
     dev = item.to(_device(), non_blocking=True)
+    kw = {}
+    if dev.metadata is not None:  # uploaded with the batch: bind only attaches the group (no copy)
+        kw["metadata"] = dev.metadata.bind(_cp_group(), _device())
     timers("batch-generator").stop()
     if _STATE["store"] is not None:
         feats = dev.features
     else:
         feats = _STATE["provider"](dev.input_ids, dev.kv_seq, dev.kv_pos)
-    out = model(feats, dev.blocks, dev.kv_seq, dev.kv_pos)
+    out = model(feats, dev.blocks, dev.kv_seq, dev.kv_pos, **kw)
     _STATE["stats"] = {"tokens": item.num_tokens, "imbalance": item.imbalance}
     return out.loss, partial(loss_func, out)
 

@@ -1,8 +1,11 @@
 """The prefetching data pipeline (`megatron_splitkv.data.pipeline`, `--dflash-data-workers`): DataLoader worker
 processes yield exactly what the synchronous path computes in forward_step (plans, shards, draft blocks,
 kv_seq / kv_pos, feature rows), in stream order, at CP=1 and on both ranks of CP=2, also after a resume
-(`skip`); a worker's error reaches the training process with its message; bad values are errors naming the
-flag; examples/pretrain_dflash.py's provider and forward_step with 0 and 1 workers. CPU only, no timing."""
+(`skip`); with a `MetadataSpec` the items' Split-KV metadata equals `prepare_splitkv_metadata_from_plan`
+field by field (0 and 1 workers, through pickle / pin / upload); a worker's error reaches the training
+process with its message; bad values are errors naming the flag; examples/pretrain_dflash.py's provider and
+forward_step with 0 and 1 workers, with and without the worker-built metadata (--dflash-host-metadata).
+CPU only, no timing."""
 
 import functools
 import itertools
@@ -267,6 +270,131 @@ def test_pin_memory_and_upload():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Split-KV metadata built in the workers (MetadataSpec)
+# ---------------------------------------------------------------------------------------------------------
+
+HQ, HKV, HD = 4, 2, 8
+
+
+def _spec(flex=True):
+    from megatron_splitkv.data import MetadataSpec
+
+    return MetadataSpec(num_heads_q=HQ, num_heads_kv=HKV, head_dim=HD, dtype=torch.float32, flex_block_masks=flex)
+
+
+def _meta_problems(m, ref):
+    """What differs between the item's unbound metadata `m` and `ref` (prepare_splitkv_metadata_from_plan run
+    here): every dataclass field (test_metadata_from_plan.meta_diff; the packed buffer record aside) and the
+    host-built FlexAttention tables of every mask."""
+    import dataclasses
+
+    from test_metadata_from_plan import meta_diff
+
+    def norm(x):
+        hb = x.host_build
+        return dataclasses.replace(x, host_build=None if hb is None else dataclasses.replace(hb, buffer=None,
+                                                                                              layout=None))
+
+    bad = meta_diff(norm(m), norm(ref))
+    if (m.host_build.cp_size, m.host_build.cp_rank) != (ref.host_build.cp_size, ref.host_build.cp_rank):
+        bad.append("host_build")
+    for i, (a, b) in enumerate(zip(m.chunk_masks_own, ref.chunk_masks_own)):
+        ta, tb = a.__dict__.get("_flex_host_tables", {}), b.__dict__.get("_flex_host_tables", {})
+        if sorted(ta) != sorted(tb) or any(
+                not all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip((ta[k][0],) + ta[k][1],
+                                                                                  (tb[k][0],) + tb[k][1]))
+                for k in ta):
+            bad.append(f"flex tables of chunk {i}")
+    return bad
+
+
+def _meta_ref(item, spec):
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+
+    return prepare_splitkv_metadata_from_plan(item.plan, item.cp_rank, block_size=BLOCK, num_heads_q=spec.num_heads_q,
+                                              num_heads_kv=spec.num_heads_kv, head_dim=spec.head_dim, dtype=spec.dtype,
+                                              flex_block_masks=spec.flex_block_masks)
+
+
+def test_meta_problems_detects_differences():
+    """The comparison below is not vacuous: another rank's, another head count's or flex-less metadata differ."""
+    import dataclasses
+
+    item = plan_batch(next(_source()()), metadata=_spec(), **_kw(2, 0))
+    ref = _meta_ref(item, _spec())
+    assert _meta_problems(item.metadata, ref) == []
+    other = plan_batch(next(_source()()), metadata=_spec(), **_kw(2, 1)).metadata
+    assert "keys" in _meta_problems(other, ref) and "host_build" in _meta_problems(other, ref)
+    assert _meta_problems(_meta_ref(item, dataclasses.replace(_spec(), num_heads_kv=1)), ref) == ["num_heads_kv"]
+    assert "flex tables of chunk 0" in _meta_problems(_meta_ref(item, _spec(flex=False)), ref)
+
+
+@pytest.mark.parametrize("cp, workers", [(1, 0), (2, 0), (2, 1)])
+def test_worker_metadata_equals_prepare_from_plan(cp, workers):
+    """Each item's metadata (unbound, this rank's) equals `prepare_splitkv_metadata_from_plan(item.plan,
+    rank, ...)` run here, field by field, flex tables included; its tensors are views of the item's ONE upload
+    buffer (no extra shared segment); the rest of the item equals the items built without metadata."""
+    n = 4
+    for rank in range(cp):
+        plain = _take(PrefetchedBatches(_source(), num_workers=0, **_kw(cp, rank)), n)
+        items = _take(PrefetchedBatches(_source(), num_workers=workers, metadata=_spec(), **_kw(cp, rank)), n)
+        for x, y in zip(plain, items):
+            _same_item(x, y)
+            m = y.metadata
+            assert x.metadata is None and m is not None and not m.bound
+            assert _meta_problems(m, _meta_ref(y, _spec())) == [], (rank, y.index)
+            up = y.buffers[0].untyped_storage().data_ptr()
+            from megatron_splitkv.ops.metadata import _unique_tensors
+
+            assert all(t.untyped_storage().data_ptr() == up for t in _unique_tensors(m))
+            assert m.host_build.buffer.untyped_storage().data_ptr() == up
+            if workers:
+                assert y.buffers[0].is_shared()
+
+
+def test_worker_metadata_pickle_pin_upload_bind():
+    """The item's metadata survives pickling (as from a worker: its tensors travel in the upload buffer, the
+    pickle holds no copy of them), `to` moves it with the batch (still unbound) and `bind` (P = 1) gives the
+    metadata `prepare_splitkv_metadata_from_plan(...).bind` gives; on CUDA the pin thread's `pin_memory`
+    pins it with the batch and `bind` after `to(cuda)` copies nothing."""
+    import pickle
+
+    from test_metadata_from_plan import meta_diff
+
+    item = next(PrefetchedBatches(_source(), num_workers=0, metadata=_spec(), **_kw(1, 0)))
+    ref = _meta_ref(item, _spec())
+    plain = next(PrefetchedBatches(_source(), num_workers=0, **_kw(1, 0)))
+    extra = len(pickle.dumps(item)) - len(pickle.dumps(plain))
+    assert extra < item.buffers[0].numel() - plain.buffers[0].numel() + 20000  # the skeleton, not the data twice
+    back = pickle.loads(pickle.dumps(item))
+    assert _meta_problems(back.metadata, ref) == []
+    moved = item.to("cpu")
+    assert _meta_problems(moved.metadata, ref) == []
+    assert meta_diff(moved.metadata.bind(None, "cpu"), ref.bind(None, "cpu")) == []
+    if not torch.cuda.is_available():
+        pytest.skip("pinned memory / upload need CUDA")
+    pinned = item.pin_memory()
+    assert pinned.metadata.host_build.buffer.is_pinned() and pinned.metadata.pin_memory() is pinned.metadata
+    assert pinned.metadata.keys.is_pinned()
+    dev = pinned.to("cuda")
+    assert dev.metadata.keys.is_cuda and not dev.metadata.bound
+    bound = dev.metadata.bind(None, torch.device("cuda", torch.cuda.current_device()))
+    assert bound.keys.untyped_storage().data_ptr() == dev.buffers[0].untyped_storage().data_ptr()  # no copy
+    for name in ("q_seq", "q_anchor", "kv_seq", "kv_pos", "keys", "block_meta", "valid_rows"):
+        assert torch.equal(getattr(bound, name).cpu(), getattr(ref, name)), name
+
+
+def test_metadata_spec_errors():
+    batch = next(_source()())
+    with pytest.raises(TypeError, match="metadata must be a MetadataSpec"):
+        plan_batch(batch, metadata={"num_heads_q": 4}, **_kw(1, 0))
+    import dataclasses
+
+    with pytest.raises(ValueError, match="prepare_splitkv_metadata_from_plan: Hq % Hkv"):
+        plan_batch(batch, metadata=dataclasses.replace(_spec(), num_heads_kv=3), **_kw(1, 0))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------------------------
 
@@ -408,10 +536,12 @@ class _Model:
     """Records what forward_step hands the drafter; returns a loss object."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.metadata = [], []
 
-    def __call__(self, feats, blocks, kv_seq, kv_pos):
+    def __call__(self, feats, blocks, kv_seq, kv_pos, **kw):
         self.calls.append((feats, blocks, kv_seq, kv_pos))
+        self.metadata.append(kw.pop("metadata", None))
+        assert not kw, kw
 
         class Out:
             loss = torch.zeros(())
@@ -461,4 +591,90 @@ def test_pretrain_provider_and_forward_step(store, monkeypatch, workers):
         _same_tensor(blocks.labels, rblocks.labels, "labels")
         _same_tensor(blocks.loss_weight, rblocks.loss_weight, "loss_weight")
         assert mod._STATE["stats"] == {"tokens": batch.num_tokens, "imbalance": float(plan.imbalance)}
+    assert model.metadata == [None] * 3  # no --context-parallel-impl: no metadata built
     it.close()
+
+
+@pytest.mark.parametrize("workers, flag, built", [(1, None, True), (0, "on", True), (1, "off", False),
+                                                  (0, None, False)])
+def test_pretrain_forward_step_binds_worker_metadata(store, monkeypatch, workers, flag, built):
+    """--context-parallel-impl splitkv with --dflash-host-metadata (default on with workers): the provider builds
+    the metadata in the pipeline with the drafter config's per-TP-rank shapes, forward_step binds it to the
+    drafter's CP group and passes it as `metadata=`; it equals prepare_splitkv_metadata_from_plan(...).bind
+    of the batch the old synchronous code built. Off (or 0 workers by default): nothing is passed. DP=2 rank 1,
+    CP=1 (binding needs no process group), resumed at iteration 2."""
+    import argparse
+    import types
+
+    import megatron.core.num_microbatches_calculator as nmc
+    from megatron.core import parallel_state as ps
+
+    from megatron_splitkv.megatron.models import qwen3_config
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+    from test_metadata_from_plan import meta_diff
+
+    mod = _load_pretrain(f"pretrain_dflash_meta{workers}{flag}")
+    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
+                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_workers=workers,
+                              dflash_data_prefetch=2, context_parallel_impl="splitkv", dflash_host_metadata=flag,
+                              tensor_model_parallel_size=2, splitkv_kernel="auto")
+    monkeypatch.setattr(mod, "get_args", lambda: args)
+    monkeypatch.setattr(mod, "get_timers", lambda: (lambda *a, **k: _Timer()))
+    monkeypatch.setattr(mod, "print_rank_0", lambda *a, **k: None)
+    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
+    for name, v in (("get_data_parallel_world_size", 2), ("get_data_parallel_rank", 1),
+                    ("get_context_parallel_world_size", 1), ("get_context_parallel_rank", 0)):
+        monkeypatch.setattr(ps, name, lambda v=v, **k: v)
+    monkeypatch.setitem(mod._STATE, "store", store)
+    # the drafter's config: 8 heads / 4 query groups x 16 over TP = 2 -> 4 / 2 heads per TP rank
+    cfg = qwen3_config(num_layers=1, hidden_size=128, num_attention_heads=8, num_query_groups=4, kv_channels=16,
+                       ffn_hidden_size=64)
+    monkeypatch.setitem(mod._STATE, "config", cfg)
+    monkeypatch.setitem(mod._STATE, "pgs", types.SimpleNamespace(cp=None))
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
+    it, _, _ = mod.train_valid_test_datasets_provider(None)
+    model = _Model()
+    loader = ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3, corpus=store.corpus())
+    ref = _old_forward_step_items(_naive_batches(loader, 2, 1, 4), 1, 0, store)
+    try:
+        for _ in range(3):
+            mod.forward_step(it, model)
+            meta = model.metadata[-1]
+            plan, shard, rblocks, rfeats, batch = next(ref)
+            _same_tensor(model.calls[-1][2], torch.as_tensor(shard["kv_seq"]), "kv_seq")
+            if not built:
+                assert meta is None
+                continue
+            assert meta is not None and meta.bound and (meta.group.size, meta.group.rank) == (1, 0)
+            want = prepare_splitkv_metadata_from_plan(
+                plan, 0, block_size=BLOCK, num_heads_q=4, num_heads_kv=2, head_dim=16, dtype=torch.float32,
+                flex_block_masks=torch.cuda.is_available()).bind(None, mod._device())
+            assert meta_diff(meta, want) == []
+    finally:
+        it.close()
+
+
+def test_host_metadata_flag():
+    pytest.importorskip("megatron.core")
+    import argparse
+
+    from megatron_splitkv.megatron import SplitKVArgumentError, add_splitkv_args, validate_splitkv_args
+    from megatron_splitkv.megatron.arguments import host_metadata_from_args
+
+    p = add_splitkv_args(argparse.ArgumentParser())
+    for argv, workers, want in (([], 1, False), (["--context-parallel-impl", "splitkv"], 1, True),
+                                (["--context-parallel-impl", "splitkv"], 0, False),
+                                (["--context-parallel-impl", "splitkv", "--dflash-host-metadata", "on"], 0, True),
+                                (["--context-parallel-impl", "splitkv", "--dflash-host-metadata", "off"], 2, False),
+                                (["--context-parallel-impl", "ring-kv"], 2, False)):
+        a = p.parse_args(argv)
+        assert host_metadata_from_args(a, workers) is want, argv
+    a = p.parse_args(["--context-parallel-impl", "allgather-kv", "--dflash-host-metadata", "on"])
+    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata on needs --context-parallel-impl splitkv"):
+        validate_splitkv_args(a, have_te=True)
+    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata must be one of"):
+        host_metadata_from_args(argparse.Namespace(dflash_host_metadata="yes", context_parallel_impl="splitkv"))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dflash-host-metadata", "maybe"])

@@ -2,11 +2,11 @@
 prefetching data pipeline (plan + shard in DataLoader workers)."""
 
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_candidates, sample_anchors, sample_anchors_packed
-from .pipeline import PlannedBatch, PrefetchedBatches, data_parallel_batches, plan_batch
+from .pipeline import MetadataSpec, PlannedBatch, PrefetchedBatches, data_parallel_batches, plan_batch
 from .sharding import shard_batch, unshard
 
 __all__ = ["DEFAULT_NUM_ANCHORS", "anchor_candidates", "sample_anchors", "sample_anchors_packed",
-           "shard_batch", "unshard", "PlannedBatch", "PrefetchedBatches", "data_parallel_batches", "plan_batch",
+           "shard_batch", "unshard", "MetadataSpec", "PlannedBatch", "PrefetchedBatches", "data_parallel_batches", "plan_batch",
            "PackedBatch", "ShareGPTLoader", "TokenizedCorpus", "load_sharegpt", "make_packed_batch",
            "synthetic_long_batch", "tokenize_chat"]
 

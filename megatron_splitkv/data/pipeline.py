@@ -30,7 +30,8 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 import torch
 
-__all__ = ["PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches", "data_parallel_batches"]
+__all__ = ["MetadataSpec", "PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches",
+           "data_parallel_batches"]
 
 
 _ALIGN = 64  # byte alignment of each tensor in a packed buffer (any dtype's view is aligned)
@@ -68,6 +69,83 @@ def _fill(views: dict, tensors: dict) -> None:
             views[k].copy_(t)
 
 
+@dataclass(frozen=True)
+class MetadataSpec:
+    """The attention shapes for which `plan_batch` also builds this CP rank's Split-KV metadata
+    (`ops.prepare_splitkv_metadata_from_plan`, on the host, no process group): what the drafter's core
+    attention would prepare on the step's first layer (`DFlashPackedSeqParams.op_metadata`).
+
+    Attributes:
+        num_heads_q, num_heads_kv: query / key-value heads PER TENSOR-PARALLEL RANK (what the core attention
+            sees: `num_attention_heads // tp`, `num_query_groups // tp`).
+        head_dim: D (`kv_channels`). dtype: the attention's activations' dtype (the model's params_dtype).
+        num_chunks, cp_ranks_per_node: as `prepare_splitkv_metadata` (None: the environment variables, read
+            where the metadata is built; `bind` checks that they resolve the same in the training process).
+        flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
+            then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
+    The block size is `plan_batch`'s. Picklable (a DataLoader worker gets it with the dataset).
+    """
+
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    num_chunks: Optional[int] = None
+    cp_ranks_per_node: Optional[int] = None
+    flex_block_masks: bool = False
+
+    def build(self, plan, cp_rank: int, block_size: int):
+        """`prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)` with these shapes: unbound, CPU."""
+        from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+
+        return prepare_splitkv_metadata_from_plan(
+            plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
+            head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
+            cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks)
+
+
+def _meta_tensors(meta) -> list:
+    from megatron_splitkv.ops import metadata as md
+
+    return md._unique_tensors(meta)
+
+
+def _meta_layout(meta) -> tuple:
+    """(byte offsets of the metadata's unique tensors in its region, region bytes), 16-byte aligned as
+    `ops.metadata._pack` lays them out (`bind` views the uploaded region at these offsets)."""
+    from megatron_splitkv.ops import metadata as md
+
+    offs, at = [], 0
+    for t in _meta_tensors(meta):
+        offs.append(at)
+        at += -(-t.numel() * t.element_size() // md._PACK_ALIGN) * md._PACK_ALIGN
+    return offs, at
+
+
+def _meta_in(meta, region: torch.Tensor, offs, copy: bool = False, **changes):
+    """`meta` with its tensors as views of the uint8 `region` at `offs` (copied in when `copy`), the region
+    recorded as its packed buffer (`host_build.buffer`: what `bind` uploads, or uses as is on the device)."""
+    from megatron_splitkv.ops import metadata as md
+
+    tensors = _meta_tensors(meta)
+    new = {id(t): md._unpacked(region, o, t) for t, o in zip(tensors, offs)}
+    if copy:
+        for t in tensors:
+            new[id(t)].copy_(t)
+    return md._remapped(meta, new, host_build=md._replace(meta.host_build, buffer=region, layout=list(offs)),
+                        **changes)
+
+
+def _meta_skeleton(meta):
+    """`meta` without data (its tensors on the meta device): pickled with an item instead of its tensors,
+    which travel inside the item's upload buffer."""
+    from megatron_splitkv.ops import metadata as md
+
+    tensors = _meta_tensors(meta)
+    new = {id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
+    return md._remapped(meta, new, host_build=md._replace(meta.host_build, buffer=None, layout=None))
+
+
 @dataclass
 class PlannedBatch:
     """One packed batch, planned and sharded for one CP rank (host tensors; `to` uploads them).
@@ -84,11 +162,16 @@ class PlannedBatch:
         features: [T_r, dim] this rank's rows of the feature store, or None without one.
         source: [n_seq] int64 conversation ids of the packed sequences (`PackedBatch.source`).
         num_tokens: context tokens of the global batch.
+        metadata: with a `MetadataSpec`: this rank's UNBOUND Split-KV metadata
+            (`ops.prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)`); the step binds it to the CP group
+            (`item.to(device).metadata.bind(cp_group, device)`) and passes it to the model. None without.
 
     Storage: the upload set (blocks, kv_seq, kv_pos, input_ids, features) are views of ONE flat byte buffer,
     the shard and source of a second one (`plan_batch` packs them), so that a worker hands an item to the
     training process as two shared-memory segments, the pin-memory thread pins it with one copy and `to`
-    uploads it with one host-to-device copy.
+    uploads it with one host-to-device copy. The metadata's tensors are a region of the upload buffer too
+    (its `host_build.buffer`): after `to(cuda)` that region is already on the device, and `bind` only makes
+    views of it (no second copy).
     """
 
     index: int
@@ -102,6 +185,7 @@ class PlannedBatch:
     features: Optional[torch.Tensor]
     source: torch.Tensor
     num_tokens: int
+    metadata: Optional[object] = dataclasses.field(default=None, repr=False, compare=False)
     # (upload buffer, its layout, host buffer, its layout): what the tensors above are views of
     buffers: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -120,12 +204,23 @@ class PlannedBatch:
         return dict(blocks=blocks, kv_seq=u["kv_seq"], kv_pos=u["kv_pos"], input_ids=u["input_ids"],
                     features=u.get("features"))
 
+    @staticmethod
+    def _metadata_on(meta, upload, layout, **changes):
+        """The metadata `meta` (or its skeleton) on the "metadata" region of the flat buffer `upload`."""
+        if meta is None:
+            return None
+        (_, _, shape, off), = [x for x in layout if x[0] == "metadata"]
+        return _meta_in(meta, upload[off:off + shape[0]], meta.host_build.layout or _meta_layout(meta)[0],
+                        **changes)
+
     @classmethod
-    def _from_buffers(cls, index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout):
+    def _from_buffers(cls, index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout,
+                      metadata=None):
         h = _views(host, host_layout)
         shard = {k[len("shard."):]: v for k, v in h.items() if k.startswith("shard.")}
         return cls(index=int(index), cp_rank=int(cp_rank), plan=plan, shard=shard, source=h["source"],
                    num_tokens=int(num_tokens), buffers=(upload, upload_layout, host, host_layout),
+                   metadata=cls._metadata_on(metadata, upload, upload_layout),
                    **cls._upload_fields(upload, upload_layout, plan.block_size))
 
     def __reduce__(self):
@@ -134,38 +229,51 @@ class PlannedBatch:
         if self.buffers is None:  # built by hand: field by field
             return (PlannedBatch, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
         plan = dataclasses.replace(self.plan, _cache={}) if hasattr(self.plan, "_cache") else self.plan
-        return (_rebuild_planned_batch, (self.index, self.cp_rank, plan, self.num_tokens) + tuple(self.buffers))
+        # the metadata without its tensors (they are in the upload buffer): no extra shared segments
+        meta = None if self.metadata is None else _meta_skeleton(self.metadata)
+        return (_rebuild_planned_batch, (self.index, self.cp_rank, plan, self.num_tokens) + tuple(self.buffers)
+                + (meta,))
 
-    def _with_upload(self, upload_fn) -> "PlannedBatch":
-        if self.buffers is None:  # built by hand: tensor by tensor
+    def _with_upload(self, upload_fn, pinning: bool = False) -> "PlannedBatch":
+        if self.buffers is None:  # built by hand: tensor by tensor (the metadata: pinned by its own method)
             blocks = self.blocks.__class__(**{f: upload_fn(getattr(self.blocks, f)) for f in _BLOCK_FIELDS},
                                            block_size=self.blocks.block_size)
+            meta = self.metadata
+            if meta is not None and pinning:
+                meta = meta.pin_memory()
             return dataclasses.replace(self, blocks=blocks, kv_seq=upload_fn(self.kv_seq),
                                        kv_pos=upload_fn(self.kv_pos), input_ids=upload_fn(self.input_ids),
-                                       features=None if self.features is None else upload_fn(self.features))
+                                       features=None if self.features is None else upload_fn(self.features),
+                                       metadata=meta)
         upload, ul, host, hl = self.buffers
         upload = upload_fn(upload)
-        return dataclasses.replace(self, buffers=(upload, ul, host, hl),
+        meta = self.metadata
+        if meta is not None:  # its tensors follow the buffer (still unbound: `bind` attaches the group)
+            meta = self._metadata_on(meta, upload, ul, **({} if pinning else {"device": upload.device}))
+        return dataclasses.replace(self, buffers=(upload, ul, host, hl), metadata=meta,
                                    **self._upload_fields(upload, ul, self.blocks.block_size))
 
     def pin_memory(self, device=None) -> "PlannedBatch":
-        """The upload set in page-locked memory, one copy (the DataLoader's pin-memory thread calls this)."""
-        return self._with_upload(lambda t: t.pin_memory())
+        """The upload set (with the metadata's region) in page-locked memory, one copy (the DataLoader's
+        pin-memory thread calls this)."""
+        return self._with_upload(lambda t: t.pin_memory(), pinning=True)
 
     def to(self, device, non_blocking: bool = True) -> "PlannedBatch":
         """A copy whose upload set lives on `device` (one host-to-device copy of the upload buffer; plan, shard
         and source stay on the host). From pinned memory with non_blocking=True the copy is queued on the
-        current stream without a host wait."""
+        current stream without a host wait. The metadata (unbound) comes along on `device`: its
+        `bind(cp_group, device)` then copies nothing."""
         return self._with_upload(lambda t: t.to(device, non_blocking=non_blocking))
 
 
-def _rebuild_planned_batch(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout):
-    return PlannedBatch._from_buffers(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout)
+def _rebuild_planned_batch(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout, meta=None):
+    return PlannedBatch._from_buffers(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout,
+                                      meta)
 
 
 def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token_id: int,
                chunk_size: Optional[int] = None, strategy: str = "lpt", gamma: Optional[float] = None,
-               feature_store=None, index: int = 0) -> PlannedBatch:
+               feature_store=None, index: int = 0, metadata: Optional[MetadataSpec] = None) -> PlannedBatch:
     """Plan, shard, draft blocks and (optionally) feature rows of one packed batch for one CP rank.
 
     Args:
@@ -177,8 +285,11 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
             (`megatron.models.FeatureStore`, which also has `dim`, `torch_dtype` and `rows(..., out=)`: the
             rows are then read straight into the item's buffer), or None.
         index: stored in the result (stream position).
+        metadata: a `MetadataSpec` (the attention's shapes): also build this rank's unbound Split-KV metadata
+            (`PlannedBatch.metadata`, packed into the upload buffer); None (default): no metadata.
     Returns: `PlannedBatch` (CPU tensors, packed; in a DataLoader worker in shared memory). Raises what the
-        planner, `shard_batch`, `build_draft_blocks` or the feature store raise for inconsistent inputs.
+        planner, `shard_batch`, `build_draft_blocks`, the feature store or
+        `prepare_splitkv_metadata_from_plan` raise for inconsistent inputs.
     """
     from megatron_splitkv.data.sharding import shard_batch
     from megatron_splitkv.dflash import build_draft_blocks
@@ -205,6 +316,13 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
         else:
             up_t["features"] = feature_store.rows(batch.source, kv_seq, kv_pos)
             up_specs.append(("features", up_t["features"].dtype, up_t["features"].shape))
+    meta = meta_offs = None
+    if metadata is not None:
+        if not isinstance(metadata, MetadataSpec):
+            raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
+        meta = metadata.build(plan, cp_rank, block_size)
+        meta_offs, meta_n = _meta_layout(meta)
+        up_specs.append(("metadata", torch.uint8, (meta_n,)))
     shared = torch.utils.data.get_worker_info() is not None
     up_layout, up_n = _layout(up_specs)
     host_layout, host_n = _layout([(k, t.dtype, t.shape) for k, t in host_t.items()])
@@ -215,6 +333,8 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
     _fill(_views(host, host_layout), host_t)
     if direct:
         feature_store.rows(batch.source, kv_seq, kv_pos, out=uv["features"])
+    if meta is not None:
+        item.metadata = _meta_in(meta, uv["metadata"], meta_offs, copy=True)
     return item
 
 

@@ -25,7 +25,12 @@ from .arguments import (
 )
 from .attention import DFlashPackedSeqParams, SplitKVCoreAttention, resolve_cp_attention_fn
 from .layers import DFlashAttention, DFlashAttentionSubmodules, DFlashTransformerLayer, apply_rope
-from .sharding import get_batch_on_this_cp_rank_splitkv, planner_kwargs_from_args, prefetch_planned_batches
+from .sharding import (
+    get_batch_on_this_cp_rank_splitkv,
+    planner_kwargs_from_args,
+    prefetch_planned_batches,
+    splitkv_metadata_spec,
+)
 from .specs import (
     get_dflash_layer_local_spec,
     get_dflash_layer_spec,
@@ -54,4 +59,5 @@ __all__ = [
     "get_batch_on_this_cp_rank_splitkv",
     "planner_kwargs_from_args",
     "prefetch_planned_batches",
+    "splitkv_metadata_spec",
 ]

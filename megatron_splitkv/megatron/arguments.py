@@ -26,6 +26,8 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
                              in forward_step)
     --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
+    --dflash-host-metadata {on,off}  build the Split-KV attention metadata in the data workers from the plan
+                             (the step binds it); default on with splitkv and data workers > 0
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -36,6 +38,7 @@ import argparse
 import importlib.util
 import numbers
 import os
+from typing import Optional
 
 __all__ = [
     "CP_IMPLS",
@@ -49,6 +52,8 @@ __all__ = [
     "kernel_backend_from_args",
     "data_workers_from_args",
     "data_prefetch_from_args",
+    "host_metadata_from_args",
+    "HOST_METADATA_CHOICES",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -183,7 +188,38 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help="Batches each data-pipeline worker prepares ahead (the DataLoader's prefetch_factor, >= 1; "
             "default 2). Host memory: about workers x prefetch + 2 prepared batches (offline feature rows).",
         )
+    if not _has(parser, "--dflash-host-metadata"):
+        group.add_argument(
+            "--dflash-host-metadata", type=str, default=None, choices=HOST_METADATA_CHOICES,
+            help="Build each batch's Split-KV attention metadata (key intervals, chunk masks, FlexAttention "
+            "block tables) in the data pipeline's workers from the plan, on the host, instead of in the first "
+            "drafter layer of the step (collectives + host syncs + BlockMask build); the step only binds it to "
+            "the CP group (no copy beyond the batch's upload). Only with --context-parallel-impl splitkv. "
+            "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off.",
+        )
     return parser
+
+
+#: values of --dflash-host-metadata
+HOST_METADATA_CHOICES = ("on", "off")
+
+
+def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
+    """Whether the data pipeline builds the Split-KV metadata (`--dflash-host-metadata`): unset/None = on when
+    --context-parallel-impl is splitkv and the pipeline has workers (`num_workers`, default
+    `data_workers_from_args`), else off. SplitKVArgumentError naming the flag for an unknown value, or for
+    "on" with another --context-parallel-impl (the baselines' metadata needs the other ranks' context)."""
+    value = getattr(args, "dflash_host_metadata", None)
+    impl = getattr(args, "context_parallel_impl", None)
+    if value is None:
+        workers = data_workers_from_args(args) if num_workers is None else num_workers
+        return impl == "splitkv" and workers > 0
+    if value not in HOST_METADATA_CHOICES:
+        raise SplitKVArgumentError(f"--dflash-host-metadata must be one of {HOST_METADATA_CHOICES}, got {value!r}")
+    if value == "on" and impl != "splitkv":
+        raise SplitKVArgumentError(f"--dflash-host-metadata on needs --context-parallel-impl splitkv (got {impl}): "
+                                   "the baselines prepare their metadata in the step; use --dflash-host-metadata off")
+    return value == "on"
 
 
 def data_workers_from_args(args) -> int:
@@ -243,7 +279,8 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
-    `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1;
+    `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
+    `--context-parallel-impl splitkv`;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step.
@@ -254,6 +291,8 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     if getattr(args, "dflash_data_workers", None) is not None:  # None: resolved at run time (CUDA or not)
         data_workers_from_args(args)
     data_prefetch_from_args(args)
+    if getattr(args, "dflash_host_metadata", None) is not None:
+        host_metadata_from_args(args, num_workers=0)
     if impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
     tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)

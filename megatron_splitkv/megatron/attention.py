@@ -107,6 +107,15 @@ class DFlashPackedSeqParams(PackedSeqParams):
     modified (in place or by reassignment) after the first layer's call: build a new
     `DFlashPackedSeqParams` per micro-batch instead. Activation recompute reuses the cached metadata.
 
+    Metadata built ahead (`metadata`): a BOUND Split-KV `SplitKVMetadata` of this micro-batch, e.g. built
+    in a data-loader worker with `ops.prepare_splitkv_metadata_from_plan` and bound in the step with
+    `meta.bind(cp_group, device)` (examples/pretrain_dflash.py, docs/megatron.md "Data pipeline"). Every
+    layer (and the early query gather) then uses it instead of preparing (no collective, no host sync);
+    `op_metadata` checks that it matches the layer (impl, CP group, block size, Hq / Hkv per TP rank, head
+    dim, dtype, device, local block and context counts; ValueError naming what differs). The caller
+    guarantees that it describes THIS micro-batch (with MEGATRON_SPLITKV_DEBUG_CHECKS=1 its q_anchor /
+    kv_seq / kv_pos and q_seq on valid blocks are compared with this object's, one host sync per layer).
+
     Errors: `validate()` raises ValueError on shape/dtype mismatches.
     Source: DESIGN.md section 1 (DFlash mask), arXiv 2611.05926.
     """
@@ -116,6 +125,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
     kv_seq: Tensor = None
     kv_pos: Tensor = None
     block_size: int = None
+    metadata: SplitKVMetadata = None
     # per-step cache of the ops' SplitKVMetadata (see `op_metadata`); not part of the constructor
     _op_metadata: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -158,10 +168,18 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
-        on every rank of the group)."""
+        on every rank of the group).
+
+        With `self.metadata` (bound metadata built ahead): returns it, after `check_metadata` against this
+        call (ValueError "DFlashPackedSeqParams.metadata ... : <field> ..." naming what differs; the same
+        on every rank, before any collective); nothing is prepared."""
         device = torch.device(device)
         key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group))
         meta = self._op_metadata.get(key)
+        if meta is None and self.metadata is not None:
+            self.check_metadata(cp_impl, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
+                                dtype=dtype, device=device, cp_group=cp_group)
+            meta = self._op_metadata[key] = self.metadata
         if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
             meta = prepare_splitkv_metadata(
                 self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
@@ -170,6 +188,62 @@ class DFlashPackedSeqParams(PackedSeqParams):
             )
             self._op_metadata[key] = meta
         return meta
+
+    def check_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
+                       dtype: torch.dtype, device, cp_group=None) -> None:
+        """Raise ValueError unless `self.metadata` (bound metadata built ahead) fits a layer call with
+        these arguments: a bound `SplitKVMetadata` of impl `cp_impl` (splitkv), bound to `cp_group` (the
+        same process group object; None: the default group / one process), with this block size, Hq, Hkv
+        (per TP rank), head dim, dtype, device, and this rank's query block / context token counts. Local
+        checks only (no collective, no host sync; with MEGATRON_SPLITKV_DEBUG_CHECKS=1 also the index
+        values, one host sync)."""
+        from ..comm import resolve_group
+        from ..ops.common import debug_checks
+
+        meta, where = self.metadata, "DFlashPackedSeqParams.metadata"
+        if not isinstance(meta, SplitKVMetadata):
+            raise ValueError(f"{where} must be a bound SplitKVMetadata (prepare_splitkv_metadata_from_plan(...)"
+                             f".bind(cp_group, device)), got {type(meta).__name__}")
+        if not meta.bound:
+            raise ValueError(f"{where} is not bound to a CP group yet: pass meta.bind(cp_group, device) "
+                             "(the unbound metadata of prepare_splitkv_metadata_from_plan)")
+        if cp_impl != "splitkv":
+            raise ValueError(f"{where}: metadata built ahead is Split-KV's, but this layer runs "
+                             f"--context-parallel-impl {cp_impl}")
+        group = resolve_group(cp_group)
+        got_g, want_g = meta.group, group
+        diffs = []
+        if meta.impl != "splitkv":
+            diffs.append(f"impl {meta.impl!r} (layer: 'splitkv')")
+        if (got_g.pg is not want_g.pg) or (got_g.size, got_g.rank) != (want_g.size, want_g.rank):
+            other = ", another group object" if got_g.pg is not want_g.pg else ""
+            diffs.append(f"CP group (size {got_g.size}, rank {got_g.rank}{other}; layer: size {want_g.size}, "
+                         f"rank {want_g.rank})")
+        for name, got, want in (("block_size", meta.block_size, int(self.block_size)),
+                                ("num_heads_q (Hq per TP rank)", meta.num_heads_q, int(num_heads_q)),
+                                ("num_heads_kv (Hkv per TP rank)", meta.num_heads_kv, int(num_heads_kv)),
+                                ("head_dim", meta.head_dim, int(head_dim)),
+                                ("dtype", meta.dtype, dtype),
+                                ("device", torch.device(meta.device), torch.device(device))):
+            if got != want:
+                diffs.append(f"{name} {got} (layer: {want})")
+        if not diffs:
+            r = meta.group.rank
+            for name, got, want in (("query blocks of this rank", meta.n_blocks[r], self.num_blocks),
+                                    ("context tokens of this rank", meta.n_ctx[r], self.num_ctx_tokens)):
+                if got != want:
+                    diffs.append(f"{name} {got} (this micro-batch: {want})")
+        if diffs:
+            raise ValueError(f"{where} does not match this layer / micro-batch: " + "; ".join(diffs)
+                             + " (build it with the layer's shapes: MetadataSpec / splitkv_metadata_spec)")
+        if debug_checks():
+            valid = self.q_anchor >= 0
+            same = (torch.equal(meta.q_anchor, self.q_anchor) and torch.equal(meta.kv_seq, self.kv_seq)
+                    and torch.equal(meta.kv_pos, self.kv_pos)
+                    and torch.equal(meta.q_seq[valid], self.q_seq[valid]))
+            if not same:
+                raise ValueError(f"{where} describes another micro-batch: its q_seq / q_anchor / kv_seq / kv_pos "
+                                 "differ from this DFlashPackedSeqParams' (MEGATRON_SPLITKV_DEBUG_CHECKS)")
 
     def validate(self) -> None:
         """Raise ValueError when the metadata is inconsistent."""

@@ -23,7 +23,40 @@ import torch
 
 from .attention import DFlashPackedSeqParams
 
-__all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "prefetch_planned_batches"]
+__all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "prefetch_planned_batches",
+           "splitkv_metadata_spec"]
+
+
+def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backend: str = "auto",
+                          cuda: Optional[bool] = None, num_chunks: Optional[int] = None,
+                          cp_ranks_per_node: Optional[int] = None):
+    """The `data.pipeline.MetadataSpec` of the drafter's Split-KV core attention, derived from its
+    `TransformerConfig` exactly as Megatron's `Attention` splits the heads over tensor parallelism: Hq =
+    num_attention_heads / TP, Hkv = num_query_groups (None: num_attention_heads) / TP, head_dim =
+    kv_channels (None: hidden_size / num_attention_heads), dtype = params_dtype (the activations' dtype
+    under --bf16 / --fp16 / fp32).
+
+    Args:
+        config: the drafter's TransformerConfig. tp_size: TP size (default: config.tensor_model_parallel_size).
+        kernel_backend: `--splitkv-kernel`; the FlexAttention block tables are built on the host (the first
+            layer's flex call then builds no BlockMask) for auto / flex / staircase on CUDA.
+        cuda: whether the model runs on CUDA (default: torch.cuda.is_available()).
+        num_chunks, cp_ranks_per_node: as the core attention's prepare (None: the environment variables).
+    Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
+    """
+    from megatron_splitkv.data.pipeline import MetadataSpec
+
+    from .arguments import check_attention_heads
+
+    tp = int(tp_size if tp_size is not None else getattr(config, "tensor_model_parallel_size", 1) or 1)
+    heads = int(config.num_attention_heads)
+    groups = int(config.num_query_groups or heads)
+    check_attention_heads(heads, groups, tp)
+    head_dim = int(config.kv_channels or config.hidden_size // heads)
+    cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
+    return MetadataSpec(num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
+                        dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
+                        flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase"))
 
 
 def planner_kwargs_from_args(args) -> dict:
@@ -125,7 +158,8 @@ def get_batch_on_this_cp_rank_splitkv(
 def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Optional[float] = None,
                              feature_store=None, cp_group=None, pg_collection=None, cp_rank: Optional[int] = None,
                              cp_size: Optional[int] = None, num_workers: Optional[int] = None,
-                             prefetch: Optional[int] = None, pin_memory: Optional[bool] = None):
+                             prefetch: Optional[int] = None, pin_memory: Optional[bool] = None,
+                             metadata=None):
     """The data pipeline of a DFlash drafter job: an iterator of `megatron_splitkv.data.pipeline.PlannedBatch`
     (plan, this CP rank's shard, draft blocks, kv_seq / kv_pos, feature rows), prepared in DataLoader worker
     processes ahead of the step; in forward_step `item = next(it); dev = item.to(device)` (non_blocking).
@@ -138,6 +172,8 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
         mask_token_id, gamma: of `dflash.build_draft_blocks`. feature_store: a `models.FeatureStore` or None.
         cp_group / pg_collection / cp_rank / cp_size: the CP group (default parallel_state's).
         num_workers, prefetch, pin_memory: override the flags / the default (pinned on CUDA).
+        metadata: a `data.pipeline.MetadataSpec` (`splitkv_metadata_spec(config, ...)`): each item also carries
+            this rank's unbound Split-KV metadata (`PlannedBatch.metadata`; `--dflash-host-metadata`); None: no.
     Returns `megatron_splitkv.data.pipeline.PrefetchedBatches` (0 workers: synchronous, in the step).
     Raises SplitKVArgumentError naming `--dflash-data-workers` / `--dflash-data-prefetch` for bad values.
     """
@@ -155,4 +191,4 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     return PrefetchedBatches(batches, num_workers=workers, prefetch=depth, pin_memory=pin_memory, cp_size=cp_size,
                              cp_rank=cp_rank, block_size=kw["block_size"], chunk_size=kw["chunk_size"],
                              strategy=kw["strategy"], mask_token_id=int(mask_token_id), gamma=gamma,
-                             feature_store=feature_store)
+                             feature_store=feature_store, metadata=metadata)

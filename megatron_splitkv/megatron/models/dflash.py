@@ -108,9 +108,16 @@ class DFlashDraftModel(MegatronModule):
             )
         return self.hidden_norm(self.fc(context_features.to(self.fc.weight.dtype)))
 
-    def packed_seq_params(self, blocks: DraftBlocks, kv_seq: Tensor, kv_pos: Tensor) -> DFlashPackedSeqParams:
+    def packed_seq_params(self, blocks: DraftBlocks, kv_seq: Tensor, kv_pos: Tensor, *,
+                          metadata=None) -> DFlashPackedSeqParams:
         """The per-micro-batch `DFlashPackedSeqParams` that `forward` builds for this batch (int64 copies
         of `blocks.q_seq` / `blocks.q_anchor`, `kv_seq`, `kv_pos` on the model's device).
+
+        metadata: None (default: the first layer prepares the op metadata, `prepare_splitkv_metadata`), or
+        this batch's BOUND Split-KV metadata built ahead (`prepare_splitkv_metadata_from_plan(plan, cp_rank,
+        ...)` in the data pipeline, `.bind(cp_group, device)` in the step): every layer uses it (no prepare,
+        no metadata collective); it must match the layers' shapes (Hq / Hkv per TP rank, head dim, dtype,
+        block size, CP group, device: ValueError naming what differs, at the first layer).
 
         Reuse across calls: `forward(..., packed_seq_params=p)` with the object `p` returned here runs the
         model on that object instead of a new one, so the op metadata cached on it by its first use (the
@@ -124,11 +131,12 @@ class DFlashDraftModel(MegatronModule):
         return DFlashPackedSeqParams(
             q_seq=blocks.q_seq.to(dev, torch.int64), q_anchor=blocks.q_anchor.to(dev, torch.int64),
             kv_seq=kv_seq.to(dev, torch.int64), kv_pos=kv_pos.to(dev, torch.int64),
-            block_size=self.block_size,
+            block_size=self.block_size, metadata=metadata,
         )
 
     def forward(self, context_features: Tensor, blocks: DraftBlocks, kv_seq: Tensor, kv_pos: Tensor,
-                *, return_logits: bool = False, packed_seq_params: Optional[DFlashPackedSeqParams] = None):
+                *, return_logits: bool = False, packed_seq_params: Optional[DFlashPackedSeqParams] = None,
+                metadata=None):
         """Drafter loss on this rank's query blocks against this rank's context shard.
 
         Args:
@@ -144,12 +152,15 @@ class DFlashDraftModel(MegatronModule):
                 the op metadata cached on it by an earlier call (see `packed_seq_params`). Only its type,
                 block size and lengths are checked (no host sync): the caller guarantees it describes
                 this batch.
+            metadata: this batch's bound Split-KV metadata built ahead (see `packed_seq_params`), or None;
+                not together with packed_seq_params (give it to `packed_seq_params(..., metadata=)` then).
         Returns:
             `DFlashLoss` (loss: this rank's share, differentiable; total: the global loss; weight_sum),
             or (DFlashLoss, logits) with return_logits.
         Every rank of the CP and loss groups must call it (collectives inside).
-        Errors: ValueError for a block size different from the model's, mismatched lengths, or a
-        `packed_seq_params` that is not a `DFlashPackedSeqParams` of this block size and these lengths.
+        Errors: ValueError for a block size different from the model's, mismatched lengths, a
+        `packed_seq_params` that is not a `DFlashPackedSeqParams` of this block size and these lengths, or
+        `metadata` that does not match the layers (`DFlashPackedSeqParams.check_metadata`).
         """
         if blocks.block_size != self.block_size:
             raise ValueError(f"blocks have B={blocks.block_size}, the model B={self.block_size}")
@@ -157,7 +168,10 @@ class DFlashDraftModel(MegatronModule):
             raise ValueError("kv_seq / kv_pos must have one entry per context token")
         dev = self.fc.weight.device
         if packed_seq_params is None:
-            params = self.packed_seq_params(blocks, kv_seq, kv_pos)
+            params = self.packed_seq_params(blocks, kv_seq, kv_pos, metadata=metadata)
+        elif metadata is not None:
+            raise ValueError("pass metadata= to model.packed_seq_params(..., metadata=) when you also pass "
+                             "packed_seq_params=, not to forward")
         else:
             params = packed_seq_params
             if not isinstance(params, DFlashPackedSeqParams):
