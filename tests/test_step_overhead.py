@@ -1,7 +1,8 @@
 """tools/step_overhead.py --cpu-smoke (the planner and sharding overhead against a DFlash drafter training
 step): one process and two gloo ranks, tiny shapes. Checks the table's columns, that the numbers are finite
 and positive, that a fresh step prepares the op metadata once and a reused one never, and that both give
-the same loss; no timing thresholds. Also the flag errors (exit 2 naming the flag) and the model's
+the same loss, and that the arm with the worker-built metadata prepares nothing and gives that loss too; no
+timing thresholds. Also the flag errors (exit 2 naming the flag) and the model's
 `packed_seq_params=` reuse hook (`DFlashDraftModel.forward`)."""
 
 import json
@@ -46,10 +47,12 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
     positive = ["step_fresh_ms", "step_reused_ms", "fwdbwd_ms", "gradsync_opt_ms", "data_ms", "fwd_ms", "bwd_ms",
                 "attention_ms", "rest_ms", "plan_ms", "shard_ms", "prepare_ms", "op_first_call_ms",
                 "op_cached_call_ms", "overhead_pieces_ms", "pct_step_pieces", "pct_fwdbwd_pieces", "loss_fresh",
-                "step_prefetched_ms", "prefetched_data_ms", "upload_ms"]
+                "step_prefetched_ms", "prefetched_data_ms", "upload_ms", "step_prefetched_meta_ms",
+                "prefetched_meta_data_ms", "upload_bind_ms"]
     finite = positive + ["mask_ms", "overhead_ab_ms", "pct_step_ab", "pct_fwdbwd_ab",  # differences: may be < 0
                          "overhead_prefetched_ms", "pct_step_prefetched", "pct_fwdbwd_prefetched",
-                         "overhead_pieces_prefetched_ms"]
+                         "overhead_pieces_prefetched_ms", "overhead_prefetched_meta_ms", "pct_step_prefetched_meta",
+                         "pct_fwdbwd_prefetched_meta"]
     for r in rows:
         assert "skipped" not in r, r
         for k in finite:
@@ -59,19 +62,27 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
         # the A/B is what it says: a fresh step prepares once, a reused one never; same weights, same loss
         assert r["prepares_per_step_fresh"] == [1] and r["prepares_per_step_reused"] == [0], r
         assert r["prepares_per_step_prefetched"] == [1] and r["data_workers"] == 1, r
+        # the worker-built metadata, bound in the step: nothing prepared there, the same loss
+        assert r["prepares_per_step_prefetched_meta"] == [0], r
+        assert r["host_metadata_flex_tables"] is False, r  # CPU: the math kernel, no FlexAttention tables
         assert r["loss_max_abs_diff"] <= 1e-6 * abs(r["loss_fresh"]), r
-        assert r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"], r
+        assert r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"] == r["loss_prefetched_meta"], r
         assert r["blocks_per_rank"] * nproc >= 8 and r["tokens_this_rank"] > 0
     md = (tmp_path / f"step_overhead_cp{nproc}.md").read_text()
     assert "| " + " | ".join(COLUMNS) + " |" in md and md.count(f" | {nproc} | ") >= 2
     # the prefetched arm's columns, next to the A/B's; the header says which arm is which
     for col in ("next + upload ms", "overhead ms (b: fresh - reused)", "overhead ms (c: prefetched - reused)",
-                "% of step (c)"):
+                "% of step (c)", "next + upload + bind ms", "overhead ms (d: prefetched+meta - reused)",
+                "% of step (d)"):
         assert col in COLUMNS, col
     assert COLUMNS.index("overhead ms (c: prefetched - reused)") == COLUMNS.index("overhead ms (b: fresh - reused)") + 1
+    assert COLUMNS.index("overhead ms (d: prefetched+meta - reused)") == COLUMNS.index(
+        "overhead ms (c: prefetched - reused)") + 1
     assert COLUMNS.index("% of step (c)") == COLUMNS.index("% of step (b)") + 1
+    assert COLUMNS.index("% of step (d)") == COLUMNS.index("% of step (c)") + 1
     for words in ("arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
-                  "DataLoader worker", "(c) = prefetched - reused"):
+                  "DataLoader worker", "(c) = prefetched - reused", "prefetched+meta = the same worker(s) also build "
+                  "the Split-KV metadata", "(d) = prefetched+meta - reused"):
         assert words in data["setup"] and words in md.splitlines()[0], words
 
 

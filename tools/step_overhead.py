@@ -46,7 +46,16 @@ alternating), medians over `--reps` repeats of the max over CP ranks:
       (pinned memory on CUDA) while earlier steps run; the step takes the next one (`next`), uploads it
       (non_blocking) and builds new params, so it still prepares the metadata and builds the BlockMask.
       Overhead = median of (prefetched - reused); the piece "next + upload" is timed alone too. Same loss.
-  The three arms run in every order in turn (one order per repeat).
+  (d) the arm "prefetched+meta", pretrain_dflash.py's default with --dflash-host-metadata (on with workers):
+      the worker also builds this rank's Split-KV metadata from the plan
+      (`ops.prepare_splitkv_metadata_from_plan`, FlexAttention block tables included on CUDA, packed into the
+      batch's pinned buffer); the step takes the next batch, uploads it (one copy, metadata included), binds
+      the metadata to the CP group (`SplitKVMetadata.bind`: views + BlockMask objects, no copy, no
+      collective) and passes it in (`DFlashDraftModel.forward(..., metadata=)`): no prepare, no BlockMask
+      build left on the step. Overhead = median of (prefetched+meta - reused); the piece "next + upload +
+      bind" is timed alone too. Same loss as reused (checked), zero prepares per step (checked).
+  The four arms run in a balanced order (a Williams square: each arm in each position and after each other
+  arm once per 4 repeats).
 
 Also reported: the step's split (data = plan + shard in the fresh step, forward, backward, grad sync +
 optimizer; CUDA events), the core attention's own time (forward + backward of every layer's
@@ -107,13 +116,14 @@ SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, voc
 
 COLUMNS = ["context", "CP", "step ms (fresh)", "step ms (reused)", "fwd+bwd ms", "grad sync + opt ms",
            "attention ms", "rest ms", "plan ms", "shard ms", "prepare ms", "BlockMask ms", "next + upload ms",
-           "overhead ms (a: pieces)", "overhead ms (b: fresh - reused)", "overhead ms (c: prefetched - reused)",
-           "% of step (a)", "% of step (b)", "% of step (c)", "% of fwd+bwd (a)", "loss - reused (b, c)",
+           "next + upload + bind ms", "overhead ms (a: pieces)", "overhead ms (b: fresh - reused)",
+           "overhead ms (c: prefetched - reused)", "overhead ms (d: prefetched+meta - reused)", "% of step (a)",
+           "% of step (b)", "% of step (c)", "% of step (d)", "% of fwd+bwd (a)", "loss - reused (b, c, d)",
            "peak GiB"]
 #: the step's arms (see the module docstring), and the orders they run in, one per repeat in turn
-ARMS = ("fresh", "reused", "prefetched")
-ORDERS = [("fresh", "reused", "prefetched"), ("prefetched", "fresh", "reused"), ("reused", "prefetched", "fresh"),
-          ("fresh", "prefetched", "reused"), ("reused", "fresh", "prefetched"), ("prefetched", "reused", "fresh")]
+ARMS = ("fresh", "reused", "prefetched", "prefetched+meta")
+#: a Williams square: every arm once in every position, and right after every other arm once, per 4 repeats
+ORDERS = [tuple(ARMS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))]
 
 
 def parse_args(argv=None):
@@ -141,8 +151,8 @@ def parse_args(argv=None):
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "none"),
                     help="optimizer step in the step: torch AdamW with lr 0 (default) or none")
     ap.add_argument("--data-workers", type=int, default=1,
-                    help="DataLoader worker processes of the prefetched arm's data pipeline "
-                         "(pretrain_dflash.py --dflash-data-workers; default 1)")
+                    help="DataLoader worker processes of the data pipeline of each prefetched arm (prefetched, "
+                         "prefetched+meta: one pipeline each; pretrain_dflash.py --dflash-data-workers; default 1)")
     ap.add_argument("--data-prefetch", type=int, default=2,
                     help="batches each worker prepares ahead (--dflash-data-prefetch; default 2)")
     ap.add_argument("--budget-s", type=float, default=480.0,
@@ -421,17 +431,18 @@ class Workload:
         self.feats = torch.randn(kv_seq.shape[0], num_taps * args.hidden, generator=g, device=device,
                                  dtype=torch.float32).to(dtype)
 
-    def prefetcher(self):
+    def prefetcher(self, metadata=None):
         """The data pipeline of pretrain_dflash.py (`data.pipeline.PrefetchedBatches`) over this batch, repeated:
         --data-workers DataLoader worker processes plan, shard and build the draft blocks of the next steps'
-        batches (the features are on the device already, as in `__init__`), pinned on CUDA."""
+        batches (the features are on the device already, as in `__init__`), pinned on CUDA; with `metadata`
+        (a `MetadataSpec`, --dflash-host-metadata) also this rank's Split-KV metadata."""
         from megatron_splitkv.data.pipeline import PrefetchedBatches
 
         a = self.args
         return PrefetchedBatches(functools.partial(_repeat, self.batch), num_workers=a.data_workers,
                                  prefetch=a.data_prefetch, pin_memory=self.device.type == "cuda", cp_size=self.world,
                                  cp_rank=self.rank, block_size=a.block_size, mask_token_id=self.mask_id,
-                                 chunk_size=a.chunk_size, strategy=a.balance)
+                                 chunk_size=a.chunk_size, strategy=a.balance, metadata=metadata)
 
     def plan(self):
         from megatron_splitkv.planning import plan_context_parallel
@@ -480,27 +491,32 @@ class PrepareCounter:
         att.prepare_splitkv_metadata = counted
 
 
-def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetcher=None):
+def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetchers=None):
     """One training step of arm `kind`: "fresh" (plan, shard, new params: prepare + mask in the first layer),
-    "reused" (the cached batch and params `reused`) or "prefetched" (the next planned batch of `prefetcher`,
-    prepared by its DataLoader worker while earlier steps ran: upload, new params: prepare + mask).
+    "reused" (the cached batch and params `reused`), "prefetched" (the next planned batch of
+    prefetchers["prefetched"], prepared by its DataLoader worker while earlier steps ran: upload, new params:
+    prepare + mask) or "prefetched+meta" (the same with the worker-built metadata: upload, bind, no prepare).
     Returns (timings dict, loss tensor)."""
     clock.barrier()
     attn.reset()
     n_prep = PREPARES.calls
     t0 = time.perf_counter()
     s0 = clock.stamp()
+    extra = {}
     if kind == "fresh":
         plan = work.plan()
         _, blocks, kv_seq, kv_pos = work.shard(plan)
         params = None
-    elif kind == "prefetched":
-        dev = next(prefetcher).to(work.device, non_blocking=True)
-        blocks, kv_seq, kv_pos, params = dev.blocks, dev.kv_seq, dev.kv_pos, None
+    elif kind in ("prefetched", "prefetched+meta"):
+        dev = next(prefetchers[kind]).to(work.device, non_blocking=True)
+        blocks, kv_seq, kv_pos = dev.blocks, dev.kv_seq, dev.kv_pos
+        params = None
+        if dev.metadata is not None:  # bound to the drafter's CP group: views of the uploaded buffer, no copy
+            extra["metadata"] = dev.metadata.bind(model.pg_collection.cp, work.device)
     else:
         blocks, kv_seq, kv_pos, params = work.blocks, work.kv_seq, work.kv_pos, reused
     s1 = clock.stamp()
-    out = model(work.feats, blocks, kv_seq, kv_pos, packed_seq_params=params)
+    out = model(work.feats, blocks, kv_seq, kv_pos, packed_seq_params=params, **extra)
     s2 = clock.stamp()
     out.loss.backward()
     s3 = clock.stamp()
@@ -513,9 +529,10 @@ def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetcher=No
     return t, out.total.detach()
 
 
-def time_pieces(model, work, clock, args, qkv, prefetcher):
+def time_pieces(model, work, clock, args, qkv, prefetchers):
     """(a): plan, shard, prepare, BlockMask (first op call minus a cached call), each alone; and the
-    prefetched arm's data piece alone: the next planned batch from the pipeline + its upload."""
+    prefetched arms' data pieces alone: the next planned batch from the pipeline + its upload (+ the bind of
+    its metadata for prefetched+meta)."""
     from megatron_splitkv import splitkv_attention
 
     cp = model.pg_collection.cp
@@ -530,9 +547,14 @@ def time_pieces(model, work, clock, args, qkv, prefetcher):
     shard_ms = (time.perf_counter() - t0) * 1e3
     clock.barrier()
     t0 = time.perf_counter()
-    next(prefetcher).to(work.device, non_blocking=True)
+    next(prefetchers["prefetched"]).to(work.device, non_blocking=True)
     clock.sync()
     upload_ms = (time.perf_counter() - t0) * 1e3
+    clock.barrier()
+    t0 = time.perf_counter()
+    next(prefetchers["prefetched+meta"]).to(work.device, non_blocking=True).metadata.bind(cp, work.device)
+    clock.sync()
+    bind_ms = (time.perf_counter() - t0) * 1e3
     params = model.packed_seq_params(blocks, kv_seq, kv_pos)
     clock.barrier()
     t0 = time.perf_counter()
@@ -550,7 +572,7 @@ def time_pieces(model, work, clock, args, qkv, prefetcher):
         clock.sync()
         calls.append((time.perf_counter() - t0) * 1e3)
     return {"plan": plan_ms, "shard": shard_ms, "prepare": prep_ms, "mask": calls[0] - calls[1],
-            "op_cold": calls[0], "op_warm": calls[1], "upload": upload_ms}
+            "op_cold": calls[0], "op_warm": calls[1], "upload": upload_ms, "upload_bind": bind_ms}
 
 
 def _med(xs):
@@ -570,30 +592,36 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
     qkv = (rnd(nq, args.heads, args.head_dim), rnd(work.kv_seq.shape[0], args.kv_heads, args.head_dim),
            rnd(work.kv_seq.shape[0], args.kv_heads, args.head_dim), rnd(nq, args.kv_heads, args.head_dim),
            rnd(nq, args.kv_heads, args.head_dim))
-    with work.prefetcher() as prefetcher:
+    from megatron_splitkv.megatron import splitkv_metadata_spec
+
+    spec = splitkv_metadata_spec(model.config, tp_size=1, kernel_backend=args.kernel, cuda=device.type == "cuda")
+    with work.prefetcher() as plain, work.prefetcher(metadata=spec) as with_meta:
+        prefetchers = {"prefetched": plain, "prefetched+meta": with_meta}
         attn.on = True
         for _ in range(args.warmup):  # compiles, cuDNN graphs, allocator; the reused params get their metadata
             for kind in ARMS:
-                run_step(model, trainer, work, clock, attn, kind, reused, prefetcher)
-            time_pieces(model, work, clock, args, qkv, prefetcher)
+                run_step(model, trainer, work, clock, attn, kind, reused, prefetchers)
+            time_pieces(model, work, clock, args, qkv, prefetchers)
         keys = ["fresh_wall", "reused_wall", "diff", "fresh_data", "fresh_fwd", "fresh_bwd", "fresh_opt",
                 "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
-                "pref_wall", "pref_diff", "pref_data",
-                "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload"]
+                "pref_wall", "pref_diff", "pref_data", "pmeta_wall", "pmeta_diff", "pmeta_data",
+                "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload", "upload_bind"]
         n_step_keys = keys.index("plan")
         per_rep, losses, prepares = [], [], {k: set() for k in ARMS}
         for r in range(args.reps):
             res = {}
-            for kind in ORDERS[r % len(ORDERS)]:  # every order of the three arms in turn
-                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, prefetcher)
+            for kind in ORDERS[r % len(ORDERS)]:  # the balanced orders of the four arms in turn
+                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, prefetchers)
                 res[kind], res[kind + "_loss"] = t, loss
                 prepares[kind].add(t["prepares"])
-            p = time_pieces(model, work, clock, args, qkv, prefetcher)
-            f, u, q = res["fresh"], res["reused"], res["prefetched"]
+            p = time_pieces(model, work, clock, args, qkv, prefetchers)
+            f, u, q, m = res["fresh"], res["reused"], res["prefetched"], res["prefetched+meta"]
             per_rep.append([f["wall"], u["wall"], f["wall"] - u["wall"], f["data"], f["fwd"], f["bwd"], f["opt"],
                             f["attn"], u["fwd"], u["bwd"], u["opt"], u["attn"], q["wall"], q["wall"] - u["wall"],
-                            q["data"]] + [p[k] for k in keys[n_step_keys:]])
-            losses.append((float(res["fresh_loss"]), float(res["reused_loss"]), float(res["prefetched_loss"])))
+                            q["data"], m["wall"], m["wall"] - u["wall"], m["data"]]
+                           + [p[k] for k in keys[n_step_keys:]])
+            losses.append((float(res["fresh_loss"]), float(res["reused_loss"]), float(res["prefetched_loss"]),
+                           float(res["prefetched+meta_loss"])))
         attn.on = False
     # max over ranks per repeat (every rank's time counts: the step waits for the slowest), then medians
     flat = [v for row in per_rep for v in row]
@@ -606,7 +634,7 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         peak = max(v[0] for v in clock.gather([torch.cuda.max_memory_allocated(device) / 2**30]))
     pieces = med["plan"] + med["shard"] + med["prepare"] + med["mask"]
     fwdbwd = med["fresh_wall"] - med["fresh_opt"]
-    loss_diff = max(max(abs(a - b), abs(c - b)) for a, b, c in losses)
+    loss_diff = max(max(abs(a - b), abs(c - b), abs(d - b)) for a, b, c, d in losses)
     return {
         "context": context, "cp": world, "tokens_this_rank": int(work.kv_seq.shape[0]),
         "blocks_per_rank": int(work.blocks.q_seq.shape[0]), "imbalance": float(work.plan0.imbalance),
@@ -625,11 +653,19 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         "overhead_prefetched_ms": med["pref_diff"], "pct_step_prefetched": 100 * med["pref_diff"] / med["fresh_wall"],
         "pct_fwdbwd_prefetched": 100 * med["pref_diff"] / fwdbwd,
         "overhead_pieces_prefetched_ms": med["upload"] + med["prepare"] + med["mask"],
+        # (d) prefetched+meta: the metadata built in the worker too; the step uploads + binds it
+        "step_prefetched_meta_ms": med["pmeta_wall"], "prefetched_meta_data_ms": med["pmeta_data"],
+        "upload_bind_ms": med["upload_bind"], "overhead_prefetched_meta_ms": med["pmeta_diff"],
+        "pct_step_prefetched_meta": 100 * med["pmeta_diff"] / med["fresh_wall"],
+        "pct_fwdbwd_prefetched_meta": 100 * med["pmeta_diff"] / fwdbwd,
+        "host_metadata_flex_tables": bool(spec.flex_block_masks),
         "data_workers": args.data_workers,
         "loss_fresh": losses[-1][0], "loss_reused": losses[-1][1], "loss_prefetched": losses[-1][2],
+        "loss_prefetched_meta": losses[-1][3],
         "loss_max_abs_diff": loss_diff, "peak_gib": peak, "reps": args.reps,
         "prepares_per_step_fresh": sorted(prepares["fresh"]), "prepares_per_step_reused": sorted(prepares["reused"]),
         "prepares_per_step_prefetched": sorted(prepares["prefetched"]),
+        "prepares_per_step_prefetched_meta": sorted(prepares["prefetched+meta"]),
     }
 
 
@@ -646,9 +682,11 @@ def table(rows) -> str:
         out.append([r["context"], r["cp"], _fmt(r["step_fresh_ms"]), _fmt(r["step_reused_ms"]), _fmt(r["fwdbwd_ms"]),
                     _fmt(r["gradsync_opt_ms"]), _fmt(r["attention_ms"]), _fmt(r["rest_ms"]), _fmt(r["plan_ms"]),
                     _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _fmt(r["mask_ms"]), _fmt(r["upload_ms"]),
-                    _fmt(r["overhead_pieces_ms"]), _fmt(r["overhead_ab_ms"]), _fmt(r["overhead_prefetched_ms"]),
+                    _fmt(r["upload_bind_ms"]), _fmt(r["overhead_pieces_ms"]), _fmt(r["overhead_ab_ms"]),
+                    _fmt(r["overhead_prefetched_ms"]), _fmt(r["overhead_prefetched_meta_ms"]),
                     _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]), _fmt(r["pct_step_prefetched"]),
-                    _fmt(r["pct_fwdbwd_pieces"]), f"{r['loss_max_abs_diff']:.1e}", _fmt(r["peak_gib"])])
+                    _fmt(r["pct_step_prefetched_meta"]), _fmt(r["pct_fwdbwd_pieces"]),
+                    f"{r['loss_max_abs_diff']:.1e}", _fmt(r["peak_gib"])])
     return bench.md_table(COLUMNS, out)
 
 
@@ -680,8 +718,12 @@ def header(args, device, world, num_params) -> str:
             f"--dflash-data-workers 0), reused = none of them (the previous step's batch and params), prefetched = "
             f"plan + shard + blocks in {args.data_workers} DataLoader worker process(es) ahead of the step, which "
             f"takes the next batch, uploads it{' from pinned memory' if device.type == 'cuda' else ''} and does "
-            f"prepare + BlockMask (the default data pipeline); overhead (a) = plan + shard + prepare + BlockMask "
-            f"each alone, (b) = fresh - reused, (c) = prefetched - reused (paired per repeat); torch "
+            f"prepare + BlockMask (--dflash-host-metadata off), prefetched+meta = the same worker(s) also build the "
+            f"Split-KV metadata from the plan{' (+ FlexAttention block tables)' if device.type == 'cuda' else ''}, "
+            f"the step takes the next batch, uploads it (metadata included) and binds the metadata to the CP group: "
+            f"no prepare, no BlockMask build (the default data pipeline, --dflash-host-metadata on); overhead (a) = "
+            f"plan + shard + prepare + BlockMask each alone, (b) = fresh - reused, (c) = prefetched - reused, "
+            f"(d) = prefetched+meta - reused (paired per repeat); torch "
             f"{torch.__version__}, megatron-core {mcore}, git {git}, "
             f"MEGATRON_SPLITKV_DEBUG_CHECKS={os.environ.get('MEGATRON_SPLITKV_DEBUG_CHECKS', 'unset')}")
 

@@ -242,9 +242,11 @@ def _exact(work):
 
 def _stepcost(work):
     """tools/step_overhead.py (step `stepcost`): overhead against the drafter training step, per CP size: (a) the
-    pieces alone, (b) fresh - reused step, (c) prefetched (plan + shard in the data pipeline's worker) - reused."""
+    pieces alone, (b) fresh - reused step, (c) prefetched (plan + shard in the data pipeline's worker) - reused,
+    (d) prefetched+meta (the Split-KV metadata built there too, bound in the step) - reused."""
     paths = sorted(glob.glob(os.path.join(work, "stepcost", "step_overhead_cp*.json")))
-    print("\n| stepcost: context | CP | step ms (fresh) | attention ms | overhead ms (a / b / c) | % of step (a / b / c) |")
+    print("\n| stepcost: context | CP | step ms (fresh) | attention ms | overhead ms (a / b / c / d) | "
+          "% of step (a / b / c / d) |")
     print("|---|---|---|---|---|---|")
     for p in paths:
         d = _load(work, os.path.relpath(p, work)) or {}
@@ -254,8 +256,9 @@ def _stepcost(work):
                 continue
             print(f"| {r['context']} | {r['cp']} | {_f(r.get('step_fresh_ms'))} | {_f(r.get('attention_ms'))} | "
                   f"{_f(r.get('overhead_pieces_ms'))} / {_f(r.get('overhead_ab_ms'))} / "
-                  f"{_f(r.get('overhead_prefetched_ms'))} | {_f(r.get('pct_step_pieces'))} / "
-                  f"{_f(r.get('pct_step_ab'))} / {_f(r.get('pct_step_prefetched'))} |")
+                  f"{_f(r.get('overhead_prefetched_ms'))} / {_f(r.get('overhead_prefetched_meta_ms'))} | "
+                  f"{_f(r.get('pct_step_pieces'))} / {_f(r.get('pct_step_ab'))} / {_f(r.get('pct_step_prefetched'))}"
+                  f" / {_f(r.get('pct_step_prefetched_meta'))} |")
 
 
 def summary(work):
