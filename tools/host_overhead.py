@@ -12,6 +12,8 @@ D = 8 by default) on CPU with gloo, for P = 1 and 2 processes (`torch.distribute
 
   wall ms     median wall time of one forward + backward (no profiler), max over ranks; on CPU this is
               host work + the kernel's CPU arithmetic + gloo waits
+  host ms     the same minus the kernel compute and the collectives' waits (`ComputeTimer`): the op's own
+              issue work (Python, small aten ops, collective calls), median, max over ranks
   py calls    Python function calls (cProfile's count, built-ins included)
   aten ops    aten ops that would launch work on a GPU (a `TorchDispatchMode` counter:
               `tools/prepare_cost.OpCounter`; views, allocations without a fill excluded), and views
@@ -219,21 +221,28 @@ def _op_counter():
 
 
 class ComputeTimer:
-    """Wall time spent in the kernel COMPUTE during the timed steps (no profiler): wraps the math kernel's
-    forward / backward, the staircase kernel's dense calls (`DenseOps.fwd` / `bwd`), the flex CPU
-    emulation and `torch.autograd.grad` (on the op's path only flex's backward calls it: the backward of
-    its own graph) with perf_counter (nested calls counted once). `host = wall - compute`."""
+    """Wall time of the kernel COMPUTE and of the collectives' waits during the timed steps (no profiler).
+
+    Compute: the math kernel's forward / backward, the staircase kernel's dense calls (`DenseOps.fwd` /
+    `bwd`), the flex CPU emulation and `torch.autograd.grad` (on the op's path only flex's backward calls
+    it: the backward of its own graph). Waits: `comm.Pending.wait` (gloo blocks the host until the peers'
+    data arrived: at P > 1 that includes the other rank's compute). Wrapped with perf_counter, nested calls
+    counted once. `host = wall - compute - waits`: the op's own issue work."""
 
     def __init__(self):
+        from megatron_splitkv import comm
         from megatron_splitkv.kernels import flex, math as kmath, staircase
 
-        self.ms, self._depth, self._patched = 0.0, 0, []
+        self.ms, self.wait_ms, self._depth, self._patched = 0.0, 0.0, 0, []
         for owner, name in ((kmath.MathAttentionKernel, "forward"), (kmath.MathAttentionKernel, "backward"),
                             (staircase.DenseOps, "fwd"), (staircase.DenseOps, "bwd"),
-                            (flex, "dense_flex_emulation"), (torch.autograd, "grad")):
+                            (flex, "dense_flex_emulation"), (torch.autograd, "grad"), (comm.Pending, "wait")):
             self._patched.append((owner, name, getattr(owner, name)))
 
-    def _wrap(self, fn):
+    def reset(self):
+        self.ms = self.wait_ms = 0.0
+
+    def _wrap(self, fn, attr):
         timer = self
 
         def timed(*args, **kwargs):
@@ -244,14 +253,14 @@ class ComputeTimer:
             try:
                 return fn(*args, **kwargs)
             finally:
-                timer.ms += (time.perf_counter() - t0) * 1e3
+                setattr(timer, attr, getattr(timer, attr) + (time.perf_counter() - t0) * 1e3)
                 timer._depth -= 1
 
         return timed
 
     def __enter__(self):
         for owner, name, fn in self._patched:
-            setattr(owner, name, self._wrap(fn))
+            setattr(owner, name, self._wrap(fn, "wait_ms" if name == "wait" else "ms"))
         return self
 
     def __exit__(self, *exc):
@@ -305,11 +314,11 @@ def worker(a) -> None:
             with ComputeTimer() as timer:
                 for _ in range(a.steps):
                     dist.barrier()
-                    timer.ms = 0.0
+                    timer.reset()
                     t0 = time.perf_counter()
                     step()
                     times.append((time.perf_counter() - t0) * 1e3)
-                    hosts.append(times[-1] - timer.ms)
+                    hosts.append(times[-1] - timer.ms - timer.wait_ms)
             med = torch.tensor([statistics.median(times), statistics.median(hosts)], dtype=torch.float64)
             allmed = [torch.empty_like(med) for _ in range(world)]
             dist.all_gather(allmed, med)
