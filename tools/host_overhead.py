@@ -14,7 +14,8 @@ D = 8 by default) on CPU with gloo, for P = 1 and 2 processes (`torch.distribute
               host work + the kernel's CPU arithmetic + gloo waits
   host ms     the same minus the kernel compute and the collectives' waits (`ComputeTimer`): the op's own
               issue work (Python, small aten ops, collective calls), median, max over ranks
-  py calls    Python function calls (cProfile's count, built-ins included)
+  py calls    Python function calls (cProfile's count, built-ins included); 'op / glue': those made by the
+              op's and the glue's Python (their own functions and the built-ins / torch helpers they call)
   aten ops    aten ops that would launch work on a GPU (a `TorchDispatchMode` counter:
               `tools/prepare_cost.OpCounter`; views, allocations without a fill excluded), and views
   split       cProfile time per step by where it is spent:
@@ -66,7 +67,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 PKG = os.path.join(ROOT, "megatron_splitkv") + os.sep
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
-COLUMNS = ["backend", "P", "k", "wall ms", "host ms", "py calls", "aten ops", "aten op / glue / kernel / other", "views", "syncs",
+COLUMNS = ["backend", "P", "k", "wall ms", "host ms", "py calls", "py calls op / glue", "aten ops", "aten op / glue / kernel / other", "views", "syncs",
            "op py", "op aten", "glue py", "glue aten", "kernel", "comm", "autograd", "profiled ms", "dense calls"]
 CATEGORIES = ["op py", "op aten", "glue py", "glue aten", "kernel", "comm", "autograd", "other"]
 
@@ -124,12 +125,14 @@ def _own_category(func):
     return None
 
 
-def split_profile(stats: pstats.Stats, steps: int) -> dict:
+def split_profile(stats: pstats.Stats, steps: int, calls: bool = False) -> dict:
     """ms per step by category (`CATEGORIES`) from a cProfile run. Our functions' self time goes to their own
     category; a built-in's or a torch Python helper's (torch/functional.py's einsum, Tensor methods) to its
     callers' categories, resolved through helper chains and weighted by the time spent under each caller:
     'op aten' / 'glue aten' under the op / the glue, 'kernel' under the kernel compute; torch.distributed
-    (and gloo waits) is 'comm', torch.autograd (Function.apply, the engine) 'autograd'."""
+    (and gloo waits) is 'comm', torch.autograd (Function.apply, the engine) 'autograd'. calls: the same split
+    of the CALL counts per step (weights from the callers' call counts) instead of ms."""
+    idx = 1 if calls else 2  # cProfile caller entries: (primitive calls, calls, self time, cumulative time)
     memo, active = {}, set()
 
     def mix(func):
@@ -144,11 +147,11 @@ def split_profile(stats: pstats.Stats, steps: int) -> dict:
             return {"autograd": 1.0}
         active.add(func)
         callers = stats.stats[func][4]
-        total = sum(e[2] for e in callers.values())
+        total = sum(e[idx] for e in callers.values())
         engine = func[0].startswith(TORCH_DIR + "autograd")
         out = {}
         for caller, e in callers.items():
-            w = e[2] / total if total > 0 else 1.0 / len(callers)
+            w = e[idx] / total if total > 0 else 1.0 / len(callers)
             for cat, f in mix(caller).items():
                 cat = _AUTOGRAD_OF.get(cat, cat) if engine else _ATEN_OF.get(cat, cat)
                 out[cat] = out.get(cat, 0.0) + w * f
@@ -157,10 +160,10 @@ def split_profile(stats: pstats.Stats, steps: int) -> dict:
         return memo[func]
 
     out = dict.fromkeys(CATEGORIES, 0.0)
-    for func, (_, _, tt, _, _) in stats.stats.items():
+    for func, entry in stats.stats.items():
         for cat, f in mix(func).items():
-            out[cat] += tt * f
-    return {k: v * 1e3 / steps for k, v in out.items()}
+            out[cat] += entry[idx] * f
+    return {k: v * (1 if calls else 1e3) / steps for k, v in out.items()}
 
 
 def top_functions(stats: pstats.Stats, steps: int, n: int, ours_only: bool) -> list:
@@ -337,7 +340,8 @@ def worker(a) -> None:
             row = {"backend": backend, "P": world, "k": meta.num_chunks, "context": a.context, "anchors": a.anchors,
                    "wall_ms": max(float(t[0]) for t in allmed), "wall_ms_by_rank": [float(t[0]) for t in allmed],
                    "host_ms": max(float(t[1]) for t in allmed), "host_ms_by_rank": [float(t[1]) for t in allmed],
-                   "py_calls": st.total_calls / a.profile_steps, "aten_ops": c.n_ops, "views": c.n_views,
+                   "py_calls": st.total_calls / a.profile_steps,
+                   "py_calls_split": split_profile(st, a.profile_steps, calls=True), "aten_ops": c.n_ops, "views": c.n_views,
                    "syncs": c.n_syncs, "aten_by_where": dict(c.by_where), "split_ms": split_profile(st, a.profile_steps), "profiled_ms": prof_ms,
                    "dense_calls": dense,
                    "top_ours": top_functions(st, a.profile_steps, a.top, True),
@@ -375,7 +379,9 @@ def _fmt_row(r) -> list:
     w = r["aten_by_where"]
     where = " / ".join(str(w.get(c, 0)) for c in ("op", "glue", "kernel")) + \
         f" / {sum(v for c, v in w.items() if c not in ('op', 'glue', 'kernel'))}"
-    return [r["backend"], r["P"], r["k"], f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['py_calls']:.0f}", r["aten_ops"], where,
+    c = r["py_calls_split"]
+    calls = f"{c['op py'] + c['op aten']:.0f} / {c['glue py'] + c['glue aten']:.0f}"
+    return [r["backend"], r["P"], r["k"], f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['py_calls']:.0f}", calls, r["aten_ops"], where,
             r["views"], r["syncs"]] + [f"{s[c]:.2f}" for c in CATEGORIES[:7]] + [
         f"{r['profiled_ms']:.2f}", "-" if r["dense_calls"] is None else r["dense_calls"]]
 
