@@ -104,6 +104,11 @@ def test_rewritten_formulas_are_bit_identical(dt):
         # the unused lse's gradient: None now, a materialised zero tensor before
         _, d_none = common.delta_and_dout(plan, dout, None, out, lse2, None)
         assert same_bits(d_none, old_delta_dlse((dout * out).sum(-1), lse2, torch.zeros_like(lse2)))
+        if dt == torch.float32:  # dO in the inputs' dtype: the product in fp32 without the upcast copy
+            for low in (torch.bfloat16, torch.float16):
+                d_low = dout.to(low)
+                _, d_new = common.delta_and_dout(plan, d_low, None, out, lse2, None)
+                assert same_bits(d_new, (d_low.to(dt) * out).sum(-1))
 
 
 def test_as_bits_strided_view_is_the_contiguous_copy():
@@ -114,7 +119,12 @@ def test_as_bits_strided_view_is_the_contiguous_copy():
         got = common._as_bits(lse[..., None], dt)
         want = lse.contiguous()[..., None].contiguous().reshape(-1).view(dt).view(7, 4, -1)
         assert got.data_ptr() == base.data_ptr() and same_bits(got, want)
-        packed = common.pack_partial(torch.randn(7, 4, 8, generator=g).to(dt), lse, dt)
+        o = torch.randn(8, 7, 4, generator=g).to(dt).permute(1, 2, 0)  # a strided O in the transport dtype
+        packed = common.pack_partial(o, lse, dt)  # one cat
+        former = torch.empty(7, 4, 8 + got.shape[-1], dtype=dt)  # the former two copies
+        former[..., :8].copy_(o)
+        former[..., 8:].copy_(want)
+        assert same_bits(packed, former)
         assert same_bits(common.unpack_partial(packed, 8, src)[1], lse.contiguous())
 
 

@@ -147,6 +147,8 @@ def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, out: to
     copy); returned. Raises ValueError when lse's dtype does not split into whole `dtype` elements."""
     packed = _as_bits(lse[..., None], dtype)
     d, r = o.shape[-1], packed.shape[-1]
+    if out is None and o.dtype == dtype:  # O already in the transport dtype (a kernel's native result)
+        return torch.cat([o, packed], -1)  # both copies in one launch
     if out is None:
         out = torch.empty(tuple(o.shape[:-1]) + (d + r,), dtype=dtype, device=o.device)
     out[..., :d].copy_(o)  # the cast of o.to(dtype), written in place (no [T, H, D] temporary)
@@ -549,7 +551,9 @@ def delta_and_dout(plan, dout, dlse, out, lse, like):
     the same formula: d lse / d s = P). Returns (dout as a tensor shaped like `like`, delta)."""
     if dout is None:
         dout = torch.zeros_like(like)
-    delta = (dout.to(plan.acc) * out).sum(-1)
+    # dO (input dtype) * O (acc): computed in acc from dO's exact upcast, as (dO.to(acc) * O) is, without
+    # the [T, H, D] acc copy of dO (out is acc: the product's dtype is acc)
+    delta = (dout * out.to(plan.acc)).sum(-1)
     if dlse is not None:
         # |lse| < inf is isfinite(lse) (False for +-inf and NaN), in two ops instead of four; the scalar 0
         # needs no zeros_like
