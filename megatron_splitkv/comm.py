@@ -242,6 +242,8 @@ class Pending:
     message) and the input and output tensors, which must stay alive and unmodified until `wait()`.
     """
 
+    __slots__ = ("result", "_work", "_keep")
+
     def __init__(self, result: torch.Tensor, work=None, keep=None):
         self.result, self._work, self._keep = result, work, keep
 

@@ -43,6 +43,13 @@ Kernels implement:
             dV = P^T dO ;  dS = P * (dO V^T - delta) ;  dQ = scale * dS K ;  dK = scale * dS^T Q
         The rows of dk/dv of region 2 are the own-block gradients (dk_blk, dv_blk in the ops).
 
+    native_dtype_results (optional class attribute, default False): when True, forward and backward also
+        take a keyword native=True and then return out (forward) and dq, dk, dv (backward) in the INPUT
+        dtype, any strides, and lse with any strides: exactly the values whose upcast the default call
+        returns (a kernel that stores them in the input dtype anyway, like FlexAttention). Split-KV uses it
+        to skip the fp32 round trip of results it sends in the input dtype (`ops.common.native_results`);
+        results are bit-identical either way.
+
     check_dtype(dtype, device) (optional): raise ValueError when the kernel cannot run `dtype` on
         `device`. The ops call it once per call, before their first data collective, so that every rank
         raises (a rank without queries or keys never calls forward/backward, whose own checks would

@@ -338,6 +338,9 @@ class FlexAttentionKernel:
     """
 
     name = "flex"
+    #: forward / backward take native=True: out, dq, dk, dv in the input dtype (what flex stores; the default
+    #: results are their exact fp32 upcast), lse as a view (kernels/base.py, "native_dtype_results")
+    native_dtype_results = True
 
     def __init__(self, save_graph: bool = True, bucket_steps: int = DEFAULT_BUCKET_STEPS,
                  compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool = True,
@@ -437,18 +440,26 @@ class FlexAttentionKernel:
                 out_p, lse_p = fn(qh, kh, vh, return_lse=True, **kwargs)
         return (qp, kp, vp), out_p, lse_p
 
-    def forward(self, q, k, v, mask: IntervalMask, scale: float):
+    def forward(self, q, k, v, mask: IntervalMask, scale: float, native: bool = False):
+        """The contract's forward; native=True: out [Tq, Hq, D] in the input dtype and lse [Tq, Hq] (acc
+        dtype) as strided views of flex's results (no copies; the default returns their fp32 / contiguous
+        copies, the same values)."""
         self._check(q, k, v, mask)
         Tq = q.shape[0]
         leaves, out_p, lse_p = self._run(q, k, v, mask, scale, grad=self.save_graph)
         acc = _acc(q.dtype)  # float64 only on CPU (the emulation): _check rejects float64 on CUDA
         out_local = out_p.detach()[0, :, :Tq].permute(1, 0, 2)  # [Tq, Hq, D], input dtype
-        lse = lse_p.detach()[0, :, :Tq].transpose(0, 1).to(acc).contiguous()  # natural log (flex scales)
-        out = _contiguous_as(out_local, acc)  # one copy, not two (.to(acc).contiguous() of a permuted view)
+        lse_local = lse_p.detach()[0, :, :Tq].transpose(0, 1)  # natural log (flex scales)
         state = {"leaves": leaves, "out_p": out_p, "lse_p": lse_p} if self.save_graph else None
+        if native and lse_local.dtype == acc:
+            return out_local, lse_local, state
+        lse = lse_local.to(acc).contiguous()
+        out = _contiguous_as(out_local, acc)  # one copy, not two (.to(acc).contiguous() of a permuted view)
         return out, lse, state
 
-    def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state):
+    def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state, native: bool = False):
+        """The contract's backward; native=True: dq, dk, dv in the input dtype (row slices of flex's gradients,
+        no copies; the default returns their fp32 copies, the same values)."""
         self._check(q, k, v, mask)
         Tq, Tk = q.shape[0], k.shape[0]
         if state is None:
@@ -467,8 +478,10 @@ class FlexAttentionKernel:
         # same layouts as before the real-rows-only rewrite ([Tqp, Hq, D] / [Tqp, Hq] buffers, permuted
         # views), so the compiled backward sees the tangent strides it was traced with
         g_out = o_r.new_empty((Tqp, Hq, D))
-        g_out[Tq:].zero_()
-        g_lse = torch.zeros((Tqp, Hq), dtype=lse_p.dtype, device=lse_p.device)
+        g_lse = lse_p.new_empty((Tqp, Hq))  # rows [0, Tq) written by grad_tangents
+        if Tqp > Tq:
+            g_out[Tq:].zero_()
+            g_lse[Tq:].zero_()
         # grad_out = c * dO rounded to the input dtype (as flex sees it), written straight into g_out, and
         # grad_lse = rowsum(grad_out * O_r) - c * delta in fp32: one fused Triton kernel on CUDA, torch
         # ops over bounded row chunks otherwise (`kernels.flex_bwd_prep`). Outside the compiled graph.
@@ -487,8 +500,10 @@ class FlexAttentionKernel:
         res = []
         for i, shape in enumerate(shapes):  # one at a time: each input-dtype gradient dies after its upcast
             g, grads[i] = grads[i], None
-            res.append(torch.zeros(shape, dtype=acc, device=dev) if g is None
-                       else _contiguous_as(g[: shape[0]], acc))
+            if g is None:
+                res.append(torch.zeros(shape, dtype=q.dtype if native else acc, device=dev))
+            else:
+                res.append(g[: shape[0]] if native else _contiguous_as(g[: shape[0]], acc))
             del g
         dq, dk, dv = res
         return dq, dk, dv

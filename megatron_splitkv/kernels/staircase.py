@@ -584,6 +584,16 @@ def probe_kv_views(dense: "DenseOps", dtype, d: int, heads_q: int, heads_kv: int
     return _KV_PROBE[key]
 
 
+def _split_heads(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[R, Hq, ...] -> the [R, Hkv, G, ...] view (x.unflatten(1, (hkv, -1)) without its Python layer)."""
+    return x.view(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:])
+
+
+def _by_block(x: torch.Tensor, bsz: int) -> torch.Tensor:
+    """[nb * B, ...] -> the [nb, B, ...] view (x.unflatten(0, (-1, bsz)))."""
+    return x.view(x.shape[0] // bsz, bsz, *x.shape[1:])
+
+
 def _as4(x: torch.Tensor) -> torch.Tensor:
     """[L, H, D] rows -> the [1, H, L, D] view dense kernels take (no copy)."""
     return x.permute(1, 0, 2).unsqueeze(0)
@@ -814,7 +824,7 @@ class StaircaseAttentionKernel:
             a, b = plan.block_range
             rows = x[a * bsz:b * bsz]
         else:
-            rows = x.unflatten(0, (-1, bsz)).index_select(0, plan.blocks).flatten(0, 1)
+            rows = _by_block(x, bsz).index_select(0, plan.blocks).flatten(0, 1)
         if fold:
             rows = fold_heads(rows, hkv, dtype)
         elif dtype is not None:
@@ -836,14 +846,16 @@ class StaircaseAttentionKernel:
     def _on_rows(xs, rng, idx, bsz: int, hkv: int, fn, write: int = 1):
         """fn(*views) on the rows of some blocks of the [Tq, Hq(, D)] tensors xs, each view [R, Hkv, G(, D)]
         (query head h * G + g of kv head h). rng = (a, b): the blocks a..b-1, views are slices (fn writes in
-        place); else the blocks `idx`: gathered copies, the first `write` of them copied back after fn."""
+        place); else the blocks `idx`: gathered copies, the first `write` of them copied back after fn.
+        (Plain views with explicit sizes, not Tensor.unflatten: the same views without its Python layer.)"""
         if rng is not None:
-            fn(*(x[rng[0] * bsz:rng[1] * bsz].unflatten(1, (hkv, -1)) for x in xs))
+            r0, r1 = rng[0] * bsz, rng[1] * bsz
+            fn(*[_split_heads(x[r0:r1], hkv) for x in xs])
             return
-        parts = [x.unflatten(0, (-1, bsz)).index_select(0, idx) for x in xs]
-        fn(*(p.flatten(0, 1).unflatten(1, (hkv, -1)) for p in parts))
+        parts = [_by_block(x, bsz).index_select(0, idx) for x in xs]
+        fn(*[_split_heads(p.flatten(0, 1), hkv) for p in parts])
         for x, p in zip(xs[:write], parts[:write]):
-            x.unflatten(0, (-1, bsz)).index_copy_(0, idx, p)
+            _by_block(x, bsz).index_copy_(0, idx, p)
 
     @staticmethod
     def _unfold_view(x, fold: bool, hkv: int, g: int):
@@ -852,14 +864,21 @@ class StaircaseAttentionKernel:
         if x.dim() == 4:
             x = x[0]
         if fold:
-            return x.unflatten(1, (-1, g)).transpose(0, 1)
-        return x.transpose(0, 1).unflatten(1, (hkv, -1))
+            return x.view(x.shape[0], x.shape[1] // g, g, *x.shape[2:]).transpose(0, 1)
+        return _split_heads(x.transpose(0, 1), hkv)
 
     def _rect_rows(self, plan: StaircasePlan, rect):
-        """(block range or None, block indices) of a rectangle's blocks."""
-        p0, p1 = rect[0], rect[1]
-        rng = plan.ranges.get(tuple(rect)) if plan.ranges else None
-        return rng, (None if rng is not None else plan.blocks[p0:p1])
+        """(block range or None, block indices) of a rectangle's blocks, made once per plan (the plan is cached
+        on its mask, so every layer of a step reuses them)."""
+        cache = plan.__dict__.get("_rect_rows")
+        if cache is None:
+            cache = plan.__dict__["_rect_rows"] = {}
+        hit = cache.get(rect)
+        if hit is None:
+            p0, p1 = rect[0], rect[1]
+            rng = plan.ranges.get(tuple(rect)) if plan.ranges else None
+            hit = cache[rect] = (rng, None if rng is not None else plan.blocks[p0:p1])
+        return hit
 
     def _kv_layout(self, dense: DenseOps, dtype, d, heads_q, heads_kv) -> str:
         """"view" or "copy" (`kv_layout`; "auto": `probe_kv_views`, its reason in paths["kv_probe"])."""
@@ -910,14 +929,16 @@ class StaircaseAttentionKernel:
         with torch.no_grad():
             layout = self._kv_layout(dense, q.dtype, d, hkv if fold else hq, hkv)
             self.paths.update(dense=dense.kind, gqa=self.gqa, kv_layout=layout, streams=self.streams)
-            qd = self._dense_rows(q, plan, bsz, hkv, fold)
+            # the [1, H', L, D] view once, each rectangle's rows sliced from it (one view op per call, not
+            # three; the same sizes and strides as _as4 of the row slice, so the same dense graphs)
+            qd4 = _as4(self._dense_rows(q, plan, bsz, hkv, fold))
             k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
             lanes = _Lanes(self._side_streams(q.device), q.device)
             parts = []  # (rect, o4 in the input dtype, lse [H', L'] fp32): merged straight from these
             for i, rect in enumerate(plan.groups):
                 p0, p1, klo, khi = rect
                 with lanes.lane(i):
-                    o4, l_g = dense.fwd(_as4(qd[p0 * rpb:p1 * rpb]), k4[:, :, klo:khi], v4[:, :, klo:khi], scale)
+                    o4, l_g = dense.fwd(qd4[:, :, p0 * rpb:p1 * rpb], k4[:, :, klo:khi], v4[:, :, klo:khi], scale)
                 if lanes.side:  # used on the caller's stream after the join
                     o4.record_stream(lanes.main)
                     l_g.record_stream(lanes.main)
@@ -943,15 +964,17 @@ class StaircaseAttentionKernel:
         through a view: no fp32 copy, no unfold, no scatter. Rows where every partial is -inf: weights 0,
         out 0, lse -inf."""
         lse_fin = lse.clone()
+        lgs = []  # each partial's lse view, made once for both passes
         for rect, _, l_g in parts:
             lg = self._unfold_view(l_g, fold, hkv, g)
+            lgs.append(lg)
             self._on_rows([lse_fin], *self._rect_rows(plan, rect), bsz, hkv,
                           lambda t, lg=lg: torch.logaddexp(t, lg, out=t))
-        m = torch.where(torch.isfinite(lse_fin), lse_fin, torch.zeros((), dtype=lse.dtype, device=lse.device))
+        m = torch.nan_to_num(lse_fin, nan=0.0, posinf=0.0, neginf=0.0)  # where(isfinite, ., 0), in one op
         self._on_rows([out, lse, m], plan.block_range, plan.blocks, bsz, hkv,
                       lambda o, l, mm: o.mul_(torch.exp(l - mm)[..., None]))
-        for rect, o4, l_g in parts:
-            o_v, lg = self._unfold_view(o4, fold, hkv, g), self._unfold_view(l_g, fold, hkv, g)
+        for (rect, o4, _), lg in zip(parts, lgs):
+            o_v = self._unfold_view(o4, fold, hkv, g)
             self._on_rows([out, m], *self._rect_rows(plan, rect), bsz, hkv,
                           lambda o, mm, o_v=o_v, lg=lg: o.addcmul_(o_v, torch.exp(lg - mm)[..., None]))
         return out, lse_fin
@@ -982,23 +1005,26 @@ class StaircaseAttentionKernel:
             od, bad = out_for_delta(dod, self._dense_rows(delta.to(acc), plan, bsz, hkv, fold), q.dtype)
             # entries the dense pass must not see: O' not representable (recomputed by the math fix-up) and
             # rows whose global lse is -inf (P = 0 there, but an overflowing O' would give 0 * NaN)
-            finite = torch.isfinite(lsed)
+            finite = lsed.abs() < float("inf")  # isfinite (False for +-inf and NaN) in two ops, not four
             zero = bad | ~finite
             bad &= finite
             any_zero, any_bad = torch.stack([zero.any(), bad.any()]).tolist()  # the one host sync
-            if any_zero:
-                od = torch.where(zero[..., None], torch.zeros_like(od), od)
-                dod = torch.where(zero[..., None], torch.zeros_like(dod), dod)
-            stats = torch.where(finite, lsed, torch.full_like(lsed, _BIG))
+            if any_zero:  # the same values as where(zero, zeros_like(x), x), without the zero tensors
+                od = od.masked_fill(zero[..., None], 0)
+                dod = dod.masked_fill(zero[..., None], 0)
+            stats = torch.where(finite, lsed, _BIG)  # a scalar: no full_like fill
             k4, v4 = self._kv4(k, layout), self._kv4(v, layout)
             rects = plan.groups if mode == "query" else plan.key_major
             lanes = _Lanes(self._side_streams(q.device), q.device)
+            # the dense calls' operands as [1, H', L, D] / [H', L] views once, sliced per rectangle (the same
+            # sizes and strides as _as4 / .t() of each row slice: the same dense graphs, fewer view ops)
+            dod4, qd4, od4, stats_t = _as4(dod), _as4(qd), _as4(od), stats.t()
 
             def call(p0, p1, klo, khi):
                 r0, r1 = p0 * rpb, p1 * rpb
                 self.counts["dense_bwd"] += 1
-                return dense.bwd(_as4(dod[r0:r1]), _as4(qd[r0:r1]), k4[:, :, klo:khi], v4[:, :, klo:khi],
-                                 _as4(od[r0:r1]), stats[r0:r1].t(), scale)
+                return dense.bwd(dod4[:, :, r0:r1], qd4[:, :, r0:r1], k4[:, :, klo:khi], v4[:, :, klo:khi],
+                                 od4[:, :, r0:r1], stats_t[:, r0:r1], scale)
 
             def accumulate(rect, grads, dq, dk, dv):
                 """The dense input-dtype results added straight into the fp32 gradients (views: the

@@ -87,14 +87,16 @@ def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
 def lse_weights(lse: torch.Tensor, m: torch.Tensor):
     """(m_safe, exp(lse - m_safe)) with m_safe = m where finite else 0: rows where every partial lse is
     -inf get weight 0, never NaN. m must be >= lse element-wise (a max over partials)."""
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    # nan_to_num(m, 0, 0, 0) == where(isfinite(m), m, 0) bit for bit, in one op instead of six (isfinite is
+    # abs, ne, eq, mul; plus the zeros and the select)
+    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
     return m_safe, torch.exp(lse - m_safe)
 
 
 def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor, inplace: bool = False):
     """out = num / den (0 where den = 0), lse = m_safe + log(den) (-inf where den = 0). inplace: divide
     num in place (the same arithmetic, no second [T, H, D] tensor)."""
-    den_safe = torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    den_safe = torch.where(den > 0, den, 1.0)[..., None]  # a scalar 1: no ones_like fill
     out = num.div_(den_safe) if inplace else num / den_safe
     return out, m_safe + torch.log(den)
 
@@ -122,8 +124,12 @@ def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
 
 
 def _as_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [..., k] (float32/64) reinterpreted as [..., k * r] `dtype` elements (bit-exact, no arithmetic)."""
+    """x [..., k] (float32/64) reinterpreted as [..., k * r] `dtype` elements (bit-exact, no arithmetic).
+    A view of x (no copy, any strides on the other dims, e.g. FlexAttention's transposed lse) when x's last
+    dim has stride 1, else of a contiguous copy."""
     r = _bits_per(x.dtype, dtype)
+    if x.dim() and x.stride(-1) == 1:
+        return x.view(dtype)  # the last dim scales by r, the other strides by r: the same bytes
     # flattened first: .contiguous() keeps any stride on a size-1 dim (e.g. [T, 1] for one head, as
     # FlexAttention returns it), and a dtype view needs stride 1 in the last dim
     return x.contiguous().reshape(-1).view(dtype).view(*x.shape[:-1], x.shape[-1] * r)
@@ -141,6 +147,8 @@ def pack_partial(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, out: to
     copy); returned. Raises ValueError when lse's dtype does not split into whole `dtype` elements."""
     packed = _as_bits(lse[..., None], dtype)
     d, r = o.shape[-1], packed.shape[-1]
+    if out is None and o.dtype == dtype:  # O already in the transport dtype (a kernel's native result)
+        return torch.cat([o, packed], -1)  # both copies in one launch
     if out is None:
         out = torch.empty(tuple(o.shape[:-1]) + (d + r,), dtype=dtype, device=o.device)
     out[..., :d].copy_(o)  # the cast of o.to(dtype), written in place (no [T, H, D] temporary)
@@ -436,14 +444,15 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor):
     return finalize(torch.einsum("pthd,pth->thd", o, w), w.sum(0), m_safe, inplace=True)
 
 
-def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
+def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype, out=None):
     """`merge_partials` of the all-to-all result of packed partials (`pack_partial`), [P * rows, H, D + r]
     in a `comm.Pending`: `ops.fused_merge.merge_packed` (one Triton kernel on CUDA; the torch path
     elsewhere, which releases the fp32 partials once summed and divides in place); the received buffer is
-    released once merged. Returns (out [rows, H, D], lse [rows, H]) in `acc`."""
+    released once merged. Returns (out [rows, H, D], lse [rows, H]) in `acc` (written into `out`, a pair of
+    destinations, when given: `fused_merge.merges_in_place`)."""
     from .fused_merge import merge_packed
 
-    return merge_packed(pending.take(), num_partials, rows, head_dim, acc)
+    return merge_packed(pending.take(), num_partials, rows, head_dim, acc, out=out)
 
 
 # ----------------------------------------------------------------------------- own block in the kernel
@@ -482,6 +491,19 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     return out.validate() if debug_checks() else out
 
 
+_ZEROS: dict = {}  # (dtype, device) -> a 0-dim zero, made once per process (read-only)
+
+
+def zero_scalar(dtype: torch.dtype, device) -> torch.Tensor:
+    """A cached 0-dim zero of `dtype` on `device`, the `other` of the ops' `torch.where(valid, x, 0, out=)`
+    selects (torch.where's out= variant takes no Python scalar): made once, not one fill per call."""
+    key = (dtype, torch.device(device))
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros((), dtype=dtype, device=device)
+    return z
+
+
 def with_own_keys(src: torch.Tensor, index, k_blk, valid_rows: torch.Tensor) -> torch.Tensor:
     """The local keys (or values) of one kernel call as ONE new tensor.
 
@@ -500,9 +522,9 @@ def with_own_keys(src: torch.Tensor, index, k_blk, valid_rows: torch.Tensor) -> 
         out[:n].copy_(src)
     else:
         torch.index_select(src, 0, index, out=out[:n])
-    out[n:c0].zero_()
-    torch.where(valid_rows[:, None, None], k_blk, torch.zeros((), dtype=k_blk.dtype, device=k_blk.device),
-                out=out[c0:])
+    if c0 > n:
+        out[n:c0].zero_()
+    torch.where(valid_rows[:, None, None], k_blk, zero_scalar(k_blk.dtype, k_blk.device), out=out[c0:])
     return out
 
 
@@ -513,9 +535,9 @@ def zero_invalid_rows(x: torch.Tensor, valid_rows: torch.Tensor, rows: int | Non
     computes dK = dS^T Q over whole tiles: 0 * NaN would reach the keys other rows of the tile see)."""
     rows = x.shape[0] if rows is None else rows
     out = x.new_empty((rows,) + tuple(x.shape[1:]))
-    torch.where(valid_rows[:, None, None], x, torch.zeros((), dtype=x.dtype, device=x.device),
-                out=out[: x.shape[0]])
-    out[x.shape[0]:].zero_()
+    torch.where(valid_rows[:, None, None], x, zero_scalar(x.dtype, x.device), out=out[: x.shape[0]])
+    if rows > x.shape[0]:
+        out[x.shape[0]:].zero_()
     return out
 
 
@@ -534,20 +556,36 @@ def cast(t, dtype):
 # ----------------------------------------------------------------------------- kernel guards
 
 
-def kernel_forward(plan, q, k, v, mask: IntervalMask):
-    """Local kernel forward; empty queries or keys short-circuit to (0, -inf, None)."""
+def native_results(plan) -> bool:
+    """Whether the call's kernel can return its results in the input dtype (`native=True` of its forward /
+    backward, the optional capability `native_dtype_results` of kernels/base.py): FlexAttention stores out,
+    dq, dk, dv in the input dtype anyway, so the contract's fp32 upcast followed by the op's cast back to
+    the transport dtype is a round trip of identical values (two copies per tensor, skipped)."""
+    return bool(getattr(plan.kernel, "native_dtype_results", False))
+
+
+def kernel_forward(plan, q, k, v, mask: IntervalMask, native: bool = False):
+    """Local kernel forward; empty queries or keys short-circuit to (0, -inf, None). native: `out` may come
+    in the input dtype and with any strides (`native_results`), lse in acc with any strides; the values are
+    those the fp32 path would return (the fp32 out is their exact upcast)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=plan.acc, device=q.device)
         return out, torch.full(q.shape[:2], float("-inf"), dtype=plan.acc, device=q.device), None
+    if native and native_results(plan):
+        return plan.kernel.forward(q, k, v, mask, plan.scale, native=True)
     out, lse, state = plan.kernel.forward(q, k, v, mask, plan.scale)
     return out.to(plan.acc), lse.to(plan.acc), state
 
 
-def kernel_backward(plan, q, k, v, mask, dout, lse, delta, state):
-    """Local kernel backward with the global lse/delta; empty inputs give zero gradients (acc dtype)."""
+def kernel_backward(plan, q, k, v, mask, dout, lse, delta, state, native: bool = False):
+    """Local kernel backward with the global lse/delta; empty inputs give zero gradients (acc dtype).
+    native: the gradients may come in the input dtype (`native_results`: the values whose exact upcast the
+    fp32 path returns)."""
     if q.shape[0] == 0 or k.shape[0] == 0:
         z = lambda t: torch.zeros(t.shape, dtype=plan.acc, device=q.device)  # noqa: E731
         return z(q), z(k), z(v)
+    if native and native_results(plan):
+        return plan.kernel.backward(q, k, v, mask, plan.scale, dout, lse, delta, state, native=True)
     dq, dk, dv = plan.kernel.backward(q, k, v, mask, plan.scale, dout, lse, delta, state)
     return dq.to(plan.acc), dk.to(plan.acc), dv.to(plan.acc)
 
@@ -557,7 +595,11 @@ def delta_and_dout(plan, dout, dlse, out, lse, like):
     the same formula: d lse / d s = P). Returns (dout as a tensor shaped like `like`, delta)."""
     if dout is None:
         dout = torch.zeros_like(like)
-    delta = (dout.to(plan.acc) * out).sum(-1)
+    # dO (input dtype) * O (acc): computed in acc from dO's exact upcast, as (dO.to(acc) * O) is, without
+    # the [T, H, D] acc copy of dO (out is acc: the product's dtype is acc)
+    delta = (dout * out.to(plan.acc)).sum(-1)
     if dlse is not None:
-        delta = delta - torch.where(torch.isfinite(lse), dlse.to(plan.acc), torch.zeros_like(delta))
+        # |lse| < inf is isfinite(lse) (False for +-inf and NaN), in two ops instead of four; the scalar 0
+        # needs no zeros_like
+        delta = delta - torch.where(lse.abs() < float("inf"), dlse.to(plan.acc), 0.0)
     return dout, delta

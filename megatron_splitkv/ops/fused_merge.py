@@ -94,11 +94,32 @@ def merge_packed_torch(x: torch.Tensor, num_partials: int, rows: int, head_dim: 
     return finalize(num, w.sum(0), m_safe, inplace=True)
 
 
-def merge_packed_triton(x: torch.Tensor, num_partials: int, rows: int, head_dim: int):
-    """The Triton path of `merge_packed` (fp32 accumulation; x contiguous [P * rows, H, D + r])."""
+def merges_in_place(device, dtype: torch.dtype, head_dim: int, acc: torch.dtype) -> bool:
+    """Whether `merge_packed` of a received buffer of `dtype` on `device` runs the Triton kernel, which writes
+    its results straight into an `out=` destination (Split-KV's chunked forward then merges every chunk into
+    one preallocated output instead of concatenating the chunks' results: one [rows, H, D] fp32 copy and two
+    launches less per call). Host-side only."""
+    esz = torch.empty((), dtype=dtype, device="meta").element_size()
+    return (not _TRITON_FAILED and esz in (2, 4) and (head_dim * esz) % 4 == 0
+            and use_triton(_DeviceOnly(torch.device(device)), acc))
+
+
+class _DeviceOnly:
+    """What `use_triton` reads of a tensor (is_cuda), for `merges_in_place` before the buffer exists."""
+
+    def __init__(self, device):
+        self.is_cuda = device.type == "cuda"
+
+
+def merge_packed_triton(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, out=None):
+    """The Triton path of `merge_packed` (fp32 accumulation; x contiguous [P * rows, H, D + r]). out:
+    optional (o [rows, H, D], lse [rows, H]) fp32 destinations (unit stride on D), written and returned."""
     H = x.shape[1]
-    out = torch.empty((rows, H, head_dim), dtype=torch.float32, device=x.device)
-    lse = torch.empty((rows, H), dtype=torch.float32, device=x.device)
+    if out is not None:
+        out, lse = out
+    else:
+        out = torch.empty((rows, H, head_dim), dtype=torch.float32, device=x.device)
+        lse = torch.empty((rows, H), dtype=torch.float32, device=x.device)
     if rows == 0 or H == 0:
         return out, lse
     x = x.contiguous()
@@ -119,7 +140,7 @@ def merge_packed_triton(x: torch.Tensor, num_partials: int, rows: int, head_dim:
     return out, lse
 
 
-def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
+def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype, out=None):
     """Exact lse merge of P packed partial states of the same rows.
 
     Args:
@@ -127,6 +148,8 @@ def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, a
             [p * rows, (p + 1) * rows), each (row, head) = O_p (D elements) then lse_p bit-packed in r
             elements (`ops.common.pack_partial`; lse float32, or float64 for float64).
         num_partials: P (>= 1). rows: rows per partial (>= 0). head_dim: D. acc: float32 or float64.
+        out: optional (o [rows, H, D], lse [rows, H]) destinations in `acc` (unit stride on D): the results
+            are written there (by the Triton kernel itself; the torch path copies them) and returned.
 
     Returns:
         (out [rows, H, D], lse [rows, H]) in `acc`: lse = logsumexp_p lse_p, out = sum_p exp(lse_p - lse) O_p;
@@ -139,13 +162,18 @@ def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, a
     if not _TRITON_FAILED and use_triton(x, acc) and x.element_size() in (2, 4) \
             and (head_dim * x.element_size()) % 4 == 0:
         try:
-            return merge_packed_triton(x, num_partials, rows, head_dim)
+            return merge_packed_triton(x, num_partials, rows, head_dim, out=out)
         except Exception as exc:  # noqa: BLE001 - a compile / launch failure: the torch path, once warned
             _TRITON_FAILED = True
             warnings.warn(f"megatron_splitkv: the Triton merge kernel failed ({type(exc).__name__}: {exc}); "
                           "using the torch merge from now on (MEGATRON_SPLITKV_TRITON_MERGE=0 silences this)",
                           RuntimeWarning, stacklevel=2)
-    return merge_packed_torch(x, num_partials, rows, head_dim, acc)
+    o, lse = merge_packed_torch(x, num_partials, rows, head_dim, acc)
+    if out is None:
+        return o, lse
+    out[0].copy_(o)
+    out[1].copy_(lse)
+    return out
 
 
 def sum_partials(parts: torch.Tensor, acc: torch.dtype) -> torch.Tensor:

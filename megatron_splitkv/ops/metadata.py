@@ -995,8 +995,10 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
 def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend, lanes: int = 1) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
-    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d,
-                             keys_per_call=auto_keys_per_call(meta.impl, meta.n_ctx))
+    keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
+    if keys is None:
+        keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys)
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype), lanes=lanes)
 
 

@@ -136,7 +136,7 @@ from .common import (
     with_own_keys,
     zero_invalid_rows,
 )
-from .fused_merge import sum_partials
+from .fused_merge import merges_in_place, sum_partials
 from .metadata import check_query_gather_start, run_op
 
 __all__ = ["splitkv_attention", "splitkv_start_query_gather", "SplitKVQueryGather",
@@ -176,7 +176,10 @@ def _sum_dq_partials(pending, meta, rows, dtype, acc):
         r0, r1 = b0 * bsz, min(b1 * bsz, rows)
         if r1 <= r0:
             continue
-        dq[r0:r1].copy_(sum_partials(parts[:, : r1 - r0], acc))
+        if k == 1:  # one partial: its values cast straight (their fp32 upcast and cast back are exact)
+            dq[r0:r1].copy_(parts[0, : r1 - r0])
+        else:
+            dq[r0:r1].copy_(sum_partials(parts[:, : r1 - r0], acc))
         del recv, parts
     return dq
 
@@ -491,8 +494,10 @@ class _SplitKV(torch.autograd.Function):
                     q_c = q_gathered[c]
                 lanes.use(c, q_c, k_x, v_x)
                 # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
-                #    for this rank's own blocks, the own block); intervals precomputed per step.
-                return (q_c,) + kernel_forward(plan, q_c, k_x, v_x, masks[c])
+                #    for this rank's own blocks, the own block); intervals precomputed per step. O_r in the
+                #    kernel's own dtype where it has one (flex: the input dtype, `native_results`): packed
+                #    into the transport dtype below without an fp32 round trip (the same values).
+                return (q_c,) + kernel_forward(plan, q_c, k_x, v_x, masks[c], native=True)
 
         q_chunks, states, pend_o = [], [], []
         for c, (q_c, o_r, lse_r, state) in lanes.pipeline(n, launch):
@@ -517,20 +522,30 @@ class _SplitKV(torch.autograd.Function):
             del packed, q_c
         if hier is not None:
             pend_o[-1].advance()  # the last chunk's stage 2 overlaps the merges of the others
+        # chunked, with the Triton merge: every chunk merged straight into its rows of one output (no cat)
+        merged = None
+        if n > 1 and merges_in_place(k_x.device, dtype if hier is None else plan.acc, d, plan.acc):
+            merged = (torch.empty((rows_max, meta.num_heads_q, d), dtype=plan.acc, device=k_x.device),
+                      torch.empty((rows_max, meta.num_heads_q), dtype=plan.acc, device=k_x.device))
         out_parts, lse_parts = [], []
         for c in range(n):
             # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums;
             #    the received buffer and the fp32 partials are released as soon as they are used). Two-
             #    level: the N fp32 node partials, with the same merge.
-            rc = (chunks[c][1] - chunks[c][0]) * bsz
-            o_c, l_c = merge_received_partials(pend_o[c], P if hier is None else hier[1].size, rc, d, plan.acc)
+            r0, r1 = chunks[c][0] * bsz, chunks[c][1] * bsz
+            dst = None if merged is None else (merged[0][r0:r1], merged[1][r0:r1])
+            o_c, l_c = merge_received_partials(pend_o[c], P if hier is None else hier[1].size, r1 - r0, d, plan.acc,
+                                               out=dst)
             pend_o[c] = None
             out_parts.append(o_c)
             lse_parts.append(l_c)
-            del o_c, l_c
-        out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
-        lse = (lse_parts[0] if n == 1 else torch.cat(lse_parts))[:rows]
-        del out_parts, lse_parts
+            del o_c, l_c, dst
+        if merged is not None:
+            out, lse = merged[0][:rows], merged[1][:rows]
+        else:
+            out = (out_parts[0] if n == 1 else torch.cat(out_parts))[:rows]
+            lse = (lse_parts[0] if n == 1 else torch.cat(lse_parts))[:rows]
+        del out_parts, lse_parts, merged
         ctx.plan, ctx.masks, ctx.states, ctx.own, ctx.gather = plan, masks, states, own, gather
         # the merged fp32 out is needed only for delta = rowsum(dO * O) at the start of backward: kept as
         # an attribute (not a saved tensor) so that backward can release it before the kernel backward.
@@ -539,6 +554,9 @@ class _SplitKV(torch.autograd.Function):
         alias = dtype == plan.acc
         ctx.out = None if alias else out
         ctx.save_for_backward(k_x, v_x, lse, out if alias else None, *q_chunks)
+        # an output nobody uses gets None in backward (not a materialised zero tensor): no zero fill and no
+        # dlse term (the same delta: delta - 0 == delta bit for bit), no zero dO when only lse is used
+        ctx.set_materialize_grads(False)
         return out.to(dtype), lse
 
     @staticmethod
@@ -622,8 +640,10 @@ class _SplitKV(torch.autograd.Function):
                 # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
                 # returned lse), as in the reference
                 delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
+                # gradients in the kernel's own dtype where it has one (`native_results`): dQ goes to the
+                # all-to-all in q's dtype anyway, dK / dV are summed in fp32 (k > 1) or cast once (k = 1)
                 grads = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all, stats_all[..., 1],
-                                        delta_all, ctx.states[c])
+                                        delta_all, ctx.states[c], native=True)
             ctx.states[c] = None
             return grads
 
@@ -640,9 +660,9 @@ class _SplitKV(torch.autograd.Function):
                 if c:
                     pend_dq[c - 1].advance()
             del dq_r
-            if dk_x is None:
-                dk_x, dv_x = dk_c, dv_c
-            else:
+            if dk_x is None:  # the fp32 sums of a chunked pass start from the first chunk's exact upcast
+                dk_x, dv_x = (dk_c, dv_c) if n == 1 else (dk_c.to(plan.acc), dv_c.to(plan.acc))
+            else:  # fp32 += input dtype: the same fp32 additions as adding the upcast
                 dk_x += dk_c
                 dv_x += dv_c
             del dk_c, dv_c
