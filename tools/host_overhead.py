@@ -6,9 +6,10 @@ forward + backward with reused metadata takes 5.4-6.0 ms of host issue time at n
 op, the comm wrappers, the kernels' glue), small aten ops and their dispatch: none of it depends on the
 tensors' sizes. So this tool runs the op's REAL structure (the planner's LPT placement of `--anchors`
 anchors x block 16 over `--context` tokens, per-step metadata prepared once and reused, forward +
-backward, every chunk, every collective) at shapes where the arithmetic is negligible (Hq = Hkv = 1,
-D = 8 by default) on CPU with gloo, for P = 1 and 2 processes (`torch.distributed.run`) and k = 1, 2,
-4, and reports per step:
+backward, every chunk, every collective) at small shapes (default 64 anchors x B 16 over 1024 tokens,
+Hq = Hkv = 1, D = 8, bf16; the op's structure does not depend on them, and the kernel's own CPU arithmetic
+is timed and taken out) on CPU with gloo, for P = 1 and 2 processes (`torch.distributed.run`) and k = 1,
+2, 4, and reports per step:
 
   wall ms     median wall time of one forward + backward (no profiler), max over ranks; on CPU this is
               host work + the kernel's CPU arithmetic + gloo waits
@@ -17,7 +18,8 @@ D = 8 by default) on CPU with gloo, for P = 1 and 2 processes (`torch.distribute
   py calls    Python function calls (cProfile's count, built-ins included); 'op / glue': those made by the
               op's and the glue's Python (their own functions and the built-ins / torch helpers they call)
   aten ops    aten ops that would launch work on a GPU (a `TorchDispatchMode` counter:
-              `tools/prepare_cost.OpCounter`; views, allocations without a fill excluded), and views
+              `tools/prepare_cost.OpCounter`; views, allocations without a fill excluded), split by where
+              they are issued (op / glue / kernel / other: autograd's AccumulateGrad, the harness), and views
   split       cProfile time per step by where it is spent:
                 op py      self time of our op's Python (megatron_splitkv/ops, comm.py)
                 op aten    built-in (C) calls made from it (small torch ops, their dispatch)
@@ -31,17 +33,21 @@ D = 8 by default) on CPU with gloo, for P = 1 and 2 processes (`torch.distribute
   top         the functions with the largest self time (cProfile), ours and overall (`--top`)
 
 Backends: "math" (the CPU kernel, default), "staircase" (its dense calls run the CPU flash kernel and the
-remainder the math kernel; at a small context it may make no dense call: see the 'dense calls' column),
-"flex" (CPU: the dense emulation of flex; glue as on the GPU but no compiled kernel, no BlockMask use).
+remainder the math kernel; options scaled down to the shapes by default, `--staircase small`, so that it
+makes about as many dense calls as at 16K-128K on the GPU: see the 'dense calls' column), "flex" (CPU: the
+dense emulation of flex; the glue as on the GPU but no compiled kernel, and the backward tangents and the
+owner's merge take their torch paths, one Triton kernel each on the GPU: the CPU counts overstate those).
 
     .venv/bin/python tools/host_overhead.py                         # P = 1, 2; k = 1, 2, 4; math
-    .venv/bin/python tools/host_overhead.py --nproc 2 --num-chunks 1,2 --backends math,staircase \\
-        --context 16384 --top 25 --json out/host_overhead.json
+    .venv/bin/python tools/host_overhead.py --backends math,flex,staircase --breakdown --top 25 \\
+        --json out/host_overhead.json                               # + aten ops by issuing function
 
 Without RANK in the environment it launches itself once per P with `python -m torch.distributed.run` and
 prints one table at the end; under torchrun it is the worker (rank 0 reports). `--digest` adds a sha256 of
-each row's outputs and gradients (bit-identity before/after a change of the op's code). No thresholds: a
-tool, not a test (tests/test_host_overhead.py only checks that it runs and prints its columns).
+each row's outputs and gradients (bit-identity before/after a change of the op's code; tools/op_bits.py
+checks many more configurations). The CPU ms are noisy on a shared machine: compare alternated runs with
+more `--steps`; the counts are exact. No thresholds: a tool, not a test (tests/test_host_overhead.py only
+checks that it runs and prints its columns).
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   Flex's own backward treats lse = -inf rows as P = 0 as well.
 
 Precision: FlexAttention (Triton backend) accumulates in fp32 but stores `out`, `dq`, `dk`, `dv` in the
-input dtype (bf16/fp16); `lse` is fp32. This kernel returns them upcast to fp32 as the contract asks, so
+input dtype (bf16/fp16); `lse` is fp32. This kernel returns them upcast to fp32 as the contract asks (with
+native=True as flex stores them: `native_dtype_results`, what Split-KV uses), so
 `out` carries one bf16 rounding (relative 2**-9) before the cross-rank fp32 merge; measured error versus
 the float64 reference is in docs/kernels.md. float32 inputs run flex in fp32 (the Triton dots then use
 tf32 unless `torch.backends.cuda.matmul.allow_tf32` is off); float64 is not supported by the Triton

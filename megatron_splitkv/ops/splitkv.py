@@ -93,7 +93,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    the compute stream, before or after the projection, exposing more than the flat ring's 0.20 ms.
 
 Memory (tools/memory_breakdown.py measures it from this code at the real shapes): the fp32 partial O_r
-is released before the all-to-all buffers are allocated, the packed send buffer is written in place, the
+is released before the all-to-all buffers are allocated (a kernel with `native_dtype_results`, FlexAttention,
+makes none: its O_r and dQ / dK / dV stay in the inputs' dtype, `ops.common.native_results`), the packed send buffer is written in place, the
 received buffer and the fp32 partials are released as soon as they are merged (in-place division), the
 merged fp32 O is released right after delta = rowsum(dO * O) in backward (it is a ctx attribute, not a
 saved tensor: a second backward through the same call raises RuntimeError), the padded q / dO / stats
