@@ -700,9 +700,10 @@ def header(args, device, world, num_params) -> str:
         import megatron.core
 
         mcore = getattr(megatron.core, "__version__", "?")
-    try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10).stdout.strip() or "?"
+    try:  # only when ROOT is itself a checkout (a `git archive` copy inside another repository is not)
+        out = subprocess.run(["git", "rev-parse", "--show-toplevel", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=10).stdout.split()
+        git = out[1] if len(out) == 2 and os.path.realpath(out[0]) == os.path.realpath(ROOT) else "? (not a checkout)"
     except (OSError, subprocess.SubprocessError):
         git = "?"
     dt = "bf16" if device.type == "cuda" else "fp32"
