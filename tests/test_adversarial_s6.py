@@ -56,3 +56,21 @@ def test_data_parallel_batches_enough_batches_still_works():
         got = [_next_or_hang(g)["value"] for g in [data_parallel_batches(_FakeLoader(3), 2, dpr)] for _ in range(3)]
         want = [(0, 0), (0, 2), (1, 0)] if dpr == 0 else [(0, 1), (1, 1), (2, 1)]
         assert got == want
+
+
+@pytest.mark.parametrize("bad", ["cp", 3, object()])
+def test_bind_rejects_a_cp_group_that_is_not_a_process_group(bad):
+    """`SplitKVMetadata.bind(cp_group=<not a ProcessGroup>)` raised a bare AttributeError / TypeError from
+    torch.distributed; its contract is a ValueError prefixed "SplitKVMetadata.bind" naming cp_group."""
+    import numpy as np
+    import torch
+
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+    from megatron_splitkv.planning import plan_context_parallel
+
+    plan = plan_context_parallel([13], [np.array([0, 3])], block_size=4, cp_size=1, chunk_size=4)
+    meta = prepare_splitkv_metadata_from_plan(plan, 0, block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                                              dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"SplitKVMetadata\.bind: cp_group"):
+        meta.bind(bad, "cpu")
+    assert meta.bind(None, "cpu").bound  # still bindable
