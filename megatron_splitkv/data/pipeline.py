@@ -435,6 +435,15 @@ class PrefetchedBatches:
         self.close()
 
 
+def _check_epoch_len(n: int, dp_size: int, epoch: int) -> None:
+    if n == 0:
+        raise ValueError(f"the loader has no batches in epoch {epoch} (empty corpus?)")
+    if n < dp_size:
+        raise ValueError(f"the loader has {n} batches in epoch {epoch}, fewer than dp_size = {dp_size}: "
+                         "data-parallel ranks would get no batch (use a larger corpus / smaller batches, or "
+                         "fewer data-parallel ranks)")
+
+
 def data_parallel_batches(loader, dp_size: int, dp_rank: int, skip: int = 0):
     """This data-parallel rank's packed batches, endless and deterministic: epoch e = 0, 1, ... of `loader`
     (`set_epoch(e)`), the batches i with i % dp_size == dp_rank, the first `skip` of them left out.
@@ -442,7 +451,11 @@ def data_parallel_batches(loader, dp_size: int, dp_rank: int, skip: int = 0):
     `loader` is a `data.sharegpt.ShareGPTLoader` (or anything with `set_epoch(epoch, start=)`, `len()` after
     set_epoch, and iteration from `start`). Resume does not build the skipped batches: whole epochs are
     counted with `len`, then the resumed epoch starts at its batch (a batch depends only on the seed, the
-    epoch and its index). Raises ValueError when the loader has no batches (the stream would be empty).
+    epoch and its index). Raises ValueError when the loader has no batches (the stream would be empty), or
+    fewer batches than data-parallel ranks in an epoch (`len(loader) < dp_size`: some rank would get no batch
+    of that epoch, and one that never gets any would loop forever looking for one while the others wait for
+    it in the gradient all-reduce). `len(loader)` depends only on the loader's seed and the epoch, so every
+    rank raises the same error at the same epoch, without communicating.
     """
     dp_size = _check_count(dp_size, "dp_size", 1)
     dp_rank = _check_count(dp_rank, "dp_rank", 0)
@@ -453,8 +466,7 @@ def data_parallel_batches(loader, dp_size: int, dp_rank: int, skip: int = 0):
     while True:  # whole epochs already consumed
         loader.set_epoch(epoch)
         n = len(loader)
-        if n == 0:
-            raise ValueError(f"the loader has no batches in epoch {epoch} (empty corpus?)")
+        _check_epoch_len(n, dp_size, epoch)
         mine = max(0, math.ceil((n - dp_rank) / dp_size))
         if skip < mine:
             start = dp_rank + skip * dp_size
@@ -463,8 +475,7 @@ def data_parallel_batches(loader, dp_size: int, dp_rank: int, skip: int = 0):
         epoch += 1
     while True:
         loader.set_epoch(epoch, start=start)
-        if len(loader) == 0:
-            raise ValueError(f"the loader has no batches in epoch {epoch} (empty corpus?)")
+        _check_epoch_len(len(loader), dp_size, epoch)
         for j, batch in enumerate(loader):
             if (start + j) % dp_size == dp_rank:
                 yield batch

@@ -356,8 +356,8 @@ class SplitKVMetadata:
         values here. The kernel lanes stay per call (`check_call`).
 
         Raises:
-            ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; the
-            group's size or this rank's rank in it differ from the plan's cp_size / cp_rank; a device that
+            ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; a
+            cp_group that is not a ProcessGroup (or None); the group's size or this rank's rank in it differ from the plan's cp_size / cp_rank; a device that
             is not usable here or not CUDA with NCCL; a malformed environment variable, or one that
             resolves differently from the building process.
         """
@@ -367,7 +367,11 @@ class SplitKVMetadata:
             raise ValueError(f"{name}: this metadata is already bound to a CP group (bind the unbound metadata "
                              "of prepare_splitkv_metadata_from_plan)")
         try:
-            group = resolve_group(cp_group)
+            try:
+                group = resolve_group(cp_group)
+            except (AttributeError, TypeError) as exc:  # torch.distributed's error for a non-group object
+                raise ValueError(f"cp_group must be a torch.distributed ProcessGroup or None, got "
+                                 f"{type(cp_group).__name__} ({exc})") from exc
             if group.size != rec.cp_size:
                 raise ValueError(f"cp_group has size {group.size} but the metadata was built for a plan with "
                                  f"cp_size={rec.cp_size}")
