@@ -773,17 +773,12 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
 
 def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
     """Split-KV's part of `_finish`: context keys and their sort, the gathered block metadata and the
-    chunks' interval masks, with ONE host sync (`reads`).
-
-    The intervals of every gathered block are computed at once into a [4, P, nb_max] table (rows lo, hi,
-    lo2, hi2; block j of rank r in column (r, j)); chunk c's masks are its columns [b0, b1) of every rank,
-    a view at P = 1 and one copy otherwise, with the same values as the per-chunk `ops.common.intervals`
-    and `with_own_blocks` (tests/test_prepare_cost.py). With `debug_checks()` (tests; off by default: the
-    masks are correct by construction) the union contract is checked once on the whole
-    table (`IntervalMask.validate_flags`: a chunk's blocks are a subset, so every chunk passes when the
-    table does); only if the table fails are the chunks validated one by one, raising as before."""
-    g, bsz, dev = meta.group, meta.block_size, meta.q_seq.device
-    P, nb_local = g.size, meta.n_blocks[g.rank]
+    chunks' interval masks (`_splitkv_chunk_masks`: the same values as the per-chunk `ops.common.intervals`
+    and `with_own_blocks`, tests/test_prepare_cost.py), with ONE host sync (`reads`). With `debug_checks()`
+    (tests; off by default: the masks are correct by construction) the union contract is checked once on
+    the whole table (`IntervalMask.validate_flags`: a chunk's blocks are a subset, so every chunk passes
+    when the table does); only if the table fails are the chunks validated one by one, raising as before."""
+    g = meta.group
     # context keys (seq, pos) -> seq * 2**32 + pos + 2**31 (`ops.common.context_keys`), sorted
     # unconditionally: whether they already were is read with the other values at the end
     keys = torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32)
@@ -801,10 +796,35 @@ def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
     nb_max = max(meta.n_blocks)
     bmeta = torch.stack([meta.q_seq, meta.q_anchor], 1)
     meta.block_meta = all_gather(pad_rows(bmeta, nb_max, -1), g, "splitkv.fwd.block_meta")
-    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, g.size, nb_max)
-    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
     if 1 < meta.cp_ranks_per_node < g.size:  # the two-level all-to-all's sub-groups (cached)
         meta.node_groups = node_groups(g, meta.cp_ranks_per_node, _comm_device(g, meta.device))
+    whole = _splitkv_chunk_masks(meta, sorted_keys, n_keys, copies=False)
+
+    def check_masks(v):
+        if any(v):  # some chunk may violate the contract: validate them in order, raising as before
+            for m in meta.chunk_masks_own:
+                m.validate()
+
+    if whole is not None:  # debug_checks(): the masks are correct by construction; re-checked (and by the tests)
+        reads.add(whole.validate_flags(), check_masks)
+    reads.read()
+
+
+def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_keys: int, copies: bool):
+    """The chunks and their interval masks from the sorted context keys and the gathered block metadata
+    (`meta.block_meta`, [P * nb_max, 2]), on their device: sets meta.num_chunks, chunks, chunk_masks and
+    chunk_masks_own. Shared by `_finish_splitkv` (device) and `_host_finish_splitkv` (host).
+
+    The intervals of every gathered block are computed at once into a [4, P, nb_max] table (rows lo, hi,
+    lo2, hi2; block j of rank r in column (r, j)); chunk c's masks are its columns [b0, b1) of every rank
+    (a view of the table where the columns are contiguous, else one copy; `copies`: always a copy of their
+    own). Returns the whole table as one own-block IntervalMask when `debug_checks()` (for the union
+    contract check), else None."""
+    g, bsz = meta.group, meta.block_size
+    P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
+    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, nb_max)
+    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+    dev = meta.q_seq.device
     table = torch.empty(4, P * nb_max, dtype=torch.int64, device=dev)
     # first intervals (`ops.common.intervals`): block b sees the keys of sequence seq[b] with position <
     # anchor[b]; anchor < 0 (invalid, padding rows) the empty [lo, lo). Sequence ids may be negative
@@ -828,20 +848,13 @@ def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
     meta.chunk_masks, meta.chunk_masks_own = [], []
     by_rank = table.view(4, P, nb_max)
     for b0, b1 in meta.chunks:
-        lo, hi, lo2, hi2 = by_rank[:, :, b0:b1].reshape(4, -1)
-        m = IntervalMask(bsz, lo, hi, n_keys)
-        meta.chunk_masks.append(m)
+        cols = by_rank[:, :, b0:b1].reshape(4, -1)
+        lo, hi, lo2, hi2 = cols.clone() if copies else cols
+        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
         meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
-
-    def check_masks(v):
-        if any(v):  # some chunk may violate the contract: validate them in order, raising as before
-            for m in meta.chunk_masks_own:
-                m.validate()
-
-    if debug_checks():  # the masks are correct by construction; re-checked in debug mode (and by the tests)
-        whole = IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
-        reads.add(whole.validate_flags(), check_masks)
-    reads.read()
+    if not debug_checks():
+        return None
+    return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
 
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
@@ -1552,45 +1565,16 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
 
 def _host_finish_splitkv(meta: SplitKVMetadata, block_meta: torch.Tensor) -> None:
     """`_finish_splitkv` on the host, with the gathered block metadata given (every rank's (q_seq, anchor),
-    [P * nb, 2], equal block counts: no padding rows) and no process group: the same tensor ops on CPU
-    (so the same values, bit for bit; tests/test_metadata_from_plan.py compares them), the "already
-    sorted" test read directly (the sort is skipped when sorted) and, with `debug_checks()`, the union
-    contract validated on the host. Keep in step with `_finish_splitkv`."""
-    P, rank, bsz = meta.group.size, meta.group.rank, meta.block_size
-    nb_local = meta.n_blocks[rank]
-    keys = torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32)
-    n_keys = int(keys.shape[0])
-    meta.keys, meta.order = keys, None
-    if n_keys > 1 and not bool((keys[1:] >= keys[:-1]).all()):
-        meta.keys, meta.order = torch.sort(keys, stable=True)
-    sorted_keys = meta.keys
-    nb_max = max(meta.n_blocks)
+    [P * nb, 2], equal block counts: no padding rows) and no process group: the same keys and the same
+    `_splitkv_chunk_masks` on CPU (so the same values, bit for bit; tests/test_metadata_from_plan.py
+    compares them), the "already sorted" test read directly (`ops.common.sort_keys`: the sort is skipped
+    when sorted), each chunk's lo / hi / lo2 / hi2 a copy of their own (views of one table would pack and
+    upload the table once per chunk) and, with `debug_checks()`, the union contract validated on the host."""
+    meta.keys, meta.order = sort_keys(torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32))
     meta.block_meta = block_meta
-    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, nb_max)
-    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
-    table = torch.empty(4, P * nb_max, dtype=torch.int64)
-    seq, anchor = block_meta[:, 0], block_meta[:, 1]
-    base = seq * (1 << 32)
-    torch.searchsorted(sorted_keys, base, out=table[0])
-    hi = torch.searchsorted(sorted_keys, base + (anchor.clamp(0, _INT32) + (_INT32 - 1)), right=True)
-    torch.where(anchor >= 0, hi, table[0], out=table[1])
-    c0 = own_key_start(n_keys)
-    table[2:].fill_(c0)
-    if nb_local:
-        own = table[2:].view(2, P, nb_max)[:, rank, :nb_local]
-        edges = torch.arange(0, (nb_local + 1) * bsz, bsz, dtype=torch.int64)
-        torch.mul(edges.unfold(0, nb_local, 1), meta.valid, out=own)
-        own.add_(c0)
-    num_keys_own = c0 + nb_local * bsz
-    meta.chunk_masks, meta.chunk_masks_own = [], []
-    by_rank = table.view(4, P, nb_max)
-    for b0, b1 in meta.chunks:
-        # contiguous copies (views of one table would pack and upload the table once per chunk)
-        lo, hi, lo2, hi2 = by_rank[:, :, b0:b1].reshape(4, -1).clone()
-        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
-        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
-    if debug_checks():
-        IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0).validate()
+    whole = _splitkv_chunk_masks(meta, meta.keys, int(meta.keys.shape[0]), copies=True)
+    if whole is not None:
+        whole.validate()
 
 
 #: attribute of a host-built IntervalMask: {(q_len, kv_len): (rows [n, q_len] int32, the 8 BlockMask tables)}
