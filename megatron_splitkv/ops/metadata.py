@@ -638,6 +638,18 @@ def check_block_size(block_size):
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
 
 
+def check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype):
+    """The metadata's head counts (positive ints, Hq % Hkv == 0), head_dim and dtype; ValueError."""
+    for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n} must be a positive int, got {v!r}")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
+                         "Hq must be a multiple of Hkv")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+
+
 def check_scale_backend(softmax_scale, backend):
     if softmax_scale is not None and not (
         isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale) and softmax_scale > 0
@@ -943,14 +955,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
         check_block_size(block_size)
-        for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
-        if num_heads_q % num_heads_kv:
-            raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
-                             "Hq must be a multiple of Hkv")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+        check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         if _comm_device(group, device).type != device.type:
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
@@ -1499,14 +1504,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         check_block_size(block_size)
         if block_size != plan.block_size:
             raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
-        for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
-        if num_heads_q % num_heads_kv:
-            raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
-                             "Hq must be a multiple of Hkv")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+        check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         device = _check_device(device)
         chunks_req = _requested_chunks(num_chunks)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
