@@ -115,11 +115,7 @@ def _meta_layout(meta) -> tuple:
     `ops.metadata._pack` lays them out (`bind` views the uploaded region at these offsets)."""
     from megatron_splitkv.ops import metadata as md
 
-    offs, at = [], 0
-    for t in _meta_tensors(meta):
-        offs.append(at)
-        at += -(-t.numel() * t.element_size() // md._PACK_ALIGN) * md._PACK_ALIGN
-    return offs, at
+    return md._pack_layout(_meta_tensors(meta))
 
 
 def _meta_in(meta, region: torch.Tensor, offs, copy: bool = False, **changes):

@@ -1331,15 +1331,21 @@ def _unique_tensors(meta) -> list:
 _PACK_ALIGN = 16
 
 
+def _pack_layout(tensors):
+    """(offsets, total bytes) of `_pack`'s buffer: each tensor's bytes at a 16-byte aligned offset."""
+    offs, at = [], 0
+    for t in tensors:
+        offs.append(at)
+        at += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+    return offs, at
+
+
 def _pack(tensors, pin: bool):
     """(buffer, offsets): the tensors' bytes in one uint8 buffer (pinned when `pin`), each at a 16-byte
     aligned offset (any dtype can be viewed there, and compiled kernels, e.g. inductor's flex graphs, see
     aligned inputs: a misaligned one would be copied per call), so that `_unpacked` views them back with
     their dtype and shape."""
-    offs, at = [], 0
-    for t in tensors:
-        offs.append(at)
-        at += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+    offs, at = _pack_layout(tensors)
     buf = torch.empty(at, dtype=torch.uint8, pin_memory=pin)
     for t, o in zip(tensors, offs):
         _unpacked(buf, o, t).copy_(t)
