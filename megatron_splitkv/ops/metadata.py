@@ -396,11 +396,7 @@ class SplitKVMetadata:
         if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
             new = {id(t): t for t in tensors}
         else:
-            buf, offs = rec.buffer, rec.layout
-            if buf is None:
-                buf, offs = _pack(tensors, pin=non_blocking and device.type == "cuda")
-            dev_buf = buf.to(device, non_blocking=non_blocking)
-            new = {id(t): _unpacked(dev_buf, o, t) for t, o in zip(tensors, offs)}
+            new = _uploaded(tensors, device, non_blocking, rec.buffer, rec.layout)
         ngroups = None
         if 1 < self.cp_ranks_per_node < group.size:  # the two-level all-to-all's sub-groups (cached)
             ngroups = node_groups(group, self.cp_ranks_per_node, _comm_device(group, device))
@@ -1358,6 +1354,15 @@ def _unpacked(buf, off, like):
     return buf[off: off + n].view(like.dtype).view(like.shape)
 
 
+def _uploaded(tensors, device, non_blocking: bool, buf=None, offs=None) -> dict:
+    """{id(t): t's view on `device`} after ONE copy of the packed buffer: `buf` / `offs` when already packed
+    (`pin_memory`), else packed here (pinned for a non-blocking CUDA copy)."""
+    if buf is None:
+        buf, offs = _pack(tensors, pin=non_blocking and device.type == "cuda")
+    dev_buf = buf.to(device, non_blocking=non_blocking)
+    return {id(t): _unpacked(dev_buf, o, t) for t, o in zip(tensors, offs)}
+
+
 def _remapped(meta, new: dict, block_masks: bool = False, **changes):
     """A copy of `meta` whose tensors are new[id(old tensor)] (masks rebuilt around them, shared masks
     kept shared; caches on the old masks, e.g. a FlexAttention BlockMask, are not carried) with `changes`.
@@ -1560,10 +1565,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
     if flex_block_masks:
         _host_flex_tables(meta.chunk_masks_own)
     if device.type != "cpu":
-        tensors = _unique_tensors(meta)
-        buf, offs = _pack(tensors, pin=device.type == "cuda")
-        dev_buf = buf.to(device, non_blocking=device.type == "cuda")
-        meta = _remapped(meta, {id(t): _unpacked(dev_buf, o, t) for t, o in zip(tensors, offs)}, device=device)
+        meta = _remapped(meta, _uploaded(_unique_tensors(meta), device, device.type == "cuda"), device=device)
     return meta
 
 
