@@ -555,30 +555,38 @@ class _Model:
         return Out()
 
 
+def _patched_pretrain(monkeypatch, name, store, cp, **extra_args):
+    """examples/pretrain_dflash.py loaded as `name` with Megatron's args (the data flags, resumed at iteration
+    2, plus `extra_args`), timers, printing, 2 micro-batches, DP=2 rank 1 and CP (size, rank) = `cp`
+    patched, and the feature store `store`."""
+    import argparse
+
+    import megatron.core.num_microbatches_calculator as nmc
+    from megatron.core import parallel_state as ps
+
+    mod = _load_pretrain(name)
+    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
+                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2, **extra_args)
+    monkeypatch.setattr(mod, "get_args", lambda: args)
+    monkeypatch.setattr(mod, "get_timers", lambda: (lambda *a, **k: _Timer()))
+    monkeypatch.setattr(mod, "print_rank_0", lambda *a, **k: None)
+    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
+    for fn, v in (("get_data_parallel_world_size", 2), ("get_data_parallel_rank", 1),
+                  ("get_context_parallel_world_size", cp[0]), ("get_context_parallel_rank", cp[1])):
+        monkeypatch.setattr(ps, fn, lambda v=v, **k: v)
+    monkeypatch.setitem(mod._STATE, "store", store)
+    return mod
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_pretrain_provider_and_forward_step(store, monkeypatch, workers):
     """train_valid_test_datasets_provider (DP=2 rank 1, CP=2 rank 1, resumed at iteration 2 with 2
     micro-batches per iteration) and forward_step with a stand-in drafter: the drafter gets this rank's
     features, blocks, kv_seq and kv_pos of the batches the old synchronous code would have built (checked
     against it), the logged stats are the batch's tokens and the plan's imbalance."""
-    import argparse
-
-    import megatron.core.num_microbatches_calculator as nmc
-    from megatron.core import parallel_state as ps
-
-    mod = _load_pretrain(f"pretrain_dflash_fs{workers}")
-    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
-                              iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
-                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_workers=workers,
-                              dflash_data_prefetch=2)
-    monkeypatch.setattr(mod, "get_args", lambda: args)
-    monkeypatch.setattr(mod, "get_timers", lambda: (lambda *a, **k: _Timer()))
-    monkeypatch.setattr(mod, "print_rank_0", lambda *a, **k: None)
-    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
-    for name, v in (("get_data_parallel_world_size", 2), ("get_data_parallel_rank", 1),
-                    ("get_context_parallel_world_size", 2), ("get_context_parallel_rank", 1)):
-        monkeypatch.setattr(ps, name, lambda v=v, **k: v)
-    monkeypatch.setitem(mod._STATE, "store", store)
+    mod = _patched_pretrain(monkeypatch, f"pretrain_dflash_fs{workers}", store, cp=(2, 1),
+                            dflash_data_workers=workers)
     if not torch.cuda.is_available():  # forward_step uploads to the current CUDA device; here: the CPU
         monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
     it, valid, test = mod.train_valid_test_datasets_provider(None)
@@ -608,30 +616,15 @@ def test_pretrain_forward_step_binds_worker_metadata(store, monkeypatch, workers
     drafter's CP group and passes it as `metadata=`; it equals prepare_splitkv_metadata_from_plan(...).bind
     of the batch the old synchronous code built. Off (or 0 workers by default): nothing is passed. DP=2 rank 1,
     CP=1 (binding needs no process group), resumed at iteration 2."""
-    import argparse
     import types
-
-    import megatron.core.num_microbatches_calculator as nmc
-    from megatron.core import parallel_state as ps
 
     from megatron_splitkv.megatron.models import qwen3_config
     from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
     from test_metadata_from_plan import meta_diff
 
-    mod = _load_pretrain(f"pretrain_dflash_meta{workers}{flag}")
-    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
-                              iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
-                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_workers=workers,
-                              dflash_data_prefetch=2, context_parallel_impl="splitkv", dflash_host_metadata=flag,
-                              tensor_model_parallel_size=2, splitkv_kernel="auto")
-    monkeypatch.setattr(mod, "get_args", lambda: args)
-    monkeypatch.setattr(mod, "get_timers", lambda: (lambda *a, **k: _Timer()))
-    monkeypatch.setattr(mod, "print_rank_0", lambda *a, **k: None)
-    monkeypatch.setattr(nmc, "get_num_microbatches", lambda: 2)
-    for name, v in (("get_data_parallel_world_size", 2), ("get_data_parallel_rank", 1),
-                    ("get_context_parallel_world_size", 1), ("get_context_parallel_rank", 0)):
-        monkeypatch.setattr(ps, name, lambda v=v, **k: v)
-    monkeypatch.setitem(mod._STATE, "store", store)
+    mod = _patched_pretrain(monkeypatch, f"pretrain_dflash_meta{workers}{flag}", store, cp=(1, 0),
+                            dflash_data_workers=workers, context_parallel_impl="splitkv",
+                            dflash_host_metadata=flag, tensor_model_parallel_size=2, splitkv_kernel="auto")
     # the drafter's config: 8 heads / 4 query groups x 16 over TP = 2 -> 4 / 2 heads per TP rank
     cfg = qwen3_config(num_layers=1, hidden_size=128, num_attention_heads=8, num_query_groups=4, kv_channels=16,
                        ffn_hidden_size=64)
