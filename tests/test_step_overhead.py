@@ -2,7 +2,8 @@
 step): one process and two gloo ranks, tiny shapes. Checks the table's columns, that the numbers are finite
 and positive, that a fresh step prepares the op metadata once and a reused one never, and that both give
 the same loss, and that the arm with the worker-built metadata prepares nothing and gives that loss too; no
-timing thresholds. Also the flag errors (exit 2 naming the flag) and the model's
+timing thresholds. One data pipeline per process (both prefetched arms share it), `--arms` subsets, the
+`--profile-data` table. Also the flag errors (exit 2 naming the flag) and the model's
 `packed_seq_params=` reuse hook (`DFlashDraftModel.forward`)."""
 
 import json
@@ -33,9 +34,11 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
 
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                  "--nproc-per-node", str(nproc)]
-    p = subprocess.run(launch + [TOOL, "--cpu-smoke", "--contexts", "256,512", "--reps", "2", "--out", str(tmp_path)],
+    p = subprocess.run(launch + [TOOL, "--cpu-smoke", "--contexts", "256,512", "--reps", "2", "--profile-data",
+                                 "--out", str(tmp_path)],
                        env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from step_overhead import ARMS, PROFILE_COLUMNS
     # the table is printed last, with every column
     lines = p.stdout.strip().splitlines()
     assert lines[-4] == "| " + " | ".join(COLUMNS) + " |", lines[-6:]
@@ -68,6 +71,13 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
         assert r["loss_max_abs_diff"] <= 1e-6 * abs(r["loss_fresh"]), r
         assert r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"] == r["loss_prefetched_meta"], r
         assert r["blocks_per_rank"] * nproc >= 8 and r["tokens_this_rank"] > 0
+        # ONE data pipeline per process, serving both prefetched arms (its items carry the metadata), one worker
+        assert r["data_pipelines_max_alive"] == 1 and r["data_worker_processes"] == 1, r
+        assert r["pipeline_metadata"] is True and r["arms"] == list(ARMS) and r["pct_of"] == "fresh", r
+        # --profile-data: the (d) step's data part on the host
+        for k in ("profile_next_ms", "profile_upload_host_ms", "profile_bind_ms"):
+            assert isinstance(r[k], float) and r[k] > 0, (k, r)
+        assert r["profile_items_ready"] >= 0 and 0 <= r["profile_next_waited_reps"] <= r["reps"], r
     md = (tmp_path / f"step_overhead_cp{nproc}.md").read_text()
     assert "| " + " | ".join(COLUMNS) + " |" in md and md.count(f" | {nproc} | ") >= 2
     # the prefetched arm's columns, next to the A/B's; the header says which arm is which
@@ -80,7 +90,9 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
         "overhead ms (c: prefetched - reused)") + 1
     assert COLUMNS.index("% of step (c)") == COLUMNS.index("% of step (b)") + 1
     assert COLUMNS.index("% of step (d)") == COLUMNS.index("% of step (c)") + 1
-    for words in ("arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
+    assert "| " + " | ".join(PROFILE_COLUMNS) + " |" in p.stdout and "| " + " | ".join(PROFILE_COLUMNS) + " |" in md
+    for words in ("ONE data pipeline per process", "serving both prefetched arms", "arms run: fresh, reused, "
+                  "prefetched, prefetched+meta (Williams order)", "arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
                   "DataLoader worker", "(c) = prefetched - reused", "prefetched+meta = the same worker(s) also build "
                   "the Split-KV metadata", "(d) = prefetched+meta - reused"):
         assert words in data["setup"] and words in md.splitlines()[0], words
@@ -98,11 +110,104 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
     (["--cpu-smoke", "--data-workers", "0"], "--data-workers"),
     (["--cpu-smoke", "--data-prefetch", "0"], "--data-prefetch"),
     (["--cpu-smoke", "--frobnicate"], "--frobnicate"),
+    (["--cpu-smoke", "--arms", "fresh,bogus"], "--arms"),
+    (["--cpu-smoke", "--arms", ","], "--arms"),
+    (["--cpu-smoke", "--arms", "fresh,fresh"], "--arms"),
+    (["--cpu-smoke", "--arms", "fresh", "--profile-data"], "--profile-data"),
 ])
 def test_step_overhead_bad_flags_exit_2(argv, flag):
     p = subprocess.run([sys.executable, TOOL] + argv, env=_env(), cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("arms, run, pipelines", [
+    ("reused,prefetched+meta", ["reused", "prefetched+meta"], 1),
+    ("prefetched", ["reused", "prefetched"], 1),  # reused always runs; the pipeline then without metadata
+    ("fresh", ["fresh", "reused"], 0),  # no prefetched arm: no pipeline, no worker
+])
+def test_step_overhead_arms_subset(tmp_path, arms, run, pipelines):
+    from step_overhead import COLUMNS
+
+    p = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--contexts", "256", "--reps", "2", "--arms", arms,
+                        "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (r,) = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]
+    assert r["arms"] == run and r["data_pipelines_max_alive"] == pipelines, r
+    assert r["data_worker_processes"] == pipelines and r["pipeline_metadata"] == ("prefetched+meta" in run), r
+    assert r["pct_of"] == ("fresh" if "fresh" in run else "reused"), r
+    wall = {"fresh": "step_fresh_ms", "reused": "step_reused_ms", "prefetched": "step_prefetched_ms",
+            "prefetched+meta": "step_prefetched_meta_ms"}
+    loss = {"fresh": "loss_fresh", "reused": "loss_reused", "prefetched": "loss_prefetched",
+            "prefetched+meta": "loss_prefetched_meta"}
+    for arm, key in wall.items():  # an arm not run: no time (NaN, '-' in the table), no loss, no prepares
+        assert (math.isfinite(r[key]) and r[key] > 0) if arm in run else math.isnan(r[key]), (arm, r)
+        assert (r[loss[arm]] == r["loss_reused"]) if arm in run else r[loss[arm]] is None, (arm, r)
+    assert r["prepares_per_step_reused"] == [0] and r["loss_max_abs_diff"] == 0.0, r
+    if "prefetched+meta" in run:
+        assert r["prepares_per_step_prefetched_meta"] == [0] and math.isfinite(r["overhead_prefetched_meta_ms"])
+    if "prefetched" in run:
+        assert r["prepares_per_step_prefetched"] == [1] and math.isfinite(r["overhead_prefetched_ms"])
+    if "fresh" not in run:
+        assert r["prepares_per_step_fresh"] == [] and math.isnan(r["overhead_ab_ms"]), r
+        assert "% of step: of the REUSED step" in p.stdout
+    lines = p.stdout.strip().splitlines()
+    assert lines[-3] == "| " + " | ".join(COLUMNS) + " |" and lines[-1].startswith("| 256 | 1 |"), lines[-4:]
+
+
+def test_williams_orders_balanced():
+    """The arms' orders: the four arms' square unchanged; for any subset every arm once in every position and
+    right after every other arm equally often."""
+    from step_overhead import ARMS, ORDERS, williams_orders
+
+    assert ORDERS == [tuple(ARMS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))]
+    for n in range(1, 6):
+        arms = tuple(range(n))
+        rows = williams_orders(arms)
+        assert all(sorted(r) == list(arms) for r in rows)
+        for pos in range(n):
+            assert sorted(r[pos] for r in rows).count(0) == len(rows) // n
+        pairs = [(r[i], r[i + 1]) for r in rows for i in range(n - 1)]
+        if n > 1:
+            assert len({pairs.count((a, b)) for a in arms for b in arms if a != b}) == 1, (n, rows)
+
+
+def test_one_pipeline_per_process_guard_and_metadata_drop():
+    """The tool refuses a second live pipeline; the prefetched arm's item, taken from the shared pipeline whose
+    items carry the metadata, uploads exactly the bytes a pipeline without metadata would (the same fields)."""
+    import types
+
+    import numpy as np
+    import torch
+
+    import step_overhead as so
+    from megatron_splitkv.data.pipeline import MetadataSpec, plan_batch
+    from megatron_splitkv.data.sharegpt import make_packed_batch
+
+    so.PIPELINES["alive"] = 1
+    try:
+        with pytest.raises(RuntimeError, match="second data pipeline"):
+            with so.Workload.pipeline(types.SimpleNamespace()):
+                pass
+    finally:
+        so.PIPELINES["alive"] = 0
+    rng = np.random.default_rng(0)
+    batch = make_packed_batch([(rng.integers(0, 200, size=300), np.ones(300, dtype=bool))], num_anchors=8, rng=rng)
+    kw = dict(cp_size=2, cp_rank=1, block_size=16, mask_token_id=255)
+    spec = MetadataSpec(num_heads_q=4, num_heads_kv=2, head_dim=16, dtype=torch.float32)
+    plain, with_meta = plan_batch(batch, **kw), plan_batch(batch, metadata=spec, **kw)
+    dropped = so._without_metadata(with_meta)
+    assert dropped.metadata is None and with_meta.metadata is not None
+    assert dropped.buffers[0].numel() == plain.buffers[0].numel() < with_meta.buffers[0].numel()
+    assert dropped.buffers[1] == plain.buffers[1]  # the same layout; every field the same bytes (not the padding)
+    from megatron_splitkv.data.pipeline import _views
+
+    a, b = _views(dropped.buffers[0], dropped.buffers[1]), _views(plain.buffers[0], plain.buffers[1])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    up = dropped.to("cpu")
+    assert torch.equal(up.kv_pos, plain.kv_pos) and torch.equal(up.blocks.input_ids, plain.blocks.input_ids)
+    assert so._without_metadata(plain) is plain
 
 
 def test_step_overhead_needs_cuda_without_cpu_smoke():

@@ -55,7 +55,15 @@ alternating), medians over `--reps` repeats of the max over CP ranks:
       build left on the step. Overhead = median of (prefetched+meta - reused); the piece "next + upload +
       bind" is timed alone too. Same loss as reused (checked), zero prepares per step (checked).
   The four arms run in a balanced order (a Williams square: each arm in each position and after each other
-  arm once per 4 repeats).
+  arm once per 4 repeats). `--arms` picks a subset (reused always runs; Williams order over the subset;
+  % columns then of the reused step when fresh is left out).
+  ONE data pipeline per process serves both prefetched arms, as a training run has one (one DataLoader: its
+  worker process(es) and one pin thread; a second one alive raises): its items carry the metadata whenever
+  prefetched+meta runs, and the prefetched arm drops it (the upload buffer cut before the metadata's region,
+  its last: the same bytes as a pipeline without --dflash-host-metadata uploads). Before, each prefetched arm
+  had a pipeline of its own (two workers and two pin threads competing with the timed steps).
+  `--profile-data`: the prefetched+meta step's data part on host clocks (next alone, split by whether the
+  worker's item was already received, the non_blocking upload's issue, the bind), a second table.
 
 Also reported: the step's split (data = plan + shard in the fresh step, forward, backward, grad sync +
 optimizer; CUDA events), the core attention's own time (forward + backward of every layer's
@@ -81,6 +89,8 @@ rows are in the files). No thresholds: the numbers are reported, not checked.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -122,8 +132,33 @@ COLUMNS = ["context", "CP", "step ms (fresh)", "step ms (reused)", "fwd+bwd ms",
            "peak GiB"]
 #: the step's arms (see the module docstring), and the orders they run in, one per repeat in turn
 ARMS = ("fresh", "reused", "prefetched", "prefetched+meta")
-#: a Williams square: every arm once in every position, and right after every other arm once, per 4 repeats
-ORDERS = [tuple(ARMS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))]
+#: the (d) step's data part with --profile-data (host clocks), printed as a second table before the main one
+PROFILE_COLUMNS = ["context", "CP", "(d) data ms (events)", "next ms", "next ms (item ready)", "next ms (waited)",
+                   "next waited (repeats)", "upload ms (host)", "bind ms", "items ready at next"]
+
+
+def williams_orders(arms) -> list:
+    """A Williams design over `arms`: every arm once in every position and right after every other arm once,
+    per len(arms) repeats (an even count; an odd count needs the mirrored rows too: 2 x len(arms))."""
+    n = len(arms)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [tuple(arms[i] for i in row) for row in rows]
+
+
+#: a Williams square of the four arms (0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)
+ORDERS = williams_orders(ARMS)
+#: data pipelines (`PrefetchedBatches`) alive in this process now, and the most ever alive at once: the tool
+#: runs ONE per process (both prefetched arms share it), as a training run does
+PIPELINES = {"alive": 0, "max_alive": 0}
 
 
 def parse_args(argv=None):
@@ -150,9 +185,15 @@ def parse_args(argv=None):
     ap.add_argument("--chunk-size", type=int, default=None, help="planner chunk (--cp-chunk-size; default auto)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "none"),
                     help="optimizer step in the step: torch AdamW with lr 0 (default) or none")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help=f"the step's arms to time, comma list of {', '.join(ARMS)} (default all); reused always "
+                         "runs (every overhead is paired with it), e.g. --arms reused,prefetched+meta")
+    ap.add_argument("--profile-data", action="store_true",
+                    help="also break the prefetched+meta step's data part down on the host: next() alone (and "
+                         "whether the worker's item was ready), the pinned upload's issue, the bind; a second table")
     ap.add_argument("--data-workers", type=int, default=1,
-                    help="DataLoader worker processes of the data pipeline of each prefetched arm (prefetched, "
-                         "prefetched+meta: one pipeline each; pretrain_dflash.py --dflash-data-workers; default 1)")
+                    help="DataLoader worker processes of the ONE data pipeline per process that serves both "
+                         "prefetched arms (pretrain_dflash.py --dflash-data-workers; default 1)")
     ap.add_argument("--data-prefetch", type=int, default=2,
                     help="batches each worker prepares ahead (--dflash-data-prefetch; default 2)")
     ap.add_argument("--budget-s", type=float, default=480.0,
@@ -174,6 +215,16 @@ def parse_args(argv=None):
                            ("--data-workers", "data_workers", 1), ("--data-prefetch", "data_prefetch", 1)):
         if getattr(args, name) < lo:
             ap.error(f"{flag} must be >= {lo}, got {getattr(args, name)}")
+    names = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [a for a in names if a not in ARMS]
+    if not names or bad:
+        ap.error(f"--arms: unknown or no arms {', '.join(map(repr, bad)) or repr(args.arms)}; a comma list of "
+                 f"{', '.join(ARMS)}")
+    if len(set(names)) != len(names):
+        ap.error(f"--arms: an arm is named twice in {args.arms!r}")
+    args.arm_list = tuple(a for a in ARMS if a in names or a == "reused")  # in ARMS order, reused always
+    if args.profile_data and "prefetched+meta" not in args.arm_list:
+        ap.error("--profile-data profiles the prefetched+meta step: add prefetched+meta to --arms")
     if args.heads % args.kv_heads:
         ap.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.chunk_size is not None and args.chunk_size < 1:
@@ -431,18 +482,31 @@ class Workload:
         self.feats = torch.randn(kv_seq.shape[0], num_taps * args.hidden, generator=g, device=device,
                                  dtype=torch.float32).to(dtype)
 
-    def prefetcher(self, metadata=None):
-        """The data pipeline of pretrain_dflash.py (`data.pipeline.PrefetchedBatches`) over this batch, repeated:
-        --data-workers DataLoader worker processes plan, shard and build the draft blocks of the next steps'
-        batches (the features are on the device already, as in `__init__`), pinned on CUDA; with `metadata`
-        (a `MetadataSpec`, --dflash-host-metadata) also this rank's Split-KV metadata."""
+    @contextlib.contextmanager
+    def pipeline(self, metadata=None):
+        """THE data pipeline of this process (pretrain_dflash.py's, `data.pipeline.PrefetchedBatches`) over this
+        batch, repeated: --data-workers DataLoader worker processes plan, shard and build the draft blocks of
+        the next steps' batches (the features are on the device already, as in `__init__`), pinned on CUDA;
+        with `metadata` (a `MetadataSpec`, --dflash-host-metadata) also this rank's Split-KV metadata. Both
+        prefetched arms take their items from it (the prefetched arm drops the metadata: `_without_metadata`).
+        Counted in PIPELINES; a second one alive at once raises (a training run has one: two would compete
+        with the timed steps for the cores and, through their pin threads, for the GIL)."""
         from megatron_splitkv.data.pipeline import PrefetchedBatches
 
+        if PIPELINES["alive"]:
+            raise RuntimeError("step_overhead: a second data pipeline in this process (the tool runs one)")
         a = self.args
-        return PrefetchedBatches(functools.partial(_repeat, self.batch), num_workers=a.data_workers,
+        pipe = PrefetchedBatches(functools.partial(_repeat, self.batch), num_workers=a.data_workers,
                                  prefetch=a.data_prefetch, pin_memory=self.device.type == "cuda", cp_size=self.world,
                                  cp_rank=self.rank, block_size=a.block_size, mask_token_id=self.mask_id,
                                  chunk_size=a.chunk_size, strategy=a.balance, metadata=metadata)
+        PIPELINES["alive"] += 1
+        PIPELINES["max_alive"] = max(PIPELINES["max_alive"], PIPELINES["alive"])
+        try:
+            yield pipe
+        finally:
+            PIPELINES["alive"] -= 1
+            pipe.close()
 
     def plan(self):
         from megatron_splitkv.planning import plan_context_parallel
@@ -491,24 +555,71 @@ class PrepareCounter:
         att.prepare_splitkv_metadata = counted
 
 
-def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetchers=None):
+def _without_metadata(item):
+    """The item as a pipeline without --dflash-host-metadata makes it: no metadata, and the upload buffer cut
+    before the metadata's region (its last; the other fields' offsets unchanged), so that the prefetched arm
+    uploads what it uploaded with a pipeline of its own. Host only: a view, a few objects."""
+    if item.metadata is None:
+        return item
+    upload, layout, host, host_layout = item.buffers
+    (_, _, _, off), = [x for x in layout if x[0] == "metadata"]
+    rest = [x for x in layout if x[0] != "metadata"]
+    assert all(x[3] < off for x in rest), "the metadata region is not the upload buffer's last"
+    return dataclasses.replace(item, metadata=None, buffers=(upload[:off], rest, host, host_layout))
+
+
+def _items_ready(pipe):
+    """Items of `pipe` that `next` can take without waiting for a worker (the DataLoader iterator's received
+    queue: from the pin thread on CUDA, from the workers on CPU, plus one already received out of turn), or
+    None where the DataLoader does not show it. Cheap (a queue's size under its lock)."""
+    it = getattr(pipe, "_it", None)
+    try:
+        cached = len(it._task_info.get(it._rcvd_idx, ())) == 2
+        return int(it._data_queue.qsize()) + int(cached)
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+
+
+def _next_item(pipe, kind, device):
+    """The prefetched arms' data part up to the upload: the next item of the ONE pipeline (prefetched: without
+    its metadata), uploaded (non_blocking)."""
+    item = next(pipe)
+    if kind == "prefetched":
+        item = _without_metadata(item)
+    return item.to(device, non_blocking=True)
+
+
+def run_step(model, trainer, work, clock, attn, kind, reused=None, pipe=None, profile=False):
     """One training step of arm `kind`: "fresh" (plan, shard, new params: prepare + mask in the first layer),
-    "reused" (the cached batch and params `reused`), "prefetched" (the next planned batch of
-    prefetchers["prefetched"], prepared by its DataLoader worker while earlier steps ran: upload, new params:
-    prepare + mask) or "prefetched+meta" (the same with the worker-built metadata: upload, bind, no prepare).
-    Returns (timings dict, loss tensor)."""
+    "reused" (the cached batch and params `reused`), "prefetched" (the next planned batch of the pipeline
+    `pipe`, prepared by its DataLoader worker while earlier steps ran, its metadata dropped: upload, new params:
+    prepare + mask) or "prefetched+meta" (the next item with the worker-built metadata: upload, bind, no
+    prepare). With `profile` (prefetched+meta only) host clocks split its data part: next, upload, bind, and
+    the items ready before next. Returns (timings dict, loss tensor)."""
     clock.barrier()
     attn.reset()
     n_prep = PREPARES.calls
     t0 = time.perf_counter()
     s0 = clock.stamp()
-    extra = {}
+    extra, prof = {}, {}
     if kind == "fresh":
         plan = work.plan()
         _, blocks, kv_seq, kv_pos = work.shard(plan)
         params = None
+    elif kind == "prefetched+meta" and profile:
+        ready = _items_ready(pipe)
+        h0 = time.perf_counter()
+        item = next(pipe)
+        h1 = time.perf_counter()
+        dev = item.to(work.device, non_blocking=True)
+        h2 = time.perf_counter()
+        extra["metadata"] = dev.metadata.bind(model.pg_collection.cp, work.device)
+        h3 = time.perf_counter()
+        blocks, kv_seq, kv_pos, params = dev.blocks, dev.kv_seq, dev.kv_pos, None
+        prof = {"next_host": (h1 - h0) * 1e3, "upload_host": (h2 - h1) * 1e3, "bind_host": (h3 - h2) * 1e3,
+                "ready": float("nan") if ready is None else float(ready)}
     elif kind in ("prefetched", "prefetched+meta"):
-        dev = next(prefetchers[kind]).to(work.device, non_blocking=True)
+        dev = _next_item(pipe, kind, work.device)
         blocks, kv_seq, kv_pos = dev.blocks, dev.kv_seq, dev.kv_pos
         params = None
         if dev.metadata is not None:  # bound to the drafter's CP group: views of the uploaded buffer, no copy
@@ -525,14 +636,14 @@ def run_step(model, trainer, work, clock, attn, kind, reused=None, prefetchers=N
     clock.sync()
     wall = (time.perf_counter() - t0) * 1e3
     t = {"wall": wall, "data": clock.ms(s0, s1), "fwd": clock.ms(s1, s2), "bwd": clock.ms(s2, s3),
-         "opt": clock.ms(s3, s4), "attn": attn.total_ms(), "prepares": PREPARES.calls - n_prep}
+         "opt": clock.ms(s3, s4), "attn": attn.total_ms(), "prepares": PREPARES.calls - n_prep, **prof}
     return t, out.total.detach()
 
 
-def time_pieces(model, work, clock, args, qkv, prefetchers):
+def time_pieces(model, work, clock, args, qkv, pipe):
     """(a): plan, shard, prepare, BlockMask (first op call minus a cached call), each alone; and the
-    prefetched arms' data pieces alone: the next planned batch from the pipeline + its upload (+ the bind of
-    its metadata for prefetched+meta)."""
+    prefetched arms' data pieces alone (those of the arms run): the next planned batch from the pipeline + its
+    upload (+ the bind of its metadata for prefetched+meta)."""
     from megatron_splitkv import splitkv_attention
 
     cp = model.pg_collection.cp
@@ -545,16 +656,19 @@ def time_pieces(model, work, clock, args, qkv, prefetchers):
     _, blocks, kv_seq, kv_pos = work.shard(plan)
     clock.sync()
     shard_ms = (time.perf_counter() - t0) * 1e3
-    clock.barrier()
-    t0 = time.perf_counter()
-    next(prefetchers["prefetched"]).to(work.device, non_blocking=True)
-    clock.sync()
-    upload_ms = (time.perf_counter() - t0) * 1e3
-    clock.barrier()
-    t0 = time.perf_counter()
-    next(prefetchers["prefetched+meta"]).to(work.device, non_blocking=True).metadata.bind(cp, work.device)
-    clock.sync()
-    bind_ms = (time.perf_counter() - t0) * 1e3
+    upload_ms = bind_ms = float("nan")
+    if "prefetched" in args.arm_list:
+        clock.barrier()
+        t0 = time.perf_counter()
+        _next_item(pipe, "prefetched", work.device)
+        clock.sync()
+        upload_ms = (time.perf_counter() - t0) * 1e3
+    if "prefetched+meta" in args.arm_list:
+        clock.barrier()
+        t0 = time.perf_counter()
+        _next_item(pipe, "prefetched+meta", work.device).metadata.bind(cp, work.device)
+        clock.sync()
+        bind_ms = (time.perf_counter() - t0) * 1e3
     params = model.packed_seq_params(blocks, kv_seq, kv_pos)
     clock.barrier()
     t0 = time.perf_counter()
@@ -595,77 +709,112 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
     from megatron_splitkv.megatron import splitkv_metadata_spec
 
     spec = splitkv_metadata_spec(model.config, tp_size=1, kernel_backend=args.kernel, cuda=device.type == "cuda")
-    with work.prefetcher() as plain, work.prefetcher(metadata=spec) as with_meta:
-        prefetchers = {"prefetched": plain, "prefetched+meta": with_meta}
+    arms = args.arm_list
+    order = williams_orders(arms)
+    # ONE pipeline per process for both prefetched arms: its items carry the metadata when prefetched+meta runs
+    # (the prefetched arm drops it), none otherwise; no pipeline when neither runs
+    prefetching = "prefetched" in arms or "prefetched+meta" in arms
+    pipeline = (work.pipeline(metadata=spec if "prefetched+meta" in arms else None) if prefetching
+                else contextlib.nullcontext(None))
+    nan = float("nan")
+    with pipeline as pipe:
         attn.on = True
         for _ in range(args.warmup):  # compiles, cuDNN graphs, allocator; the reused params get their metadata
-            for kind in ARMS:
-                run_step(model, trainer, work, clock, attn, kind, reused, prefetchers)
-            time_pieces(model, work, clock, args, qkv, prefetchers)
+            for kind in arms:
+                run_step(model, trainer, work, clock, attn, kind, reused, pipe)
+            time_pieces(model, work, clock, args, qkv, pipe)
+        import multiprocessing
+
+        workers_alive = len(multiprocessing.active_children())  # this process's DataLoader workers (ranks: none)
         keys = ["fresh_wall", "reused_wall", "diff", "fresh_data", "fresh_fwd", "fresh_bwd", "fresh_opt",
                 "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
                 "pref_wall", "pref_diff", "pref_data", "pmeta_wall", "pmeta_diff", "pmeta_data",
+                "next_host", "upload_host", "bind_host", "ready",
                 "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload", "upload_bind"]
         n_step_keys = keys.index("plan")
+        empty = {"wall": nan, "data": nan, "fwd": nan, "bwd": nan, "opt": nan, "attn": nan}
         per_rep, losses, prepares = [], [], {k: set() for k in ARMS}
         for r in range(args.reps):
             res = {}
-            for kind in ORDERS[r % len(ORDERS)]:  # the balanced orders of the four arms in turn
-                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, prefetchers)
+            for kind in order[r % len(order)]:  # the balanced orders of the arms run, in turn
+                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, pipe, args.profile_data)
                 res[kind], res[kind + "_loss"] = t, loss
                 prepares[kind].add(t["prepares"])
-            p = time_pieces(model, work, clock, args, qkv, prefetchers)
-            f, u, q, m = res["fresh"], res["reused"], res["prefetched"], res["prefetched+meta"]
+            p = time_pieces(model, work, clock, args, qkv, pipe)
+            f, u, q, m = (res.get(k, empty) for k in ARMS)
             per_rep.append([f["wall"], u["wall"], f["wall"] - u["wall"], f["data"], f["fwd"], f["bwd"], f["opt"],
                             f["attn"], u["fwd"], u["bwd"], u["opt"], u["attn"], q["wall"], q["wall"] - u["wall"],
-                            q["data"], m["wall"], m["wall"] - u["wall"], m["data"]]
+                            q["data"], m["wall"], m["wall"] - u["wall"], m["data"],
+                            m.get("next_host", nan), m.get("upload_host", nan), m.get("bind_host", nan),
+                            m.get("ready", nan)]
                            + [p[k] for k in keys[n_step_keys:]])
-            losses.append((float(res["fresh_loss"]), float(res["reused_loss"]), float(res["prefetched_loss"]),
-                           float(res["prefetched+meta_loss"])))
+            losses.append({k: float(res[k + "_loss"]) for k in arms})
         attn.on = False
     # max over ranks per repeat (every rank's time counts: the step waits for the slowest), then medians
     flat = [v for row in per_rep for v in row]
-    by_rank = clock.gather(flat)
+    by_rank = clock.gather(flat + [float(PIPELINES["max_alive"]), float(workers_alive)])
+    max_pipelines = max(int(rk[-2]) for rk in by_rank)
+    workers_alive = max(int(rk[-1]) for rk in by_rank)
     n = len(keys)
     worst = [[max(rk[i * n + j] for rk in by_rank) for j in range(n)] for i in range(args.reps)]
+    ready_min = [min(rk[i * n + keys.index("ready")] for rk in by_rank) for i in range(args.reps)]
     med = {k: _med([row[j] for row in worst]) for j, k in enumerate(keys)}
+    # --profile-data: next() pooled over ranks and repeats, split by whether the worker's item was ready
+    pooled = [(rk[i * n + keys.index("next_host")], rk[i * n + keys.index("ready")]) for rk in by_rank
+              for i in range(args.reps)]
+    next_ready = _med([t for t, k in pooled if k == k and k > 0])
+    next_waited = _med([t for t, k in pooled if k == k and k == 0])
+    waits = sum(1 for k in ready_min if k == k and k == 0)  # repeats where some rank found no item ready
     peak = None  # CPU: not measured
     if device.type == "cuda":
         peak = max(v[0] for v in clock.gather([torch.cuda.max_memory_allocated(device) / 2**30]))
+    # the % columns' step: the fresh one, or the reused one when --arms leaves fresh out
+    base_wall, base_opt = ((med["fresh_wall"], med["fresh_opt"]) if "fresh" in arms
+                           else (med["reused_wall"], med["reused_opt"]))
     pieces = med["plan"] + med["shard"] + med["prepare"] + med["mask"]
-    fwdbwd = med["fresh_wall"] - med["fresh_opt"]
-    loss_diff = max(max(abs(a - b), abs(c - b), abs(d - b)) for a, b, c, d in losses)
+    fwdbwd = base_wall - base_opt
+    loss_diff = max(abs(v - ls["reused"]) for ls in losses for v in ls.values())
     return {
         "context": context, "cp": world, "tokens_this_rank": int(work.kv_seq.shape[0]),
         "blocks_per_rank": int(work.blocks.q_seq.shape[0]), "imbalance": float(work.plan0.imbalance),
         "step_fresh_ms": med["fresh_wall"], "step_reused_ms": med["reused_wall"], "fwdbwd_ms": fwdbwd,
-        "gradsync_opt_ms": med["fresh_opt"], "data_ms": med["fresh_data"], "fwd_ms": med["fresh_fwd"],
+        "gradsync_opt_ms": base_opt, "data_ms": med["fresh_data"], "fwd_ms": med["fresh_fwd"],
         "bwd_ms": med["fresh_bwd"], "reused_fwd_ms": med["reused_fwd"], "reused_bwd_ms": med["reused_bwd"],
         "attention_ms": med["reused_attn"], "attention_fresh_ms": med["fresh_attn"],
         "rest_ms": med["reused_wall"] - med["reused_attn"],
         "plan_ms": med["plan"], "shard_ms": med["shard"], "prepare_ms": med["prepare"], "mask_ms": med["mask"],
         "op_first_call_ms": med["op_cold"], "op_cached_call_ms": med["op_warm"],
         "overhead_pieces_ms": pieces, "overhead_ab_ms": med["diff"],
-        "pct_step_pieces": 100 * pieces / med["fresh_wall"], "pct_step_ab": 100 * med["diff"] / med["fresh_wall"],
+        "pct_step_pieces": 100 * pieces / base_wall, "pct_step_ab": 100 * med["diff"] / base_wall,
         "pct_fwdbwd_pieces": 100 * pieces / fwdbwd, "pct_fwdbwd_ab": 100 * med["diff"] / fwdbwd,
         # (c) the prefetched arm: plan + shard + blocks in the data pipeline's worker, the step uploads
         "step_prefetched_ms": med["pref_wall"], "prefetched_data_ms": med["pref_data"], "upload_ms": med["upload"],
-        "overhead_prefetched_ms": med["pref_diff"], "pct_step_prefetched": 100 * med["pref_diff"] / med["fresh_wall"],
+        "overhead_prefetched_ms": med["pref_diff"], "pct_step_prefetched": 100 * med["pref_diff"] / base_wall,
         "pct_fwdbwd_prefetched": 100 * med["pref_diff"] / fwdbwd,
         "overhead_pieces_prefetched_ms": med["upload"] + med["prepare"] + med["mask"],
         # (d) prefetched+meta: the metadata built in the worker too; the step uploads + binds it
         "step_prefetched_meta_ms": med["pmeta_wall"], "prefetched_meta_data_ms": med["pmeta_data"],
         "upload_bind_ms": med["upload_bind"], "overhead_prefetched_meta_ms": med["pmeta_diff"],
-        "pct_step_prefetched_meta": 100 * med["pmeta_diff"] / med["fresh_wall"],
+        "pct_step_prefetched_meta": 100 * med["pmeta_diff"] / base_wall,
         "pct_fwdbwd_prefetched_meta": 100 * med["pmeta_diff"] / fwdbwd,
         "host_metadata_flex_tables": bool(spec.flex_block_masks),
-        "data_workers": args.data_workers,
-        "loss_fresh": losses[-1][0], "loss_reused": losses[-1][1], "loss_prefetched": losses[-1][2],
-        "loss_prefetched_meta": losses[-1][3],
+        "data_workers": args.data_workers, "arms": list(arms), "pct_of": "fresh" if "fresh" in arms else "reused",
+        # one data pipeline per process (both prefetched arms share it): the most alive at once on any rank, and
+        # the worker processes alive in a rank after the warm-up (its DataLoader's; 0 without a prefetched arm)
+        "data_pipelines_max_alive": max_pipelines, "data_worker_processes": workers_alive,
+        "pipeline_metadata": "prefetched+meta" in arms,
+        "loss_fresh": losses[-1].get("fresh"), "loss_reused": losses[-1]["reused"],
+        "loss_prefetched": losses[-1].get("prefetched"), "loss_prefetched_meta": losses[-1].get("prefetched+meta"),
         "loss_max_abs_diff": loss_diff, "peak_gib": peak, "reps": args.reps,
         "prepares_per_step_fresh": sorted(prepares["fresh"]), "prepares_per_step_reused": sorted(prepares["reused"]),
         "prepares_per_step_prefetched": sorted(prepares["prefetched"]),
         "prepares_per_step_prefetched_meta": sorted(prepares["prefetched+meta"]),
+        # --profile-data (host clocks, the prefetched+meta step's data part; medians of the max over ranks)
+        "profile_data": bool(args.profile_data), "profile_next_ms": med["next_host"],
+        "profile_next_ready_ms": next_ready, "profile_next_waited_ms": next_waited,
+        "profile_next_waited_reps": waits if any(k == k for k in ready_min) else None,
+        "profile_upload_host_ms": med["upload_host"], "profile_bind_ms": med["bind_host"],
+        "profile_items_ready": _med(ready_min),  # per repeat the fewest over ranks
     }
 
 
@@ -688,6 +837,27 @@ def table(rows) -> str:
                     _fmt(r["pct_step_prefetched_meta"]), _fmt(r["pct_fwdbwd_pieces"]),
                     f"{r['loss_max_abs_diff']:.1e}", _fmt(r["peak_gib"])])
     return bench.md_table(COLUMNS, out)
+
+
+def profile_table(rows) -> str:
+    """--profile-data: the prefetched+meta step's data part, host clocks (rows measured with it)."""
+    out = []
+    for r in rows:
+        if "skipped" in r or not r.get("profile_data"):
+            continue
+        w = r["profile_next_waited_reps"]
+        out.append([r["context"], r["cp"], _fmt(r["prefetched_meta_data_ms"]), _fmt(r["profile_next_ms"], "{:.3f}"),
+                    _fmt(r["profile_next_ready_ms"], "{:.3f}"), _fmt(r["profile_next_waited_ms"], "{:.3f}"),
+                    "-" if w is None else f"{w} of {r['reps']}", _fmt(r["profile_upload_host_ms"], "{:.3f}"),
+                    _fmt(r["profile_bind_ms"], "{:.3f}"), _fmt(r["profile_items_ready"], "{:g}")])
+    return bench.md_table(PROFILE_COLUMNS, out)
+
+
+PROFILE_NOTE = ("the prefetched+meta step's data part on the host (--profile-data): (d) data = its CUDA-event span "
+                "(next + upload + bind as the stream sees it), next = `next(pipeline)` alone, split by whether the "
+                "worker's item was already received (items ready > 0 before the call) or next had to wait for it "
+                "(pooled over ranks and repeats), waited = repeats in which some rank found none ready, upload = "
+                "issuing the non_blocking copy (host), bind = `SplitKVMetadata.bind`; medians of the max over ranks")
 
 
 def header(args, device, world, num_params) -> str:
@@ -724,9 +894,23 @@ def header(args, device, world, num_params) -> str:
             f"the step takes the next batch, uploads it (metadata included) and binds the metadata to the CP group: "
             f"no prepare, no BlockMask build (the default data pipeline, --dflash-host-metadata on); overhead (a) = "
             f"plan + shard + prepare + BlockMask each alone, (b) = fresh - reused, (c) = prefetched - reused, "
-            f"(d) = prefetched+meta - reused (paired per repeat); torch "
+            f"(d) = prefetched+meta - reused (paired per repeat); arms run: {', '.join(args.arm_list)} (Williams "
+            f"order){'' if 'fresh' in args.arm_list else '; % of step: of the REUSED step (no fresh arm run)'}; "
+            f"{_pipeline_note(args)}; torch "
             f"{torch.__version__}, megatron-core {mcore}, git {git}, "
             f"MEGATRON_SPLITKV_DEBUG_CHECKS={os.environ.get('MEGATRON_SPLITKV_DEBUG_CHECKS', 'unset')}")
+
+
+def _pipeline_note(args) -> str:
+    arms = args.arm_list
+    if "prefetched" not in arms and "prefetched+meta" not in arms:
+        return "no data pipeline (no prefetched arm run)"
+    note = (f"ONE data pipeline per process (one DataLoader: {args.data_workers} worker process(es), one pin "
+            f"thread), as in training")
+    if "prefetched" in arms and "prefetched+meta" in arms:
+        note += (", serving both prefetched arms: its items carry the metadata, the prefetched arm drops it "
+                 "(uploads the batch without the metadata's region, as with --dflash-host-metadata off)")
+    return note
 
 
 def write(args, world, head, rows):
@@ -736,6 +920,8 @@ def write(args, world, head, rows):
                   default=str)
     with open(base + ".md", "w") as f:
         f.write(f"{head}\n\n{table(rows)}\n")
+        if args.profile_data:
+            f.write(f"\n{PROFILE_NOTE}\n\n{profile_table(rows)}\n")
     return base
 
 
@@ -797,6 +983,8 @@ def main(argv=None):
     if rank == 0:
         base = write(args, world, head, rows)
         print(f"wrote {base}.json, {base}.md")
+        if args.profile_data:  # before the main table, which stays last
+            print(f"{PROFILE_NOTE}\n\n{profile_table(rows)}\n")
         print(table(rows))
     import torch.distributed as dist
 
