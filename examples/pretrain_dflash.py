@@ -368,4 +368,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_splitkv.megatron.arguments import SplitKVArgumentError
+
+    try:
+        main()
+    except SplitKVArgumentError as exc:  # a bad flag: one line naming it, exit status 2 (as argparse's errors)
+        print(f"pretrain_dflash.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
