@@ -123,3 +123,17 @@ def test_simulate_scaling_empty_out_is_a_flag_error():
     p = subprocess.run([sys.executable, _tool("simulate_scaling.py"), "--model-only", "--out", ""], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "--out" in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_pretrain_dflash_bad_splitkv_flag_exits_2_with_one_line():
+    """examples/pretrain_dflash.py run as a script: a bad Split-KV flag (validate_splitkv_args) is one line
+    naming the flag on stderr and exit status 2, like argparse's own errors (no traceback)."""
+    pytest.importorskip("megatron.core")
+    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "1", "--context-parallel-impl", "splitkv",
+            "--dflash-data-workers", "-1"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "pretrain_dflash.py: error: --dflash-data-workers must be >= 0" in p.stderr
+    assert "Traceback" not in p.stderr
