@@ -298,3 +298,15 @@ def small_inputs(rank=0):
     m = dict(q_seq=torch.zeros(nb, dtype=torch.int64), q_anchor=torch.tensor([0, 3, -1, 9]),
              kv_seq=torch.zeros(tk, dtype=torch.int64), kv_pos=torch.arange(tk))
     return x, m
+
+
+def run_in_triton_interpreter(code: str, expect: str, timeout: int):
+    """Run `code` (a Python program) in a fresh interpreter with TRITON_INTERPRET=1 (Triton kernels on the
+    CPU) and the repository on PYTHONPATH; assert exit status 0 and that stdout contains `expect`."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and expect in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])

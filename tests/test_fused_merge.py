@@ -11,12 +11,12 @@
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+
+from _splitkv_helpers import run_in_triton_interpreter
 
 from megatron_splitkv.ops import fused_merge as fm
 from megatron_splitkv.ops.common import pack_partial
@@ -113,10 +113,7 @@ _INTERP = textwrap.dedent("""
 def test_triton_kernels_in_the_interpreter():
     """The Triton merge and tangents kernels, run by Triton's CPU interpreter, equal the torch paths."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _INTERP.format(tests=os.path.join(ROOT, "tests"))], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "interpreter ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    run_in_triton_interpreter(_INTERP.format(tests=os.path.join(ROOT, "tests")), "interpreter ok", 600)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,14 +13,12 @@
 Bit-identical means equal bytes (torch.equal on the raw bytes: -0.0 and NaN payloads included)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from _dist import run_distributed
-from _splitkv_helpers import build, case, local, new_seed
+from _splitkv_helpers import build, case, local, new_seed, run_in_triton_interpreter
 
 import megatron_splitkv as msk
 from megatron_splitkv.ops import common
@@ -264,7 +262,4 @@ def _merge_results(rank, world):
 
 def test_in_place_merge_in_the_triton_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _INTERP.format(tests=os.path.join(ROOT, "tests"))], env=env,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and "in-place merge ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    run_in_triton_interpreter(_INTERP.format(tests=os.path.join(ROOT, "tests")), "in-place merge ok", 1200)
