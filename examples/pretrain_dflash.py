@@ -25,7 +25,9 @@ budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id
 each CP rank reads only its shard's rows; the target is then not built); `--dflash-data-workers N`
 (default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline;
 `--dflash-host-metadata {on,off}` (default on with splitkv and workers > 0): the Split-KV attention metadata
-built there too, from the plan (the step binds it to the CP group instead of preparing it).
+built there too, from the plan (the step binds it to the CP group instead of preparing it);
+`--dflash-device-prefetch {on,off}` (default on): the next batch's upload + bind issued during the current
+forward, one batch ahead (`megatron_splitkv.data.prefetch.DevicePrefetcher`).
 
 Per micro-batch (one packed ShareGPT batch of up to --seq-length tokens per data-parallel rank; every CP
 rank of a DP rank iterates the same deterministic loader): the LPT planner assigns context chunks to CP
@@ -65,7 +67,7 @@ from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
-_STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None}
+_STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False}
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -214,8 +216,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     from megatron.core.num_microbatches_calculator import get_num_microbatches
 
     from megatron_splitkv.megatron import prefetch_planned_batches, splitkv_metadata_spec
+    from megatron_splitkv.data.prefetch import DevicePrefetcher
     from megatron_splitkv.megatron.arguments import (
         data_workers_from_args,
+        device_prefetch_from_args,
         host_metadata_from_args,
         kernel_backend_from_args,
     )
@@ -240,8 +244,12 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
                  + (", pinned" if it.pin_memory else ""))
     what = "plan + shard + draft blocks" + (" + feature rows" if _STATE["store"] is not None else "")
     what += " + Split-KV metadata (--dflash-host-metadata)" if spec is not None else ""
+    ahead = device_prefetch_from_args(args)
+    _STATE["device_prefetch"] = ahead
+    where += ("; the next batch uploaded" + (" and bound" if spec is not None else "")
+              + " during the forward (--dflash-device-prefetch)" if ahead else "")
     print_rank_0(f"DFlash data pipeline: {what} {where}" + (f"; resuming after {skip} batches" if skip else ""))
-    return it, None, None
+    return DevicePrefetcher(it, _prepare_item), None, None
 
 
 train_valid_test_datasets_provider.is_distributed = True
@@ -261,23 +269,31 @@ def _cp_group():
     return ps.get_context_parallel_group()
 
 
+def _prepare_item(item):
+    """A host PlannedBatch (plan, shard, blocks, features, metadata) -> (item, its upload on the device
+    (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP group
+    when the pipeline built it (--dflash-host-metadata; bind only attaches the group, no copy))."""
+    dev = item.to(_device(), non_blocking=True)
+    kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
+    return item, dev, kw
+
+
 def forward_step(data_iterator, model):
-    """One micro-batch: the planned and sharded batch from the data pipeline, uploaded (non-blocking from
-    pinned memory), its Split-KV metadata (when the pipeline built it: --dflash-host-metadata) bound to the
-    CP group, its features (feature store rows, or the online target), the drafter loss."""
+    """One micro-batch: the planned and sharded batch from the data pipeline, uploaded and its metadata bound
+    (`_prepare_item`; with --dflash-device-prefetch already during the previous micro-batch's forward), its
+    features (feature store rows, or the online target), the drafter loss; then, with
+    --dflash-device-prefetch, the next batch is prepared while the GPU runs this forward."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    item = next(data_iterator)  # PlannedBatch on the host (plan, shard, blocks, features, metadata)
-    dev = item.to(_device(), non_blocking=True)
-    kw = {}
-    if dev.metadata is not None:  # uploaded with the batch: bind only attaches the group (no copy)
-        kw["metadata"] = dev.metadata.bind(_cp_group(), _device())
+    item, dev, kw = next(data_iterator)  # a DevicePrefetcher over the pipeline, mapping _prepare_item
     timers("batch-generator").stop()
     if _STATE["store"] is not None:
         feats = dev.features
     else:
         feats = _STATE["provider"](dev.input_ids, dev.kv_seq, dev.kv_pos)
     out = model(feats, dev.blocks, dev.kv_seq, dev.kv_pos, **kw)
+    if _STATE.get("device_prefetch"):  # the GPU has this forward queued: hide the next batch's host work
+        data_iterator.prefetch()
     _STATE["stats"] = {"tokens": item.num_tokens, "imbalance": item.imbalance}
     return out.loss, partial(loss_func, out)
 

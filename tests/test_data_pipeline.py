@@ -579,14 +579,16 @@ def _patched_pretrain(monkeypatch, name, store, cp, **extra_args):
     return mod
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_pretrain_provider_and_forward_step(store, monkeypatch, workers):
+@pytest.mark.parametrize("workers, ahead", [(0, None), (1, None), (1, "off"), (0, "on")])
+def test_pretrain_provider_and_forward_step(store, monkeypatch, workers, ahead):
     """train_valid_test_datasets_provider (DP=2 rank 1, CP=2 rank 1, resumed at iteration 2 with 2
     micro-batches per iteration) and forward_step with a stand-in drafter: the drafter gets this rank's
     features, blocks, kv_seq and kv_pos of the batches the old synchronous code would have built (checked
-    against it), the logged stats are the batch's tokens and the plan's imbalance."""
-    mod = _patched_pretrain(monkeypatch, f"pretrain_dflash_fs{workers}", store, cp=(2, 1),
-                            dflash_data_workers=workers)
+    against it), the logged stats are the batch's tokens and the plan's imbalance. With
+    --dflash-device-prefetch (default on) the next batch is prepared when forward_step returns (none
+    skipped, none repeated: the same sequence); off: nothing is taken ahead."""
+    mod = _patched_pretrain(monkeypatch, f"pretrain_dflash_fs{workers}{ahead}", store, cp=(2, 1),
+                            dflash_data_workers=workers, dflash_device_prefetch=ahead)
     if not torch.cuda.is_available():  # forward_step uploads to the current CUDA device; here: the CPU
         monkeypatch.setattr(mod, "_device", lambda: torch.device("cpu"))
     it, valid, test = mod.train_valid_test_datasets_provider(None)
@@ -604,6 +606,7 @@ def test_pretrain_provider_and_forward_step(store, monkeypatch, workers):
         _same_tensor(blocks.labels, rblocks.labels, "labels")
         _same_tensor(blocks.loss_weight, rblocks.loss_weight, "loss_weight")
         assert mod._STATE["stats"] == {"tokens": batch.num_tokens, "imbalance": float(plan.imbalance)}
+        assert it.ready is (ahead != "off"), (ahead, it.ready)  # the next batch prepared during the forward
     assert model.metadata == [None] * 3  # no --context-parallel-impl: no metadata built
     it.close()
 

@@ -51,11 +51,11 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
                 "attention_ms", "rest_ms", "plan_ms", "shard_ms", "prepare_ms", "op_first_call_ms",
                 "op_cached_call_ms", "overhead_pieces_ms", "pct_step_pieces", "pct_fwdbwd_pieces", "loss_fresh",
                 "step_prefetched_ms", "prefetched_data_ms", "upload_ms", "step_prefetched_meta_ms",
-                "prefetched_meta_data_ms", "upload_bind_ms"]
+                "prefetched_meta_data_ms", "upload_bind_ms", "step_ahead_ms", "ahead_data_ms"]
     finite = positive + ["mask_ms", "overhead_ab_ms", "pct_step_ab", "pct_fwdbwd_ab",  # differences: may be < 0
                          "overhead_prefetched_ms", "pct_step_prefetched", "pct_fwdbwd_prefetched",
                          "overhead_pieces_prefetched_ms", "overhead_prefetched_meta_ms", "pct_step_prefetched_meta",
-                         "pct_fwdbwd_prefetched_meta"]
+                         "pct_fwdbwd_prefetched_meta", "overhead_ahead_ms", "pct_step_ahead", "pct_fwdbwd_ahead"]
     for r in rows:
         assert "skipped" not in r, r
         for k in finite:
@@ -66,10 +66,11 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
         assert r["prepares_per_step_fresh"] == [1] and r["prepares_per_step_reused"] == [0], r
         assert r["prepares_per_step_prefetched"] == [1] and r["data_workers"] == 1, r
         # the worker-built metadata, bound in the step: nothing prepared there, the same loss
-        assert r["prepares_per_step_prefetched_meta"] == [0], r
+        assert r["prepares_per_step_prefetched_meta"] == [0] and r["prepares_per_step_ahead"] == [0], r
         assert r["host_metadata_flex_tables"] is False, r  # CPU: the math kernel, no FlexAttention tables
         assert r["loss_max_abs_diff"] <= 1e-6 * abs(r["loss_fresh"]), r
-        assert r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"] == r["loss_prefetched_meta"], r
+        assert (r["loss_fresh"] == r["loss_reused"] == r["loss_prefetched"] == r["loss_prefetched_meta"]
+                == r["loss_ahead"]), r
         assert r["blocks_per_rank"] * nproc >= 8 and r["tokens_this_rank"] > 0
         # ONE data pipeline per process, serving both prefetched arms (its items carry the metadata), one worker
         assert r["data_pipelines_max_alive"] == 1 and r["data_worker_processes"] == 1, r
@@ -83,16 +84,21 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
     # the prefetched arm's columns, next to the A/B's; the header says which arm is which
     for col in ("next + upload ms", "overhead ms (b: fresh - reused)", "overhead ms (c: prefetched - reused)",
                 "% of step (c)", "next + upload + bind ms", "overhead ms (d: prefetched+meta - reused)",
-                "% of step (d)"):
+                "% of step (d)", "overhead ms (e: ahead - reused)", "% of step (e)"):
         assert col in COLUMNS, col
     assert COLUMNS.index("overhead ms (c: prefetched - reused)") == COLUMNS.index("overhead ms (b: fresh - reused)") + 1
     assert COLUMNS.index("overhead ms (d: prefetched+meta - reused)") == COLUMNS.index(
         "overhead ms (c: prefetched - reused)") + 1
+    assert COLUMNS.index("overhead ms (e: ahead - reused)") == COLUMNS.index(
+        "overhead ms (d: prefetched+meta - reused)") + 1
+    assert COLUMNS.index("% of step (e)") == COLUMNS.index("% of step (d)") + 1
     assert COLUMNS.index("% of step (c)") == COLUMNS.index("% of step (b)") + 1
     assert COLUMNS.index("% of step (d)") == COLUMNS.index("% of step (c)") + 1
     assert "| " + " | ".join(PROFILE_COLUMNS) + " |" in p.stdout and "| " + " | ".join(PROFILE_COLUMNS) + " |" in md
-    for words in ("ONE data pipeline per process", "serving both prefetched arms", "arms run: fresh, reused, "
-                  "prefetched, prefetched+meta (Williams order)", "arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
+    for words in ("ONE data pipeline per process", "serving every prefetched arm", "arms run: fresh, reused, "
+                  "prefetched, prefetched+meta, ahead (Williams order)", "(e) = ahead - reused",
+                  "ahead = prefetched+meta with the next batch's next + upload + bind issued right after this "
+                  "step's forward is issued", "arms: fresh = plan + shard", "reused = none of them", "prefetched = plan + shard + blocks in 1 "
                   "DataLoader worker", "(c) = prefetched - reused", "prefetched+meta = the same worker(s) also build "
                   "the Split-KV metadata", "(d) = prefetched+meta - reused"):
         assert words in data["setup"] and words in md.splitlines()[0], words
@@ -125,6 +131,7 @@ def test_step_overhead_bad_flags_exit_2(argv, flag):
     ("reused,prefetched+meta", ["reused", "prefetched+meta"], 1),
     ("prefetched", ["reused", "prefetched"], 1),  # reused always runs; the pipeline then without metadata
     ("fresh", ["fresh", "reused"], 0),  # no prefetched arm: no pipeline, no worker
+    ("ahead", ["reused", "ahead"], 1),  # the device prefetcher over the pipeline, items with metadata
 ])
 def test_step_overhead_arms_subset(tmp_path, arms, run, pipelines):
     from step_overhead import COLUMNS
@@ -135,18 +142,21 @@ def test_step_overhead_arms_subset(tmp_path, arms, run, pipelines):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]
     assert r["arms"] == run and r["data_pipelines_max_alive"] == pipelines, r
-    assert r["data_worker_processes"] == pipelines and r["pipeline_metadata"] == ("prefetched+meta" in run), r
+    assert r["data_worker_processes"] == pipelines, r
+    assert r["pipeline_metadata"] == ("prefetched+meta" in run or "ahead" in run), r
     assert r["pct_of"] == ("fresh" if "fresh" in run else "reused"), r
     wall = {"fresh": "step_fresh_ms", "reused": "step_reused_ms", "prefetched": "step_prefetched_ms",
-            "prefetched+meta": "step_prefetched_meta_ms"}
+            "prefetched+meta": "step_prefetched_meta_ms", "ahead": "step_ahead_ms"}
     loss = {"fresh": "loss_fresh", "reused": "loss_reused", "prefetched": "loss_prefetched",
-            "prefetched+meta": "loss_prefetched_meta"}
+            "prefetched+meta": "loss_prefetched_meta", "ahead": "loss_ahead"}
     for arm, key in wall.items():  # an arm not run: no time (NaN, '-' in the table), no loss, no prepares
         assert (math.isfinite(r[key]) and r[key] > 0) if arm in run else math.isnan(r[key]), (arm, r)
         assert (r[loss[arm]] == r["loss_reused"]) if arm in run else r[loss[arm]] is None, (arm, r)
     assert r["prepares_per_step_reused"] == [0] and r["loss_max_abs_diff"] == 0.0, r
     if "prefetched+meta" in run:
         assert r["prepares_per_step_prefetched_meta"] == [0] and math.isfinite(r["overhead_prefetched_meta_ms"])
+    if "ahead" in run:
+        assert r["prepares_per_step_ahead"] == [0] and math.isfinite(r["overhead_ahead_ms"])
     if "prefetched" in run:
         assert r["prepares_per_step_prefetched"] == [1] and math.isfinite(r["overhead_prefetched_ms"])
     if "fresh" not in run:
@@ -157,11 +167,13 @@ def test_step_overhead_arms_subset(tmp_path, arms, run, pipelines):
 
 
 def test_williams_orders_balanced():
-    """The arms' orders: the four arms' square unchanged; for any subset every arm once in every position and
+    """The arms' orders: a Williams design of all arms; the four-arm square as before; for any subset every arm once in every position and
     right after every other arm equally often."""
     from step_overhead import ARMS, ORDERS, williams_orders
 
-    assert ORDERS == [tuple(ARMS[i] for i in row) for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))]
+    assert ORDERS == williams_orders(ARMS) and len(ORDERS) == 2 * len(ARMS) == 10
+    assert williams_orders("abcd") == [tuple("abcd"[i] for i in row)
+                                       for row in ((0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1))]
     for n in range(1, 6):
         arms = tuple(range(n))
         rows = williams_orders(arms)

@@ -54,8 +54,12 @@ alternating), medians over `--reps` repeats of the max over CP ranks:
       collective) and passes it in (`DFlashDraftModel.forward(..., metadata=)`): no prepare, no BlockMask
       build left on the step. Overhead = median of (prefetched+meta - reused); the piece "next + upload +
       bind" is timed alone too. Same loss as reused (checked), zero prepares per step (checked).
-  The four arms run in a balanced order (a Williams square: each arm in each position and after each other
-  arm once per 4 repeats). `--arms` picks a subset (reused always runs; Williams order over the subset;
+  (e) the arm "ahead", pretrain_dflash.py's default with --dflash-device-prefetch (on): prefetched+meta, but
+      the next batch's next + upload + bind are issued right after this step's forward is issued
+      (`megatron_splitkv.data.prefetch.DevicePrefetcher.prefetch`), while the GPU runs the forward, so the
+      step starts with its batch on the device and bound. Overhead = median of (ahead - reused). Same loss.
+  The arms run in a balanced order (a Williams design: each arm in each position and after each other
+  arm once per 4 repeats for 4 arms; 2 x n repeats for an odd count n). `--arms` picks a subset (reused always runs; Williams order over the subset;
   % columns then of the reused step when fresh is left out).
   ONE data pipeline per process serves both prefetched arms, as a training run has one (one DataLoader: its
   worker process(es) and one pin thread; a second one alive raises): its items carry the metadata whenever
@@ -127,11 +131,12 @@ SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, ffn=128, voc
 COLUMNS = ["context", "CP", "step ms (fresh)", "step ms (reused)", "fwd+bwd ms", "grad sync + opt ms",
            "attention ms", "rest ms", "plan ms", "shard ms", "prepare ms", "BlockMask ms", "next + upload ms",
            "next + upload + bind ms", "overhead ms (a: pieces)", "overhead ms (b: fresh - reused)",
-           "overhead ms (c: prefetched - reused)", "overhead ms (d: prefetched+meta - reused)", "% of step (a)",
-           "% of step (b)", "% of step (c)", "% of step (d)", "% of fwd+bwd (a)", "loss - reused (b, c, d)",
+           "overhead ms (c: prefetched - reused)", "overhead ms (d: prefetched+meta - reused)",
+           "overhead ms (e: ahead - reused)", "% of step (a)", "% of step (b)", "% of step (c)", "% of step (d)",
+           "% of step (e)", "% of fwd+bwd (a)", "loss - reused (b, c, d, e)",
            "peak GiB"]
 #: the step's arms (see the module docstring), and the orders they run in, one per repeat in turn
-ARMS = ("fresh", "reused", "prefetched", "prefetched+meta")
+ARMS = ("fresh", "reused", "prefetched", "prefetched+meta", "ahead")
 #: the (d) step's data part with --profile-data (host clocks), printed as a second table before the main one
 PROFILE_COLUMNS = ["context", "CP", "(d) data ms (events)", "next ms", "next ms (item ready)", "next ms (waited)",
                    "next waited (repeats)", "upload ms (host)", "bind ms", "items ready at next"]
@@ -154,7 +159,7 @@ def williams_orders(arms) -> list:
     return [tuple(arms[i] for i in row) for row in rows]
 
 
-#: a Williams square of the four arms (0, 1, 3, 2), (1, 2, 0, 3), (2, 3, 1, 0), (3, 0, 2, 1)
+#: a Williams design of the five arms (ten orders)
 ORDERS = williams_orders(ARMS)
 #: data pipelines (`PrefetchedBatches`) alive in this process now, and the most ever alive at once: the tool
 #: runs ONE per process (both prefetched arms share it), as a training run does
@@ -589,12 +594,26 @@ def _next_item(pipe, kind, device):
     return item.to(device, non_blocking=True)
 
 
-def run_step(model, trainer, work, clock, attn, kind, reused=None, pipe=None, profile=False):
+def ahead_prefetcher(pipe, device, cp_group):
+    """The "ahead" arm's iterator: pretrain_dflash.py's `DevicePrefetcher` over the ONE pipeline, each item
+    uploaded (non_blocking) and its metadata bound, one step ahead when `prefetch()` is called."""
+    from megatron_splitkv.data.prefetch import DevicePrefetcher
+
+    def prepare(item):
+        dev = item.to(device, non_blocking=True)
+        return dev, dev.metadata.bind(cp_group, device)
+
+    return DevicePrefetcher(pipe, prepare)
+
+
+def run_step(model, trainer, work, clock, attn, kind, reused=None, pipe=None, profile=False, ahead=None):
     """One training step of arm `kind`: "fresh" (plan, shard, new params: prepare + mask in the first layer),
     "reused" (the cached batch and params `reused`), "prefetched" (the next planned batch of the pipeline
     `pipe`, prepared by its DataLoader worker while earlier steps ran, its metadata dropped: upload, new params:
     prepare + mask) or "prefetched+meta" (the next item with the worker-built metadata: upload, bind, no
-    prepare). With `profile` (prefetched+meta only) host clocks split its data part: next, upload, bind, and
+    prepare) or "ahead" (prefetched+meta through `ahead`, a `DevicePrefetcher`: the batch prepared during
+    the previous "ahead" step's forward; this step prepares the next one right after its forward is issued).
+    With `profile` (prefetched+meta only) host clocks split its data part: next, upload, bind, and
     the items ready before next. Returns (timings dict, loss tensor)."""
     clock.barrier()
     attn.reset()
@@ -624,11 +643,16 @@ def run_step(model, trainer, work, clock, attn, kind, reused=None, pipe=None, pr
         params = None
         if dev.metadata is not None:  # bound to the drafter's CP group: views of the uploaded buffer, no copy
             extra["metadata"] = dev.metadata.bind(model.pg_collection.cp, work.device)
+    elif kind == "ahead":
+        dev, extra["metadata"] = next(ahead)
+        blocks, kv_seq, kv_pos, params = dev.blocks, dev.kv_seq, dev.kv_pos, None
     else:
         blocks, kv_seq, kv_pos, params = work.blocks, work.kv_seq, work.kv_pos, reused
     s1 = clock.stamp()
     out = model(work.feats, blocks, kv_seq, kv_pos, packed_seq_params=params, **extra)
     s2 = clock.stamp()
+    if kind == "ahead":  # as pretrain_dflash.py's forward_step: the GPU has the forward queued
+        ahead.prefetch()
     out.loss.backward()
     s3 = clock.stamp()
     trainer.finish()
@@ -713,15 +737,17 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
     order = williams_orders(arms)
     # ONE pipeline per process for both prefetched arms: its items carry the metadata when prefetched+meta runs
     # (the prefetched arm drops it), none otherwise; no pipeline when neither runs
-    prefetching = "prefetched" in arms or "prefetched+meta" in arms
-    pipeline = (work.pipeline(metadata=spec if "prefetched+meta" in arms else None) if prefetching
+    prefetching = any(a in arms for a in ("prefetched", "prefetched+meta", "ahead"))
+    with_meta = "prefetched+meta" in arms or "ahead" in arms
+    pipeline = (work.pipeline(metadata=spec if with_meta else None) if prefetching
                 else contextlib.nullcontext(None))
     nan = float("nan")
     with pipeline as pipe:
+        ahead = ahead_prefetcher(pipe, device, model.pg_collection.cp) if "ahead" in arms else None
         attn.on = True
         for _ in range(args.warmup):  # compiles, cuDNN graphs, allocator; the reused params get their metadata
             for kind in arms:
-                run_step(model, trainer, work, clock, attn, kind, reused, pipe)
+                run_step(model, trainer, work, clock, attn, kind, reused, pipe, ahead=ahead)
             time_pieces(model, work, clock, args, qkv, pipe)
         import multiprocessing
 
@@ -729,7 +755,7 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         keys = ["fresh_wall", "reused_wall", "diff", "fresh_data", "fresh_fwd", "fresh_bwd", "fresh_opt",
                 "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
                 "pref_wall", "pref_diff", "pref_data", "pmeta_wall", "pmeta_diff", "pmeta_data",
-                "next_host", "upload_host", "bind_host", "ready",
+                "next_host", "upload_host", "bind_host", "ready", "ahead_wall", "ahead_diff", "ahead_data",
                 "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload", "upload_bind"]
         n_step_keys = keys.index("plan")
         empty = {"wall": nan, "data": nan, "fwd": nan, "bwd": nan, "opt": nan, "attn": nan}
@@ -737,16 +763,16 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         for r in range(args.reps):
             res = {}
             for kind in order[r % len(order)]:  # the balanced orders of the arms run, in turn
-                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, pipe, args.profile_data)
+                t, loss = run_step(model, trainer, work, clock, attn, kind, reused, pipe, args.profile_data, ahead)
                 res[kind], res[kind + "_loss"] = t, loss
                 prepares[kind].add(t["prepares"])
             p = time_pieces(model, work, clock, args, qkv, pipe)
-            f, u, q, m = (res.get(k, empty) for k in ARMS)
+            f, u, q, m, e = (res.get(k, empty) for k in ARMS)
             per_rep.append([f["wall"], u["wall"], f["wall"] - u["wall"], f["data"], f["fwd"], f["bwd"], f["opt"],
                             f["attn"], u["fwd"], u["bwd"], u["opt"], u["attn"], q["wall"], q["wall"] - u["wall"],
                             q["data"], m["wall"], m["wall"] - u["wall"], m["data"],
                             m.get("next_host", nan), m.get("upload_host", nan), m.get("bind_host", nan),
-                            m.get("ready", nan)]
+                            m.get("ready", nan), e["wall"], e["wall"] - u["wall"], e["data"]]
                            + [p[k] for k in keys[n_step_keys:]])
             losses.append({k: float(res[k + "_loss"]) for k in arms})
         attn.on = False
@@ -797,18 +823,24 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         "upload_bind_ms": med["upload_bind"], "overhead_prefetched_meta_ms": med["pmeta_diff"],
         "pct_step_prefetched_meta": 100 * med["pmeta_diff"] / base_wall,
         "pct_fwdbwd_prefetched_meta": 100 * med["pmeta_diff"] / fwdbwd,
+        # (e) ahead: prefetched+meta with the next batch's upload + bind issued during this step's forward
+        "step_ahead_ms": med["ahead_wall"], "ahead_data_ms": med["ahead_data"],
+        "overhead_ahead_ms": med["ahead_diff"], "pct_step_ahead": 100 * med["ahead_diff"] / base_wall,
+        "pct_fwdbwd_ahead": 100 * med["ahead_diff"] / fwdbwd,
         "host_metadata_flex_tables": bool(spec.flex_block_masks),
         "data_workers": args.data_workers, "arms": list(arms), "pct_of": "fresh" if "fresh" in arms else "reused",
         # one data pipeline per process (both prefetched arms share it): the most alive at once on any rank, and
         # the worker processes alive in a rank after the warm-up (its DataLoader's; 0 without a prefetched arm)
         "data_pipelines_max_alive": max_pipelines, "data_worker_processes": workers_alive,
-        "pipeline_metadata": "prefetched+meta" in arms,
+        "pipeline_metadata": with_meta,
         "loss_fresh": losses[-1].get("fresh"), "loss_reused": losses[-1]["reused"],
         "loss_prefetched": losses[-1].get("prefetched"), "loss_prefetched_meta": losses[-1].get("prefetched+meta"),
+        "loss_ahead": losses[-1].get("ahead"),
         "loss_max_abs_diff": loss_diff, "peak_gib": peak, "reps": args.reps,
         "prepares_per_step_fresh": sorted(prepares["fresh"]), "prepares_per_step_reused": sorted(prepares["reused"]),
         "prepares_per_step_prefetched": sorted(prepares["prefetched"]),
         "prepares_per_step_prefetched_meta": sorted(prepares["prefetched+meta"]),
+        "prepares_per_step_ahead": sorted(prepares["ahead"]),
         # --profile-data (host clocks, the prefetched+meta step's data part; medians of the max over ranks)
         "profile_data": bool(args.profile_data), "profile_next_ms": med["next_host"],
         "profile_next_ready_ms": next_ready, "profile_next_waited_ms": next_waited,
@@ -833,8 +865,9 @@ def table(rows) -> str:
                     _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _fmt(r["mask_ms"]), _fmt(r["upload_ms"]),
                     _fmt(r["upload_bind_ms"]), _fmt(r["overhead_pieces_ms"]), _fmt(r["overhead_ab_ms"]),
                     _fmt(r["overhead_prefetched_ms"]), _fmt(r["overhead_prefetched_meta_ms"]),
-                    _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]), _fmt(r["pct_step_prefetched"]),
-                    _fmt(r["pct_step_prefetched_meta"]), _fmt(r["pct_fwdbwd_pieces"]),
+                    _fmt(r["overhead_ahead_ms"]), _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]),
+                    _fmt(r["pct_step_prefetched"]), _fmt(r["pct_step_prefetched_meta"]), _fmt(r["pct_step_ahead"]),
+                    _fmt(r["pct_fwdbwd_pieces"]),
                     f"{r['loss_max_abs_diff']:.1e}", _fmt(r["peak_gib"])])
     return bench.md_table(COLUMNS, out)
 
@@ -892,9 +925,11 @@ def header(args, device, world, num_params) -> str:
             f"prepare + BlockMask (--dflash-host-metadata off), prefetched+meta = the same worker(s) also build the "
             f"Split-KV metadata from the plan{' (+ FlexAttention block tables)' if device.type == 'cuda' else ''}, "
             f"the step takes the next batch, uploads it (metadata included) and binds the metadata to the CP group: "
-            f"no prepare, no BlockMask build (the default data pipeline, --dflash-host-metadata on); overhead (a) = "
+            f"no prepare, no BlockMask build (--dflash-host-metadata on), ahead = prefetched+meta with the next "
+            f"batch's next + upload + bind issued right after this step's forward is issued (the default, "
+            f"--dflash-device-prefetch on); overhead (a) = "
             f"plan + shard + prepare + BlockMask each alone, (b) = fresh - reused, (c) = prefetched - reused, "
-            f"(d) = prefetched+meta - reused (paired per repeat); arms run: {', '.join(args.arm_list)} (Williams "
+            f"(d) = prefetched+meta - reused, (e) = ahead - reused (paired per repeat); arms run: {', '.join(args.arm_list)} (Williams "
             f"order){'' if 'fresh' in args.arm_list else '; % of step: of the REUSED step (no fresh arm run)'}; "
             f"{_pipeline_note(args)}; torch "
             f"{torch.__version__}, megatron-core {mcore}, git {git}, "
@@ -903,12 +938,12 @@ def header(args, device, world, num_params) -> str:
 
 def _pipeline_note(args) -> str:
     arms = args.arm_list
-    if "prefetched" not in arms and "prefetched+meta" not in arms:
+    if not any(a in arms for a in ("prefetched", "prefetched+meta", "ahead")):
         return "no data pipeline (no prefetched arm run)"
     note = (f"ONE data pipeline per process (one DataLoader: {args.data_workers} worker process(es), one pin "
             f"thread), as in training")
-    if "prefetched" in arms and "prefetched+meta" in arms:
-        note += (", serving both prefetched arms: its items carry the metadata, the prefetched arm drops it "
+    if "prefetched" in arms and ("prefetched+meta" in arms or "ahead" in arms):
+        note += (", serving every prefetched arm: its items carry the metadata, the prefetched arm drops it "
                  "(uploads the batch without the metadata's region, as with --dflash-host-metadata off)")
     return note
 

@@ -28,6 +28,8 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
     --dflash-host-metadata {on,off}  build the Split-KV attention metadata in the data workers from the plan
                              (the step binds it); default on with splitkv and data workers > 0
+    --dflash-device-prefetch {on,off}  upload the next batch (and bind its metadata) while the current
+                             step's forward runs, one batch ahead; default on
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -54,6 +56,8 @@ __all__ = [
     "data_prefetch_from_args",
     "host_metadata_from_args",
     "HOST_METADATA_CHOICES",
+    "device_prefetch_from_args",
+    "DEVICE_PREFETCH_CHOICES",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -197,11 +201,35 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "the CP group (no copy beyond the batch's upload). Only with --context-parallel-impl splitkv. "
             "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off.",
         )
+    if not _has(parser, "--dflash-device-prefetch"):
+        group.add_argument(
+            "--dflash-device-prefetch", type=str, default=None, choices=DEVICE_PREFETCH_CHOICES,
+            help="Take the next batch from the data pipeline, upload it (non-blocking) and bind its Split-KV "
+            "metadata right after the current micro-batch's forward is issued, while the GPU runs it, instead "
+            "of at the start of the next step where the GPU waits for the host "
+            "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
+            "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
+            "Default: on.",
+        )
     return parser
 
 
 #: values of --dflash-host-metadata
 HOST_METADATA_CHOICES = ("on", "off")
+#: values of --dflash-device-prefetch
+DEVICE_PREFETCH_CHOICES = ("on", "off")
+
+
+def device_prefetch_from_args(args) -> bool:
+    """Whether forward_step prepares the next batch during the current forward (`--dflash-device-prefetch`,
+    unset/None = on); SplitKVArgumentError naming the flag for any value other than "on" / "off"."""
+    value = getattr(args, "dflash_device_prefetch", None)
+    if value is None:
+        return True
+    if value not in DEVICE_PREFETCH_CHOICES:
+        raise SplitKVArgumentError(f"--dflash-device-prefetch must be one of {DEVICE_PREFETCH_CHOICES}, "
+                                   f"got {value!r}")
+    return value == "on"
 
 
 def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
@@ -280,7 +308,7 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
-    `--context-parallel-impl splitkv`;
+    `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step.
@@ -291,6 +319,7 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     if getattr(args, "dflash_data_workers", None) is not None:  # None: resolved at run time (CUDA or not)
         data_workers_from_args(args)
     data_prefetch_from_args(args)
+    device_prefetch_from_args(args)
     if getattr(args, "dflash_host_metadata", None) is not None:
         host_metadata_from_args(args, num_workers=0)
     if impl not in CP_IMPLS:
