@@ -278,6 +278,21 @@ def _prepare_item(item):
     return item, dev, kw
 
 
+def _prefetcher(data_iterator):
+    """The `DevicePrefetcher` under Megatron's wrappers of the training iterator (`RerunDataIterator` keeps
+    it as `.iterable`; replaying the saved micro-batches reads none of it, so prefetching stays in order)."""
+    from megatron_splitkv.data.prefetch import DevicePrefetcher
+
+    it, seen = data_iterator, 0
+    while not isinstance(it, DevicePrefetcher):
+        inner = getattr(it, "iterable", None)
+        if inner is None or seen > 8:
+            raise TypeError(f"--dflash-device-prefetch: forward_step's data iterator {type(data_iterator).__name__} "
+                            "does not wrap the DevicePrefetcher that train_valid_test_datasets_provider returned")
+        it, seen = inner, seen + 1
+    return it
+
+
 def forward_step(data_iterator, model):
     """One micro-batch: the planned and sharded batch from the data pipeline, uploaded and its metadata bound
     (`_prepare_item`; with --dflash-device-prefetch already during the previous micro-batch's forward), its
@@ -293,7 +308,7 @@ def forward_step(data_iterator, model):
         feats = _STATE["provider"](dev.input_ids, dev.kv_seq, dev.kv_pos)
     out = model(feats, dev.blocks, dev.kv_seq, dev.kv_pos, **kw)
     if _STATE.get("device_prefetch"):  # the GPU has this forward queued: hide the next batch's host work
-        data_iterator.prefetch()
+        _prefetcher(data_iterator).prefetch()
     _STATE["stats"] = {"tokens": item.num_tokens, "imbalance": item.imbalance}
     return out.loss, partial(loss_func, out)
 

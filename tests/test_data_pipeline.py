@@ -596,8 +596,11 @@ def test_pretrain_provider_and_forward_step(store, monkeypatch, workers, ahead):
     model = _Model()
     loader = ShareGPTLoader(max_tokens=MAX_TOKENS, num_anchors=ANCHORS, seed=3, corpus=store.corpus())
     ref = _old_forward_step_items(_naive_batches(loader, 2, 1, 4), 2, 1, store)
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    wrapped = RerunDataIterator(it)  # what megatron.training hands forward_step
     for _ in range(3):
-        loss, _fn = mod.forward_step(it, model)
+        loss, _fn = mod.forward_step(wrapped, model)
         feats, blocks, kv_seq, kv_pos = model.calls[-1]
         plan, shard, rblocks, rfeats, batch = next(ref)
         _same_tensor(feats, rfeats, "features")
@@ -679,3 +682,19 @@ def test_host_metadata_flag():
         host_metadata_from_args(argparse.Namespace(dflash_host_metadata="yes", context_parallel_impl="splitkv"))
     with pytest.raises(SystemExit):
         p.parse_args(["--dflash-host-metadata", "maybe"])
+
+
+def test_pretrain_prefetcher_unwraps_megatron_iterators():
+    """forward_step finds the DevicePrefetcher under Megatron's RerunDataIterator (nested too); an iterator
+    that does not wrap one is a clear TypeError naming the flag, not an AttributeError deep in the step."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_splitkv.data.prefetch import DevicePrefetcher
+
+    mod = _load_pretrain("pretrain_dflash_unwrap")
+    p = DevicePrefetcher(iter(range(3)), lambda x: x)
+    assert mod._prefetcher(p) is p
+    assert mod._prefetcher(RerunDataIterator(p)) is p
+    assert mod._prefetcher(RerunDataIterator(RerunDataIterator(p))) is p
+    with pytest.raises(TypeError, match="--dflash-device-prefetch"):
+        mod._prefetcher(RerunDataIterator(iter(range(3))))
