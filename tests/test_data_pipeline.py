@@ -698,3 +698,173 @@ def test_pretrain_prefetcher_unwraps_megatron_iterators():
     assert mod._prefetcher(RerunDataIterator(RerunDataIterator(p))) is p
     with pytest.raises(TypeError, match="--dflash-device-prefetch"):
         mod._prefetcher(RerunDataIterator(iter(range(3))))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The packed hand-over (one flat buffer + a header of Python values per item)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _random_batch(rng, tiny=False):
+    """A random packed batch: 1-4 sequences of 1-160 tokens, some without any anchor candidate (loss mask
+    off), up to 6 anchors each; `tiny`: one sequence of 3-8 tokens (one chunk: the other ranks get no
+    context at all)."""
+    from megatron_splitkv.data.sharegpt import make_packed_batch
+
+    pieces = []
+    for _ in range(1 if tiny else int(rng.integers(1, 5))):
+        n = int(rng.integers(3, 9)) if tiny else int(rng.integers(1, 160))
+        mask = rng.random(n) < 0.8 if rng.random() < 0.8 else np.zeros(n, dtype=bool)
+        pieces.append((rng.integers(0, MASK_ID, size=n), mask))
+    return make_packed_batch(pieces, num_anchors=int(rng.integers(1, 7)), rng=rng,
+                             source=rng.integers(0, 1000, size=len(pieces)))
+
+
+class _CountingPickler:
+    """torch's ForkingPickler (the DataLoader's queues) counting what crosses: tensors and storages reduced by
+    torch's reducers (each storage one shared-memory segment), item buffers (`_ItemBuffer`, one segment)."""
+
+    def __init__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        from torch.multiprocessing import reductions
+
+        from megatron_splitkv.data import pipeline
+
+        self.counts = {"tensor": 0, "storage": 0, "item_buffer": 0}
+        originals = {reductions.reduce_tensor: "tensor", reductions.reduce_storage: "storage",
+                     pipeline._reduce_item_buffer: "item_buffer"}
+
+        def counted(key, fn):
+            def f(x):
+                self.counts[key] += 1
+                return fn(x)
+            return f
+
+        class P(ForkingPickler):
+            _extra_reducers = {t: (counted(originals[fn], fn) if fn in originals else fn)
+                               for t, fn in ForkingPickler._extra_reducers.items()}
+
+        self.cls = P
+
+    def dumps(self, obj) -> bytes:
+        import io
+        import pickle
+
+        buf = io.BytesIO()
+        self.cls(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+        return buf.getvalue()
+
+
+def _as_worker(monkeypatch):
+    """plan_batch as in a DataLoader worker (its buffer allocated in shared memory)."""
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 2])
+def test_packed_round_trip_equals_direct_build(P, k, monkeypatch):
+    """Fresh random batches and plans (P = 1-4, uneven and empty shards, k = 1 and 2 chunks): an item packed as
+    a worker packs it, through torch's ForkingPickler (the DataLoader's path: ONE item buffer, nothing else
+    shared) and through a plain pickle (by value), then `to`, equals the item built directly on every field,
+    and its metadata equals `prepare_splitkv_metadata_from_plan` run here field by field (flex tables
+    included); at P = 1 `bind` equals the reference's bind."""
+    import pickle
+
+    from megatron_splitkv.data import MetadataSpec
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+    from test_metadata_from_plan import meta_diff
+
+    spec = MetadataSpec(num_heads_q=HQ, num_heads_kv=HKV, head_dim=HD, dtype=torch.float32, num_chunks=k,
+                        flex_block_masks=True)
+    rng = np.random.default_rng(100 * P + k)
+    empty_seen = False
+    for trial in range(4):
+        batch = _random_batch(rng, tiny=trial == 0)
+        chunk = 64 if trial == 0 else int(rng.integers(4, 64))
+        for rank in range(P):
+            kw = dict(_kw(P, rank), chunk_size=chunk, metadata=spec, index=trial)
+            direct = plan_batch(batch, **kw)
+            with monkeypatch.context() as m:
+                _as_worker(m)
+                packed = plan_batch(batch, **kw)
+            ref = prepare_splitkv_metadata_from_plan(direct.plan, rank, block_size=BLOCK, num_heads_q=HQ,
+                                                     num_heads_kv=HKV, head_dim=HD, dtype=torch.float32,
+                                                     num_chunks=k, flex_block_masks=True)
+            empty_seen |= direct.kv_seq.numel() == 0
+            counter = _CountingPickler()
+            from multiprocessing.reduction import ForkingPickler
+
+            via_queue = ForkingPickler.loads(counter.dumps(packed))
+            assert counter.counts == {"tensor": 0, "storage": 0, "item_buffer": 1}, counter.counts
+            by_value = pickle.loads(pickle.dumps(packed))
+            for y in (packed, via_queue, by_value, via_queue.to("cpu"), by_value.to("cpu")):
+                _same_item(direct, y)
+                assert _meta_problems(y.metadata, ref) == [], (P, k, trial, rank)
+                assert _meta_problems(direct.metadata, ref) == []
+                up = y.buffers[0].untyped_storage().data_ptr()
+                assert up == y.buffers[2].untyped_storage().data_ptr()  # one buffer
+                from megatron_splitkv.ops.metadata import _unique_tensors
+
+                assert all(t.untyped_storage().data_ptr() == up for t in _unique_tensors(y.metadata))
+            if P == 1:
+                assert meta_diff(via_queue.to("cpu").metadata.bind(None, "cpu"), ref.bind(None, "cpu")) == []
+    if P >= 2:
+        assert empty_seen  # the random batches did give a rank without context
+
+
+def test_one_buffer_crosses_the_worker_boundary_per_item(store):
+    """Per item, exactly ONE shared-memory buffer crosses from a DataLoader worker to the training process (no
+    other tensor, storage or file descriptor), with and without the metadata and with offline features: the
+    received item, handed on again, pickles as one item buffer and nothing else; every tensor of it is a view
+    of that one buffer."""
+    for kwargs in ({}, {"metadata": _spec()}, {"metadata": _spec(flex=False)}):
+        items = _take(PrefetchedBatches(_source(corpus=_corpus(seed=1)), num_workers=1, pin_memory=False, **kwargs,
+                                        **_kw(2, 1, store)),
+                      3)
+        for y in items:
+            counter = _CountingPickler()
+            counter.dumps(y)
+            assert counter.counts == {"tensor": 0, "storage": 0, "item_buffer": 1}, (kwargs, counter.counts)
+            whole = y.packing[0].tensor
+            assert whole.is_shared() and y.packing[0].by_name
+            ptr = whole.untyped_storage().data_ptr()
+            tensors = [y.kv_seq, y.kv_pos, y.input_ids, y.features, y.source, *y.shard.values(),
+                       *(getattr(y.blocks, f) for f in ("input_ids", "labels", "loss_weight", "block_keep"))]
+            if y.metadata is not None:
+                from megatron_splitkv.ops.metadata import _unique_tensors
+
+                tensors += _unique_tensors(y.metadata)
+            assert all(t.untyped_storage().data_ptr() == ptr for t in tensors)
+
+
+def test_lazy_metadata_field():
+    """`PlannedBatch.metadata` defaults to None, is built once on first access (the same object after), and a
+    hand-built item keeps what it was given."""
+    item = plan_batch(next(_source()()), metadata=_spec(), **_kw(2, 0))
+    back = __import__("pickle").loads(__import__("pickle").dumps(item))
+    from megatron_splitkv.data.pipeline import _PendingMetadata, _raw_metadata
+
+    assert type(_raw_metadata(back)) is _PendingMetadata
+    assert back.metadata is back.metadata and not back.metadata.bound
+    plain = plan_batch(next(_source()()), **_kw(2, 0))
+    assert plain.metadata is None
+    import dataclasses
+
+    assert dataclasses.replace(plain).metadata is None
+    assert dataclasses.replace(plain, metadata=item.metadata).metadata is item.metadata
+
+
+def test_split_views_errors():
+    """The packed views refuse a misaligned, overlapping or out-of-range entry with a ValueError."""
+    from megatron_splitkv.ops.metadata import _split_views
+
+    buf = torch.zeros(64, dtype=torch.uint8)
+    a, b = _split_views(buf, [(torch.int64, (2,), 0), (torch.int32, (2, 2), 16)])
+    assert a.shape == (2,) and b.shape == (2, 2) and a.untyped_storage().data_ptr() == buf.data_ptr()
+    with pytest.raises(ValueError, match="not aligned"):
+        _split_views(buf, [(torch.int64, (1,), 4)])
+    with pytest.raises(ValueError, match="overlap"):
+        _split_views(buf, [(torch.int64, (2,), 0), (torch.int64, (1,), 8)])
+    with pytest.raises(ValueError, match="past the 64-byte buffer"):
+        _split_views(buf, [(torch.int64, (9,), 0)])

@@ -890,7 +890,9 @@ PROFILE_NOTE = ("the prefetched+meta step's data part on the host (--profile-dat
                 "(next + upload + bind as the stream sees it), next = `next(pipeline)` alone, split by whether the "
                 "worker's item was already received (items ready > 0 before the call) or next had to wait for it "
                 "(pooled over ranks and repeats), waited = repeats in which some rank found none ready, upload = "
-                "issuing the non_blocking copy (host), bind = `SplitKVMetadata.bind`; medians of the max over ranks")
+                "issuing the non_blocking copy (host), bind = `item.metadata.bind`: since item 17 it includes building the "
+                "metadata's views of the uploaded buffer on first access (lazy: not in next, the pin thread or "
+                "the upload); medians of the max over ranks")
 
 
 def header(args, device, world, num_params) -> str:

@@ -39,28 +39,121 @@ _BLOCK_FIELDS = ("input_ids", "position_ids", "q_seq", "q_anchor", "block_keep",
 
 
 def _nbytes(dtype, shape) -> int:
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
-def _layout(specs):
-    """[(name, dtype, shape)] -> ([(name, dtype, shape, byte offset)], total bytes), offsets _ALIGN-aligned."""
-    out, off = [], 0
+def _layout(specs, start: int = 0):
+    """[(name, dtype, shape)] -> ([(name, dtype, shape, byte offset)], end), offsets _ALIGN-aligned from
+    `start` (itself aligned); end = the aligned byte after the last tensor."""
+    out, off = [], start
     for name, dtype, shape in specs:
         out.append((name, dtype, tuple(int(d) for d in shape), off))
         off += -(-_nbytes(dtype, shape) // _ALIGN) * _ALIGN
     return out, off
 
 
-def _new_bytes(n: int, shared: bool) -> torch.Tensor:
-    """An uninitialised uint8 buffer; in shared memory from the start when `shared` (a DataLoader worker: the
-    buffer then travels to the training process as one shared segment, without a copy)."""
+class _ItemBuffer:
+    """The ONE flat uint8 buffer of a `PlannedBatch` built in a DataLoader worker, as it crosses to the training
+    process. With torch's `ForkingPickler` (the DataLoader's queues) it travels as one shared-memory segment
+    opened BY NAME (`_reduce_item_buffer`: torch's "file_system" sharing for this buffer only, whatever
+    `torch.multiprocessing`'s strategy is), so the receiver does not wait on the worker: torch's default
+    "file_descriptor" sharing fetches every segment's descriptor from a thread of the sending worker, which
+    needs that worker's GIL while it plans the next batch (up to the 5 ms switch interval per segment).
+    A plain `pickle` copies the bytes (`__reduce__`)."""
+
+    __slots__ = ("tensor", "by_name")
+
+    def __init__(self, tensor: torch.Tensor, by_name: bool = False):
+        self.tensor, self.by_name = tensor, by_name
+
+    def __reduce__(self):
+        return (_ItemBuffer, (self.tensor,))
+
+
+def _reduce_item_buffer(buf: _ItemBuffer):
+    t = buf.tensor
+    if not buf.by_name or t.device.type != "cpu" or t.storage_offset() != 0:
+        return (_ItemBuffer, (t,))  # torch's own tensor sharing (its strategy)
+    from torch.multiprocessing import reductions
+
+    storage = t.untyped_storage()
+    manager, handle, size = storage._share_filename_cpu_()
+    storage._shared_incref()  # kept alive for the receiver, which drops this reference once it has mapped it
+    reductions.shared_cache[handle] = reductions.StorageWeakRef(storage)
+    return (_open_item_buffer, (manager, handle, size, int(t.numel())))
+
+
+def _open_item_buffer(manager, handle, size, numel):
+    from torch.multiprocessing import reductions
+
+    storage = reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
+    return _ItemBuffer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel,)), by_name=True)
+
+
+def _register_reducer():
+    from multiprocessing.reduction import ForkingPickler
+
+    ForkingPickler.register(_ItemBuffer, _reduce_item_buffer)
+
+
+_register_reducer()
+
+
+def _new_bytes(n: int, shared: bool) -> tuple:
+    """(an uninitialised uint8 buffer of n bytes, allocated by name): in shared memory from the start when
+    `shared` (a DataLoader worker: the buffer then travels to the training process as one shared segment,
+    without a copy), preferably one opened by name (`_ItemBuffer`; torch's shared-memory manager), else
+    torch's default shared memory."""
     if shared:
-        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(n, 1)))
-    return torch.empty(max(n, 1), dtype=torch.uint8)
+        try:
+            storage = torch.UntypedStorage._new_using_filename_cpu(max(n, 1))
+            by_name = True
+        except (RuntimeError, AttributeError):  # no torch_shm_manager: torch's default sharing
+            storage, by_name = torch.UntypedStorage._new_shared(max(n, 1)), False
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,)), by_name
+    return torch.empty(n, dtype=torch.uint8), False
+
+
+#: id(layout) -> (layout, its names, its `ops.metadata._compile_split` plan); the layout object is held, so its
+#: id is not reused while the entry lives (an item's layouts are the same objects through unpickle, pin, to)
+_COMPILED: dict = {}
+_COMPILED_MAX = 256
+
+
+_MODULES: dict = {}
+
+
+def _md():
+    """`megatron_splitkv.ops.metadata`, imported on first use (not at this module's import) and then cached."""
+    md = _MODULES.get("md")
+    if md is None:
+        from megatron_splitkv.ops import metadata as md
+
+        _MODULES["md"] = md
+    return md
+
+
+def _compiled(layout, plan=None) -> tuple:
+    """(layout, names, `_compile_split` plan) of a layout object: cached by identity; `plan` (the plan that
+    came with the layout from a worker) is taken as is instead of compiling."""
+    hit = _COMPILED.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit
+    if plan is None:
+        plan = _md()._compile_split([(dt, shape, off) for _, dt, shape, off in layout])
+    hit = (layout, tuple(x[0] for x in layout), plan)
+    if len(_COMPILED) >= _COMPILED_MAX:
+        _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[id(layout)] = hit
+    return hit
 
 
 def _views(buf: torch.Tensor, layout) -> dict:
-    return {name: buf[off:off + _nbytes(dt, shape)].view(dt).view(shape) for name, dt, shape, off in layout}
+    """{name: view of the uint8 `buf` (any device)} for a `_layout` layout [(name, dtype, shape, byte offset)]
+    (offsets relative to `buf`): one `split_with_sizes` per dtype (`ops.metadata._apply_split`, the plan
+    compiled once per layout object), no copy. Raises ValueError when `buf` is too short for the layout."""
+    _, names, plan = _compiled(layout)
+    return dict(zip(names, _md()._apply_split(buf, plan)))
 
 
 def _fill(views: dict, tensors: dict) -> None:
@@ -104,42 +197,44 @@ class MetadataSpec:
             cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks)
 
 
-def _meta_tensors(meta) -> list:
-    from megatron_splitkv.ops import metadata as md
-
-    return md._unique_tensors(meta)
-
-
-def _meta_layout(meta) -> tuple:
-    """(byte offsets of the metadata's unique tensors in its region, region bytes), 16-byte aligned as
-    `ops.metadata._pack` lays them out (`bind` views the uploaded region at these offsets)."""
-    from megatron_splitkv.ops import metadata as md
-
-    return md._pack_layout(_meta_tensors(meta))
+def _meta_on(recipe, upload: torch.Tensor, layout):
+    """The unbound metadata of `recipe` (`ops.metadata._pack_recipe`) on the "metadata" region of the flat
+    upload buffer `upload` (views, no copy; its `host_build.buffer` is that region)."""
+    for name, _, shape, off in layout:
+        if name == "metadata":
+            return _md()._from_recipe(upload[off:off + shape[0]], recipe)
+    raise ValueError("the upload layout has no metadata region")
 
 
-def _meta_in(meta, region: torch.Tensor, offs, copy: bool = False, **changes):
-    """`meta` with its tensors as views of the uint8 `region` at `offs` (copied in when `copy`), the region
-    recorded as its packed buffer (`host_build.buffer`: what `bind` uploads, or uses as is on the device)."""
-    from megatron_splitkv.ops import metadata as md
+class _PendingMetadata:
+    """Metadata not built yet: its recipe and the upload buffer it will be views of (`_meta_on` on first
+    access of `PlannedBatch.metadata`), so that unpickling, pinning and `to` rebuild none of it."""
 
-    tensors = _meta_tensors(meta)
-    new = {id(t): md._unpacked(region, o, t) for t, o in zip(tensors, offs)}
-    if copy:
-        for t in tensors:
-            new[id(t)].copy_(t)
-    return md._remapped(meta, new, host_build=md._replace(meta.host_build, buffer=region, layout=list(offs)),
-                        **changes)
+    __slots__ = ("recipe", "upload", "layout")
+
+    def __init__(self, recipe, upload, layout):
+        self.recipe, self.upload, self.layout = recipe, upload, layout
 
 
-def _meta_skeleton(meta):
-    """`meta` without data (its tensors on the meta device): pickled with an item instead of its tensors,
-    which travel inside the item's upload buffer."""
-    from megatron_splitkv.ops import metadata as md
+class _LazyMetadata:
+    """The `PlannedBatch.metadata` field: stores a value or a `_PendingMetadata`, builds the latter (once) when
+    read. Default None."""
 
-    tensors = _meta_tensors(meta)
-    new = {id(t): torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors}
-    return md._remapped(meta, new, host_build=md._replace(meta.host_build, buffer=None, layout=None))
+    def __get__(self, obj, objtype=None):
+        if obj is None:
+            return None  # the dataclass default
+        v = obj.__dict__.get("_metadata")
+        if type(v) is _PendingMetadata:
+            v = obj.__dict__["_metadata"] = _meta_on(v.recipe, v.upload, v.layout)
+        return v
+
+    def __set__(self, obj, value):
+        obj.__dict__["_metadata"] = None if isinstance(value, _LazyMetadata) else value  # the default: None
+
+
+def _raw_metadata(item):
+    """`item.metadata` without building it (None, a `_PendingMetadata` or the metadata)."""
+    return item.__dict__.get("_metadata")
 
 
 @dataclass
@@ -162,12 +257,15 @@ class PlannedBatch:
             (`ops.prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)`); the step binds it to the CP group
             (`item.to(device).metadata.bind(cp_group, device)`) and passes it to the model. None without.
 
-    Storage: the upload set (blocks, kv_seq, kv_pos, input_ids, features) are views of ONE flat byte buffer,
-    the shard and source of a second one (`plan_batch` packs them), so that a worker hands an item to the
-    training process as two shared-memory segments, the pin-memory thread pins it with one copy and `to`
-    uploads it with one host-to-device copy. The metadata's tensors are a region of the upload buffer too
-    (its `host_build.buffer`): after `to(cuda)` that region is already on the device, and `bind` only makes
-    views of it (no second copy).
+    Storage: everything is a view of ONE flat uint8 buffer (`plan_batch` packs it): first the upload set
+    (blocks, kv_seq, kv_pos, input_ids, features, then the metadata's tensors: the metadata region, its
+    `host_build.buffer`), then the shard and source. `buffers` = (upload region, its layout, host region, its
+    layout), each layout [(name, dtype, shape, byte offset)]. A worker hands an item to the training process
+    as that one buffer (ONE shared-memory segment, opened by name: `_ItemBuffer`) plus a small header of
+    Python values (the layouts, the metadata's `ops.metadata._pack_recipe`) and the plan; the receiver
+    rebuilds every field as a view (one `split_with_sizes` per dtype), the metadata included. The
+    pin-memory thread pins the upload region with one copy, `to` uploads it with one host-to-device copy,
+    and `bind` only wraps the device views (no second copy).
     """
 
     index: int
@@ -181,9 +279,11 @@ class PlannedBatch:
     features: Optional[torch.Tensor]
     source: torch.Tensor
     num_tokens: int
-    metadata: Optional[object] = dataclasses.field(default=None, repr=False, compare=False)
-    # (upload buffer, its layout, host buffer, its layout): what the tensors above are views of
+    metadata: Optional[object] = dataclasses.field(default=_LazyMetadata(), repr=False, compare=False)
+    # (upload region, its layout, host region, its layout): what the tensors above are views of
     buffers: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
+    # (the whole flat buffer as an `_ItemBuffer`, the metadata's `_pack_recipe` or None): `plan_batch`'s packing
+    packing: Optional[tuple] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def imbalance(self) -> float:
@@ -193,42 +293,47 @@ class PlannedBatch:
     @staticmethod
     def _upload_fields(upload, layout, block_size) -> dict:
         """The upload set's fields as views of the flat buffer `upload` (on any device)."""
-        from megatron_splitkv.dflash import DraftBlocks
+        DraftBlocks = _MODULES.get("DraftBlocks")
+        if DraftBlocks is None:
+            from megatron_splitkv.dflash import DraftBlocks
 
-        u = _views(upload, layout)
+            _MODULES["DraftBlocks"] = DraftBlocks
+        u = _views(upload, layout)  # with the metadata region's uint8 view (one split piece), unused here
         blocks = DraftBlocks(**{f: u["blocks." + f] for f in _BLOCK_FIELDS}, block_size=int(block_size))
         return dict(blocks=blocks, kv_seq=u["kv_seq"], kv_pos=u["kv_pos"], input_ids=u["input_ids"],
                     features=u.get("features"))
 
-    @staticmethod
-    def _metadata_on(meta, upload, layout, **changes):
-        """The metadata `meta` (or its skeleton) on the "metadata" region of the flat buffer `upload`."""
-        if meta is None:
-            return None
-        (_, _, shape, off), = [x for x in layout if x[0] == "metadata"]
-        return _meta_in(meta, upload[off:off + shape[0]], meta.host_build.layout or _meta_layout(meta)[0],
-                        **changes)
-
     @classmethod
     def _from_buffers(cls, index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout,
-                      metadata=None):
+                      recipe=None, packing=None):
         h = _views(host, host_layout)
-        shard = {k[len("shard."):]: v for k, v in h.items() if k.startswith("shard.")}
-        return cls(index=int(index), cp_rank=int(cp_rank), plan=plan, shard=shard, source=h["source"],
-                   num_tokens=int(num_tokens), buffers=(upload, upload_layout, host, host_layout),
-                   metadata=cls._metadata_on(metadata, upload, upload_layout),
-                   **cls._upload_fields(upload, upload_layout, plan.block_size))
+        source = h.pop("source")
+        shard = {k[len("shard."):]: v for k, v in h.items()}
+        meta = None if recipe is None else _PendingMetadata(recipe, upload, upload_layout)
+        return cls(index=int(index), cp_rank=int(cp_rank), plan=plan, shard=shard, source=source,
+                   num_tokens=int(num_tokens), buffers=(upload, upload_layout, host, host_layout), metadata=meta,
+                   packing=packing, **cls._upload_fields(upload, upload_layout, plan.block_size))
+
+    def _recipe(self):
+        return None if _raw_metadata(self) is None or self.packing is None else self.packing[1]
 
     def __reduce__(self):
-        # to another process: the two flat buffers (shared memory, one segment each) and the small objects;
-        # the plan without its per-rank index caches (rebuilt on demand)
-        if self.buffers is None:  # built by hand: field by field
+        # to another process: the flat buffer(s) (shared memory) and small Python values; the plan without its
+        # per-rank index caches (rebuilt on demand); the metadata as its recipe (its tensors are in the buffer)
+        if self.buffers is None or (_raw_metadata(self) is not None and self.packing is None):  # built by hand
             return (PlannedBatch, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
         plan = dataclasses.replace(self.plan, _cache={}) if hasattr(self.plan, "_cache") else self.plan
-        # the metadata without its tensors (they are in the upload buffer): no extra shared segments
-        meta = None if self.metadata is None else _meta_skeleton(self.metadata)
-        return (_rebuild_planned_batch, (self.index, self.cp_rank, plan, self.num_tokens) + tuple(self.buffers)
-                + (meta,))
+        upload, ul, host, hl = self.buffers
+        whole = None if self.packing is None else self.packing[0]
+        if whole is not None and _views_of(whole.tensor, upload, host):
+            # THE path of a worker's item: one buffer, one header
+            base = whole.tensor.storage_offset()
+            header = (self.index, self.cp_rank, self.num_tokens, upload.storage_offset() - base, upload.numel(), ul,
+                      _compiled(ul)[2], host.storage_offset() - base, host.numel(), hl, _compiled(hl)[2],
+                      self._recipe())
+            return (_rebuild_packed_batch, (header, whole, plan))
+        return (_rebuild_planned_batch, (self.index, self.cp_rank, plan, self.num_tokens, upload, ul, host, hl,
+                                         self._recipe()))
 
     def _with_upload(self, upload_fn, pinning: bool = False) -> "PlannedBatch":
         if self.buffers is None:  # built by hand: tensor by tensor (the metadata: pinned by its own method)
@@ -243,15 +348,15 @@ class PlannedBatch:
                                        metadata=meta)
         upload, ul, host, hl = self.buffers
         upload = upload_fn(upload)
-        meta = self.metadata
-        if meta is not None:  # its tensors follow the buffer (still unbound: `bind` attaches the group)
-            meta = self._metadata_on(meta, upload, ul, **({} if pinning else {"device": upload.device}))
+        recipe = self._recipe()
+        # the metadata's tensors follow the buffer (still unbound: `bind` attaches the group)
+        meta = None if recipe is None else _PendingMetadata(recipe, upload, ul)
         return dataclasses.replace(self, buffers=(upload, ul, host, hl), metadata=meta,
                                    **self._upload_fields(upload, ul, self.blocks.block_size))
 
     def pin_memory(self, device=None) -> "PlannedBatch":
         """The upload set (with the metadata's region) in page-locked memory, one copy (the DataLoader's
-        pin-memory thread calls this)."""
+        pin-memory thread calls this); the other fields stay views of the shared buffer."""
         return self._with_upload(lambda t: t.pin_memory(), pinning=True)
 
     def to(self, device, non_blocking: bool = True) -> "PlannedBatch":
@@ -262,9 +367,27 @@ class PlannedBatch:
         return self._with_upload(lambda t: t.to(device, non_blocking=non_blocking))
 
 
-def _rebuild_planned_batch(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout, meta=None):
+def _views_of(whole: torch.Tensor, *parts) -> bool:
+    """True when every tensor of `parts` is a view of `whole`'s storage (same device)."""
+    ptr = whole.untyped_storage().data_ptr()
+    return all(p.device == whole.device and p.untyped_storage().data_ptr() == ptr for p in parts)
+
+
+def _rebuild_planned_batch(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout,
+                           recipe=None):
     return PlannedBatch._from_buffers(index, cp_rank, plan, num_tokens, upload, upload_layout, host, host_layout,
-                                      meta)
+                                      recipe, packing=(None, recipe))
+
+
+def _rebuild_packed_batch(header, whole: _ItemBuffer, plan):
+    """A worker's item in the receiving process: every field a view of the one buffer `whole`."""
+    index, cp_rank, num_tokens, up_off, up_n, ul, ul_plan, host_off, host_n, hl, hl_plan, recipe = header
+    _compiled(ul, ul_plan)  # the worker's view plans: nothing to compile here
+    _compiled(hl, hl_plan)
+    t = whole.tensor
+    return PlannedBatch._from_buffers(index, cp_rank, plan, num_tokens, t[up_off:up_off + up_n], ul,
+                                      t[host_off:host_off + host_n], hl, recipe,
+                                      packing=(whole, recipe))
 
 
 def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token_id: int,
@@ -282,15 +405,18 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
             rows are then read straight into the item's buffer), or None.
         index: stored in the result (stream position).
         metadata: a `MetadataSpec` (the attention's shapes): also build this rank's unbound Split-KV metadata
-            (`PlannedBatch.metadata`, packed into the upload buffer); None (default): no metadata.
-    Returns: `PlannedBatch` (CPU tensors, packed; in a DataLoader worker in shared memory). Raises what the
-        planner, `shard_batch`, `build_draft_blocks`, the feature store or
-        `prepare_splitkv_metadata_from_plan` raise for inconsistent inputs.
+            (`PlannedBatch.metadata`, packed into the upload region); None (default): no metadata.
+    Returns: `PlannedBatch` (CPU tensors, all views of one flat uint8 buffer; in a DataLoader worker in shared
+        memory). Raises TypeError for a `metadata` that is not a MetadataSpec, and what the planner,
+        `shard_batch`, `build_draft_blocks`, the feature store or `prepare_splitkv_metadata_from_plan` raise
+        for inconsistent inputs.
     """
     from megatron_splitkv.data.sharding import shard_batch
     from megatron_splitkv.dflash import build_draft_blocks
     from megatron_splitkv.planning import plan_context_parallel
 
+    if metadata is not None and not isinstance(metadata, MetadataSpec):
+        raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
     plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=block_size, cp_size=cp_size,
                                  chunk_size=chunk_size, strategy=strategy)
     shard = shard_batch(batch.to_dict(), plan, cp_rank)
@@ -312,25 +438,32 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
         else:
             up_t["features"] = feature_store.rows(batch.source, kv_seq, kv_pos)
             up_specs.append(("features", up_t["features"].dtype, up_t["features"].shape))
-    meta = meta_offs = None
+    meta = recipe = None
     if metadata is not None:
-        if not isinstance(metadata, MetadataSpec):
-            raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
+        from megatron_splitkv.ops.metadata import _pack_recipe, _split_views
+
         meta = metadata.build(plan, cp_rank, block_size)
-        meta_offs, meta_n = _meta_layout(meta)
-        up_specs.append(("metadata", torch.uint8, (meta_n,)))
-    shared = torch.utils.data.get_worker_info() is not None
+        recipe = _pack_recipe(meta)
+        up_specs.append(("metadata", torch.uint8, (recipe[1],)))
     up_layout, up_n = _layout(up_specs)
     host_layout, host_n = _layout([(k, t.dtype, t.shape) for k, t in host_t.items()])
-    upload, host = _new_bytes(up_n, shared), _new_bytes(host_n, shared)
-    item = PlannedBatch._from_buffers(index, cp_rank, plan, batch.num_tokens, upload, up_layout, host, host_layout)
-    uv = _views(upload, up_layout)
-    _fill(uv, up_t)
+    host_end = up_n + host_n
+    whole, by_name = _new_bytes(host_end, torch.utils.data.get_worker_info() is not None)
+    upload, host = whole[:up_n], whole[up_n:host_end]
+    _fill(_views(upload, [x for x in up_layout if x[0] != "metadata"]), up_t)
     _fill(_views(host, host_layout), host_t)
+    if meta is not None:  # the metadata's tensors into their region (the recipe's layout)
+        from megatron_splitkv.ops.metadata import _unique_tensors
+
+        (_, _, _, moff), = [x for x in up_layout if x[0] == "metadata"]
+        region = upload[moff:moff + recipe[1]]
+        for dst, src in zip(_split_views(region, recipe[0]), _unique_tensors(meta)):
+            if src.numel():
+                dst.copy_(src)
+    item = PlannedBatch._from_buffers(index, cp_rank, plan, batch.num_tokens, upload, up_layout, host, host_layout,
+                                      recipe, packing=(_ItemBuffer(whole, by_name), recipe))
     if direct:
-        feature_store.rows(batch.source, kv_seq, kv_pos, out=uv["features"])
-    if meta is not None:
-        item.metadata = _meta_in(meta, uv["metadata"], meta_offs, copy=True)
+        feature_store.rows(batch.source, kv_seq, kv_pos, out=item.features)
     return item
 
 

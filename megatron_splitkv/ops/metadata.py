@@ -393,8 +393,9 @@ class SplitKVMetadata:
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         tensors = _unique_tensors(self)
-        if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
-            new = {id(t): t for t in tensors}
+        if all(t.device == device for t in tensors) or (
+                device.type == "cpu" and all(t.device.type == "cpu" for t in tensors)):
+            new = {id(t): t for t in tensors}  # already there (e.g. `PlannedBatch.to(device)`): no copy, no view
         else:
             new = _uploaded(tensors, device, non_blocking, rec.buffer, rec.layout)
         ngroups = None
@@ -1395,6 +1396,126 @@ def _remapped(meta, new: dict, block_masks: bool = False, **changes):
     fields["n_blocks"], fields["n_ctx"] = list(meta.n_blocks), list(meta.n_ctx)
     fields.update(changes)
     return _replace(meta, **fields)
+
+
+def _compile_split(entries) -> tuple:
+    """The plan of `_apply_split` for `entries` = [(dtype, shape, byte offset)], each offset a multiple of its
+    dtype's size, the entries not overlapping: per dtype (dtype, element sizes of the pieces between and at the
+    entries, (entry index, piece index, shape or None when 1-D) per entry). Plain Python values (picklable,
+    computed once per layout). Raises ValueError for a misaligned or overlapping entry."""
+    groups: dict = {}
+    for i, (dt, shape, off) in enumerate(entries):
+        groups.setdefault(dt, []).append((int(off), i, tuple(int(d) for d in shape)))
+    plan = []
+    for dt, items in groups.items():
+        size = dt.itemsize
+        items.sort()
+        sizes, picks, at = [], [], 0
+        for off, i, shape in items:
+            if off % size:
+                raise ValueError(f"packed tensor at byte offset {off} is not aligned to its {dt} ({size} bytes)")
+            start, n = off // size, math.prod(shape)
+            if start < at:
+                raise ValueError(f"packed {dt} tensors overlap at byte offset {off}")
+            sizes += [start - at, n]
+            picks.append((i, len(sizes) - 1, None if len(shape) == 1 else shape))
+            at = start + n
+        plan.append((dt, tuple(sizes), tuple(picks), at * size))
+    return tuple(plan), len(entries)
+
+
+def _apply_split(buf: torch.Tensor, compiled: tuple) -> list:
+    """Views of the flat uint8 tensor `buf` (any device, no copy) by a `_compile_split` plan, in its entries'
+    order: one `view(dtype)` + `split_with_sizes` per dtype (C calls), a reshape only for entries that are not
+    1-D. Raises ValueError when `buf` is too short for the plan."""
+    plan, n = compiled
+    out = [None] * n
+    nbytes = int(buf.numel())
+    for dt, sizes, picks, end in plan:
+        if end > nbytes:
+            raise ValueError(f"packed {dt} tensors end at byte {end}, past the {nbytes}-byte buffer")
+        parts = buf[:end].view(dt).split_with_sizes(sizes)
+        for i, j, shape in picks:
+            out[i] = parts[j] if shape is None else parts[j].view(shape)
+    return out
+
+
+def _split_views(buf: torch.Tensor, entries) -> list:
+    """Views of the flat uint8 tensor `buf` (any device) at `entries` = [(dtype, shape, byte offset)]
+    (`_compile_split` then `_apply_split`), in the entries' order. Raises ValueError when an entry is
+    misaligned, overlaps another one or lies outside `buf`."""
+    return _apply_split(buf, _compile_split(entries))
+
+
+#: the dataclass fields of `SplitKVMetadata` a `_pack_recipe` rebuilds from its views (the rest are values)
+_RECIPE_SKIP = frozenset(_META_TENSORS + _META_MASKS + _META_MASK_LISTS + ("host_build",))
+
+
+def _pack_recipe(meta) -> tuple:
+    """The layout of unbound host-built metadata as plain Python values (ints, strings, dtypes, a placeholder
+    `CommGroup`): what `_from_recipe` needs to rebuild it, field for field, on views of ONE packed region (the
+    `_pack` layout of `_unique_tensors(meta)`, 16-byte aligned). Small (a few hundred values; pickled with a
+    data-loader item instead of the metadata object and its tensors). Returns (entries [(dtype, shape, byte
+    offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
+    hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
+    list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env), the entries'
+    `_compile_split` plan)."""
+    import dataclasses  # noqa: PLC0415
+
+    rec = meta.host_build
+    if rec is None:
+        raise ValueError("_pack_recipe: the metadata is bound (pack the unbound metadata of "
+                         "prepare_splitkv_metadata_from_plan)")
+    tensors = _unique_tensors(meta)
+    offs, total = _pack_layout(tensors)
+    index = {id(t): i for i, t in enumerate(tensors)}
+    entries = tuple((t.dtype, tuple(t.shape), o) for t, o in zip(tensors, offs))
+
+    def ti(t):
+        return None if t is None else index[id(t)]
+
+    masks = _unique_masks(meta)
+    mindex = {id(m): i for i, m in enumerate(masks)}
+    mspecs = tuple(
+        (m.block_size, ti(m.lo), ti(m.hi), m.num_keys, ti(m.lo2), ti(m.hi2), m.num_ctx_keys,
+         tuple((key, ti(rows), tuple(ti(x) for x in tables))
+               for key, (rows, tables) in sorted(m.__dict__.get(_FLEX_HOST, {}).items())))
+        for m in masks)
+    mfields = {n: (None if getattr(meta, n) is None else mindex[id(getattr(meta, n))]) for n in _META_MASKS}
+    mfields.update({n: (None if getattr(meta, n) is None else tuple(mindex[id(m)] for m in getattr(meta, n)))
+                    for n in _META_MASK_LISTS})
+    values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
+    return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
+            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env), _compile_split(entries))
+
+
+def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
+    """The unbound metadata of `recipe` (`_pack_recipe`) with every tensor a view of the uint8 `region` (host,
+    pinned or device; no copy), the region recorded as its packed buffer (`host_build.buffer`, what `bind`
+    uploads or uses as is); `device` is the region's. One pass: the views (`_apply_split` with the recipe's
+    plan), the masks, one dataclass. Raises ValueError when `region` is shorter than the recipe's region."""
+    entries, total, tfields, mspecs, mfields, values, hb, compiled = recipe
+    if region.numel() < total:
+        raise ValueError(f"region has {region.numel()} bytes, the packed metadata needs {total}")
+    v = _apply_split(region, compiled)
+    masks = []
+    for bs, lo, hi, nk, lo2, hi2, nck, flex in mspecs:
+        m = IntervalMask(bs, v[lo], v[hi], nk, None if lo2 is None else v[lo2], None if hi2 is None else v[hi2],
+                         num_ctx_keys=nck)
+        if flex:
+            m.__dict__[_FLEX_HOST] = {key: (v[rows], tuple(v[x] for x in tables)) for key, rows, tables in flex}
+        masks.append(m)
+    fields = dict(values)
+    fields.update({n: (None if i is None else v[i]) for n, i in tfields.items()})
+    for n, i in mfields.items():
+        fields[n] = None if i is None else (masks[i] if isinstance(i, int) else [masks[j] for j in i])
+    for n in ("n_blocks", "n_ctx", "chunks"):  # fresh lists per object, as `_remapped` makes them
+        if fields.get(n) is not None:
+            fields[n] = list(fields[n])
+    fields["device"] = region.device
+    fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
+                                      buffer=region, layout=[e[2] for e in entries])
+    return SplitKVMetadata(**fields)
 
 
 def _host_ints(x, name: str, length: int) -> torch.Tensor:
