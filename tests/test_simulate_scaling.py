@@ -904,7 +904,8 @@ def test_replay_reproduces_the_saved_run_and_isolates_the_change(tmp_path, monke
         return r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"], r["cp_ranks_per_node"]
 
     old = {key(r): r for r in saved["rows"] if r["method"] == "splitkv"}
-    res = ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--out", str(tmp_path)])
+    res = ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--two-level-wait", "deferred",
+                   "--out", str(tmp_path)])  # the saved run's schedule (the op before item 18)
     assert [v["label"] for v in res["variants"]] == ["fused/L=1", "auto/L=1", "fused/L=8", "auto/L=8"]
     n_changed = 0
     for r in res["rows"]:
@@ -948,3 +949,79 @@ def test_replay_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ss.main(["--replay", str(bad), "--out", str(tmp_path)])
     assert e.value.code == 2 and "--replay" in capsys.readouterr().err
+
+
+def test_relay_schedule_hand_computed():
+    """Item 16 (the relay stream): the compute stream never waits for stage 1; the relay "R" waits for it,
+    merges, and stage 2 follows. Forward k = 2 (G 1, K 5, stage 1 1, merge 0.5, stage 2 2): Q [0, 1], [1, 2];
+    kernel 0 [1, 6], kernel 1 [6, 11]; stage 1 of 0 [6, 7], relay merge [7, 7.5], stage 2 [7.5, 9.5];
+    stage 1 of 1 [11, 12], merge [12, 12.5], stage 2 [12.5, 14.5]: 14.5 (deferred 15.5, inline 16). k = 1:
+    serial, 9.5 as before. Backward k = 1 with the projection's backward (post 5): dO 1, kernel 20, then the
+    projection [21, 26] while stage 1 [21, 22], the node sum [22, 22.5], stage 2 [22.5, 24.5] run: the op's
+    time 26 - 5 = 21 (deferred: stage 1 and the sum on the compute path, 22.5)."""
+    import simulate_scaling as ss
+
+    f = dict(A1=[1, 1], NM=[0.5, 0.5])
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2, 2], defer=True, relay=True, **f) == pytest.approx(14.5)
+    assert ss.splitkv_forward_ms([1, 1], [5, 5], [2, 2], defer=True, **f) == pytest.approx(15.5)
+    assert ss.splitkv_forward_ms([1.0], [5.0], [2.0], A1=[1.0], NM=[0.5], relay=True) == pytest.approx(9.5)
+    b = dict(RQ1=[1.0], NS=[0.5], post=5.0)
+    assert ss.splitkv_backward_ms([1.0], [0.0], [20.0], [2.0], relay=True, **b) == pytest.approx(21.0)
+    assert ss.splitkv_backward_ms([1.0], [0.0], [20.0], [2.0], **b) == pytest.approx(22.5)
+    # a projection shorter than the chain: stage 2 ends after it (21 + 1 + 0.5 + 2 = 24.5 > 21 + 2)
+    assert ss.splitkv_backward_ms([1.0], [0.0], [20.0], [2.0], RQ1=[1.0], NS=[0.5], post=2.0,
+                                  relay=True) == pytest.approx(24.5 - 2.0)
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 3, 5):  # never slower than the deferred wait; never below the compute
+        for _ in range(30):
+            G, K, A, A1, NM = (list(rng.uniform(0, 3, n)) for _ in range(5))
+            pre, post = rng.uniform(0, 2, 2)
+            tr = ss.splitkv_forward_ms(G, K, A, pre=pre, A1=A1, NM=NM, defer=True, relay=True)
+            td = ss.splitkv_forward_ms(G, K, A, pre=pre, A1=A1, NM=NM, defer=True)
+            assert sum(K) - 1e-9 <= tr <= td + 1e-9
+            DO, KB, RQ, RQ1, NS = (list(rng.uniform(0, 3, n)) for _ in range(5))
+            br = ss.splitkv_backward_ms(DO, [0.0] * n, KB, RQ, post=post, RQ1=RQ1, NS=NS, defer=True, relay=True)
+            bd = ss.splitkv_backward_ms(DO, [0.0] * n, KB, RQ, post=post, RQ1=RQ1, NS=NS, defer=True)
+            assert sum(KB) - 1e-9 <= br <= bd + 1e-9
+    with pytest.raises(ValueError, match="two_level_wait"):
+        ss.splitkv_time_ms(2, [1.0], [], bench.LinkModel.__new__(bench.LinkModel), fwd_fraction=0.3,
+                           two_level_wait="late")
+
+
+def test_replay_relay_changes_only_the_two_level_rows(tmp_path):
+    """The default replay (this tree's op: the relay) against the same replay with the op before item 18
+    (`--two-level-wait deferred`): rows without the two-level all-to-all (L = 1, P <= 8) identical; every
+    two-level row no slower; at k = 1 with the projection overlap the change is exactly the backward's dQ
+    stage 1 + node sum (the forward has nothing to overlap at k = 1; the projection's backward, 0.71 ms,
+    hides the whole relayed chain of 0.70 ms at P = 64)."""
+    import simulate_scaling as ss
+
+    new = ss.main(["--replay", SEVENTH, "--bwd-gather", "auto", "--out", str(tmp_path / "relay")])
+    old = ss.main(["--replay", SEVENTH, "--bwd-gather", "auto", "--two-level-wait", "deferred",
+                   "--out", str(tmp_path / "deferred")])
+    assert new["args"]["two_level_wait"] == "relay" and old["args"]["two_level_wait"] == "deferred"
+
+    def key(r):
+        return (r["method"], r["P"], r["placement"], r.get("num_chunks"), r["topology"], r.get("overlap_q_gather"),
+                r.get("variant"))
+
+    before = {key(r): r for r in old["rows"]}
+    saved = json.load(open(SEVENTH))
+    link = ss.link_from_dict(saved["link"], "node")
+    gbs = saved["node_merge"]["gbs"]
+    n_changed = 0
+    for r in new["rows"]:
+        s = before[key(r)]
+        if r["method"] != "splitkv" or not r.get("two_level"):
+            assert r["total_ms"] == s["total_ms"], key(r)
+            continue
+        assert r["total_ms"] <= s["total_ms"] + 1e-12, key(r)
+        n_changed += r["total_ms"] < s["total_ms"] - 1e-9
+        if (r["P"], r["num_chunks"], r["topology"], r["placement"], r["overlap_q_gather"]) == (64, 1, "node", "lpt",
+                                                                                                True):
+            m1 = r["bytes_by_name"]["bwd.dq.intra"] / (2 * 7)  # per-peer stage-1 message, one chunk
+            stage1 = link.time("all_to_all", 8, m1, per_node=8) * 1e3
+            node_sum = 8 * m1 / (gbs[1] * 1e9) * 1e3
+            assert r["total_ms"] - s["total_ms"] == pytest.approx(-(stage1 + node_sum), rel=1e-9)
+            assert r["efficiency"] > s["efficiency"]
+    assert n_changed > 0

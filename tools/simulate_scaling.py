@@ -78,9 +78,13 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     ranks with the same local index (one per node, NICs; fp32 node partials), in flight behind the next
     kernel / the k/v projection's backward; each stage on its sub-group's own NCCL stream. Messages from the
     op's "<name>.intra" / "<name>.inter" records when present, else `two_level_msgs`. `--two-level-wait
-    deferred` (default, as the op is built: chunk c's node merge and stage 2 are issued after chunk c + 1's
-    kernel and stage 1, so stage 1 overlaps that kernel); `inline`: a what-if (stage 1 waited right after
-    its own chunk's kernel).
+    relay` (default, as the op is built on CUDA since perf-notes item 18: a relay stream waits for stage 1,
+    runs the node merge / sum and issues stage 2, so the compute stream never waits for stage 1: the next
+    kernel, and after the last one the k/v projection's backward, run meanwhile); `deferred` (the op before
+    item 18: chunk c's node merge and stage 2 issued from the compute stream after chunk c + 1's kernel
+    and stage 1, so stage 1 overlaps that kernel; the node merges on the compute stream's path); `inline`:
+    a what-if (stage 1 waited right after its own chunk's kernel). `--replay` uses the flag's value too
+    (default relay), not the saved run's.
   - own block: fused into the kernel call (second intervals over the block keys appended after the
     context, `ops.common.with_own_blocks`) when the tree does it (`--fused-own-block auto`): its few
     FLOPs are in the kernel calls (`bench.kernel_calls`) and no separate pass remains. The stated
@@ -249,17 +253,26 @@ class Streams:
         return max(self.free.values())
 
 
-def _advance_two_level(S, held, stage2, merge, out, keep):
+def _advance_two_level(S, held, stage2, merge, out, keep, relay=False):
     """Advance the two-level all-to-all's chunks held in stage 1 ((chunk, stage-1 op), oldest first) until
     `keep` remain: the compute stream waits for stage 1, runs the node merge / sum (`merge[c]` ms), and
-    stage 2 (`stage2[c]` ms) is issued on its own NCCL stream; out[c] = the stage-2 op."""
+    stage 2 (`stage2[c]` ms) is issued on its own NCCL stream; out[c] = the stage-2 op.
+
+    relay=True (the op on CUDA since perf-notes item 18: `ops.splitkv._TwoStage` with a relay stream): the
+    wait, the node merge / sum and the issue of stage 2 are on the relay stream "R" instead (one stream
+    for every chunk, in issue order), so the compute stream never waits for stage 1; only the consumer of
+    stage 2's result (the owner's merge / dQ sum) waits, for stage 2 (which follows the relay)."""
     while len(held) > keep:
         c0, s1 = held.pop(0)
-        S.wait("C", s1)
-        out[c0] = S.op("N2", stage2[c0], [S.op("C", merge[c0] if merge else 0.0)])
+        m = merge[c0] if merge else 0.0
+        if relay:
+            out[c0] = S.op("N2", stage2[c0], [S.op("R", m, [s1])])
+        else:
+            S.wait("C", s1)
+            out[c0] = S.op("N2", stage2[c0], [S.op("C", m)])
 
 
-def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False):
+def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False, relay=False):
     """Forward of the chunked Split-KV op (ops/splitkv.py `_SplitKV.forward`, k = len(K) chunks) on the
     two streams, in the code's issue order: gather Q chunk 0; per chunk c: issue the gather of chunk
     c + 1 (prefetch), wait for chunk c's Q, kernel c, issue chunk c's all-to-all of [O | lse] (after the
@@ -279,9 +292,11 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
     "N1") is issued after kernel c and WAITED by the compute stream, which then lse-merges the L partials
     in fp32 (NM[c]); stage 2 (A2A[c], the inter-node sub-group's stream "N2") is issued after that merge
     and overlaps the next kernel. So stage 1 and the node merge of every chunk are on the compute
-    stream's path; only stage 2 overlaps. defer=True (NOT how the op is built; a what-if): chunk c's stage
-    1 is waited only after kernel c + 1 was issued (merge c and stage 2 c after kernel c + 1), so stage 1
-    overlaps the next kernel too; the last chunk's is waited at once."""
+    stream's path; only stage 2 overlaps. defer=True (the op's host order since the deferred wait; False:
+    a what-if): chunk c's stage 1 is waited only after kernel c + 1 was issued (merge c and stage 2 c
+    after kernel c + 1), so stage 1 overlaps the next kernel too; the last chunk's is waited at once.
+    relay=True (the op on CUDA, perf-notes item 18; `_advance_two_level`): that wait and the node merge
+    run on the relay stream "R" instead of the compute stream."""
     n = len(K)
     M = M or [0.0] * n
     S = Streams()
@@ -303,15 +318,15 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
             a[c] = S.op("N", A2A[c], [k])
         else:  # two-level: stage 1 waited, node merge, stage 2 in flight
             held.append((c, S.op("N1", A1[c], [k])))
-            _advance_two_level(S, held, A2A, NM, a, 1 if defer else 0)
-    _advance_two_level(S, held, A2A, NM, a, 0)
+            _advance_two_level(S, held, A2A, NM, a, 1 if defer else 0, relay)
+    _advance_two_level(S, held, A2A, NM, a, 0, relay)
     for c in range(n):
         S.wait("C", a[c])
         S.op("C", M[c])
     return S.end() - pre
 
 
-def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False, DO1=None):
+def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False, DO1=None, relay=False):
     """Backward of the chunked Split-KV op (`_SplitKV.backward`): all-gather chunk 0's dO and stats;
     per chunk c: issue the gathers of chunk c + 1 (prefetch), wait for chunk c's, kernel backward c,
     issue chunk c's dQ all-to-all (after the kernel). Ends when the last all-to-all and the compute
@@ -325,8 +340,9 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False
     ST may be all zeros: the fused backward gather (one all-gather of [dO | delta, lse] per chunk, its time
     in DO). RQ1, NS (None: the single dQ all-to-all): the two-level dQ all-to-all, as in the forward:
     stage 1 (RQ1[c], stream "N1") waited by the compute stream, the fp32 node sum of the L partials
-    (NS[c]) on it, then stage 2 (RQ[c], stream "N2") in flight behind the next kernel; defer as in
-    `splitkv_forward_ms`.
+    (NS[c]) on it, then stage 2 (RQ[c], stream "N2") in flight behind the next kernel; defer and relay
+    (the wait and the node sum on the relay stream "R": the last chunk's chain then overlaps `post`) as
+    in `splitkv_forward_ms`.
 
     DO1 (per-chunk ms; None: one flat gather per chunk): the two-level [dO | stats] gather (`ops/splitkv.py`
     `_gather_dout_stats`), DO then being its stage 2. Stage 1 (DO1[c], between nodes: the inter-node
@@ -367,8 +383,8 @@ def splitkv_backward_ms(DO, ST, KB, RQ, post=0.0, RQ1=None, NS=None, defer=False
             rq[c] = S.op("N", RQ[c], [kb])
         else:
             held.append((c, S.op("N1", RQ1[c], [kb])))
-            _advance_two_level(S, held, RQ, NS, rq, 1 if defer else 0)
-    _advance_two_level(S, held, RQ, NS, rq, 0)
+            _advance_two_level(S, held, RQ, NS, rq, 1 if defer else 0, relay)
+    _advance_two_level(S, held, RQ, NS, rq, 0, relay)
     if post > 0:
         S.op("C", post)
     return S.end() - post
@@ -387,6 +403,14 @@ _SPLITKV_CHUNKED = ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq",
 #: two-level = the fused gather in two stages (between nodes, then inside the node) where the two-level
 #: layout applies (`two_level_layout`; elsewhere = fused)
 BWD_GATHERS = ("auto", "separate", "fused", "two-level")
+
+#: `--two-level-wait`: how the two-level all-to-all's stage 1 is waited (`_advance_two_level`). relay = as the
+#: op is built on CUDA (perf-notes item 18: a relay stream waits for stage 1, runs the node merge / sum and
+#: issues stage 2; the compute stream never waits for stage 1), deferred = the op before item 18 (and on
+#: CPU, where nothing overlaps anyway): the compute stream waits for chunk c's stage 1 after chunk c + 1's
+#: kernel and runs the node merge; inline = a what-if (waited right after its own chunk's kernel)
+TWO_LEVEL_WAITS = ("relay", "deferred", "inline")
+DEFAULT_TWO_LEVEL_WAIT = "relay"
 
 #: stated rate (GB/s of RECEIVED stage-1 bytes) of the two-level all-to-all's node merge on the compute
 #: stream: forward, unpack the L bf16 partials to fp32, lse max, weights, weighted sum (`ops.common.
@@ -592,7 +616,7 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
 
 
 def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0), bwd_gather="auto",
-                    cp_ranks_per_node=1, D=None, elem=2, acc=4, merge_gbs=MERGE_GBS, two_level_wait="deferred",
+                    cp_ranks_per_node=1, D=None, elem=2, acc=4, merge_gbs=MERGE_GBS, two_level_wait=DEFAULT_TWO_LEVEL_WAIT,
                     detail=None):
     """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
     (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
@@ -606,10 +630,14 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     backward)) on the compute stream (in the
     returned total, not in comm). detail: a dict to fill with the variant's bytes per rank (comm_stats
     convention) per collective name, the all-to-alls' off-node bytes sent per rank, the node merge ms, the
-    resolved bwd_gather, the layout and the sources. two_level_wait: "deferred" (as the op is built: stage 1
-    of chunk c waited after chunk c + 1's kernel was issued; `splitkv_forward_ms`) or "inline" (a what-if:
-    waited right after the chunk's own kernel).
+    resolved bwd_gather, the layout and the sources. two_level_wait (`TWO_LEVEL_WAITS`): "relay" (as the op
+    is built on CUDA: stage 1 waited, merged and stage 2 issued on a relay stream, `_advance_two_level`),
+    "deferred" (the op before perf-notes item 18: stage 1 of chunk c waited on the compute stream after
+    chunk c + 1's kernel was issued; `splitkv_forward_ms`) or "inline" (a what-if: waited right after the
+    chunk's own kernel).
     """
+    if two_level_wait not in TWO_LEVEL_WAITS:
+        raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
     n = max(len(comp_calls_ms), 1)
     cs = splitkv_collectives(recs, P, n, bwd_gather=bwd_gather, cp_ranks_per_node=cp_ranks_per_node,
                              gpus_per_node=link.gpus_per_node, D=D, elem=elem, acc=acc)
@@ -634,13 +662,14 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     else:
         A, A1, NM = col("fwd.out", "N2"), col("fwd.out", "N1"), merge("fwd.out")
         RQ, RQ1, NS = col("bwd.dq", "N2"), col("bwd.dq", "N1"), merge("bwd.dq")
-    defer = two_level_wait == "deferred"
-    t_f = splitkv_forward_ms(col("fwd.q"), K, A, pre=proj_ms[0], A1=A1, NM=NM, defer=defer)
+    defer, relay = two_level_wait in ("deferred", "relay"), two_level_wait == "relay"
+    t_f = splitkv_forward_ms(col("fwd.q"), K, A, pre=proj_ms[0], A1=A1, NM=NM, defer=defer, relay=relay)
     if any(x.stream == "N2" for c in range(n) for x in cs["bwd.dout"][c]):  # the two-level [dO | stats] gather
         DO, DO1 = col("bwd.dout", "N1"), col("bwd.dout", "N2")
     else:
         DO, DO1 = col("bwd.dout"), None
-    t_b = splitkv_backward_ms(DO, col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1)
+    t_b = splitkv_backward_ms(DO, col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1,
+                              relay=relay)
     serial = [x.ms(link) for x in cs["serial"]]
     # every chunk's collectives in the records' order (chunk by chunk, forward then backward), as summed before
     per = [sum(x.ms(link) for x in cs[name][c]) for name in ("fwd.q", "fwd.out") for c in range(n)]
@@ -876,10 +905,13 @@ def main(argv=None):
                     help=f"model: GB/s of received stage-1 bytes of the two-level all-to-all's node merge / node sum "
                          f"on the compute stream (stated {MERGE_GBS:.0f}: ~10 HBM bytes per received bf16 element at "
                          f"~4 TB/s); measured mode times the merge on the device")
-    ap.add_argument("--two-level-wait", default="deferred", choices=["inline", "deferred"],
-                    help="two-level all-to-all: deferred = as the op is built (stage 1 of chunk c waited after chunk "
-                         "c + 1's kernel was issued, so it overlaps that kernel; then the node merge and stage 2); "
-                         "inline = a what-if: each chunk's stage 1 waited right after its own kernel")
+    ap.add_argument("--two-level-wait", default=None, choices=list(TWO_LEVEL_WAITS),
+                    help="two-level all-to-all (default relay, as the op is built on CUDA; also for --replay, "
+                         "whatever the saved run used): relay = a relay stream waits for stage 1, runs the node "
+                         "merge and issues stage 2, the compute stream never waits for stage 1 (perf-notes item "
+                         "16); deferred = the op before item 18 (the compute stream waits for stage 1 of chunk c "
+                         "after chunk c + 1's kernel was issued, then merges and issues stage 2); inline = a "
+                         "what-if: each chunk's stage 1 waited right after its own kernel")
     ap.add_argument("--sample-ranks", type=int, default=2)
     ap.add_argument("--topology", default="node,flat",
                     help="communication model(s), comma list, the first is the headline: node (P ranks on "
@@ -916,6 +948,8 @@ def main(argv=None):
                          "rate and link (no GPU; `replay`); --bwd-gather picks the variants (crossed with the saved "
                          "run's L values), --out the output directory; the other flags are ignored")
     args = ap.parse_args(argv)
+    if args.two_level_wait is None:
+        args.two_level_wait = DEFAULT_TWO_LEVEL_WAIT
     if args.replay:
         return replay_main(ap, args)
     cps, methods, placements = check_args(ap, args)
@@ -1299,7 +1333,7 @@ def replay_main(ap, args):
     with open(args.replay) as f:
         saved = json.load(f)
     try:
-        res = replay(saved, bwd_gathers=gathers, source=args.replay)
+        res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait)
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
     os.makedirs(args.out, exist_ok=True)
@@ -1407,7 +1441,7 @@ def link_from_dict(d, topology=None):
                            pxn=bool(d.get("pxn", True)))
 
 
-def replay(saved, *, bwd_gathers=None, source=""):
+def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
     saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
@@ -1417,14 +1451,19 @@ def replay(saved, *, bwd_gathers=None, source=""):
     bwd_gathers: the variants' backward gathers (`BWD_GATHERS`; default the saved run's), crossed with the
     saved run's `--cp-ranks-per-node` values. "auto" means as this tree's op issues them (the saved run's
     "auto" meant its own tree's op); "fused" with L = 8 is the op before the two-level [dO | stats] gather.
-    Returns a result dict like `main`'s (rows, variants, summary; "replay" = source and note); the same
-    inputs with the saved run's variants and tree reproduce its rows.
+    two_level_wait (`TWO_LEVEL_WAITS`): the two-level all-to-all's schedule; default this tree's op (relay),
+    NOT the saved run's (its "deferred" was the op of its tree); args.two_level_wait of the result is the
+    one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" = source and note); the
+    same inputs with the saved run's variants, schedule and tree reproduce its rows.
     Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
     import argparse as _ap
 
     a = _ap.Namespace(**{k: v for k, v in saved["args"].items()})
     a._ranks_per_node = list(saved["args"]["_ranks_per_node"])
     a._bwd_gathers = list(saved["args"]["_bwd_gathers"] if bwd_gathers is None else bwd_gathers)
+    if two_level_wait not in TWO_LEVEL_WAITS:
+        raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
+    a.two_level_wait = two_level_wait
     variants = splitkv_variants(a)
     topologies = list(saved.get("topologies") or ["node"])
     links = {t: link_from_dict(saved["link"], t) for t in topologies}

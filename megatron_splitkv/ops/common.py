@@ -338,6 +338,82 @@ class KernelLanes:
             yield c, box.pop()
 
 
+TWO_LEVEL_RELAY_ENV = "MEGATRON_SPLITKV_TWO_LEVEL_RELAY"
+_RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per process
+
+
+def two_level_relay() -> bool:
+    """Whether the two-level all-to-all's stage 2 is relayed on a side stream (docs/perf-notes.md item 18):
+    MEGATRON_SPLITKV_TWO_LEVEL_RELAY "1" / unset / empty on (the default), "0" off (the schedule before item
+    16, for A/B runs). Local to a rank: no collective and no result depends on it (bit-identical either way),
+    only which CUDA stream waits for stage 1 and runs the node merge. Raises ValueError naming the variable
+    for any other value."""
+    v = os.environ.get(TWO_LEVEL_RELAY_ENV, "").strip()
+    if v in ("", "1"):
+        return True
+    if v == "0":
+        return False
+    raise ValueError(f"{TWO_LEVEL_RELAY_ENV} must be 0 or 1, got {v!r}")
+
+
+class RelayStream:
+    """The relay of Split-KV's two-level all-to-all (docs/perf-notes.md item 18; `ops.splitkv._TwoStage`):
+    a CUDA side stream (one per device and process) on which the op waits for a chunk's stage 1, runs the
+    node merge / node sum of the L received partials (fp32) and issues stage 2, so that the caller's
+    ("main") stream never waits for stage 1: the next chunk's kernel, the op's own epilogue and (backward)
+    the caller's k/v projection backward run while stage 1, the node merge and stage 2 proceed. Only the
+    consumer of stage 2's result (the owner's merge or dQ sum, on main) waits, for stage 2, whose NCCL
+    stream waited for the relay when it was issued.
+
+    Protocol (the op, per chunk): `mark()` on main right after issuing stage 1 (an event: everything main
+    issued before, i.e. the stage-1 inputs, happens before the relay's work); `run(pending, fn)` waits the
+    mark on the relay, marks the stage-1 receive buffer (allocated on main) as used by the relay, and calls
+    fn() inside the relay stream's context; `taken(t)` marks a relay-allocated result (stage 2's receive
+    buffer) as used by the stream consuming it. Memory safety follows `KernelLanes`: record_stream on every
+    buffer crossing streams, so the caching allocator never hands out memory still read by another stream.
+    `RelayStream.get(device)` is None off CUDA or with MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0: the op then runs
+    everything on main, in the same host order (the schedule before item 18). Same kernels, same inputs,
+    same order of every reduction: results are bit-identical with or without the relay."""
+
+    __slots__ = ("stream",)
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    @classmethod
+    def get(cls, device):
+        """The relay for `device` (a CUDA device with the relay on), else None."""
+        dev = torch.device(device)
+        if dev.type != "cuda" or not two_level_relay():
+            return None
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        s = _RELAY_STREAMS.get(idx)
+        if s is None:
+            s = _RELAY_STREAMS[idx] = torch.cuda.Stream(device=idx)
+        return cls(s)
+
+    def mark(self):
+        """An event recorded on the current (main) stream now."""
+        return torch.cuda.current_stream(self.stream.device).record_event()
+
+    def run(self, mark, pending, fn):
+        """fn() on the relay stream after `mark`; `pending` (a `comm.Pending`, stage 1) has its result
+        marked as used by the relay (fn waits for it there: `Pending.wait` makes the current stream wait)."""
+        self.stream.wait_event(mark)
+        res = getattr(pending, "result", None)
+        if isinstance(res, torch.Tensor) and res.is_cuda:
+            res.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            return fn()
+
+    @staticmethod
+    def taken(t):
+        """A relay-allocated tensor about to be consumed on the current stream: marked used there."""
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+        return t
+
+
 def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:
     """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").

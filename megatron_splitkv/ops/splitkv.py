@@ -73,6 +73,16 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    its stage 2 overlaps the caller's backward, e.g. the k/v projections with `query_gather`, whose
    gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
    shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
+   Relay (docs/perf-notes.md item 18; CUDA, `ops.common.RelayStream`, off with
+   MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0): the wait for stage 1, the node merge / node sum and the issue of
+   stage 2 run on a relay stream (after an event recorded on the caller's stream when stage 1 was issued),
+   in the same host order, so the caller's stream never waits for stage 1: chunk c's node merge and stage
+   2 run during chunk c + 1's kernel, and after the last kernel the op's epilogue and (backward, with
+   `query_gather`) the caller's k/v projection backward run while the last chunk's stage 1, node sum and
+   stage 2 proceed; only the owner's merge / dQ sum waits, for stage 2. Model (tools/simulate_scaling.py
+   replay of the seventh run, P = 64, L = 8, 50 GB/s NICs, + projection overlap): -0.33 ms at k = 1
+   (87.6% -> 89.6%), -0.24 ms at k = 2 (90.05% -> 91.6%). Bit-identical to no relay (same kernels and
+   reductions on the same inputs); the node merge shares the GPU with the next kernel (not modelled).
    Backward [dO | stats] gather (docs/perf-notes.md item 14): with the two-level all-to-all the packed
    segment of item 3 is always fused; from N >= 16 nodes (`ops.common.two_level_bwd_gather`) it is
    all-gathered in two stages (`_gather_dout_stats`): "splitkv.bwd.dout.inter" among the N ranks with
@@ -119,6 +129,7 @@ import torch
 from ..comm import all_gather, all_to_all
 from .common import (
     KernelLanes,
+    RelayStream,
     cast,
     delta_and_dout,
     kernel_backward,
@@ -197,26 +208,42 @@ class _TwoStage:
     local index (`meta.node_groups[1]`). The op advances chunk c - 1 right after issuing chunk c's stage
     1, so stage 1 overlaps the next chunk's kernel and stage 2 the one after (or the final merges); the
     last chunk is advanced as soon as the loop ends. Backward [dO | stats] all-gather
-    (`_gather_dout_stats`): stage 1 between nodes, stage 2 inside the node, nothing in between.
+    (`_gather_dout_stats`): stage 1 between nodes, stage 2 inside the node, nothing in between
+    (no relay: stage 2 is issued from the caller's stream).
+
+    Relay (`relay`, an `ops.common.RelayStream`; the all-to-alls on CUDA, docs/perf-notes.md item 18): the
+    current stream is marked when stage 1 is issued; `advance()` runs `reduce` (its wait for stage 1, the
+    node merge / sum and the issue of stage 2) on the relay stream after that mark, so the caller's stream
+    never waits for stage 1; `wait()` / `take()` make the current stream wait for stage 2 (whose NCCL stream
+    followed the relay) and mark its result as used there. Same host order, same arithmetic: bit-identical
+    to relay None (every stage on the caller's stream, the schedule before item 18; always so off CUDA).
     """
 
-    __slots__ = ("_first", "_reduce", "_second")
+    __slots__ = ("_first", "_reduce", "_second", "_relay", "_mark")
 
-    def __init__(self, first, reduce):
+    def __init__(self, first, reduce, relay=None):
         self._first, self._reduce, self._second = first, reduce, None
+        self._relay = relay
+        self._mark = None if relay is None else relay.mark()
 
     def advance(self):
         if self._first is not None:
             first, reduce = self._first, self._reduce
             self._first = self._reduce = None
-            self._second = reduce(first)
+            if self._relay is None:
+                self._second = reduce(first)
+            else:
+                mark, self._mark = self._mark, None
+                self._second = self._relay.run(mark, first, lambda: reduce(first))
         return self
 
     def wait(self):
-        return self.advance()._second.wait()
+        res = self.advance()._second.wait()
+        return res if self._relay is None else self._relay.taken(res)
 
     def take(self):
-        return self.advance()._second.take()
+        res = self.advance()._second.take()
+        return res if self._relay is None else self._relay.taken(res)
 
 
 def _out_stage2(meta, rc, head_dim, acc):
@@ -484,6 +511,8 @@ class _SplitKV(torch.autograd.Function):
         # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
         # the caller's stream. Off: the single-stream order (chunk c + 1's kernel after chunk c's all-to-all).
         lanes = KernelLanes(k_x.device, n, plan.lanes)
+        # two-level on CUDA: stage 1 waited, node-merged and stage 2 issued on the relay stream (item 18)
+        relay = None if hier is None else RelayStream.get(k_x.device)
 
         def launch(c):
             prefetch(c + 2)  # Q one chunk ahead of this kernel
@@ -517,7 +546,7 @@ class _SplitKV(torch.autograd.Function):
                 packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size)
                 del o_r, lse_r
                 pend_o.append(_TwoStage(all_to_all(packed, hier[0], "splitkv.fwd.out.intra", async_op=True),
-                                        _out_stage2(meta, rc, d, plan.acc)))
+                                        _out_stage2(meta, rc, d, plan.acc), relay))
                 if c:
                     pend_o[c - 1].advance()
             del packed, q_c
@@ -622,6 +651,7 @@ class _SplitKV(torch.autograd.Function):
                 advanced[0] += 1
 
         lanes = KernelLanes(k_x.device, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
+        relay = None if hier is None else RelayStream.get(k_x.device)  # as in forward (item 18)
 
         def launch(c):
             prefetch(c)  # one chunk ahead of this kernel
@@ -656,7 +686,7 @@ class _SplitKV(torch.autograd.Function):
                 rc = (chunks[c][1] - chunks[c][0]) * bsz
                 send_dq = local_index_major(dq_r, hier[1].size, hier[0].size, dt)
                 pend_dq.append(_TwoStage(all_to_all(send_dq, hier[0], "splitkv.bwd.dq.intra", async_op=True),
-                                         _dq_stage2(meta, rc, plan.acc)))
+                                         _dq_stage2(meta, rc, plan.acc), relay))
                 del send_dq
                 if c:
                     pend_dq[c - 1].advance()
