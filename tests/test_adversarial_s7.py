@@ -134,3 +134,46 @@ def test_shared_cases_through_worker_pipeline():
             sums = _check_case(name, batch, [per_rank[r][i] for r in range(P)])
             if name.startswith("C4 three"):
                 assert sorted(sums)[:3] == [0.0] * 3 and sum(sums) > 0, sums
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared-memory segments of items that never reached the training process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _segments_of(pids):
+    import os
+
+    names = os.listdir("/dev/shm")
+    return sorted(n for n in names for pid in pids if n.startswith(f"torch_{pid}_"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/dev/shm"), reason="Linux /dev/shm")
+@pytest.mark.parametrize("pin", [False, True])
+def test_close_frees_the_segments_of_unconsumed_items(pin):
+    """Items the workers prepared ahead but the training process never took (2 workers x prefetch 3) must not
+    keep their shared-memory segments after `close()` and the dropped items: with the by-name hand-over each
+    sent item holds a reference for its receiver, so the unreceived ones stayed in /dev/shm until the process
+    exited (every close leaked up to workers x prefetch item buffers, feature rows included)."""
+    import gc
+    import time
+
+    if pin and not torch.cuda.is_available():
+        pytest.skip("pin_memory needs CUDA")
+    batches = [_batch([int(n)], seed=i) for i, n in enumerate(np.random.default_rng(0).integers(30, 200, 12))]
+    p = PrefetchedBatches(functools.partial(iter, batches), num_workers=2, prefetch=3, pin_memory=pin, cp_size=2,
+                          cp_rank=0, block_size=B, mask_token_id=MASK_ID, chunk_size=16)
+    pids = [w.pid for w in p._it._workers]
+    first = [next(p), next(p)]
+    deadline = time.time() + 20
+    while len(_segments_of(pids)) < 6 and time.time() < deadline:  # the workers fill their prefetch slots
+        time.sleep(0.05)
+    assert len(_segments_of(pids)) >= 6
+    held = _segments_of(pids)
+    p.close()
+    left = _segments_of(pids)
+    assert len(left) == 2 and set(left) <= set(held), left  # only the two items still held here
+    assert first[0].kv_seq.numel() > 0 and int(first[1].index) == 1  # still readable
+    del first
+    gc.collect()
+    assert _segments_of(pids) == []
