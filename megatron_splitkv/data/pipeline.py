@@ -551,17 +551,53 @@ class PrefetchedBatches:
         return item
 
     def close(self) -> None:
-        """Stop the workers (also done when the iterator is garbage collected or the process exits)."""
+        """Stop the workers (also done when the iterator is garbage collected or the process exits), then free
+        the shared-memory segments of the items they had sent that this process never received
+        (`_free_unreceived`; items already received, held or not, are left to their owners)."""
         it, self._it = self._it, None
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
+            pids = [w.pid for w in getattr(it, "_workers", ()) if w.pid is not None]
             shutdown()
+            _free_unreceived(pids)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _free_unreceived(pids) -> None:
+    """Unlink the shared-memory segments that the (exited) DataLoader workers `pids` created and this process
+    does not hold: the `_ItemBuffer`s of items sent but never received. Each sent item keeps a reference for
+    its receiver (`_reduce_item_buffer`), dropped when the receiver opens it; an item left in the queue at
+    shutdown is never opened, so its segment would stay in /dev/shm until this process exits (torch's
+    shared-memory manager unlinks it then). The segments are torch's "/torch_<pid>_..." names (libshm); the
+    ones this process opened are in `torch.multiprocessing.reductions.shared_cache` while alive and are kept.
+    Linux (/dev/shm) only; best effort (a segment already gone is skipped)."""
+    import os
+
+    shm = "/dev/shm"
+    if not pids or not os.path.isdir(shm):
+        return
+    from torch.multiprocessing import reductions
+
+    alive = set()
+    for handle, ref in list(reductions.shared_cache.items()):
+        if not ref.expired():
+            alive.add((handle.decode() if isinstance(handle, bytes) else str(handle)).lstrip("/"))
+    prefixes = tuple(f"torch_{int(pid)}_" for pid in pids)
+    try:
+        names = os.listdir(shm)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(prefixes) and name not in alive:
+            try:
+                os.unlink(os.path.join(shm, name))
+            except OSError:
+                pass
 
 
 def _check_epoch_len(n: int, dp_size: int, epoch: int) -> None:

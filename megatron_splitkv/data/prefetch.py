@@ -23,10 +23,11 @@ class DevicePrefetcher:
     `next(p)` returns the item prepared by the last `p.prefetch()` if there is one, else takes the next host
     item from `source` and prepares it now. `p.prefetch()` takes and prepares the next item immediately: call
     it when the GPU has queued work to hide the host time behind, e.g. in forward_step right after the model's
-    forward is issued (examples/pretrain_dflash.py does). Without `prefetch()` calls it behaves exactly as
-    `map(prepare, source)`.
+    forward is issued (examples/pretrain_dflash.py does). Without `prefetch()` calls it behaves as
+    `map(prepare, source)` (except for a StopIteration raised by `prepare`, see Errors).
 
-    The order of items is the source's; no item is dropped or duplicated. An item prepared ahead but never
+    The order of items is the source's; no item is duplicated, and none is dropped except one whose `prepare`
+    raised (taken from the source; its error is raised in its place, see Errors). An item prepared ahead but never
     taken (end of training) is simply discarded: a resumed run skips the consumed items only
     (`args.iteration * micro-batches`), so that item is produced again after a restart.
 
@@ -40,7 +41,9 @@ class DevicePrefetcher:
 
     Errors: an exception raised by `source` or `prepare` during `prefetch()` is held and raised by the `next()`
     that would have returned that item (the step that needs it), with its traceback; StopIteration of the
-    source likewise ends the iteration at that `next()`, not at `prefetch()`.
+    source likewise ends the iteration at that `next()`, not at `prefetch()`. A StopIteration raised by
+    `prepare` does not end the iteration (unlike `map`): it is that item's error, a RuntimeError (cause: the
+    StopIteration), and the next `next()` continues with the source's following item.
     """
 
     def __init__(self, source: Iterator, prepare: Callable):
@@ -57,9 +60,18 @@ class DevicePrefetcher:
 
     def _take(self) -> tuple:
         try:
-            return ("item", self.prepare(next(self.source)))
+            x = next(self.source)
         except StopIteration:
             return ("stop", None)
+        except Exception as exc:  # noqa: BLE001 - handed to the next() that needs the item, unchanged
+            return ("error", exc)
+        try:
+            return ("item", self.prepare(x))
+        except StopIteration as exc:  # not the source's end (PEP 479's rule): an error of this item
+            err = RuntimeError("DevicePrefetcher: prepare raised StopIteration (an error of this item, not the "
+                               "end of the source)")
+            err.__cause__ = exc
+            return ("error", err)
         except Exception as exc:  # noqa: BLE001 - handed to the next() that needs the item, unchanged
             return ("error", exc)
 
