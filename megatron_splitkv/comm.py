@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ._ints import as_int
+
 __all__ = [
     "CommGroup",
     "CommRecord",
@@ -196,9 +198,11 @@ def node_groups(group: CommGroup, ranks_per_node: int, device=None):
 
     Source: our extension of DESIGN.md section 2's merge for CP groups spanning several nodes.
     """
-    P, L = group.size, ranks_per_node
-    if isinstance(L, bool) or not isinstance(L, int) or not 1 < L < P or P % L:
-        raise ValueError(f"node_groups: ranks_per_node must satisfy 1 < L < P = {P} and divide P, got {L!r}")
+    P = group.size
+    what = f"an int with 1 < L < P = {P} that divides P"
+    L = as_int(ranks_per_node, "node_groups: ranks_per_node", minimum=2, maximum=P - 1, what=what)
+    if P % L:
+        raise ValueError(f"node_groups: ranks_per_node must be {what}, got {ranks_per_node!r}")
     N = P // L
     ranks = tuple(group.global_rank(r) for r in range(P))
     key = (dist.group.WORLD, ranks, L)

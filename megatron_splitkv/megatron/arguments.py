@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import numbers
 import os
 from typing import Optional
+
+from .._ints import as_int
 
 __all__ = [
     "CP_IMPLS",
@@ -69,10 +70,9 @@ class SplitKVArgumentError(ValueError):
 
 
 def _as_int(value, flag: str) -> int:
-    """value as an int (a bool, float or string is a SplitKVArgumentError naming `flag`)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SplitKVArgumentError(f"{flag} must be an integer, got {value!r}")
-    return int(value)
+    """value as an int (any `__index__` integer; a bool, float or string is a SplitKVArgumentError
+    naming `flag`)."""
+    return as_int(value, flag, what="an integer", error=SplitKVArgumentError)
 
 
 def _int_arg(args, attr: str, flag: str, default, minimum: int):
