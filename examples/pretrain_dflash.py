@@ -314,6 +314,26 @@ def loss_func(out, output_tensor):
     return output_tensor, report
 
 
+def _shown_args(args) -> argparse.Namespace:
+    """A copy of the parsed namespace for --parse-only, with every flag the run resolves later shown as what
+    it will resolve to (`megatron_splitkv.megatron.arguments.runtime_flag_values`, and this script's
+    --loss-decay-gamma / --target-* defaults) instead of None; `args` itself is not changed."""
+    from megatron_splitkv.dflash import default_gamma
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    shown = argparse.Namespace(**vars(args))
+    for k, v in runtime_flag_values(args).items():
+        setattr(shown, k, v)
+    if getattr(args, "loss_decay_gamma", None) is None:
+        shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
+    for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),
+                 ("target_num_query_groups", "num_query_groups"), ("target_kv_channels", "kv_channels")):
+        if getattr(args, t, None) is None:
+            v, flag = getattr(args, d, None), "--" + d.replace("_", "-")
+            setattr(shown, t, f"{v} ({flag})" if v is not None else f"{flag} (as Megatron resolves it)")
+    return shown
+
+
 def _skip_helper_build_if_prebuilt():
     """pip wheels of megatron-core ship the dataset helpers prebuilt but no Makefile, and Megatron's
     initialisation runs `make` (and exits when it fails); this script uses no Megatron dataset, so the
@@ -359,7 +379,7 @@ def main(argv=None):
         # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine is
         # installed is a property of the training machine, not of the flags: not checked here
         validate_splitkv_args(args, have_te=True)
-        print(args)
+        print(_shown_args(args))
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
