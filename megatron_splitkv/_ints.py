@@ -27,7 +27,7 @@ def _limit(minimum, maximum) -> str:
     if minimum is not None and maximum is not None:
         return f"an int in [{minimum}, {maximum}]"
     if minimum is not None:
-        return "a positive int (>= 1)" if minimum == 1 else f"an int >= {minimum}"
+        return "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if maximum is not None:
         return f"an int <= {maximum}"
     return "an int"
@@ -46,7 +46,7 @@ def as_int(value, name: str, *, minimum=None, maximum=None, what: str | None = N
             error message starts with it.
         minimum, maximum: inclusive limits (None: unbounded).
         what: the requirement as the message states it (default: derived from the limits, e.g.
-            "a positive int (>= 1)", "an int in [0, 4)" is the caller's to write).
+            "a positive int" for minimum 1; "an int in [0, 4)" is the caller's to write).
         integral_float: accept integral real numbers (the planner's historical behaviour).
         allow_none: return None for None (the message then says "None or ...").
         error: the exception class raised (default ValueError; e.g. the Megatron flags'

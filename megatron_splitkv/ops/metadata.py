@@ -134,7 +134,7 @@ def _requested_chunks(num_chunks) -> int:
     else:
         what = "num_chunks"
     none_or = "None or " if what == "num_chunks" else ""
-    num_chunks = as_int(num_chunks, what, minimum=1, what=f"{none_or}a positive int (>= 1)")
+    num_chunks = as_int(num_chunks, what, minimum=1, what=f"{none_or}a positive int")
     # saturated so that it fits the agreement row's column (a larger value is clamped to the block count
     # anyway); an int beyond int64 would otherwise fail on its own rank only, outside the group verdict
     return min(num_chunks, _MAX_REQUESTED_CHUNKS)
@@ -171,7 +171,7 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
                              "per node: the CP group must cover whole nodes)")
         return value
     cp_ranks_per_node = as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1,
-                               what="None or a positive int (>= 1)")
+                               what="None or a positive int")
     if cp_size % cp_ranks_per_node:
         raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node} must divide the CP group size P={cp_size} "
                          "(limit: a divisor of P, at most P)")
@@ -639,7 +639,7 @@ def check_block_size(block_size) -> int:
 
     Raises:
         ValueError: a bool, float, string or other non-integer, or a value < 1 ("block_size must be a
-            positive int (>= 1), got ...")."""
+            positive int, got ...")."""
     return as_int(block_size, "block_size", minimum=1)
 
 
