@@ -22,7 +22,8 @@ budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
-each CP rank reads only its shard's rows; the target is then not built); `--dflash-data-workers N`
+each CP rank reads only its shard's rows; of the target only the embedding and LM head the drafter borrows
+are then built, no decoder layer); `--dflash-data-workers N`
 (default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline;
 `--dflash-host-metadata {on,off}` (default on with splitkv and workers > 0): the Split-KV attention metadata
 built there too, from the plan (the step binds it to the CP group instead of preparing it);
@@ -119,7 +120,7 @@ def _pgs(pg_collection):
     return pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
 
 
-def _target_config(args, params_dtype):
+def _target_config(args, params_dtype, cpu_init=False):
     from megatron_splitkv.megatron.models import qwen3_config
 
     return qwen3_config(
@@ -128,25 +129,42 @@ def _target_config(args, params_dtype):
         num_query_groups=args.target_num_query_groups or args.num_query_groups,
         kv_channels=args.target_kv_channels or args.kv_channels,
         ffn_hidden_size=args.target_ffn_hidden_size or args.ffn_hidden_size,
-        params_dtype=params_dtype, use_cpu_initialization=False,
+        params_dtype=params_dtype, use_cpu_initialization=cpu_init,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
     )
 
 
+def _build_target(args, params_dtype, taps, pgs, cpu_init=False):
+    """The frozen target as a `TargetFeatureProvider` (not moved to CUDA).
+
+    Online (no --features-path): the whole target (it computes the features every step). Offline
+    (--features-path): only what the drafter borrows, the embedding and the LM head (plus the target's
+    final norm, a hidden-size vector; `build_target_model(decoder_layers=False)`): none of the
+    --target-num-layers decoder layers is kept (Qwen3-8B: ~2.5 GB instead of ~16 GB). With --target-load no
+    decoder layer is built at all; without it (random target) each layer is built and freed once, one at a
+    time, so that the random LM head equals the one of the target the features were extracted from
+    (tools/extract_features.py with the same --target-seed). cpu_init: CPU initialisation (tests)."""
+    from megatron_splitkv.megatron.models import TargetFeatureProvider, build_target_model, load_target_weights
+
+    offline = bool(args.features_path)
+    target = build_target_model(_target_config(args, params_dtype, cpu_init), vocab_size=args.padded_vocab_size,
+                                max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
+                                pg_collection=pgs, seed=args.target_seed, decoder_layers=not offline,
+                                match_random_init=not args.target_load)
+    if args.target_load:
+        load_target_weights(target, args.target_load)
+    return TargetFeatureProvider(target, taps)
+
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """Build the drafter (the trained model) and, unless --features-path, the frozen target provider."""
+    """Build the drafter (the trained model) and the frozen target provider (with --features-path only its
+    embedding and LM head, which the drafter borrows: `_build_target`)."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
     from megatron_splitkv.megatron.arguments import kernel_backend_from_args, overlap_query_gather_from_args
-    from megatron_splitkv.megatron.models import (
-        DFlashDraftModel,
-        FeatureStore,
-        TargetFeatureProvider,
-        build_target_model,
-        load_target_weights,
-    )
+    from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
 
     args = get_args()
     _defaults(args)
@@ -156,19 +174,12 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     dcfg = core_transformer_config_from_args(args)
     taps = target_layer_ids(args.target_num_layers, dcfg.num_layers)
     _STATE["config"], _STATE["pgs"] = dcfg, pgs  # the data pipeline's metadata shapes; the step's CP group
-    tcfg = _target_config(args, dcfg.params_dtype)
-    target = build_target_model(tcfg, vocab_size=args.padded_vocab_size,
-                                max_sequence_length=args.max_position_embeddings,
-                                rotary_base=args.rotary_base, pg_collection=pgs, seed=args.target_seed)
-    if args.target_load:
-        load_target_weights(target, args.target_load)
-    provider = TargetFeatureProvider(target, taps).cuda()
+    provider = _build_target(args, dcfg.params_dtype, taps, pgs).cuda()
     if args.features_path:
         store = FeatureStore(args.features_path)
         if store.dim != provider.feature_dim:
             raise ValueError(f"--features-path has dim {store.dim}, the drafter expects {provider.feature_dim}")
-        _STATE["store"] = store
-        # only the embedding / LM head of the target are needed (still built from --target-load)
+        _STATE["store"] = store  # the provider holds the target's embedding / LM head only (_build_target)
     else:
         _STATE["provider"] = provider
     if not 0 <= args.mask_token_id < args.padded_vocab_size:
@@ -334,6 +345,26 @@ def loss_func(out, output_tensor):
     return output_tensor, report
 
 
+def _shown_args(args) -> argparse.Namespace:
+    """A copy of the parsed namespace for --parse-only, with every flag the run resolves later shown as what
+    it will resolve to (`megatron_splitkv.megatron.arguments.runtime_flag_values`, and this script's
+    --loss-decay-gamma / --target-* defaults) instead of None; `args` itself is not changed."""
+    from megatron_splitkv.dflash import default_gamma
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    shown = argparse.Namespace(**vars(args))
+    for k, v in runtime_flag_values(args).items():
+        setattr(shown, k, v)
+    if getattr(args, "loss_decay_gamma", None) is None:
+        shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
+    for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),
+                 ("target_num_query_groups", "num_query_groups"), ("target_kv_channels", "kv_channels")):
+        if getattr(args, t, None) is None:
+            v, flag = getattr(args, d, None), "--" + d.replace("_", "-")
+            setattr(shown, t, f"{v} ({flag})" if v is not None else f"{flag} (as Megatron resolves it)")
+    return shown
+
+
 def _skip_helper_build_if_prebuilt():
     """pip wheels of megatron-core ship the dataset helpers prebuilt but no Makefile, and Megatron's
     initialisation runs `make` (and exits when it fails); this script uses no Megatron dataset, so the
@@ -379,7 +410,7 @@ def main(argv=None):
         # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine is
         # installed is a property of the training machine, not of the flags: not checked here
         validate_splitkv_args(args, have_te=True)
-        print(args)
+        print(_shown_args(args))
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args

@@ -44,11 +44,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from ._ints import as_int
 
 __all__ = [
     "CommGroup",
@@ -57,6 +60,9 @@ __all__ = [
     "comm_stats",
     "resolve_group",
     "node_groups",
+    "shutdown_distributed",
+    "gloo_worker_threads",
+    "exit_process",
     "all_gather",
     "reduce_scatter",
     "all_to_all",
@@ -196,9 +202,11 @@ def node_groups(group: CommGroup, ranks_per_node: int, device=None):
 
     Source: our extension of DESIGN.md section 2's merge for CP groups spanning several nodes.
     """
-    P, L = group.size, ranks_per_node
-    if isinstance(L, bool) or not isinstance(L, int) or not 1 < L < P or P % L:
-        raise ValueError(f"node_groups: ranks_per_node must satisfy 1 < L < P = {P} and divide P, got {L!r}")
+    P = group.size
+    what = f"an int with 1 < L < P = {P} that divides P"
+    L = as_int(ranks_per_node, "node_groups: ranks_per_node", minimum=2, maximum=P - 1, what=what)
+    if P % L:
+        raise ValueError(f"node_groups: ranks_per_node must be {what}, got {ranks_per_node!r}")
     N = P // L
     ranks = tuple(group.global_rank(r) for r in range(P))
     key = (dist.group.WORLD, ranks, L)
@@ -366,3 +374,101 @@ class RingExchange:
             w.wait()
         self._works, self._ops = [], []
         return self.received
+
+
+# ----------------------------------------------------------------------------- process teardown
+
+#: name of the worker threads of torch's ProcessGroupGloo (Linux /proc/self/task/*/comm)
+GLOO_THREAD_NAME = "pt_gloo_runloop"
+
+
+def gloo_worker_threads() -> int:
+    """Number of live gloo worker threads of this process (0 where /proc is unavailable). Each gloo
+    process group owns a few; they are joined only when the C++ ProcessGroup is destroyed, i.e. when the last
+    Python reference to it goes away (`destroy_process_group` shuts the groups down but does not join
+    them while a reference remains)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    n = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                n += f.read().strip() == GLOO_THREAD_NAME
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
+def shutdown_distributed(*, barrier: bool = True) -> None:
+    """Tear torch.distributed down at the end of a process (tools, test workers) so that no gloo worker
+    thread outlives it into interpreter finalisation.
+
+    Why: a gloo worker thread drops its reference to a finished collective (the work and its tensors) after
+    marking it complete; when that is the last reference to a tensor whose Python object died first, the
+    thread takes the GIL to free it. If the interpreter is already finalising then (the worker threads
+    of a process group that is still referenced are alive until the group is garbage collected, which for
+    a group in a module global or a reference cycle happens during finalisation), the thread is
+    terminated inside a C++ destructor and the process aborts (std::terminate, SIGABRT: torchrun reports
+    exit code -6 / 1; seen ~1 run in 8 on 2 busy cores with torch 2.11, c10d AsyncAllgatherWork).
+    Megatron-Core 0.19's `destroy_model_parallel` leaves `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` set,
+    which keeps the groups' threads alive to the end.
+
+    What it does, in order: `barrier()` on the default group (when `barrier` and initialised: no rank
+    tears down while another still communicates); Megatron's `destroy_model_parallel()` when
+    megatron.core.parallel_state is imported, then every process group (or list / tuple of them) still
+    held by that module's globals is set to None; this module's node sub-group cache is cleared;
+    `destroy_process_group()`; `gc.collect()` (groups only reachable from reference cycles, e.g. models
+    and closures, are destroyed now, which joins their worker threads while the interpreter is alive).
+    Safe to call when torch.distributed is not initialised (then only the caches and gc). Groups the
+    CALLER still references stay alive: call it after the work function returned, then `exit_process`.
+    """
+    import gc
+    import sys
+
+    if dist.is_available() and dist.is_initialized():
+        if barrier:
+            dist.barrier()
+        ps = sys.modules.get("megatron.core.parallel_state")
+        if ps is not None:
+            ps.destroy_model_parallel()
+            for name, value in list(vars(ps).items()):
+                if isinstance(value, dist.ProcessGroup) or (
+                        isinstance(value, (list, tuple)) and value and all(isinstance(v, dist.ProcessGroup)
+                                                                           for v in value)):
+                    setattr(ps, name, None)
+        _NODE_GROUPS.clear()
+        dist.destroy_process_group()
+    _NODE_GROUPS.clear()
+    gc.collect()
+
+
+def exit_process(code=0):
+    """End a tool / test-worker process with exit status `code` (an int, or None for 0) after
+    `shutdown_distributed`, without the gloo teardown abort.
+
+    `gc.collect()`, then: no gloo worker thread alive (every process group destroyed and unreferenced) ->
+    `sys.exit(code)` (normal interpreter finalisation, atexit handlers run). Otherwise a process group is
+    still held where Python cannot drop it (Megatron-Core 0.19's `initialize_model_parallel` leaves one
+    group referenced from C++ after `destroy_model_parallel` + `destroy_process_group`; measured with
+    `gloo_worker_threads`): its threads would live into interpreter finalisation, where one that releases
+    a finished collective's tensors aborts the process (see `shutdown_distributed`), so stdout / stderr and
+    logging are flushed and the process ends with `os._exit(code)` without finalising (atexit handlers do
+    not run then). Only called after the work ended normally: an exception before it still exits non-zero
+    with its traceback. Never returns."""
+    import gc
+    import logging
+    import sys
+
+    gc.collect()
+    code = 0 if code is None else int(code)
+    if gloo_worker_threads() == 0:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

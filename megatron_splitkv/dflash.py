@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ._ints import as_int
+
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_GAMMA_B16 = 7.0
 
@@ -181,9 +183,8 @@ def build_draft_blocks(
 
     Source: DESIGN.md section 1 "Draft block" and "Loss" (DFlash; arXiv 2611.05926).
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 2:
-        raise ValueError(f"block_size must be an int >= 2 (a draft block is [anchor token, MASK...]), "
-                         f"got {block_size!r}")
+    block_size = as_int(block_size, "block_size", minimum=2,
+                        what="an int >= 2 (a draft block is [anchor token, MASK...])")
     ids_raw = torch.as_tensor(input_ids)
     if ids_raw.dtype.is_floating_point or ids_raw.dtype.is_complex or ids_raw.dtype == torch.bool:
         raise ValueError(f"input_ids must have an integer dtype (token ids), got {ids_raw.dtype}")

@@ -65,7 +65,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_splitkv import bench  # noqa: E402
-from megatron_splitkv.comm import comm_stats  # noqa: E402
+from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402
 from megatron_splitkv.planning import STRATEGIES  # noqa: E402
 
@@ -538,9 +538,7 @@ def main(argv=None):
         elif not rows and not stopped:
             print(f"bench_attention: error: no row could run (--cp {args.cp} with world size {world})",
                   file=sys.stderr, flush=True)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    shutdown_distributed()  # barrier, destroy, gc: no gloo thread may outlive main (comm.shutdown_distributed)
     return rows + ab_rows
 
 
@@ -550,4 +548,4 @@ def exit_code(rows):
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code(main()))
+    exit_process(exit_code(main()))

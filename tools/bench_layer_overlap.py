@@ -183,10 +183,14 @@ def main(argv=None):
         with open(os.path.join(args.out, f"bench_layer_overlap{args.tag and '_' + args.tag}.json"), "w") as f:
             json.dump(dict(rows=rows, args=vars(args), nccl_env={k: v for k, v in os.environ.items()
                                                                if k.startswith("NCCL_")}), f, indent=1)
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    from megatron_splitkv.comm import shutdown_distributed
+
+    shutdown_distributed()  # Megatron's groups too; no gloo thread may outlive main (comm.shutdown_distributed)
     return rows
 
 
 if __name__ == "__main__":
+    from megatron_splitkv.comm import exit_process
+
     main()
+    exit_process(0)

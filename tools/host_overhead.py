@@ -366,8 +366,6 @@ def worker(a) -> None:
     if rank == 0 and a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------------------------------ launcher
@@ -460,13 +458,13 @@ def main(argv=None):
     if a.warmup < 0:
         ap.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.worker or "RANK" in os.environ:
+        from megatron_splitkv.comm import exit_process, shutdown_distributed
+
         worker(a)
-        # skip the interpreter's finalisation: a gloo worker thread may still be releasing a finished
-        # collective's tensors then, and a thread that needs the GIL during finalisation std::terminate()s
-        # the process (seen ~1 run in 8 on 2 cores: torch 2.11, c10d AsyncAllgatherWork destructor)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # no gloo worker thread may outlive the process groups into interpreter finalisation (it can abort
+        # the process there: comm.shutdown_distributed); checked by exit_process
+        shutdown_distributed()
+        exit_process(0)
     rows = []
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

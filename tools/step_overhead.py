@@ -1023,14 +1023,13 @@ def main(argv=None):
         if args.profile_data:  # before the main table, which stays last
             print(f"{PROFILE_NOTE}\n\n{profile_table(rows)}\n")
         print(table(rows))
-    import torch.distributed as dist
+    from megatron_splitkv.comm import shutdown_distributed
 
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    shutdown_distributed()  # Megatron's groups too; no gloo thread may outlive main (comm.shutdown_distributed)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_splitkv.comm import exit_process
+
+    exit_process(main())

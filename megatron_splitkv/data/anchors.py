@@ -8,6 +8,8 @@ pads the rest with invalid blocks, anchor -1).
 
 import numpy as np
 
+from .._ints import as_int
+
 DEFAULT_NUM_ANCHORS = 512
 
 
@@ -39,8 +41,7 @@ def sample_anchors(loss_mask, num_anchors=DEFAULT_NUM_ANCHORS, *, rng=None, seed
     Raises:
         ValueError: num_anchors < 0.
     """
-    if int(num_anchors) != num_anchors or num_anchors < 0:
-        raise ValueError(f"num_anchors must be an integer >= 0, got {num_anchors!r}")
+    num_anchors = as_int(num_anchors, "num_anchors", minimum=0, what="an integer >= 0")
     cand = anchor_candidates(loss_mask)
     if rng is None:
         rng = np.random.default_rng(seed)

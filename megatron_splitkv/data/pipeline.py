@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
+
+from .._ints import as_int
 
 __all__ = ["MetadataSpec", "PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches",
            "data_parallel_batches"]
@@ -498,9 +499,7 @@ def _identity(item):
 
 
 def _check_count(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+    return as_int(value, name, minimum=minimum, what=f"an integer >= {minimum}")
 
 
 class PrefetchedBatches:

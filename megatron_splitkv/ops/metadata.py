@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._ints import as_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
 from ..kernels.base import IntervalMask
@@ -132,9 +133,8 @@ def _requested_chunks(num_chunks) -> int:
         what = NUM_CHUNKS_ENV
     else:
         what = "num_chunks"
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
-        none_or = "None or " if what == "num_chunks" else ""
-        raise ValueError(f"{what} must be {none_or}a positive int, got {num_chunks!r}")
+    none_or = "None or " if what == "num_chunks" else ""
+    num_chunks = as_int(num_chunks, what, minimum=1, what=f"{none_or}a positive int")
     # saturated so that it fits the agreement row's column (a larger value is clamped to the block count
     # anyway); an int beyond int64 would otherwise fail on its own rank only, outside the group verdict
     return min(num_chunks, _MAX_REQUESTED_CHUNKS)
@@ -170,8 +170,8 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
             raise ValueError(f"{RANKS_PER_NODE_ENV}={env} must divide the CP group size P={cp_size} (CP ranks "
                              "per node: the CP group must cover whole nodes)")
         return value
-    if isinstance(cp_ranks_per_node, bool) or not isinstance(cp_ranks_per_node, int) or cp_ranks_per_node < 1:
-        raise ValueError(f"cp_ranks_per_node must be None or a positive int, got {cp_ranks_per_node!r}")
+    cp_ranks_per_node = as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1,
+                               what="None or a positive int")
     if cp_size % cp_ranks_per_node:
         raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node} must divide the CP group size P={cp_size} "
                          "(limit: a divisor of P, at most P)")
@@ -198,13 +198,18 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
         num_chunks: None (automatic: the environment variable MEGATRON_SPLITKV_NUM_CHUNKS when set,
             else DEFAULT_NUM_CHUNKS = 1), 0 (automatic without looking at the
             environment), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
-            least one block of the largest rank).
+            least one block of the largest rank). Any `__index__` integer (np.int64 too); bool and
+            float are rejected.
         cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count.
 
     Raises:
         ValueError: num_chunks (or the environment variable) not a positive int.
     """
-    req = 0 if type(num_chunks) is int and num_chunks == 0 else _requested_chunks(num_chunks)
+    try:  # 0 (any integer type): automatic; everything else is checked by _requested_chunks
+        zero = num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=0) == 0
+    except ValueError:
+        zero = False
+    req = 0 if zero else _requested_chunks(num_chunks)
     if req == 0:
         req = DEFAULT_NUM_CHUNKS
     return max(1, min(req, max_blocks))
@@ -630,21 +635,32 @@ def _check_agree(name, table, cols):
 # ----------------------------------------------------------------------------- local checks
 
 
-def check_block_size(block_size):
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+def check_block_size(block_size) -> int:
+    """block_size (B, tokens per draft block) as an int >= 1: any `__index__` integer (np.int64(16) too).
+
+    Raises:
+        ValueError: a bool, float, string or other non-integer, or a value < 1 ("block_size must be a
+            positive int, got ...")."""
+    return as_int(block_size, "block_size", minimum=1)
 
 
 def check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype):
-    """The metadata's head counts (positive ints, Hq % Hkv == 0), head_dim and dtype; ValueError."""
-    for n, v in (("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{n} must be a positive int, got {v!r}")
+    """The metadata's head counts Hq, Hkv and head_dim D (each an `__index__` integer >= 1, bool and
+    float rejected; Hq % Hkv == 0) and dtype (bf16/fp16/fp32/fp64).
+
+    Returns:
+        (num_heads_q, num_heads_kv, head_dim) as Python ints.
+
+    Raises:
+        ValueError: naming the argument and its limit."""
+    num_heads_q, num_heads_kv, head_dim = (as_int(v, n, minimum=1) for n, v in (
+        ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("head_dim", head_dim)))
     if num_heads_q % num_heads_kv:
         raise ValueError(f"Hq % Hkv != 0: num_heads_q={num_heads_q}, num_heads_kv={num_heads_kv}; "
                          "Hq must be a multiple of Hkv")
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be one of bf16/fp16/fp32/fp64, got {dtype!r}")
+    return num_heads_q, num_heads_kv, head_dim
 
 
 def check_scale_backend(softmax_scale, backend):
@@ -704,7 +720,7 @@ def check_own_block(k_blk, v_blk):
 
 def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
     """Shapes/dtypes/devices of the five activations (no metadata given; k_blk = v_blk = None allowed).
-    Returns (nb, tk, hq, hkv, d)."""
+    Returns (nb, tk, hq, hkv, d, block_size), block_size as a Python int (`check_block_size`)."""
     names = ("q", "k_ctx", "v_ctx") + (("k_blk", "v_blk") if check_own_block(k_blk, v_blk) else ())
     tensors = (q, k_ctx, v_ctx, k_blk, v_blk)[: len(names)]
     for n, t in zip(names, tensors):
@@ -733,10 +749,10 @@ def _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size):
         raise ValueError(
             f"Hq % Hkv != 0: q has Hq={hq} heads and k_ctx Hkv={hkv}; Hq must be a multiple of Hkv"
         )
-    check_block_size(block_size)
+    block_size = check_block_size(block_size)
     if tq % block_size:
         raise ValueError(f"block_size={block_size} must divide q.shape[0] (Tq_local={tq})")
-    return tq // block_size, tk, hq, hkv, d
+    return tq // block_size, tk, hq, hkv, d, block_size
 
 
 # ----------------------------------------------------------------------------- building
@@ -951,8 +967,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         device = _check_device(device)  # a bad device on one rank raises on every rank (not only there)
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
-        check_block_size(block_size)
-        check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
+        block_size = check_block_size(block_size)
+        num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         if _comm_device(group, device).type != device.type:
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, None, None, device)
@@ -1032,7 +1048,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     group = resolve_group(cp_group)
     err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1], None, None, _HostReads(), 1
     try:
-        nb, tk, hq, hkv, d = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
+        nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
         if group.size == 1 and name == "splitkv":
@@ -1065,7 +1081,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, dev, err), f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
     meta = SplitKVMetadata(
-        impl=name, group=group, block_size=block_size, num_heads_q=row[3], num_heads_kv=row[4],
+        impl=name, group=group, block_size=row[2], num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
@@ -1105,7 +1121,7 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         if t is not None and t is not src:
             raise ValueError(f"with metadata=, {n} must be None or the very tensor given to "
                              "prepare_splitkv_metadata (values are not re-checked per call)")
-    if block_size is not None and block_size != meta.block_size:
+    if block_size is not None and check_block_size(block_size) != meta.block_size:
         raise ValueError(f"block_size={block_size!r} differs from the metadata's block_size={meta.block_size}")
     if cp_group is not None and cp_group is not meta.group.pg:
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
@@ -1624,19 +1640,18 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             if not hasattr(plan, attr):
                 raise ValueError(f"plan must be a megatron_splitkv.planning.Plan, got {type(plan).__name__}")
         P = int(plan.cp_size)
-        if isinstance(cp_rank, bool) or not isinstance(cp_rank, (int, np.integer)) or not 0 <= cp_rank < P:
-            raise ValueError(f"cp_rank must be an int in [0, {P}) (plan.cp_size = {P}), got {cp_rank!r}")
-        rank = int(cp_rank)
+        rank = as_int(cp_rank, "cp_rank", minimum=0, maximum=P - 1,
+                      what=f"an int in [0, {P}) (plan.cp_size = {P})")
         canon = IMPLS.get(impl) if isinstance(impl, str) else None
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
         if canon != "splitkv":
             raise ValueError(f"impl={impl!r}: only 'splitkv' metadata is built from the plan (the baselines' "
                              "metadata depends on the other ranks' context order: use prepare_splitkv_metadata)")
-        check_block_size(block_size)
+        block_size = check_block_size(block_size)
         if block_size != plan.block_size:
             raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
-        check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
+        num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         device = _check_device(device)
         chunks_req = _requested_chunks(num_chunks)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)

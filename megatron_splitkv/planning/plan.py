@@ -7,10 +7,11 @@ See docs/lpt.md for the rules, bounds and benchmark numbers.
 import heapq
 import math
 import numbers
-import operator
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .._ints import as_int
 
 from .cost import CostModel, _pair_counts_inplace
 
@@ -152,21 +153,10 @@ def _as_int_array(x, name):
 
 
 def _int_arg(x, name, minimum, what):
-    """A scalar integer argument >= `minimum` (integral floats such as 2.0 accepted; bool, None,
-    strings, NaN/inf and fractions rejected with a ValueError naming `name`)."""
-    try:
-        if isinstance(x, (bool, np.bool_)):
-            ok = False
-        elif isinstance(x, numbers.Real):
-            ok = float(x).is_integer() and x >= minimum
-        else:  # e.g. an integer torch scalar
-            x = operator.index(x)
-            ok = x >= minimum
-    except (TypeError, ValueError, OverflowError):
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} must be {what}, got {x!r}")
-    return int(x)
+    """A scalar integer argument >= `minimum` (`as_int`: any `__index__` integer, and integral floats
+    such as 2.0 as the planner always accepted; bool, None, strings, NaN/inf and fractions rejected with
+    a ValueError naming `name`)."""
+    return as_int(x, name, minimum=minimum, what=what, integral_float=True)
 
 
 def _float_arg(x, name):

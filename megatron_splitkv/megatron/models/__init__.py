@@ -13,6 +13,7 @@ from .dflash import DFlashDraftModel
 from .features import FeatureStore, FeatureWriter, write_features
 from .target import (
     CausalCPCoreAttention,
+    SkippedTargetLayer,
     TargetFeatureProvider,
     build_target_model,
     load_target_weights,
@@ -24,6 +25,7 @@ from .target import (
 __all__ = [
     "DFlashDraftModel",
     "CausalCPCoreAttention",
+    "SkippedTargetLayer",
     "TargetFeatureProvider",
     "build_target_model",
     "load_target_weights",

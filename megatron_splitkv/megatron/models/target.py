@@ -29,14 +29,16 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from ..attention import DFlashPackedSeqParams
 from ..layers import apply_rope
 
 __all__ = [
     "CausalCPCoreAttention",
+    "SkippedTargetLayer",
     "TargetFeatureProvider",
     "build_target_model",
     "load_target_weights",
@@ -180,9 +182,34 @@ def target_layer_spec(*, rotary_base: float = 1e6, rotary_percent: float = 1.0,
     return spec
 
 
+class SkippedTargetLayer(MegatronModule, BaseTransformerLayer):
+    """Parameter-free stand-in for a target decoder layer that is never run (`build_target_model(...,
+    decoder_layers=False)`: offline features, only the embedding and LM head are borrowed).
+
+    Args (from `TransformerBlock`): config, layer_number, and the block's other keywords.
+        rng_spec: None (nothing is built), or the real layer's `ModuleSpec`: the layer is built and freed
+            at once, only so that the random-number streams advance exactly as for the full model (a
+            random-init output layer then equals the full model's for the same seed); peak memory: one
+            layer.
+    Calling it raises RuntimeError.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int = 1, *, rng_spec=None, **kwargs):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        if rng_spec is not None:
+            layer = build_module(rng_spec, config=config, layer_number=layer_number, **kwargs)
+            del layer
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this target was built with decoder_layers=False (offline features: only its embedding "
+                           "and LM head exist); build it with decoder_layers=True to compute features")
+
+
 def build_target_model(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
                        rotary_base: float = 1e6, pg_collection: Optional[ProcessGroupCollection] = None,
-                       kernel_backend: str = "auto", seed: Optional[int] = None) -> GPTModel:
+                       kernel_backend: str = "auto", seed: Optional[int] = None, decoder_layers: bool = True,
+                       match_random_init: bool = True) -> GPTModel:
     """A frozen Qwen3-style `GPTModel` (random init unless weights are loaded afterwards).
 
     Args:
@@ -190,14 +217,28 @@ def build_target_model(config: TransformerConfig, *, vocab_size: int, max_sequen
         max_sequence_length: largest position the model is used with (metadata only: RoPE is computed
             at the given positions). rotary_base: RoPE theta (Qwen3: 1e6). pg_collection: tp/cp/pp
             groups (default: Megatron's parallel_state). seed: torch.manual_seed before init.
-    Returns: `GPTModel` in eval mode with every parameter `requires_grad = False`.
+        decoder_layers: False = only what a drafter borrows (the embedding, the final norm and the
+            output layer; `config.num_layers` parameter-free `SkippedTargetLayer`s in `decoder.layers`, so
+            layer ids and tap checks stay as for the full model), e.g. with offline features. Memory:
+            vocab x hidden x 2 instead of the whole target (Qwen3-8B: ~2.5 GB instead of ~16 GB in bf16).
+        match_random_init: with decoder_layers=False, build and free each decoder layer once (one at a
+            time) so that the random init of the output layer is bit-identical to the full model's for
+            the same seed (needed when the weights are not loaded afterwards, e.g. features extracted
+            from a random target); False: no decoder layer is built at all (weights loaded afterwards
+            with `load_target_weights`).
+    Returns: `GPTModel` in eval mode with every parameter `requires_grad = False`; with
+        decoder_layers=False its attribute `splitkv_decoder_layers` is False and it cannot compute
+        features (a skipped layer raises RuntimeError when called).
     """
     if seed is not None:
         torch.manual_seed(seed)
     kw = {} if pg_collection is None else {"pg_collection": pg_collection}
+    spec = target_layer_spec(rotary_base=rotary_base, kernel_backend=kernel_backend)
+    if not decoder_layers:
+        spec = ModuleSpec(module=SkippedTargetLayer, params={"rng_spec": spec if match_random_init else None})
     model = GPTModel(
         config=config,
-        transformer_layer_spec=target_layer_spec(rotary_base=rotary_base, kernel_backend=kernel_backend),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=True,
@@ -209,6 +250,7 @@ def build_target_model(config: TransformerConfig, *, vocab_size: int, max_sequen
     model.eval()
     for prm in model.parameters():
         prm.requires_grad_(False)
+    model.splitkv_decoder_layers = bool(decoder_layers)
     return model
 
 
@@ -220,7 +262,9 @@ _TE_TO_LOCAL = (
 
 
 def load_target_weights(model: GPTModel, path: str) -> None:
-    """Load frozen target weights into a `build_target_model` model.
+    """Load frozen target weights into a `build_target_model` model (a full one, or one built with
+    decoder_layers=False: then the file's `decoder.layers.*` entries are skipped, everything else is
+    loaded strictly).
 
     Args:
         path: either a torch file (`torch.save` of a GPTModel state dict, or of {"model": state dict})
@@ -245,6 +289,8 @@ def load_target_weights(model: GPTModel, path: str) -> None:
             for a, b in _TE_TO_LOCAL:
                 k = k.replace(a, b)
             out[k] = v
+        if not getattr(model, "splitkv_decoder_layers", True):
+            out = {k: v for k, v in out.items() if not k.startswith("decoder.layers.")}
         missing, unexpected = model.load_state_dict(out, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:

@@ -1,0 +1,82 @@
+"""One check for every integer argument of the package (block sizes, head counts, chunk counts, CP sizes
+and ranks, ...): `as_int`.
+
+Policy: an integer is anything with `__index__` (`operator.index`): Python ints, numpy integer scalars
+(np.int64(16), np.uint8(8)), 0-d integer torch tensors, and user types that implement `__index__`.
+Booleans (bool, np.bool_, bool tensors) and floats are rejected: True is not a head count, and 16.0
+usually means a computation went through float. The planner alone keeps accepting integral floats
+(`integral_float=True`), a documented behaviour of `plan_context_parallel` since its first release.
+
+Pure Python (no torch / numpy import) so that argument parsing can use it.
+"""
+
+import operator
+
+__all__ = ["as_int"]
+
+
+def _is_bool(value) -> bool:
+    if isinstance(value, bool):
+        return True
+    # np.bool_ / torch.bool scalars and 0-d tensors, without importing numpy or torch
+    dtype = getattr(value, "dtype", None)
+    return type(value).__name__ in ("bool_", "bool") or (dtype is not None and "bool" in str(dtype))
+
+
+def _limit(minimum, maximum) -> str:
+    if minimum is not None and maximum is not None:
+        return f"an int in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if maximum is not None:
+        return f"an int <= {maximum}"
+    return "an int"
+
+
+def as_int(value, name: str, *, minimum=None, maximum=None, what: str | None = None,
+           integral_float: bool = False, allow_none: bool = False, error=ValueError):
+    """`value` as a Python int, checked.
+
+    Args:
+        value: the argument. Accepted: anything with `__index__` (int, numpy integer scalars, 0-d integer
+            torch tensors, ...), and with `integral_float=True` also real numbers with an integral value
+            (2.0, np.float32(2)). Rejected: bool and boolean scalars, floats (unless integral_float),
+            arrays / tensors with a dimension (even of one element), strings, None (unless allow_none), values outside [minimum, maximum].
+        name: the argument's name as the user wrote it (e.g. "block_size", "--dflash-data-workers"); the
+            error message starts with it.
+        minimum, maximum: inclusive limits (None: unbounded).
+        what: the requirement as the message states it (default: derived from the limits, e.g.
+            "a positive int" for minimum 1; "an int in [0, 4)" is the caller's to write).
+        integral_float: accept integral real numbers (the planner's historical behaviour).
+        allow_none: return None for None (the message then says "None or ...").
+        error: the exception class raised (default ValueError; e.g. the Megatron flags'
+            SplitKVArgumentError, a ValueError subclass).
+
+    Returns:
+        int (or None when allow_none and value is None).
+
+    Raises:
+        `error` (ValueError by default): "<name> must be <what>, got <value!r>" for a wrong type or a
+            value outside the limits.
+    """
+    if value is None and allow_none:
+        return None
+    req = what if what is not None else _limit(minimum, maximum)
+    if allow_none and what is None:
+        req = "None or " + req
+    out = None
+    if not _is_bool(value) and not getattr(value, "ndim", 0):  # scalars only: no 1-element tensors
+        try:
+            out = operator.index(value)
+        except TypeError:
+            if integral_float:
+                try:
+                    f = float(value)
+                    # only real numbers: strings / tensors with more than one element are not coerced
+                    if f.is_integer() and not isinstance(value, (str, bytes)) and hasattr(value, "__float__"):
+                        out = int(f)
+                except (TypeError, ValueError, OverflowError):
+                    out = None
+    if out is None or (minimum is not None and out < minimum) or (maximum is not None and out > maximum):
+        raise error(f"{name} must be {req}, got {value!r}")
+    return out

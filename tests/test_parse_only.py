@@ -1,0 +1,93 @@
+"""`examples/pretrain_dflash.py --parse-only` prints, for every flag the run resolves later, what it will
+resolve to ('auto (-> X on CUDA, Y on CPU)' where that depends on the machine) instead of None; the returned
+namespace is unchanged. `--dflash-host-metadata on --dflash-data-workers 0` is the documented synchronous
+mode (help text, --parse-only line). Expected values: the documented rules (docs/megatron.md "Data
+pipeline": workers default 1 with CUDA else 0, host metadata on with splitkv and workers > 0; DESIGN.md
+section 1: gamma = 7 for B = 16, scaled with B)."""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+        "--transformer-impl", "local", "--ffn-hidden-size", "128"]
+
+
+@pytest.fixture(scope="module")
+def pre():
+    spec = importlib.util.spec_from_file_location("pretrain_dflash_po", os.path.join(ROOT, "examples", "pretrain_dflash.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _parse(pre, capsys, monkeypatch, *extra):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for var in ("MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"):
+        monkeypatch.delenv(var, raising=False)
+    capsys.readouterr()
+    args = pre.main([*BASE, *extra])
+    printed = capsys.readouterr().out
+    return args, printed
+
+
+def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
+    args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
+    # runtime-resolved flags: their values, not None
+    for want in ("dflash_data_workers='auto (-> 1 on CUDA, 0 on CPU)'",
+                 "dflash_host_metadata='auto (-> on on CUDA, off on CPU)'",
+                 "dflash_data_prefetch=2", "dflash_device_prefetch='on'", "splitkv_cp_ranks_per_node=1", "splitkv_no_overlap_q_gather=False",
+                 "loss_decay_gamma=1.75",  # 7 * 4 / 16
+                 "target_ffn_hidden_size='128 (--ffn-hidden-size)'",
+                 "target_num_attention_heads='4 (--num-attention-heads)'"):
+        assert want in out, want
+    for flag in ("dflash_data_workers", "dflash_data_prefetch", "dflash_host_metadata", "dflash_device_prefetch",
+                 "loss_decay_gamma",
+                 "splitkv_cp_ranks_per_node", "splitkv_no_overlap_q_gather", "cp_chunk_size", "target_ffn_hidden_size"):
+        assert f"{flag}=None" not in out, flag
+    # the namespace the caller gets is the parsed one (resolution stays at run time)
+    assert args.dflash_data_workers is None and args.dflash_host_metadata is None and args.loss_decay_gamma is None
+
+
+@pytest.mark.parametrize("extra, workers, host", [
+    (("--context-parallel-impl", "splitkv", "--dflash-data-workers", "2"), "2", "'on'"),
+    (("--context-parallel-impl", "splitkv", "--dflash-data-workers", "0"), "0", "'off'"),
+    (("--context-parallel-impl", "allgather-kv"), "'auto (-> 1 on CUDA, 0 on CPU)'", "'off'"),
+    (("--context-parallel-impl", "splitkv", "--dflash-data-workers", "3", "--dflash-host-metadata", "off"), "3",
+     "'off'"),
+])
+def test_parse_only_host_metadata_follows_workers(pre, capsys, monkeypatch, extra, workers, host):
+    _, out = _parse(pre, capsys, monkeypatch, *extra)
+    assert f"dflash_data_workers={workers}," in out and f"dflash_host_metadata={host}," in out
+
+
+def test_ranks_per_node_from_environment(pre, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
+    capsys.readouterr()
+    pre.main([*BASE, "--context-parallel-impl", "splitkv", "--context-parallel-size", "16",
+              "--dflash-num-anchors", "16"])
+    out = capsys.readouterr().out
+    assert "splitkv_cp_ranks_per_node=8," in out or "splitkv_cp_ranks_per_node='8 " in out
+
+
+def test_synchronous_host_metadata_is_documented(pre, capsys, monkeypatch):
+    """--dflash-host-metadata on with --dflash-data-workers 0: accepted as the synchronous mode, and said
+    so (the flag's help and the --parse-only line), not silently."""
+    from megatron_splitkv.megatron import add_splitkv_args
+    from megatron_splitkv.megatron.arguments import host_metadata_from_args
+
+    args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--dflash-data-workers", "0",
+                       "--dflash-host-metadata", "on")
+    assert host_metadata_from_args(args, 0) is True
+    assert "dflash_host_metadata='on (synchronous: built on the host in forward_step, --dflash-data-workers 0)'" in out
+    p = add_splitkv_args(argparse.ArgumentParser())
+    help_text = " ".join(p.format_help().split())
+    assert "'on' with --dflash-data-workers 0 is the synchronous mode" in help_text
