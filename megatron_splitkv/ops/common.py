@@ -236,12 +236,18 @@ def debug_checks() -> bool:
     and checks that both settings give identical results. Input validation is NOT affected.
 
     Raises: ValueError naming the variable for any other value."""
-    v = os.environ.get(DEBUG_CHECKS_ENV, "").strip()
-    if v in ("", "0"):
-        return False
-    if v == "1":
-        return True
-    raise ValueError(f"{DEBUG_CHECKS_ENV} must be 0 or 1, got {v!r}")
+    return env_switch(DEBUG_CHECKS_ENV, default=False)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A 0 / 1 environment switch: "1" on, "0" off, unset or empty `default`. Raises ValueError naming the
+    variable for any other value."""
+    v = os.environ.get(name, "").strip()
+    if v == "":
+        return default
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"{name} must be 0 or 1, got {v!r}")
 
 
 KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
@@ -345,15 +351,10 @@ _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per 
 def two_level_relay() -> bool:
     """Whether the two-level all-to-all's stage 2 is relayed on a side stream (docs/perf-notes.md item 18):
     MEGATRON_SPLITKV_TWO_LEVEL_RELAY "1" / unset / empty on (the default), "0" off (the schedule before item
-    16, for A/B runs). Local to a rank: no collective and no result depends on it (bit-identical either way),
+    18, for A/B runs). Local to a rank: no collective and no result depends on it (bit-identical either way),
     only which CUDA stream waits for stage 1 and runs the node merge. Raises ValueError naming the variable
     for any other value."""
-    v = os.environ.get(TWO_LEVEL_RELAY_ENV, "").strip()
-    if v in ("", "1"):
-        return True
-    if v == "0":
-        return False
-    raise ValueError(f"{TWO_LEVEL_RELAY_ENV} must be 0 or 1, got {v!r}")
+    return env_switch(TWO_LEVEL_RELAY_ENV, default=True)
 
 
 class RelayStream:
