@@ -310,3 +310,30 @@ def run_in_triton_interpreter(code: str, expect: str, timeout: int):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0 and expect in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+class _DelayedWork:
+    """The `work` of a delayed collective: `wait()` is a stream wait on its event (as NCCL's async work)."""
+
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self):
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+def delayed_pending(x, stream):
+    """A `comm.Pending` whose result lands late (CUDA): the buffer is NaN-filled (floats; else empty) on the
+    caller's stream, then `stream` (after the caller's work so far, like NCCL) sleeps ~1-2 ms and copies `x`
+    in, so any read that does not wait for it sees the NaN."""
+    from megatron_splitkv.comm import Pending
+
+    out = torch.full_like(x, float("nan")) if x.is_floating_point() else torch.empty_like(x)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(3_000_000)
+        out.copy_(x)
+        ev = stream.record_event()
+    x.record_stream(stream)
+    out.record_stream(stream)
+    return Pending(out, _DelayedWork(ev), x)

@@ -16,7 +16,7 @@ GPU-only (skipped without CUDA); a 2-GPU NCCL run is in tests/nightly (tests/nig
 import pytest
 import torch
 
-from _splitkv_helpers import case, check, new_seed, run_local
+from _splitkv_helpers import case, check, delayed_pending, new_seed, run_local
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -66,31 +66,12 @@ def test_lanes_exact(monkeypatch, backend, k):
         assert kern.counts["dense_bwd"] > 0, "the staircase case ran no dense call: the test lost its point"
 
 
-class _DelayedWork:
-    def __init__(self, event):
-        self.event = event
-
-    def wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
-
-
 def _delayed(fn_name, stream):
     """A size-1 collective whose result lands late: the receive buffer is NaN-filled on the caller's
     stream, then a side stream (after the caller's work so far, like NCCL) sleeps and copies the input."""
-    from megatron_splitkv.comm import Pending
-
     def coll(x, group, op, async_op=False):
         assert group.size == 1
-        x = x.contiguous()
-        out = torch.full_like(x, float("nan")) if x.is_floating_point() else torch.empty_like(x)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(3_000_000)  # ~1-2 ms: any read that does not wait sees the NaN
-            out.copy_(x)
-            ev = stream.record_event()
-        x.record_stream(stream)
-        out.record_stream(stream)
-        p = Pending(out, _DelayedWork(ev), x)
+        p = delayed_pending(x.contiguous(), stream)
         if async_op:
             return p
         return p.wait()

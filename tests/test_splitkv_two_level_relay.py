@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, case, check, new_seed
+from _splitkv_helpers import GRAD_NAMES, case, check, delayed_pending, new_seed
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
@@ -199,21 +199,12 @@ def test_relay_stream_on_cuda(monkeypatch):
     assert RelayStream.get("cuda") is None
 
 
-class _DelayedWork:
-    def __init__(self, event):
-        self.event = event
-
-    def wait(self):
-        torch.cuda.current_stream().wait_event(self.event)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_two_stage_relay_waits_for_delayed_stages(monkeypatch):
     """`_TwoStage` with the relay over DELAYED stages (each result NaN until a side stream writes it after a
     GPU sleep, `wait()` a stream wait, as NCCL's asynchronous work behaves): the relay's reduce must read
     stage 1 only after it landed, the consumer stage 2 only after it landed; the caller's stream issues
     nothing that waits for stage 1."""
-    from megatron_splitkv.comm import Pending
     from megatron_splitkv.ops.common import TWO_LEVEL_RELAY_ENV, RelayStream
     from megatron_splitkv.ops.splitkv import _TwoStage
 
@@ -221,15 +212,7 @@ def test_two_stage_relay_waits_for_delayed_stages(monkeypatch):
     side = torch.cuda.Stream()
 
     def delayed(x):
-        out = torch.full_like(x, float("nan"))
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            torch.cuda._sleep(3_000_000)  # ~1-2 ms: a read that does not wait sees the NaN
-            out.copy_(x)
-            ev = side.record_event()
-        x.record_stream(side)
-        out.record_stream(side)
-        return Pending(out, _DelayedWork(ev), x)
+        return delayed_pending(x, side)
 
     relay = RelayStream.get("cuda")
     for _ in range(3):
