@@ -163,7 +163,7 @@ def test_suite_rejects_unknown_backend_before_any_step(tmp_path):
     from megatron_splitkv.kernels import BACKENDS
 
     script = open(os.path.join(ROOT, "tools", "run_gpu_suite.sh")).read()
-    known = re.search(r'KNOWN_BACKENDS=" ([a-z ]+) "', script).group(1).split()
+    known = re.search(r'KNOWN_BACKENDS=" ([a-z0-9 ]+) "', script).group(1).split()
     assert sorted(known) == sorted(BACKENDS)
     for var, val in [("SUITE_BACKEND", "bogus"), ("SUITE_EXACT_BACKENDS", "flex,stair")]:
         env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="exact", PYTHON=sys.executable,

@@ -16,6 +16,8 @@
 #   0. environment: GPUs, torch, NCCL env; Transformer Engine from /tmp/site when it is there
 #   te. only when TE does not import and its pieces are in /tmp/tp (/work/shared/gpu/README.md): install it
 #      with .gpu/small/te_install.sh (carry ".gpu/small"; ~10 s with the built .so there, ~2 min without)
+#   fa4. only when /tmp/tp holds tools/fa4_prepare.sh's first part and ".gpu/fa4b" is carried: install
+#      FlashAttention-4 (tools/fa4_install.sh) and put /tmp/fa4site on PYTHONPATH ("auto" then picks fa4)
 #   kernels (a). tools/gpu_check.py compare on GPU 0: flex vs te (when it imports) vs dense SDPA for the
 #      DFlash interval mask, 16K and 64K keys, fwd and fwd+bwd, exactness vs float64; the own block (einsum
 #      pass vs kernels on a block-diagonal mask; context + own block fused in one call)
@@ -104,7 +106,7 @@ BENCH_CPS=$([[ "$NPROC" -ge 2 ]] && echo 1,2 || echo 1)
 RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 
 # the local-kernel names must be registered backends: a typo fails here, not after minutes of steps
-KNOWN_BACKENDS=" auto math flex te staircase "
+KNOWN_BACKENDS=" auto math flex te staircase fa4 "
 for VAR in SUITE_BACKEND SUITE_SIM_BACKEND SUITE_BENCH_BACKENDS SUITE_EXACT_BACKENDS; do
   for BK in ${!VAR:+${!VAR//,/ }}; do
     if [[ "$KNOWN_BACKENDS" != *" $BK "* ]]; then
@@ -207,9 +209,19 @@ if [[ "$CPU" != 1 && "${SUITE_TE_INSTALL:-1}" == 1 ]] && compgen -G "/tmp/tp/p0*
 fi
 echo "transformer_engine: $(te_ok && echo importable || echo 'not importable (te rows say so)')" | tee -a "$LOG"
 
+# fa4. FlashAttention-4 (CuTe DSL) from the pieces of tools/fa4_prepare.sh: .gpu/fa4a copied to /tmp/tp by an
+# earlier warm call, .gpu/fa4b carried now (tools/fa4_install.sh -> /tmp/fa4site); then on PYTHONPATH
+fa4_ok() { "$PY" -c "import cutlass.cute, flash_attn.cute.interface" > /dev/null 2>&1; }
+FA4_PATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages"
+if [[ "$CPU" != 1 ]] && [[ -f /tmp/tp/cu13name && -d .gpu/fa4b && ! -d /tmp/fa4site/flash_attn ]]; then
+  step fa4_install 120 bash tools/fa4_install.sh
+fi
+if [[ -d /tmp/fa4site/flash_attn && ":$PYTHONPATH:" != *":/tmp/fa4site:"* ]]; then export PYTHONPATH="$PYTHONPATH:$FA4_PATH"; fi
+echo "flash_attn.cute (fa4): $(fa4_ok && echo importable || echo 'not importable (auto uses flex / staircase)')" | tee -a "$LOG"
+
 # g. the GPU tests, alone on the machine (a benchmark beside them spoils its rows): SUITE_GPU_TESTS
 if want gputests; then
-  GT=${SUITE_GPU_TESTS:-tests/test_kernel_lanes_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
+  GT=${SUITE_GPU_TESTS:-tests/test_fa4_kernel.py tests/test_kernel_lanes_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
   # shellcheck disable=SC2086
   step g_gputests "${SUITE_GPU_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $GT
 fi

@@ -8,8 +8,13 @@ Backends:
     "staircase": `StaircaseAttentionKernel` from `kernels/staircase.py` (dense cuDNN rectangles for most
             of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
             float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars).
-    "auto": `resolve_auto_backend`: "flex" on CUDA devices when it imports, the dtype is not float64 and
-            the head dim is at least 16 (FlexAttention's minimum in torch 2.11), else "math"; and
+    "fa4":  `FA4AttentionKernel` from `kernels/fa4.py` (FlashAttention-4 CuTe DSL kernels with block
+            sparsity and an interval mask_mod; optional extra `fa4`; Hopper / Blackwell, bf16 / fp16;
+            ImportError with an install hint when flash_attn.cute is missing).
+    "auto": `resolve_auto_backend`: "fa4" when FlashAttention-4 is installed and runs there (CUDA sm90-sm110,
+            bf16 / fp16, dtype known; env MEGATRON_SPLITKV_AUTO_FA4=0 turns this off); otherwise "flex" on
+            CUDA devices when it imports, the dtype is not float64 and the head dim is at least 16
+            (FlexAttention's minimum in torch 2.11), else "math"; and
             "staircase" instead of "flex" when the caller passes the keys per kernel call
             (`get_kernel(..., keys_per_call=)`) and they reach `staircase_auto_min_keys()` (env
             MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS, default 32768) on a CUDA device where cuDNN SDPA can
@@ -29,9 +34,9 @@ from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
            "staircase_auto_min_keys", "staircase_runs_on", "validate_kernel_env", "auto_keys_per_call",
-           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS"]
+           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS", "AUTO_FA4_ENV", "auto_fa4"]
 
-BACKENDS = ("auto", "math", "flex", "te", "staircase")
+BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 _CACHE: dict = {}
 
 
@@ -55,6 +60,10 @@ def _load(backend: str):
         from .staircase import StaircaseAttentionKernel
 
         return StaircaseAttentionKernel
+    if backend == "fa4":
+        from .fa4 import FA4AttentionKernel
+
+        return FA4AttentionKernel
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -151,7 +160,8 @@ def validate_kernel_env() -> None:
     the first step whose size makes "auto" pick the staircase kernel.
 
     Also MEGATRON_SPLITKV_KERNEL_LANES (`ops.common.kernel_lanes`: the side streams of Split-KV's chunked
-    pipeline) and MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`).
+    pipeline), MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`) and MEGATRON_SPLITKV_AUTO_FA4
+    (`auto_fa4`).
 
     Raises: ValueError naming the variable."""
     from ..ops.common import debug_checks, kernel_lanes  # noqa: PLC0415 - ops import kernels at module level
@@ -159,6 +169,7 @@ def validate_kernel_env() -> None:
     kernel_lanes()
     debug_checks()
     staircase_auto_min_keys()
+    auto_fa4()
     prefix = "MEGATRON_SPLITKV_STAIRCASE_"
     if any(k.startswith(prefix) and k != AUTO_MIN_KEYS_ENV and os.environ[k].strip() for k in os.environ):
         try:
@@ -168,12 +179,27 @@ def validate_kernel_env() -> None:
         cls()
 
 
-def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> str:
-    """What backend="auto" means for one call: "math", "flex" or "staircase".
+#: env var: 0 stops "auto" from picking the FlashAttention-4 kernel when it is installed (`auto_fa4`)
+AUTO_FA4_ENV = "MEGATRON_SPLITKV_AUTO_FA4"
 
-    Rule (docs/kernels.md, "Staircase kernel", "auto"): "math" unless the device is CUDA, the dtype is
-    not float64, the head dim is None or >= 16 and flex imports; then "staircase" when keys_per_call is
-    not None, `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
+
+def auto_fa4() -> bool:
+    """Whether "auto" may pick "fa4": MEGATRON_SPLITKV_AUTO_FA4 "1" / unset (default: yes) or "0".
+    Raises ValueError naming the variable for any other value. Set it identically on every rank."""
+    from ..ops.common import env_switch  # noqa: PLC0415 - ops import kernels at module level
+
+    return env_switch(AUTO_FA4_ENV, True)
+
+
+def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> str:
+    """What backend="auto" means for one call: "math", "fa4", "flex" or "staircase".
+
+    Rule (docs/kernels.md, "FA4 kernel", "Staircase kernel", "auto"): "math" unless the device is CUDA,
+    the dtype is not float64, the head dim is None or >= 16 and flex imports; then "fa4" when
+    `auto_fa4()` and `fa4.fa4_runs_on(device, dtype, head_dim)` (flash_attn.cute installed, sm90-sm110,
+    bf16 / fp16: 90-97% of dense attention per useful FLOP on the H200 at 16K-64K keys, flex 66%,
+    staircase 80% at 64K); else "staircase" when keys_per_call is not None,
+    `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
     head_dim)`; else "flex".
 
     Args:
@@ -189,6 +215,11 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
         return "math"
     if not _flex_importable():
         return "math"
+    if dtype is not None and auto_fa4():
+        from .fa4 import fa4_runs_on  # noqa: PLC0415 - imports no CuTe DSL (find_spec only)
+
+        if fa4_runs_on(device, dtype, head_dim):
+            return "fa4"
     if keys_per_call is None:
         return "flex"
     threshold = staircase_auto_min_keys()
@@ -201,7 +232,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
     """Return a (cached) local kernel instance.
 
     Args:
-        backend: one of "auto", "math", "flex", "te", "staircase".
+        backend: one of "auto", "math", "flex", "te", "staircase", "fa4".
         device: torch.device (or str) the kernel will run on; decides "auto".
         dtype: input dtype; "auto" uses "math" for float64.
         head_dim: D; "auto" uses "math" when D < 16.
@@ -209,7 +240,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
             "auto" may pick "staircase" (`resolve_auto_backend`); None: flex / math only.
 
     Raises:
-        ValueError: unknown backend. ImportError: "flex"/"te" requested but not importable.
+        ValueError: unknown backend. ImportError: "flex" / "te" / "fa4" requested but not importable.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

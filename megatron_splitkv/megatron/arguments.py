@@ -66,7 +66,7 @@ __all__ = [
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
 CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 # the op's local kernels (`megatron_splitkv.kernels.BACKENDS`; kept literal so parsing imports no torch)
-KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase")
+KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 # `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
 RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
 

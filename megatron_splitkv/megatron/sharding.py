@@ -56,7 +56,7 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
     cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
     return MetadataSpec(num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
                         dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                        flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase"))
+                        flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"))
 
 
 def planner_kwargs_from_args(args) -> dict:

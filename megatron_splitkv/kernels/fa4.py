@@ -1,0 +1,276 @@
+"""FlashAttention-4 (CuTe DSL) local kernel for interval masks (issue 6, docs/kernels.md "FA4 kernel").
+
+FlashAttention-4 (`flash-attn-4`, the `flash_attn.cute` package on top of `nvidia-cutlass-dsl`) runs the
+FlashAttention-3 style warp-specialised Hopper (sm90) and Blackwell (sm100) kernels with two FlexAttention
+extensions: block-sparse iteration over (query tile, key tile) tables and a `mask_mod` evaluated on the
+partial tiles. This module calls its forward and backward entry points DIRECTLY (not through
+`torch.compile` of `flex_attention(..., kernel_options={"BACKEND": "FLASH"})`), because the Split-KV
+backward (DESIGN.md section 2, backward step 2) needs the GLOBAL lse and delta, which the direct backward
+takes as inputs:
+
+    forward   out_r, lse_r = FA4(q, k, v; interval mask)           (lse natural log, [1, Hq, Tq] fp32)
+    backward  FA4_bwd(q, k, v, out = 0, dout = dO, lse = lse_global, dlse = -delta)
+              FA4's preprocess forms D' = rowsum(dout * out) - dlse = delta exactly (fp32), and its
+              kernels use P = exp(scale q k^T - lse_global): dV = P^T dO, dS = P (dO V^T - delta), ...
+
+so no rescaled grad_out (FlexAttention's path, kernels/flex.py) and no extra rounding of dO.
+
+Mask: the `IntervalMask` (kernels/base.py) gives every query block one key interval [lo, hi) and
+optionally a second (own-block) one. The per-row intervals are int32 "aux tensors" read by a CuTe
+`mask_mod` (`_mask_mods`), and the (query tile, key tile) classification is the one FlexAttention's
+BlockMask uses (`kernels.flex._block_tables`: partial and full tiles, key-major for the forward,
+query-major for the backward), computed once per mask and cached on it.
+
+Availability: optional. `pip install flash-attn-4 nvidia-cutlass-dsl` (extra `fa4`); CUDA devices of
+compute capability 9.x (Hopper) or 10.x / 11.x (Blackwell); bf16 / fp16; head dim a multiple of 8, at
+most 256. Kernels compile on first use per shape class (tens of seconds, cached on disk by CuTe DSL).
+
+Source: Dao et al., FlashAttention-3 (arXiv 2407.08608) and the FlashAttention-4 CuTe DSL kernels
+(github.com/Dao-AILab/flash-attention, flash_attn/cute); block sparsity + mask_mod as in PyTorch's
+FlexAttention (Dong et al., arXiv 2412.05496). The Split-KV contract: arXiv 2611.05926, section 3.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from .base import IntervalMask
+from .flex import TILE, _block_tables, _rows_table
+
+#: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
+_FLEX_HOST = "_flex_host_tables"
+
+__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_runs_on", "INSTALL_HINT"]
+
+INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
+                "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper or Blackwell GPU")
+
+
+@functools.lru_cache(maxsize=1)
+def fa4_available() -> bool:
+    """True when `flash_attn.cute` can be found (does not import it; looked up once per process)."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fa4_runs_on(device, dtype, head_dim=None) -> bool:
+    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: flash_attn.cute
+    importable, a CUDA device of compute capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or
+    a multiple of 8 <= 256. Never raises."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return False
+    try:
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        major = torch.cuda.get_device_capability(idx)[0]
+    except (RuntimeError, AssertionError, AttributeError):
+        return False
+    return major in (9, 10, 11) and fa4_available()
+
+
+@functools.lru_cache(maxsize=1)
+def _interface():
+    """(fwd, bwd, BlockSparseTensorsTorch, mask_mod one interval, mask_mod two intervals); imports
+    flash_attn.cute (ImportError with the install hint when it is missing)."""
+    try:
+        import cutlass  # noqa: PLC0415
+        import cutlass.cute as cute  # noqa: PLC0415
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT}; import failed: {exc}") from exc
+
+    def _ssa(x):  # a scalar as a 1-element TensorSSA (what the mask_mod compares against)
+        vec = cute.make_rmem_tensor(1, cutlass.Int32)
+        vec[0] = x
+        return vec.load()
+
+    # Called by FA4 per score element of a partial tile with 1-element Int32 TensorSSAs; aux_tensors are
+    # the per-row int32 interval bounds (padded query length). Returns the keep mask (bool TensorSSA).
+    @cute.jit
+    def interval(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        lo, hi = aux_tensors[0], aux_tensors[1]
+        row = q_idx[0]
+        return (kv_idx >= _ssa(lo[row])) & (kv_idx < _ssa(hi[row]))
+
+    @cute.jit
+    def interval_union(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors):
+        lo, hi, lo2, hi2 = aux_tensors[0], aux_tensors[1], aux_tensors[2], aux_tensors[3]
+        row = q_idx[0]
+        first = (kv_idx >= _ssa(lo[row])) & (kv_idx < _ssa(hi[row]))
+        second = (kv_idx >= _ssa(lo2[row])) & (kv_idx < _ssa(hi2[row]))
+        return first | second
+
+    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, interval, interval_union
+
+
+def _deterministic() -> bool:
+    """FA4's deterministic backward (ordered dQ accumulation) when torch's deterministic algorithms are on
+    (Megatron's --deterministic-mode), as PyTorch's own FlexAttention FLASH backend decides it."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+class _Tables:
+    """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
+    (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
+
+    __slots__ = ("aux", "fwd", "bwd", "union")
+
+    def __init__(self, mask: IntervalMask, q_len: int, kv_len: int, tile: int, bst, prebuilt=None):
+        if prebuilt is not None:  # FlexAttention's tables of this mask at padded lengths >= ours (same tile)
+            rows, tables = prebuilt
+        else:
+            qp = -(-max(q_len, 1) // tile) * tile
+            kp = -(-max(kv_len, 1) // tile) * tile
+            rows = _rows_table(mask, qp)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
+            tables = _block_tables(rows, qp, kp, tile, rows_per_block=mask.block_size, q_tables=True)
+        kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
+        self.aux = [rows[i] for i in range(rows.shape[0])]
+        self.union = mask.has_union
+        self.fwd = bst(kv_num, kv_idx, full_num, full_idx, block_size=(tile, tile))
+        self.bwd = bst(q_num, q_idx, full_q_num, full_q_idx, block_size=(tile, tile))
+
+
+class FA4AttentionKernel:
+    """Local context attention with FlashAttention-4 (CuTe DSL) over an `IntervalMask`, global-lse backward.
+
+    Implements the `megatron_splitkv.kernels.base` contract:
+
+    forward(q, k, v, mask, scale, native=False) -> (out, lse, state)
+        q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (bf16 / fp16) on one CUDA device (sm90 / sm100);
+        Hq % Hkv == 0 (GQA as in the contract); mask.num_blocks * mask.block_size == Tq, mask.num_keys ==
+        Tk. Returns out [Tq, Hq, D] (float32 copy; native=True: FA4's result in the input dtype), lse
+        [Tq, Hq] float32 natural log (native: a strided view), state None. Rows with no visible key: out 0,
+        lse -inf.
+
+    backward(q, k, v, mask, scale, dout, lse, delta, state, native=False) -> (dq, dk, dv)
+        dout [Tq, Hq, D] (cast to the input dtype if it is not); lse, delta [Tq, Hq] the GLOBAL merged
+        log-sum-exp and rowsum(dO * O_final), any float dtype (used in fp32). Returns dq [Tq, Hq, D], dk /
+        dv [Tk, Hkv, D] in float32 (native: the input dtype). No recompute of the forward is needed:
+        P comes from q, k and the global lse.
+
+    Args:
+        tile: block-sparse tile (query and key), 128 (FlexAttention's default and FA4's sm90 block).
+        cache_tables: keep the per-mask tables on the IntervalMask object (`mask._fa4_tables`), like the
+            flex kernel's BlockMask cache (the ops share one mask per step across layers).
+
+    Raises:
+        ImportError: flash_attn.cute missing (the message gives the install command).
+        ValueError: shape / dtype mismatch, float32 / float64 inputs, a CPU tensor, a device FA4 does not
+            support (checked by `check_dtype` before the ops' first collective).
+    """
+
+    name = "fa4"
+    native_dtype_results = True
+
+    def __init__(self, tile: int = TILE, cache_tables: bool = True):
+        self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
+        self.tile = int(tile)
+        self.cache_tables = cache_tables
+
+    # ----------------------------------------------------------------------------------------------
+    def check_dtype(self, dtype, device=None):
+        """Raise ValueError when FA4 cannot run `dtype` on `device` (the ops call it once per call,
+        before their first data collective, so every rank raises)."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"backend 'fa4' runs bf16 / fp16 only, got {dtype}; use 'flex' or 'math'")
+        if device is not None and not fa4_runs_on(device, dtype):
+            raise ValueError(f"backend 'fa4' needs a CUDA device of compute capability 9.x-11.x with "
+                             f"flash_attn.cute, got {device}")
+
+    def tables(self, mask: IntervalMask, q_len: int, kv_len: int) -> _Tables:
+        """The mask's FA4 tables at (q_len, kv_len) (cached on the mask unless cache_tables=False; the
+        cache assumes lo / hi are not modified in place afterwards). A mask that carries FlexAttention
+        tables built on the host by the data pipeline (`ops.metadata._FLEX_HOST`: the same tile
+        classification at FlexAttention's padded lengths, which are >= ours, tile 128) reuses them: no
+        device work for the tables in the training step."""
+        if not self.cache_tables:
+            return _Tables(mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len))
+        cache = mask.__dict__.setdefault("_fa4_tables", {})
+        key = (q_len, kv_len, self.tile)
+        if key not in cache:
+            cache[key] = _Tables(mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len))
+        return cache[key]
+
+    def _prebuilt(self, mask, q_len, kv_len):
+        host = mask.__dict__.get(_FLEX_HOST)
+        if not host or self.tile != TILE:
+            return None
+        for (qp, kp), (rows, tables) in host.items():
+            if qp >= q_len and kp >= kv_len and rows.device == mask.lo.device:
+                return rows, tables
+        return None
+
+    def _check(self, q, k, v, mask):
+        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, "
+                             f"{tuple(k.shape)}, {tuple(v.shape)}")
+        if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
+            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        if not q.is_cuda:
+            raise ValueError("backend 'fa4' runs on CUDA tensors only")
+        self.check_dtype(q.dtype)
+        if mask.num_blocks * mask.block_size != q.shape[0]:
+            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
+        if mask.num_keys != k.shape[0]:
+            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
+
+    def _mask_mod(self, t: _Tables):
+        return self._mask_two if t.union else self._mask_one
+
+    @staticmethod
+    def _b(x):  # [T, H, D] -> [1, T, H, D] contiguous (FA4's bshd layout; a view for contiguous x)
+        return x.contiguous().unsqueeze(0)
+
+    # ----------------------------------------------------------------------------------------------
+    def forward(self, q, k, v, mask: IntervalMask, scale: float, native: bool = False):
+        self._check(q, k, v, mask)
+        Tq, Hq, D = q.shape
+        Tk = k.shape[0]
+        if Tq == 0 or Tk == 0:
+            out = q.new_zeros((Tq, Hq, D), dtype=q.dtype if native else torch.float32)
+            return out, torch.full((Tq, Hq), float("-inf"), device=q.device), None
+        t = self.tables(mask, Tq, Tk)
+        out4 = q.new_empty((1, Tq, Hq, D))
+        lse4 = torch.empty((1, Hq, Tq), dtype=torch.float32, device=q.device)
+        self._fwd(self._b(q), self._b(k), self._b(v), softmax_scale=float(scale), return_lse=True,
+                  mask_mod=self._mask_mod(t), block_sparse_tensors=t.fwd, aux_tensors=t.aux, out=out4, lse=lse4)
+        out, lse = out4[0], lse4[0].transpose(0, 1)  # [Tq, Hq, D] input dtype, [Tq, Hq] fp32 view
+        if native:
+            return out, lse, None
+        return out.float(), lse.contiguous(), None
+
+    def backward(self, q, k, v, mask: IntervalMask, scale: float, dout, lse, delta, state, native: bool = False):
+        self._check(q, k, v, mask)
+        Tq, Hq, D = q.shape
+        Tk, Hkv, _ = k.shape
+        rdt = q.dtype if native else torch.float32
+        if Tq == 0 or Tk == 0:
+            return (q.new_zeros((Tq, Hq, D), dtype=rdt), k.new_zeros((Tk, Hkv, D), dtype=rdt),
+                    k.new_zeros((Tk, Hkv, D), dtype=rdt))
+        t = self.tables(mask, Tq, Tk)
+        do4 = self._b(dout.to(q.dtype))
+        # out = 0 and dlse = -delta: FA4's D' = rowsum(dout * out) - dlse = delta (exact, fp32)
+        zero4 = torch.zeros_like(do4)
+        lse4 = lse.to(torch.float32).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq, Tq]
+        dlse4 = delta.to(torch.float32).neg().transpose(0, 1).contiguous().unsqueeze(0)
+        dq4 = torch.empty_like(do4)
+        dk4 = k.new_empty((1, Tk, Hkv, D))
+        dv4 = k.new_empty((1, Tk, Hkv, D))
+        self._bwd(self._b(q), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
+                  mask_mod=self._mask_mod(t), aux_tensors=t.aux, block_sparse_tensors=t.bwd, dlse=dlse4,
+                  dq=dq4, dk=dk4, dv=dv4, deterministic=_deterministic())
+        del zero4, do4, lse4, dlse4
+        dq, dk, dv = dq4[0], dk4[0], dv4[0]
+        if native:
+            return dq, dk, dv
+        return dq.float(), dk.float(), dv.float()

@@ -1,0 +1,301 @@
+"""FlashAttention-4 local kernel (`megatron_splitkv.kernels.fa4`, docs/kernels.md "FA4 kernel").
+
+CPU (always): the optional dependency's failure modes (ImportError naming the extra, `fa4_runs_on` False
+off CUDA, the backend listed in the registry and the Megatron flag) and the per-mask tables (padded rows,
+forward = key tiles per query tile, backward = query tiles per key tile) against a brute-force tile
+classification of the dense mask.
+GPU (skipped without CUDA or without flash_attn.cute): bf16 / fp16 exactness against the float64
+reference (forward, lse, dq, dk, dv) over odd shapes (rows and keys not multiples of 128, fewer than 128
+keys, GQA 1 / 4 / 8, head dims 64 / 128, own-block second intervals, empty rows), the global-lse backward
+over a key split (the Split-KV path), native vs upcast results, empty inputs, and the Split-KV op at
+CP = 1 with backend "fa4" against the single-process float64 reference.
+"""
+
+import collections
+
+import pytest
+import torch
+
+from _splitkv_helpers import case, check, new_seed, run_local, with_random_own_slots
+
+from megatron_splitkv import bench as mb
+from megatron_splitkv import kernels
+from megatron_splitkv.kernels import fa4
+from megatron_splitkv.kernels.base import IntervalMask
+
+_BST = collections.namedtuple("_BST", "cnt idx full_cnt full_idx block_size")
+
+
+def _bst(cnt, idx, full_cnt, full_idx, block_size):
+    return _BST(cnt, idx, full_cnt, full_idx, block_size)
+
+
+def _dense(mask, q_len, kv_len):
+    rows = torch.arange(q_len)
+    blk = (rows // mask.block_size).clamp(max=mask.num_blocks - 1)
+    valid = rows < mask.num_blocks * mask.block_size
+    j = torch.arange(kv_len)
+    m = (j[None] >= mask.lo[blk][:, None]) & (j[None] < mask.hi[blk][:, None])
+    if mask.has_union:
+        m |= (j[None] >= mask.lo2[blk][:, None]) & (j[None] < mask.hi2[blk][:, None])
+    return m & valid[:, None]
+
+
+def _sets(num, idx):
+    num, idx = num[0, 0], idx[0, 0]
+    return [sorted(idx[i, : int(num[i])].tolist()) for i in range(num.shape[0])]
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def test_missing_dependency_names_the_extra():
+    if fa4.fa4_available():
+        pytest.skip("flash_attn.cute is installed here")
+    with pytest.raises(ImportError, match=r"megatron-splitkv\[fa4\]"):
+        kernels.get_kernel("fa4", "cpu", torch.bfloat16, 128)
+    assert not fa4.fa4_runs_on("cpu", torch.bfloat16, 128)
+    assert not fa4.fa4_runs_on("cuda", torch.float32, 128)
+
+
+def test_backend_listed_everywhere():
+    from megatron_splitkv.megatron.arguments import KERNEL_BACKENDS
+
+    assert "fa4" in kernels.BACKENDS and "fa4" in KERNEL_BACKENDS
+    assert set(KERNEL_BACKENDS) == set(kernels.BACKENDS)
+
+
+@pytest.mark.parametrize("n_blocks,B,tk,union", [(5, 16, 1000, False), (24, 16, 300, True), (9, 4, 130, True),
+                                                 (8, 16, 50, False)])
+def test_tables_match_brute_force(n_blocks, B, tk, union):
+    gen = torch.Generator().manual_seed(n_blocks * 7 + tk)
+    lo = torch.randint(0, tk + 1, (n_blocks,), generator=gen)
+    hi = torch.minimum(lo + torch.randint(0, tk + 1, (n_blocks,), generator=gen), torch.tensor(tk))
+    hi[1] = lo[1]  # an empty block
+    if union:
+        mask = with_random_own_slots(gen, lo, hi, tk, B, 0.7, 128)
+    else:
+        mask = IntervalMask(B, lo, hi, tk)
+    Tq, Tk = n_blocks * B, mask.num_keys
+    t = fa4._Tables(mask, Tq, Tk, 128, _bst)
+    qp, kp = -(-Tq // 128) * 128, -(-Tk // 128) * 128
+    assert all(a.shape == (qp,) and a.dtype == torch.int32 for a in t.aux)
+    assert len(t.aux) == (4 if union else 2) and t.union == union
+    assert (t.aux[0][Tq:] == 0).all() and (t.aux[1][Tq:] == 0).all()  # padding rows see nothing
+    d = _dense(mask, qp, kp).reshape(qp // 128, 128, kp // 128, 128)
+    needed, full = d.any(dim=(1, 3)), d.all(dim=(1, 3))
+    part = needed & ~full
+    assert _sets(t.fwd.cnt, t.fwd.idx) == [sorted(torch.nonzero(r).flatten().tolist()) for r in part]
+    assert _sets(t.fwd.full_cnt, t.fwd.full_idx) == [sorted(torch.nonzero(r).flatten().tolist()) for r in full]
+    assert _sets(t.bwd.cnt, t.bwd.idx) == [sorted(torch.nonzero(c).flatten().tolist()) for c in part.T]
+    assert _sets(t.bwd.full_cnt, t.bwd.full_idx) == [sorted(torch.nonzero(c).flatten().tolist()) for c in full.T]
+    assert t.fwd.block_size == t.bwd.block_size == (128, 128)
+
+
+def test_auto_picks_fa4_where_it_runs(monkeypatch):
+    """"auto" -> "fa4" when FA4 runs there (dtype known), unless MEGATRON_SPLITKV_AUTO_FA4=0; a bad value
+    raises naming the variable; float64 / unknown dtype / CPU never pick it."""
+    monkeypatch.setattr(fa4, "fa4_runs_on", lambda device, dtype, head_dim=None: dtype == torch.bfloat16)
+    monkeypatch.delenv("MEGATRON_SPLITKV_AUTO_FA4", raising=False)
+    assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128) == "fa4"
+    assert kernels.resolve_auto_backend(1 << 20, "cuda", torch.bfloat16, 128) == "fa4"  # over staircase too
+    assert kernels.resolve_auto_backend(None, "cuda", None, 128) == "flex"
+    assert kernels.resolve_auto_backend(None, "cuda", torch.float64, 128) == "math"
+    assert kernels.resolve_auto_backend(None, "cpu", torch.bfloat16, 128) == "math"
+    monkeypatch.setenv("MEGATRON_SPLITKV_AUTO_FA4", "0")
+    assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128) == "flex"
+    monkeypatch.setenv("MEGATRON_SPLITKV_AUTO_FA4", "yes")
+    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_AUTO_FA4"):
+        kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_AUTO_FA4"):
+        kernels.validate_kernel_env()
+
+
+def test_tables_reuse_the_pipelines_host_built_flex_tables():
+    """A mask carrying FlexAttention tables built on the host (the data pipeline's `_host_flex_tables`,
+    at flex's bucketed lengths) gives FA4 those tensors (no device work) with the same tile sets on the
+    rows and key tiles FA4 reads."""
+    from megatron_splitkv.ops import metadata as md
+
+    gen = torch.Generator().manual_seed(5)
+    mask = _mask(gen, 20, 16, 1500, True)
+    md._host_flex_tables([mask])
+    (key, (rows, tables)), = mask.__dict__[md._FLEX_HOST].items()
+    Tq, Tk = 320, mask.num_keys
+    assert key[0] > 384 or key[1] > -(-Tk // 128) * 128  # padded beyond FA4's own lengths: a real test
+    t = fa4._Tables(mask, Tq, Tk, 128, _bst, (rows, tables))
+    assert t.aux[0] is not None and t.aux[0].data_ptr() == rows[0].data_ptr()
+    fresh = fa4._Tables(mask, Tq, Tk, 128, _bst)
+    nq, nk = -(-Tq // 128), -(-Tk // 128)
+    for a, b in ((t.fwd, fresh.fwd), (t.bwd, fresh.bwd)):
+        n = nq if a is t.fwd else nk
+        assert _sets(a.cnt, a.idx)[:n] == _sets(b.cnt, b.idx)
+        assert _sets(a.full_cnt, a.full_idx)[:n] == _sets(b.full_cnt, b.full_idx)
+    kern = object.__new__(fa4.FA4AttentionKernel)
+    kern.tile = 128
+    assert kern._prebuilt(mask, Tq, Tk) is not None  # same device as the mask, large enough
+    assert kern._prebuilt(mask, key[0] + 128, Tk) is None
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not (torch.cuda.is_available() and fa4.fa4_runs_on("cuda", torch.bfloat16, 128)),
+                         reason="needs a Hopper/Blackwell GPU with flash_attn.cute (extra 'fa4')")
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _mask(gen, n_blocks, B, tk, union, p_empty=0.2, dflash=False):
+    if dflash:
+        lo = torch.zeros(n_blocks, dtype=torch.long)
+        hi = torch.sort(torch.randint(0, tk + 1, (n_blocks,), generator=gen)).values
+    else:
+        lo = torch.randint(0, tk + 1, (n_blocks,), generator=gen)
+        hi = torch.minimum(lo + torch.randint(0, tk + 1, (n_blocks,), generator=gen), torch.tensor(tk))
+    empty = torch.rand(n_blocks, generator=gen) < p_empty
+    hi = torch.where(empty, lo, hi)
+    hi[0] = lo[0]  # at least one block that sees nothing
+    if union:
+        m = with_random_own_slots(gen, lo, hi, tk, B, 0.7, 128)
+        m.hi2[0] = m.lo2[0]  # ... not even an own block
+    else:
+        m = IntervalMask(B, lo, hi, tk)
+    return m
+
+
+def _to(m, dev):
+    kw = dict(lo2=m.lo2.to(dev), hi2=m.hi2.to(dev), num_ctx_keys=m.num_ctx_keys) if m.has_union else {}
+    return IntervalMask(m.block_size, m.lo.to(dev), m.hi.to(dev), m.num_keys, **kw)
+
+
+def _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype):
+    mk = lambda *s: torch.randn(*s, generator=gen).to("cuda", dtype)  # noqa: E731
+    return mk(Tq, Hq, D), mk(Tk, Hkv, D), mk(Tk, Hkv, D), mk(Tq, Hq, D)
+
+
+@gpu
+@pytest.mark.parametrize("n_blocks,B,tk,Hq,Hkv,D,union,dflash", [
+    (5, 16, 1000, 8, 2, 64, False, False),    # 80 rows, keys not a multiple of 128
+    (40, 16, 1700, 32, 8, 128, True, True),   # drafter heads, own-block intervals, DFlash staircase
+    (24, 16, 50, 4, 4, 64, False, True),      # MHA, fewer keys than one tile
+    (33, 8, 777, 16, 2, 128, True, False),    # GQA 8, B = 8
+    (64, 16, 4096, 32, 8, 128, False, True),  # several full tiles
+])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype):
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    mask = _to(_mask(gen, n_blocks, B, tk, union, dflash=dflash), "cuda")
+    Tq, Tk = n_blocks * B, mask.num_keys
+    q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype)
+    kern = fa4.FA4AttentionKernel()
+    scale = D ** -0.5
+    out, lse, st = kern.forward(q, k, v, mask, scale)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
+    delta = (do.float() * out).sum(-1)
+    dq, dk, dv = kern.backward(q, k, v, mask, scale, do, lse, delta, st)
+    ref = mb.interval_attention_reference(q, k, v, mask, scale, do)
+    err = mb.kernel_errors(out, lse, (dq, dk, dv), ref)
+    tol = TOL[dtype]
+    assert err["nonfinite"] == 0, (seed, err)
+    assert err["lse"] < tol, (seed, err)
+    for name in ("out", "dq", "dk", "dv"):
+        assert err[name] < tol, (name, seed, err)
+    dead = ~torch.isfinite(ref["lse"])
+    assert dead.any()  # the case has rows that see nothing: out 0, lse -inf, dq 0 there
+    assert (out[dead] == 0).all() and torch.isneginf(lse[dead]).all() and (dq[dead] == 0).all()
+
+
+@gpu
+def test_gpu_global_lse_backward_over_a_key_split():
+    """The Split-KV path: forward per key part, lse merge, each part's backward with the GLOBAL lse and
+    delta; the summed dq and the concatenated dk / dv equal the float64 reference of the whole."""
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    B, nb, Hq, Hkv, D, dt = 16, 40, 32, 8, 128, torch.bfloat16
+    parts = (1000, 1700)
+    whole = _to(_mask(gen, nb, B, sum(parts), False, dflash=True), "cuda")
+    q, k, v, do = _inputs(gen, nb * B, sum(parts), Hq, Hkv, D, dt)
+    masks, a = [], 0
+    for n in parts:  # the whole mask's intervals clipped to each part, shifted to its local keys
+        lo = (whole.lo.clamp(a, a + n) - a)
+        hi = (whole.hi.clamp(a, a + n) - a)
+        masks.append(IntervalMask(B, lo, torch.maximum(lo, hi), n))
+        a += n
+    kern = fa4.FA4AttentionKernel()
+    scale = D ** -0.5
+    ks, vs = k.split(parts), v.split(parts)
+    res = [kern.forward(q, kk, vv, m, scale) for kk, vv, m in zip(ks, vs, masks)]
+    lse = torch.logsumexp(torch.stack([r[1] for r in res]), 0)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    out = sum(torch.exp(r[1] - safe)[..., None] * r[0] for r in res)
+    delta = (do.float() * out).sum(-1)
+    grads = [kern.backward(q, kk, vv, m, scale, do, lse, delta, r[2]) for kk, vv, m, r in zip(ks, vs, masks, res)]
+    dq = sum(g[0] for g in grads)
+    dk, dv = torch.cat([g[1] for g in grads]), torch.cat([g[2] for g in grads])
+    ref = mb.interval_attention_reference(q, k, v, whole, scale, do)
+    err = mb.kernel_errors(out, lse, (dq, dk, dv), ref)
+    assert err["nonfinite"] == 0 and err["lse"] < 2e-2, (seed, err)
+    for name in ("out", "dq", "dk", "dv"):
+        assert err[name] < 2e-2, (name, seed, err)
+
+
+@gpu
+def test_gpu_native_results_are_the_upcast_values_and_tables_are_cached():
+    gen = torch.Generator().manual_seed(new_seed())
+    mask = _to(_mask(gen, 20, 16, 900, True), "cuda")
+    q, k, v, do = _inputs(gen, 320, mask.num_keys, 8, 2, 64, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel()
+    o32, l32, _ = kern.forward(q, k, v, mask, 0.125)
+    on, ln, _ = kern.forward(q, k, v, mask, 0.125, native=True)
+    assert on.dtype == torch.bfloat16 and torch.equal(on.float(), o32) and torch.equal(ln, l32)
+    assert len(mask._fa4_tables) == 1  # built once, reused by the second forward
+    delta = (do.float() * o32).sum(-1)
+    g32 = kern.backward(q, k, v, mask, 0.125, do, l32, delta, None)
+    gn = kern.backward(q, k, v, mask, 0.125, do, l32, delta, None, native=True)
+    for a, b in zip(g32, gn):
+        assert b.dtype == torch.bfloat16 and torch.equal(b.float(), a)
+
+
+@gpu
+def test_gpu_empty_inputs_and_errors():
+    kern = fa4.FA4AttentionKernel()
+    q = torch.randn(32, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k0 = q.new_empty((0, 2, 64))
+    m = IntervalMask(16, torch.zeros(2, dtype=torch.long, device="cuda"), torch.zeros(2, dtype=torch.long,
+                     device="cuda"), 0)
+    out, lse, _ = kern.forward(q, k0, k0, m, 0.1)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    dq, dk, dv = kern.backward(q, k0, k0, m, 0.1, q, lse, torch.zeros_like(lse), None)
+    assert (dq == 0).all() and dk.shape == (0, 2, 64)
+    with pytest.raises(ValueError, match="bf16 / fp16"):
+        kern.forward(q.float(), k0.float(), k0.float(), m, 0.1)
+
+
+@gpu
+@pytest.mark.parametrize("k_chunks", [1, 2])
+def test_gpu_splitkv_op_with_fa4(k_chunks):
+    """The op at CP = 1 with backend fa4 (packed sequences, invalid / zero anchors, own block fused)
+    against the single-process float64 reference, forward and all five gradients."""
+    c = case(new_seed(), 1, B=16, Hq=8, Hkv=2, D=64, dtype="bfloat16", seq_lens=[700, 333], blocks=[24],
+             num_chunks=k_chunks, device="cuda", backend="fa4")
+    res = run_local("splitkv", c, 0)
+    torch.cuda.synchronize()
+    check("splitkv", c, [res])
+
+
+@gpu
+def test_gpu_deterministic_mode_is_bit_stable():
+    """With torch's deterministic algorithms on (Megatron's --deterministic-mode) the backward is FA4's
+    deterministic one: two runs give the same bits."""
+    gen = torch.Generator().manual_seed(new_seed())
+    mask = _to(_mask(gen, 64, 16, 3000, False, dflash=True), "cuda")
+    q, k, v, do = _inputs(gen, 1024, mask.num_keys, 8, 2, 128, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel()
+    out, lse, _ = kern.forward(q, k, v, mask, 0.1)
+    delta = (do.float() * out).sum(-1)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        a = kern.backward(q, k, v, mask, 0.1, do, lse, delta, None, native=True)
+        b = kern.backward(q, k, v, mask, 0.1, do, lse, delta, None, native=True)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
