@@ -82,7 +82,7 @@ def _interface():
     try:
         import cutlass  # noqa: PLC0415
         import cutlass.cute as cute  # noqa: PLC0415
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch, compute_dq_write_order  # noqa: PLC0415
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT}; import failed: {exc}") from exc
@@ -108,7 +108,16 @@ def _interface():
         second = (kv_idx >= _ssa(lo2[row])) & (kv_idx < _ssa(hi2[row]))
         return first | second
 
-    return _flash_attn_fwd, _flash_attn_bwd, BlockSparseTensorsTorch, interval, interval_union
+    def bst(*tables, block_size, deterministic=False):
+        """The tables as FA4's BlockSparseTensorsTorch; deterministic (backward, query-major tables given
+        after the key-major ones): with FA4's dQ write order (its ordered, lock-stepped dQ accumulation)."""
+        if not deterministic:
+            return BlockSparseTensorsTorch(*tables[:4], block_size=block_size)
+        order, order_full = compute_dq_write_order(*tables)
+        return BlockSparseTensorsTorch(*tables[4:], block_size=block_size, dq_write_order=order,
+                                       dq_write_order_full=order_full)
+
+    return _flash_attn_fwd, _flash_attn_bwd, bst, interval, interval_union
 
 
 def _deterministic() -> bool:
@@ -121,7 +130,7 @@ class _Tables:
     """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
     (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
 
-    __slots__ = ("aux", "fwd", "bwd", "union")
+    __slots__ = ("aux", "fwd", "bwd", "union", "_tables", "_bst", "_bwd_det")
 
     def __init__(self, mask: IntervalMask, q_len: int, kv_len: int, tile: int, bst, prebuilt=None):
         if prebuilt is not None:  # FlexAttention's tables of this mask at padded lengths >= ours (same tile)
@@ -136,6 +145,13 @@ class _Tables:
         self.union = mask.has_union
         self.fwd = bst(kv_num, kv_idx, full_num, full_idx, block_size=(tile, tile))
         self.bwd = bst(q_num, q_idx, full_q_num, full_q_idx, block_size=(tile, tile))
+        self._tables, self._bst, self._bwd_det = tables, bst, None
+
+    def bwd_deterministic(self):
+        """The backward tables with FA4's dQ write order (built on first use, then kept)."""
+        if self._bwd_det is None:
+            self._bwd_det = self._bst(*self._tables, block_size=self.bwd.block_size, deterministic=True)
+        return self._bwd_det
 
 
 class FA4AttentionKernel:
@@ -266,9 +282,10 @@ class FA4AttentionKernel:
         dq4 = torch.empty_like(do4)
         dk4 = k.new_empty((1, Tk, Hkv, D))
         dv4 = k.new_empty((1, Tk, Hkv, D))
+        det = _deterministic()
         self._bwd(self._b(q), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
-                  mask_mod=self._mask_mod(t), aux_tensors=t.aux, block_sparse_tensors=t.bwd, dlse=dlse4,
-                  dq=dq4, dk=dk4, dv=dv4, deterministic=_deterministic())
+                  mask_mod=self._mask_mod(t), aux_tensors=t.aux, dlse=dlse4, dq=dq4, dk=dk4, dv=dv4,
+                  block_sparse_tensors=t.bwd_deterministic() if det else t.bwd, deterministic=det)
         del zero4, do4, lse4, dlse4
         dq, dk, dv = dq4[0], dk4[0], dv4[0]
         if native:
