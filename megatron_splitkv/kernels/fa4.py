@@ -115,7 +115,7 @@ def _interface():
             return BlockSparseTensorsTorch(*tables[:4], block_size=block_size)
         order, order_full = compute_dq_write_order(*tables)
         return BlockSparseTensorsTorch(*tables[4:], block_size=block_size, dq_write_order=order,
-                                       dq_write_order_full=order_full)
+                                       dq_write_order_full=order_full, spt=False)  # ascending key tiles
 
     return _flash_attn_fwd, _flash_attn_bwd, bst, interval, interval_union
 
