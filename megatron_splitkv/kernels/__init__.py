@@ -196,7 +196,9 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
 
     Rule (docs/kernels.md, "FA4 kernel", "Staircase kernel", "auto"): "math" unless the device is CUDA,
     the dtype is not float64, the head dim is None or >= 16 and flex imports; then "fa4" when
-    `auto_fa4()` and `fa4.fa4_runs_on(device, dtype, head_dim)` (flash_attn.cute installed, sm90-sm110,
+    `auto_fa4()`, torch's deterministic algorithms are off (`fa4.deterministic_requested`: FA4's
+    block-sparse backward is not deterministic) and `fa4.fa4_runs_on(device, dtype, head_dim)`
+    (flash_attn.cute installed, sm90-sm110,
     bf16 / fp16: 90-97% of dense attention per useful FLOP on the H200 at 16K-64K keys, flex 66%,
     staircase 80% at 64K); else "staircase" when keys_per_call is not None,
     `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
@@ -216,9 +218,9 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
     if not _flex_importable():
         return "math"
     if dtype is not None and auto_fa4():
-        from .fa4 import fa4_runs_on  # noqa: PLC0415 - imports no CuTe DSL (find_spec only)
+        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415 - no CuTe DSL import
 
-        if fa4_runs_on(device, dtype, head_dim):
+        if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
             return "fa4"
     if keys_per_call is None:
         return "flex"

@@ -43,7 +43,7 @@ from .flex import TILE, _block_tables, _rows_table
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
-__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_runs_on", "INSTALL_HINT"]
+__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper or Blackwell GPU")
@@ -82,7 +82,7 @@ def _interface():
     try:
         import cutlass  # noqa: PLC0415
         import cutlass.cute as cute  # noqa: PLC0415
-        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch, compute_dq_write_order  # noqa: PLC0415
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT}; import failed: {exc}") from exc
@@ -108,21 +108,17 @@ def _interface():
         second = (kv_idx >= _ssa(lo2[row])) & (kv_idx < _ssa(hi2[row]))
         return first | second
 
-    def bst(*tables, block_size, deterministic=False):
-        """The tables as FA4's BlockSparseTensorsTorch; deterministic (backward, query-major tables given
-        after the key-major ones): with FA4's dQ write order (its ordered, lock-stepped dQ accumulation)."""
-        if not deterministic:
-            return BlockSparseTensorsTorch(*tables[:4], block_size=block_size)
-        order, order_full = compute_dq_write_order(*tables)
-        return BlockSparseTensorsTorch(*tables[4:], block_size=block_size, dq_write_order=order,
-                                       dq_write_order_full=order_full, spt=False)  # ascending key tiles
+    def bst(*tables, block_size):
+        return BlockSparseTensorsTorch(*tables, block_size=block_size)
 
     return _flash_attn_fwd, _flash_attn_bwd, bst, interval, interval_union
 
 
-def _deterministic() -> bool:
-    """FA4's deterministic backward (ordered dQ accumulation) when torch's deterministic algorithms are on
-    (Megatron's --deterministic-mode), as PyTorch's own FlexAttention FLASH backend decides it."""
+def deterministic_requested() -> bool:
+    """True when torch's deterministic algorithms are on without warn_only (Megatron's --deterministic-mode),
+    as PyTorch's own FlexAttention FLASH backend reads it. FA4's block-sparse backward has no deterministic
+    variant on sm90 (flash-attn-4 4.0.0b36: "Deterministic not implemented for block-sparse backward"; its
+    dQ is accumulated with atomics), so the fa4 kernel refuses to run then and "auto" picks flex."""
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
@@ -130,7 +126,7 @@ class _Tables:
     """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
     (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
 
-    __slots__ = ("aux", "fwd", "bwd", "union", "_tables", "_bst", "_bwd_det")
+    __slots__ = ("aux", "fwd", "bwd", "union")
 
     def __init__(self, mask: IntervalMask, q_len: int, kv_len: int, tile: int, bst, prebuilt=None):
         if prebuilt is not None:  # FlexAttention's tables of this mask at padded lengths >= ours (same tile)
@@ -145,13 +141,6 @@ class _Tables:
         self.union = mask.has_union
         self.fwd = bst(kv_num, kv_idx, full_num, full_idx, block_size=(tile, tile))
         self.bwd = bst(q_num, q_idx, full_q_num, full_q_idx, block_size=(tile, tile))
-        self._tables, self._bst, self._bwd_det = tables, bst, None
-
-    def bwd_deterministic(self):
-        """The backward tables with FA4's dQ write order (built on first use, then kept)."""
-        if self._bwd_det is None:
-            self._bwd_det = self._bst(*self._tables, block_size=self.bwd.block_size, deterministic=True)
-        return self._bwd_det
 
 
 class FA4AttentionKernel:
@@ -180,7 +169,11 @@ class FA4AttentionKernel:
     Raises:
         ImportError: flash_attn.cute missing (the message gives the install command).
         ValueError: shape / dtype mismatch, float32 / float64 inputs, a CPU tensor, a device FA4 does not
-            support (checked by `check_dtype` before the ops' first collective).
+            support, torch's deterministic algorithms on (`deterministic_requested`; checked by
+            `check_dtype` before the ops' first collective).
+
+    Not bit-stable: the backward accumulates dQ with atomics (run-to-run differences in the last bits,
+    within bf16 rounding), unlike the flex kernel.
     """
 
     name = "fa4"
@@ -197,6 +190,10 @@ class FA4AttentionKernel:
         before their first data collective, so every rank raises)."""
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"backend 'fa4' runs bf16 / fp16 only, got {dtype}; use 'flex' or 'math'")
+        if deterministic_requested():
+            raise ValueError("backend 'fa4': FlashAttention-4 has no deterministic block-sparse backward (its dQ "
+                             "is accumulated with atomics) and torch.use_deterministic_algorithms (Megatron's "
+                             "--deterministic-mode) is on; use backend 'flex' (or 'auto', which picks flex then)")
         if device is not None and not fa4_runs_on(device, dtype):
             raise ValueError(f"backend 'fa4' needs a CUDA device of compute capability 9.x-11.x with "
                              f"flash_attn.cute, got {device}")
@@ -282,10 +279,9 @@ class FA4AttentionKernel:
         dq4 = torch.empty_like(do4)
         dk4 = k.new_empty((1, Tk, Hkv, D))
         dv4 = k.new_empty((1, Tk, Hkv, D))
-        det = _deterministic()
         self._bwd(self._b(q), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
-                  mask_mod=self._mask_mod(t), aux_tensors=t.aux, dlse=dlse4, dq=dq4, dk=dk4, dv=dv4,
-                  block_sparse_tensors=t.bwd_deterministic() if det else t.bwd, deterministic=det)
+                  mask_mod=self._mask_mod(t), aux_tensors=t.aux, block_sparse_tensors=t.bwd, dlse=dlse4,
+                  dq=dq4, dk=dk4, dv=dv4)
         del zero4, do4, lse4, dlse4
         dq, dk, dv = dq4[0], dk4[0], dv4[0]
         if native:
