@@ -12,6 +12,8 @@ setup(
         "megatron": ["megatron-core==0.19.2"],
         "te": ["transformer-engine[pytorch]==2.20.2"],
         "flash-attn": ["flash-attn"],
+        # FlashAttention-4 (CuTe DSL) for the "fa4" local kernel: the versions measured (docs/kernels.md)
+        "fa4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # NVIDIA Apex is not on PyPI (PyPI's "apex" is an unrelated package): built from its repository
         "apex": ["apex @ git+https://github.com/NVIDIA/apex.git"],
         "hypergraph": ["kahypar"],
