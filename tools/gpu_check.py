@@ -16,7 +16,7 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
           key-major / 2-stream / native-GQA variants; reports the dense path that ran (`--skip stair`).
   compare single GPU, the local-kernel comparison (issue 6): for the DFlash interval mask (512 anchors x 16,
           Hq 32, Hkv 8, D 128, bf16, one sequence, 16K and 64K keys) every local kernel that loads
-          (`--kernels`, default "flex,te,staircase"; a kernel that does not import gets a row saying why)
+          (`--kernels`, default "fa4,flex,te,staircase"; a kernel that does not import gets a row saying why)
           through the kernel API with a cached mask: forward and forward + backward (backward with the
           global lse/delta, as in the op) ms, useful TF/s (4 * pairs * Hq * D forward, x3.5 forward +
           backward, megatron_splitkv.bench's convention) and % of dense SDPA at the same useful FLOPs;
@@ -1295,7 +1295,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,stair,op (kernel mode)")
     ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072 (compare: the "
                                                    "key counts Tk, default 16384,65536)")
-    ap.add_argument("--kernels", default="flex,te,staircase", help="compare: local kernel backends to compare")
+    ap.add_argument("--kernels", default="fa4,flex,te,staircase", help="compare: local kernel backends to compare")
     ap.add_argument("--staircase-sweep", default=DEFAULT_STAIR_SWEEP,
                     help="compare: staircase option variants, ';'-separated, each a ','-separated list of "
                          "name=value (StaircaseAttentionKernel options: group_blocks, min_group_blocks, key_grain, "

@@ -176,9 +176,11 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         group.add_argument(
             "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
             help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
-            "auto (staircase on CUDA from 32K context keys per call, else FlexAttention on CUDA, math "
-            "otherwise), math, flex, te (Transformer Engine) or "
-            "staircase (dense cuDNN rectangles + flex remainder). Default auto; see docs/kernels.md.",
+            "auto (fa4 where FlashAttention-4 is installed on a Hopper/Blackwell GPU and not in "
+            "deterministic mode, else staircase on CUDA from 32K context keys per call, else FlexAttention "
+            "on CUDA, math otherwise), math, flex, te (Transformer Engine), staircase (dense cuDNN "
+            "rectangles + flex remainder) or fa4 (FlashAttention-4, extra 'fa4'). Default auto; see "
+            "docs/kernels.md.",
         )
     if not _has(parser, "--dflash-data-workers"):
         group.add_argument(
