@@ -41,7 +41,7 @@
 #   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gputests (FIRST, alone: pytest
 #      of SUITE_GPU_TESTS, default the GPU test files of kernels, lanes, merges, staircase, env), chunkcost
 #      (after simulate: tools/chunk_cost.py, one stream vs the op's kernel lanes at 16K / 64K keys; SUITE_CHUNKCOST_CP /
-#      _CTX / _CHUNKS / _BACKENDS), gpucheck (gpu_check dist
+#      _CTX / _CHUNKS / _BACKENDS, _HEADS=1 adds the head-chunk variants), gpucheck (gpu_check dist
 #      exactness + timing table at 32K/128K), nightly (tests/nightly/run.sh, Megatron-Core from .whl),
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), stepcost (after pretrain:
 #      tools/step_overhead.py, planner + sharding + prepare + BlockMask against a real drafter training step
@@ -341,7 +341,8 @@ if want chunkcost; then
   step k_chunkcost "${SUITE_CHUNKCOST_S:-120}" "$PY" tools/chunk_cost.py --cp "${SUITE_CHUNKCOST_CP:-2}" \
     --ctx-per-rank "$([[ $CPU == 1 ]] && echo 256 || echo "${SUITE_CHUNKCOST_CTX:-16384,65536}")" \
     --chunks "${SUITE_CHUNKCOST_CHUNKS:-2,4}" \
-    --backends "$([[ $CPU == 1 ]] && echo math || echo "${SUITE_CHUNKCOST_BACKENDS:-flex,staircase}")" --no-heads \
+    --backends "$([[ $CPU == 1 ]] && echo math || echo "${SUITE_CHUNKCOST_BACKENDS:-flex,staircase}")" \
+    $([[ "${SUITE_CHUNKCOST_HEADS:-0}" == 1 ]] || echo --no-heads) \
     --reps 7 --out "$WORK/chunkcost" \
     $([[ $CPU == 1 ]] && echo "--cpu --anchors 8")
 fi
