@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, half_precision_cuda_index
 from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
@@ -110,15 +110,12 @@ def staircase_runs_on(device, dtype, head_dim=None) -> bool:
     8.0, cuDNN >= 8.9 available, cuDNN SDPA not disabled (`torch.backends.cuda.cudnn_sdp_enabled()`),
     dtype bf16 or fp16 (None: unknown -> False), head dim None or a multiple of 8 <= 256 (the kernel's own
     check). Never raises; no CUDA work beyond reading the device's properties."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+    idx = half_precision_cuda_index(device, dtype, head_dim)
+    if idx is None:
         return False
     try:
         if not torch.backends.cuda.cudnn_sdp_enabled():
             return False
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         if idx not in _CUDNN_OK:
             ver = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
             _CUDNN_OK[idx] = bool(ver and ver >= 8900 and torch.cuda.get_device_capability(idx) >= (8, 0))

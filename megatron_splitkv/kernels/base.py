@@ -157,3 +157,34 @@ class IntervalMask:
                 raise ValueError(f"IntervalMask: {what} (num_ctx_keys={self.num_ctx_keys}, "
                                  f"num_keys={self.num_keys})")
         return self
+
+
+def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: IntervalMask) -> None:
+    """The contract's shape checks every kernel runs first: q [Tq, Hq, D], k and v [Tk, Hkv, D] of one shape,
+    Hkv > 0 dividing Hq, the same head dim and dtype for all three, `mask` covering Tq rows
+    (num_blocks * block_size) and Tk keys (num_keys). Raises ValueError saying which differs."""
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask.num_blocks * mask.block_size != q.shape[0]:
+        raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
+    if mask.num_keys != k.shape[0]:
+        raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
+
+
+def half_precision_cuda_index(device, dtype, head_dim=None):
+    """The CUDA device index of `device` when it is a CUDA device, `dtype` is bf16 / fp16 and `head_dim` is
+    None or a multiple of 8 <= 256 (what cuDNN SDPA and FlashAttention-4 take); else None. Never raises."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return None
+    try:
+        return dev.index if dev.index is not None else torch.cuda.current_device()
+    except (RuntimeError, AssertionError, AttributeError):  # no driver, torch without CUDA, ...
+        return None

@@ -37,7 +37,7 @@ import importlib.util
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, check_call, half_precision_cuda_index
 from .flex import TILE, _block_tables, _rows_table
 
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
@@ -62,13 +62,10 @@ def fa4_runs_on(device, dtype, head_dim=None) -> bool:
     """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: flash_attn.cute
     importable, a CUDA device of compute capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or
     a multiple of 8 <= 256. Never raises."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+    idx = half_precision_cuda_index(device, dtype, head_dim)
+    if idx is None:
         return False
     try:
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         major = torch.cuda.get_device_capability(idx)[0]
     except (RuntimeError, AssertionError, AttributeError):
         return False
@@ -222,20 +219,10 @@ class FA4AttentionKernel:
         return None
 
     def _check(self, q, k, v, mask):
-        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}")
-        if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        check_call(q, k, v, mask)
         if not q.is_cuda:
             raise ValueError("backend 'fa4' runs on CUDA tensors only")
         self.check_dtype(q.dtype)
-        if mask.num_blocks * mask.block_size != q.shape[0]:
-            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
-        if mask.num_keys != k.shape[0]:
-            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
 
     def _mask_mod(self, t: _Tables):
         return self._mask_two if t.union else self._mask_one

@@ -76,7 +76,7 @@ import os
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, check_call
 from .flex_bwd_prep import grad_tangents
 
 try:  # torch >= 2.5
@@ -384,19 +384,9 @@ class FlexAttentionKernel:
 
     # ----------------------------------------------------------------------------------------------
     def _check(self, q, k, v, mask):
-        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)}, {tuple(v.shape)}")
-        if q.shape[2] != k.shape[2] or q.shape[1] % k.shape[1]:
-            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        check_call(q, k, v, mask)
         if q.is_cuda and q.dtype == torch.float64:
             raise ValueError("FlexAttention (Triton) does not support float64; use the math kernel")
-        if mask.num_blocks * mask.block_size != q.shape[0]:
-            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
-        if mask.num_keys != k.shape[0]:
-            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
 
     def _fn(self, device):
         use_compile = self.compile if self.compile is not None else device.type == "cuda"

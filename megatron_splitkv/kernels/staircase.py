@@ -130,7 +130,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, check_call
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
@@ -800,21 +800,11 @@ class StaircaseAttentionKernel:
             inner.check_dtype(dtype, dev)
 
     def _check(self, q, k, v, mask):
-        if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
-            raise ValueError(f"expected q [Tq,Hq,D], k=v [Tk,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                             f"{tuple(v.shape)}")
-        if q.shape[2] != k.shape[2] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
-            raise ValueError(f"head dims / GQA groups mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        check_call(q, k, v, mask)
         self.check_dtype(q.dtype, q.device)
         if q.is_cuda and (q.shape[2] % 8 or q.shape[2] > 256):
             raise ValueError(f"backend='staircase' (cuDNN) needs a head dim that is a multiple of 8 and <= 256, "
                              f"got {q.shape[2]}")
-        if mask.num_blocks * mask.block_size != q.shape[0]:
-            raise ValueError(f"mask covers {mask.num_blocks}x{mask.block_size} rows, q has {q.shape[0]}")
-        if mask.num_keys != k.shape[0]:
-            raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
 
     def _dense_rows(self, x, plan: StaircasePlan, bsz: int, hkv: int, fold: bool, dtype=None):
         """Rows of the dense blocks in plan order, [nd * B (* G), H', ...], in `dtype` (default x's): a view
