@@ -1025,3 +1025,26 @@ def test_replay_relay_changes_only_the_two_level_rows(tmp_path):
             assert r["total_ms"] - s["total_ms"] == pytest.approx(-(stage1 + node_sum), rel=1e-9)
             assert r["efficiency"] > s["efficiency"]
     assert n_changed > 0
+
+def test_exchange_pieces_schedule_hand_computed():
+    """The forward's two-level exchange in row pieces (perf-notes item 19), k = 1: Q gather [0, 1], kernel
+    [1, 6]; 2 pieces: stage 1 of 0 [6, 7], of 1 [7, 8] ("N1", in order); merge 0 [7, 7.5] (relay or compute),
+    stage 2 of 0 [7.5, 9.5]; merge 1 [8, 8.5], stage 2 of 1 after stage 2 of 0 on "N2" [9.5, 11.5]: 11.5,
+    against one piece of the same totals: stage 1 [6, 8], merge [8, 9], stage 2 [9, 13]: 13. One piece given
+    as a list = the scalar schedule."""
+    import simulate_scaling as ss
+
+    for relay in (False, True):
+        two = ss.splitkv_forward_ms([1.0], [5.0], [[2.0, 2.0]], A1=[[1.0, 1.0]], NM=[[0.5, 0.5]], defer=True,
+                                    relay=relay)
+        one = ss.splitkv_forward_ms([1.0], [5.0], [4.0], A1=[2.0], NM=[1.0], defer=True, relay=relay)
+        assert (two, one) == (pytest.approx(11.5), pytest.approx(13.0))
+        assert ss.splitkv_forward_ms([1.0], [5.0], [[4.0]], A1=[[2.0]], NM=[[1.0]], defer=True, relay=relay) == one
+    # k = 2 with 2 pieces each (defer, relay): chunk 1's kernel [6, 11] runs while chunk 0's pieces advance
+    t = ss.splitkv_forward_ms([1, 1], [5, 5], [[2, 2], [2, 2]], A1=[[1, 1], [1, 1]], NM=[[0.5, 0.5]] * 2, defer=True,
+                              relay=True)
+    # s1: [6, 7], [7, 8], [11, 12], [12, 13]; s2: [7.5, 9.5], [9.5, 11.5], [12.5, 14.5], [14.5, 16.5]
+    assert t == pytest.approx(16.5)
+    with pytest.raises(ValueError, match="pieces"):
+        ss.splitkv_forward_ms([1.0], [5.0], [[2.0]], A1=[[1.0, 1.0]], NM=[[0.5, 0.5]])
+
