@@ -12,8 +12,9 @@ relay (`RelayStream.get` is None). The code path is exercised here on CPU / gloo
   without the early query gather, k_blk = v_blk = None;
 - bit-identical to the same call without the relay (the schedule before item 18);
 - the protocol: every stage-2 collective ("splitkv.fwd.out.inter", "splitkv.bwd.dq.inter") and only those
-  is issued inside `run`, once per chunk and direction, each after the `mark` made when its stage 1 was
-  issued, and every stage-2 result the owner consumes passes through `taken`;
+  is issued inside `run`, once per exchange (per chunk and direction; in forward per exchange piece,
+  docs/perf-notes.md item 19), each after the `mark` made when its stage 1 was issued, and every stage-2
+  result the owner consumes passes through `taken`;
 - `two_level_relay()` parses MEGATRON_SPLITKV_TWO_LEVEL_RELAY; `RelayStream.get` is None on CPU.
 
 The stream semantics themselves (the relay waiting for stage 1, the consumer for stage 2, record_stream)
@@ -90,7 +91,7 @@ def _run(c, rank, group, L, k, early, own, relay):
     finally:
         sk.all_to_all, sk.all_gather, sk.RelayStream.get = orig
     res = dict(out=out.detach().double(), lse=lse.detach().double(), raw=dict(out=out.detach(), lse=lse.detach()),
-               log=log, k_used=md.num_chunks)
+               log=log, k_used=md.num_chunks, n_fwd=sum(len(p) for p in md.exchange_bounds))
     for name, key in zip(GRAD_NAMES, KEYS):
         g = x[key].grad
         res[name] = None if g is None else g.double()
@@ -111,19 +112,20 @@ def _worker(rank, world, jobs):
     return out
 
 
-def _check_protocol(log, k):
-    """Per direction, k stage-1 all-to-alls each followed (in issue order) by its mark; k relay runs, each
-    issuing exactly one stage-2 all-to-all of its direction and nothing else; every collective outside the
-    relay not a stage 2; a `taken` per consumed stage-2 result (k per direction)."""
+def _check_protocol(log, k, n_fwd):
+    """Per direction, one stage-1 all-to-all per exchange (backward: k, one per chunk; forward: n_fwd, one
+    per exchange piece, `SplitKVMetadata.exchange_bounds`) each followed (in issue order) by its mark; one
+    relay run per exchange, each issuing exactly one stage-2 all-to-all of its direction and nothing else;
+    every collective outside the relay not a stage 2; a `taken` per consumed stage-2 result."""
     colls = [e for e in log if e[0] == "coll"]
     for op, inside in [(e[1], e[2]) for e in colls]:
         assert inside == op.endswith(".inter") and op in (
             "splitkv.fwd.out.inter", "splitkv.bwd.dq.inter") or not inside and not op.endswith(".inter"), (op, inside)
-    for d in ("fwd.out", "bwd.dq"):
-        assert sum(e[1] == f"splitkv.{d}.intra" for e in colls) == k
-        assert sum(e[1] == f"splitkv.{d}.inter" for e in colls) == k
+    for d, m in (("fwd.out", n_fwd), ("bwd.dq", k)):
+        assert sum(e[1] == f"splitkv.{d}.intra" for e in colls) == m
+        assert sum(e[1] == f"splitkv.{d}.inter" for e in colls) == m
     runs = [i for i, e in enumerate(log) if e[0] == "run"]
-    assert len(runs) == 2 * k and sum(e[0] == "mark" for e in log) == 2 * k
+    assert len(runs) == n_fwd + k and sum(e[0] == "mark" for e in log) == n_fwd + k
     for i in runs:  # the run's stage 2 is the next collective, issued inside it
         nxt = next(e for e in log[i + 1:] if e[0] == "coll")
         assert nxt[1].endswith(".inter") and nxt[2]
@@ -131,7 +133,7 @@ def _check_protocol(log, k):
         j = log.index(("mark", mark))
         prev = [e for e in log[:j] if e[0] == "coll"][-1]
         assert prev[1].endswith(".intra") and prev[1][:-6] == nxt[1][:-6], (prev, nxt)
-    assert sum(e[0] == "taken" for e in log) == 2 * k
+    assert sum(e[0] == "taken" for e in log) == n_fwd + k
 
 
 def _jobs(seed):
@@ -168,7 +170,7 @@ def test_relay_exact_bit_identical_and_protocol():
             assert not any(e[0] != "coll" for e in without[r]["log"])  # no relay: no protocol calls
             # the same collectives in the same host order (comm_stats bytes are per collective: unchanged)
             assert [e[1] for e in with_relay[r]["log"] if e[0] == "coll"] == [e[1] for e in without[r]["log"]]
-            _check_protocol(with_relay[r]["log"], with_relay[r]["k_used"])
+            _check_protocol(with_relay[r]["log"], with_relay[r]["k_used"], with_relay[r]["n_fwd"])
 
 
 def test_relay_env_and_cpu(monkeypatch):

@@ -296,12 +296,34 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
     a what-if): chunk c's stage 1 is waited only after kernel c + 1 was issued (merge c and stage 2 c
     after kernel c + 1), so stage 1 overlaps the next kernel too; the last chunk's is waited at once.
     relay=True (the op on CUDA, perf-notes item 18; `_advance_two_level`): that wait and the node merge
-    run on the relay stream "R" instead of the compute stream."""
+    run on the relay stream "R" instead of the compute stream.
+
+    Exchange pieces (perf-notes item 19; `ops.metadata.resolve_exchange_pieces`): A1[c], A2A[c], NM[c] of the
+    two-level all-to-all may each be a list, one value per row piece of chunk c. The op issues the pieces'
+    stage 1 one after the other after kernel c (each on "N1", behind the one before) and, after each stage 1,
+    advances the exchange before it (piece or chunk) as it advanced chunk c - 1 (defer: keep one held), so
+    piece i's node merge and stage 2 ("N2") overlap stage 1 of piece i + 1; the owner's merge of chunk c
+    waits for all its pieces' stage 2. One value = one piece (the schedule before item 19)."""
     n = len(K)
     M = M or [0.0] * n
     S = Streams()
     g, a = [None] * n, [None] * n
-    held = []  # two-level: (chunk, stage-1 end) not yet waited
+    held = []  # two-level: (exchange, stage-1 end) not yet waited
+    if A1 is not None:  # flattened over (chunk, piece): exchange e of chunk chunk_of[e]
+        def _pieces(x):
+            return list(x) if isinstance(x, (list, tuple)) else [x]
+
+        s1, s2, nm, chunk_of = [], [], [], []
+        for c in range(n):
+            p1, p2 = _pieces(A1[c]), _pieces(A2A[c])
+            pm = _pieces(NM[c]) if NM else [0.0] * len(p1)
+            if not len(p1) == len(p2) == len(pm):
+                raise ValueError(f"chunk {c}: {len(p1)} stage-1, {len(p2)} stage-2 and {len(pm)} merge pieces")
+            s1 += p1
+            s2 += p2
+            nm += pm
+            chunk_of += [c] * len(p1)
+        a_e = [None] * len(s1)
     early = pre > 0
     if early:
         S.op("C", pre)
@@ -316,12 +338,18 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
         k = S.op("C", K[c])
         if A1 is None:
             a[c] = S.op("N", A2A[c], [k])
-        else:  # two-level: stage 1 waited, node merge, stage 2 in flight
-            held.append((c, S.op("N1", A1[c], [k])))
-            _advance_two_level(S, held, A2A, NM, a, 1 if defer else 0, relay)
-    _advance_two_level(S, held, A2A, NM, a, 0, relay)
+        else:  # two-level: stage 1 waited, node merge, stage 2 in flight; piece by piece
+            for e in (e for e in range(len(s1)) if chunk_of[e] == c):
+                held.append((e, S.op("N1", s1[e], [k])))
+                _advance_two_level(S, held, s2, nm, a_e, 1 if defer else 0, relay)
+    if A1 is not None:
+        _advance_two_level(S, held, s2, nm, a_e, 0, relay)
     for c in range(n):
-        S.wait("C", a[c])
+        if A1 is None:
+            S.wait("C", a[c])
+        else:
+            for e in (e for e in range(len(s1)) if chunk_of[e] == c):
+                S.wait("C", a_e[e])
         S.op("C", M[c])
     return S.end() - pre
 
@@ -527,7 +555,11 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
       names when present (per-peer message = record bytes / (2 (group - 1)), the comm_stats convention),
       else from the single all-to-all's message by `two_level_msgs` (needs D). Missing single records (a
       two-level record set asked for one all-to-all) are rebuilt from the Q gather's message (rh = msg /
-      (D elem))."""
+      (D elem)).
+    - "fwd.out.pieces": per chunk, the forward exchange's row pieces (perf-notes item 19) as [(stage 1, stage
+      2) `Coll` pairs]: the records' i-th ".intra" with their i-th ".inter" (`bench.predicted_records` issues
+      one pair per piece, as the op does); one pair (the chunk) when the stages come from the formula; []
+      without a two-level layout."""
     n = max(int(n_chunks), 1)
     by, serial = {}, []
     for r in recs:
@@ -556,7 +588,8 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
     def rec_colls(name, c):
         return [Coll(name, r.kind, P, r.msg, c) for r in by.get((name, c), [])]
 
-    out = {k: [[] for _ in range(n)] for k in ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq")}
+    out = {k: [[] for _ in range(n)] for k in ("fwd.q", "fwd.out", "bwd.dout", "bwd.stats", "bwd.dq",
+                                               "fwd.out.pieces")}
     for c in range(n):
         out["fwd.q"][c] = rec_colls("fwd.q", c)
     for what in ("fwd.out", "bwd.dq"):
@@ -573,16 +606,22 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
                 src[what] = "records" if single else "formula (from fwd.q)"
             elif intra and inter:
                 L, N = lay["L"], lay["N"]
-                out[what][c] = (
-                    [Coll(what + ".intra", r.kind, L, r.bytes / (2.0 * (L - 1)), c, lay["intra_per_node"], "N1")
-                     for r in intra]
-                    + [Coll(what + ".inter", r.kind, N, r.bytes / (2.0 * (N - 1)), c, lay["inter_per_node"], "N2")
-                       for r in inter])
+                c1 = [Coll(what + ".intra", r.kind, L, r.bytes / (2.0 * (L - 1)), c, lay["intra_per_node"], "N1")
+                      for r in intra]
+                c2 = [Coll(what + ".inter", r.kind, N, r.bytes / (2.0 * (N - 1)), c, lay["inter_per_node"], "N2")
+                      for r in inter]
+                out[what][c] = c1 + c2
+                if what == "fwd.out":
+                    if len(c1) != len(c2):
+                        raise ValueError(f"chunk {c}: {len(c1)} fwd.out.intra but {len(c2)} fwd.out.inter records")
+                    out["fwd.out.pieces"][c] = list(zip(c1, c2))
                 src[what] = "records (.intra / .inter)"
             else:
                 m1, m2 = two_level_msgs(what, m, lay["N"], D=need_d("the two-level " + what), elem=elem, acc=acc)
                 out[what][c] = [Coll(what + ".intra", "all_to_all", lay["L"], m1, c, lay["intra_per_node"], "N1"),
                                 Coll(what + ".inter", "all_to_all", lay["N"], m2, c, lay["inter_per_node"], "N2")]
+                if what == "fwd.out":
+                    out["fwd.out.pieces"][c] = [tuple(out[what][c])]
                 src[what] = "formula (two_level_msgs)"
     for c in range(n):
         dout, st = by.get(("bwd.dout", c), []), by.get(("bwd.stats", c), [])
@@ -659,8 +698,11 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     if lay is None:
         A, A1, NM = col("fwd.out"), None, None
         RQ, RQ1, NS = col("bwd.dq"), None, None
-    else:
-        A, A1, NM = col("fwd.out", "N2"), col("fwd.out", "N1"), merge("fwd.out")
+    else:  # the forward per exchange piece (stage 1, node merge, stage 2 of each; one piece = the chunk)
+        pcs = cs["fwd.out.pieces"]
+        A1 = [[x1.ms(link) for x1, _ in pcs[c]] for c in range(n)]
+        A = [[x2.ms(link) for _, x2 in pcs[c]] for c in range(n)]
+        NM = [[x1.group * x1.msg / (rates[0] * 1e9) * 1e3 for x1, _ in pcs[c]] for c in range(n)]
         RQ, RQ1, NS = col("bwd.dq", "N2"), col("bwd.dq", "N1"), merge("bwd.dq")
     defer, relay = two_level_wait in ("deferred", "relay"), two_level_wait == "relay"
     t_f = splitkv_forward_ms(col("fwd.q"), K, A, pre=proj_ms[0], A1=A1, NM=NM, defer=defer, relay=relay)
@@ -684,7 +726,8 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
             if x.kind == "all_to_all":
                 nic[x.name] = nic.get(x.name, 0.0) + x.nic_bytes(link)
         detail.update(bytes_by_name=by_name, a2a_nic_bytes_sent=nic, bwd_gather=cs["bwd_gather"], layout=lay,
-                      sources=cs["sources"], node_merge_ms=sum(NM or []) + sum(NS or []))
+                      sources=cs["sources"], node_merge_ms=sum(sum(x) for x in NM or []) + sum(NS or []),
+                      exchange_pieces=[len(p) for p in cs["fwd.out.pieces"]] if lay is not None else None)
     return sum(serial) + t_f + t_b, comm
 
 
@@ -765,6 +808,28 @@ def sample_ranks(method, plan, k):
         if med not in out:
             out.append(med)
     return out, pairs
+
+
+def exchange_pieces_arg(ap, value):
+    """--exchange-pieces: "auto" -> 0 (the op's automatic choice, `bench.predicted_records`), else a positive
+    int <= 64 (argparse error otherwise)."""
+    v = str(value).strip()
+    if v == "auto":
+        return 0
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        ap.error(f"--exchange-pieces must be auto or a positive int <= 64, got {value!r}")
+    return n
+
+
+def pieces_kw(n):
+    """predicted_records' exchange_pieces keyword for a resolved --exchange-pieces (0 = auto), when this
+    tree's `bench.predicted_records` takes it (trees before item 19: one exchange per chunk anyway)."""
+    return {"exchange_pieces": n} if "exchange_pieces" in inspect.signature(bench.predicted_records).parameters \
+        else {}
 
 
 def check_args(ap, args):
@@ -912,6 +977,12 @@ def main(argv=None):
                          "16); deferred = the op before item 18 (the compute stream waits for stage 1 of chunk c "
                          "after chunk c + 1's kernel was issued, then merges and issues stage 2); inline = a "
                          "what-if: each chunk's stage 1 waited right after its own kernel")
+    ap.add_argument("--exchange-pieces", default="auto",
+                    help="splitkv's two-level forward exchange in row pieces (perf-notes item 19; also for --replay): "
+                         "auto = as the op (ops.metadata.resolve_exchange_pieces: 2 at k = 1 with 1 < L < P, else "
+                         "1; the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES is not read here), or a "
+                         "positive int (1 = one exchange per chunk, the schedule before item 19), clamped as the "
+                         "op clamps it")
     ap.add_argument("--sample-ranks", type=int, default=2)
     ap.add_argument("--topology", default="node,flat",
                     help="communication model(s), comma list, the first is the headline: node (P ranks on "
@@ -950,6 +1021,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.two_level_wait is None:
         args.two_level_wait = DEFAULT_TWO_LEVEL_WAIT
+    args._exchange_pieces = exchange_pieces_arg(ap, args.exchange_pieces)
     if args.replay:
         return replay_main(ap, args)
     cps, methods, placements = check_args(ap, args)
@@ -1248,6 +1320,7 @@ def main(argv=None):
                 recs_of[L] = bench.predicted_records(
                     m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq, Hkv=args.Hkv, D=args.D,
                     elem=elem, metadata=not args.no_metadata, num_chunks=k,
+                    **(pieces_kw(args._exchange_pieces) if m == "splitkv" else {}),
                     **({"cp_ranks_per_node": min(L, P)} if takes_l and m == "splitkv" else {}))  # clamped as the
                 # op clamps MEGATRON_SPLITKV_RANKS_PER_NODE: a CP group within one node gets one all-to-all
             recs = recs_of[L]
@@ -1333,7 +1406,8 @@ def replay_main(ap, args):
     with open(args.replay) as f:
         saved = json.load(f)
     try:
-        res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait)
+        res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait,
+                     exchange_pieces=exchange_pieces_arg(ap, args.exchange_pieces))
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
     os.makedirs(args.out, exist_ok=True)
@@ -1410,7 +1484,7 @@ def variant_fields(v, det, L):
     bytes sent (`splitkv_time_ms`'s `detail`)."""
     lay = det.get("layout")
     return dict(variant=v["label"], bwd_gather=det.get("bwd_gather"), cp_ranks_per_node=L,
-                two_level=lay is not None, comm_sources=det.get("sources"),
+                two_level=lay is not None, comm_sources=det.get("sources"), exchange_pieces=det.get("exchange_pieces"),
                 bytes_by_name={a: int(round(b)) for a, b in det.get("bytes_by_name", {}).items()},
                 a2a_nic_bytes_sent={a: int(round(b)) for a, b in det.get("a2a_nic_bytes_sent", {}).items()})
 
@@ -1441,7 +1515,7 @@ def link_from_dict(d, topology=None):
                            pxn=bool(d.get("pxn", True)))
 
 
-def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT):
+def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
     saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
@@ -1453,8 +1527,10 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     "auto" meant its own tree's op); "fused" with L = 8 is the op before the two-level [dO | stats] gather.
     two_level_wait (`TWO_LEVEL_WAITS`): the two-level all-to-all's schedule; default this tree's op (relay),
     NOT the saved run's (its "deferred" was the op of its tree); args.two_level_wait of the result is the
-    one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" = source and note); the
-    same inputs with the saved run's variants, schedule and tree reproduce its rows.
+    one used. exchange_pieces: the two-level forward exchange's row pieces (0 = as this tree's op, its
+    automatic choice; 1 = one exchange per chunk, the op before perf-notes item 19); args.exchange_pieces of
+    the result is the one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
+    source and note); the same inputs with the saved run's variants, schedule and tree reproduce its rows.
     Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
     import argparse as _ap
 
@@ -1464,6 +1540,8 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     if two_level_wait not in TWO_LEVEL_WAITS:
         raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
     a.two_level_wait = two_level_wait
+    a.exchange_pieces = "auto" if not exchange_pieces else int(exchange_pieces)
+    a._exchange_pieces = int(exchange_pieces or 0)
     variants = splitkv_variants(a)
     topologies = list(saved.get("topologies") or ["node"])
     links = {t: link_from_dict(saved["link"], t) for t in topologies}
@@ -1485,7 +1563,7 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
             L = v["cp_ranks_per_node"]
             recs = bench.predicted_records("splitkv", P=P, rank=r["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
                                            Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
-                                           num_chunks=k, cp_ranks_per_node=min(L, P))
+                                           num_chunks=k, cp_ranks_per_node=min(L, P), **pieces_kw(a._exchange_pieces))
             det = {}
             t = method_time("splitkv", P, r["per_call_ms"], recs, links[topo], fwd_fraction=a.fwd_fraction,
                             overhead_ms=r["overhead_ms"], proj_ms=(r["proj_fwd_ms"], r["proj_bwd_ms"]) if ovl

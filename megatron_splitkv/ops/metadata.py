@@ -33,6 +33,13 @@ checked group-wide like num_chunks) and, for 1 < L < P, holds the two cached sub
 (`SplitKVMetadata.node_groups`, `comm.node_groups`). The agreement rows carry it in column 10 next to the
 requested chunk count (`_request_code`: L = 1 leaves the rows exactly as before).
 
+Split-KV's exchange pieces (docs/perf-notes.md item 19; ops/splitkv.py item 5): with 1 < L < P the splitkv
+metadata also fixes in how many row pieces the forward's two-level exchange of each chunk runs
+(`exchange_pieces`, `resolve_exchange_pieces`: the argument, else MEGATRON_SPLITKV_EXCHANGE_PIECES, else 2 at
+num_chunks 1 and 1 otherwise; clamped to the smallest chunk's block count; 1 on the flat path) and their
+block bounds (`exchange_bounds`, `piece_bounds`). The request travels in column 10 too (8 bits; 0 =
+automatic), agreed group-wide.
+
 Cost of a prepare (docs/perf-notes.md "Prepare cost (item 13)", `tools/prepare_cost.py`): Split-KV's
 metadata takes ~50 small device ops whatever num_chunks (the intervals of every chunk at once, the mask
 contract checked once) and one host sync in a size-1 group.
@@ -58,12 +65,15 @@ from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
 from ..kernels.base import IntervalMask
 from .common import (
+    EXCHANGE_PIECES_ENV,
     FUSED_BWD_GATHER_MIN_P,
+    MAX_EXCHANGE_PIECES,
     SUPPORTED_DTYPES,
     acc_dtype,
     debug_checks,
     context_keys,
     env_positive_int,
+    exchange_pieces_env,
     fused_bwd_gather_min_p,
     intervals,
     kernel_lanes,
@@ -75,7 +85,8 @@ from .common import (
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
-           "prepare_splitkv_metadata_from_plan"]
+           "prepare_splitkv_metadata_from_plan", "resolve_exchange_pieces", "piece_bounds",
+           "EXCHANGE_PIECES_ENV"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -118,14 +129,15 @@ DEFAULT_NUM_CHUNKS = 1
 
 
 #: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
-#: column 10 holds it in its low 32 bits and cp_ranks_per_node - 1 above them (`_request_code`)
-_MAX_REQUESTED_CHUNKS = (1 << 32) - 1
+#: column 10 holds it in its low 24 bits, the requested exchange pieces in the next 8 and cp_ranks_per_node
+#: - 1 above them (`_request_code`)
+_MAX_REQUESTED_CHUNKS = (1 << 24) - 1
 
 
 def _requested_chunks(num_chunks) -> int:
     """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
-    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**32 - 1. Raises ValueError for a
-    non-positive / non-int value."""
+    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**24 - 1 (a larger request clamps to the
+    block count anyway). Raises ValueError for a non-positive / non-int value."""
     if num_chunks is None:
         num_chunks = env_positive_int(NUM_CHUNKS_ENV)
         if num_chunks is None:
@@ -178,17 +190,62 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
     return cp_ranks_per_node
 
 
-def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P) -> int:
-    """Column 10 of the agreement rows: the requested chunk count in the low 32 bits, L - 1 in bits 32-47,
-    the fused backward gather's threshold (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48."""
-    return chunks_req + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
+def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P,
+                  pieces_req: int = 0) -> int:
+    """Column 10 of the agreement rows: the requested chunk count in the low 24 bits, the requested exchange
+    pieces (0 = automatic, <= `MAX_EXCHANGE_PIECES`) in bits 24-31, L - 1 in bits 32-47, the fused backward
+    gather's threshold (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48."""
+    return chunks_req + (pieces_req << 24) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
 
 
 def _decoded(table):
-    """The agreement table with three derived columns appended to every row: 11 = requested num_chunks,
-    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold (decoded from column 10; not sent)."""
-    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48]
+    """The agreement table with four derived columns appended to every row: 11 = requested num_chunks,
+    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the requested exchange pieces
+    (decoded from column 10; not sent)."""
+    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48,
+                         (row[10] >> 24) & 0xFF]
             for row in table]
+
+
+def _requested_pieces(exchange_pieces) -> int:
+    """The requested exchange pieces as an int for the agreement rows: exchange_pieces (a positive int <=
+    `MAX_EXCHANGE_PIECES` = 64), else the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES, else 0
+    (automatic). Raises ValueError naming the argument or the variable and the limit otherwise."""
+    if exchange_pieces is None:
+        return exchange_pieces_env()
+    return as_int(exchange_pieces, "exchange_pieces", minimum=1, maximum=MAX_EXCHANGE_PIECES,
+                  what=f"None or a positive int <= {MAX_EXCHANGE_PIECES}")
+
+
+def resolve_exchange_pieces(requested: int, num_chunks: int, ranks_per_node: int, cp_size: int, chunks=None) -> int:
+    """The row pieces of Split-KV's two-level forward exchange per query chunk (docs/perf-notes.md item 19;
+    `ops.splitkv` item 5, "Exchange pieces").
+
+    Args:
+        requested: 0 (automatic) or the requested count (`exchange_pieces` / MEGATRON_SPLITKV_EXCHANGE_PIECES,
+            agreed group-wide).
+        num_chunks: the resolved chunk count k. ranks_per_node: L. cp_size: P.
+        chunks: the chunks' block bounds (`chunk_bounds`); the count is clamped to the smallest chunk's
+            block count (at least 1), so that every piece holds at least one block of every owner.
+
+    Returns: 1 on the flat path (L = 1 or L = P: one all-to-all, unchanged); with 1 < L < P the request,
+        automatic = 2 at k = 1 (the whole exchange is exposed after the single kernel there: stage 1 of
+        piece 1 then overlaps piece 0's node merge and stage 2) and 1 at k > 1 (chunk c's exchange already
+        overlaps kernel c + 1)."""
+    if not 1 < ranks_per_node < cp_size:
+        return 1
+    pieces = requested or (2 if num_chunks == 1 else 1)
+    if chunks:
+        pieces = min(pieces, min(b1 - b0 for b0, b1 in chunks))
+    return max(1, pieces)
+
+
+def piece_bounds(chunks, pieces: int) -> tuple:
+    """Per chunk, the block bounds of its exchange pieces: chunk (b0, b1) split as `chunk_bounds(pieces,
+    b1 - b0)` shifted by b0 (at k = 1 exactly the split of `chunk_bounds(pieces, nb_max)`, the chunks of
+    k = pieces), so that each piece's all-to-all holds the same rows of EVERY owner (balanced). A tuple of
+    tuples of (p0, p1)."""
+    return tuple(tuple((b0 + s, b0 + e) for s, e in chunk_bounds(pieces, b1 - b0)) for b0, b1 in chunks)
 
 
 def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
@@ -263,6 +320,12 @@ class SplitKVMetadata:
         num_chunks_requested: the requested chunk count (0 = automatic), agreed across the group.
         cp_ranks_per_node: splitkv: L, the CP ranks per node of the two-level all-to-all
             (`resolve_ranks_per_node`, agreed across the group; other impls: 1).
+        exchange_pieces_requested: splitkv: the requested row pieces of the two-level forward exchange (0 =
+            automatic; `exchange_pieces` of prepare, else MEGATRON_SPLITKV_EXCHANGE_PIECES), agreed across
+            the group.
+        exchange_pieces, exchange_bounds: splitkv: the resolved pieces per chunk (`resolve_exchange_pieces`:
+            1 on the flat path; with 1 < L < P automatic 2 at k = 1, else 1) and, per chunk, the block
+            bounds (p0, p1) of each piece (`piece_bounds`; one piece = the chunk).
         node_groups: splitkv with 1 < L < P: (intra, inter) `comm.CommGroup`s, this rank's node (the L
             CP ranks [n * L, (n + 1) * L), rank j = rank % L) and the N = P / L ranks with its local
             index j (rank n); built once per (CP group, L) by `comm.node_groups`. None: the single
@@ -305,6 +368,9 @@ class SplitKVMetadata:
     num_chunks_requested: int = 0
     cp_ranks_per_node: int = 1
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
+    exchange_pieces_requested: int = 0
+    exchange_pieces: int = 1
+    exchange_bounds: tuple = None
     node_groups: tuple = None
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
@@ -395,6 +461,9 @@ class SplitKVMetadata:
                 raise ValueError(f"{RANKS_PER_NODE_ENV} resolves to cp_ranks_per_node="
                                  f"{resolve_ranks_per_node(None, rec.cp_size)} here but to {rec.ranks_env} where "
                                  "the metadata was built; pass cp_ranks_per_node")
+            if rec.pieces_env is not None and exchange_pieces_env() != rec.pieces_env:
+                raise ValueError(f"{EXCHANGE_PIECES_ENV} resolves to {exchange_pieces_env()} here but to "
+                                 f"{rec.pieces_env} where the metadata was built (0 = unset); pass exchange_pieces")
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         tensors = _unique_tensors(self)
@@ -849,6 +918,9 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
     meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, nb_max)
     meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+    meta.exchange_pieces = resolve_exchange_pieces(meta.exchange_pieces_requested, meta.num_chunks,
+                                                   meta.cp_ranks_per_node, P, meta.chunks)
+    meta.exchange_bounds = piece_bounds(meta.chunks, meta.exchange_pieces)
     dev = meta.q_seq.device
     table = torch.empty(4, P * nb_max, dtype=torch.int64, device=dev)
     # first intervals (`ops.common.intervals`): block b sees the keys of sequence seq[b] with position <
@@ -884,7 +956,8 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
-                             group_check=False, num_chunks=None, cp_ranks_per_node=None) -> SplitKVMetadata:
+                             group_check=False, num_chunks=None, cp_ranks_per_node=None,
+                             exchange_pieces=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -928,6 +1001,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             1 < L < P: node n = CP ranks [n * L, (n + 1) * L) (L consecutive CP ranks must share a node);
             its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
             L); a collective over the CP group). Must be the same on every rank.
+        exchange_pieces: impl "splitkv" only: the row pieces of the two-level forward exchange per chunk
+            (docs/perf-notes.md item 19, `resolve_exchange_pieces`): None = the environment variable
+            MEGATRON_SPLITKV_EXCHANGE_PIECES, else automatic (2 with 1 < L < P at num_chunks 1, else 1);
+            a positive int <= 64, clamped to the smallest chunk's block count; ignored (1) on the flat path
+            (L = 1 or L = P). Must be the same on every rank.
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -951,8 +1029,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         missing or an index beyond its GPUs),
         bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0,
         cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE) not a positive int or not dividing the CP
-        group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), or block_size, Hq,
-        Hkv, D, dtype, impl, group_check, the requested num_chunks or cp_ranks_per_node differing across
+        group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), exchange_pieces (or
+        MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive int <= 64, or block_size, Hq, Hkv, D, dtype, impl,
+        group_check, the requested num_chunks, cp_ranks_per_node or exchange_pieces differing across
         ranks; and when the node sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
@@ -979,11 +1058,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
+        pieces_req = _requested_pieces(exchange_pieces) if canon == "splitkv" else 0
         # environment variables read later in the run: parsed here, so a malformed value raises on every rank
         fused_req = fused_bwd_gather_min_p() if canon == "splitkv" else FUSED_BWD_GATHER_MIN_P
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req)]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -995,13 +1075,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
                                (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
-                               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")))
+                               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
+        exchange_pieces_requested=table[0][14],
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1057,11 +1138,12 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.check()
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
+        pieces_req = _requested_pieces(None) if name == "splitkv" else 0  # the environment variable only
         fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
         validate_kernel_env()
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req)]
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -1085,18 +1167,18 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13],
+        fused_bwd_gather_min_p=table[0][13], exchange_pieces_requested=table[0][14],
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend, lanes)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
 #: all-gather the same [1, 11] int64 row (as their first collective), so a group mixing them is detected.
-#: 11 and 12 are decoded from column 10 (`_decoded`).
+#: 11-14 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
                (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
-               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"))
+               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
@@ -1207,7 +1289,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p)]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
+                                 meta.exchange_pieces_requested)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend, lanes)
@@ -1241,7 +1324,8 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
         if not err:  # softmax_scale is not known yet: 0 on every starting rank
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p)]
+                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
+                                 meta.exchange_pieces_requested)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
 
@@ -1282,14 +1366,16 @@ _UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound t
 @dataclass
 class _HostBuild:
     """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
-    this metadata's CP rank (checked against the group), the requested chunk count / ranks per node when
-    they were read from the environment at build time (None when given as arguments), and the packed
-    host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every `_unique_tensors` entry)."""
+    this metadata's CP rank (checked against the group), the requested chunk count / ranks per node /
+    exchange pieces when they were read from the environment at build time (None when given as arguments),
+    and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
+    `_unique_tensors` entry)."""
 
     cp_size: int
     cp_rank: int
     chunks_env: int = None
     ranks_env: int = None
+    pieces_env: int = None
     buffer: torch.Tensor = None
     layout: list = None
 
@@ -1474,7 +1560,8 @@ def _pack_recipe(meta) -> tuple:
     data-loader item instead of the metadata object and its tensors). Returns (entries [(dtype, shape, byte
     offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
     hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
-    list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env), the entries'
+    list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env,
+    pieces_env), the entries'
     `_compile_split` plan)."""
     import dataclasses  # noqa: PLC0415
 
@@ -1502,7 +1589,7 @@ def _pack_recipe(meta) -> tuple:
                     for n in _META_MASK_LISTS})
     values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
     return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
-            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env), _compile_split(entries))
+            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env), _compile_split(entries))
 
 
 def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
@@ -1530,7 +1617,7 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
             fields[n] = list(fields[n])
     fields["device"] = region.device
     fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
-                                      buffer=region, layout=[e[2] for e in entries])
+                                      pieces_env=hb[4], buffer=region, layout=[e[2] for e in entries])
     return SplitKVMetadata(**fields)
 
 
@@ -1559,7 +1646,7 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
                                        kv_pos=None, group_check=False, device="cpu",
-                                       flex_block_masks=False) -> SplitKVMetadata:
+                                       flex_block_masks=False, exchange_pieces=None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -1589,8 +1676,9 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             bf16 / fp16 / fp32 / fp64).
         impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
             `prepare_splitkv_metadata`).
-        num_chunks, cp_ranks_per_node: as `prepare_splitkv_metadata`; None reads MEGATRON_SPLITKV_NUM_CHUNKS
-            / MEGATRON_SPLITKV_RANKS_PER_NODE in THIS process (a worker inherits the trainer's environment;
+        num_chunks, cp_ranks_per_node, exchange_pieces: as `prepare_splitkv_metadata`; None reads
+            MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES in
+            THIS process (a worker inherits the trainer's environment;
             `bind` checks that the variables resolve to the same values there).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
             order than the plan's (its values are not compared with the plan; only the length is).
@@ -1655,6 +1743,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         device = _check_device(device)
         chunks_req = _requested_chunks(num_chunks)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
+        pieces_req = _requested_pieces(exchange_pieces)
         fused_req = fused_bwd_gather_min_p()
         validate_kernel_env()
         # the size table every rank would all-gather: equal block counts, the plan's context counts
@@ -1692,9 +1781,10 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         num_heads_kv=num_heads_kv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"), n_blocks=[nb] * P,
         n_ctx=n_ctx, q_seq=q_seq_t, q_anchor=q_anchor_t, kv_seq=kv_seq_t, kv_pos=kv_pos_t, valid=valid,
         group_check=bool(group_check), num_chunks_requested=chunks_req, cp_ranks_per_node=ranks_req,
-        fused_bwd_gather_min_p=fused_req,
+        fused_bwd_gather_min_p=fused_req, exchange_pieces_requested=pieces_req,
         host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
-                              ranks_env=ranks_req if cp_ranks_per_node is None else None),
+                              ranks_env=ranks_req if cp_ranks_per_node is None else None,
+                              pieces_env=pieces_req if exchange_pieces is None else None),
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
