@@ -24,7 +24,7 @@ budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
 each CP rank reads only its shard's rows; of the target only the embedding and LM head the drafter borrows
 are then built, no decoder layer); `--dflash-data-workers N`
-(default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline;
+(default 1 on CUDA; 0 = synchronous; at most 32 per rank) and `--dflash-data-prefetch N` (default 2): the data pipeline;
 `--dflash-host-metadata {on,off}` (default on with splitkv and workers > 0): the Split-KV attention metadata
 built there too, from the plan (the step binds it to the CP group instead of preparing it);
 `--dflash-device-prefetch {on,off}` (default on): the next batch's upload + bind issued during the current

@@ -24,7 +24,7 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
-                             in forward_step)
+                             in forward_step; at most MAX_DATA_WORKERS = 32 per rank)
     --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
     --dflash-host-metadata {on,off}  build the Split-KV attention metadata in the data workers from the plan
                              (the step binds it); default on with splitkv and data workers > 0; "on" with
@@ -61,6 +61,7 @@ __all__ = [
     "HOST_METADATA_CHOICES",
     "device_prefetch_from_args",
     "DEVICE_PREFETCH_CHOICES",
+    "MAX_DATA_WORKERS",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -69,6 +70,11 @@ CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase")
 # `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
 RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
+# upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
+# pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
+# per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
+# line on another machine than the training one.
+MAX_DATA_WORKERS = 32
 
 
 class SplitKVArgumentError(ValueError):
@@ -186,7 +192,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
             "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
             "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
-            "on the step's critical path). Default: 1 when CUDA is available, else 0.",
+            "on the step's critical path). Default: 1 when CUDA is available, else 0. At most %d per rank." % MAX_DATA_WORKERS,
         )
     if not _has(parser, "--dflash-data-prefetch"):
         group.add_argument(
@@ -257,7 +263,8 @@ def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
 
 def data_workers_from_args(args) -> int:
     """Data-pipeline worker processes from `--dflash-data-workers` (unset/None: 1 when CUDA is available,
-    else 0); SplitKVArgumentError naming the flag for a non-integer or negative value."""
+    else 0); SplitKVArgumentError naming the flag for a non-integer value, a negative one or one above
+    MAX_DATA_WORKERS (32)."""
     value = getattr(args, "dflash_data_workers", None)
     if value is None:
         import torch
@@ -266,6 +273,9 @@ def data_workers_from_args(args) -> int:
     value = _as_int(value, "--dflash-data-workers")
     if value < 0:
         raise SplitKVArgumentError(f"--dflash-data-workers must be >= 0 (0 = synchronous), got {value}")
+    if value > MAX_DATA_WORKERS:
+        raise SplitKVArgumentError(f"--dflash-data-workers must be at most {MAX_DATA_WORKERS} (worker processes per "
+                                   f"rank, each holding --dflash-data-prefetch batches in pinned memory), got {value}")
     return value
 
 
@@ -354,7 +364,7 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
-    `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
+    `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
