@@ -98,6 +98,14 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--data-seed", type=int, default=0)
     d.add_argument("--features-path", type=str, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
+    s = parser.add_argument_group(title="this script")
+    # handled by main() before Megatron parses (removed from the command line there); declared here so that
+    # --help lists it
+    s.add_argument("--parse-only", action="store_true", default=argparse.SUPPRESS,
+                   help="CPU check of a command line: parse it with Megatron's parser plus these flags, run the "
+                   "Split-KV flag validation (validate_splitkv_args; a bad flag is one error line naming it, exit "
+                   "status 2), print the parsed namespace (flags resolved at run time shown as what they resolve "
+                   "to) and exit without training. Needs megatron-core, no GPU.")
     # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
     # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
     # is still an error naming the flag
