@@ -18,7 +18,8 @@ Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
 `--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase}` (the op's local kernel),
 `--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
-budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id`; target flags
+budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
+`--loss-decay-gamma`, `--mask-token-id`; target flags
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
@@ -68,18 +69,18 @@ from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
+# short spellings this script accepts for add_splitkv_args' flags (aliases: the same option)
+DFLASH_FLAG_ALIASES = {"--dflash-num-anchors": ("--num-anchors",), "--dflash-block-size": ("--block-size",)}
+
 _STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False}
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags."""
-    add_splitkv_args(parser)
+    # --num-anchors / --block-size: other spellings of add_splitkv_args' --dflash-num-anchors /
+    # --dflash-block-size, the same argparse action (one help text, one default)
+    add_splitkv_args(parser, aliases=DFLASH_FLAG_ALIASES)
     g = parser.add_argument_group(title="dflash drafter")
-    # aliases of add_splitkv_args' --dflash-num-anchors / --dflash-block-size (same dest)
-    g.add_argument("--num-anchors", dest="dflash_num_anchors", type=int, default=argparse.SUPPRESS,
-                   help="Anchors (query blocks) per sequence, the query budget (default 512).")
-    g.add_argument("--block-size", dest="dflash_block_size", type=int, default=argparse.SUPPRESS,
-                   help="Draft block size B (default 16).")
     g.add_argument("--loss-decay-gamma", type=float, default=None,
                    help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
     g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,

@@ -14,6 +14,8 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --cp-balance {lpt,contiguous,zigzag,hypergraph}         context sharding strategy (default lpt)
     --dflash-block-size B    draft block size (default 16)
     --dflash-num-anchors N   query budget: anchors (blocks) per sequence (default 512)
+    (`aliases=` adds other spellings of a flag to ITS action, e.g. examples/pretrain_dflash.py's
+    --num-anchors / --block-size: one option, one help text, one default)
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
@@ -133,10 +135,38 @@ def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
     return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
 
 
-def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _add_aliases(parser: argparse.ArgumentParser, flag: str, aliases) -> None:
+    """Make each of `aliases` another spelling of the existing option `flag` (the same argparse action: one
+    help text, one default, one dest). For a flag the parser had before `add_splitkv_args` (e.g. from a
+    patched Megatron-LM), where the alias cannot go into the `add_argument` call. ValueError naming the
+    alias when it is already an option of another action."""
+    action = parser._option_string_actions[flag]  # noqa: SLF001 - argparse has no public alias API
+    for alias in aliases:
+        other = parser._option_string_actions.get(alias)  # noqa: SLF001
+        if other is action:
+            continue
+        if other is not None:
+            raise ValueError(f"cannot make {alias} an alias of {flag}: it is already the option "
+                             f"{'/'.join(other.option_strings)}")
+        action.option_strings.append(alias)
+        parser._option_string_actions[alias] = action  # noqa: SLF001
+
+
+def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
-    `extra_args_provider` contract). Idempotent: flags the parser already has are skipped."""
+    `extra_args_provider` contract). Idempotent: flags the parser already has are skipped.
+
+    `aliases`: {flag: (other spelling, ...)} for flags of this function, e.g. {"--dflash-num-anchors":
+    ("--num-anchors",)}: the other spellings become option strings of the SAME action (one help text, one
+    default, listed together by --help), never a second action with the same dest. ValueError for a key
+    that is not an option of the parser, or an alias that is already another option (argparse.ArgumentError
+    when the parser had it before this call)."""
+    aliases = dict(aliases or {})
     group = parser.add_argument_group(title="split-kv context parallelism")
+    names = {}  # flag -> its option strings for add_argument
+
+    def spellings(flag):
+        return (flag, *names.setdefault(flag, tuple(aliases.get(flag, ()))))
     if not _has(parser, "--context-parallel-impl"):
         group.add_argument(
             "--context-parallel-impl", type=str, default=None, choices=CP_IMPLS,
@@ -155,11 +185,12 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help="How context chunks are assigned to CP ranks (default lpt).",
         )
     if not _has(parser, "--dflash-block-size"):
-        group.add_argument("--dflash-block-size", type=int, default=16, help="DFlash draft block size B.")
+        group.add_argument(*spellings("--dflash-block-size"), dest="dflash_block_size", type=int, default=16,
+                           help="DFlash draft block size B: tokens per draft block, >= 2 (default 16).")
     if not _has(parser, "--dflash-num-anchors"):
         group.add_argument(
-            "--dflash-num-anchors", type=int, default=512,
-            help="DFlash query budget: anchors (query blocks) per sequence.",
+            *spellings("--dflash-num-anchors"), dest="dflash_num_anchors", type=int, default=512,
+            help="DFlash query budget: anchors (query blocks) per sequence (default 512).",
         )
     if not _has(parser, "--splitkv-no-overlap-q-gather"):
         group.add_argument(
@@ -222,6 +253,11 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
             "Default: on.",
         )
+    for flag, extra in aliases.items():
+        if not _has(parser, flag):
+            raise ValueError(f"add_splitkv_args: aliases key {flag!r} is not an option of the parser")
+        if flag not in names:  # the parser had it before: attach the other spellings to its action
+            _add_aliases(parser, flag, extra)
     return parser
 
 
