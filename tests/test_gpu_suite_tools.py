@@ -185,3 +185,18 @@ def test_chunk_cost_cpu(tmp_path):
     assert all(x["ctx_per_rank"] == 256 and x["ms"] > 0 for x in rows)
     assert rows[0]["vs_one"] == 1.0
     assert (tmp_path / "chunk_cost.md").read_text().count("| 256 | math |") == len(rows)
+
+
+def test_run_gpu_suite_names_its_output_folder(tmp_path):
+    """The closing line of tools/run_gpu_suite.sh names the real output folder (it printed a literal '$OUT'
+    outside the device harness, e.g. on CPU machines). Every step skipped by a 10 s budget: only the
+    collection and the summary run."""
+    out = tmp_path / "out"
+    env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="kernels", SUITE_BUDGET_S="10", PYTHON=sys.executable,
+               OUT=str(out), WORK=str(tmp_path / "work"))
+    p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"in OUT={out}: ") and "suite.log" in last, last
+    assert "$OUT" not in p.stdout, p.stdout[-2000:]
