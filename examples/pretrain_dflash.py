@@ -290,12 +290,16 @@ def _cp_group():
 
 
 def _prepare_item(item):
-    """A host PlannedBatch (plan, shard, blocks, features, metadata) -> (item, its upload on the device
-    (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP group
-    when the pipeline built it (--dflash-host-metadata; bind only attaches the group, no copy))."""
+    """A host PlannedBatch (plan, shard, blocks, features, metadata) -> PreparedItem (item, its upload on the
+    device (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP
+    group when the pipeline built it (--dflash-host-metadata; bind only attaches the group, no copy)).
+    A PreparedItem pickles as its host item only (`data.prefetch.PreparedItem`: Megatron's rerun-from-checkpoint
+    saves the iteration's micro-batches; the bound metadata's ProcessGroup cannot be pickled)."""
+    from megatron_splitkv.data.prefetch import PreparedItem
+
     dev = item.to(_device(), non_blocking=True)
     kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
-    return item, dev, kw
+    return PreparedItem(item, dev, kw)
 
 
 def _prefetcher(data_iterator):
@@ -319,8 +323,13 @@ def forward_step(data_iterator, model):
     features (feature store rows, or the online target), the drafter loss; then, with
     --dflash-device-prefetch, the next batch is prepared while the GPU runs this forward."""
     timers = get_timers()
+    from megatron_splitkv.data.prefetch import UnpreparedItem
+
     timers("batch-generator", log_level=2).start()
-    item, dev, kw = next(data_iterator)  # a DevicePrefetcher over the pipeline, mapping _prepare_item
+    x = next(data_iterator)  # a DevicePrefetcher over the pipeline, mapping _prepare_item
+    if isinstance(x, UnpreparedItem):  # replayed from a rerun checkpoint (RerunDataIterator): host item only
+        x = _prepare_item(x.host)
+    item, dev, kw = x
     timers("batch-generator").stop()
     if _STATE["store"] is not None:
         feats = dev.features
