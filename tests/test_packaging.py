@@ -20,7 +20,7 @@ def _setup_kwargs():
 
 def test_every_extra_is_pinned_or_ranged():
     extras = _setup_kwargs()["extras_require"]
-    assert set(extras) == {"megatron", "te", "flash-attn", "apex", "hypergraph", "data", "dev"}
+    assert {"megatron", "te", "flash-attn", "apex", "hypergraph", "data", "dev"} <= set(extras)
     for name, reqs in extras.items():
         for text in reqs:
             r = Requirement(text)
