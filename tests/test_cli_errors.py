@@ -137,3 +137,16 @@ def test_pretrain_dflash_bad_splitkv_flag_exits_2_with_one_line():
     assert p.returncode == 2, p.stderr[-2000:]
     assert "pretrain_dflash.py: error: --dflash-data-workers must be >= 0" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_pretrain_dflash_too_many_data_workers_exits_2_with_one_line():
+    """--dflash-data-workers above its cap (32 per rank): one line naming the flag and the limit, exit status 2."""
+    pytest.importorskip("megatron.core")
+    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "1", "--dflash-data-workers", "1000000"]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("pretrain_dflash.py: error: --dflash-data-workers must be at most 32"), last
+    assert "got 1000000" in last and "Traceback" not in p.stderr

@@ -507,6 +507,35 @@ PARSE = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-atte
          "--transformer-impl", "local", "--num-anchors", "8"]
 
 
+def test_data_workers_upper_bound():
+    """--dflash-data-workers has a documented cap (MAX_DATA_WORKERS = 32 worker processes per rank): the cap is
+    accepted, one more is a SplitKVArgumentError naming the flag and the limit (was accepted: 10**6 workers
+    would have started a million processes), from the flag readers and from --parse-only."""
+    pytest.importorskip("megatron.core")
+    import argparse
+
+    from megatron_splitkv.megatron import SplitKVArgumentError, add_splitkv_args, validate_splitkv_args
+    from megatron_splitkv.megatron.arguments import MAX_DATA_WORKERS, data_workers_from_args
+
+    assert MAX_DATA_WORKERS == 32
+    p = add_splitkv_args(argparse.ArgumentParser())
+    assert "At most 32 per rank" in " ".join(p.format_help().split())
+    assert data_workers_from_args(p.parse_args(["--dflash-data-workers", "32"])) == 32
+    for bad in ("33", str(10 ** 6)):
+        a = p.parse_args(["--dflash-data-workers", bad, "--context-parallel-impl", "splitkv"])
+        for check in (data_workers_from_args, lambda a: validate_splitkv_args(a, have_te=True)):
+            with pytest.raises(SplitKVArgumentError, match=f"--dflash-data-workers must be at most 32 .*got {bad}"):
+                check(a)
+    mod = _load_pretrain("pretrain_dflash_dw")
+    argv = sys.argv
+    try:
+        assert mod.main(PARSE + ["--dflash-data-workers", "32"]).dflash_data_workers == 32
+        with pytest.raises(SplitKVArgumentError, match="--dflash-data-workers must be at most 32"):
+            mod.main(PARSE + ["--dflash-data-workers", "33"])
+    finally:
+        sys.argv = argv
+
+
 def test_pretrain_parse_only_data_flags():
     pytest.importorskip("megatron.core")
     from megatron_splitkv.megatron import SplitKVArgumentError

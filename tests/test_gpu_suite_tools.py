@@ -68,6 +68,16 @@ def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
     log = (tmp_path / "gpu_check_compare_cpu_w1.log").read_text()
     assert "| dense SDPA" in log and "| te | 256 |" in log and "Staircase option sweep" in log
     assert "| kernel | Tk |" in p.stdout  # the table is printed last
+    # GPU-only measures read "n/a (CPU)" (were 0 TF/s and nan% columns), and the output says why
+    import gpu_check
+
+    assert gpu_check.CPU_NOTE in p.stdout and gpu_check.CPU_NOTE in log
+    first_table = p.stdout.split("| kernel | Tk |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    assert len(first_table) == 8  # dense SDPA and three kernels at two Tk
+    for ln in first_table:  # fwd TF/s, % dense, fwd+bwd TF/s, % dense
+        cells = ln.split(" | ")
+        assert [cells[i] for i in (3, 4, 6, 7)] == ["n/a (CPU)"] * 4, cells
+    assert "nan" not in p.stdout.split("| kernel | Tk |", 1)[1], p.stdout[-3000:]
 
 
 @pytest.mark.skipif(_te_importable(), reason="Transformer Engine is installed here")
@@ -89,9 +99,14 @@ def test_tune_flex_cpu(tmp_path):
     assert [r["config"] for r in res["rows"]] == ["default", "fwd_tma"]
     for r in res["rows"]:
         assert r["exact_ok"] and r["fwdbwd_ms"] > 0 and r["compile_s"] >= 0, r
-    assert res["best"]["name"] in ("default", "fwd_tma")
+    # on CPU flex is emulated and ignores kernel_options: no config is recommended (it was, from timing noise)
+    assert res["best"] is None and res["no_recommendation"] == tune_flex.NO_RECOMMENDATION_CPU
+    assert "ignores kernel_options" in res["no_recommendation"]
     md = (tmp_path / "tune_flex.md").read_text()
-    assert "best: **" in md and "MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS" in md
+    assert "best: - (no recommendation: CPU run: " in md
+    assert "best: **" not in md and "MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS" not in md
+    saved = json.loads((tmp_path / "tune_flex.json").read_text())
+    assert saved["best"] is None and saved["no_recommendation"] == tune_flex.NO_RECOMMENDATION_CPU
     # the configs are valid option names for torch 2.11's flex (forward / backward prefixes)
     for name, opts in tune_flex.CONFIGS:
         for k in opts:
@@ -185,3 +200,45 @@ def test_chunk_cost_cpu(tmp_path):
     assert all(x["ctx_per_rank"] == 256 and x["ms"] > 0 for x in rows)
     assert rows[0]["vs_one"] == 1.0
     assert (tmp_path / "chunk_cost.md").read_text().count("| 256 | math |") == len(rows)
+
+
+def test_run_gpu_suite_names_its_output_folder(tmp_path):
+    """The closing line of tools/run_gpu_suite.sh names the real output folder (it printed a literal '$OUT'
+    outside the device harness, e.g. on CPU machines). Every step skipped by a 10 s budget: only the
+    collection and the summary run."""
+    out = tmp_path / "out"
+    env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="kernels", SUITE_BUDGET_S="10", PYTHON=sys.executable,
+               OUT=str(out), WORK=str(tmp_path / "work"))
+    p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    last = p.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"in OUT={out}: ") and "suite.log" in last, last
+    assert "$OUT" not in p.stdout, p.stdout[-2000:]
+
+
+def test_gpu_check_tables_gpu_measures_na_on_cpu():
+    """tools/gpu_check.py tables: TF/s, % of dense and peak memory are "n/a (CPU)" for a --cpu run (they printed
+    0 TF/s and nan), numbers for a CUDA run; the CPU note is added to a CPU run's output only."""
+    import gpu_check
+
+    def res(device):
+        return {"env": {"device": device},
+                "op_timing_cp1": [dict(op="splitkv", ctx=1024, fwdbwd_ms=12.5, useful_tflops_per_gpu=0.04,
+                                       total_mb=0.0, bytes={}, **({"peak_mem_gib": 1.25} if device != "cpu" else {}))],
+                "throughput": [dict(tk=512, density=0.5, raw_fwd_ms=1.0, raw_fwd_tflops=0.2, raw_fwdbwd_ms=2.0,
+                                    raw_fwdbwd_tflops=0.3, kernel_fwd_ms=1.5, kernel_fwd_tflops=0.1,
+                                    kernel_fwd_cached_ms=1.4, kernel_fwd_cached_tflops=0.1, kernel_fwdbwd_ms=3.0,
+                                    kernel_fwdbwd_tflops=0.1, kernel_fwdbwd_cached_ms=2.9,
+                                    kernel_fwdbwd_cached_tflops=0.1, mask_ms=0.2, sdpa_fwd_ms=0.3,
+                                    sdpa_fwd_tflops=float("nan"), sdpa_fwdbwd_ms=0.6, sdpa_fwdbwd_tflops=0.4)]}
+
+    cpu = "\n".join(gpu_check.table_ops(res("cpu"), 1) + gpu_check.table_kernel(res("cpu")) + gpu_check.cpu_note(res("cpu")))
+    assert "| splitkv | 1024 | 12.50 | n/a (CPU) | 0.0 () | n/a (CPU) |" in cpu
+    assert "| 512 | 0.500 | 1.00 | 2.00 | 1.50 / 1.40 | 3.00 / 2.90 | 0.20 | 0.30 | 0.60 |" in cpu
+    assert "nan" not in cpu and "(0)" not in cpu and gpu_check.CPU_NOTE in cpu
+    gpu = "\n".join(gpu_check.table_ops(res("cuda:0"), 1) + gpu_check.table_kernel(res("cuda:0"))
+                    + gpu_check.cpu_note(res("cuda:0")))
+    assert "| splitkv | 1024 | 12.50 | 0 | 0.0 () | 1.25 |" in gpu
+    assert "| 512 | 0.500 | 1.00 (0) | 2.00 (0) | 1.50 (0) / 1.40 (0) | 3.00 (0) / 2.90 (0) | 0.20 | 0.30 (-) | 0.60 (0) |" in gpu
+    assert "n/a" not in gpu and gpu_check.CPU_NOTE not in gpu

@@ -313,3 +313,71 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     assert a.splitkv_cp_ranks_per_node == 4
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))
     assert os.environ[RANKS_PER_NODE_ENV] == "4" and resolve_ranks_per_node(None, 8) == 4
+
+
+def _dest_clashes(parser, actions):
+    """{dest: [option strings of each action]} for dests that two or more of `actions` write."""
+    by_dest = {}
+    for a in actions:
+        if a.option_strings and a.dest != "help":
+            by_dest.setdefault(a.dest, []).append(a)
+    return {d: [a.option_strings for a in acts] for d, acts in by_dest.items() if len(acts) > 1}
+
+
+def test_flag_spellings_share_one_action_and_help_text(capsys):
+    """Every option pretrain_dflash.py adds to Megatron's parser (add_dflash_args, with add_splitkv_args) is
+    ONE argparse action per dest: --num-anchors / --dflash-num-anchors and --block-size / --dflash-block-size
+    were two actions each with different help texts and defaults (512 vs SUPPRESS); now aliases of one
+    action, listed together in --help with one help text."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    mod, base = _pretrain_parse_only("pretrain_dflash_alias")
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    before = set(map(id, parser._actions))
+    mod.add_dflash_args(parser)
+    ours = [a for a in parser._actions if id(a) not in before]
+    assert ours and _dest_clashes(parser, ours) == {}
+    # and none of ours writes a dest Megatron's own flags write
+    megatron_dests = {a.dest for a in parser._actions if id(a) in before}
+    assert [a.option_strings for a in ours if a.dest in megatron_dests] == []
+    for short, long_ in (("--num-anchors", "--dflash-num-anchors"), ("--block-size", "--dflash-block-size")):
+        assert parser._option_string_actions[short] is parser._option_string_actions[long_]
+    capsys.readouterr()
+    argv = sys.argv
+    try:
+        assert mod.main(["--help"]) is None  # Megatron's parser + ours (megatron-core 0.19.2 needs '%' escaped)
+    finally:
+        sys.argv = argv
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert ("--dflash-num-anchors DFLASH_NUM_ANCHORS, --num-anchors DFLASH_NUM_ANCHORS DFlash query budget: "
+            "anchors (query blocks) per sequence (default 512).") in help_text
+    assert "--dflash-block-size DFLASH_BLOCK_SIZE, --block-size DFLASH_BLOCK_SIZE DFlash draft block size B" in help_text
+    assert help_text.count("--num-anchors") == 1 and help_text.count("--block-size") == 1
+    # either spelling parses to the same value; the last one given wins (one action)
+    argv = sys.argv
+    try:
+        assert mod.main(base + ["--dflash-num-anchors", "16"]).dflash_num_anchors == 16
+        assert mod.main(base + ["--block-size", "4", "--dflash-block-size", "8"]).dflash_block_size == 8
+    finally:
+        sys.argv = argv
+    capsys.readouterr()
+
+
+def test_add_splitkv_args_aliases():
+    """aliases= on a fresh parser (one add_argument call), on a parser that already had the flag (attached to
+    its action), and the errors: an unknown flag, an alias that is already another option."""
+    p = add_splitkv_args(argparse.ArgumentParser(), aliases={"--dflash-num-anchors": ("--num-anchors",)})
+    assert p.parse_args(["--num-anchors", "4"]).dflash_num_anchors == 4
+    assert p.parse_args([]).dflash_num_anchors == 512
+    assert _dest_clashes(p, p._actions) == {}
+    pre = argparse.ArgumentParser()
+    pre.add_argument("--dflash-block-size", type=int, default=16, help="from a patched parser")
+    add_splitkv_args(pre, aliases={"--dflash-block-size": ("--block-size",)})
+    assert pre.parse_args(["--block-size", "3"]).dflash_block_size == 3 and _dest_clashes(pre, pre._actions) == {}
+    with pytest.raises(ValueError, match="'--no-such-flag' is not an option"):
+        add_splitkv_args(argparse.ArgumentParser(), aliases={"--no-such-flag": ("--x",)})
+    taken = argparse.ArgumentParser()
+    taken.add_argument("--dflash-block-size", type=int)
+    taken.add_argument("--block-size", type=int)
+    with pytest.raises(ValueError, match="cannot make --block-size an alias of --dflash-block-size"):
+        add_splitkv_args(taken, aliases={"--dflash-block-size": ("--block-size",)})

@@ -91,3 +91,16 @@ def test_synchronous_host_metadata_is_documented(pre, capsys, monkeypatch):
     p = add_splitkv_args(argparse.ArgumentParser())
     help_text = " ".join(p.format_help().split())
     assert "'on' with --dflash-data-workers 0 is the synchronous mode" in help_text
+
+
+def test_help_lists_parse_only(pre, capsys, monkeypatch):
+    """`--help` documents `--parse-only` (it was handled by main() but missing from the help output), and the
+    namespace --parse-only returns has no parse_only attribute (the flag is main()'s, not the run's)."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    capsys.readouterr()
+    assert pre.main(["--help"]) is None
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--parse-only CPU check of a command line" in out, out[-3000:]
+    assert "exit without training" in out
+    args, _ = _parse(pre, capsys, monkeypatch)
+    assert not hasattr(args, "parse_only")

@@ -51,8 +51,69 @@ def test_numeric_option_non_integer_is_valueerror(val):
         StaircaseAttentionKernel(group_blocks=val)
 
 
-def test_numeric_option_integral_float_accepted():
-    assert StaircaseAttentionKernel(group_blocks=64.0).group_blocks == 64
+@pytest.mark.parametrize("val", [64.0, "64"])
+def test_numeric_option_float_or_string_rejected(val):
+    """An integer option takes ints only (the package's integer policy, `_ints.as_int`): 64.0 and "64" were
+    accepted silently (int() of them); an int and any `__index__` integer still are."""
+    with pytest.raises(ValueError, match=r"staircase group_blocks must be a positive int, got (64\.0|'64')"):
+        StaircaseAttentionKernel(group_blocks=val)
+    assert StaircaseAttentionKernel(group_blocks=64).group_blocks == 64
+    assert StaircaseAttentionKernel(group_blocks=torch.tensor(64)).group_blocks == 64
+
+
+@pytest.mark.parametrize("name,val,want", [
+    ("GROUP_BLOCKS", "64.0", "a positive int (decimal digits), got '64.0'"),
+    ("GROUP_BLOCKS", "1e2", "a positive int (decimal digits), got '1e2'"),
+    ("GROUP_BLOCKS", "1_000", "a positive int (decimal digits), got '1_000'"),
+    ("GROUP_BLOCKS", "\u0663", "a positive int (decimal digits), got '\u0663'"),  # ARABIC-INDIC DIGIT THREE: int() takes it
+    ("GROUP_BLOCKS", "0", "a positive int, got 0"),
+    ("STREAMS", "2.0", "a positive int (decimal digits), got '2.0'"),
+    ("MIN_PAIRS", "1048576.0", "a non-negative int (decimal digits), got '1048576.0'"),
+    ("PIECE_MIN_PAIRS", "none", "a non-negative int (decimal digits), got 'none'"),
+    ("KEY_BUCKETS", "off", "a non-negative int (decimal digits), got 'off'"),
+    ("BWD_MODE", "Query", "one of auto, query, key, got 'Query'"),
+    ("BWD_MODE", "2", "one of auto, query, key, got '2'"),
+    ("GQA", "FOLD", "one of fold, native, got 'FOLD'"),
+    ("KV_LAYOUT", "views", "one of auto, view, copy, got 'views'"),
+    ("INNER", "Flex", "one of auto, math, flex, te (the remainder kernel; never staircase), got 'Flex'"),
+])
+def test_env_option_bad_value_names_variable_and_allowed_values(monkeypatch, name, val, want):
+    """MEGATRON_SPLITKV_STAIRCASE_<NAME>: ints are plain ASCII decimal integers ("1_000" and non-ASCII digits
+    were taken by int()), choices exact; the error names the variable, the option and the allowed values."""
+    var = "MEGATRON_SPLITKV_STAIRCASE_" + name
+    monkeypatch.setenv(var, val)
+    with pytest.raises(ValueError) as e:
+        StaircaseAttentionKernel()
+    assert str(e.value) == f"{var} (staircase option {name.lower()}) must be {want}", str(e.value)
+
+
+@pytest.mark.parametrize("name,val,attr,want", [("GROUP_BLOCKS", " 64 ", "group_blocks", 64),
+                                                ("KEY_BUCKETS", "0", "key_buckets", 0),
+                                                ("BWD_MODE", "key", "bwd_mode", "key"), ("INNER", "math", "inner", "math")])
+def test_env_option_good_value(monkeypatch, name, val, attr, want):
+    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_" + name, val)
+    assert getattr(StaircaseAttentionKernel(), attr) == want
+
+
+@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCK", "MEGATRON_SPLITKV_STAIRCASE_NOSUCH"])
+def test_env_unknown_option_name_rejected(monkeypatch, var):
+    """A misspelled variable (..._GROUP_BLOCK for ..._GROUP_BLOCKS) was ignored without a word: now a
+    ValueError naming it and listing the variables, from the kernel and from the group-wide check."""
+    monkeypatch.setenv(var, "64")
+    for make in (StaircaseAttentionKernel, kernels.validate_kernel_env):
+        with pytest.raises(ValueError, match=f"{var} is not a staircase kernel option; the variables are: "
+                                             "MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS, .*_AUTO_MIN_KEYS"):
+            make()
+    monkeypatch.setenv(var, "")  # empty = unset, as for every option
+    StaircaseAttentionKernel()
+
+
+@pytest.mark.parametrize("val", ["32768.0", "32_768", "1e5", "-1", "\u0663"])
+def test_env_auto_min_keys_bad_value(monkeypatch, val):
+    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS", val)
+    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS must be a non-negative int .* "
+                                         "or one of 0, off, never, none, false, no"):
+        kernels.staircase_auto_min_keys()
 
 
 def _run(args, code=None):

@@ -1084,11 +1084,43 @@ def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx
     return broken
 
 
+#: table cell of a GPU-only measure in a CPU dry run (TF/s, % of dense SDPA, peak memory)
+NA_CPU = "n/a (CPU)"
+CPU_NOTE = ("CPU dry run (--cpu: tiny shapes, FlexAttention emulated): TF/s, % of dense SDPA and peak GPU memory "
+            f"are GPU measures and read {NA_CPU}; the ms columns only show that each path ran, not its speed.")
+
+
+def _is_cpu(res) -> bool:
+    """Whether `res` comes from a --cpu run (its env device is the CPU)."""
+    return str(res.get("env", {}).get("device", "")).startswith("cpu")
+
+
+def _num(value, fmt="{:.2f}"):
+    """`fmt` of a number, '-' for None / NaN."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+
+def _g(cpu, value, fmt="{:.0f}"):
+    """A GPU-only measure as a table cell: `fmt` of value ('-' for None / NaN), NA_CPU in a CPU dry run."""
+    return NA_CPU if cpu else _num(value, fmt)
+
+
+def _ms_tf(cpu, ms, tf):
+    """'ms (TF/s)' cell; in a CPU dry run only the ms (the TF/s is n/a there, see CPU_NOTE)."""
+    return _num(ms) if cpu else f"{_num(ms)} ({_num(tf, '{:.0f}')})"
+
+
+def cpu_note(res) -> list:
+    """[CPU_NOTE] (with a blank line before it) for a --cpu run's output, else []."""
+    return ["", CPU_NOTE] if _is_cpu(res) else []
+
+
 def table_compare(res):
     c = res.get("compare")
     if not c:
         return []
     nan = float("nan")
+    cpu = _is_cpu(res)
     sh = c["shapes"]
     lines = ["", f"Local kernels, DFlash interval mask: {sh['n_anchors']} anchors x {sh['B']} (Tq {sh['Tq']}), one "
              f"sequence, Hq {sh['Hq']}, Hkv {sh['Hkv']}, D {sh['D']}, bf16; kernel API, cached mask; TF/s on useful "
@@ -1101,8 +1133,9 @@ def table_compare(res):
         if "error" in sd:
             lines.append(f"| dense SDPA | {sd['tk']} | ERROR {sd['error'][:80]} |" + " |" * 12)
             continue
-        lines.append(f"| dense SDPA (Lk {sd['lk']}) | {sd['tk']} | {sd['fwd_ms']:.2f} | {sd['fwd_tflops']:.0f} | 100% | "
-                     f"{sd['fwdbwd_ms']:.2f} | {sd['fwdbwd_tflops']:.0f} | 100% | | | | | | | |")
+        lines.append(f"| dense SDPA (Lk {sd['lk']}) | {sd['tk']} | {sd['fwd_ms']:.2f} | {_g(cpu, sd['fwd_tflops'])} | "
+                     f"{_g(cpu, 100, '{:.0f}%')} | {sd['fwdbwd_ms']:.2f} | {_g(cpu, sd['fwdbwd_tflops'])} | "
+                     f"{_g(cpu, 100, '{:.0f}%')} | | | | | | | |")
     for r in c["rows"]:
         head = f"| {r['kernel']} | {r['tk']} |"
         if "unavailable" in r or "skipped" in r:
@@ -1116,8 +1149,8 @@ def table_compare(res):
         se = r.get("split_exact")
         split = "-" if not se else (f"ERROR {se['error'][:40]}" if "error" in se else
                                     "/".join(f"{se.get(x, nan):.1e}" for x in ("out", "dq", "dk", "dv")))
-        lines.append(head + f" {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | {r.get('fwd_pct_dense', nan):.0f}% | "
-                     f"{r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | {r.get('fwdbwd_pct_dense', nan):.0f}% | "
+        lines.append(head + f" {r['fwd_ms']:.2f} | {_g(cpu, r['fwd_tflops'])} | {_g(cpu, r.get('fwd_pct_dense'), '{:.0f}%')} | "
+                     f"{r['fwdbwd_ms']:.2f} | {_g(cpu, r['fwdbwd_tflops'])} | {_g(cpu, r.get('fwdbwd_pct_dense'), '{:.0f}%')} | "
                      + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "lse", "dq", "dk", "dv"))
                      + f" | {split} | {r.get('first_call_s', nan):.1f} |")
     st_rows = [r for r in c["rows"] if "paths" in r]
@@ -1146,9 +1179,10 @@ def table_compare(res):
                 continue
             e, p = r.get("exact", {}), r.get("paths", {})
             lines.append(head + f" {r.get('groups', '-')} | {100 * r.get('dense_fraction', 0):.1f}% | "
-                         f"{p.get('bwd', '-')} | {p.get('gqa', '-')} | {r['fwd_ms']:.2f} | {r['fwd_tflops']:.0f} | "
-                         f"{r.get('fwd_pct_dense', nan):.0f}% | {r['fwdbwd_ms']:.2f} | {r['fwdbwd_tflops']:.0f} | "
-                         f"{r.get('fwdbwd_pct_dense', nan):.0f}% | {r.get('speedup_vs_flex', nan):.2f} | "
+                         f"{p.get('bwd', '-')} | {p.get('gqa', '-')} | {r['fwd_ms']:.2f} | {_g(cpu, r['fwd_tflops'])} | "
+                         f"{_g(cpu, r.get('fwd_pct_dense'), '{:.0f}%')} | {r['fwdbwd_ms']:.2f} | "
+                         f"{_g(cpu, r['fwdbwd_tflops'])} | {_g(cpu, r.get('fwdbwd_pct_dense'), '{:.0f}%')} | "
+                         f"{r.get('speedup_vs_flex', nan):.2f} | "
                          + " | ".join(f"{e.get(x, nan):.1e}" for x in ("out", "dq", "dk", "dv"))
                          + f" | {r.get('first_call_s', nan):.1f} |")
     ob = c.get("own_block") or []
@@ -1236,25 +1270,25 @@ def table_kernel(res):
                   f"all buckets again: {c['again_graphs']} ({c['again_s']:.1f}s); ok={c.get('ok')}"]
     tp = res.get("throughput")
     if tp:
-        nan = float("nan")
+        cpu = _is_cpu(res)
         lines += ["", "| Tk | density | raw flex fwd ms (TF/s) | raw flex fwd+bwd ms (TF/s) | kernel fwd ms (TF/s) fresh / cached mask | kernel fwd+bwd ms (TF/s) fresh / cached | mask build ms | SDPA fwd ms (TF/s) | SDPA fwd+bwd ms (TF/s) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in tp:
+            def mt(key):
+                return _ms_tf(cpu, r.get(key + "_ms"), r.get(key + "_tflops"))
+
             lines.append(
-                f"| {r['tk']} | {r['density']:.3f} | {r.get('raw_fwd_ms', nan):.2f} ({r.get('raw_fwd_tflops', nan):.0f}) | "
-                f"{r.get('raw_fwdbwd_ms', nan):.2f} ({r.get('raw_fwdbwd_tflops', nan):.0f}) | "
-                f"{r['kernel_fwd_ms']:.2f} ({r['kernel_fwd_tflops']:.0f}) / {r['kernel_fwd_cached_ms']:.2f} ({r['kernel_fwd_cached_tflops']:.0f}) | "
-                f"{r['kernel_fwdbwd_ms']:.2f} ({r['kernel_fwdbwd_tflops']:.0f}) / {r['kernel_fwdbwd_cached_ms']:.2f} ({r['kernel_fwdbwd_cached_tflops']:.0f}) | "
-                f"{r['mask_ms']:.2f} | {r.get('sdpa_fwd_ms', nan):.2f} ({r.get('sdpa_fwd_tflops', nan):.0f}) | "
-                f"{r.get('sdpa_fwdbwd_ms', nan):.2f} ({r.get('sdpa_fwdbwd_tflops', nan):.0f}) |")
+                f"| {r['tk']} | {r['density']:.3f} | {mt('raw_fwd')} | {mt('raw_fwdbwd')} | "
+                f"{mt('kernel_fwd')} / {mt('kernel_fwd_cached')} | {mt('kernel_fwdbwd')} / {mt('kernel_fwdbwd_cached')} | "
+                f"{r['mask_ms']:.2f} | {mt('sdpa_fwd')} | {mt('sdpa_fwdbwd')} |")
         vlines = []
         for r in tp:
             for v in r.get("variants", []):
                 if "error" in v:
                     vlines.append(f"| {r['tk']} | {v['name']} | ERROR {v['error'][:80]} | | |")
                 else:
-                    vlines.append(f"| {r['tk']} | {v['name']} | {v['fwd_ms']:.2f} ({v['fwd_tflops']:.0f}) | "
-                                  f"{v['fwdbwd_ms']:.2f} ({v['fwdbwd_tflops']:.0f}) | {v['compile_s']:.1f} |")
+                    vlines.append(f"| {r['tk']} | {v['name']} | {_ms_tf(cpu, v['fwd_ms'], v['fwd_tflops'])} | "
+                                  f"{_ms_tf(cpu, v['fwdbwd_ms'], v['fwdbwd_tflops'])} | {v['compile_s']:.1f} |")
         if vlines:
             lines += ["", "| Tk | raw flex variant | fwd ms (TF/s) | fwd+bwd ms (TF/s) | compile s |", "|---|---|---|---|---|"] + vlines
     return lines
@@ -1274,6 +1308,7 @@ def table_ops(res, world):
                              f"{r['v_ctx']:.2e} | {r['k_blk']:.2e} | {r['v_blk']:.2e} |")
     tm = res.get(f"op_timing_cp{world}")
     if tm:
+        cpu = _is_cpu(res)
         lines += ["", f"| op CP={world} | context | fwd+bwd ms | useful TF/s/GPU | comm MB/rank (per collective) | peak mem GiB |",
                   "|---|---|---|---|---|---|"]
         for r in tm:
@@ -1281,8 +1316,8 @@ def table_ops(res, world):
                 lines.append(f"| {r['op']} | {r['ctx']} | ERROR {r['error'].splitlines()[-1][:60]} | | | |")
                 continue
             per = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sorted(r["bytes"].items()))
-            lines.append(f"| {r['op']} | {r['ctx']} | {r['fwdbwd_ms']:.2f} | {r['useful_tflops_per_gpu']:.0f} | "
-                         f"{r['total_mb']:.1f} ({per}) | {r.get('peak_mem_gib', float('nan')):.2f} |")
+            lines.append(f"| {r['op']} | {r['ctx']} | {r['fwdbwd_ms']:.2f} | {_g(cpu, r['useful_tflops_per_gpu'])} | "
+                         f"{r['total_mb']:.1f} ({per}) | {_g(cpu, r.get('peak_mem_gib'), '{:.2f}')} |")
     return lines
 
 
@@ -1322,7 +1357,7 @@ def main():
             with open(os.path.join(args.out, f"gpu_check_{tag}.json"), "w") as f:
                 json.dump(res, f, indent=1, default=str)
             with open(os.path.join(args.out, f"gpu_check_{tag}.log"), "w") as f:
-                f.write("\n".join(LOG + table_compare(res)) + "\n")
+                f.write("\n".join(LOG + table_compare(res) + cpu_note(res)) + "\n")
 
         try:
             kernel_compare(dev, args.cpu, res, args, flush)
@@ -1330,7 +1365,7 @@ def main():
             res["compare_error"] = traceback.format_exc()
             log(f"[compare] ERROR\n{res['compare_error']}")
         flush()
-        print("\n".join(table_compare(res)), flush=True)
+        print("\n".join(table_compare(res) + cpu_note(res)), flush=True)
         print(f"[done] {time.perf_counter() - t_start:.1f}s", flush=True)
         bad = [r for r in res.get("compare", {}).get("rows", []) if "error" in r] or "compare_error" in res
         sys.exit(1 if bad else 0)
@@ -1360,7 +1395,7 @@ def main():
                 res["op_error"] = traceback.format_exc()
                 log(f"[op] ERROR\n{res['op_error']}")
             log(f"[op] {time.perf_counter() - t0:.1f}s")
-        lines = table_kernel(res) + table_ops(res, 1)
+        lines = table_kernel(res) + table_ops(res, 1) + cpu_note(res)
         world = 1
     else:
         import torch.distributed as dist
@@ -1384,7 +1419,7 @@ def main():
             op_exactness(dev, args.cpu, world, rank, group, res, args.backend)
         if "op" not in skip:
             op_timing(dev, args.cpu, world, rank, group, res, args.backend, contexts)
-        lines = table_ops(res, world)
+        lines = table_ops(res, world) + cpu_note(res)
         dist.barrier()
     res["wall_s"] = time.perf_counter() - t_start
     if _rank() == 0:

@@ -365,4 +365,4 @@ fi
   for k in "${!STATUS[@]}"; do echo "- $k: ${STATUS[$k]}"; done | sort
 } | tee -a "$LOG"
 "$PY" tools/suite_report.py summary "$WORK" "$OUT" 2>&1 | tee -a "$LOG"
-echo "in \$OUT: $(cd "$OUT" && ls -s1 --block-size=K | tail -n +2 | tr -s ' \n' ' ')"
+echo "in OUT=$OUT: $(cd "$OUT" && ls -s1 --block-size=K | tail -n +2 | tr -s ' \n' ' ')"

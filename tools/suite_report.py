@@ -139,6 +139,9 @@ def _tune(work):
                 cells.append(("ERROR " + r["error"][:40]) if "error" in r else "skipped")
         print(f"| {n} | " + " | ".join(cells) + f" | {'yes' if ok else 'NO'} |")
     b = t.get("best")
+    if t.get("no_recommendation"):
+        print(f"tune best: - (no recommendation: {t['no_recommendation']})")
+        return
     print("tune best: " + (f"{b['name']} {json.dumps(b['options'])}: {b['speedup']:.3f}x default fwd+bwd" if b else "-"))
 
 

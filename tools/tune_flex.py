@@ -22,7 +22,9 @@ first column); a (config, Tk) is not started after --budget-s seconds. Best conf
 mean of fwd+bwd speedup over "default" across the Tks measured for it and for default, among the exact
 ones (max relative error < 2e-2, lse < 0.05, nothing non-finite).
 
-Outputs in --out: tune_flex.json, tune_flex.md; the table and the best config are printed last.
+Outputs in --out: tune_flex.json, tune_flex.md; the table and the best config are printed last. With --cpu
+no config is recommended ("best": null, "no_recommendation": the reason): the emulated flex ignores
+kernel_options, so any difference is noise.
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   python tools/tune_flex.py --out $OUT --budget-s 120
@@ -92,6 +94,11 @@ def best_config(rows):
     return best
 
 
+#: why a --cpu run recommends no config (in the JSON as "no_recommendation", in the table's last line)
+NO_RECOMMENDATION_CPU = ("CPU run: FlexAttention is emulated on the CPU and ignores kernel_options, so the configs "
+                         "differ only by timing noise; run on a GPU to choose kernel_options")
+
+
 def table(res) -> str:
     hdr = ["config", "Tk", "fwd ms", "fwd TF/s", "% dense", "fwd+bwd ms", "fwd+bwd TF/s", "% dense",
            "vs default", "max rel. err", "exact", "compile s"]
@@ -112,9 +119,12 @@ def table(res) -> str:
     sd = [f"Tk {s['tk']}: dense SDPA fwd {s['fwd_tflops']:.0f}, fwd+bwd {s['fwdbwd_tflops']:.0f} TF/s"
           for s in res["sdpa"] if "fwd_tflops" in s]
     b = res.get("best")
-    best = (f"best: **{b['name']}** {json.dumps(b['options'])}, fwd+bwd {b['speedup']:.3f}x default "
-            f"(geometric mean over Tk {', '.join(str(k) for k in b['per_tk'])}); to use it: "
-            f"MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS='{json.dumps(b['options'])}'") if b else "best: -"
+    if res.get("no_recommendation"):
+        best = f"best: - (no recommendation: {res['no_recommendation']})"
+    else:
+        best = (f"best: **{b['name']}** {json.dumps(b['options'])}, fwd+bwd {b['speedup']:.3f}x default "
+                f"(geometric mean over Tk {', '.join(str(k) for k in b['per_tk'])}); to use it: "
+                f"MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS='{json.dumps(b['options'])}'") if b else "best: -"
     note = (f"FlexAttention kernel_options through FlexAttentionKernel (cached mask), DFlash interval mask "
             f"{res['shapes']['n_anchors']} x {res['shapes']['B']}, Hq {res['shapes']['Hq']}, Hkv "
             f"{res['shapes']['Hkv']}, D {res['shapes']['D']}, bf16. TF/s on useful FLOPs "
@@ -178,8 +188,12 @@ def main(argv=None):
                configs=[dict(name=n, options=o) for n, o in configs], rows=[], sdpa=[], args=vars(args))
     json_path, md_path = os.path.join(args.out, "tune_flex.json"), os.path.join(args.out, "tune_flex.md")
 
+    if dev.type != "cuda":
+        # flex runs emulated on the CPU and ignores kernel_options: the configs differ only by timing noise
+        res["no_recommendation"] = NO_RECOMMENDATION_CPU
+
     def flush():
-        b = best_config(res["rows"])
+        b = None if res.get("no_recommendation") else best_config(res["rows"])
         res["best"] = (dict(name=b[0], options=dict(configs)[b[0]], speedup=b[1], per_tk=b[2]) if b else None)
         res["wall_s"] = time.perf_counter() - t_start
         with open(json_path, "w") as f:

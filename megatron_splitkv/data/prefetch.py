@@ -14,7 +14,50 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-__all__ = ["DevicePrefetcher"]
+__all__ = ["DevicePrefetcher", "PreparedItem", "UnpreparedItem"]
+
+
+class UnpreparedItem:
+    """What a pickled `PreparedItem` loads as: only its host item (`host`), to be prepared again (uploaded,
+    metadata bound) by the process that loaded it, e.g. `prepare(x.host)` in forward_step. Not iterable, so
+    code that would unpack it as a prepared item fails at once instead of using a stale device copy."""
+
+    __slots__ = ("host",)
+
+    def __init__(self, host):
+        self.host = host
+
+    def __repr__(self):
+        return f"UnpreparedItem({type(self.host).__name__})"
+
+
+class PreparedItem(tuple):
+    """One prepared item: the tuple (host, device, kwargs), e.g. (a `data.pipeline.PlannedBatch` in pinned
+    host memory, its upload to the device, the op's keyword arguments such as `metadata=` bound to the CP
+    group). Unpacks and indexes as that 3-tuple.
+
+    Pickling keeps the host item only and loads as `UnpreparedItem(host)`. Why: Megatron-Core's
+    `RerunDataIterator` (megatron/core/rerun_state_machine.py, 0.19.2; `rerun_mode` validate_results is
+    Megatron's default) keeps the micro-batches of the current iteration, and when a fault is to be re-run
+    from a checkpoint (state WILL_RERUN_FROM_CHECKPOINT) its `state_dict()` puts them into the checkpoint,
+    where torch_dist pickles them (`torch.save` of the ShardedObject data). The kwargs hold Split-KV
+    metadata bound to the CP group, whose ProcessGroup cannot be pickled (the save failed with "cannot pickle
+    'ProcessGroup' object"), and a device copy and a group belong to the process that made them anyway: the
+    job that loads the checkpoint prepares the host item again with its own device and group.
+
+    `copy.copy` returns the item itself (RerunDataIterator shallow-copies every micro-batch it saves for an
+    in-place rerun; a tuple is immutable)."""
+
+    __slots__ = ()
+
+    def __new__(cls, host, device, kwargs):
+        return super().__new__(cls, (host, device, kwargs))
+
+    def __copy__(self):
+        return self
+
+    def __reduce__(self):
+        return (UnpreparedItem, (self[0],))
 
 
 class DevicePrefetcher:

@@ -83,7 +83,8 @@ def staircase_auto_min_keys() -> int:
     "0" / "off" / "never" / "none" / "false" / "no" -> 0 = "auto" never picks staircase; a positive int N
     -> staircase for calls with >= N keys (1: whenever it can run).
 
-    Returns: int >= 0 (keys; 0 = disabled). Raises: ValueError for anything else (negative, not an int).
+    Returns: int >= 0 (keys; 0 = disabled). Raises: ValueError naming the variable and the allowed values for
+    anything else (negative, not a plain decimal integer: "32768.0", "32_768", "1e5").
     """
     import os  # noqa: PLC0415
 
@@ -92,13 +93,13 @@ def staircase_auto_min_keys() -> int:
         return STAIRCASE_AUTO_MIN_KEYS
     if raw.lower() in _OFF:
         return 0
-    try:
-        val = int(raw)
-    except ValueError:
-        val = -1
-    if val < 0:
-        raise ValueError(f"{AUTO_MIN_KEYS_ENV} must be a non-negative int (keys per call) or 'off', got {raw!r}")
-    return val
+    import re  # noqa: PLC0415
+
+    # ASCII decimal digits only (int() would also take "1_000", "+5" or non-ASCII digits)
+    if not re.fullmatch(r"[0-9]+", raw):
+        raise ValueError(f"{AUTO_MIN_KEYS_ENV} must be a non-negative int (keys per call, decimal digits) or one of "
+                         f"{', '.join(_OFF)} (never staircase), got {raw!r}")
+    return int(raw)
 
 
 _CUDNN_OK: dict = {}  # device index -> bool (capability and cuDNN version checked once per device)

@@ -126,10 +126,12 @@ import collections
 import contextlib
 import functools
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
+from .._ints import as_int
 from .base import IntervalMask, check_call
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
@@ -155,41 +157,69 @@ _CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_la
 _INNER_CHOICES = ("auto", "math", "flex", "te")  # never "staircase": it would be its own remainder kernel
 
 
+#: MEGATRON_SPLITKV_STAIRCASE_* variables that are not constructor options (read by `kernels.staircase_auto_min_keys`)
+_OTHER_ENV = ("AUTO_MIN_KEYS",)
+_ENV_INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_000" and non-ASCII digits
+
+
+def env_option_names() -> tuple:
+    """Every MEGATRON_SPLITKV_STAIRCASE_<NAME> variable this package reads (the options, and AUTO_MIN_KEYS)."""
+    return tuple(ENV_PREFIX + n.upper() for n in _DEFAULTS) + tuple(ENV_PREFIX + n for n in _OTHER_ENV)
+
+
+def check_env_names() -> None:
+    """ValueError naming a set (non-empty) MEGATRON_SPLITKV_STAIRCASE_<NAME> variable that is no option (a
+    misspelling such as ..._GROUP_BLOCK would otherwise be ignored without a word), with the list of names."""
+    known = env_option_names()
+    for var in sorted(os.environ):
+        if var.startswith(ENV_PREFIX) and var not in known and os.environ[var].strip():
+            raise ValueError(f"{var} is not a staircase kernel option; the variables are: {', '.join(known)}")
+
+
 def _option(name, value):
     """Constructor value, else env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default; validated. A
-    default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given."""
+    default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given.
+
+    Integer options: a constructor value must be an int (anything with `__index__`; bool, float and str are
+    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "64.0",
+    "1e2", "1_000" or "two"). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
+    exactly. Raises ValueError naming the environment variable (for a value from there) or the constructor
+    argument `staircase <name>`, with the allowed values / limit and the value given."""
+    var = ENV_PREFIX + name.upper()
+    where, from_env = f"staircase {name}", False
     if value is None:
-        env = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
-        value = env if env else _DEFAULTS[name]
+        env = os.environ.get(var, "").strip()
+        if env:
+            value, where, from_env = env, f"{var} (staircase option {name})", True
+        else:
+            value = _DEFAULTS[name]
         if value is None:
             return None
     if name in _CHOICES:
-        value = str(value)
-        if value not in _CHOICES[name]:
-            raise ValueError(f"staircase {name} must be one of {_CHOICES[name]}, got {value!r}")
+        if not isinstance(value, str) or value not in _CHOICES[name]:
+            raise ValueError(f"{where} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
         return value
     if name == "inner":  # the kernel of the ragged remainder: a backend name (not staircase) or a kernel
         if isinstance(value, str):
             if value not in _INNER_CHOICES:
-                raise ValueError(f"staircase inner must be one of {_INNER_CHOICES} (env {ENV_PREFIX}INNER), "
-                                 f"got {value!r}")
+                raise ValueError(f"{where} must be one of {', '.join(_INNER_CHOICES)} (the remainder kernel; "
+                                 f"never staircase), got {value!r}")
             return value
         if not (callable(getattr(value, "forward", None)) and callable(getattr(value, "backward", None))) \
                 or getattr(value, "name", None) == "staircase":
-            raise ValueError("staircase inner must be a backend name or a local kernel object with forward/"
-                             f"backward (not a staircase kernel), got {value!r}")
+            raise ValueError(f"{where} must be a backend name ({', '.join(_INNER_CHOICES)}) or a local kernel "
+                             f"object with forward/backward (not a staircase kernel), got {value!r}")
         return value
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-        raise ValueError(f"staircase {name} must be an int (env {ENV_PREFIX}{name.upper()}), got {value!r}")
-    try:
+    minimum = 0 if name in _ZERO_OK else 1
+    what = "a non-negative int" if minimum == 0 else "a positive int"
+    if from_env:
+        if not _ENV_INT.fullmatch(value):
+            raise ValueError(f"{where} must be {what} (decimal digits), got {value!r}")
         value = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"staircase {name} must be an int (env {ENV_PREFIX}{name.upper()}), "
-                         f"got {value!r}") from None
-    if value < (0 if name in _ZERO_OK else 1):
-        raise ValueError(f"staircase {name} must be >= {0 if name in _ZERO_OK else 1} (env {ENV_PREFIX}"
-                         f"{name.upper()}), got {value}")
-    return value
+        if value < minimum:
+            raise ValueError(f"{where} must be {what}, got {value}")
+        return value
+    return as_int(value, where, minimum=minimum, what=what)
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -681,6 +711,7 @@ class StaircaseAttentionKernel:
     def __init__(self, group_blocks=None, min_group_blocks=None, key_grain=None, min_keys=None, min_pairs=None,
                  bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None,
                  sub_group_blocks=None, key_buckets=None, key_pieces=None, max_tile_keys=None, piece_min_pairs=None):
+        check_env_names()
         self.group_blocks = _option("group_blocks", group_blocks)
         self.sub_group_blocks = _option("sub_group_blocks", sub_group_blocks)
         self.min_group_blocks = min(_option("min_group_blocks", min_group_blocks), self.group_blocks)

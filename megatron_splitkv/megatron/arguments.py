@@ -14,6 +14,8 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --cp-balance {lpt,contiguous,zigzag,hypergraph}         context sharding strategy (default lpt)
     --dflash-block-size B    draft block size (default 16)
     --dflash-num-anchors N   query budget: anchors (blocks) per sequence (default 512)
+    (`aliases=` adds other spellings of a flag to ITS action, e.g. examples/pretrain_dflash.py's
+    --num-anchors / --block-size: one option, one help text, one default)
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
@@ -24,7 +26,7 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
-                             in forward_step)
+                             in forward_step; at most MAX_DATA_WORKERS = 32 per rank)
     --dflash-data-prefetch N batches each data worker prepares ahead (DataLoader prefetch_factor; default 2)
     --dflash-host-metadata {on,off}  build the Split-KV attention metadata in the data workers from the plan
                              (the step binds it); default on with splitkv and data workers > 0; "on" with
@@ -61,6 +63,7 @@ __all__ = [
     "HOST_METADATA_CHOICES",
     "device_prefetch_from_args",
     "DEVICE_PREFETCH_CHOICES",
+    "MAX_DATA_WORKERS",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -69,6 +72,11 @@ CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 # `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
 RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
+# upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
+# pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
+# per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
+# line on another machine than the training one.
+MAX_DATA_WORKERS = 32
 
 
 class SplitKVArgumentError(ValueError):
@@ -127,10 +135,38 @@ def _has(parser: argparse.ArgumentParser, flag: str) -> bool:
     return flag in parser._option_string_actions  # noqa: SLF001 - argparse has no public query
 
 
-def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def _add_aliases(parser: argparse.ArgumentParser, flag: str, aliases) -> None:
+    """Make each of `aliases` another spelling of the existing option `flag` (the same argparse action: one
+    help text, one default, one dest). For a flag the parser had before `add_splitkv_args` (e.g. from a
+    patched Megatron-LM), where the alias cannot go into the `add_argument` call. ValueError naming the
+    alias when it is already an option of another action."""
+    action = parser._option_string_actions[flag]  # noqa: SLF001 - argparse has no public alias API
+    for alias in aliases:
+        other = parser._option_string_actions.get(alias)  # noqa: SLF001
+        if other is action:
+            continue
+        if other is not None:
+            raise ValueError(f"cannot make {alias} an alias of {flag}: it is already the option "
+                             f"{'/'.join(other.option_strings)}")
+        action.option_strings.append(alias)
+        parser._option_string_actions[alias] = action  # noqa: SLF001
+
+
+def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
-    `extra_args_provider` contract). Idempotent: flags the parser already has are skipped."""
+    `extra_args_provider` contract). Idempotent: flags the parser already has are skipped.
+
+    `aliases`: {flag: (other spelling, ...)} for flags of this function, e.g. {"--dflash-num-anchors":
+    ("--num-anchors",)}: the other spellings become option strings of the SAME action (one help text, one
+    default, listed together by --help), never a second action with the same dest. ValueError for a key
+    that is not an option of the parser, or an alias that is already another option (argparse.ArgumentError
+    when the parser had it before this call)."""
+    aliases = dict(aliases or {})
     group = parser.add_argument_group(title="split-kv context parallelism")
+    names = {}  # flag -> its option strings for add_argument
+
+    def spellings(flag):
+        return (flag, *names.setdefault(flag, tuple(aliases.get(flag, ()))))
     if not _has(parser, "--context-parallel-impl"):
         group.add_argument(
             "--context-parallel-impl", type=str, default=None, choices=CP_IMPLS,
@@ -149,11 +185,12 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help="How context chunks are assigned to CP ranks (default lpt).",
         )
     if not _has(parser, "--dflash-block-size"):
-        group.add_argument("--dflash-block-size", type=int, default=16, help="DFlash draft block size B.")
+        group.add_argument(*spellings("--dflash-block-size"), dest="dflash_block_size", type=int, default=16,
+                           help="DFlash draft block size B: tokens per draft block, >= 2 (default 16).")
     if not _has(parser, "--dflash-num-anchors"):
         group.add_argument(
-            "--dflash-num-anchors", type=int, default=512,
-            help="DFlash query budget: anchors (query blocks) per sequence.",
+            *spellings("--dflash-num-anchors"), dest="dflash_num_anchors", type=int, default=512,
+            help="DFlash query budget: anchors (query blocks) per sequence (default 512).",
         )
     if not _has(parser, "--splitkv-no-overlap-q-gather"):
         group.add_argument(
@@ -188,7 +225,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
             "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
             "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
-            "on the step's critical path). Default: 1 when CUDA is available, else 0.",
+            "on the step's critical path). Default: 1 when CUDA is available, else 0. At most %d per rank." % MAX_DATA_WORKERS,
         )
     if not _has(parser, "--dflash-data-prefetch"):
         group.add_argument(
@@ -218,6 +255,11 @@ def add_splitkv_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
             "Default: on.",
         )
+    for flag, extra in aliases.items():
+        if not _has(parser, flag):
+            raise ValueError(f"add_splitkv_args: aliases key {flag!r} is not an option of the parser")
+        if flag not in names:  # the parser had it before: attach the other spellings to its action
+            _add_aliases(parser, flag, extra)
     return parser
 
 
@@ -259,7 +301,8 @@ def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
 
 def data_workers_from_args(args) -> int:
     """Data-pipeline worker processes from `--dflash-data-workers` (unset/None: 1 when CUDA is available,
-    else 0); SplitKVArgumentError naming the flag for a non-integer or negative value."""
+    else 0); SplitKVArgumentError naming the flag for a non-integer value, a negative one or one above
+    MAX_DATA_WORKERS (32)."""
     value = getattr(args, "dflash_data_workers", None)
     if value is None:
         import torch
@@ -268,6 +311,9 @@ def data_workers_from_args(args) -> int:
     value = _as_int(value, "--dflash-data-workers")
     if value < 0:
         raise SplitKVArgumentError(f"--dflash-data-workers must be >= 0 (0 = synchronous), got {value}")
+    if value > MAX_DATA_WORKERS:
+        raise SplitKVArgumentError(f"--dflash-data-workers must be at most {MAX_DATA_WORKERS} (worker processes per "
+                                   f"rank, each holding --dflash-data-prefetch batches in pinned memory), got {value}")
     return value
 
 
@@ -356,7 +402,7 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
-    `--dflash-data-workers` >= 0, `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
+    `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,

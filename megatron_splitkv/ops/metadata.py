@@ -379,6 +379,23 @@ class SplitKVMetadata:
     #: group; None for bound metadata (every metadata from `prepare_splitkv_metadata`).
     host_build: object = field(default=None, repr=False)
 
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        """Pickling: unbound metadata (`prepare_splitkv_metadata_from_plan`, the data pipeline's) and metadata
+        of a single process pickle as before; metadata bound to a torch.distributed ProcessGroup (its CP group
+        or the node sub-groups) raises TypeError saying so (a ProcessGroup cannot be pickled, and a group
+        belongs to the process that made it): pickle the unbound metadata and `bind` it where it is loaded."""
+        if self.host_build is None and (getattr(self.group, "pg", None) is not None or self.node_groups is not None):
+            raise TypeError("SplitKVMetadata bound to a CP process group cannot be pickled (it holds the "
+                            "torch.distributed ProcessGroup): pickle the unbound metadata of "
+                            "prepare_splitkv_metadata_from_plan (e.g. the data pipeline's PlannedBatch) and bind it "
+                            "to the CP group in the process that loads it")
+        return super().__reduce_ex__(protocol)
+
     @property
     def bound(self) -> bool:
         """False for the host-built metadata of `prepare_splitkv_metadata_from_plan` before `bind`: the ops

@@ -1,0 +1,88 @@
+"""The gloo test launcher (tests/_dist.py) itself: a worker that dies, exits non-zero, hangs or raises
+fails `run_distributed` with the rank and what happened (exit code, traceback, timeout), never a pass.
+
+The worker functions are module-level so that the spawn start method can import them."""
+
+import os
+import time
+
+import pytest
+
+from _dist import run_distributed
+
+
+def _ok(rank, world_size):
+    return rank * 10
+
+
+def _exit3_before_result(rank, world_size):
+    if rank == 1:
+        os._exit(3)  # dies without reporting (as a segfault or abort would)
+    return rank
+
+
+def _exit3_after_result(rank, world_size):
+    if rank == 1:
+        import atexit
+
+        # the result is reported, then the process ends with 3 in its teardown (as an abort of a gloo thread in
+        # interpreter finalisation would)
+        atexit.register(os._exit, 3)
+    return rank
+
+
+def _exit0_without_result(rank, world_size):
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+def _raise_on_rank1(rank, world_size):
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    return rank
+
+
+def _hang_on_rank1(rank, world_size):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_all_ranks_ok():
+    assert run_distributed(_ok, 3, timeout=120) == [0, 10, 20]
+
+
+def test_worker_exit_code_before_result_fails():
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_exit3_before_result, 2, timeout=120)
+    msg = str(e.value)
+    assert "rank 1" in msg and "exit code 3" in msg, msg
+
+
+def test_worker_exit_code_after_result_fails():
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_exit3_after_result, 2, timeout=120)
+    msg = str(e.value)
+    assert "rank 1" in msg and "exit code 3" in msg, msg
+
+
+def test_worker_exit_zero_without_result_fails():
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_exit0_without_result, 2, timeout=120)
+    msg = str(e.value)
+    assert "rank 1" in msg and "exit code 0" in msg and "without reporting" in msg, msg
+
+
+def test_worker_exception_on_nonzero_rank_fails():
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_raise_on_rank1, 2, timeout=120)
+    msg = str(e.value)
+    assert "rank 1" in msg and "boom on rank 1" in msg, msg
+
+
+def test_worker_hang_fails_with_timeout():
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_hang_on_rank1, 2, timeout=30)
+    msg = str(e.value)
+    assert "rank 1" in msg and "30" in msg and "did not finish" in msg, msg
