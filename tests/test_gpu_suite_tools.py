@@ -40,7 +40,10 @@ def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     c = json.loads((tmp_path / "gpu_check_compare_cpu_w1.json").read_text())["compare"]
     rows = {(r["kernel"], r["tk"]): r for r in c["rows"]}
-    assert set(rows) == {(k, tk) for k in ("flex", "te", "staircase") for tk in (256, 512)}
+    assert set(rows) == {(k, tk) for k in ("fa4", "flex", "te", "staircase") for tk in (256, 512)}
+    for tk in (256, 512):  # default --kernels lists fa4 first: on CPU a row that says why it did not run
+        assert "import failed" in rows[("fa4", tk)]["unavailable"], rows[("fa4", tk)]
+        del rows[("fa4", tk)]
     for key, r in rows.items():
         assert "error" not in r, (key, r)
         assert _max_err(r["exact"]) < 2e-2 and r["exact"]["lse"] < 1e-3 and r["exact"]["nonfinite"] == 0, (key, r)
@@ -73,6 +76,9 @@ def test_gpu_check_compare_cpu_with_te_emulator(tmp_path):
 
     assert gpu_check.CPU_NOTE in p.stdout and gpu_check.CPU_NOTE in log
     first_table = p.stdout.split("| kernel | Tk |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    unavailable = [ln for ln in first_table if ln.startswith("| fa4 |")]
+    assert len(unavailable) == 2 and all("unavailable" in ln for ln in unavailable), unavailable
+    first_table = [ln for ln in first_table if ln not in unavailable]
     assert len(first_table) == 8  # dense SDPA and three kernels at two Tk
     for ln in first_table:  # fwd TF/s, % dense, fwd+bwd TF/s, % dense
         cells = ln.split(" | ")
