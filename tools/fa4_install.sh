@@ -12,7 +12,15 @@ BIG=$(cat /tmp/tp/cu13name)
 cat /tmp/tp/cu13part.aa .gpu/fa4b/cu13part.a* > "/tmp/tp/$BIG"
 (cd /tmp/tp && md5sum -c cu13.md5 2>/dev/null || md5sum "$BIG")
 mkdir -p "$SITE"
-"$PY" -m pip install -q --no-index --no-deps --target "$SITE" /tmp/tp/*.whl
+# protobuf only where the machine has none: a second copy in --target shadows part of the namespace package
+# `google` and breaks the machine's own users of it (seen 2026-11-30: megatron-core's import failed with
+# "module 'google.protobuf.message' has no attribute 'FrozenInstanceError'")
+WHEELS=(/tmp/tp/*.whl)
+if "$PY" -c "import google.protobuf" 2>/dev/null; then
+  WHEELS=($(printf '%s\n' "${WHEELS[@]}" | grep -v '/protobuf-'))
+  rm -rf "$SITE/google/protobuf" "$SITE"/protobuf-*.dist-info
+fi
+"$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}"
 P="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages"
 PYTHONPATH="$P${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c "import cutlass.cute, flash_attn.cute.interface; print('flash_attn.cute: importable')"
 echo "export PYTHONPATH=$P:\$PYTHONPATH"
