@@ -119,6 +119,25 @@ def deterministic_requested() -> bool:
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+def _fit_prebuilt(prebuilt, nq: int, nk: int, tile: int):
+    """Host-built FlexAttention tables (rows [n, QP], the 8 BlockMask tables at padded lengths QP >= nq * tile,
+    KP >= nk * tile) cut to FA4's own tile counts: FA4 checks the block-sparse tensors against the call's
+    lengths (forward counts [1, 1, ceil(Tq / 128)] and indices with at most ceil(Tk / 128) key tiles;
+    backward counts [1, 1, ceil(Tk / 128)], indices with at most ceil(Tq / 128) query tiles; a larger
+    table is refused), and flex's bucketed lengths are often several tiles longer. Exact: padded query rows
+    and keys beyond Tk are never listed, and the unlisted tail of each index row is in increasing order, so
+    the cut tables equal the ones built at FA4's lengths (tests/test_fa4_kernel.py). Index tables that the
+    cut makes non-contiguous are copied (small; once per mask, the tables are cached)."""
+    rows, (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx) = prebuilt
+
+    def cut(t, *n):
+        v = t[(Ellipsis,) + tuple(slice(0, s) for s in n)]
+        return v if v.is_contiguous() else v.contiguous()
+
+    return rows[:, : nq * tile], (cut(kv_num, nq), cut(kv_idx, nq, nk), cut(full_num, nq), cut(full_idx, nq, nk),
+                                  cut(q_num, nk), cut(q_idx, nk, nq), cut(full_q_num, nk), cut(full_q_idx, nk, nq))
+
+
 class _Tables:
     """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
     (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
@@ -126,13 +145,12 @@ class _Tables:
     __slots__ = ("aux", "fwd", "bwd", "union")
 
     def __init__(self, mask: IntervalMask, q_len: int, kv_len: int, tile: int, bst, prebuilt=None):
+        nq, nk = -(-max(q_len, 1) // tile), -(-max(kv_len, 1) // tile)  # FA4's query / key tile counts
         if prebuilt is not None:  # FlexAttention's tables of this mask at padded lengths >= ours (same tile)
-            rows, tables = prebuilt
+            rows, tables = _fit_prebuilt(prebuilt, nq, nk, tile)
         else:
-            qp = -(-max(q_len, 1) // tile) * tile
-            kp = -(-max(kv_len, 1) // tile) * tile
-            rows = _rows_table(mask, qp)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
-            tables = _block_tables(rows, qp, kp, tile, rows_per_block=mask.block_size, q_tables=True)
+            rows = _rows_table(mask, nq * tile)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
+            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=mask.block_size, q_tables=True)
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
         self.aux = [rows[i] for i in range(rows.shape[0])]
         self.union = mask.has_union
@@ -213,8 +231,9 @@ class FA4AttentionKernel:
         host = mask.__dict__.get(_FLEX_HOST)
         if not host or self.tile != TILE:
             return None
+        n_rows = 4 if mask.has_union else 2  # (lo, hi[, lo2, hi2]): a table of this mask's kind only
         for (qp, kp), (rows, tables) in host.items():
-            if qp >= q_len and kp >= kv_len and rows.device == mask.lo.device:
+            if qp >= q_len and kp >= kv_len and rows.device == mask.lo.device and rows.shape[0] == n_rows:
                 return rows, tables
         return None
 
