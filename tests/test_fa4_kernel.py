@@ -195,6 +195,68 @@ def test_host_built_tables_have_the_shapes_fa4_takes(n_blocks, B, tk, union):
         assert kern._prebuilt(other, Tq, Tk) is None
 
 
+_BROKEN_PROBE = r"""
+import json, sys, warnings
+import torch
+from megatron_splitkv import kernels
+from megatron_splitkv.kernels import fa4
+# a Hopper GPU as far as the checks before the import go (CPU-only torch here)
+fa4.half_precision_cuda_index = lambda device, dtype, head_dim=None: 0 if dtype == torch.bfloat16 else None
+torch.cuda.get_device_capability = lambda idx=None: (9, 0)
+out = {}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for name, fn in (("runs_on", lambda: fa4.fa4_runs_on("cuda", torch.bfloat16, 128)),
+                     ("auto", lambda: kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)),
+                     ("auto_again", lambda: kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)),
+                     ("explicit", lambda: type(kernels.get_kernel("fa4", "cuda", torch.bfloat16, 128)).__name__)):
+        try:
+            out[name] = fn()
+        except Exception as exc:
+            out[name] = "raised " + type(exc).__name__ + ": " + str(exc)
+out["warnings"] = [str(x.message) for x in w if "FlashAttention-4" in str(x.message)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("broken", ["parent_oserror", "cute_runtimeerror", "no_interface"])
+def test_broken_fa4_install_auto_falls_back_explicit_names_the_cause(tmp_path, broken):
+    """A `flash_attn` package that is found but does not import (simulated on sys.path): the parent raising
+    (e.g. flash-attn 2 with a missing CUDA library), flash_attn.cute raising a non-ImportError, or an FA4
+    without its `interface` module. `fa4_runs_on` never raises and is False, "auto" picks flex (with one
+    warning naming the cause when FA4 is found but broken), explicit "fa4" raises ImportError naming the
+    extra and the cause (an ImportError: what the ops treat as "backend missing" on every rank)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fa = tmp_path / "flash_attn"
+    (fa / "cute").mkdir(parents=True)
+    for pkg in ("cutlass", "cutlass/cute"):  # CuTe DSL importable (empty stand-ins)
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (fa / "__init__.py").write_text('raise OSError("libcudart.so.12: cannot open shared object file")\n'
+                                    if broken == "parent_oserror" else "")
+    (fa / "cute" / "__init__.py").write_text('raise RuntimeError("CUDA driver too old")\n'
+                                             if broken == "cute_runtimeerror" else "")
+    (fa / "cute" / "block_sparsity.py").write_text("BlockSparseTensorsTorch = tuple\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    env.pop("MEGATRON_SPLITKV_AUTO_FA4", None)
+    r = subprocess.run([sys.executable, "-c", _BROKEN_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["runs_on"] is False and out["auto"] == "flex" and out["auto_again"] == "flex", out
+    cause = {"parent_oserror": "OSError: libcudart", "cute_runtimeerror": "RuntimeError: CUDA driver too old",
+             "no_interface": "flash_attn.cute.interface"}[broken]
+    assert out["explicit"].startswith("raised ImportError: ") and "megatron-splitkv[fa4]" in out["explicit"], out
+    assert cause in out["explicit"], out
+    # found but broken: one warning (the import is tried once per process) naming the cause and the switch
+    assert len(out["warnings"]) == (0 if broken == "parent_oserror" else 1), out
+    assert all(cause in m and "MEGATRON_SPLITKV_AUTO_FA4=0" in m for m in out["warnings"]), out
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and fa4.fa4_runs_on("cuda", torch.bfloat16, 128)),
                          reason="needs a Hopper/Blackwell GPU with flash_attn.cute (extra 'fa4')")

@@ -43,7 +43,7 @@ from .flex import TILE, _block_tables, _rows_table
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
-__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
+__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_importable", "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper or Blackwell GPU")
@@ -51,17 +51,39 @@ INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'm
 
 @functools.lru_cache(maxsize=1)
 def fa4_available() -> bool:
-    """True when `flash_attn.cute` can be found (does not import it; looked up once per process)."""
+    """True when `flash_attn.cute` can be found (does not import it; looked up once per process). Never
+    raises: finding the subpackage imports the parent `flash_attn` (also flash-attn 2's package, extra
+    `flash-attn`), and a parent that fails to import (any exception, e.g. OSError for a missing CUDA
+    library) means no FA4 here."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):
+    except Exception:  # noqa: BLE001 - a broken flash_attn package is "not available", never an error here
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def fa4_importable() -> bool:
+    """True when FA4's entry points import (`_interface`: cutlass, flash_attn.cute's block sparsity and
+    interface; once per process). An installed but broken FA4 (import fails with any exception) gives False
+    with a warning naming the error, so that "auto" picks another kernel; explicit "fa4" raises the
+    ImportError (`_interface`)."""
+    try:
+        _interface()
+        return True
+    except ImportError as exc:
+        import warnings  # noqa: PLC0415
+
+        warnings.warn(f"FlashAttention-4 (flash_attn.cute) is installed but does not import, so backend 'auto' "
+                      f"does not pick 'fa4' ({exc}); repair the install or set MEGATRON_SPLITKV_AUTO_FA4=0",
+                      RuntimeWarning, stacklevel=2)
         return False
 
 
 def fa4_runs_on(device, dtype, head_dim=None) -> bool:
-    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: flash_attn.cute
-    importable, a CUDA device of compute capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or
-    a multiple of 8 <= 256. Never raises."""
+    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: a CUDA device of compute
+    capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or a multiple of 8 <= 256, flash_attn.cute
+    installed and importable (`fa4_importable`, checked last: the import happens only where FA4 would run).
+    Never raises."""
     idx = half_precision_cuda_index(device, dtype, head_dim)
     if idx is None:
         return False
@@ -69,20 +91,21 @@ def fa4_runs_on(device, dtype, head_dim=None) -> bool:
         major = torch.cuda.get_device_capability(idx)[0]
     except (RuntimeError, AssertionError, AttributeError):
         return False
-    return major in (9, 10, 11) and fa4_available()
+    return major in (9, 10, 11) and fa4_available() and fa4_importable()
 
 
 @functools.lru_cache(maxsize=1)
 def _interface():
     """(fwd, bwd, BlockSparseTensorsTorch, mask_mod one interval, mask_mod two intervals); imports
-    flash_attn.cute (ImportError with the install hint when it is missing)."""
+    flash_attn.cute (ImportError with the install hint and the cause when it is missing or fails to import
+    with any exception: the ops treat an ImportError as "backend missing" on every rank)."""
     try:
         import cutlass  # noqa: PLC0415
         import cutlass.cute as cute  # noqa: PLC0415
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT}; import failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a broken install (RuntimeError, OSError, ...) is an ImportError here
+        raise ImportError(f"{INSTALL_HINT}; import failed: {type(exc).__name__}: {exc}") from exc
 
     def _ssa(x):  # a scalar as a 1-element TensorSSA (what the mask_mod compares against)
         vec = cute.make_rmem_tensor(1, cutlass.Int32)
