@@ -239,10 +239,10 @@ def test_splitkv_kernel_flag_parses_validates_and_reaches_core_attention():
     assert kernel_backend_from_args(argparse.Namespace()) == "auto"  # a parser without the flag
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
                             use_cpu_initialization=True)
-    for name in ("auto", "math", "flex", "te", "staircase"):
+    for name in KERNEL_BACKENDS:
         a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-kernel", name])
         assert kernel_backend_from_args(a) == name
-        validate_splitkv_args(_args(splitkv_kernel=name), have_te=True)
+        validate_splitkv_args(_args(splitkv_kernel=name), have_te=True, have_fa4=True)
         spec = get_dflash_layer_spec("splitkv", use_te=False, kernel_backend=kernel_backend_from_args(a))
         core = spec.submodules.self_attention.submodules.core_attention(
             config=cfg, layer_number=1, attn_mask_type=AttnMaskType.no_mask, attention_type="cross",
@@ -257,6 +257,25 @@ def test_splitkv_kernel_flag_parses_validates_and_reaches_core_attention():
             kernel_backend_from_args(argparse.Namespace(splitkv_kernel=bad))
     with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel te needs Transformer Engine"):
         validate_splitkv_args(_args(splitkv_kernel="te"), have_te=False)
+
+
+def test_fa4_kernel_flag_needs_flash_attention_4_at_start_up(monkeypatch):
+    """`--splitkv-kernel fa4` on a machine without FlashAttention-4 fails at argument validation (as `te`
+    without Transformer Engine), naming the flag and the extra, not at the first training step after the
+    model, the checkpoint and the data workers are up; --parse-only (another machine) does not check it."""
+    from megatron_splitkv.kernels import fa4
+    from megatron_splitkv.megatron import arguments as ma
+
+    with pytest.raises(SplitKVArgumentError, match=r"--splitkv-kernel fa4 needs FlashAttention-4 .*\[fa4\]"):
+        validate_splitkv_args(_args(splitkv_kernel="fa4"), have_fa4=False)
+    validate_splitkv_args(_args(splitkv_kernel="fa4"), have_fa4=True)
+    validate_splitkv_args(_args(splitkv_kernel="auto"), have_fa4=False)  # auto falls back: no requirement
+    monkeypatch.setattr(fa4, "fa4_available", lambda: False)  # the detection used without have_fa4
+    with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel fa4 needs FlashAttention-4"):
+        validate_splitkv_args(_args(splitkv_kernel="fa4"))
+    monkeypatch.setattr(fa4, "fa4_available", lambda: True)
+    validate_splitkv_args(_args(splitkv_kernel="fa4"))
+    assert ma._fa4_available() is True
 
 
 def test_splitkv_kernel_bad_value_names_the_flag_on_the_command_line(capsys):

@@ -19,9 +19,10 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
-    --splitkv-kernel {auto,math,flex,te,staircase}  local attention kernel of the CP op (`backend=`,
-                             the layer spec's `kernel_backend`; default auto = staircase on CUDA
-                             from 32K context keys per call, else flex on CUDA; see docs/kernels.md)
+    --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
+                             the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
+                             is installed (Hopper / Blackwell, bf16 / fp16), else staircase on CUDA from
+                             32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
@@ -390,7 +391,13 @@ def _te_available() -> bool:
     return bool(HAVE_TE)
 
 
-def validate_splitkv_args(args, *, have_te=None) -> None:
+def _fa4_available() -> bool:
+    from ..kernels.fa4 import fa4_available  # noqa: PLC0415 - finds flash_attn.cute, imports no CuTe DSL
+
+    return fa4_available()
+
+
+def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
 
@@ -400,14 +407,15 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
-    transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
+    transformer_engine` and `--splitkv-kernel te` need Transformer Engine, `--splitkv-kernel fa4`
+    FlashAttention-4 (flash_attn.cute installed); `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step.
-    `have_te` overrides TE detection (tests)."""
+    `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
@@ -457,6 +465,12 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         raise SplitKVArgumentError(
             "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
             "transformer_engine is not installed; use --splitkv-kernel auto"
+        )
+    if kernel == "fa4" and not (_fa4_available() if have_fa4 is None else have_fa4):
+        raise SplitKVArgumentError(
+            "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
+            "nvidia-cutlass-dsl, on a Hopper or Blackwell GPU); flash_attn.cute is not installed; use "
+            "--splitkv-kernel auto"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(
