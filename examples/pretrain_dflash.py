@@ -298,6 +298,14 @@ def _prepare_item(item):
     from megatron_splitkv.data.prefetch import PreparedItem
 
     dev = item.to(_device(), non_blocking=True)
+    if dev.metadata is not None and not _STATE.get("env_agreed"):
+        # once per process, at the first micro-batch of every CP rank: host-built metadata reads the Split-KV
+        # environment (num_chunks, exchange pieces, ...) per process; ranks that differ would issue different
+        # collectives in the op (abort / hang): the same ValueError on every rank instead
+        from megatron_splitkv.ops import check_environment_agreement
+
+        check_environment_agreement(_cp_group(), _device())
+        _STATE["env_agreed"] = True
     kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
     return PreparedItem(item, dev, kw)
 
