@@ -400,3 +400,28 @@ def test_add_splitkv_args_aliases():
     taken.add_argument("--block-size", type=int)
     with pytest.raises(ValueError, match="cannot make --block-size an alias of --dflash-block-size"):
         add_splitkv_args(taken, aliases={"--dflash-block-size": ("--block-size",)})
+
+
+@pytest.mark.parametrize("pre_existing", [False, True])
+def test_add_splitkv_args_alias_values_checked(pre_existing):
+    """An alias given as a bare string is ONE alias (was iterated per character: on a parser that already had
+    the flag the action silently gained the option strings '-', 'n', 'u', ... and '--num-anchors' stayed
+    unknown); an alias that is not an option string ('num-anchors', 5) raises ValueError naming it, before
+    the parser is changed (was added silently on a parser that had the flag)."""
+    def parser():
+        p = argparse.ArgumentParser()
+        if pre_existing:
+            p.add_argument("--dflash-num-anchors", type=int, default=512)
+        return p
+
+    p = add_splitkv_args(parser(), aliases={"--dflash-num-anchors": "--num-anchors"})
+    assert p.parse_args(["--num-anchors", "3"]).dflash_num_anchors == 3
+    assert p._option_string_actions["--dflash-num-anchors"].option_strings == ["--dflash-num-anchors", "--num-anchors"]
+    for bad in (("num-anchors",), (5,), ("--num anchors",), ("-",), 7):
+        p = parser()
+        before = dict(p._option_string_actions)
+        with pytest.raises(ValueError, match=r"add_splitkv_args: alias.* of --dflash-num-anchors|aliases\["):
+            add_splitkv_args(p, aliases={"--dflash-num-anchors": bad})
+        assert p._option_string_actions == before  # nothing added before the error
+    with pytest.raises(ValueError, match="aliases must be a dict"):
+        add_splitkv_args(parser(), aliases=[("--dflash-num-anchors", "--num-anchors")])

@@ -153,16 +153,45 @@ def _add_aliases(parser: argparse.ArgumentParser, flag: str, aliases) -> None:
         parser._option_string_actions[alias] = action  # noqa: SLF001
 
 
+def _checked_aliases(parser: argparse.ArgumentParser, aliases) -> dict:
+    """`aliases` of `add_splitkv_args` as {flag: tuple of option strings}, checked before the parser is touched:
+    a dict; each value one option string or an iterable of them; each an option string argparse takes (starts
+    with one of the parser's prefix characters, e.g. '--num-anchors'). A bare string is one alias (iterating
+    it would give one alias per character). ValueError naming the flag and the alias otherwise."""
+    if aliases is None:
+        return {}
+    if not isinstance(aliases, dict):
+        raise ValueError(f"add_splitkv_args: aliases must be a dict {{flag: (other spelling, ...)}}, got "
+                         f"{type(aliases).__name__}")
+    out = {}
+    for flag, extra in aliases.items():
+        if isinstance(extra, str):
+            extra = (extra,)
+        try:
+            extra = tuple(extra)
+        except TypeError:
+            raise ValueError(f"add_splitkv_args: aliases[{flag!r}] must be an option string or a tuple of them, "
+                             f"got {extra!r}") from None
+        for alias in extra:
+            if not isinstance(alias, str) or len(alias) < 2 or alias[0] not in parser.prefix_chars \
+                    or any(c.isspace() for c in alias):
+                raise ValueError(f"add_splitkv_args: alias {alias!r} of {flag} must be an option string such as "
+                                 f"'--num-anchors' (starting with {parser.prefix_chars!r}, no spaces)")
+        out[flag] = extra
+    return out
+
+
 def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
     `extra_args_provider` contract). Idempotent: flags the parser already has are skipped.
 
     `aliases`: {flag: (other spelling, ...)} for flags of this function, e.g. {"--dflash-num-anchors":
     ("--num-anchors",)}: the other spellings become option strings of the SAME action (one help text, one
-    default, listed together by --help), never a second action with the same dest. ValueError for a key
-    that is not an option of the parser, or an alias that is already another option (argparse.ArgumentError
-    when the parser had it before this call)."""
-    aliases = dict(aliases or {})
+    default, listed together by --help), never a second action with the same dest. A value may be one option
+    string or a tuple of them. ValueError (before the parser is changed) for an alias that is not an option
+    string ('--x'), and for a key that is not an option of the parser or an alias that is already another
+    option (argparse.ArgumentError when the parser had it before this call)."""
+    aliases = _checked_aliases(parser, aliases)
     group = parser.add_argument_group(title="split-kv context parallelism")
     names = {}  # flag -> its option strings for add_argument
 
