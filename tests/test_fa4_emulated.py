@@ -15,8 +15,9 @@ through `out = 0, dlse = -delta`. The stand-in (`_fwd` / `_bwd`) does what FA4 d
   - backward: D' = rowsum(dout * out) - dlse, P = exp(scale q k^T - lse) on the listed tiles, dV = P^T dO,
     dS = P (dO V^T - D'), dQ = scale dS K, dK = scale dS^T Q (GQA: kv head h // (Hq / Hkv)).
 The wrapper's dtype / device checks are relaxed for CPU and fp32 (they are tested on their own in
-tests/test_fa4_kernel.py; the float64 cases run in fp32, as FA4's lse is fp32 whatever the inputs); everything else is the code that runs on the GPU. Expected values: the
-single-process float64 reference (`_splitkv_helpers.check`)."""
+tests/test_fa4_kernel.py; the float64 cases run in fp32, as FA4's lse is fp32 whatever the inputs);
+everything else is the code that runs on the GPU. Expected values: the single-process float64 reference
+(`_splitkv_helpers.check`)."""
 
 import collections
 
@@ -44,7 +45,6 @@ def _allowed(tabs, n_outer, n_inner, rows_lohi, Tq, Tk, query_major):
         assert cnt.dtype == idx.dtype == torch.int32
         assert tuple(cnt.shape) == (1, 1, n_outer), (tuple(cnt.shape), n_outer)  # FA4 refuses anything else
         assert idx.shape[:3] == (1, 1, n_outer) and idx.shape[3] <= n_inner, (tuple(idx.shape), n_inner)
-    r = torch.arange(Tq)[:, None]
     c = torch.arange(Tk)[None]
     lo, hi = rows_lohi[0][:Tq, None].long(), rows_lohi[1][:Tq, None].long()
     inside = (c >= lo) & (c < hi)
@@ -60,7 +60,6 @@ def _allowed(tabs, n_outer, n_inner, rows_lohi, Tq, Tk, query_major):
                 qt, kt = (o, t) if query_major else (t, o)
                 rs, cs = slice(qt * TILE, min((qt + 1) * TILE, Tq)), slice(kt * TILE, min((kt + 1) * TILE, Tk))
                 out[rs, cs] = True if full else inside[rs, cs]
-    del r
     return out
 
 
@@ -96,8 +95,8 @@ def _bwd(q, k, v, out, dout, lse, *, softmax_scale, mask_mod, aux_tensors, block
     dd = (dout[0].double() * out[0].double()).sum(-1).t() - dlse[0].double()  # D' [Hq, Tq]
     lse_ = lse[0].double()
     s = _scores(q, k, softmax_scale)
-    p = torch.where(ok[None] & torch.isfinite(lse_)[..., None], torch.exp(s - lse_.nan_to_num(0.0, 0.0, 0.0)[..., None]),
-                    torch.zeros_like(s))
+    live = ok[None] & torch.isfinite(lse_)[..., None]
+    p = torch.where(live, torch.exp(s - lse_.nan_to_num(0.0, 0.0, 0.0)[..., None]), torch.zeros_like(s))
     do = dout[0].double()  # [Tq, Hq, D]
     vv = v[0].double().repeat_interleave(g, dim=1)
     kk = k[0].double().repeat_interleave(g, dim=1)

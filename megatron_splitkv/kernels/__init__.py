@@ -217,7 +217,8 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
     if not _flex_importable():
         return "math"
     if dtype is not None and auto_fa4():
-        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415 - no CuTe DSL import
+        # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
+        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415
 
         if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
             return "fa4"
