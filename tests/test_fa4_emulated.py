@@ -185,7 +185,8 @@ def _host_worker(rank, world_size, seed):
     fa4.FA4AttentionKernel._prebuilt = spy
     rng = np.random.default_rng(seed)
     lens = [3000, 1700, 0, 900]  # keys per rank well past one tile: flex pads them to its buckets
-    anchors = [np.sort(rng.choice(np.arange(1, n), size=min(n - 1, 40), replace=False)) if n > 1 else
+    # anchors a with 1 <= a < seq_len - 1 (the planner's rule: a + 1 must be a token of the sequence)
+    anchors = [np.sort(rng.choice(np.arange(1, n - 1), size=min(n - 2, 40), replace=False)) if n > 2 else
                np.zeros(0, np.int64) for n in lens]
     B, Hq, Hkv, D = 16, 4, 2, 16
     plan = plan_context_parallel(lens, anchors, block_size=B, cp_size=world_size, chunk_size=256)
