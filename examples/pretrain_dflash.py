@@ -16,7 +16,7 @@
 
 Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
-`--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase}` (the op's local kernel),
+`--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase,fa4}` (the op's local kernel),
 `--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
 budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
 `--loss-decay-gamma`, `--mask-token-id`; target flags
@@ -298,6 +298,14 @@ def _prepare_item(item):
     from megatron_splitkv.data.prefetch import PreparedItem
 
     dev = item.to(_device(), non_blocking=True)
+    if dev.metadata is not None and not _STATE.get("env_agreed"):
+        # once per process, at the first micro-batch of every CP rank: host-built metadata reads the Split-KV
+        # environment (num_chunks, exchange pieces, ...) per process; ranks that differ would issue different
+        # collectives in the op (abort / hang): the same ValueError on every rank instead
+        from megatron_splitkv.ops import check_environment_agreement
+
+        check_environment_agreement(_cp_group(), _device())
+        _STATE["env_agreed"] = True
     kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
     return PreparedItem(item, dev, kw)
 
@@ -425,9 +433,9 @@ def main(argv=None):
         sys.argv.remove("--parse-only")
         args = parse_args(add_dflash_args)
         _defaults(args)
-        # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine is
-        # installed is a property of the training machine, not of the flags: not checked here
-        validate_splitkv_args(args, have_te=True)
+        # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine or
+        # FlashAttention-4 is installed is a property of the training machine, not of the flags: not checked here
+        validate_splitkv_args(args, have_te=True, have_fa4=True)
         print(_shown_args(args))
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

@@ -151,6 +151,112 @@ def test_tables_reuse_the_pipelines_host_built_flex_tables():
     assert kern._prebuilt(mask, key[0] + 128, Tk) is None
 
 
+def _fa4_shape_check(t, Tq, Tk, tile=128):
+    """The block-sparse shapes FA4 accepts for a call of Tq rows and Tk keys (flash_attn.cute.block_sparsity:
+    `infer_block_sparse_expected_shapes` / `normalize_block_sparse_tensors`, forward, and
+    `get_block_sparse_expected_shapes_bwd`, backward): counts exactly one per query tile (forward) / key tile
+    (backward), index rows at most that many tiles of the other side."""
+    nq, nk = -(-Tq // tile), -(-Tk // tile)
+    for tabs, n, m, what in ((t.fwd, nq, nk, "forward"), (t.bwd, nk, nq, "backward")):
+        for cnt, idx in ((tabs.cnt, tabs.idx), (tabs.full_cnt, tabs.full_idx)):
+            assert tuple(cnt.shape) == (1, 1, n), (what, tuple(cnt.shape), n)
+            assert idx.shape[:3] == (1, 1, n) and idx.shape[3] <= m, (what, tuple(idx.shape), n, m)
+    assert all(a.shape[0] >= nq * tile for a in t.aux)
+
+
+@pytest.mark.parametrize("n_blocks,B,tk,union", [(160, 16, 20000, False), (513, 16, 300, True), (20, 16, 1500, True),
+                                                 (7, 4, 129, False)])
+def test_host_built_tables_have_the_shapes_fa4_takes(n_blocks, B, tk, union):
+    """The pipeline's host-built flex tables are padded to flex's BUCKETED lengths (e.g. 2560 rows -> 3072,
+    20000 keys -> 24576: 24 x 192 tiles where FA4 expects 20 x 157, and FA4 refuses larger tables); the
+    tables FA4 gets from them have FA4's shapes and equal the ones built at its own lengths, value for value."""
+    from megatron_splitkv.ops import metadata as md
+
+    gen = torch.Generator().manual_seed(n_blocks + tk)
+    mask = _mask(gen, n_blocks, B, tk, union, dflash=not union)
+    md._host_flex_tables([mask])
+    (key, pre), = mask.__dict__[md._FLEX_HOST].items()
+    Tq, Tk = n_blocks * B, mask.num_keys
+    fresh = fa4._Tables(mask, Tq, Tk, 128, _bst)
+    _fa4_shape_check(fresh, Tq, Tk)
+    kern = object.__new__(fa4.FA4AttentionKernel)
+    kern.tile = 128
+    got = fa4._Tables(mask, Tq, Tk, 128, _bst, kern._prebuilt(mask, Tq, Tk))
+    _fa4_shape_check(got, Tq, Tk)
+    for a, b in ((got.fwd, fresh.fwd), (got.bwd, fresh.bwd)):
+        for x, y in zip(a[:4], b[:4]):
+            assert x.shape == y.shape and torch.equal(x, y)
+    qp = -(-Tq // 128) * 128
+    assert len(got.aux) == len(fresh.aux) and all(torch.equal(x[:qp], y) for x, y in zip(got.aux, fresh.aux))
+    assert got.aux[0].data_ptr() == pre[0].data_ptr()  # views of the host-built rows: no copy
+    if union:  # a host table of the other mask kind (the union's 4 rows for a one-interval mask) is not taken
+        other = IntervalMask(B, mask.lo, mask.hi, mask.num_keys)
+        other.__dict__[md._FLEX_HOST] = mask.__dict__[md._FLEX_HOST]
+        assert kern._prebuilt(other, Tq, Tk) is None
+
+
+_BROKEN_PROBE = r"""
+import json, sys, warnings
+import torch
+from megatron_splitkv import kernels
+from megatron_splitkv.kernels import fa4
+# a Hopper GPU as far as the checks before the import go (CPU-only torch here)
+fa4.half_precision_cuda_index = lambda device, dtype, head_dim=None: 0 if dtype == torch.bfloat16 else None
+torch.cuda.get_device_capability = lambda idx=None: (9, 0)
+out = {}
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for name, fn in (("runs_on", lambda: fa4.fa4_runs_on("cuda", torch.bfloat16, 128)),
+                     ("auto", lambda: kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)),
+                     ("auto_again", lambda: kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)),
+                     ("explicit", lambda: type(kernels.get_kernel("fa4", "cuda", torch.bfloat16, 128)).__name__)):
+        try:
+            out[name] = fn()
+        except Exception as exc:
+            out[name] = "raised " + type(exc).__name__ + ": " + str(exc)
+out["warnings"] = [str(x.message) for x in w if "FlashAttention-4" in str(x.message)]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("broken", ["parent_oserror", "cute_runtimeerror", "no_interface"])
+def test_broken_fa4_install_auto_falls_back_explicit_names_the_cause(tmp_path, broken):
+    """A `flash_attn` package that is found but does not import (simulated on sys.path): the parent raising
+    (e.g. flash-attn 2 with a missing CUDA library), flash_attn.cute raising a non-ImportError, or an FA4
+    without its `interface` module. `fa4_runs_on` never raises and is False, "auto" picks flex (with one
+    warning naming the cause when FA4 is found but broken), explicit "fa4" raises ImportError naming the
+    extra and the cause (an ImportError: what the ops treat as "backend missing" on every rank)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fa = tmp_path / "flash_attn"
+    (fa / "cute").mkdir(parents=True)
+    for pkg in ("cutlass", "cutlass/cute"):  # CuTe DSL importable (empty stand-ins)
+        (tmp_path / pkg).mkdir(parents=True, exist_ok=True)
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (fa / "__init__.py").write_text('raise OSError("libcudart.so.12: cannot open shared object file")\n'
+                                    if broken == "parent_oserror" else "")
+    (fa / "cute" / "__init__.py").write_text('raise RuntimeError("CUDA driver too old")\n'
+                                             if broken == "cute_runtimeerror" else "")
+    (fa / "cute" / "block_sparsity.py").write_text("BlockSparseTensorsTorch = tuple\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
+    env.pop("MEGATRON_SPLITKV_AUTO_FA4", None)
+    r = subprocess.run([sys.executable, "-c", _BROKEN_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["runs_on"] is False and out["auto"] == "flex" and out["auto_again"] == "flex", out
+    cause = {"parent_oserror": "OSError: libcudart", "cute_runtimeerror": "RuntimeError: CUDA driver too old",
+             "no_interface": "flash_attn.cute.interface"}[broken]
+    assert out["explicit"].startswith("raised ImportError: ") and "megatron-splitkv[fa4]" in out["explicit"], out
+    assert cause in out["explicit"], out
+    # found but broken: one warning (the import is tried once per process) naming the cause and the switch
+    assert len(out["warnings"]) == (0 if broken == "parent_oserror" else 1), out
+    assert all(cause in m and "MEGATRON_SPLITKV_AUTO_FA4=0" in m for m in out["warnings"]), out
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not (torch.cuda.is_available() and fa4.fa4_runs_on("cuda", torch.bfloat16, 128)),
                          reason="needs a Hopper/Blackwell GPU with flash_attn.cute (extra 'fa4')")

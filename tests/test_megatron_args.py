@@ -239,10 +239,10 @@ def test_splitkv_kernel_flag_parses_validates_and_reaches_core_attention():
     assert kernel_backend_from_args(argparse.Namespace()) == "auto"  # a parser without the flag
     cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, attention_dropout=0.0,
                             use_cpu_initialization=True)
-    for name in ("auto", "math", "flex", "te", "staircase"):
+    for name in KERNEL_BACKENDS:
         a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-kernel", name])
         assert kernel_backend_from_args(a) == name
-        validate_splitkv_args(_args(splitkv_kernel=name), have_te=True)
+        validate_splitkv_args(_args(splitkv_kernel=name), have_te=True, have_fa4=True)
         spec = get_dflash_layer_spec("splitkv", use_te=False, kernel_backend=kernel_backend_from_args(a))
         core = spec.submodules.self_attention.submodules.core_attention(
             config=cfg, layer_number=1, attn_mask_type=AttnMaskType.no_mask, attention_type="cross",
@@ -257,6 +257,25 @@ def test_splitkv_kernel_flag_parses_validates_and_reaches_core_attention():
             kernel_backend_from_args(argparse.Namespace(splitkv_kernel=bad))
     with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel te needs Transformer Engine"):
         validate_splitkv_args(_args(splitkv_kernel="te"), have_te=False)
+
+
+def test_fa4_kernel_flag_needs_flash_attention_4_at_start_up(monkeypatch):
+    """`--splitkv-kernel fa4` on a machine without FlashAttention-4 fails at argument validation (as `te`
+    without Transformer Engine), naming the flag and the extra, not at the first training step after the
+    model, the checkpoint and the data workers are up; --parse-only (another machine) does not check it."""
+    from megatron_splitkv.kernels import fa4
+    from megatron_splitkv.megatron import arguments as ma
+
+    with pytest.raises(SplitKVArgumentError, match=r"--splitkv-kernel fa4 needs FlashAttention-4 .*\[fa4\]"):
+        validate_splitkv_args(_args(splitkv_kernel="fa4"), have_fa4=False)
+    validate_splitkv_args(_args(splitkv_kernel="fa4"), have_fa4=True)
+    validate_splitkv_args(_args(splitkv_kernel="auto"), have_fa4=False)  # auto falls back: no requirement
+    monkeypatch.setattr(fa4, "fa4_available", lambda: False)  # the detection used without have_fa4
+    with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel fa4 needs FlashAttention-4"):
+        validate_splitkv_args(_args(splitkv_kernel="fa4"))
+    monkeypatch.setattr(fa4, "fa4_available", lambda: True)
+    validate_splitkv_args(_args(splitkv_kernel="fa4"))
+    assert ma._fa4_available() is True
 
 
 def test_splitkv_kernel_bad_value_names_the_flag_on_the_command_line(capsys):
@@ -381,3 +400,28 @@ def test_add_splitkv_args_aliases():
     taken.add_argument("--block-size", type=int)
     with pytest.raises(ValueError, match="cannot make --block-size an alias of --dflash-block-size"):
         add_splitkv_args(taken, aliases={"--dflash-block-size": ("--block-size",)})
+
+
+@pytest.mark.parametrize("pre_existing", [False, True])
+def test_add_splitkv_args_alias_values_checked(pre_existing):
+    """An alias given as a bare string is ONE alias (was iterated per character: on a parser that already had
+    the flag the action silently gained the option strings '-', 'n', 'u', ... and '--num-anchors' stayed
+    unknown); an alias that is not an option string ('num-anchors', 5) raises ValueError naming it, before
+    the parser is changed (was added silently on a parser that had the flag)."""
+    def parser():
+        p = argparse.ArgumentParser()
+        if pre_existing:
+            p.add_argument("--dflash-num-anchors", type=int, default=512)
+        return p
+
+    p = add_splitkv_args(parser(), aliases={"--dflash-num-anchors": "--num-anchors"})
+    assert p.parse_args(["--num-anchors", "3"]).dflash_num_anchors == 3
+    assert p._option_string_actions["--dflash-num-anchors"].option_strings == ["--dflash-num-anchors", "--num-anchors"]
+    for bad in (("num-anchors",), (5,), ("--num anchors",), ("-",), 7):
+        p = parser()
+        before = dict(p._option_string_actions)
+        with pytest.raises(ValueError, match=r"add_splitkv_args: alias.* of --dflash-num-anchors|aliases\["):
+            add_splitkv_args(p, aliases={"--dflash-num-anchors": bad})
+        assert p._option_string_actions == before  # nothing added before the error
+    with pytest.raises(ValueError, match="aliases must be a dict"):
+        add_splitkv_args(parser(), aliases=[("--dflash-num-anchors", "--num-anchors")])

@@ -38,6 +38,19 @@ def test_inner_staircase_kernel_object_rejected_and_registry_does_not_recurse(mo
         kernels.get_kernel("staircase", "cpu", torch.float64)
 
 
+def test_inner_names_every_backend_but_staircase(monkeypatch):
+    """The remainder kernel takes every registered backend name except staircase: "auto" resolves to "fa4"
+    where FlashAttention-4 is installed, so "fa4" is accepted by name too (was refused as a bad value)."""
+    from megatron_splitkv.kernels import staircase
+
+    assert set(staircase._INNER_CHOICES) == set(kernels.BACKENDS) - {"staircase"}
+    for name in staircase._INNER_CHOICES:
+        monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_INNER", name)
+        assert StaircaseAttentionKernel().options()["inner"] == name
+        kernels.validate_kernel_env()
+        assert StaircaseAttentionKernel(inner=name).options()["inner"] == name
+
+
 def test_inner_math_kernel_object_accepted():
     from megatron_splitkv.kernels.math import MathAttentionKernel
 
@@ -75,7 +88,7 @@ def test_numeric_option_float_or_string_rejected(val):
     ("BWD_MODE", "2", "one of auto, query, key, got '2'"),
     ("GQA", "FOLD", "one of fold, native, got 'FOLD'"),
     ("KV_LAYOUT", "views", "one of auto, view, copy, got 'views'"),
-    ("INNER", "Flex", "one of auto, math, flex, te (the remainder kernel; never staircase), got 'Flex'"),
+    ("INNER", "Flex", "one of auto, math, flex, te, fa4 (the remainder kernel; never staircase), got 'Flex'"),
 ])
 def test_env_option_bad_value_names_variable_and_allowed_values(monkeypatch, name, val, want):
     """MEGATRON_SPLITKV_STAIRCASE_<NAME>: ints are plain ASCII decimal integers ("1_000" and non-ASCII digits

@@ -394,7 +394,7 @@ def main(argv=None):
                          "allgather-kv's compute does not depend on the context placement)")
     bench.add_workload_args(ap, reps=10)
     ap.add_argument("--kernel-reps", type=int, default=5)
-    ap.add_argument("--backend", default="auto", help="local kernel backend (auto: flex on CUDA)")
+    ap.add_argument("--backend", default="auto", help="local kernel backend (auto: fa4 where installed, else flex on CUDA)")
     ap.add_argument("--slow-path", action="store_true",
                     help="label rows link=socket; launch with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1")
     ap.add_argument("--no-metadata", action="store_true",

@@ -7,7 +7,7 @@ gather to overlap with there. The overlap is a layer property: `DFlashAttention`
 q-norm, RoPE), starts the gather, then computes k/v of [context | block tokens] (projection, k-norm, RoPE)
 while it is in flight; in backward the k/v projection's backward runs while the dQ all-to-all is in
 flight. This tool times exactly that module (Megatron-Core local spec: ColumnParallelLinear /
-RowParallelLinear, torch RMSNorm; the local attention kernel `--backend`, default auto = flex on CUDA),
+RowParallelLinear, torch RMSNorm; the local attention kernel `--backend`, default auto = fa4 / flex on CUDA),
 one CP rank per process, for each context size:
 
   - op ms: median forward + backward of the layer (CUDA events; round-robin on / off, `bench.

@@ -31,7 +31,7 @@
 #   slow (b). the same at 32K and 128K, CP=2, LPT, with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (socket
 #      transport over lo: the inter-node stand-in), plus the chunk A/B at 128K
 #   simulate (c). torchrun 2 x tools/simulate_scaling.py: collectives measured on the 2 GPUs (alpha-beta
-#      fit), real per-rank shards timed (kernel SUITE_SIM_BACKEND, default auto = flex; e.g. staircase),
+#      fit), real per-rank shards timed (kernel SUITE_SIM_BACKEND, default auto = fa4 / flex; e.g. staircase),
 #      CP 1, 2, 8..64, splitkv at k = 1, 2, 4 chunks (best k per P), with and without the Q-gather /
 #      dQ all-to-all overlap with the k/v projections (timed on the GPU), under the node topology (8
 #      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model; measuring budget SUITE_SIM_S
@@ -49,7 +49,7 @@
 #      under SUITE_STEPCOST_S, default 270 s; contexts SUITE_STEPCOST_CONTEXTS, default 16K,32K,128K),
 #      nometa (bench without per-step metadata); any extra command in $SUITE_EXTRA
 #
-# Local kernels: SUITE_BACKEND (default auto = flex) for bench / slow / exact / simulate; SUITE_BENCH_BACKENDS
+# Local kernels: SUITE_BACKEND (default auto = fa4 where installed, else flex) for bench / slow / exact / simulate; SUITE_BENCH_BACKENDS
 # (comma list, e.g. staircase) reruns bench's LPT rows with each of them (tables bench_attention_<name>.md,
 # budget SUITE_BENCH2_S, contexts SUITE_BENCH2_CONTEXTS); SUITE_EXACT_BACKENDS likewise for `exact`;
 # SUITE_GC_KERNELS / SUITE_GC_SWEEP / SUITE_KERNELS_S set gpu_check compare's --kernels / --staircase-sweep /

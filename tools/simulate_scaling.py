@@ -14,7 +14,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     all Lq queries vs the rank's keys, one call per chunk; allgather-kv = the rank's Lq/P queries vs all
     keys; ring-kv = the rank's queries vs each shard, one call per ring step; each with the own block
     where the op fuses it). Measured mode: each sampled rank's real shard is run on one GPU with the
-    kernel `--backend` (auto = flex; staircase, te, ... as registered in megatron_splitkv.kernels)
+    kernel `--backend` (auto = fa4 where installed, else flex; staircase, te, ... as registered in megatron_splitkv.kernels)
     (`--sample-ranks`: the ranks with the most and the median visible pairs; ring-kv: every step of the
     most loaded rank), forward + backward through the kernel API; every chunk count's calls are timed
     (k = 1 of every method first; a chunk count the budget cut is scaled from the measured k = 1 by the
@@ -906,7 +906,7 @@ def main(argv=None):
     ap.add_argument("--model-only", action="store_true", help="no GPU: FLOP model for the compute")
     ap.add_argument("--backend", default="auto",
                     help="measured mode: local kernel backend the shards are timed with (megatron_splitkv.kernels."
-                         "BACKENDS: auto = flex on CUDA, math on CPU; flex, te, math, and any backend this tree "
+                         "BACKENDS: auto = fa4 where installed, else flex on CUDA, math on CPU; flex, te, math, and any backend this tree "
                          "registers, e.g. staircase)")
     ap.add_argument("--kernel-tflops", type=float, default=320.0,
                     help="model: useful fwd+bwd TF/s of the local kernel through the kernel API (3.5x "

@@ -11,8 +11,9 @@ Backends:
     "fa4":  `FA4AttentionKernel` from `kernels/fa4.py` (FlashAttention-4 CuTe DSL kernels with block
             sparsity and an interval mask_mod; optional extra `fa4`; Hopper / Blackwell, bf16 / fp16;
             ImportError with an install hint when flash_attn.cute is missing).
-    "auto": `resolve_auto_backend`: "fa4" when FlashAttention-4 is installed and runs there (CUDA sm90-sm110,
-            bf16 / fp16, dtype known; env MEGATRON_SPLITKV_AUTO_FA4=0 turns this off); otherwise "flex" on
+    "auto": `resolve_auto_backend`: "fa4" when FlashAttention-4 is installed, imports and runs there (CUDA
+            sm90-sm110, bf16 / fp16, dtype known; an install that fails to import is skipped with a warning;
+            env MEGATRON_SPLITKV_AUTO_FA4=0 turns this off); otherwise "flex" on
             CUDA devices when it imports, the dtype is not float64 and the head dim is at least 16
             (FlexAttention's minimum in torch 2.11), else "math"; and
             "staircase" instead of "flex" when the caller passes the keys per kernel call
@@ -216,7 +217,8 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
     if not _flex_importable():
         return "math"
     if dtype is not None and auto_fa4():
-        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415 - no CuTe DSL import
+        # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
+        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415
 
         if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
             return "fa4"

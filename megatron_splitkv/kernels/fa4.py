@@ -43,7 +43,8 @@ from .flex import TILE, _block_tables, _rows_table
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
-__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
+__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_importable", "fa4_runs_on", "deterministic_requested",
+           "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper or Blackwell GPU")
@@ -51,17 +52,39 @@ INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'm
 
 @functools.lru_cache(maxsize=1)
 def fa4_available() -> bool:
-    """True when `flash_attn.cute` can be found (does not import it; looked up once per process)."""
+    """True when `flash_attn.cute` can be found (does not import it; looked up once per process). Never
+    raises: finding the subpackage imports the parent `flash_attn` (also flash-attn 2's package, extra
+    `flash-attn`), and a parent that fails to import (any exception, e.g. OSError for a missing CUDA
+    library) means no FA4 here."""
     try:
         return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):
+    except Exception:  # noqa: BLE001 - a broken flash_attn package is "not available", never an error here
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def fa4_importable() -> bool:
+    """True when FA4's entry points import (`_interface`: cutlass, flash_attn.cute's block sparsity and
+    interface; once per process). An installed but broken FA4 (import fails with any exception) gives False
+    with a warning naming the error, so that "auto" picks another kernel; explicit "fa4" raises the
+    ImportError (`_interface`)."""
+    try:
+        _interface()
+        return True
+    except ImportError as exc:
+        import warnings  # noqa: PLC0415
+
+        warnings.warn(f"FlashAttention-4 (flash_attn.cute) is installed but does not import, so backend 'auto' "
+                      f"does not pick 'fa4' ({exc}); repair the install or set MEGATRON_SPLITKV_AUTO_FA4=0",
+                      RuntimeWarning, stacklevel=2)
         return False
 
 
 def fa4_runs_on(device, dtype, head_dim=None) -> bool:
-    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: flash_attn.cute
-    importable, a CUDA device of compute capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or
-    a multiple of 8 <= 256. Never raises."""
+    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: a CUDA device of compute
+    capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or a multiple of 8 <= 256, flash_attn.cute
+    installed and importable (`fa4_importable`, checked last: the import happens only where FA4 would run).
+    Never raises."""
     idx = half_precision_cuda_index(device, dtype, head_dim)
     if idx is None:
         return False
@@ -69,20 +92,21 @@ def fa4_runs_on(device, dtype, head_dim=None) -> bool:
         major = torch.cuda.get_device_capability(idx)[0]
     except (RuntimeError, AssertionError, AttributeError):
         return False
-    return major in (9, 10, 11) and fa4_available()
+    return major in (9, 10, 11) and fa4_available() and fa4_importable()
 
 
 @functools.lru_cache(maxsize=1)
 def _interface():
     """(fwd, bwd, BlockSparseTensorsTorch, mask_mod one interval, mask_mod two intervals); imports
-    flash_attn.cute (ImportError with the install hint when it is missing)."""
+    flash_attn.cute (ImportError with the install hint and the cause when it is missing or fails to import
+    with any exception: the ops treat an ImportError as "backend missing" on every rank)."""
     try:
         import cutlass  # noqa: PLC0415
         import cutlass.cute as cute  # noqa: PLC0415
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT}; import failed: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a broken install (RuntimeError, OSError, ...) is an ImportError here
+        raise ImportError(f"{INSTALL_HINT}; import failed: {type(exc).__name__}: {exc}") from exc
 
     def _ssa(x):  # a scalar as a 1-element TensorSSA (what the mask_mod compares against)
         vec = cute.make_rmem_tensor(1, cutlass.Int32)
@@ -119,6 +143,25 @@ def deterministic_requested() -> bool:
     return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
+def _fit_prebuilt(prebuilt, nq: int, nk: int, tile: int):
+    """Host-built FlexAttention tables (rows [n, QP], the 8 BlockMask tables at padded lengths QP >= nq * tile,
+    KP >= nk * tile) cut to FA4's own tile counts: FA4 checks the block-sparse tensors against the call's
+    lengths (forward counts [1, 1, ceil(Tq / 128)] and indices with at most ceil(Tk / 128) key tiles;
+    backward counts [1, 1, ceil(Tk / 128)], indices with at most ceil(Tq / 128) query tiles; a larger
+    table is refused), and flex's bucketed lengths are often several tiles longer. Exact: padded query rows
+    and keys beyond Tk are never listed, and the unlisted tail of each index row is in increasing order, so
+    the cut tables equal the ones built at FA4's lengths (tests/test_fa4_kernel.py). Index tables that the
+    cut makes non-contiguous are copied (small; once per mask, the tables are cached)."""
+    rows, (kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx) = prebuilt
+
+    def cut(t, *n):
+        v = t[(Ellipsis,) + tuple(slice(0, s) for s in n)]
+        return v if v.is_contiguous() else v.contiguous()
+
+    return rows[:, : nq * tile], (cut(kv_num, nq), cut(kv_idx, nq, nk), cut(full_num, nq), cut(full_idx, nq, nk),
+                                  cut(q_num, nk), cut(q_idx, nk, nq), cut(full_q_num, nk), cut(full_q_idx, nk, nq))
+
+
 class _Tables:
     """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
     (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
@@ -126,13 +169,12 @@ class _Tables:
     __slots__ = ("aux", "fwd", "bwd", "union")
 
     def __init__(self, mask: IntervalMask, q_len: int, kv_len: int, tile: int, bst, prebuilt=None):
+        nq, nk = -(-max(q_len, 1) // tile), -(-max(kv_len, 1) // tile)  # FA4's query / key tile counts
         if prebuilt is not None:  # FlexAttention's tables of this mask at padded lengths >= ours (same tile)
-            rows, tables = prebuilt
+            rows, tables = _fit_prebuilt(prebuilt, nq, nk, tile)
         else:
-            qp = -(-max(q_len, 1) // tile) * tile
-            kp = -(-max(kv_len, 1) // tile) * tile
-            rows = _rows_table(mask, qp)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
-            tables = _block_tables(rows, qp, kp, tile, rows_per_block=mask.block_size, q_tables=True)
+            rows = _rows_table(mask, nq * tile)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
+            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=mask.block_size, q_tables=True)
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
         self.aux = [rows[i] for i in range(rows.shape[0])]
         self.union = mask.has_union
@@ -213,8 +255,9 @@ class FA4AttentionKernel:
         host = mask.__dict__.get(_FLEX_HOST)
         if not host or self.tile != TILE:
             return None
+        n_rows = 4 if mask.has_union else 2  # (lo, hi[, lo2, hi2]): a table of this mask's kind only
         for (qp, kp), (rows, tables) in host.items():
-            if qp >= q_len and kp >= kv_len and rows.device == mask.lo.device:
+            if qp >= q_len and kp >= kv_len and rows.device == mask.lo.device and rows.shape[0] == n_rows:
                 return rows, tables
         return None
 

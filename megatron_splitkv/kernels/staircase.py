@@ -154,7 +154,9 @@ _DEFAULTS = dict(group_blocks=128, sub_group_blocks=32, min_group_blocks=8, key_
                  inner="auto", key_buckets=KEY_BUCKETS, key_pieces=KEY_PIECES, max_tile_keys=MAX_TILE_KEYS,
                  piece_min_pairs=None)
 _CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
-_INNER_CHOICES = ("auto", "math", "flex", "te")  # never "staircase": it would be its own remainder kernel
+#: the remainder kernel's backend names: every backend but "staircase" (it would be its own remainder kernel);
+#: "auto" may itself resolve to "fa4", so "fa4" is a choice too
+_INNER_CHOICES = ("auto", "math", "flex", "te", "fa4")
 
 
 #: MEGATRON_SPLITKV_STAIRCASE_* variables that are not constructor options (read by `kernels.staircase_auto_min_keys`)

@@ -19,9 +19,10 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
-    --splitkv-kernel {auto,math,flex,te,staircase}  local attention kernel of the CP op (`backend=`,
-                             the layer spec's `kernel_backend`; default auto = staircase on CUDA
-                             from 32K context keys per call, else flex on CUDA; see docs/kernels.md)
+    --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
+                             the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
+                             is installed (Hopper / Blackwell, bf16 / fp16), else staircase on CUDA from
+                             32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
@@ -152,16 +153,45 @@ def _add_aliases(parser: argparse.ArgumentParser, flag: str, aliases) -> None:
         parser._option_string_actions[alias] = action  # noqa: SLF001
 
 
+def _checked_aliases(parser: argparse.ArgumentParser, aliases) -> dict:
+    """`aliases` of `add_splitkv_args` as {flag: tuple of option strings}, checked before the parser is touched:
+    a dict; each value one option string or an iterable of them; each an option string argparse takes (starts
+    with one of the parser's prefix characters, e.g. '--num-anchors'). A bare string is one alias (iterating
+    it would give one alias per character). ValueError naming the flag and the alias otherwise."""
+    if aliases is None:
+        return {}
+    if not isinstance(aliases, dict):
+        raise ValueError(f"add_splitkv_args: aliases must be a dict {{flag: (other spelling, ...)}}, got "
+                         f"{type(aliases).__name__}")
+    out = {}
+    for flag, extra in aliases.items():
+        if isinstance(extra, str):
+            extra = (extra,)
+        try:
+            extra = tuple(extra)
+        except TypeError:
+            raise ValueError(f"add_splitkv_args: aliases[{flag!r}] must be an option string or a tuple of them, "
+                             f"got {extra!r}") from None
+        for alias in extra:
+            if not isinstance(alias, str) or len(alias) < 2 or alias[0] not in parser.prefix_chars \
+                    or any(c.isspace() for c in alias):
+                raise ValueError(f"add_splitkv_args: alias {alias!r} of {flag} must be an option string such as "
+                                 f"'--num-anchors' (starting with {parser.prefix_chars!r}, no spaces)")
+        out[flag] = extra
+    return out
+
+
 def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
     `extra_args_provider` contract). Idempotent: flags the parser already has are skipped.
 
     `aliases`: {flag: (other spelling, ...)} for flags of this function, e.g. {"--dflash-num-anchors":
     ("--num-anchors",)}: the other spellings become option strings of the SAME action (one help text, one
-    default, listed together by --help), never a second action with the same dest. ValueError for a key
-    that is not an option of the parser, or an alias that is already another option (argparse.ArgumentError
-    when the parser had it before this call)."""
-    aliases = dict(aliases or {})
+    default, listed together by --help), never a second action with the same dest. A value may be one option
+    string or a tuple of them. ValueError (before the parser is changed) for an alias that is not an option
+    string ('--x'), and for a key that is not an option of the parser or an alias that is already another
+    option (argparse.ArgumentError when the parser had it before this call)."""
+    aliases = _checked_aliases(parser, aliases)
     group = parser.add_argument_group(title="split-kv context parallelism")
     names = {}  # flag -> its option strings for add_argument
 
@@ -390,7 +420,13 @@ def _te_available() -> bool:
     return bool(HAVE_TE)
 
 
-def validate_splitkv_args(args, *, have_te=None) -> None:
+def _fa4_available() -> bool:
+    from ..kernels.fa4 import fa4_available  # noqa: PLC0415 - finds flash_attn.cute, imports no CuTe DSL
+
+    return fa4_available()
+
+
+def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
 
@@ -400,14 +436,15 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
-    transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
+    transformer_engine` and `--splitkv-kernel te` need Transformer Engine, `--splitkv-kernel fa4`
+    FlashAttention-4 (flash_attn.cute installed); `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step.
-    `have_te` overrides TE detection (tests)."""
+    `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
@@ -457,6 +494,12 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         raise SplitKVArgumentError(
             "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
             "transformer_engine is not installed; use --splitkv-kernel auto"
+        )
+    if kernel == "fa4" and not (_fa4_available() if have_fa4 is None else have_fa4):
+        raise SplitKVArgumentError(
+            "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
+            "nvidia-cutlass-dsl, on a Hopper or Blackwell GPU); flash_attn.cute is not installed; use "
+            "--splitkv-kernel auto"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(

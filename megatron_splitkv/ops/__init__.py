@@ -9,9 +9,15 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
 """
 
 from .allgather_kv import allgather_kv_attention
-from .metadata import SplitKVMetadata, prepare_splitkv_metadata, prepare_splitkv_metadata_from_plan
+from .metadata import (
+    SplitKVMetadata,
+    check_environment_agreement,
+    prepare_splitkv_metadata,
+    prepare_splitkv_metadata_from_plan,
+)
 from .ring_kv import ring_kv_attention
 from .splitkv import SplitKVQueryGather, splitkv_attention, splitkv_start_query_gather
 
 __all__ = ["splitkv_attention", "allgather_kv_attention", "ring_kv_attention", "prepare_splitkv_metadata",
-           "prepare_splitkv_metadata_from_plan", "SplitKVMetadata", "splitkv_start_query_gather", "SplitKVQueryGather"]
+           "prepare_splitkv_metadata_from_plan", "SplitKVMetadata", "splitkv_start_query_gather", "SplitKVQueryGather",
+           "check_environment_agreement"]

@@ -67,6 +67,7 @@ from ..kernels.base import IntervalMask
 from .common import (
     EXCHANGE_PIECES_ENV,
     FUSED_BWD_GATHER_MIN_P,
+    FUSED_BWD_GATHER_MIN_P_ENV,
     MAX_EXCHANGE_PIECES,
     SUPPORTED_DTYPES,
     acc_dtype,
@@ -86,7 +87,7 @@ from .common import (
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
            "prepare_splitkv_metadata_from_plan", "resolve_exchange_pieces", "piece_bounds",
-           "EXCHANGE_PIECES_ENV"]
+           "EXCHANGE_PIECES_ENV", "check_environment_agreement"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -441,7 +442,9 @@ class SplitKVMetadata:
         (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
         cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
         MEGATRON_SPLITKV_RANKS_PER_NODE in the building process) the variables must resolve to the same
-        values here. The kernel lanes stay per call (`check_call`).
+        values here. The kernel lanes stay per call (`check_call`). Whether the variables agree ACROSS ranks
+        is not checked here (no collective): `check_environment_agreement` once per process, or
+        `group_check=True` at build time.
 
         Raises:
             ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; a
@@ -1658,6 +1661,50 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
         raise ValueError(f"{name} must have length {length} (this rank's context tokens under the plan), got "
                          f"{x.shape[0]}")
     return x.to(device="cpu", dtype=torch.int64)
+
+
+def check_environment_agreement(cp_group=None, device=None) -> None:
+    """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
+    resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
+    (or when one is malformed on some rank).
+
+    `prepare_splitkv_metadata` and the call without `metadata=` agree on these values in their agreement
+    row. Host-built metadata (`prepare_splitkv_metadata_from_plan` in a data worker, `bind` in the step)
+    reads them in each process without a collective (`bind` only checks that the training process resolves
+    them as the building process did): ranks started with different values would issue different numbers
+    or sizes of collectives in the op (gloo aborts, NCCL hangs or mixes data). Call this once per process
+    after the CP group exists and before the first op call with host-built metadata (examples/pretrain_dflash.py
+    does, at its first micro-batch), on every rank of the group; or build the metadata with
+    `group_check=True` (a verdict exchange per call).
+
+    Checked: MEGATRON_SPLITKV_NUM_CHUNKS, MEGATRON_SPLITKV_RANKS_PER_NODE (as resolved for this group's size),
+    MEGATRON_SPLITKV_EXCHANGE_PIECES, MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, and the kernel environment
+    parsed (`kernels.validate_kernel_env`).
+
+    Args:
+        cp_group: the CP ProcessGroup (None: the default group when initialised, else one process).
+        device: the device of the tiny all-gather (default: CPU, or the current CUDA device with NCCL).
+
+    Raises:
+        ValueError("check_environment_agreement: ..."), the same on every rank: a variable malformed on some
+            rank (naming the rank(s) and the variable), or resolving differently across ranks (naming the
+            variable and the values by rank).
+    """
+    name = "check_environment_agreement"
+    group = resolve_group(cp_group)
+    err, row = "", [-1] * 4
+    try:
+        row = [_requested_chunks(None), resolve_ranks_per_node(None, group.size), exchange_pieces_env(),
+               fused_bwd_gather_min_p()]
+        validate_kernel_env()
+    except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
+        err = _local_error(exc)
+    table = _raise_if_any(name, group, err, row, _comm_device(group, device), "splitkv.check")
+    # columns: 0 = the error length, then the row
+    _check_agree(name, table, ((1, f"{NUM_CHUNKS_ENV} (requested num_chunks, 0 = unset)"),
+                               (2, f"{RANKS_PER_NODE_ENV} (cp_ranks_per_node)"),
+                               (3, f"{EXCHANGE_PIECES_ENV} (requested exchange pieces, 0 = unset)"),
+                               (4, FUSED_BWD_GATHER_MIN_P_ENV)))
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,

@@ -794,8 +794,9 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         cp_group: the CP ProcessGroup; None = the default group if initialised, else single process.
             Ranks may hold different numbers of blocks and context tokens, including zero.
         softmax_scale: defaults to 1 / sqrt(D).
-        backend: local kernel, "auto" | "math" | "flex" | "te" | "staircase" (see `megatron_splitkv.kernels`;
-            "auto" = staircase on CUDA from 32K context keys on the largest rank, else flex / math).
+        backend: local kernel, "auto" | "math" | "flex" | "te" | "staircase" | "fa4" (see
+            `megatron_splitkv.kernels`; "auto" = fa4 where FlashAttention-4 is installed (Hopper / Blackwell,
+            bf16 / fp16), else staircase on CUDA from 32K context keys on the largest rank, else flex / math).
         return_lse: also return the merged lse.
         metadata: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="splitkv")`, prepared once
             per training step and shared by every layer (see `megatron_splitkv.ops.metadata`). Then

@@ -1,0 +1,171 @@
+"""Ranks disagreeing on the Split-KV environment with host-built metadata (adversarial finding, session 8).
+
+`prepare_splitkv_metadata` and the op without `metadata=` agree on MEGATRON_SPLITKV_NUM_CHUNKS /
+_RANKS_PER_NODE / _EXCHANGE_PIECES / _FUSED_BWD_GATHER_MIN_P in their agreement row. Host-built metadata
+(`prepare_splitkv_metadata_from_plan` + `bind`, the data pipeline's default in examples/pretrain_dflash.py)
+read them per process with no collective: with MEGATRON_SPLITKV_EXCHANGE_PIECES=1 on CP rank 0 and 3 on the
+others (P = 4, L = 2), or MEGATRON_SPLITKV_NUM_CHUNKS differing, the ranks issued different collectives in the
+op and gloo aborted the processes (SIGABRT; NCCL would hang or mix data). Now
+`ops.check_environment_agreement(cp_group)` (collective, once per process; pretrain_dflash calls it at its
+first micro-batch) raises the same ValueError on every rank, naming the variable and the values by rank.
+
+CPU, gloo: the library check at P = 4 (each variable differing, a malformed value on one rank, all equal),
+then the host path it guards (the op after the check passes equals the float64 reference); pretrain_dflash's
+forward_step at CP = 2 with the chunk count differing across ranks.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from _dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_VARS = ("MEGATRON_SPLITKV_NUM_CHUNKS", "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_EXCHANGE_PIECES",
+         "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")
+
+# (variable, value on rank 0, value on the other ranks, what the message must say); None = unset
+CASES = [
+    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "1", "3", "MEGATRON_SPLITKV_EXCHANGE_PIECES (requested exchange pieces"),
+    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", None, "2", "got [0, 2, 2, 2] (by rank)"),
+    ("MEGATRON_SPLITKV_NUM_CHUNKS", "2", "1", "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks"),
+    ("MEGATRON_SPLITKV_RANKS_PER_NODE", "2", "4", "MEGATRON_SPLITKV_RANKS_PER_NODE (cp_ranks_per_node)"),
+    ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "2", None, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
+    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "65", "2", "rank 0: MEGATRON_SPLITKV_EXCHANGE_PIECES must be a positive "
+                                                    "int <= 64, got '65'"),
+]
+
+
+def _set(var, value):
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
+
+
+def _plan():
+    from megatron_splitkv.planning import plan_context_parallel
+
+    return plan_context_parallel([40, 24, 30], [np.array([3, 9, 20, 30]), np.array([5, 11]),
+                                                np.array([1, 2, 7, 9, 12, 20])], block_size=4, cp_size=4, chunk_size=4)
+
+
+def _check_worker(rank, world):
+    from megatron_splitkv.ops import check_environment_agreement
+
+    out = []
+    for var, v0, v1, _ in CASES:
+        for v in _VARS:
+            os.environ.pop(v, None)
+        _set(var, v0 if rank == 0 else v1)
+        try:
+            check_environment_agreement()
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+    # all equal (some set, identically): passes; then the host path it guards runs and is exact
+    for v in _VARS:
+        os.environ.pop(v, None)
+    os.environ["MEGATRON_SPLITKV_EXCHANGE_PIECES"] = "3"
+    os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] = "2"
+    check_environment_agreement()
+    from megatron_splitkv import dflash_attention_reference, splitkv_attention
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+
+    plan = _plan()
+    host = prepare_splitkv_metadata_from_plan(plan, rank, block_size=4, num_heads_q=2, num_heads_kv=1, head_dim=8,
+                                              dtype=torch.float64)
+    meta = host.bind(None, "cpu")
+    gen = torch.Generator().manual_seed(11)
+    nq, nk = plan.q_seq.shape[0] * 4, int(sum(plan.seq_lens))
+    q_all, kb_all, vb_all = (torch.randn(nq, h, 8, generator=gen, dtype=torch.float64) for h in (2, 1, 1))
+    k_all, v_all = (torch.randn(nk, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    starts = np.concatenate([[0], np.cumsum(plan.seq_lens)[:-1]])
+    kv_seq_all = np.concatenate([np.full(n, i) for i, n in enumerate(plan.seq_lens)])
+    kv_pos_all = np.concatenate([np.arange(n) for n in plan.seq_lens])
+    ref, _ = dflash_attention_reference(q_all, k_all, v_all, kb_all, vb_all, torch.from_numpy(plan.q_seq),
+                                     torch.from_numpy(plan.q_anchor), torch.from_numpy(kv_seq_all),
+                                     torch.from_numpy(kv_pos_all), block_size=4)
+    sl = plan.query_slice(rank)
+    rows = slice(sl.start * 4, sl.stop * 4)
+    idx = torch.from_numpy(starts[meta.kv_seq.numpy()] + meta.kv_pos.numpy())
+    got = splitkv_attention(q_all[rows], k_all[idx], v_all[idx], kb_all[rows], vb_all[rows], metadata=meta,
+                            backend="math")
+    return out, meta.exchange_pieces, float((got - ref[rows]).abs().max())
+
+
+def test_environment_agreement_raises_the_same_error_on_every_rank():
+    res = run_distributed(_check_worker, 4, timeout=300)
+    for j, (var, v0, v1, want) in enumerate(CASES):
+        msgs = {r[0][j] for r in res}
+        assert len(msgs) == 1, (var, msgs)  # the same on every rank
+        msg = msgs.pop()
+        assert msg is not None and msg.startswith("check_environment_agreement: ") and want in msg, (var, msg)
+    for out, pieces, err in res:
+        assert pieces == 3 and err < 1e-12, (pieces, err)
+
+
+def _pretrain_worker(rank, world):
+    """examples/pretrain_dflash.py's forward_step (CP = 2, host-built metadata, as tests/test_rerun_checkpoint.py
+    drives it) with MEGATRON_SPLITKV_NUM_CHUNKS 1 on rank 0 and 2 on rank 1."""
+    import argparse
+    import importlib.util
+    import types
+
+    import megatron.core.num_microbatches_calculator as nmc
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_splitkv.megatron.models import qwen3_config
+    from test_data_pipeline import ANCHORS, BLOCK, MASK_ID, MAX_TOKENS, _Model, _Timer, _corpus
+
+    os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = str(1 + rank)
+    spec = importlib.util.spec_from_file_location("pretrain_dflash_env", os.path.join(ROOT, "examples",
+                                                                                       "pretrain_dflash.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              iteration=0, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
+                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2,
+                              dflash_data_workers=0, context_parallel_impl="splitkv", dflash_host_metadata="on",
+                              dflash_device_prefetch="on", tensor_model_parallel_size=1, splitkv_kernel="math")
+    mod.get_args = lambda: args
+    mod.get_timers = lambda: (lambda *a, **k: _Timer())
+    mod.print_rank_0 = lambda *a, **k: None
+    mod._device = lambda: torch.device("cpu")
+    nmc.get_num_microbatches = lambda: 2
+    for fn, v in (("get_data_parallel_world_size", 1), ("get_data_parallel_rank", 0),
+                  ("get_context_parallel_world_size", world), ("get_context_parallel_rank", rank)):
+        setattr(ps, fn, lambda v=v, **k: v)
+    import megatron_splitkv.data as msd
+
+    corpus, loader_cls = _corpus(), msd.ShareGPTLoader
+    msd.ShareGPTLoader = lambda **kw: loader_cls(**dict(kw, corpus=corpus))
+    mod._STATE.update(store=None, config=qwen3_config(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                                      num_query_groups=2, kv_channels=16, ffn_hidden_size=64),
+                      pgs=types.SimpleNamespace(cp=dist.group.WORLD),
+                      provider=lambda ids, kv_seq, kv_pos: ids.to(torch.float32)[:, None].repeat(1, 8))
+    it, _, _ = mod.train_valid_test_datasets_provider(None)
+    try:
+        mod.forward_step(it, _Model())
+        return None
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        it.close()
+
+
+def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
+    pytest.importorskip("megatron.core")
+    msgs = run_distributed(_pretrain_worker, 2, timeout=300)
+    assert len(set(msgs)) == 1 and msgs[0] is not None, msgs
+    assert "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks, 0 = unset) must be the same on every CP rank; " \
+           "got [1, 2] (by rank)" in msgs[0], msgs[0]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
