@@ -416,3 +416,14 @@ def test_gpu_deterministic_mode_is_refused_before_any_work():
     finally:
         torch.use_deterministic_algorithms(prev)
     kern.check_dtype(torch.bfloat16, "cuda")
+
+
+def test_runs_on_only_the_verified_architecture(monkeypatch):
+    """Hopper (sm90) only: FA4's Blackwell kernels take 256-row query tiles where these tables have 128 rows,
+    and nothing was measured there, so neither "auto" nor fa4_runs_on choose it on sm100 / sm110."""
+    monkeypatch.setattr(fa4, "half_precision_cuda_index", lambda device, dtype, head_dim=None: 0)
+    monkeypatch.setattr(fa4, "fa4_available", lambda: True)
+    monkeypatch.setattr(fa4, "fa4_importable", lambda: True)
+    for cap, ok in (((9, 0), True), ((10, 0), False), ((11, 0), False), ((8, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None, c=cap: c)
+        assert fa4.fa4_runs_on("cuda", torch.bfloat16, 128) is ok, cap

@@ -9,10 +9,10 @@ Backends:
             of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
             float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars).
     "fa4":  `FA4AttentionKernel` from `kernels/fa4.py` (FlashAttention-4 CuTe DSL kernels with block
-            sparsity and an interval mask_mod; optional extra `fa4`; Hopper / Blackwell, bf16 / fp16;
+            sparsity and an interval mask_mod; optional extra `fa4`; Hopper (sm90), bf16 / fp16;
             ImportError with an install hint when flash_attn.cute is missing).
     "auto": `resolve_auto_backend`: "fa4" when FlashAttention-4 is installed, imports and runs there (CUDA
-            sm90-sm110, bf16 / fp16, dtype known; an install that fails to import is skipped with a warning;
+            sm90 (Hopper: the verified architecture), bf16 / fp16, dtype known; an install that fails to import is skipped with a warning;
             env MEGATRON_SPLITKV_AUTO_FA4=0 turns this off); otherwise "flex" on
             CUDA devices when it imports, the dtype is not float64 and the head dim is at least 16
             (FlexAttention's minimum in torch 2.11), else "math"; and
@@ -197,7 +197,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
     the dtype is not float64, the head dim is None or >= 16 and flex imports; then "fa4" when
     `auto_fa4()`, torch's deterministic algorithms are off (`fa4.deterministic_requested`: FA4's
     block-sparse backward is not deterministic) and `fa4.fa4_runs_on(device, dtype, head_dim)`
-    (flash_attn.cute installed, sm90-sm110,
+    (flash_attn.cute installed, sm90 (`fa4.VERIFIED_MAJORS`),
     bf16 / fp16: 90-97% of dense attention per useful FLOP on the H200 at 16K-64K keys, flex 66%,
     staircase 80% at 64K); else "staircase" when keys_per_call is not None,
     `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,

@@ -22,7 +22,8 @@ BlockMask uses (`kernels.flex._block_tables`: partial and full tiles, key-major 
 query-major for the backward), computed once per mask and cached on it.
 
 Availability: optional. `pip install flash-attn-4 nvidia-cutlass-dsl` (extra `fa4`); CUDA devices of
-compute capability 9.x (Hopper) or 10.x / 11.x (Blackwell); bf16 / fp16; head dim a multiple of 8, at
+compute capability 9.x (Hopper; FA4's Blackwell kernels are not verified with these tables, see
+`VERIFIED_MAJORS`); bf16 / fp16; head dim a multiple of 8, at
 most 256. Kernels compile on first use per shape class (tens of seconds, cached on disk by CuTe DSL).
 
 Source: Dao et al., FlashAttention-3 (arXiv 2407.08608) and the FlashAttention-4 CuTe DSL kernels
@@ -47,7 +48,7 @@ __all__ = ["FA4AttentionKernel", "fa4_available", "fa4_importable", "fa4_runs_on
            "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
-                "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper or Blackwell GPU")
+                "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper (sm90) GPU")
 
 
 @functools.lru_cache(maxsize=1)
@@ -80,11 +81,17 @@ def fa4_importable() -> bool:
         return False
 
 
+#: compute capabilities (major) where this kernel has run and been measured: Hopper (sm90, the H200). FA4 also
+#: has Blackwell (sm100 / sm110) kernels, but there its long-query tiles are 256 rows while these block-sparse
+#: tables use 128-row tiles (unverified), so "auto" and `fa4_runs_on` stay on sm90 until it is measured there
+VERIFIED_MAJORS = (9,)
+
+
 def fa4_runs_on(device, dtype, head_dim=None) -> bool:
-    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: a CUDA device of compute
-    capability 9.x, 10.x or 11.x, dtype bf16 / fp16, head dim None or a multiple of 8 <= 256, flash_attn.cute
-    installed and importable (`fa4_importable`, checked last: the import happens only where FA4 would run).
-    Never raises."""
+    """True when FA4 can run q/k/v of `dtype` with head dim `head_dim` on `device`: a CUDA device of a verified
+    compute capability (`VERIFIED_MAJORS`: 9.x, Hopper), dtype bf16 / fp16, head dim None or a multiple of 8
+    <= 256, flash_attn.cute installed and importable (`fa4_importable`, checked last: the import happens only
+    where FA4 would run). Never raises."""
     idx = half_precision_cuda_index(device, dtype, head_dim)
     if idx is None:
         return False
@@ -92,7 +99,7 @@ def fa4_runs_on(device, dtype, head_dim=None) -> bool:
         major = torch.cuda.get_device_capability(idx)[0]
     except (RuntimeError, AssertionError, AttributeError):
         return False
-    return major in (9, 10, 11) and fa4_available() and fa4_importable()
+    return major in VERIFIED_MAJORS and fa4_available() and fa4_importable()
 
 
 @functools.lru_cache(maxsize=1)
@@ -234,7 +241,7 @@ class FA4AttentionKernel:
                              "is accumulated with atomics) and torch.use_deterministic_algorithms (Megatron's "
                              "--deterministic-mode) is on; use backend 'flex' (or 'auto', which picks flex then)")
         if device is not None and not fa4_runs_on(device, dtype):
-            raise ValueError(f"backend 'fa4' needs a CUDA device of compute capability 9.x-11.x with "
+            raise ValueError(f"backend 'fa4' needs a CUDA device of compute capability 9.x (Hopper) with "
                              f"flash_attn.cute, got {device}")
 
     def tables(self, mask: IntervalMask, q_len: int, kv_len: int) -> _Tables:

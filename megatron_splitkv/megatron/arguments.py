@@ -21,7 +21,7 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
     --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
                              the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
-                             is installed (Hopper / Blackwell, bf16 / fp16), else staircase on CUDA from
+                             is installed (Hopper, bf16 / fp16), else staircase on CUDA from
                              32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
@@ -243,7 +243,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
         group.add_argument(
             "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
             help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
-            "auto (fa4 where FlashAttention-4 is installed on a Hopper/Blackwell GPU and not in "
+            "auto (fa4 where FlashAttention-4 is installed on a Hopper GPU and not in "
             "deterministic mode, else staircase on CUDA from 32K context keys per call, else FlexAttention "
             "on CUDA, math otherwise), math, flex, te (Transformer Engine), staircase (dense cuDNN "
             "rectangles + flex remainder) or fa4 (FlashAttention-4, extra 'fa4'). Default auto; see "
@@ -498,7 +498,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     if kernel == "fa4" and not (_fa4_available() if have_fa4 is None else have_fa4):
         raise SplitKVArgumentError(
             "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
-            "nvidia-cutlass-dsl, on a Hopper or Blackwell GPU); flash_attn.cute is not installed; use "
+            "nvidia-cutlass-dsl, on a Hopper GPU); flash_attn.cute is not installed; use "
             "--splitkv-kernel auto"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:

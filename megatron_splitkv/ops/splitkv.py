@@ -795,7 +795,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             Ranks may hold different numbers of blocks and context tokens, including zero.
         softmax_scale: defaults to 1 / sqrt(D).
         backend: local kernel, "auto" | "math" | "flex" | "te" | "staircase" | "fa4" (see
-            `megatron_splitkv.kernels`; "auto" = fa4 where FlashAttention-4 is installed (Hopper / Blackwell,
+            `megatron_splitkv.kernels`; "auto" = fa4 where FlashAttention-4 is installed (Hopper,
             bf16 / fp16), else staircase on CUDA from 32K context keys on the largest rank, else flex / math).
         return_lse: also return the merged lse.
         metadata: a `SplitKVMetadata` from `prepare_splitkv_metadata(..., impl="splitkv")`, prepared once
