@@ -401,7 +401,8 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine; `--splitkv-kernel` is one of
-    KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
+    KERNEL_BACKENDS; `--splitkv-kernel fa4` not with `--deterministic-mode`; `--attention-dropout` must
+    be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
@@ -457,6 +458,13 @@ def validate_splitkv_args(args, *, have_te=None) -> None:
         raise SplitKVArgumentError(
             "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
             "transformer_engine is not installed; use --splitkv-kernel auto"
+        )
+    if kernel == "fa4" and getattr(args, "deterministic_mode", False):
+        # Megatron's --deterministic-mode turns on torch.use_deterministic_algorithms, under which the fa4
+        # kernel raises in its first call (kernels/fa4.py: no deterministic block-sparse backward): fail here
+        raise SplitKVArgumentError(
+            "--splitkv-kernel fa4 has no deterministic mode (FlashAttention-4 accumulates dQ with atomics) and "
+            "--deterministic-mode is set; use --splitkv-kernel auto (picks flex then) or flex"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(
