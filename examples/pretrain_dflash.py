@@ -16,7 +16,7 @@
 
 Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
-`--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase}` (the op's local kernel),
+`--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase,fa4}` (the op's local kernel),
 `--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
 budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
 `--loss-decay-gamma`, `--mask-token-id`; target flags

@@ -19,9 +19,10 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
                              default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
-    --splitkv-kernel {auto,math,flex,te,staircase}  local attention kernel of the CP op (`backend=`,
-                             the layer spec's `kernel_backend`; default auto = staircase on CUDA
-                             from 32K context keys per call, else flex on CUDA; see docs/kernels.md)
+    --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
+                             the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
+                             is installed (Hopper / Blackwell), else staircase on CUDA from 32K context
+                             keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
