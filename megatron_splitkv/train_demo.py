@@ -419,7 +419,7 @@ def _train(rank, world, args):
     return hist
 
 
-def _summary(h, args, world, wall):
+def _summary(h, args, world, wall, resumed=False):
     import numpy as np
 
     loss = h["loss"]
@@ -432,7 +432,7 @@ def _summary(h, args, world, wall):
         f"  steps              {n} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})",
         f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
         f"{last:.4f}, {'falling' if last < first else 'NOT falling'}"
-        + ("; resumed run: these steps only, not judged by the exit status)" if args.load else ")"),
+        + ("; resumed run: these steps only, not judged by the exit status)" if resumed else ")"),
         f"  tokens/s           {h['tokens'] / h['time']:,.0f} context tokens/s, "
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
         f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up)",
@@ -460,8 +460,9 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     world = args.cp
-    if args.load:
-        verify_load(args, world)  # a mismatched checkpoint fails here, before any rank starts
+    resumed = False
+    if args.load:  # a mismatched checkpoint fails here, before any rank starts; None: no checkpoint (fresh run)
+        resumed = verify_load(args, world) is not None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -485,9 +486,9 @@ def main(argv=None) -> int:
     if not results[0]["loss"]:
         print(f"no steps to run: the checkpoint is at step >= --steps {args.steps}", flush=True)
         return 0
-    text, first, last = _summary(results[0], args, world, time.time() - t0)
+    text, first, last = _summary(results[0], args, world, time.time() - t0, resumed=resumed)
     print(text, flush=True)
-    return _exit_status(first, last, resumed=bool(args.load))
+    return _exit_status(first, last, resumed=resumed)
 
 
 if __name__ == "__main__":

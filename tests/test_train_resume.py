@@ -129,8 +129,9 @@ def test_resumed_run_exit_status_does_not_judge_a_short_noisy_segment():
     assert train_demo._exit_status(9.6, 9.8, resumed=True) == 0
     h = dict(loss=[9.5955, 9.3899, 9.9090, 9.4449, 10.19, 9.5748, 9.8305, 10.0223, 9.8365, 9.5626], tokens=100,
              queries=50, time=1.0, imb=[0.0], bytes_attn_all=0.0, bytes_target_all=0.0)
-    for load, tail in ((None, "NOT falling)"), ("/ckpt", "NOT falling; resumed run: these steps only, not judged "
+    args = train_demo.parse_args(["--steps", "30", "--load", "/ckpt"])
+    # resumed = a checkpoint was loaded (a --load directory without one starts from step 0 and is judged)
+    for resumed, tail in ((False, "NOT falling)"), (True, "NOT falling; resumed run: these steps only, not judged "
                                                           "by the exit status)")):
-        args = train_demo.parse_args(["--steps", "30"] + (["--load", load] if load else []))
-        text, first, last = train_demo._summary(h, args, 2, 1.0)
+        text, first, last = train_demo._summary(h, args, 2, 1.0, resumed=resumed)
         assert last > first and tail in text, text
