@@ -62,6 +62,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:]):
+    # a CPU check of a command line: megatron-core's import-time notes that Transformer Engine / Apex / absl are
+    # not installed (and torch's "No CUDA runtime is found") describe this machine, not the flags: not shown
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
 

@@ -62,6 +62,7 @@ def test_valid_combination_passes_and_unset_impl_is_ignored():
         (dict(attention_dropout=0.1), "--attention-dropout"),
         (dict(sequence_parallel=True), "--sequence-parallel"),
         (dict(context_parallel_impl="ulysses"), "--context-parallel-impl"),
+        (dict(splitkv_kernel="fa4", deterministic_mode=True), "--deterministic-mode"),
     ],
 )
 def test_bad_combinations_name_the_flag(kw, flag):
@@ -297,6 +298,12 @@ def test_pretrain_parse_only_threads_splitkv_kernel():
         assert kernel_backend_from_args(mod.main(base + ["--splitkv-kernel", "staircase"])) == "staircase"
         with pytest.raises(SystemExit):
             mod.main(base + ["--splitkv-kernel", "cudnn"])
+        # explicit fa4 under Megatron's --deterministic-mode would raise in the first layer on the GPU:
+        # refused on the command line instead; auto (-> flex there) and fa4 alone pass
+        assert kernel_backend_from_args(mod.main(base + ["--splitkv-kernel", "fa4"])) == "fa4"
+        assert kernel_backend_from_args(mod.main(base + ["--splitkv-kernel", "auto", "--deterministic-mode"])) == "auto"
+        with pytest.raises(SplitKVArgumentError, match="--splitkv-kernel fa4 .*--deterministic-mode"):
+            mod.main(base + ["--splitkv-kernel", "fa4", "--deterministic-mode"])
     finally:
         sys.argv = argv
     src = (REPO / "examples" / "pretrain_dflash.py").read_text()

@@ -104,3 +104,23 @@ def test_help_lists_parse_only(pre, capsys, monkeypatch):
     assert "exit without training" in out
     args, _ = _parse(pre, capsys, monkeypatch)
     assert not hasattr(args, "parse_only")
+
+
+def test_parse_only_command_line_prints_no_machine_warnings():
+    """`python examples/pretrain_dflash.py ... --parse-only` on a CPU machine: stderr was ~20 lines of
+    megatron-core's import-time UserWarnings (Transformer Engine / Apex / absl not installed) and torch's
+    "No CUDA runtime is found" before the namespace; they describe the machine, not the flags, and are not
+    shown. A bad flag is still its one error line (exit status 2)."""
+    import subprocess
+
+    script = os.path.join(ROOT, "examples", "pretrain_dflash.py")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([sys.executable, script, *BASE, "--context-parallel-impl", "splitkv"], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "context_parallel_impl='splitkv'" in p.stdout
+    assert "Warning" not in p.stderr and "No CUDA runtime" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, script, *BASE, "--context-parallel-impl", "splitkv", "--cp-chunk-size", "0"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "pretrain_dflash.py: error: --cp-chunk-size must be a positive number of tokens, got 0"], p.stderr

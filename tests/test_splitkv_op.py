@@ -154,8 +154,11 @@ def test_math_kernel_chunked_vs_dense():
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match="Transformer Engine"):
+        with pytest.raises(ImportError, match="Transformer Engine") as e:
             get_kernel("te", "cpu", torch.bfloat16)
+        # the hint is for users of this package: the extra and a doc in this repository, no machine-local path
+        assert "megatron-splitkv[te]" in str(e.value) and "docs/kernels.md" in str(e.value), str(e.value)
+        assert "/work/" not in str(e.value), str(e.value)
 
 
 # ----------------------------------------------------------------------------- regressions (tester's defects)

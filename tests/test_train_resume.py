@@ -118,3 +118,20 @@ def test_loader_set_epoch_start_resumes_the_epoch():
     assert loader.start == 0
     with pytest.raises(ValueError, match="start"):
         loader.set_epoch(0, start=-1)
+
+
+def test_resumed_run_exit_status_does_not_judge_a_short_noisy_segment():
+    """README's resume command (steps 21-30 after --save at 20) printed the identical losses and then exited
+    with status 1, because the 10 resumed steps' loss happened to rise (mean of the first 3 vs last 3). A
+    resumed run reports its segment's trend and exits 0; a run from step 1 is still judged."""
+    assert train_demo._exit_status(9.6, 9.8, resumed=False) == 1
+    assert train_demo._exit_status(10.1, 9.8, resumed=False) == 0
+    assert train_demo._exit_status(9.6, 9.8, resumed=True) == 0
+    h = dict(loss=[9.5955, 9.3899, 9.9090, 9.4449, 10.19, 9.5748, 9.8305, 10.0223, 9.8365, 9.5626], tokens=100,
+             queries=50, time=1.0, imb=[0.0], bytes_attn_all=0.0, bytes_target_all=0.0)
+    args = train_demo.parse_args(["--steps", "30", "--load", "/ckpt"])
+    # resumed = a checkpoint was loaded (a --load directory without one starts from step 0 and is judged)
+    for resumed, tail in ((False, "NOT falling)"), (True, "NOT falling; resumed run: these steps only, not judged "
+                                                          "by the exit status)")):
+        text, first, last = train_demo._summary(h, args, 2, 1.0, resumed=resumed)
+        assert last > first and tail in text, text

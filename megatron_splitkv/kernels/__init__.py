@@ -53,8 +53,8 @@ def _load(backend: str):
             from .te import TEAttentionKernel
         except ImportError as exc:
             raise ImportError(
-                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]', see "
-                f"/work/shared/gpu/README.md); import failed: {exc}"
+                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]'; docs/kernels.md "
+                f"\"Transformer Engine\"); import failed: {exc}"
             ) from exc
         return TEAttentionKernel
     if backend == "staircase":
@@ -258,7 +258,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
             if backend != "te":
                 raise
             raise ImportError(
-                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]', see "
-                f"/work/shared/gpu/README.md); import failed: {exc}"
+                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]'; docs/kernels.md "
+                f"\"Transformer Engine\"); import failed: {exc}"
             ) from exc
     return _CACHE[key]

@@ -437,7 +437,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
     `--cp-chunk-size` > 0; `--cp-balance hypergraph` needs kahypar; `--transformer-impl
     transformer_engine` and `--splitkv-kernel te` need Transformer Engine, `--splitkv-kernel fa4`
-    FlashAttention-4 (flash_attn.cute installed); `--splitkv-kernel` is one of
+    FlashAttention-4 (flash_attn.cute installed) and not `--deterministic-mode`; `--splitkv-kernel` is one of
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
@@ -500,6 +500,13 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
             "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
             "nvidia-cutlass-dsl, on a Hopper GPU); flash_attn.cute is not installed; use "
             "--splitkv-kernel auto"
+        )
+    if kernel == "fa4" and getattr(args, "deterministic_mode", False):
+        # Megatron's --deterministic-mode turns on torch.use_deterministic_algorithms, under which the fa4
+        # kernel raises in its first call (kernels/fa4.py: no deterministic block-sparse backward): fail here
+        raise SplitKVArgumentError(
+            "--splitkv-kernel fa4 has no deterministic mode (FlashAttention-4 accumulates dQ with atomics) and "
+            "--deterministic-mode is set; use --splitkv-kernel auto (picks flex then) or flex"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(
