@@ -495,18 +495,18 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
             "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
             "transformer_engine is not installed; use --splitkv-kernel auto"
         )
-    if kernel == "fa4" and not (_fa4_available() if have_fa4 is None else have_fa4):
-        raise SplitKVArgumentError(
-            "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
-            "nvidia-cutlass-dsl, on a Hopper GPU); flash_attn.cute is not installed; use "
-            "--splitkv-kernel auto"
-        )
     if kernel == "fa4" and getattr(args, "deterministic_mode", False):
         # Megatron's --deterministic-mode turns on torch.use_deterministic_algorithms, under which the fa4
         # kernel raises in its first call (kernels/fa4.py: no deterministic block-sparse backward): fail here
         raise SplitKVArgumentError(
             "--splitkv-kernel fa4 has no deterministic mode (FlashAttention-4 accumulates dQ with atomics) and "
             "--deterministic-mode is set; use --splitkv-kernel auto (picks flex then) or flex"
+        )
+    if kernel == "fa4" and not (_fa4_available() if have_fa4 is None else have_fa4):
+        raise SplitKVArgumentError(
+            "--splitkv-kernel fa4 needs FlashAttention-4 (pip install 'megatron-splitkv[fa4]': flash-attn-4 and "
+            "nvidia-cutlass-dsl, on a Hopper GPU); flash_attn.cute is not installed; use "
+            "--splitkv-kernel auto"
         )
     if float(getattr(args, "attention_dropout", 0.0) or 0.0) != 0.0:
         raise SplitKVArgumentError(
