@@ -166,6 +166,55 @@ def run_local(op, c, rank, cp_group=None):
     return res
 
 
+class RelayRecorder:
+    """Stand-in for `ops.common.RelayStream` (no streams) in the two-level tests: records the protocol's calls
+    (mark, run, taken) in `log`, a list shared with the patched collectives; a nested run or a run with a mark
+    that was never made fails."""
+
+    def __init__(self, log):
+        self.log, self.inside, self.marks = log, False, 0
+
+    def mark(self):
+        self.marks += 1
+        self.log.append(("mark", self.marks))
+        return self.marks
+
+    def run(self, mark, pending, fn):
+        assert not self.inside, "relay runs nested"
+        assert isinstance(mark, int) and 1 <= mark <= self.marks
+        self.log.append(("run", mark))
+        self.inside = True
+        try:
+            return fn()
+        finally:
+            self.inside = False
+
+    def taken(self, t):
+        self.log.append(("taken", tuple(t.shape)))
+        return t
+
+
+def raw_and_double_results(out, lse, x, **extra):
+    """An op run's results for the two-level tests: out / lse and the five input gradients (None where an input
+    got none) in float64, the same as raw tensors under "raw" (for bit-identity checks), plus `extra`."""
+    res = dict(out=out.detach().double(), lse=lse.detach().double(), raw=dict(out=out.detach(), lse=lse.detach()),
+               **extra)
+    for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
+        g = x[key].grad
+        res[name] = None if g is None else g.double()
+        res["raw"][name] = None if g is None else g.detach()
+    return res
+
+
+def aggregate_records(recs):
+    """{(op, kind): (count, total bytes)} of comm_stats-style records (op, kind, bytes)."""
+    out = {}
+    for op, kind, nbytes in recs:
+        n, b = out.get((op, kind), (0, 0))
+        out[(op, kind)] = (n + 1, b + nbytes)
+    return out
+
+
 def reference(c):
     """Global float64 reference results of case c (same loss as `run_local`)."""
     t = build(c)

@@ -608,6 +608,46 @@ def _patched_pretrain(monkeypatch, name, store, cp, **extra_args):
     return mod
 
 
+def pretrain_in_worker(name, rank, world):
+    """examples/pretrain_dflash.py loaded as `name` inside a tests/_dist.py worker (no monkeypatch there: the
+    process ends with the test): Megatron's args (CP = `world`, rank `rank`, DP 1, iteration 0, host-built
+    Split-KV metadata, device prefetch on, the math kernel), timers, printing and 2 micro-batches stubbed, the
+    test corpus instead of ShareGPT, a tiny Qwen3 config and the default process group as the CP group;
+    forward_step runs on the CPU. Returns the module (tests/test_rerun_checkpoint.py,
+    tests/test_exchange_env_agreement.py)."""
+    import argparse
+    import types
+
+    import megatron.core.num_microbatches_calculator as nmc
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import megatron_splitkv.data as msd
+    from megatron_splitkv.megatron.models import qwen3_config
+
+    mod = _load_pretrain(name)
+    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              iteration=0, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
+                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2,
+                              dflash_data_workers=0, context_parallel_impl="splitkv", dflash_host_metadata="on",
+                              dflash_device_prefetch="on", tensor_model_parallel_size=1, splitkv_kernel="math")
+    mod.get_args = lambda: args
+    mod.get_timers = lambda: (lambda *a, **k: _Timer())
+    mod.print_rank_0 = lambda *a, **k: None
+    mod._device = lambda: torch.device("cpu")
+    nmc.get_num_microbatches = lambda: 2
+    for fn, v in (("get_data_parallel_world_size", 1), ("get_data_parallel_rank", 0),
+                  ("get_context_parallel_world_size", world), ("get_context_parallel_rank", rank)):
+        setattr(ps, fn, lambda v=v, **k: v)
+    corpus, loader_cls = _corpus(), msd.ShareGPTLoader
+    msd.ShareGPTLoader = lambda **kw: loader_cls(**dict(kw, corpus=corpus))  # the test corpus, no ShareGPT
+    mod._STATE.update(store=None, config=qwen3_config(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                                      num_query_groups=2, kv_channels=16, ffn_hidden_size=64),
+                      pgs=types.SimpleNamespace(cp=dist.group.WORLD),
+                      provider=lambda ids, kv_seq, kv_pos: ids.to(torch.float32)[:, None].repeat(1, 8))
+    return mod
+
+
 @pytest.mark.parametrize("workers, ahead", [(0, None), (1, None), (1, "off"), (0, "on")])
 def test_pretrain_provider_and_forward_step(store, monkeypatch, workers, ahead):
     """train_valid_test_datasets_provider (DP=2 rank 1, CP=2 rank 1, resumed at iteration 2 with 2

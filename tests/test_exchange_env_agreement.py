@@ -112,43 +112,10 @@ def test_environment_agreement_raises_the_same_error_on_every_rank():
 def _pretrain_worker(rank, world):
     """examples/pretrain_dflash.py's forward_step (CP = 2, host-built metadata, as tests/test_rerun_checkpoint.py
     drives it) with MEGATRON_SPLITKV_NUM_CHUNKS 1 on rank 0 and 2 on rank 1."""
-    import argparse
-    import importlib.util
-    import types
-
-    import megatron.core.num_microbatches_calculator as nmc
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_splitkv.megatron.models import qwen3_config
-    from test_data_pipeline import ANCHORS, BLOCK, MASK_ID, MAX_TOKENS, _Model, _Timer, _corpus
+    from test_data_pipeline import _Model, pretrain_in_worker
 
     os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = str(1 + rank)
-    spec = importlib.util.spec_from_file_location("pretrain_dflash_env", os.path.join(ROOT, "examples",
-                                                                                       "pretrain_dflash.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
-                              iteration=0, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
-                              mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2,
-                              dflash_data_workers=0, context_parallel_impl="splitkv", dflash_host_metadata="on",
-                              dflash_device_prefetch="on", tensor_model_parallel_size=1, splitkv_kernel="math")
-    mod.get_args = lambda: args
-    mod.get_timers = lambda: (lambda *a, **k: _Timer())
-    mod.print_rank_0 = lambda *a, **k: None
-    mod._device = lambda: torch.device("cpu")
-    nmc.get_num_microbatches = lambda: 2
-    for fn, v in (("get_data_parallel_world_size", 1), ("get_data_parallel_rank", 0),
-                  ("get_context_parallel_world_size", world), ("get_context_parallel_rank", rank)):
-        setattr(ps, fn, lambda v=v, **k: v)
-    import megatron_splitkv.data as msd
-
-    corpus, loader_cls = _corpus(), msd.ShareGPTLoader
-    msd.ShareGPTLoader = lambda **kw: loader_cls(**dict(kw, corpus=corpus))
-    mod._STATE.update(store=None, config=qwen3_config(num_layers=1, hidden_size=64, num_attention_heads=4,
-                                                      num_query_groups=2, kv_channels=16, ffn_hidden_size=64),
-                      pgs=types.SimpleNamespace(cp=dist.group.WORLD),
-                      provider=lambda ids, kv_seq, kv_pos: ids.to(torch.float32)[:, None].repeat(1, 8))
+    mod = pretrain_in_worker("pretrain_dflash_env", rank, world)
     it, _, _ = mod.train_valid_test_datasets_provider(None)
     try:
         mod.forward_step(it, _Model())

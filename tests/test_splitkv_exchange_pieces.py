@@ -33,7 +33,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, build, case, check, local, loss_of, new_seed
+from _splitkv_helpers import (RelayRecorder as _Recorder, aggregate_records, build, case, check, local, loss_of, new_seed,
+                              raw_and_double_results)
 from megatron_splitkv import bench, comm_stats
 from megatron_splitkv.ops.common import (
     EXCHANGE_PIECES_ENV,
@@ -51,32 +52,8 @@ from megatron_splitkv.ops.metadata import (
     resolve_exchange_pieces,
 )
 
-KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
 
-class _Recorder:
-    """Stand-in for `RelayStream` (no streams), as in tests/test_splitkv_two_level_relay.py."""
-
-    def __init__(self, log):
-        self.log, self.inside, self.marks = log, False, 0
-
-    def mark(self):
-        self.marks += 1
-        self.log.append(("mark", self.marks))
-        return self.marks
-
-    def run(self, mark, pending, fn):
-        assert not self.inside, "relay runs nested"
-        self.log.append(("run", mark))
-        self.inside = True
-        try:
-            return fn()
-        finally:
-            self.inside = False
-
-    def taken(self, t):
-        self.log.append(("taken", tuple(t.shape)))
-        return t
 
 
 def _run(c, rank, group, L, k, pieces, early, own, relay):
@@ -110,14 +87,9 @@ def _run(c, rank, group, L, k, pieces, early, own, relay):
             loss_of(out, lse, dout, dlse).backward()
     finally:
         sk.all_to_all, sk.RelayStream.get = orig
-    res = dict(out=out.detach().double(), lse=lse.detach().double(), raw=dict(out=out.detach(), lse=lse.detach()),
-               log=log, records=[(r.op, r.kind, r.bytes) for r in st.records], k_used=md.num_chunks,
-               pieces=md.exchange_pieces, bounds=md.exchange_bounds, chunks=list(md.chunks))
-    for name, key in zip(GRAD_NAMES, KEYS):
-        g = x[key].grad
-        res[name] = None if g is None else g.double()
-        res["raw"][name] = None if g is None else g.detach()
-    return res
+    return raw_and_double_results(out, lse, x, log=log, records=[(r.op, r.kind, r.bytes) for r in st.records],
+                                  k_used=md.num_chunks, pieces=md.exchange_pieces, bounds=md.exchange_bounds,
+                                  chunks=list(md.chunks))
 
 
 def _worker(rank, world, jobs):
@@ -183,12 +155,7 @@ def _expected_fwd_order(n_ex):
     return seq + [("inter", n_ex - 1)]
 
 
-def _agg(recs):
-    out = {}
-    for op, kind, nbytes in recs:
-        n, b = out.get((op, kind), (0, 0))
-        out[(op, kind)] = (n + 1, b + nbytes)
-    return out
+_agg = aggregate_records
 
 
 def test_exact_bit_identical_and_collectives(run8):

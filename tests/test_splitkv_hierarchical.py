@@ -84,12 +84,7 @@ def _predicted(c, rank, L, k, use_meta):
     return bench.predicted_records("splitkv", **kw)
 
 
-def _agg(recs):
-    out = {}
-    for op, kind, nbytes in recs:
-        n, b = out.get((op, kind), (0, 0))
-        out[(op, kind)] = (n + 1, b + nbytes)
-    return out
+from _splitkv_helpers import aggregate_records as _agg  # noqa: E402
 
 
 def _cases_4(seed):

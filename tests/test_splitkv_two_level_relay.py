@@ -25,36 +25,10 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, case, check, delayed_pending, new_seed
-
-KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
+from _splitkv_helpers import RelayRecorder as _Recorder, case, check, delayed_pending, new_seed
 
 
-class _Recorder:
-    """Stand-in for `RelayStream` (no streams): records the protocol's calls in `log` (a list shared with
-    the patched collectives)."""
 
-    def __init__(self, log):
-        self.log, self.inside, self.marks = log, False, 0
-
-    def mark(self):
-        self.marks += 1
-        self.log.append(("mark", self.marks))
-        return self.marks
-
-    def run(self, mark, pending, fn):
-        assert not self.inside, "relay runs nested"
-        assert isinstance(mark, int) and 1 <= mark <= self.marks
-        self.log.append(("run", mark))
-        self.inside = True
-        try:
-            return fn()
-        finally:
-            self.inside = False
-
-    def taken(self, t):
-        self.log.append(("taken", tuple(t.shape)))
-        return t
 
 
 def _run(c, rank, group, L, k, early, own, relay):
@@ -90,13 +64,8 @@ def _run(c, rank, group, L, k, early, own, relay):
         h.loss_of(out, lse, dout, dlse).backward()
     finally:
         sk.all_to_all, sk.all_gather, sk.RelayStream.get = orig
-    res = dict(out=out.detach().double(), lse=lse.detach().double(), raw=dict(out=out.detach(), lse=lse.detach()),
-               log=log, k_used=md.num_chunks, n_fwd=sum(len(p) for p in md.exchange_bounds))
-    for name, key in zip(GRAD_NAMES, KEYS):
-        g = x[key].grad
-        res[name] = None if g is None else g.double()
-        res["raw"][name] = None if g is None else g.detach()
-    return res
+    return h.raw_and_double_results(out, lse, x, log=log, k_used=md.num_chunks,
+                                    n_fwd=sum(len(p) for p in md.exchange_bounds))
 
 
 def _worker(rank, world, jobs):
