@@ -195,7 +195,7 @@ class FA4AttentionKernel:
     Implements the `megatron_splitkv.kernels.base` contract:
 
     forward(q, k, v, mask, scale, native=False) -> (out, lse, state)
-        q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (bf16 / fp16) on one CUDA device (sm90 / sm100);
+        q [Tq, Hq, D], k/v [Tk, Hkv, D], one dtype (bf16 / fp16) on one CUDA device (sm90, `VERIFIED_MAJORS`);
         Hq % Hkv == 0 (GQA as in the contract); mask.num_blocks * mask.block_size == Tq, mask.num_keys ==
         Tk. Returns out [Tq, Hq, D] (float32 copy; native=True: FA4's result in the input dtype), lse
         [Tq, Hq] float32 natural log (native: a strided view), state None. Rows with no visible key: out 0,
