@@ -175,6 +175,24 @@ def _build_target(args, params_dtype, taps, pgs, cpu_init=False):
     return TargetFeatureProvider(target, taps)
 
 
+def _kernel_label(args, dcfg) -> str:
+    """The --splitkv-kernel for the start-up line; "auto" with what it resolves to on this process's device
+    for the drafter's dtype and head dim (`kernels.resolve_auto_backend` without a key count: fa4 where
+    FlashAttention-4 runs, else flex / math; staircase, chosen per step from the context size, is named as
+    the alternative)."""
+    name = getattr(args, "splitkv_kernel", None) or "auto"
+    if name != "auto":
+        return name
+    from megatron_splitkv.kernels import resolve_auto_backend, staircase_auto_min_keys  # noqa: PLC0415
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    head_dim = dcfg.kv_channels or dcfg.hidden_size // dcfg.num_attention_heads
+    got = resolve_auto_backend(None, dev, dcfg.params_dtype, head_dim)
+    if got == "flex" and staircase_auto_min_keys() > 0:
+        got = f"flex, staircase from {staircase_auto_min_keys()} keys per call"
+    return f"auto -> {got}"
+
+
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
     """Build the drafter (the trained model) and the frozen target provider (with --features-path only its
     embedding and LM head, which the drafter borrows: `_build_target`)."""
@@ -205,7 +223,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0(f"DFlash: target {args.target_num_layers} layers, taps {taps}, drafter {dcfg.num_layers} "
                  f"layers, B={args.dflash_block_size}, {args.dflash_num_anchors} anchors/sequence, "
                  f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner, "
-                 f"{getattr(args, 'splitkv_kernel', None) or 'auto'} kernel)")
+                 f"{_kernel_label(args, dcfg)} kernel)")
     return DFlashDraftModel(
         dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,

@@ -432,3 +432,29 @@ def test_add_splitkv_args_alias_values_checked(pre_existing):
         assert p._option_string_actions == before  # nothing added before the error
     with pytest.raises(ValueError, match="aliases must be a dict"):
         add_splitkv_args(parser(), aliases=[("--dflash-num-anchors", "--num-anchors")])
+
+
+def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
+    """The start-up line says which local kernel "auto" runs here (fa4 / flex / math), not just "auto"."""
+    import torch
+
+    import megatron_splitkv.kernels as kernels
+
+    mod, _ = _pretrain_parse_only("pretrain_dflash_label")
+    dcfg = argparse.Namespace(kv_channels=None, hidden_size=64, num_attention_heads=4, params_dtype=None)
+    seen = []
+
+    def fake(keys, device, dtype, head_dim):
+        seen.append((keys, torch.device(device).type, head_dim))
+        return fake.answer
+
+    monkeypatch.setattr(kernels, "resolve_auto_backend", fake)
+    monkeypatch.setattr(kernels, "staircase_auto_min_keys", lambda: 32768)
+    fake.answer = "fa4"
+    assert mod._kernel_label(argparse.Namespace(splitkv_kernel=None), dcfg) == "auto -> fa4"
+    fake.answer = "flex"
+    assert mod._kernel_label(argparse.Namespace(splitkv_kernel="auto"), dcfg) == \
+        "auto -> flex, staircase from 32768 keys per call"
+    assert seen[0][0] is None and seen[0][2] == 16  # no key count; head dim = hidden / heads
+    assert mod._kernel_label(argparse.Namespace(splitkv_kernel="te"), dcfg) == "te"
+    assert len(seen) == 2  # an explicit kernel is named as given, nothing resolved
