@@ -25,6 +25,9 @@ rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `Inte
 (context only, and with the own-block intervals). Default (`num_chunks=None`): the environment variable
 MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 (measured best over NVLink; 2 is best over a slow link,
 see DEFAULT_NUM_CHUNKS); an explicit value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
+With `chunk_axis="heads"` (or MEGATRON_SPLITKV_CHUNK_AXIS=heads; `resolve_chunk_axis`, agreed group-wide in bit
+23 of the request code) the chunks split the heads of all rows instead (ops/splitkv.py item 3 "Head chunks"):
+k clamped to [1, Hkv], `chunk_heads` per chunk, chunks = [(0, nb_max)] * k and the k = 1 masks repeated.
 
 Split-KV's two-level all-to-all (ops/splitkv.py item 5): the splitkv metadata also fixes
 `cp_ranks_per_node` (L, `resolve_ranks_per_node`: the argument, else the environment variable
@@ -1461,7 +1464,8 @@ _UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound t
 class _HostBuild:
     """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
     this metadata's CP rank (checked against the group), the requested chunk count / ranks per node /
-    exchange pieces when they were read from the environment at build time (None when given as arguments),
+    exchange pieces / chunk axis code when they were read from the environment at build time (None when given
+    as arguments),
     and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
     `_unique_tensors` entry)."""
 
@@ -1855,7 +1859,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
     ValueError on every rank, without communicating.
 
     NOT checked group-wide, unlike prepare (there is no collective): that every rank passes the same plan,
-    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, cp_ranks_per_node and sees the same
+    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, chunk_axis, cp_ranks_per_node and sees the same
     MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; that each rank's cp_rank is its rank in the group (checked
     locally by `bind`); that kv_seq / kv_pos hold the tokens the plan gives this rank. A rank that differs
     makes the ops' collectives mismatch (wrong results, an error or a hang), as a rank passing different

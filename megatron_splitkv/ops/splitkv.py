@@ -44,6 +44,21 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    collective's latency is large (many ranks, inter-node rings), a loss on a small NVLink group. Measured
    on 2 x H200 (P = 2, Hq = 32, D = 128, bf16, GPU time of pack + gather + unpack vs the two gathers):
    37 vs 31 us (256 gathered rows), 84 vs 68 us (2048), 227 vs 182 us (8192; unpack 39 us, pack 20 us).
+   Head chunks (docs/perf-notes.md item 21; opt-in: `chunk_axis="heads"` or MEGATRON_SPLITKV_CHUNK_AXIS=heads,
+   agreed group-wide like num_chunks): chunk c = the kv heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and the q
+   heads [g0 G, g1 G) (G = Hq / Hkv, GQA groups whole) of ALL rows (`SplitKVMetadata.chunk_heads`; chunks =
+   [(0, nb_max)] * k, k clamped to [1, Hkv], uneven splits allowed), the one-call masks shared (the same
+   `IntervalMask` objects: a kernel's cached tables built once). Each chunk's send tensors are its heads made
+   contiguous by the copy that pads them anyway (`zero_invalid_rows` of q's head slice, `_pad_heads` of dO and
+   the statistics); its local keys are built from the kv-head slice by `with_own_keys` (the gathering copy
+   split by heads); the owner merges each chunk into [rows, h0:h1] of one output (the Triton merge writes the
+   strided destination, the torch merge copies there) and writes its dQ sums there; dK / dV of a head chunk
+   are final (written into its kv heads, no fp32 accumulation across chunks). Same collectives per chunk and
+   the same bytes per collective name as row chunks (each carries Hq / k heads of every row instead of rows /
+   k of every head). Why: FA4's backward iterates key tiles over query tiles, so halving the rows per call
+   doubles its per-CTA prologue / epilogue and dK / dV writes; k = 2 query chunks cost 1.132x one call's
+   kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
+   chunks up to fp rounding (tests/test_splitkv_head_chunks.py); the op's gain is not yet measured.
 4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
    that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
    Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
