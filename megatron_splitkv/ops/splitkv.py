@@ -203,6 +203,12 @@ def _head_split(meta) -> bool:
     return meta.chunk_axis == "heads" and meta.num_chunks > 1
 
 
+def _chunk_heads(meta) -> list:
+    """Per chunk its q-head range (h0, h1): `meta.chunk_heads`, or every head for metadata without it (built
+    before head chunks existed, e.g. unpickled)."""
+    return meta.chunk_heads or [(0, meta.num_heads_q)] * len(meta.chunks)
+
+
 def _kv_heads(meta, c):
     """The kv-head range [g0, g1) of chunk c (GQA groups whole: q heads [g0 * G, g1 * G))."""
     h0, h1 = meta.chunk_heads[c]
@@ -250,7 +256,7 @@ def _sum_dq_partials(pending, meta, rows, dtype, acc):
     g, bsz = meta.group, meta.block_size
     k = g.size if meta.node_groups is None else meta.node_groups[1].size
     dq = None
-    for p, (b0, b1), (h0, h1) in zip(pending, meta.chunks, meta.chunk_heads):
+    for p, (b0, b1), (h0, h1) in zip(pending, meta.chunks, _chunk_heads(meta)):
         recv = p.take()
         rc = (b1 - b0) * bsz  # explicit: a chunk may hold no rows at all when every rank has zero blocks
         parts = recv.view(k, rc, *recv.shape[1:])
@@ -552,6 +558,7 @@ class _SplitKV(torch.autograd.Function):
         chunks = meta.chunks
         n, P = len(chunks), g.size
         hsplit = _head_split(meta)  # head chunks: chunk c = every row of the q heads meta.chunk_heads[c]
+        heads = _chunk_heads(meta)
         hier = meta.node_groups  # (intra, inter) of the two-level all-to-all, or None
         own = k_blk is not None
         masks = meta.chunk_masks_own if own else meta.chunk_masks
@@ -621,7 +628,7 @@ class _SplitKV(torch.autograd.Function):
                 packed = pack_partial(o_r, lse_r, dtype)
                 del o_r, lse_r  # the fp32 partial: freed before the receive buffer is allocated
                 pend_o.append(all_to_all(packed, g, "splitkv.fwd.out", async_op=True))
-                rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz) + tuple(meta.chunk_heads[c]))
+                rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz) + tuple(heads[c]))
             else:
                 # two-level: stage 1 sends local peer j' the rows of the owners (m, j') of every node m
                 # (rows reordered local-index-major in the packing copy), piece by piece (exchange pieces:
@@ -635,7 +642,7 @@ class _SplitKV(torch.autograd.Function):
                     pend_o.append(_TwoStage(all_to_all(packed[P * r0:P * r1], hier[0], "splitkv.fwd.out.intra",
                                                        async_op=True),
                                             _out_stage2(meta, r1 - r0, d, plan.acc), relay))
-                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1) + tuple(meta.chunk_heads[c]))
+                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1) + tuple(heads[c]))
                     if len(pend_o) > 1:
                         pend_o[-2].advance()
             del packed, q_c
@@ -692,7 +699,7 @@ class _SplitKV(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         plan, meta, gather = ctx.plan, ctx.plan.meta, ctx.gather
         chunks = meta.chunks
-        n, hsplit = len(chunks), _head_split(meta)
+        n, hsplit, heads = len(chunks), _head_split(meta), _chunk_heads(meta)
         lse, out, *saved = ctx.saved_tensors
         n_kv = n if hsplit else 1
         q_chunks = saved[:n]
@@ -775,7 +782,7 @@ class _SplitKV(torch.autograd.Function):
                 if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
                     buf = pend.take()
                     lanes.use(c, buf)
-                    hc = meta.chunk_heads[c][1] - meta.chunk_heads[c][0]
+                    hc = heads[c][1] - heads[c][0]
                     do_all, stats_all = unpack_dout_stats(buf, g.size, hc, meta.head_dim, plan.acc, nodes=nodes)
                     del buf
                 else:
@@ -839,7 +846,7 @@ class _SplitKV(torch.autograd.Function):
             else:  # no receive buffer has the gathered chunk's shape: a zero-stride placeholder
                 z = torch.zeros((), dtype=dt, device=grads_kv[0].device)
                 d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, h1 - h0, meta.head_dim)
-                                   for (b0, b1), (h0, h1) in zip(chunks, meta.chunk_heads))
+                                   for (b0, b1), (h0, h1) in zip(chunks, heads))
         else:  # issued anyway (every rank issues the same collectives); nothing consumes them
             for p in pend_dq:
                 p.wait()
