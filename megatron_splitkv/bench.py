@@ -288,6 +288,11 @@ class KernelCall:
     own_hi: np.ndarray = None
     own_keys: int = 0
     ctx_keys_padded: int = None
+    #: head chunks (the op's `chunk_axis="heads"`): the call's kv-head range [g0, g1) of Hkv (its q heads G
+    #: times them); `pairs` / `tile_pairs` are then that share of the all-rows call's (so that their sum over
+    #: the calls is the all-heads count the FLOP convention multiplies by Hq). None: every head.
+    kv_heads: tuple = None
+    num_heads_kv: int = None
 
     @property
     def rows(self) -> int:
@@ -345,13 +350,16 @@ def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None):
     return call
 
 
-def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True):
+def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True, chunk_axis="rows",
+                 num_heads_kv=None):
     """The local-kernel calls `method` makes on `rank` under `plan`. Mirrors ops/*.py:
 
     - "splitkv": k calls (k = the op's chunk count for `num_chunks`, `resolve_chunks`; 1 in a tree
       without the chunked pipeline): chunk c = the blocks [b0_c, b1_c) of EVERY rank's (padded) segment,
       rank by rank, vs this rank's sorted keys; this rank's own blocks of the chunk also see their own
-      keys (appended after the context keys).
+      keys (appended after the context keys). chunk_axis "heads" (the op's head chunks, ops/splitkv.py
+      item 3; needs `num_heads_kv` = Hkv): k clamped to [1, Hkv], every call the all-rows call (one mask)
+      with `kv_heads` = `chunk_bounds(k, Hkv)[c]`, its pairs that share.
     - "allgather-kv": one call, this rank's query blocks vs all context keys (+ own block).
     - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P; step 0 (its
       own shard) with the own block.
@@ -369,6 +377,21 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
         return np.sort(_keys_np(plan.token_seq_ids(r), plan.token_positions(r)))
 
     if method == "splitkv":
+        if chunk_axis not in ("rows", "heads"):
+            raise ValueError(f"chunk_axis must be 'rows' or 'heads', got {chunk_axis!r}")
+        if chunk_axis == "heads":
+            if not isinstance(num_heads_kv, int) or num_heads_kv < 1:
+                raise ValueError(f"chunk_axis='heads' needs num_heads_kv (a positive int), got {num_heads_kv!r}")
+            k = resolve_chunks(num_chunks, P, num_heads_kv)
+            one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block)[0]
+            calls = []
+            for g0, g1 in chunk_bounds(k, num_heads_kv):
+                c = KernelCall(**{f: getattr(one, f) for f in one.__dataclass_fields__})
+                share = (g1 - g0) / num_heads_kv
+                c.pairs, c.tile_pairs = one.pairs * share, one.tile_pairs * share
+                c.kv_heads, c.num_heads_kv = (g0, g1), num_heads_kv
+                calls.append(c)
+            return calls
         k = resolve_chunks(num_chunks, P, nb) if _has_chunks() else 1
         mine = keys_of(rank)
         calls = []
@@ -488,17 +511,26 @@ def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
     with delta = rowsum(dO * O) and its dK / dV summed in fp32 on the caller's stream in chunk order. With
     `lanes` > 1 on CUDA, chunk c's kernel runs on lane c % lanes, issued one chunk ahead of the caller's
     stream waiting for it (`ops.common.KernelLanes`); else all on the caller's stream. Returns the summed
-    (dk, dv) (None without backward)."""
+    (dk, dv) (None without backward or without parts).
+
+    Head chunks (the op's `chunk_axis="heads"`): k and v are lists, chunk c's keys / values [Tk, Hkv_c, D] (its
+    kv heads; every part all rows with its q heads, the same mask); a chunk's dK / dV are final: written into
+    their heads of one [Tk, Hkv, D] result each (no fp32 sums), which is returned."""
     from .ops.common import KernelLanes
 
+    if not parts:
+        return None
+    heads = isinstance(k, (list, tuple))
+    kv_of = (lambda i: (k[i], v[i])) if heads else (lambda i: (k, v))
+
     def loop(fn, consume):
-        ln = KernelLanes(k.device, len(parts), lanes)
+        ln = KernelLanes(parts[0][0].device, len(parts), lanes)
         for _, r in ln.pipeline(len(parts), lambda i: fn(ln, i)):
             consume(r)
 
     def fwd(ln, i):
         with ln.launch(i):
-            return kern.forward(parts[i][0], k, v, parts[i][2], scale)
+            return kern.forward(parts[i][0], *kv_of(i), parts[i][2], scale)
 
     states = []
     loop(fwd, states.append)
@@ -510,19 +542,66 @@ def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
         o, lse, st = states[i]
         with ln.launch(i):
             delta = (do.float() * o).sum(-1)
-            return kern.backward(q, k, v, m, scale, do, lse, delta, st)
+            return kern.backward(q, *kv_of(i), m, scale, do, lse, delta, st)
 
     acc = []
+    if heads:  # the op's result buffers and each chunk's kv-head offset
+        hkv = sum(x.shape[1] for x in k)
+        acc.extend(x.new_empty((x.shape[0], hkv, x.shape[2])) for x in (k[0], v[0]))
+        offs = [sum(x.shape[1] for x in k[:i]) for i in range(len(k))]
+    done = [0]
 
     def add(grads):  # as the op: dK / dV summed on the caller's stream right after each chunk's wait
-        if not acc:
+        if heads:  # a head chunk's grads written into its heads (cast to the inputs' dtype)
+            i, g0 = done[0], offs[done[0]]
+            acc[0][:, g0:g0 + k[i].shape[1]].copy_(grads[1])
+            acc[1][:, g0:g0 + v[i].shape[1]].copy_(grads[2])
+        elif not acc:
             acc.extend(grads[1:])
         else:
             acc[0] += grads[1]
             acc[1] += grads[2]
+        done[0] += 1
 
     loop(bwd, add)
     return tuple(acc)
+
+
+def chunk_inputs(calls, *, Hq, Hkv, D, dtype, device, gen, mask=None):
+    """Random inputs of `bench.chunk_loop` for the live calls of one Split-KV pass (from `kernel_calls`, all
+    with the same keys): (parts [(q, dout, mask)], k, v). Row chunks: q / dout [rows, Hq, D], one k / v
+    [Tk, Hkv, D]; head chunks (calls with `kv_heads`): q / dout [rows, Hq_c, D] of each call's q heads, k / v
+    lists of [Tk, Hkv_c, D], and the calls' ONE mask (they share it, as the op's head chunks do). mask: a
+    function call -> IntervalMask (default `call_mask`)."""
+    mask = call_mask if mask is None else mask
+    live = [c for c in calls if c.rows and c.num_keys]
+    if not live:
+        return [], None, None
+    if live[0].kv_heads is None:
+        parts = [(_rand((c.rows, Hq, D), gen, device, dtype), _rand((c.rows, Hq, D), gen, device, dtype),
+                  mask(c, device)) for c in live]
+        nk = live[0].num_keys
+        return parts, _rand((nk, Hkv, D), gen, device, dtype), _rand((nk, Hkv, D), gen, device, dtype)
+    grp, m = Hq // Hkv, mask(live[0], device)
+    parts, ks, vs = [], [], []
+    for c in live:
+        hk = c.kv_heads[1] - c.kv_heads[0]
+        parts.append((_rand((c.rows, hk * grp, D), gen, device, dtype), _rand((c.rows, hk * grp, D), gen, device,
+                                                                              dtype), m))
+        ks.append(_rand((c.num_keys, hk, D), gen, device, dtype))
+        vs.append(_rand((c.num_keys, hk, D), gen, device, dtype))
+    return parts, ks, vs
+
+
+def call_mask(call, device):
+    """The `IntervalMask` of a `KernelCall` on `device` (with the own-block second intervals when it has them)."""
+    from .kernels.base import IntervalMask
+
+    lo, hi = torch.as_tensor(call.lo, device=device), torch.as_tensor(call.hi, device=device)
+    if call.own_lo is None:
+        return IntervalMask(call.block_size, lo, hi, call.num_keys)
+    return IntervalMask(call.block_size, lo, hi, call.num_keys, torch.as_tensor(call.own_lo, device=device),
+                        torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
 
 
 def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
@@ -539,6 +618,9 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     loop runs them (`ops.common.KernelLanes`): every call's
     forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
     stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
+    Head chunks (calls of `kernel_calls(..., chunk_axis="heads")`, with `kv_heads`): each call gets its heads
+    (Hq_c = G * Hkv_c query heads, Hkv_c kv heads, all rows), the calls share one mask in the chunk loop, and
+    their dK / dV are written into their heads (`chunk_loop`), as the op runs them.
 
     Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
     step / k), pairs, tile_pairs, fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when
@@ -557,22 +639,15 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     live = [c for c in calls if c.rows and c.num_keys]
     same_keys = len({c.num_keys for c in live}) == 1  # the chunk loop's contract: one k / v for every call
     if device.type == "cuda" and n_lanes > 1 and len(live) > 1 and same_keys:
-        ins = []
-        for c in live:
-            lo, hi = torch.as_tensor(c.lo, device=device), torch.as_tensor(c.hi, device=device)
-            own = {} if c.own_lo is None else dict(lo2=torch.as_tensor(c.own_lo, device=device),
-                                                   hi2=torch.as_tensor(c.own_hi, device=device),
-                                                   num_ctx_keys=c.ctx_keys_padded)
-            ins.append((_rand((c.rows, Hq, D), gen, device, dtype), _rand((c.rows, Hq, D), gen, device, dtype),
-                        (c.block_size, lo, hi, c.num_keys), own))
-        k = _rand((live[0].num_keys, Hkv, D), gen, device, dtype)
-        v = _rand((live[0].num_keys, Hkv, D), gen, device, dtype)
-        masks0 = [IntervalMask(*a, **o) for _, _, a, o in ins]
+        parts0, k, v = chunk_inputs(live, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, gen=gen)
+        heads = isinstance(k, list)
 
         def lanes_step():
-            masks = [IntervalMask(*a, **o) for _, _, a, o in ins] if fresh_mask else masks0
-            chunk_loop(kern, [(q, do, m) for (q, do, _, _), m in zip(ins, masks)], k, v, scale, n_lanes,
-                       backward=backward)
+            parts = parts0
+            if fresh_mask:  # new masks (head chunks: one, shared)
+                ms = [call_mask(live[0], device)] * len(live) if heads else [call_mask(c, device) for c in live]
+                parts = [(q, do, m) for (q, do, _), m in zip(parts0, ms)]
+            chunk_loop(kern, parts, k, v, scale, n_lanes, backward=backward)
 
         med, _, _ = time_fn(lanes_step, device, reps=reps, warmup=warmup)
         per_call = [med / len(live) if (c.rows and c.num_keys) else 0.0 for c in calls]
@@ -582,10 +657,12 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
         if c.rows == 0 or c.num_keys == 0:
             per_call.append(0.0)
             continue
-        q = _rand((c.rows, Hq, D), gen, device, dtype)
-        k = _rand((c.num_keys, Hkv, D), gen, device, dtype)
-        v = _rand((c.num_keys, Hkv, D), gen, device, dtype)
-        do = _rand((c.rows, Hq, D), gen, device, dtype)
+        hkv = Hkv if c.kv_heads is None else c.kv_heads[1] - c.kv_heads[0]  # a head chunk: its heads
+        hq = hkv * (Hq // Hkv)
+        q = _rand((c.rows, hq, D), gen, device, dtype)
+        k = _rand((c.num_keys, hkv, D), gen, device, dtype)
+        v = _rand((c.num_keys, hkv, D), gen, device, dtype)
+        do = _rand((c.rows, hq, D), gen, device, dtype)
         lo = torch.as_tensor(c.lo, device=device)
         hi = torch.as_tensor(c.hi, device=device)
         if c.own_lo is not None:

@@ -14,6 +14,7 @@ A case is a plain dict (picklable, rebuilt identically on every rank from its se
     p_invalid: probability of an invalid block (anchor -1), p_zero: probability of anchor 0,
     full: optional, every block's anchor beyond its sequence end (sees the whole sequence),
     num_chunks: optional, Split-KV's chunk count (passed to the call, or to prepare with metadata),
+    chunk_axis: optional, Split-KV's chunk axis ("rows" | "heads"; passed like num_chunks),
     anchors: optional explicit list of anchors (global block order), q_seqs likewise,
     ctx_idx: optional explicit list (len P) of global context token index lists.
 """
@@ -150,11 +151,12 @@ def run_local(op, c, rank, cp_group=None):
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
                                           device=dev, num_chunks=c.get("num_chunks"),
-                                          group_check=c.get("group_check", False))
+                                          group_check=c.get("group_check", False),
+                                          **({"chunk_axis": c["chunk_axis"]} if c.get("chunk_axis") else {}))
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
                            backend=backend, return_lse=True)
     else:
-        extra = {"num_chunks": c["num_chunks"]} if c.get("num_chunks") is not None else {}  # splitkv only
+        extra = {n: c[n] for n in ("num_chunks", "chunk_axis") if c.get(n) is not None}  # splitkv only
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
                            cp_group=cp_group, backend=backend, return_lse=True, **extra)
@@ -269,6 +271,26 @@ def check(op, c, per_rank, tol=None):
     bad = {k: v for k, v in errs.items() if not v <= tol}
     assert not bad, f"{op} case {c} (seed {c['seed']}): errors {bad} above tol {tol}; all {errs}"
     return errs
+
+
+def check_no_own(c, per_rank):
+    """Per-rank results of a k_blk = v_blk = None run of case c against the float64 reference without the
+    own-block part: out, lse's -inf pattern, dq, dk_ctx, dv_ctx within TOL; no own-block gradients."""
+    t = build(c)
+    x = {k: t[k].double().clone().requires_grad_(True) for k in ("q", "k_ctx", "v_ctx")}
+    out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], None, None, t["q_seq"], t["q_anchor"],
+                                          t["kv_seq"], t["kv_pos"], block_size=c["B"])
+    loss_of(out, lse, t["dout"], t["dlse"]).backward()
+    rows = [slice(b0 * c["B"], b1 * c["B"]) for b0, b1 in t["block_range"]]
+    tol = TOL[c["dtype"]]
+    for r, pr in enumerate(per_rank):
+        assert pr["dk_blk"] is None and pr["dv_blk"] is None
+        for key, ref in (("out", out), ("dq", x["q"].grad)):
+            assert rel_err(pr[key], ref.detach()[rows[r]]) <= tol, (c["seed"], key, r)
+        fin = torch.isfinite(lse[rows[r]])
+        assert torch.equal(torch.isfinite(pr["lse"]), fin), (c["seed"], r)
+        for key, ref in (("dk_ctx", x["k_ctx"].grad), ("dv_ctx", x["v_ctx"].grad)):
+            assert rel_err(pr[key], ref[t["ctx_idx"][r]]) <= tol, (c["seed"], key, r)
 
 
 def jobs_worker(rank, world_size, jobs):

@@ -30,3 +30,29 @@ def test_bench_attention_cpu_smoke(tmp_path):
     # splitkv rows carry the chunk count of their merge pipeline (k > 1 at CP=2 by default)
     assert re.search(r"\| splitkv( k=\d+)? \| 2 \| lpt \|", md) and "| ring-kv | 2 | zigzag |" in md
     assert "| method |" in p.stdout  # the table is printed last
+
+
+def test_bench_attention_cpu_smoke_head_chunks(tmp_path):
+    """--chunk-axis heads (the op's head chunks) and --chunk-axis-ab rows,heads with --chunks-ab: the rows run
+    head chunks with the model's bytes; the A/B runs every count with each axis, the same bytes per count."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke", "--contexts", "512", "--cp", "2",
+           "--methods", "splitkv", "--placements", "lpt", "--num-chunks", "2", "--chunk-axis", "heads",
+           "--chunks-ab", "1,2", "--chunk-axis-ab", "rows,heads", "--ab-contexts", "512", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    data = json.loads((tmp_path / "bench_attention.json").read_text())
+    (row,) = data["rows"]
+    assert "error" not in row and row["chunk_axis"] == "heads" and row["num_chunks"] == 2, row
+    assert row["comm_bytes"] == row["predicted_bytes"] and row["kernel_calls"] == 2, row
+    ab = data["ab_rows"]
+    assert [(r["num_chunks_requested"], r["chunk_axis"]) for r in ab] == [(1, "rows"), (1, "heads"), (2, "rows"),
+                                                                          (2, "heads")], ab
+    assert all("error" not in r for r in ab), ab
+    by_k = {}
+    for r in ab:
+        by_k.setdefault(r["num_chunks"], set()).add(r["comm_bytes"])
+    assert all(len(b) == 1 for b in by_k.values()), by_k  # head chunks move the bytes row chunks move
+    md = (tmp_path / "bench_attention.md").read_text()
+    assert "| splitkv k=2 heads | 2 | lpt |" in md and "| chunk axis |" in md

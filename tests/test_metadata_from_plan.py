@@ -29,9 +29,9 @@ KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 HQ, HKV, D = 4, 2, 8
 
 
-def mk(name, P, seq_lens, anchors, *, B=4, strategy="lpt", chunk_size=4, k=1, L=None, shuffle=False):
+def mk(name, P, seq_lens, anchors, *, B=4, strategy="lpt", chunk_size=4, k=1, L=None, shuffle=False, axis=None):
     return dict(name=name, P=P, seq_lens=seq_lens, anchors=anchors, B=B, strategy=strategy,
-                chunk_size=chunk_size, k=k, L=L, shuffle=shuffle)
+                chunk_size=chunk_size, k=k, L=L, shuffle=shuffle, axis=axis)
 
 
 LENS3 = [13, 7, 20]
@@ -51,6 +51,9 @@ CASES = [
     mk("P4 lpt k1 L2 shuffled", 4, LENS3, ANC3, L=2, shuffle=True),
     mk("P4 lpt k2 L1", 4, LENS3, ANC3, k=2, L=1),
     mk("P4 no query blocks", 4, [6, 3], [[], []], strategy="zigzag", k=2, L=2),
+    # head chunks (ops/splitkv.py item 3): every chunk all rows, Hkv = 2 kv heads (k = 3 clamps to 2)
+    mk("P2 heads k2 shuffled", 2, LENS3, ANC3, k=2, shuffle=True, axis="heads"),
+    mk("P4 heads k3 L2", 4, LENS3 + [25], ANC3 + [[0, 1, 2, 12, 23]], k=3, L=2, axis="heads"),
 ]
 
 
@@ -159,7 +162,7 @@ def worker(rank, world_size, cases, seed):
         over = dict(kv_seq=kv_seq, kv_pos=kv_pos) if c["shuffle"] else {}
         host = prepare_splitkv_metadata_from_plan(plan, rank, block_size=B, num_heads_q=HQ, num_heads_kv=HKV,
                                                   head_dim=D, dtype=torch.float64, num_chunks=c["k"],
-                                                  cp_ranks_per_node=c["L"], **over)
+                                                  cp_ranks_per_node=c["L"], chunk_axis=c.get("axis"), **over)
         assert not host.bound
         host = pickle.loads(pickle.dumps(host))  # as from a data-loader worker process
         with comm_stats() as stats:
@@ -169,7 +172,7 @@ def worker(rank, world_size, cases, seed):
                                         torch.from_numpy(plan.q_anchor[sl].copy()), torch.from_numpy(kv_seq),
                                         torch.from_numpy(kv_pos), block_size=B, num_heads_q=HQ, num_heads_kv=HKV,
                                         head_dim=D, dtype=torch.float64, cp_group=group, num_chunks=c["k"],
-                                        cp_ranks_per_node=c["L"])
+                                        cp_ranks_per_node=c["L"], chunk_axis=c.get("axis"))
         t = global_inputs(c, plan, seed + j)
         rows = slice(sl.start * B, sl.stop * B)
         x = dict(q=t["q"][rows], k_ctx=t["k_ctx"][idx], v_ctx=t["v_ctx"][idx], k_blk=t["k_blk"][rows],
@@ -179,7 +182,8 @@ def worker(rank, world_size, cases, seed):
         # the FlexAttention BlockMasks built on the host (flex's CPU emulation reads the block tables)
         host_f = prepare_splitkv_metadata_from_plan(plan, rank, block_size=B, num_heads_q=HQ, num_heads_kv=HKV,
                                                     head_dim=D, dtype=torch.float64, num_chunks=c["k"],
-                                                    cp_ranks_per_node=c["L"], flex_block_masks=True, **over)
+                                                    cp_ranks_per_node=c["L"], chunk_axis=c.get("axis"),
+                                                    flex_block_masks=True, **over)
         bound_f = pickle.loads(pickle.dumps(host_f)).bind(group, "cpu")
         cached = [dict(m.__dict__.get("_flex_block_masks", {})) for m in bound_f.chunk_masks_own]
         flex_diff = block_mask_diff(bound_f, coll)
@@ -263,7 +267,8 @@ def test_bound_metadata_equals_prepare(plan_run, j):
         res = results[r][j]
         assert res["diff"] == [], f"{c['name']} rank {r} (seed {seed}): fields differ from prepare: {res['diff']}"
         assert res["bind_records"] == 0, f"{c['name']} rank {r}: bind issued {res['bind_records']} collectives"
-        assert res["num_chunks"] == min(c["k"], max(res["nb"], 1)) and res["L"] == (c["L"] or 1)
+        limit = HKV if c.get("axis") == "heads" else max(res["nb"], 1)  # head chunks clamp to Hkv
+        assert res["num_chunks"] == min(c["k"], limit) and res["L"] == (c["L"] or 1)
         assert res["has_order"] == (c["shuffle"] and res["nk"] > 1 and
                                     bool((np.diff(_all_keys(c, res)) < 0).any()))
         assert res["node_groups"] == (c["L"] == 2 and c["P"] == 4)

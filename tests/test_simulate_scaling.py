@@ -1120,3 +1120,54 @@ def test_replay_exchange_pieces_changes_only_two_level_k1(tmp_path):
         else:
             assert r["total_ms"] == b["total_ms"], key(r)
     assert n_changed > 0
+
+
+# ------------------------------------------------ head chunks (ops/splitkv.py item 3, --chunk-axis heads)
+
+
+def test_head_chunk_calls_mirror_the_op():
+    """`bench.kernel_calls(..., chunk_axis="heads")` mirrors the op's head chunks (k clamped to Hkv, every call the
+    one-call mask, pairs split by kv-head share), and `bench.chunk_loop` over them gives the one call's dK / dV
+    (written per head chunk) in float64 with the math kernel."""
+    from megatron_splitkv.kernels import get_kernel
+
+    lens, anchors = bench.make_workload(256, 8, seed=3)
+    plan = bench.place(lens, anchors, cp_size=1, strategy="lpt", block_size=4)
+    x = bench.rank_inputs(plan, 0, Hq=6, Hkv=3, D=8, dtype=torch.float64, device="cpu")
+    for k in (2, 3, 5):
+        meta = bench.prepare_meta("splitkv", x, block_size=4, cp_group=None, Hq=6, Hkv=3, D=8, dtype=torch.float64,
+                                  num_chunks=k, chunk_axis="heads")
+        one = bench.kernel_calls("splitkv", plan, 0, num_chunks=1)[0]
+        calls = bench.kernel_calls("splitkv", plan, 0, num_chunks=k, chunk_axis="heads", num_heads_kv=3)
+        assert len(calls) == meta.num_chunks == min(k, 3)
+        assert [(g0 * 2, g1 * 2) for g0, g1 in (c.kv_heads for c in calls)] == meta.chunk_heads
+        m = meta.chunk_masks_own[0]
+        for c in calls:
+            assert np.array_equal(c.lo, m.lo.numpy()) and np.array_equal(c.own_lo, m.lo2.numpy())
+            assert c.num_keys == m.num_keys
+        assert sum(c.pairs for c in calls) == pytest.approx(one.pairs)
+    kern = get_kernel("math", torch.device("cpu"), torch.float64, head_dim=8)
+    gen = torch.Generator().manual_seed(0)
+    parts, ks, vs = bench.chunk_inputs(calls, Hq=6, Hkv=3, D=8, dtype=torch.float64, device="cpu", gen=gen)
+    dk, dv = bench.chunk_loop(kern, parts, ks, vs, 8 ** -0.5, 1)
+    q, do = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    k_all, v_all = torch.cat(ks, 1), torch.cat(vs, 1)
+    rk, rv = bench.chunk_loop(kern, [(q, do, parts[0][2])], k_all, v_all, 8 ** -0.5, 1)
+    assert torch.allclose(dk, rk, atol=1e-12, rtol=1e-12) and torch.allclose(dv, rv, atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="chunk_axis='heads' needs num_heads_kv"):
+        bench.kernel_calls("splitkv", plan, 0, num_chunks=2, chunk_axis="heads")
+    with pytest.raises(ValueError, match="chunk_axis must be 'rows' or 'heads'"):
+        bench.kernel_calls("splitkv", plan, 0, num_chunks=2, chunk_axis="cols")
+
+
+def test_measured_mode_cpu_head_chunks(tmp_path):
+    """--chunk-axis heads in measured mode: splitkv's chunk counts clamp to --Hkv and are timed as head chunks."""
+    import simulate_scaling as ss
+
+    res = ss.main(["--cpu", "--cps", "1,2", "--ctx-per-rank", "256", "--anchors", "8", "--B", "4", "--Hq", "4",
+                   "--Hkv", "2", "--D", "16", "--hidden", "64", "--reps", "1", "--methods", "splitkv",
+                   "--placements", "lpt", "--num-chunks", "1,2,3", "--chunk-axis", "heads", "--out", str(tmp_path)])
+    ks = {r["num_chunks"] for r in res["rows"] if r["P"] == 2}
+    assert ks == {1, 2}, ks  # 3 clamps to Hkv = 2
+    assert all(r["compute_source"].startswith("measured") for r in res["rows"])
+    assert all(np.isfinite(r["total_ms"]) and r["total_ms"] > 0 for r in res["rows"])

@@ -14,7 +14,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, build, case, check, local, loss_of, new_seed, small_inputs
+from _splitkv_helpers import GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed, small_inputs
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV, chunk_bounds, resolve_num_chunks
 
@@ -113,27 +113,9 @@ def test_chunked_exact_vs_reference(chunk_run):
 def test_chunked_no_own_block_matches_reference(chunk_run):
     """k_blk = v_blk = None with chunking: the reference without the own-block part."""
     jobs, results = chunk_run
-    import _splitkv_helpers as h
-
     for j, (c, k, use_meta, own) in enumerate(jobs):
-        if own:
-            continue
-        per_rank = _per_rank(results, j, c["P"])
-        t = h.build(c)
-        x = {kk: t[kk].double().clone().requires_grad_(True) for kk in ("q", "k_ctx", "v_ctx")}
-        out, lse = h.dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], None, None, t["q_seq"],
-                                                t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"])
-        loss_of(out, lse, t["dout"], t["dlse"]).backward()
-        rows = [slice(b0 * c["B"], b1 * c["B"]) for b0, b1 in t["block_range"]]
-        tol = h.TOL[c["dtype"]]
-        for r, pr in enumerate(per_rank):
-            assert pr["dk_blk"] is None and pr["dv_blk"] is None
-            for key, ref in (("out", out), ("dq", x["q"].grad)):
-                assert h.rel_err(pr[key], ref.detach()[rows[r]]) <= tol, (key, r)
-            fin = torch.isfinite(lse[rows[r]])
-            assert torch.equal(torch.isfinite(pr["lse"]), fin)
-            for key, ref in (("dk_ctx", x["k_ctx"].grad), ("dv_ctx", x["v_ctx"].grad)):
-                assert h.rel_err(pr[key], ref[t["ctx_idx"][r]]) <= tol, (key, r)
+        if not own:
+            check_no_own(c, _per_rank(results, j, c["P"]))
 
 
 def test_chunked_results_agree_across_chunk_counts(chunk_run):

@@ -273,9 +273,10 @@ def test_environment_and_argument(monkeypatch):
 
 
 def test_agreement_row_encoding():
-    for chunks, pieces, L, fused in ((0, 0, 1, 9), ((1 << 24) - 1, 64, 1 << 16, 1 << 14), (3, 2, 8, 1), (7, 1, 2, 9)):
-        row = [0] * 10 + [_request_code(chunks, L, fused, pieces)]
-        assert _decoded([row])[0][11:] == [chunks, L, fused, pieces]
+    for chunks, pieces, L, fused, axis in ((0, 0, 1, 9, 0), ((1 << 23) - 1, 64, 1 << 16, 1 << 14, 1),
+                                           ((1 << 23) - 1, 64, 1 << 16, 1 << 14, 0), (3, 2, 8, 1, 1), (7, 1, 2, 9, 0)):
+        row = [0] * 10 + [_request_code(chunks, L, fused, pieces, axis)]
+        assert _decoded([row])[0][11:] == [chunks, L, fused, pieces, axis]
     assert _request_code(5, 2, 9) == _request_code(5, 2, 9, 0)  # no request: the rows as before item 19's field
 
 

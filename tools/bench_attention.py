@@ -34,6 +34,9 @@ Split-KV's merge pipeline: splitkv rows run the op's default chunk count (`prepa
 kernel column times the same chunked calls. `--chunks-ab 1,2,4` adds, after the rows and in the same
 process, an A/B of chunk counts at CP = world (`--ab-contexts`, default 128K): same inputs, one metadata
 per k, results cross-checked against the first k, timed round-robin (`bench.time_fns_interleaved`).
+`--chunk-axis rows|heads` picks what the chunks split (the op's `chunk_axis`: query rows, or heads of all rows,
+ops/splitkv.py item 3 "Head chunks"; the kernel column then times the head chunks as the op runs them), and
+`--chunk-axis-ab rows,heads` runs every --chunks-ab count with each axis side by side.
 
 Budget helpers: `--row-target-s` sizes each row's repeats to about that many seconds (>= 3), `--sdpa-max-lk`
 caps the dense reference's size (its rate is flat in Lk), `--cp1-methods` / `--alt-placement-methods`
@@ -130,11 +133,13 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
             row["skipped"] = (f"estimated {row['est_mem_gib']:.1f} GiB > 85% of the free "
                               f"{free:.1f} GiB (estimate_mem_gib)")
             return row
-    chunk_opt = {}  # --num-chunks: at prepare time (with metadata) or at the call (without)
+    chunk_opt = {}  # --num-chunks / --chunk-axis: at prepare time (with metadata) or at the call (without)
     if method == "splitkv" and args.num_chunks is not None:
         chunk_opt = {"num_chunks": args.num_chunks}
-    prep_opt = chunk_opt if bench.op_accepts("num_chunks", "prepare") else {}
-    call_opt = chunk_opt if args.no_metadata and bench.op_accepts("num_chunks", "call") else None
+    if method == "splitkv" and args.chunk_axis is not None:
+        chunk_opt["chunk_axis"] = args.chunk_axis
+    prep_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "prepare")}
+    call_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "call")} if args.no_metadata else None
     meta, prep_ms = None, 0.0
     if not args.no_metadata:
         def prep():
@@ -143,11 +148,13 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
 
         prep_ms, _, _ = bench.time_fn(prep, dev, reps=3, warmup=1, group=group)
         meta = prep()
-    # the chunk count this call pipelines over (splitkv; 1 elsewhere and in trees without chunks)
+    # the chunk count this call pipelines over (splitkv; 1 elsewhere and in trees without chunks) and its axis
+    axis = _chunk_axis(args.chunk_axis) if method == "splitkv" else "rows"
     k_used = int(getattr(meta, "num_chunks", 0) or 0) if meta is not None else 0
     if not k_used:
-        k_used = bench.resolve_chunks(args.num_chunks, cp, plan.blocks_per_rank) if method == "splitkv" else 1
-    row["num_chunks"] = k_used
+        k_used = (bench.resolve_chunks(args.num_chunks, cp, Hkv if axis == "heads" else plan.blocks_per_rank)
+                  if method == "splitkv" else 1)
+    row["num_chunks"], row["chunk_axis"] = k_used, axis
 
     def step():
         bench.run_op(method, x, block_size=B, cp_group=group, backend=args.backend, meta=meta, op_kwargs=call_opt)
@@ -175,7 +182,7 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     row.update(reps=reps, kernel_reps=kreps)
     med, mn, _ = bench.time_fn(step, dev, reps=reps, warmup=1, group=group)
     # local kernel alone on this rank's calls (the op's chunks and fused own block, as the tree has them)
-    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used)
+    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used, chunk_axis=axis, num_heads_kv=Hkv)
     kt = bench.time_kernel_calls(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, backend=args.backend,
                                  reps=kreps, warmup=1, fresh_mask=meta is None)
     my_pairs = kt["pairs"]
@@ -218,17 +225,32 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
 
 
 def _label(r):
-    """Method label: splitkv rows carry their chunk count k (the merge pipeline) when k > 1."""
+    """Method label: splitkv rows carry their chunk count k (the merge pipeline) when k > 1, and "heads" for
+    head chunks."""
     k = r.get("num_chunks", 1) or 1
-    return f"{r['method']} k={k}" if r["method"] == "splitkv" and k > 1 else r["method"]
+    if r["method"] != "splitkv" or k == 1:
+        return r["method"]
+    return f"splitkv k={k}" + (" heads" if r.get("chunk_axis") == "heads" else "")
 
 
-def chunks_ab(args, dev, shapes, contexts, ks, log_row):
-    """A/B of Split-KV's chunk count at CP = world (one process, side by side): for each context, the
-    same inputs and plan (LPT), one prepared metadata per k in `ks`, every variant warmed up, checked
-    against k = ks[0] (out and the five gradients, relative norm; MAX over ranks) and timed round-robin
-    (`bench.time_fns_interleaved`). Returns rows (method "splitkv", num_chunks k, op_ms, ab_speedup vs
-    ks[0], ab_rel_diff, comm bytes). A tree whose op has no num_chunks option gives one row saying so."""
+def _chunk_axis(requested):
+    """The chunk axis the op uses for --chunk-axis `requested` (None: its default, MEGATRON_SPLITKV_CHUNK_AXIS
+    else rows); "rows" in a tree without head chunks."""
+    try:
+        from megatron_splitkv.ops.metadata import resolve_chunk_axis
+    except ImportError:
+        return "rows"
+    return resolve_chunk_axis(requested)
+
+
+def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
+    """A/B of Split-KV's chunk count (and chunk axis) at CP = world (one process, side by side): for each
+    context, the same inputs and plan (LPT), one prepared metadata per (k, axis) in ks x `axes` (axis None:
+    the op's default; "rows" / "heads": `chunk_axis=`), every variant warmed up, checked against the first
+    (out and the five gradients, relative norm; MAX over ranks) and timed round-robin
+    (`bench.time_fns_interleaved`). Returns rows (method "splitkv", num_chunks k, chunk_axis, op_ms,
+    ab_speedup vs the first, ab_rel_diff, comm bytes). A tree whose op has no num_chunks option gives one row
+    saying so."""
     B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
     where = bench.op_option("num_chunks")
     cp = dist.get_world_size() if dist.is_initialized() else 1
@@ -249,18 +271,19 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row):
                                                 mask=args.loss_mask)
             plan = bench.place(lens, anchors, cp_size=cp, strategy="lpt", block_size=B)
             x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
-            metas, steps, used = [], [], []
-            for k in ks:
+            metas, steps, used, variants = [], [], [], [(k, a) for k in ks for a in axes]
+            for k, a in variants:
+                opt = {"num_chunks": k, **({} if a is None else {"chunk_axis": a})}
                 if where == "prepare":
                     m = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D,
-                                           dtype=dtype, num_chunks=k)
+                                           dtype=dtype, **opt)
                     kw = None
                 else:
                     m = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D,
                                            dtype=dtype)
-                    kw = {"num_chunks": k}
+                    kw = opt
                 metas.append(m)
-                used.append(int(getattr(m, "num_chunks", k) or k))
+                used.append((int(getattr(m, "num_chunks", k) or k), getattr(m, "chunk_axis", "rows")))
                 steps.append(lambda m=m, kw=kw: bench.run_op("splitkv", x, block_size=B, cp_group=group,
                                                              backend=args.backend, meta=m, op_kwargs=kw))
             results, comm, peaks = [], [], []
@@ -284,10 +307,11 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row):
             diffs = _allmax(diffs, dev)
             timed = bench.time_fns_interleaved(steps, dev, reps=max(args.reps, 5), warmup=1, group=group)
             del results
-            for k, ku, (med, mn, _), d, (nbytes, nrec), pk in zip(ks, used, timed, diffs, comm, peaks):
+            for (k, _), (ku, au), (med, mn, _), d, (nbytes, nrec), pk in zip(variants, used, timed, diffs, comm,
+                                                                              peaks):
                 mx = _allmax([float(nbytes), float(nrec), pk], dev)
                 rows.append(dict(method="splitkv", cp=cp, placement="lpt", context=ctx, link=link, ab=True,
-                                 num_chunks_requested=k, num_chunks=ku, op_ms=med, op_min_ms=mn,
+                                 num_chunks_requested=k, num_chunks=ku, chunk_axis=au, op_ms=med, op_min_ms=mn,
                                  ab_speedup=timed[0][0] / med if med > 0 else float("nan"), ab_rel_diff=d,
                                  comm_bytes=mx[0], comm_records=int(mx[1]), peak_mem_gib=mx[2], Lq=args.anchors * B,
                                  wall_s=time.perf_counter() - t0))
@@ -304,15 +328,15 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row):
 
 def ab_table(rows, slow):
     """Markdown table of the chunk-count A/B rows."""
-    hdr = ["link", "CP", "context", "num_chunks", "op ms (median)", "speedup vs first", "max rel. diff vs first",
-           "comm / rank", "collectives", "peak GiB"]
+    hdr = ["link", "CP", "context", "num_chunks", "chunk axis", "op ms (median)", "speedup vs first",
+           "max rel. diff vs first", "comm / rank", "collectives", "peak GiB"]
     out = []
     for r in rows:
         if "error" in r or "skipped" in r:
             what = ("ERROR " + r["error"].strip().splitlines()[-1][:80]) if "error" in r else "SKIPPED " + r["skipped"]
-            out.append([r.get("link", ""), r["cp"], r.get("context", ""), "", what, "", "", "", "", ""])
+            out.append([r.get("link", ""), r["cp"], r.get("context", ""), "", "", what, "", "", "", "", ""])
             continue
-        out.append([r["link"], r["cp"], r["context"], r["num_chunks"], f"{r['op_ms']:.2f}",
+        out.append([r["link"], r["cp"], r["context"], r["num_chunks"], r.get("chunk_axis", "rows"), f"{r['op_ms']:.2f}",
                     f"{r['ab_speedup']:.3f}x", f"{r['ab_rel_diff']:.1e}", bench.fmt_bytes(r["comm_bytes"]),
                     r["comm_records"], bench.finite(r.get("peak_mem_gib"))])
     note = ("\nSplit-KV merge pipeline, chunk counts side by side in one process (same inputs, LPT placement; "
@@ -371,6 +395,8 @@ def check_args(ap, args):
     if args.num_chunks is not None and args.num_chunks < 1:
         ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
     args._ab = bench.int_list_arg(ap, "--chunks-ab", args.chunks_ab, 1) if args.chunks_ab else []
+    args._ab_axes = (bench.choices_arg(ap, "--chunk-axis-ab", args.chunk_axis_ab, ("rows", "heads"), "chunk axis")
+                     if args.chunk_axis_ab else [args.chunk_axis])
     args._ab_contexts = bench.int_list_arg(ap, "--ab-contexts", args.ab_contexts, 2)
     args._cp1_methods = (bench.choices_arg(ap, "--cp1-methods", args.cp1_methods, bench.METHODS, "method")
                          if args.cp1_methods else methods)
@@ -410,6 +436,13 @@ def main(argv=None):
     ap.add_argument("--num-chunks", type=int, default=None,
                     help="splitkv: chunk count of the merge pipeline (prepare_splitkv_metadata(num_chunks=)); "
                          "default: the op's own default")
+    ap.add_argument("--chunk-axis", default=None, choices=("rows", "heads"),
+                    help="splitkv: what the chunks split (prepare_splitkv_metadata(chunk_axis=)): rows (query blocks) "
+                         "or heads (all rows, Hq / k and Hkv / k heads per chunk); default: the op's own "
+                         "(MEGATRON_SPLITKV_CHUNK_AXIS, else rows)")
+    ap.add_argument("--chunk-axis-ab", default="",
+                    help="with --chunks-ab: chunk axes to compare side by side, comma list (e.g. rows,heads: every "
+                         "chunk count with each axis); default: --chunk-axis")
     ap.add_argument("--chunks-ab", default="",
                     help="after the rows: A/B of splitkv chunk counts at CP = world, e.g. 1,2,4 (needs an op "
                          "with num_chunks; otherwise one row says so)")
@@ -518,7 +551,7 @@ def main(argv=None):
                 with open(json_path, "w") as f:
                     json.dump(dict(env=env, rows=rows, ab_rows=ab_rows + [r]), f, indent=1, default=str)
 
-        ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row)
+        ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
     md = table(rows, args.slow_path)
     if ab_rows:
         md += "\n\n" + ab_table(ab_rows, args.slow_path)

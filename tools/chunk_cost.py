@@ -14,8 +14,10 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
   query k, n lanes   the same with the chunks' kernels on n alternating side streams, as the op runs them
                 with MEGATRON_SPLITKV_KERNEL_LANES=n (`ops.common.KernelLanes`; the op's default is 1 = off;
                 this tool's `--lanes` default 2 adds the variant)
-  head k        k calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups
-                stay whole), the one-call mask shared; dK / dV of a chunk are its heads' rows: no accumulation
+  head k        the op's head chunks (`chunk_axis="heads"`, `bench.kernel_calls(..., chunk_axis="heads")`): k
+                calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups stay
+                whole; k clamped to Hkv, uneven splits allowed), the one-call mask shared; dK / dV of a chunk
+                written into its heads: no accumulation (`bench.chunk_loop`, as the op)
 
     python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase --reverse
 
@@ -39,16 +41,6 @@ sys.path.insert(0, ROOT)
 from megatron_splitkv import bench  # noqa: E402
 
 
-def _mask(call, device):
-    from megatron_splitkv.kernels.base import IntervalMask
-
-    lo, hi = torch.as_tensor(call.lo, device=device), torch.as_tensor(call.hi, device=device)
-    if call.own_lo is None:
-        return IntervalMask(call.block_size, lo, hi, call.num_keys)
-    return IntervalMask(call.block_size, lo, hi, call.num_keys, torch.as_tensor(call.own_lo, device=device),
-                        torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
-
-
 def _reversed(call):
     """The call with its query blocks in reverse order (the data is random: only the mask's block order
     changes), so that the kernels' grids meet the blocks with the largest prefixes first."""
@@ -61,37 +53,13 @@ def _reversed(call):
     return r
 
 
-def _query_variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, lanes=1):
-    """k calls (the op's query chunks) as the op's chunk loop runs them (`bench.chunk_loop`: fp32 dK / dV
-    sums; lanes > 1: the chunks' kernels on alternating side streams, `ops.common.KernelLanes`)."""
-    parts = []
-    for c in calls:
-        if c.rows == 0 or c.num_keys == 0:
-            continue
-        parts.append((bench._rand((c.rows, Hq, D), gen, dev, dtype), bench._rand((c.rows, Hq, D), gen, dev, dtype),
-                      _mask(c, dev)))
-    nk = calls[0].num_keys
-    k = bench._rand((nk, Hkv, D), gen, dev, dtype)
-    v = bench._rand((nk, Hkv, D), gen, dev, dtype)
+def _variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, lanes=1):
+    """The op's chunks (`bench.kernel_calls`: query or head chunks) as the op's chunk loop runs them
+    (`bench.chunk_loop`: query chunks' dK / dV summed in fp32, head chunks' written into their heads; lanes > 1:
+    the chunks' kernels on alternating side streams, `ops.common.KernelLanes`)."""
+    parts, k, v = bench.chunk_inputs(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, gen=gen)
     scale = D ** -0.5
     return lambda: bench.chunk_loop(kern, parts, k, v, scale, lanes)
-
-
-def _head_variant(kern, call, n, Hq, Hkv, D, dtype, dev, gen):
-    """n calls over all rows, Hq / n and Hkv / n heads each, one shared mask; dK / dV written per head chunk."""
-    hq, hkv = Hq // n, Hkv // n
-    m = _mask(call, dev)
-    parts = [(bench._rand((call.rows, hq, D), gen, dev, dtype), bench._rand((call.num_keys, hkv, D), gen, dev, dtype),
-              bench._rand((call.num_keys, hkv, D), gen, dev, dtype), bench._rand((call.rows, hq, D), gen, dev, dtype))
-             for _ in range(n)]
-    scale = D ** -0.5
-
-    def step():
-        states = [kern.forward(q, k, v, m, scale) for q, k, v, _ in parts]
-        for (q, k, v, do), (o, lse, st) in zip(parts, states):
-            delta = (do.float() * o).sum(-1)
-            kern.backward(q, k, v, m, scale, do, lse, delta, st)
-    return step
 
 
 def _profile(fn, name, tag, iters=2, top=8):
@@ -162,9 +130,6 @@ def main(argv=None):
     else:
         dev, dtype = torch.device("cuda", 0), torch.bfloat16
     cuda = dev.type == "cuda"
-    for k in ks:
-        if Hkv % k:
-            ap.error(f"--chunks: {k} does not divide the {Hkv} kv heads (head chunks keep GQA groups whole)")
     try:  # before the measurement: an unusable --out must not cost the run
         os.makedirs(args.out, exist_ok=True)
     except OSError as exc:
@@ -180,23 +145,24 @@ def main(argv=None):
         for be in backends:
             kern = get_kernel(be, dev, dtype, head_dim=D)
             gen = torch.Generator(device=dev).manual_seed(args.seed)
-            names, fns = ["one call"], [_query_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
+            names, fns = ["one call"], [_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
             if args.reverse:
                 names.append("one call, reversed")
-                fns.append(_query_variant(kern, [_reversed(c) for c in one], Hq, Hkv, D, dtype, dev, gen))
+                fns.append(_variant(kern, [_reversed(c) for c in one], Hq, Hkv, D, dtype, dev, gen))
             for k in ks:
                 qc = bench.kernel_calls("splitkv", plan, r, num_chunks=k)
                 names.append(f"query k={len(qc)}")
-                fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen))
+                fns.append(_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen))
                 if args.reverse:
                     names.append(f"query k={len(qc)}, reversed")
-                    fns.append(_query_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
+                    fns.append(_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
                 if args.lanes > 1 and cuda:
                     names.append(f"query k={len(qc)}, {args.lanes} lanes")
-                    fns.append(_query_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
+                    fns.append(_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
                 if args.heads:
-                    names.append(f"head k={k}")
-                    fns.append(_head_variant(kern, one[0], k, Hq, Hkv, D, dtype, dev, gen))
+                    hc = bench.kernel_calls("splitkv", plan, r, num_chunks=k, chunk_axis="heads", num_heads_kv=Hkv)
+                    names.append(f"head k={len(hc)}")
+                    fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
                 if not cuda:

@@ -222,7 +222,7 @@ echo "flash_attn.cute (fa4): $(fa4_ok && echo importable || echo 'not importable
 
 # g. the GPU tests, alone on the machine (a benchmark beside them spoils its rows): SUITE_GPU_TESTS
 if want gputests; then
-  GT=${SUITE_GPU_TESTS:-tests/test_fa4_kernel.py tests/test_kernel_lanes_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
+  GT=${SUITE_GPU_TESTS:-tests/test_fa4_kernel.py tests/test_kernel_lanes_gpu.py tests/test_splitkv_head_chunks_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
   # shellcheck disable=SC2086
   step g_gputests "${SUITE_GPU_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $GT
 fi

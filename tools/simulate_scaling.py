@@ -21,6 +21,11 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     chunk-loss model below). Model mode (`--model-only`): per call `--call-overhead-ms` + 3.5 x 4 x pairs x
     Hq x D / `--kernel-tflops`; splitkv's k chunk calls take the one-call time x (1 + `--chunk-loss` x
     (k - 1)) (`chunked_calls_ms`; 8.5% per extra chunk, fitted on the measured NVLink chunk A/B).
+    `--chunk-axis heads`: splitkv's chunks are the op's head chunks (ops/splitkv.py item 3; k clamped to
+    Hkv): measured mode times k calls over all rows with Hq / k, Hkv / k heads and one mask, dK / dV written per
+    chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
+    per-chunk bytes are those of row chunks (the same bytes per collective name; uneven head splits not
+    modelled), and model-only mode uses the same chunk-loss model.
   - communication: the exact per-collective messages the op issues (`bench.predicted_records`, checked
     against comm_stats in tests/test_simulate_scaling.py), each timed by `bench.LinkModel` under every
     `--topology` (default node,flat; the first is the headline; formulas in the LinkModel docstring):
@@ -928,6 +933,10 @@ def main(argv=None):
                          "reports k = 1 and the best k per P), or 'auto': 1,2,3,4,6,8 (model-only) / 1,2,4 "
                          "(measured), plus the op's default (ops.metadata.resolve_num_chunks); each clamped to "
                          "the blocks per rank")
+    ap.add_argument("--chunk-axis", default="rows", choices=("rows", "heads"),
+                    help="splitkv: what the chunks split (the op's chunk_axis): rows (query blocks; default) or "
+                         "heads (all rows with Hq / k, Hkv / k heads per chunk, k clamped to --Hkv): measured mode "
+                         "times the head chunks as the op runs them; the per-chunk bytes model is unchanged")
     ap.add_argument("--chunk-loss", type=float, default=-1.0,
                     help=f"modelled kernel time lost per extra chunk, fraction of the one-chunk kernel time "
                          f"(-1: {CHUNK_LOSS}, fitted on the NVLink chunk A/B at CP=2 128K, docs/benchmarks.md). "
@@ -1107,9 +1116,10 @@ def main(argv=None):
         if not has_chunks or P == 1:  # nothing to pipeline without communication
             return [1]
         req = args._num_chunks or ([1, 2, 4] if measured else [1, 2, 3, 4, 6, 8])
-        ks = [bench.resolve_chunks(k, P, nb) for k in req]
+        limit = args.Hkv if args.chunk_axis == "heads" else nb  # head chunks clamp to Hkv, as the op
+        ks = [bench.resolve_chunks(k, P, limit) for k in req]
         if not args._num_chunks:
-            ks.append(bench.resolve_chunks(None, P, nb))
+            ks.append(bench.resolve_chunks(None, P, limit))
         return sorted(dict.fromkeys(ks), key=lambda k: (k != req[0], k))  # the first requested first
 
     # ---- problems and compute
@@ -1146,7 +1156,9 @@ def main(argv=None):
         plan = plans[(P, pl if P > 1 else placements[0])]
         ranks, _ = sample_ranks(m, plan, args.sample_ranks)
         for i, r in enumerate(ranks):
-            calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused)
+            calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused,
+                                       **({"chunk_axis": args.chunk_axis, "num_heads_kv": args.Hkv}
+                                          if m == "splitkv" else {}))
             calls_of[(j, r)] = calls
             tasks.append((i, j, r))
     mprio = {m: i for i, m in enumerate(("splitkv", "allgather-kv", "ring-kv"))}

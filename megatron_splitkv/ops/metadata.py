@@ -25,6 +25,9 @@ rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `Inte
 (context only, and with the own-block intervals). Default (`num_chunks=None`): the environment variable
 MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 (measured best over NVLink; 2 is best over a slow link,
 see DEFAULT_NUM_CHUNKS); an explicit value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
+With `chunk_axis="heads"` (or MEGATRON_SPLITKV_CHUNK_AXIS=heads; `resolve_chunk_axis`, agreed group-wide in bit
+23 of the request code) the chunks split the heads of all rows instead (ops/splitkv.py item 3 "Head chunks"):
+k clamped to [1, Hkv], `chunk_heads` per chunk, chunks = [(0, nb_max)] * k and the k = 1 masks repeated.
 
 Split-KV's two-level all-to-all (ops/splitkv.py item 5): the splitkv metadata also fixes
 `cp_ranks_per_node` (L, `resolve_ranks_per_node`: the argument, else the environment variable
@@ -87,7 +90,8 @@ from .common import (
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
            "prepare_splitkv_metadata_from_plan", "resolve_exchange_pieces", "piece_bounds",
-           "EXCHANGE_PIECES_ENV", "check_environment_agreement"]
+           "EXCHANGE_PIECES_ENV", "check_environment_agreement", "CHUNK_AXIS_ENV", "CHUNK_AXES",
+           "resolve_chunk_axis"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -130,14 +134,44 @@ DEFAULT_NUM_CHUNKS = 1
 
 
 #: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
-#: column 10 holds it in its low 24 bits, the requested exchange pieces in the next 8 and cp_ranks_per_node
-#: - 1 above them (`_request_code`)
-_MAX_REQUESTED_CHUNKS = (1 << 24) - 1
+#: column 10 holds it in its low 23 bits, the chunk axis in bit 23, the requested exchange pieces in the next 8
+#: and cp_ranks_per_node - 1 above them (`_request_code`)
+_MAX_REQUESTED_CHUNKS = (1 << 23) - 1
+
+#: environment variable giving Split-KV's chunk axis when `chunk_axis` is None: "rows" or "heads".
+CHUNK_AXIS_ENV = "MEGATRON_SPLITKV_CHUNK_AXIS"
+#: the chunk axes, in the order of their code in the agreement rows (0 = rows, the default)
+CHUNK_AXES = ("rows", "heads")
+
+
+def _requested_axis(chunk_axis) -> int:
+    """The chunk axis as its code for the agreement rows (0 = "rows", 1 = "heads"): chunk_axis, else the
+    environment variable CHUNK_AXIS_ENV (unset or empty: "rows"). Raises ValueError naming the argument or
+    the variable and the allowed values otherwise."""
+    if chunk_axis is None:
+        import os  # noqa: PLC0415
+
+        value = os.environ.get(CHUNK_AXIS_ENV, "")
+        if value.strip() == "":
+            return 0
+        if value.strip() not in CHUNK_AXES:
+            raise ValueError(f"{CHUNK_AXIS_ENV} must be one of {', '.join(CHUNK_AXES)} (or unset), got {value!r}")
+        return CHUNK_AXES.index(value.strip())
+    if not isinstance(chunk_axis, str) or chunk_axis not in CHUNK_AXES:
+        raise ValueError(f"chunk_axis must be None, 'rows' or 'heads', got {chunk_axis!r}")
+    return CHUNK_AXES.index(chunk_axis)
+
+
+def resolve_chunk_axis(chunk_axis=None) -> str:
+    """Split-KV's chunk axis (ops/splitkv.py item 3, "Head chunks"): chunk_axis ("rows" | "heads"), else the
+    environment variable MEGATRON_SPLITKV_CHUNK_AXIS, else "rows". Raises ValueError (naming the argument or
+    the variable and the allowed values) for anything else."""
+    return CHUNK_AXES[_requested_axis(chunk_axis)]
 
 
 def _requested_chunks(num_chunks) -> int:
     """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
-    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**24 - 1 (a larger request clamps to the
+    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**23 - 1 (a larger request clamps to the
     block count anyway). Raises ValueError for a non-positive / non-int value."""
     if num_chunks is None:
         num_chunks = env_positive_int(NUM_CHUNKS_ENV)
@@ -192,19 +226,20 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
 
 
 def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P,
-                  pieces_req: int = 0) -> int:
-    """Column 10 of the agreement rows: the requested chunk count in the low 24 bits, the requested exchange
-    pieces (0 = automatic, <= `MAX_EXCHANGE_PIECES`) in bits 24-31, L - 1 in bits 32-47, the fused backward
-    gather's threshold (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48."""
-    return chunks_req + (pieces_req << 24) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
+                  pieces_req: int = 0, axis: int = 0) -> int:
+    """Column 10 of the agreement rows: the requested chunk count in the low 23 bits, the chunk axis code
+    (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, the requested exchange pieces (0 = automatic, <=
+    `MAX_EXCHANGE_PIECES`) in bits 24-31, L - 1 in bits 32-47, the fused backward gather's threshold
+    (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before."""
+    return chunks_req + (axis << 23) + (pieces_req << 24) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
 
 
 def _decoded(table):
-    """The agreement table with four derived columns appended to every row: 11 = requested num_chunks,
-    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the requested exchange pieces
-    (decoded from column 10; not sent)."""
+    """The agreement table with five derived columns appended to every row: 11 = requested num_chunks,
+    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the requested exchange pieces,
+    15 = the chunk axis code (decoded from column 10; not sent)."""
     return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48,
-                         (row[10] >> 24) & 0xFF]
+                         (row[10] >> 24) & 0xFF, (row[10] >> 23) & 1]
             for row in table]
 
 
@@ -258,7 +293,8 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
             environment), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
             least one block of the largest rank). Any `__index__` integer (np.int64 too); bool and
             float are rejected.
-        cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count.
+        cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count (head chunks: Hkv, the
+            limit of `chunk_axis="heads"`).
 
     Raises:
         ValueError: num_chunks (or the environment variable) not a positive int.
@@ -319,6 +355,13 @@ class SplitKVMetadata:
             against this rank's blocks (step 0 is `mask`; None when built internally by a call without
             `metadata=`: the keys then travel around the ring with K/V, as before).
         num_chunks_requested: the requested chunk count (0 = automatic), agreed across the group.
+        chunk_axis: splitkv: "rows" (chunk c = query blocks [b0, b1) of every rank, all heads) or "heads"
+            (chunk c = the q heads `chunk_heads[c]` of ALL rows: `chunks` = [(0, nb_max)] * k, k clamped to
+            [1, Hkv], the k = 1 masks repeated, the same `IntervalMask` objects), agreed across the group
+            (`resolve_chunk_axis`; ops/splitkv.py item 3, "Head chunks"). Other impls: "rows".
+        chunk_heads: splitkv: per chunk the q-head range (h0, h1): rows: (0, Hq) each; heads: kv heads
+            [g0, g1) = `chunk_bounds(k, Hkv)`[c] and q heads [g0 * G, g1 * G), G = Hq // Hkv (GQA groups
+            whole). Other impls: None.
         cp_ranks_per_node: splitkv: L, the CP ranks per node of the two-level all-to-all
             (`resolve_ranks_per_node`, agreed across the group; other impls: 1).
         exchange_pieces_requested: splitkv: the requested row pieces of the two-level forward exchange (0 =
@@ -367,6 +410,8 @@ class SplitKVMetadata:
     chunk_masks: list = None
     chunk_masks_own: list = None
     num_chunks_requested: int = 0
+    chunk_axis: str = "rows"
+    chunk_heads: list = None
     cp_ranks_per_node: int = 1
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     exchange_pieces_requested: int = 0
@@ -441,7 +486,8 @@ class SplitKVMetadata:
         Environment, resolved here as prepare resolves it on each rank: the kernel environment
         (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
         cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
-        MEGATRON_SPLITKV_RANKS_PER_NODE in the building process) the variables must resolve to the same
+        MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES / MEGATRON_SPLITKV_CHUNK_AXIS
+        in the building process) the variables must resolve to the same
         values here. The kernel lanes stay per call (`check_call`). Whether the variables agree ACROSS ranks
         is not checked here (no collective): `check_environment_agreement` once per process, or
         `group_check=True` at build time.
@@ -484,6 +530,9 @@ class SplitKVMetadata:
             if rec.pieces_env is not None and exchange_pieces_env() != rec.pieces_env:
                 raise ValueError(f"{EXCHANGE_PIECES_ENV} resolves to {exchange_pieces_env()} here but to "
                                  f"{rec.pieces_env} where the metadata was built (0 = unset); pass exchange_pieces")
+            if rec.axis_env is not None and _requested_axis(None) != rec.axis_env:
+                raise ValueError(f"{CHUNK_AXIS_ENV} resolves to {CHUNK_AXES[_requested_axis(None)]!r} here but to "
+                                 f"{CHUNK_AXES[rec.axis_env]!r} where the metadata was built; pass chunk_axis")
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         tensors = _unique_tensors(self)
@@ -707,6 +756,8 @@ def _check_agree(name, table, cols):
                 vals = [struct.unpack("<d", struct.pack("<q", v))[0] for v in vals]
             if what == "group_check":
                 vals = [bool(v) for v in vals]
+            if what.startswith(("chunk_axis", CHUNK_AXIS_ENV)):
+                vals = [CHUNK_AXES[v] if 0 <= v < len(CHUNK_AXES) else v for v in vals]
             if what.startswith("metadata="):
                 modes = set(vals)
                 vals = [_MODE_NAMES.get(v, str(v)) for v in vals]
@@ -936,8 +987,16 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     contract check), else None."""
     g, bsz = meta.group, meta.block_size
     P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
-    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, nb_max)
-    meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+    heads = meta.chunk_axis == "heads"
+    # head chunks: k clamped to [1, Hkv], every chunk all rows (the k = 1 chunk), its heads GQA groups whole
+    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, meta.num_heads_kv if heads else nb_max)
+    hq, grp = meta.num_heads_q, meta.num_heads_q // meta.num_heads_kv
+    if heads:
+        meta.chunks = [(0, nb_max)] * meta.num_chunks
+        meta.chunk_heads = [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)]
+    else:
+        meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
+        meta.chunk_heads = [(0, hq)] * meta.num_chunks
     meta.exchange_pieces = resolve_exchange_pieces(meta.exchange_pieces_requested, meta.num_chunks,
                                                    meta.cp_ranks_per_node, P, meta.chunks)
     meta.exchange_bounds = piece_bounds(meta.chunks, meta.exchange_pieces)
@@ -964,11 +1023,14 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     num_keys_own = c0 + nb_local * bsz
     meta.chunk_masks, meta.chunk_masks_own = [], []
     by_rank = table.view(4, P, nb_max)
-    for b0, b1 in meta.chunks:
+    for b0, b1 in meta.chunks[:1] if heads else meta.chunks:
         cols = by_rank[:, :, b0:b1].reshape(4, -1)
         lo, hi, lo2, hi2 = cols.clone() if copies else cols
         meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
         meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
+    if heads:  # the one-call masks, the SAME objects for every head chunk (a kernel's cached tables built once)
+        meta.chunk_masks *= meta.num_chunks
+        meta.chunk_masks_own *= meta.num_chunks
     if not debug_checks():
         return None
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
@@ -977,7 +1039,7 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
-                             exchange_pieces=None) -> SplitKVMetadata:
+                             exchange_pieces=None, chunk_axis=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1026,6 +1088,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             MEGATRON_SPLITKV_EXCHANGE_PIECES, else automatic (2 with 1 < L < P at num_chunks 1, else 1);
             a positive int <= 64, clamped to the smallest chunk's block count; ignored (1) on the flat path
             (L = 1 or L = P). Must be the same on every rank.
+        chunk_axis: impl "splitkv" only: what the `num_chunks` chunks split (ops/splitkv.py item 3, "Head
+            chunks"; docs/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
+            (every chunk ALL rows with Hq / k query heads and Hkv / k kv heads, GQA groups whole; k clamped to
+            [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = the environment
+            variable MEGATRON_SPLITKV_CHUNK_AXIS ("rows" | "heads"), else "rows". Must be the same on every
+            rank (agreed like num_chunks). Same results up to fp rounding, same bytes per collective name.
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1051,8 +1119,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE) not a positive int or not dividing the CP
         group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), exchange_pieces (or
         MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive int <= 64, or block_size, Hq, Hkv, D, dtype, impl,
-        group_check, the requested num_chunks, cp_ranks_per_node or exchange_pieces differing across
-        ranks; and when the node sub-groups cannot be created consistently (see `comm.node_groups`).
+        group_check, the requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing
+        across ranks; chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads"; and when the node
+        sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
     """
@@ -1079,11 +1148,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
         pieces_req = _requested_pieces(exchange_pieces) if canon == "splitkv" else 0
+        axis_req = _requested_axis(chunk_axis) if canon == "splitkv" else 0
         # environment variables read later in the run: parsed here, so a malformed value raises on every rank
         fused_req = fused_bwd_gather_min_p() if canon == "splitkv" else FUSED_BWD_GATHER_MIN_P
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req)]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1094,7 +1164,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, device, err), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
+                               (11, "num_chunks (requested)"), (15, "chunk_axis"), (12, "cp_ranks_per_node"),
                                (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
@@ -1102,7 +1172,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        exchange_pieces_requested=table[0][14],
+        exchange_pieces_requested=table[0][14], chunk_axis=CHUNK_AXES[table[0][15]],
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1140,7 +1210,7 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend, lanes: int =
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
-                          cp_ranks_per_node=None) -> Plan:
+                          cp_ranks_per_node=None, chunk_axis=None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 11] int64: sizes, resolved softmax_scale, call mode, requested chunk
     count and cp_ranks_per_node), raise the same ValueError on every rank when any rank is invalid or
@@ -1159,11 +1229,12 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
         pieces_req = _requested_pieces(None) if name == "splitkv" else 0  # the environment variable only
+        axis_req = _requested_axis(chunk_axis) if name == "splitkv" else 0
         fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
         validate_kernel_env()
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req)]
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -1188,6 +1259,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
         fused_bwd_gather_min_p=table[0][13], exchange_pieces_requested=table[0][14],
+        chunk_axis=CHUNK_AXES[table[0][15]],
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend, lanes)
 
@@ -1197,13 +1269,13 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 #: 11-14 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (11, "num_chunks (requested)"), (12, "cp_ranks_per_node"),
+               (11, "num_chunks (requested)"), (15, "chunk_axis"), (12, "cp_ranks_per_node"),
                (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-                      cp_ranks_per_node=None):
+                      cp_ranks_per_node=None, chunk_axis=None):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -1229,10 +1301,14 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
     # num_chunks: a positive int (bool, float, 0, ... raise) that resolves, i.e. clamps, to the metadata's
     # chunk count: the metadata's num_chunks or the value given to prepare_splitkv_metadata
-    if num_chunks is not None and \
-            max(1, min(_requested_chunks(num_chunks), max(meta.n_blocks))) != meta.num_chunks:
+    # (the limit: the largest block count, or Hkv for head chunks)
+    limit = meta.num_heads_kv if meta.chunk_axis == "heads" else max(meta.n_blocks)
+    if num_chunks is not None and max(1, min(_requested_chunks(num_chunks), limit)) != meta.num_chunks:
         raise ValueError(f"num_chunks={num_chunks!r} differs from the metadata's num_chunks={meta.num_chunks} "
                          "(the chunking is fixed at prepare time: pass num_chunks to prepare_splitkv_metadata)")
+    if chunk_axis is not None and resolve_chunk_axis(chunk_axis) != meta.chunk_axis:
+        raise ValueError(f"chunk_axis={chunk_axis!r} differs from the metadata's chunk_axis={meta.chunk_axis!r} "
+                         "(fixed at prepare time: pass chunk_axis to prepare_splitkv_metadata)")
     # cp_ranks_per_node: None, or a valid value (raises otherwise) equal to the metadata's
     if cp_ranks_per_node is not None and \
             resolve_ranks_per_node(cp_ranks_per_node, meta.group.size) != meta.cp_ranks_per_node:
@@ -1265,7 +1341,7 @@ def _check_tensor_against(meta, n, t, shape):
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-               cp_ranks_per_node=None) -> Plan:
+               cp_ranks_per_node=None, chunk_axis=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata (no host sync, no collective), before any collective of the call.
 
@@ -1289,7 +1365,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
-                          cp_ranks_per_node)
+                          cp_ranks_per_node, chunk_axis)
         # the kernel lanes: parsed here (part of the group verdict with group_check), not in forward / backward
         lanes = kernel_lanes() if name == "splitkv" else 1
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
@@ -1310,7 +1386,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested)]
+                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis))]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend, lanes)
@@ -1345,16 +1421,16 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested)]
+                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis))]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
 
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
            cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
-           cp_ranks_per_node=None):
+           cp_ranks_per_node=None, chunk_axis=None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
-    autograd Function. `num_chunks`, `cp_ranks_per_node`: splitkv only (the baselines pass None).
+    autograd Function. `num_chunks`, `cp_ranks_per_node`, `chunk_axis`: splitkv only (the baselines pass None).
     `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
     chunks of the handle (`ops.splitkv.SplitKVQueryGather`) instead of q."""
     if query_gather is not None and metadata is None:
@@ -1363,12 +1439,13 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
     if metadata is None:
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                                     backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node)
+                                     backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
+                                     chunk_axis=chunk_axis)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                           backend=backend, num_chunks=num_chunks, query_gather=query_gather,
-                          cp_ranks_per_node=cp_ranks_per_node)
+                          cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function
@@ -1387,7 +1464,8 @@ _UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound t
 class _HostBuild:
     """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
     this metadata's CP rank (checked against the group), the requested chunk count / ranks per node /
-    exchange pieces when they were read from the environment at build time (None when given as arguments),
+    exchange pieces / chunk axis code when they were read from the environment at build time (None when given
+    as arguments),
     and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
     `_unique_tensors` entry)."""
 
@@ -1398,6 +1476,7 @@ class _HostBuild:
     pieces_env: int = None
     buffer: torch.Tensor = None
     layout: list = None
+    axis_env: int = None
 
 
 def _replace(obj, **changes):
@@ -1515,6 +1594,7 @@ def _remapped(meta, new: dict, block_masks: bool = False, **changes):
     fields.update({n: (None if getattr(meta, n) is None else [mask(m) for m in getattr(meta, n)])
                    for n in _META_MASK_LISTS})
     fields["chunks"] = None if meta.chunks is None else list(meta.chunks)
+    fields["chunk_heads"] = None if meta.chunk_heads is None else list(meta.chunk_heads)
     fields["n_blocks"], fields["n_ctx"] = list(meta.n_blocks), list(meta.n_ctx)
     fields.update(changes)
     return _replace(meta, **fields)
@@ -1581,7 +1661,7 @@ def _pack_recipe(meta) -> tuple:
     offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
     hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
     list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env,
-    pieces_env), the entries'
+    pieces_env, axis_env), the entries'
     `_compile_split` plan)."""
     import dataclasses  # noqa: PLC0415
 
@@ -1609,7 +1689,8 @@ def _pack_recipe(meta) -> tuple:
                     for n in _META_MASK_LISTS})
     values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
     return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
-            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env), _compile_split(entries))
+            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env, rec.axis_env),
+            _compile_split(entries))
 
 
 def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
@@ -1632,12 +1713,13 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
     fields.update({n: (None if i is None else v[i]) for n, i in tfields.items()})
     for n, i in mfields.items():
         fields[n] = None if i is None else (masks[i] if isinstance(i, int) else [masks[j] for j in i])
-    for n in ("n_blocks", "n_ctx", "chunks"):  # fresh lists per object, as `_remapped` makes them
+    for n in ("n_blocks", "n_ctx", "chunks", "chunk_heads"):  # fresh lists per object, as `_remapped` makes them
         if fields.get(n) is not None:
             fields[n] = list(fields[n])
     fields["device"] = region.device
     fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
-                                      pieces_env=hb[4], buffer=region, layout=[e[2] for e in entries])
+                                      pieces_env=hb[4], axis_env=hb[5], buffer=region,
+                                      layout=[e[2] for e in entries])
     return SplitKVMetadata(**fields)
 
 
@@ -1678,8 +1760,8 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     `group_check=True` (a verdict exchange per call).
 
     Checked: MEGATRON_SPLITKV_NUM_CHUNKS, MEGATRON_SPLITKV_RANKS_PER_NODE (as resolved for this group's size),
-    MEGATRON_SPLITKV_EXCHANGE_PIECES, MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, and the kernel environment
-    parsed (`kernels.validate_kernel_env`).
+    MEGATRON_SPLITKV_EXCHANGE_PIECES, MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS (as
+    resolved: unset = rows), and the kernel environment parsed (`kernels.validate_kernel_env`).
 
     Args:
         cp_group: the CP ProcessGroup (None: the default group when initialised, else one process).
@@ -1692,10 +1774,10 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     """
     name = "check_environment_agreement"
     group = resolve_group(cp_group)
-    err, row = "", [-1] * 4
+    err, row = "", [-1] * 5
     try:
         row = [_requested_chunks(None), resolve_ranks_per_node(None, group.size), exchange_pieces_env(),
-               fused_bwd_gather_min_p()]
+               fused_bwd_gather_min_p(), _requested_axis(None)]
         validate_kernel_env()
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
@@ -1704,13 +1786,15 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     _check_agree(name, table, ((1, f"{NUM_CHUNKS_ENV} (requested num_chunks, 0 = unset)"),
                                (2, f"{RANKS_PER_NODE_ENV} (cp_ranks_per_node)"),
                                (3, f"{EXCHANGE_PIECES_ENV} (requested exchange pieces, 0 = unset)"),
-                               (4, FUSED_BWD_GATHER_MIN_P_ENV)))
+                               (4, FUSED_BWD_GATHER_MIN_P_ENV),
+                               (5, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)")))
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
                                        kv_pos=None, group_check=False, device="cpu",
-                                       flex_block_masks=False, exchange_pieces=None) -> SplitKVMetadata:
+                                       flex_block_masks=False, exchange_pieces=None,
+                                       chunk_axis=None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -1740,8 +1824,9 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             bf16 / fp16 / fp32 / fp64).
         impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
             `prepare_splitkv_metadata`).
-        num_chunks, cp_ranks_per_node, exchange_pieces: as `prepare_splitkv_metadata`; None reads
-            MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES in
+        num_chunks, cp_ranks_per_node, exchange_pieces, chunk_axis: as `prepare_splitkv_metadata`; None reads
+            MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES /
+            MEGATRON_SPLITKV_CHUNK_AXIS in
             THIS process (a worker inherits the trainer's environment;
             `bind` checks that the variables resolve to the same values there).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
@@ -1767,14 +1852,14 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
     Checks (host, from the plan and the arguments; ValueError naming the argument, prefixed
     "prepare_splitkv_metadata_from_plan: "): plan not a Plan; cp_rank not an int in [0, cp_size); block_size
     not a positive int or != plan.block_size; head counts / head_dim not positive ints, Hq % Hkv != 0;
-    dtype; impl; num_chunks / cp_ranks_per_node (and their variables) as prepare; kv_seq / kv_pos not 1-D
+    dtype; impl; num_chunks / cp_ranks_per_node / chunk_axis (and their variables) as prepare; kv_seq / kv_pos not 1-D
     signed integer of this rank's context length, only one of them given; values outside [-2**31, 2**31)
     (q_seq, kv_seq, kv_pos: prepare's range check); a bad device; malformed kernel environment variables.
     Every rank validates the same plan with the same arguments, so a bad plan or argument raises the same
     ValueError on every rank, without communicating.
 
     NOT checked group-wide, unlike prepare (there is no collective): that every rank passes the same plan,
-    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, cp_ranks_per_node and sees the same
+    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, chunk_axis, cp_ranks_per_node and sees the same
     MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; that each rank's cp_rank is its rank in the group (checked
     locally by `bind`); that kv_seq / kv_pos hold the tokens the plan gives this rank. A rank that differs
     makes the ops' collectives mismatch (wrong results, an error or a hang), as a rank passing different
@@ -1808,6 +1893,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         chunks_req = _requested_chunks(num_chunks)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
         pieces_req = _requested_pieces(exchange_pieces)
+        axis_req = _requested_axis(chunk_axis)
         fused_req = fused_bwd_gather_min_p()
         validate_kernel_env()
         # the size table every rank would all-gather: equal block counts, the plan's context counts
@@ -1845,10 +1931,11 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         num_heads_kv=num_heads_kv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"), n_blocks=[nb] * P,
         n_ctx=n_ctx, q_seq=q_seq_t, q_anchor=q_anchor_t, kv_seq=kv_seq_t, kv_pos=kv_pos_t, valid=valid,
         group_check=bool(group_check), num_chunks_requested=chunks_req, cp_ranks_per_node=ranks_req,
-        fused_bwd_gather_min_p=fused_req, exchange_pieces_requested=pieces_req,
+        fused_bwd_gather_min_p=fused_req, exchange_pieces_requested=pieces_req, chunk_axis=CHUNK_AXES[axis_req],
         host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
                               ranks_env=ranks_req if cp_ranks_per_node is None else None,
-                              pieces_env=pieces_req if exchange_pieces is None else None),
+                              pieces_env=pieces_req if exchange_pieces is None else None,
+                              axis_env=axis_req if chunk_axis is None else None),
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))

@@ -44,6 +44,21 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    collective's latency is large (many ranks, inter-node rings), a loss on a small NVLink group. Measured
    on 2 x H200 (P = 2, Hq = 32, D = 128, bf16, GPU time of pack + gather + unpack vs the two gathers):
    37 vs 31 us (256 gathered rows), 84 vs 68 us (2048), 227 vs 182 us (8192; unpack 39 us, pack 20 us).
+   Head chunks (docs/perf-notes.md item 21; opt-in: `chunk_axis="heads"` or MEGATRON_SPLITKV_CHUNK_AXIS=heads,
+   agreed group-wide like num_chunks): chunk c = the kv heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and the q
+   heads [g0 G, g1 G) (G = Hq / Hkv, GQA groups whole) of ALL rows (`SplitKVMetadata.chunk_heads`; chunks =
+   [(0, nb_max)] * k, k clamped to [1, Hkv], uneven splits allowed), the one-call masks shared (the same
+   `IntervalMask` objects: a kernel's cached tables built once). Each chunk's send tensors are its heads made
+   contiguous by the copy that pads them anyway (`zero_invalid_rows` of q's head slice, `_pad_heads` of dO and
+   the statistics); its local keys are built from the kv-head slice by `with_own_keys` (the gathering copy
+   split by heads); the owner merges each chunk into [rows, h0:h1] of one output (the Triton merge writes the
+   strided destination, the torch merge copies there) and writes its dQ sums there; dK / dV of a head chunk
+   are final (written into its kv heads, no fp32 accumulation across chunks). Same collectives per chunk and
+   the same bytes per collective name as row chunks (each carries Hq / k heads of every row instead of rows /
+   k of every head). Why: FA4's backward iterates key tiles over query tiles, so halving the rows per call
+   doubles its per-CTA prologue / epilogue and dK / dV writes; k = 2 query chunks cost 1.132x one call's
+   kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
+   chunks up to fp rounding (tests/test_splitkv_head_chunks.py); the op's gain is not yet measured.
 4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
    that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
    Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
@@ -182,39 +197,80 @@ class UnconsumedQueryGatherWarning(RuntimeWarning):
     released with `discard()` (its collectives were issued for nothing)."""
 
 
-def _gather_q_chunk(q_pad, meta, c):
-    """Issue the asynchronous all-gather of query chunk c (rows [b0 * B, b1 * B) of every rank's padded
-    segment): the one collective per chunk named "splitkv.fwd.q"."""
-    b0, b1 = meta.chunks[c]
-    bsz = meta.block_size
-    return all_gather(q_pad[b0 * bsz:b1 * bsz], meta.group, "splitkv.fwd.q", async_op=True)
+def _head_split(meta) -> bool:
+    """Whether the metadata's chunks split the heads (`chunk_axis="heads"` with k > 1; module docstring,
+    item 3 "Head chunks"): chunk c is then every row of the q heads `meta.chunk_heads[c]`."""
+    return meta.chunk_axis == "heads" and meta.num_chunks > 1
+
+
+def _chunk_heads(meta) -> list:
+    """Per chunk its q-head range (h0, h1): `meta.chunk_heads`, or every head for metadata without it (built
+    before head chunks existed, e.g. unpickled)."""
+    return meta.chunk_heads or [(0, meta.num_heads_q)] * len(meta.chunks)
+
+
+def _kv_heads(meta, c):
+    """The kv-head range [g0, g1) of chunk c (GQA groups whole: q heads [g0 * G, g1 * G))."""
+    h0, h1 = meta.chunk_heads[c]
+    grp = meta.num_heads_q // meta.num_heads_kv
+    return h0 // grp, h1 // grp
+
+
+def _pad_heads(x, rows, h0, h1, value=0.0):
+    """x[:, h0:h1] padded with `value` to `rows` rows: ONE new contiguous tensor (a head chunk's send buffer,
+    written by the copy that pads it)."""
+    out = x.new_empty((rows, h1 - h0) + tuple(x.shape[2:]))
+    out[: x.shape[0]].copy_(x[:, h0:h1])
+    if rows > x.shape[0]:
+        out[x.shape[0]:].fill_(value)
+    return out
+
+
+def _query_sends(q, meta, rows_max):
+    """Per chunk, the tensor its "splitkv.fwd.q" all-gather sends: this rank's padded q (invalid blocks' rows
+    zeroed, `zero_invalid_rows`) restricted to the chunk, contiguous. Rows: slices [b0 * B, b1 * B) of ONE
+    padded copy; head chunks: the chunk's heads of every row, each written contiguous by its own part of that
+    one copy (no extra copy)."""
+    if _head_split(meta):
+        return [zero_invalid_rows(q[:, h0:h1], meta.valid_rows, rows_max) for h0, h1 in meta.chunk_heads]
+    q_pad, bsz = zero_invalid_rows(q, meta.valid_rows, rows_max), meta.block_size
+    return [q_pad[b0 * bsz:b1 * bsz] for b0, b1 in meta.chunks]
+
+
+def _gather_q_chunk(sends, meta, c):
+    """Issue the asynchronous all-gather of query chunk c (`_query_sends`: rows [b0 * B, b1 * B) of every
+    rank's padded segment, or a head chunk's heads of all rows): the one collective per chunk named
+    "splitkv.fwd.q". The send tensor is dropped from `sends` (its Pending keeps it until waited)."""
+    x, sends[c] = sends[c], None
+    return all_gather(x, meta.group, "splitkv.fwd.q", async_op=True)
 
 
 def _sum_dq_partials(pending, meta, rows, dtype, acc):
-    """Wait the dQ all-to-alls (one `Pending` per chunk; the received [P * rc, Hq, D] holds every rank's
-    partial of this rank's rows rc of the chunk) and sum the P partials in `acc` (fp32) in one reduction
-    (`fused_merge.sum_partials`: no [P, rc, Hq, D] fp32 temporary, no per-partial launches). Returns dq
-    [rows, Hq, D] in `dtype` (chunks written as they are summed).
+    """Wait the dQ all-to-alls (one `Pending` per chunk; the received [P * rc, Hc, D] holds every rank's
+    partial of this rank's rows rc of the chunk, Hc its q heads) and sum the P partials in `acc` (fp32) in one
+    reduction (`fused_merge.sum_partials`: no [P, rc, Hc, D] fp32 temporary, no per-partial launches). Returns
+    dq [rows, Hq, D] in `dtype` (chunks written into their rows / heads as they are summed).
 
-    Two-level all-to-all (`meta.node_groups`): one `_TwoStage` per chunk, whose received [N * rc, Hq, D]
+    Two-level all-to-all (`meta.node_groups`): one `_TwoStage` per chunk, whose received [N * rc, Hc, D]
     (acc dtype) holds the N node sums of this rank's rows, summed the same way in node order."""
     g, bsz = meta.group, meta.block_size
     k = g.size if meta.node_groups is None else meta.node_groups[1].size
     dq = None
-    for p, (b0, b1) in zip(pending, meta.chunks):
+    for p, (b0, b1), (h0, h1) in zip(pending, meta.chunks, _chunk_heads(meta)):
         recv = p.take()
         rc = (b1 - b0) * bsz  # explicit: a chunk may hold no rows at all when every rank has zero blocks
         parts = recv.view(k, rc, *recv.shape[1:])
         if dq is None:
-            dq = recv.new_empty((rows,) + tuple(recv.shape[1:]), dtype=dtype)
+            dq = recv.new_empty((rows, meta.num_heads_q, meta.head_dim), dtype=dtype)
         r0, r1 = b0 * bsz, min(b1 * bsz, rows)
         if r1 <= r0:
             continue
+        dst = dq[r0:r1] if h1 - h0 == meta.num_heads_q else dq[r0:r1, h0:h1]
         if k == 1:  # one partial: its values cast straight (their fp32 upcast and cast back are exact)
-            dq[r0:r1].copy_(parts[0, : r1 - r0])
+            dst.copy_(parts[0, : r1 - r0])
         else:
-            dq[r0:r1].copy_(sum_partials(parts[:, : r1 - r0], acc))
-        del recv, parts
+            dst.copy_(sum_partials(parts[:, : r1 - r0], acc))
+        del recv, parts, dst
     return dq
 
 
@@ -430,8 +486,8 @@ class _QueryGather(torch.autograd.Function):
     def forward(ctx, shared, q):
         meta = shared.metadata
         rows_max = max(meta.n_blocks) * meta.block_size
-        q_pad = zero_invalid_rows(q, meta.valid_rows, rows_max)  # held by each Pending until its wait
-        shared.pending = [_gather_q_chunk(q_pad, meta, c) for c in range(len(meta.chunks))]
+        sends = _query_sends(q, meta, rows_max)  # each held by its Pending until its wait
+        shared.pending = [_gather_q_chunk(sends, meta, c) for c in range(len(meta.chunks))]
         ctx.shared, ctx.rows, ctx.dtype = shared, q.shape[0], q.dtype
         return tuple(p.result for p in shared.pending)
 
@@ -501,6 +557,8 @@ class _SplitKV(torch.autograd.Function):
         rows_max = max(plan.n_blocks) * bsz
         chunks = meta.chunks
         n, P = len(chunks), g.size
+        hsplit = _head_split(meta)  # head chunks: chunk c = every row of the q heads meta.chunk_heads[c]
+        heads = _chunk_heads(meta)
         hier = meta.node_groups  # (intra, inter) of the two-level all-to-all, or None
         own = k_blk is not None
         masks = meta.chunk_masks_own if own else meta.chunk_masks
@@ -511,30 +569,37 @@ class _SplitKV(torch.autograd.Function):
         #    Memory: every large temporary is released before the next large allocation (fp32 partial
         #    before the all-to-all buffers, received buffer and fp32 partials before the merge result).
         if gather is None:
-            # the padded q is dropped once the last chunk is issued (each Pending keeps its slice until
-            # waited)
-            q_pad = [zero_invalid_rows(q, plan.valid_rows, rows_max)]
+            # each chunk's padded q is dropped from `q_sends` once issued (its Pending keeps it until waited)
+            q_sends = _query_sends(q, meta, rows_max)
             pend_q = {}
         issued = [0]  # Q chunks whose all-gather is issued
 
         def prefetch(upto):  # issue the Q all-gathers of chunks < upto (gather=None path)
             while gather is None and issued[0] < min(upto, n):
                 c = issued[0]
-                pend_q[c] = _gather_q_chunk(q_pad[0], meta, c)
+                pend_q[c] = _gather_q_chunk(q_sends, meta, c)
                 issued[0] += 1
-                if issued[0] == n:
-                    q_pad.clear()
 
         prefetch(1)
-        # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]
-        k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
-        v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
+        # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]; head
+        # chunks: one per chunk from its kv heads (the same gathering copy, split by heads: no extra copy but
+        # for k_blk None with sorted context, where the head slice is made contiguous)
+        if hsplit:
+            kv_h = [_kv_heads(meta, c) for c in range(n)]
+            k_xs = [with_own_keys(k_ctx[:, g0:g1], meta.order, None if k_blk is None else k_blk[:, g0:g1],
+                                  plan.valid_rows) for g0, g1 in kv_h]
+            v_xs = [with_own_keys(v_ctx[:, g0:g1], meta.order, None if v_blk is None else v_blk[:, g0:g1],
+                                  plan.valid_rows) for g0, g1 in kv_h]
+        else:
+            k_xs = [with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)] * n
+            v_xs = [with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)] * n
+        dev = k_xs[0].device
         # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
         # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
         # the caller's stream. Off: the single-stream order (chunk c + 1's kernel after chunk c's all-to-all).
-        lanes = KernelLanes(k_x.device, n, plan.lanes)
+        lanes = KernelLanes(dev, n, plan.lanes)
         # two-level on CUDA: stage 1 waited, node-merged and stage 2 issued on the relay stream (item 18)
-        relay = None if hier is None else RelayStream.get(k_x.device)
+        relay = None if hier is None else RelayStream.get(dev)
 
         def launch(c):
             prefetch(c + 2)  # Q one chunk ahead of this kernel
@@ -544,15 +609,15 @@ class _SplitKV(torch.autograd.Function):
                 else:
                     gather.wait_forward(c)
                     q_c = q_gathered[c]
-                lanes.use(c, q_c, k_x, v_x)
+                lanes.use(c, q_c, k_xs[c], v_xs[c])
                 # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
                 #    for this rank's own blocks, the own block); intervals precomputed per step. O_r in the
                 #    kernel's own dtype where it has one (flex: the input dtype, `native_results`): packed
                 #    into the transport dtype below without an fp32 round trip (the same values).
-                return (q_c,) + kernel_forward(plan, q_c, k_x, v_x, masks[c], native=True)
+                return (q_c,) + kernel_forward(plan, q_c, k_xs[c], v_xs[c], masks[c], native=True)
 
         # pend_o: one exchange per chunk, or per exchange piece of a chunk (two-level, `meta.exchange_bounds`);
-        # rows_o: the owner's rows [r0, r1) each one delivers, in issue order
+        # rows_o: the owner's rows [r0, r1) and q heads [h0, h1) each one delivers, in issue order
         q_chunks, states, pend_o, rows_o = [], [], [], []
         for c, (q_c, o_r, lse_r, state) in lanes.pipeline(n, launch):
             q_chunks.append(q_c)
@@ -563,7 +628,7 @@ class _SplitKV(torch.autograd.Function):
                 packed = pack_partial(o_r, lse_r, dtype)
                 del o_r, lse_r  # the fp32 partial: freed before the receive buffer is allocated
                 pend_o.append(all_to_all(packed, g, "splitkv.fwd.out", async_op=True))
-                rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz))
+                rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz) + tuple(heads[c]))
             else:
                 # two-level: stage 1 sends local peer j' the rows of the owners (m, j') of every node m
                 # (rows reordered local-index-major in the packing copy), piece by piece (exchange pieces:
@@ -577,25 +642,31 @@ class _SplitKV(torch.autograd.Function):
                     pend_o.append(_TwoStage(all_to_all(packed[P * r0:P * r1], hier[0], "splitkv.fwd.out.intra",
                                                        async_op=True),
                                             _out_stage2(meta, r1 - r0, d, plan.acc), relay))
-                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1))
+                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1) + tuple(heads[c]))
                     if len(pend_o) > 1:
                         pend_o[-2].advance()
             del packed, q_c
         if hier is not None:
             pend_o[-1].advance()  # the last exchange's stage 2 overlaps the merges of the others
         # chunked (or pieces), with the Triton merge: every exchange merged straight into its rows of one output
-        # (no cat)
+        # (no cat). Head chunks: always into one output, at [rows, h0:h1] (the Triton merge writes the strided
+        # destination itself; the torch merge copies its result there, as a cat along the heads would)
         n_ex = len(pend_o)
         merged = None
-        if n_ex > 1 and merges_in_place(k_x.device, dtype if hier is None else plan.acc, d, plan.acc):
-            merged = (torch.empty((rows_max, meta.num_heads_q, d), dtype=plan.acc, device=k_x.device),
-                      torch.empty((rows_max, meta.num_heads_q), dtype=plan.acc, device=k_x.device))
+        if n_ex > 1 and (hsplit or merges_in_place(dev, dtype if hier is None else plan.acc, d, plan.acc)):
+            merged = (torch.empty((rows_max, meta.num_heads_q, d), dtype=plan.acc, device=dev),
+                      torch.empty((rows_max, meta.num_heads_q), dtype=plan.acc, device=dev))
         out_parts, lse_parts = [], []
-        for i, (r0, r1) in enumerate(rows_o):
+        for i, (r0, r1, h0, h1) in enumerate(rows_o):
             # 4. the owner merges the P partials of its rows in fp32 (fused lse merge: max, weights, sums;
             #    the received buffer and the fp32 partials are released as soon as they are used). Two-
             #    level: the N fp32 node partials, with the same merge.
-            dst = None if merged is None else (merged[0][r0:r1], merged[1][r0:r1])
+            if merged is None:
+                dst = None
+            elif hsplit:
+                dst = (merged[0][r0:r1, h0:h1], merged[1][r0:r1, h0:h1])
+            else:
+                dst = (merged[0][r0:r1], merged[1][r0:r1])
             o_c, l_c = merge_received_partials(pend_o[i], P if hier is None else hier[1].size, r1 - r0, d, plan.acc,
                                                out=dst)
             pend_o[i] = None
@@ -615,7 +686,9 @@ class _SplitKV(torch.autograd.Function):
         # attribute holding an output would form a reference cycle through the graph).
         alias = dtype == plan.acc
         ctx.out = None if alias else out
-        ctx.save_for_backward(k_x, v_x, lse, out if alias else None, *q_chunks)
+        n_kv = n if hsplit else 1  # the local keys: one per head chunk, else one for every chunk
+        ctx.save_for_backward(lse, out if alias else None, *q_chunks, *k_xs[:n_kv], *v_xs[:n_kv])
+        del k_xs, v_xs
         # an output nobody uses gets None in backward (not a materialised zero tensor): no zero fill and no
         # dlse term (the same delta: delta - 0 == delta bit for bit), no zero dO when only lse is used
         ctx.set_materialize_grads(False)
@@ -624,12 +697,18 @@ class _SplitKV(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        k_x, v_x, lse, out, *q_chunks = ctx.saved_tensors
         plan, meta, gather = ctx.plan, ctx.plan.meta, ctx.gather
+        chunks = meta.chunks
+        n, hsplit, heads = len(chunks), _head_split(meta), _chunk_heads(meta)
+        lse, out, *saved = ctx.saved_tensors
+        n_kv = n if hsplit else 1
+        q_chunks = saved[:n]
+        k_xs = saved[n:n + n_kv] if hsplit else saved[n:n + 1] * n
+        v_xs = saved[n + n_kv:] if hsplit else saved[n + 1:] * n
+        del saved
         g, bsz = plan.group, plan.block_size
         hier = meta.node_groups
         rows, rows_max, dt = meta.tq_local, max(plan.n_blocks) * bsz, meta.dtype
-        chunks = meta.chunks
         if out is None:
             out, ctx.out = ctx.out, None
         if out is None:
@@ -650,22 +729,32 @@ class _SplitKV(torch.autograd.Function):
         fused = fuse_bwd_gather(g.size, hier is not None, meta.fused_bwd_gather_min_p)
         # N > 1: the packed gather in two stages (`_gather_dout_stats`), its segments local-index-major
         nodes = hier[1].size if hier is not None and two_level_bwd_gather(hier[1].size) else 1
-        send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
+        # head chunks: each chunk's heads of every row padded into contiguous send tensors by the padding copy
+        # itself (`_pad_heads`), chunk by chunk
+        if hsplit:
+            send = [dout, torch.stack([delta, lse], -1)]
+        else:
+            send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
         del delta
 
         def gather_stats(c):
-            b0, b1 = chunks[c]
-            sl = slice(b0 * bsz, b1 * bsz)
-            if fused:
-                pend_c = _gather_dout_stats(pack_dout_stats(send[0][sl], send[1][sl], dt), meta, nodes > 1)
+            if hsplit:
+                h0, h1 = meta.chunk_heads[c]
+                do_c, st_c = _pad_heads(send[0], rows_max, h0, h1), _pad_heads(send[1], rows_max, h0, h1,
+                                                                              float("-inf"))
             else:
-                pend_c = (all_gather(send[0][sl], g, "splitkv.bwd.dout", async_op=True),
-                          all_gather(send[1][sl], g, "splitkv.bwd.stats", async_op=True))
+                b0, b1 = chunks[c]
+                sl = slice(b0 * bsz, b1 * bsz)
+                do_c, st_c = send[0][sl], send[1][sl]
+            if fused:
+                pend_c = _gather_dout_stats(pack_dout_stats(do_c, st_c, dt), meta, nodes > 1)
+            else:
+                pend_c = (all_gather(do_c, g, "splitkv.bwd.dout", async_op=True),
+                          all_gather(st_c, g, "splitkv.bwd.stats", async_op=True))
             if c == n - 1:
                 send.clear()
             return pend_c
 
-        n = len(chunks)
         pend_g, pend_dq, dk_x, dv_x = {}, [], None, None
         issued, advanced = [0], [0]  # chunks whose (first-stage) gather / two-level stage 2 is issued
 
@@ -682,8 +771,9 @@ class _SplitKV(torch.autograd.Function):
                 pend_g[advanced[0]].advance()
                 advanced[0] += 1
 
-        lanes = KernelLanes(k_x.device, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
-        relay = None if hier is None else RelayStream.get(k_x.device)  # as in forward (item 18)
+        dev = lse.device
+        lanes = KernelLanes(dev, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
+        relay = None if hier is None else RelayStream.get(dev)  # as in forward (item 18)
 
         def launch(c):
             prefetch(c)  # one chunk ahead of this kernel
@@ -692,21 +782,21 @@ class _SplitKV(torch.autograd.Function):
                 if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
                     buf = pend.take()
                     lanes.use(c, buf)
-                    do_all, stats_all = unpack_dout_stats(buf, g.size, meta.num_heads_q, meta.head_dim, plan.acc,
-                                                          nodes=nodes)
+                    hc = heads[c][1] - heads[c][0]
+                    do_all, stats_all = unpack_dout_stats(buf, g.size, hc, meta.head_dim, plan.acc, nodes=nodes)
                     del buf
                 else:
                     do_all, stats_all = pend[0].take(), pend[1].take()
                     lanes.use(c, do_all, stats_all)
-                lanes.use(c, q_chunks[c], k_x, v_x)
+                lanes.use(c, q_chunks[c], k_xs[c], v_xs[c])
                 # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
                 # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
                 # returned lse), as in the reference
                 delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
                 # gradients in the kernel's own dtype where it has one (`native_results`): dQ goes to the
                 # all-to-all in q's dtype anyway, dK / dV are summed in fp32 (k > 1) or cast once (k = 1)
-                grads = kernel_backward(plan, q_chunks[c], k_x, v_x, ctx.masks[c], do_all, stats_all[..., 1],
-                                        delta_all, ctx.states[c], native=True)
+                grads = kernel_backward(plan, q_chunks[c], k_xs[c], v_xs[c], ctx.masks[c], do_all,
+                                        stats_all[..., 1], delta_all, ctx.states[c], native=True)
             ctx.states[c] = None
             return grads
 
@@ -723,13 +813,20 @@ class _SplitKV(torch.autograd.Function):
                 if c:
                     pend_dq[c - 1].advance()
             del dq_r
-            if dk_x is None:  # the fp32 sums of a chunked pass start from the first chunk's exact upcast
+            if hsplit:  # a head chunk's dK / dV are final: cast / written into its kv heads of the result
+                if dk_x is None:
+                    dk_x = dk_c.new_empty((dk_c.shape[0], meta.num_heads_kv, dk_c.shape[2]), dtype=dt)
+                    dv_x = dv_c.new_empty((dv_c.shape[0], meta.num_heads_kv, dv_c.shape[2]), dtype=dt)
+                g0, g1 = _kv_heads(meta, c)
+                dk_x[:, g0:g1].copy_(dk_c)
+                dv_x[:, g0:g1].copy_(dv_c)
+            elif dk_x is None:  # the fp32 sums of a chunked pass start from the first chunk's exact upcast
                 dk_x, dv_x = (dk_c, dv_c) if n == 1 else (dk_c.to(plan.acc), dv_c.to(plan.acc))
             else:  # fp32 += input dtype: the same fp32 additions as adding the upcast
                 dk_x += dk_c
                 dv_x += dv_c
             del dk_c, dv_c
-        del q_chunks, k_x, v_x
+        del q_chunks, k_xs, v_xs
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
         dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
@@ -748,8 +845,8 @@ class _SplitKV(torch.autograd.Function):
                 d_gathered = tuple(p.result for p in pend_dq)
             else:  # no receive buffer has the gathered chunk's shape: a zero-stride placeholder
                 z = torch.zeros((), dtype=dt, device=grads_kv[0].device)
-                d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, meta.num_heads_q, meta.head_dim)
-                                   for b0, b1 in chunks)
+                d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, h1 - h0, meta.head_dim)
+                                   for (b0, b1), (h0, h1) in zip(chunks, heads))
         else:  # issued anyway (every rank issues the same collectives); nothing consumes them
             for p in pend_dq:
                 p.wait()
@@ -759,7 +856,7 @@ class _SplitKV(torch.autograd.Function):
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None):
+                      metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -818,7 +915,15 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
             `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
             None, or a positive int that clamps to the metadata's `num_chunks` (e.g. the value given
-            to prepare).
+            to prepare). With chunk_axis "heads" the chunks split the heads instead (below).
+        chunk_axis: what the `num_chunks` chunks split (module docstring, item 3 "Head chunks";
+            docs/perf-notes.md item 21): "rows" (the query blocks above, all heads) or "heads" (chunk c = kv
+            heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and q heads [g0 * G, g1 * G), G = Hq // Hkv, of ALL
+            rows; k clamped to [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads). None = the
+            environment variable MEGATRON_SPLITKV_CHUNK_AXIS ("rows" | "heads"), else "rows". Must be the same
+            on every rank (agreed group-wide like num_chunks). With `metadata=` it was fixed by
+            `prepare_splitkv_metadata(..., chunk_axis=...)`: pass None or that value. The same results up
+            to fp rounding, the same bytes per collective name.
         query_gather: a `SplitKVQueryGather` from `splitkv_start_query_gather(q, metadata=metadata)`,
             started right after q was computed (before the k/v projections, which then overlap the
             query all-gather in forward and the dQ all-to-all in backward; docs/perf-notes.md item 3).
@@ -850,14 +955,15 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks (or the
-            environment variable) not a positive int, cp_ranks_per_node (or its environment variable)
+            environment variable) not a positive int, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" /
+            "heads", cp_ranks_per_node (or its environment variable)
             not a positive int or not dividing the CP group size P (the limit is named in the message),
             MEGATRON_SPLITKV_EXCHANGE_PIECES not a positive int <= 64 or differing across ranks,
-            or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks /
+            or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks / chunk_axis /
             cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
             consistently (`comm.node_groups`). With `metadata=`: ValueError
             on this rank when a tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs
-            from what the metadata implies, when num_chunks or cp_ranks_per_node differs from the
+            from what the metadata implies, when num_chunks, chunk_axis or cp_ranks_per_node differs from the
             metadata's, or when the metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
             `group_check=True`, in which case every rank raises the same ValueError. A dtype the
@@ -870,4 +976,4 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis)
