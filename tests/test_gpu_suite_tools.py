@@ -186,7 +186,8 @@ def test_suite_rejects_unknown_backend_before_any_step(tmp_path):
     script = open(os.path.join(ROOT, "tools", "run_gpu_suite.sh")).read()
     known = re.search(r'KNOWN_BACKENDS=" ([a-z0-9 ]+) "', script).group(1).split()
     assert sorted(known) == sorted(BACKENDS)
-    for var, val in [("SUITE_BACKEND", "bogus"), ("SUITE_EXACT_BACKENDS", "flex,stair")]:
+    for var, val in [("SUITE_BACKEND", "bogus"), ("SUITE_EXACT_BACKENDS", "flex,stair"),
+                     ("SUITE_SIM_CHUNK_AXIS", "cols"), ("SUITE_CHUNK_AXIS_AB", "rows,head")]:
         env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="exact", PYTHON=sys.executable,
                    OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"), **{var: val})
         p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True,

@@ -27,14 +27,16 @@
 #   bench (b). torchrun 2 x tools/bench_attention.py, CP=1 and CP=2 over NCCL (NVLink), contexts
 #      SUITE_CONTEXTS (default 32K, 128K, 512K, 256K, 64K, 16K: the order they run in, so a budget cut
 #      drops the last), splitkv / allgather-kv / ring-kv, LPT vs zigzag, then the A/B of splitkv's
-#      chunk counts SUITE_CHUNKS_AB (default 1,2,4; "" = none) at 128K in the same process
+#      chunk counts SUITE_CHUNKS_AB (default 1,2,4; "" = none) at 128K in the same process, with each
+#      chunk axis of SUITE_CHUNK_AXIS_AB (e.g. rows,heads; default: the op's default)
 #   slow (b). the same at 32K and 128K, CP=2, LPT, with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (socket
 #      transport over lo: the inter-node stand-in), plus the chunk A/B at 128K
 #   simulate (c). torchrun 2 x tools/simulate_scaling.py: collectives measured on the 2 GPUs (alpha-beta
 #      fit), real per-rank shards timed (kernel SUITE_SIM_BACKEND, default auto = fa4 / flex; e.g. staircase),
 #      CP 1, 2, 8..64, splitkv at k = 1, 2, 4 chunks (best k per P), with and without the Q-gather /
 #      dQ all-to-all overlap with the k/v projections (timed on the GPU), under the node topology (8
-#      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model; measuring budget SUITE_SIM_S
+#      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model (SUITE_SIM_CHUNK_AXIS=heads: splitkv's
+#      chunks split heads, the op's chunk_axis); measuring budget SUITE_SIM_S
 #      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`)
 #   exact. torchrun 2 x tools/gpu_check.py dist --skip op: op exactness at CP=2 over NCCL (bf16 vs float64,
 #      out + five gradients) of this tree's ops
@@ -90,6 +92,10 @@ if [[ "$CPU" == 1 ]]; then
 fi
 AB_X=()
 if [[ -n "$CHUNKS_AB" ]]; then AB_X=(--chunks-ab "$CHUNKS_AB" --ab-contexts "$AB_CTX"); fi
+# what the chunks split (the op's chunk_axis, docs/perf-notes.md item 21): SUITE_CHUNK_AXIS_AB (e.g. "rows,heads")
+# runs every A/B chunk count with each axis side by side; SUITE_SIM_CHUNK_AXIS (rows | heads) for simulate
+if [[ -n "$CHUNKS_AB" && -n "${SUITE_CHUNK_AXIS_AB:-}" ]]; then AB_X+=(--chunk-axis-ab "$SUITE_CHUNK_AXIS_AB"); fi
+if [[ -n "${SUITE_SIM_CHUNK_AXIS:-}" ]]; then SIM_X+=(--chunk-axis "$SUITE_SIM_CHUNK_AXIS"); fi
 mkdir -p "$OUT" "$WORK"
 # a rerun on a warm machine must not collect the previous run's files
 (cd "$WORK" && rm -rf kernels tune bench slow sim exact gpucheck nometa pretrain stepcost ./*.out)
@@ -129,6 +135,13 @@ for VAR in SUITE_BUDGET_S SUITE_TUNE_S SUITE_GPU_TESTS_S SUITE_KERNELS_S SUITE_B
     echo "run_gpu_suite.sh: $VAR must be a whole number of seconds, got '${!VAR}'" >&2; exit 2
   fi
 done
+if [[ -n "${SUITE_SIM_CHUNK_AXIS:-}" && ! "$SUITE_SIM_CHUNK_AXIS" =~ ^(rows|heads)$ ]]; then
+  echo "run_gpu_suite.sh: SUITE_SIM_CHUNK_AXIS must be rows or heads, got '$SUITE_SIM_CHUNK_AXIS'" >&2; exit 2
+fi
+if [[ -n "${SUITE_CHUNK_AXIS_AB:-}" && ! "$SUITE_CHUNK_AXIS_AB" =~ ^(rows|heads)(,(rows|heads))*$ ]]; then
+  echo "run_gpu_suite.sh: SUITE_CHUNK_AXIS_AB must be a comma list of rows / heads, got '$SUITE_CHUNK_AXIS_AB'" >&2
+  exit 2
+fi
 want() { [[ "$STEPS" == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS )); }
 clip() {  # clip MAX: MAX seconds, or what is left of the budget minus 5 s if less

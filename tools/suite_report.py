@@ -170,7 +170,7 @@ def _bench(work, tag, pattern):
         print(f"({tag}: rows stopped by the budget)")
     ab = b.get("ab_rows") or []
     if ab:
-        print(f"\n| {tag} chunk A/B (d) | CP | ctx | num_chunks | op ms | vs first | max rel. diff | collectives | peak GiB |")
+        print(f"\n| {tag} chunk A/B (d) | CP | ctx | num_chunks (axis) | op ms | vs first | max rel. diff | collectives | peak GiB |")
         print("|---|---|---|---|---|---|---|---|---|")
         for r in ab:
             if "error" in r or "skipped" in r:
@@ -178,7 +178,8 @@ def _bench(work, tag, pattern):
                 print(f"| {r.get('link', '')} | {r['cp']} | {r.get('context', '')} | {what} | | | | | |")
                 continue
             c = r["context"]
-            print(f"| {r['link']} | {r['cp']} | {f'{c // 1024}K' if c >= 1024 else c} | {r['num_chunks']} | {r['op_ms']:.2f} | "
+            k = f"{r['num_chunks']}" + (" heads" if r.get("chunk_axis") == "heads" else "")
+            print(f"| {r['link']} | {r['cp']} | {f'{c // 1024}K' if c >= 1024 else c} | {k} | {r['op_ms']:.2f} | "
                   f"{r['ab_speedup']:.3f}x | {r['ab_rel_diff']:.1e} | {r['comm_records']} | "
                   f"{_f(r.get('peak_mem_gib'), '{:.1f}')} |")
 
