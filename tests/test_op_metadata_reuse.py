@@ -312,3 +312,18 @@ def test_errors_distributed_every_rank():
     for (name, m0), (_, m1) in zip(seen0, seen1):
         if "group_check" in name or name.startswith("prepare"):
             assert m0 == m1, f"{name}: ranks raised different messages:\n{m0}\n{m1}"
+
+
+def test_index_less_cuda_device_is_the_current_one(monkeypatch):
+    """prepare_splitkv_metadata(device="cuda") / bind(device="cuda"): the metadata's device is the current CUDA
+    device ("cuda:<current>"), the device tensors made with "cuda" land on, so the per-call check
+    (`q.device == meta.device`) accepts them (it compared cuda:0 with cuda and refused every call; found by the
+    GPU head-chunk test). An explicit index stays as given; CPU is untouched."""
+    import megatron_splitkv.ops.metadata as md
+
+    monkeypatch.setattr(md, "_usable_device", lambda dev: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert md._check_device("cuda") == torch.device("cuda", 1)
+    assert md._check_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert md._check_device("cuda:0") == torch.device("cuda", 0)
+    assert md._check_device("cpu") == torch.device("cpu")

@@ -605,8 +605,10 @@ def _comm_device(group: CommGroup, device) -> torch.device:
 
 
 def _check_device(device, what: str = "device") -> torch.device:
-    """`device` as a torch.device this rank can allocate on; ValueError naming `what` otherwise (not a
-    device, the meta device, CUDA missing or an index beyond this rank's GPUs). Host-side only."""
+    """`device` as a torch.device this rank can allocate on, a CUDA device without an index ("cuda") made the
+    current one ("cuda:<torch.cuda.current_device()>", the device tensors created with "cuda" land on, so that
+    the per-call device check compares equal); ValueError naming `what` otherwise (not a device, the meta
+    device, CUDA missing or an index beyond this rank's GPUs). Host-side only."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -615,6 +617,8 @@ def _check_device(device, what: str = "device") -> torch.device:
         raise ValueError(f"{what}={dev} cannot hold the metadata on this rank (" + (
             "the meta device has no data" if dev.type == "meta" else
             f"{torch.cuda.device_count()} CUDA device(s) available") + ")")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
