@@ -974,6 +974,24 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
 
 
+def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_size) -> tuple:
+    """(chunks, ranks per node, pieces, fused-gather min P) requested for the agreement row of `impl`.
+
+    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / exchange_pieces, or environment
+    variable (read here, so that a malformed value raises on every rank), is a ValueError naming it and
+    the limit whatever the impl. Used by splitkv only: the baselines get (0, 1, 0, FUSED_BWD_GATHER_MIN_P)
+    (one chunk, L = 1, automatic pieces); "must divide P" is about the two-level exchange they do not run,
+    so they check cp_ranks_per_node's form only."""
+    chunks_req = _requested_chunks(num_chunks)
+    pieces_req = _requested_pieces(exchange_pieces)
+    fused_req = fused_bwd_gather_min_p()
+    if impl == "splitkv":
+        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), pieces_req, fused_req
+    as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
+    env_positive_int(RANKS_PER_NODE_ENV)
+    return 0, 1, 0, FUSED_BWD_GATHER_MIN_P
+
+
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
@@ -1079,18 +1097,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         else:
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
-        # checked for every impl (a malformed argument or variable is an error whatever the impl), used by
-        # splitkv only: the baselines run with one chunk, L = 1 and automatic pieces
-        chunks_req = _requested_chunks(num_chunks)
-        pieces_req = _requested_pieces(exchange_pieces)
-        # environment variables read later in the run: parsed here, so a malformed value raises on every rank
-        fused_req = fused_bwd_gather_min_p()
-        if canon == "splitkv":
-            ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size)
-        else:  # the form only: "must divide P" is about the two-level exchange the baselines do not run
-            as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
-            env_positive_int(RANKS_PER_NODE_ENV)
-            chunks_req, ranks_req, pieces_req, fused_req = 0, 1, 0, FUSED_BWD_GATHER_MIN_P
+        chunks_req, ranks_req, pieces_req, fused_req = _checked_requests(
+            canon, num_chunks, cp_ranks_per_node, exchange_pieces, group.size)
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req)]
