@@ -2,7 +2,8 @@
 their environment variables with the baseline impls ("allgather-kv", "ring-kv"): the baselines do not use
 them, but a malformed value is the same ValueError (naming the argument or the variable, and the limit) as
 with impl "splitkv", on every rank of the group; a valid value is ignored (docstring of
-`prepare_splitkv_metadata`, Args and Raises). Before, any value was silently ignored by the baselines.
+`prepare_splitkv_metadata`, Args and Raises). The baseline ops called without `metadata=` check the
+variables the same way. Before, any value was silently ignored by the baselines.
 """
 
 import pytest
@@ -99,3 +100,18 @@ def test_bad_environment_on_one_rank_raises_on_every_rank(impl):
     assert msgs[0] == msgs[1], msgs
     assert msgs[0] is not None and f"{EXCHANGE_PIECES_ENV} must be a positive int <= 64, got '+x'" in msgs[0], msgs
     assert "rank 1" in msgs[0], msgs
+
+
+@pytest.mark.parametrize("op", ("allgather_kv", "ring_kv"))
+@pytest.mark.parametrize("var,value,limit", BAD_ENV)
+def test_baseline_ops_without_metadata_check_the_variables(op, var, value, limit, monkeypatch):
+    """The baseline ops called without `metadata=` read the same variables (and ignore valid values)."""
+    x, m = small_inputs()
+    fn = getattr(msk, f"{op}_attention")
+    ref = fn(*x.values(), *m.values(), block_size=4)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as exc:
+        fn(*x.values(), *m.values(), block_size=4)
+    assert str(exc.value) == f"{op}: {var} must be {limit}, got {value!r}"
+    monkeypatch.setenv(var, "2")
+    assert torch.equal(fn(*x.values(), *m.values(), block_size=4), ref)

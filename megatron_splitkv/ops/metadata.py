@@ -1174,10 +1174,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.defer(reads, name)  # read with the metadata's other host values: one sync
         else:
             rng.check()
-        chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
-        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
-        pieces_req = _requested_pieces(None) if name == "splitkv" else 0  # the environment variable only
-        fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
+        # exchange pieces: the environment variable only (the ops take no argument)
+        chunks_req, ranks_req, pieces_req, fused_req = _checked_requests(
+            name, num_chunks, cp_ranks_per_node, None, group.size)
         validate_kernel_env()
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
