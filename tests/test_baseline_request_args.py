@@ -29,14 +29,14 @@ BAD_ARGS = [
     ("cp_ranks_per_node", 0, "cp_ranks_per_node must be None or a positive int, got 0"),
     ("cp_ranks_per_node", "x", "cp_ranks_per_node must be None or a positive int, got 'x'"),
 ]
-BAD_ENV = [
-    (NUM_CHUNKS_ENV, "x", "a positive int"),
-    (NUM_CHUNKS_ENV, "0", "a positive int"),
-    (NUM_CHUNKS_ENV, "-1", "a positive int"),
-    (NUM_CHUNKS_ENV, "2.5", "a positive int"),
-    (EXCHANGE_PIECES_ENV, "x", "a positive int <= 64"),
-    (EXCHANGE_PIECES_ENV, "65", "a positive int <= 64"),
-    (RANKS_PER_NODE_ENV, "two", "a positive int"),
+BAD_ENV = [  # (variable, value, message after "must be ")
+    (NUM_CHUNKS_ENV, "x", "a positive int (decimal digits), got 'x'"),
+    (NUM_CHUNKS_ENV, "0", "a positive int, got '0'"),
+    (NUM_CHUNKS_ENV, "-1", "a positive int, got '-1'"),
+    (NUM_CHUNKS_ENV, "2.5", "a positive int (decimal digits), got '2.5'"),
+    (EXCHANGE_PIECES_ENV, "x", "a positive int <= 64 (decimal digits), got 'x'"),
+    (EXCHANGE_PIECES_ENV, "65", "a positive int <= 64, got '65'"),
+    (RANKS_PER_NODE_ENV, "two", "a positive int (decimal digits), got 'two'"),
 ]
 
 
@@ -60,13 +60,13 @@ def test_bad_argument_raises_for_every_impl(impl, arg, value, msg):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("var,value,limit", BAD_ENV)
-def test_bad_environment_variable_raises_for_every_impl(impl, var, value, limit, monkeypatch):
+@pytest.mark.parametrize("var,value,msg", BAD_ENV)
+def test_bad_environment_variable_raises_for_every_impl(impl, var, value, msg, monkeypatch):
     _, m = small_inputs()
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError) as exc:
         _prep(m, impl)
-    assert str(exc.value) == f"prepare_splitkv_metadata: {var} must be {limit}, got {value!r}"
+    assert str(exc.value) == f"prepare_splitkv_metadata: {var} must be {msg}"
 
 
 @pytest.mark.parametrize("impl", ("allgather-kv", "ring-kv"))
@@ -98,13 +98,13 @@ def _env_on_one_rank_worker(rank, world, impl):
 def test_bad_environment_on_one_rank_raises_on_every_rank(impl):
     msgs = run_distributed(_env_on_one_rank_worker, 2, impl, timeout=300)
     assert msgs[0] == msgs[1], msgs
-    assert msgs[0] is not None and f"{EXCHANGE_PIECES_ENV} must be a positive int <= 64, got '+x'" in msgs[0], msgs
+    assert msgs[0] is not None and f"{EXCHANGE_PIECES_ENV} must be a positive int <= 64 (decimal digits), got '+x'" in msgs[0], msgs
     assert "rank 1" in msgs[0], msgs
 
 
 @pytest.mark.parametrize("op", ("allgather_kv", "ring_kv"))
-@pytest.mark.parametrize("var,value,limit", BAD_ENV)
-def test_baseline_ops_without_metadata_check_the_variables(op, var, value, limit, monkeypatch):
+@pytest.mark.parametrize("var,value,msg", BAD_ENV)
+def test_baseline_ops_without_metadata_check_the_variables(op, var, value, msg, monkeypatch):
     """The baseline ops called without `metadata=` read the same variables (and ignore valid values)."""
     x, m = small_inputs()
     fn = getattr(msk, f"{op}_attention")
@@ -112,6 +112,6 @@ def test_baseline_ops_without_metadata_check_the_variables(op, var, value, limit
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError) as exc:
         fn(*x.values(), *m.values(), block_size=4)
-    assert str(exc.value) == f"{op}: {var} must be {limit}, got {value!r}"
+    assert str(exc.value) == f"{op}: {var} must be {msg}"
     monkeypatch.setenv(var, "2")
     assert torch.equal(fn(*x.values(), *m.values(), block_size=4), ref)

@@ -849,7 +849,7 @@ def _parse_stair_sweep(spec: str):
     """'a=1,b=x;c=2' -> [("a=1,b=x", {"a": 1, "b": "x"}), ("c=2", {"c": 2})]; 'default' -> ("default", {});
     'none' / '' -> []. Variants with gqa=native go last (a rejected cuDNN call could break the context).
     Raises ValueError on a malformed item or an unknown option."""
-    from megatron_splitkv.kernels.staircase import _DEFAULTS
+    from megatron_splitkv.kernels.staircase import _DEFAULTS, option_from_text
 
     out = []
     for item in (x.strip() for x in (spec or "").split(";")):
@@ -865,7 +865,7 @@ def _parse_stair_sweep(spec: str):
             key, val = (x.strip() for x in kv.split("=", 1))
             if key not in _DEFAULTS or key == "inner":
                 raise ValueError(f"--staircase-sweep: unknown staircase option {key!r}")
-            opts[key] = int(val) if val.lstrip("-").isdigit() else val
+            opts[key] = option_from_text(key, val, where=f"--staircase-sweep: {key} in {item!r}")
         out.append((item, opts))
     return sorted(out, key=lambda x: x[1].get("gqa") == "native")
 

@@ -126,17 +126,16 @@ import collections
 import contextlib
 import functools
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
-from .._ints import as_int
+from .._ints import as_int, parse_int
 from .base import IntervalMask, check_call
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
-           "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys"]
+           "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys", "option_from_text"]
 
 A = torch.ops.aten
 _BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 1e30) = 0
@@ -161,7 +160,6 @@ _INNER_CHOICES = ("auto", "math", "flex", "te", "fa4")
 
 #: MEGATRON_SPLITKV_STAIRCASE_* variables that are not constructor options (read by `kernels.staircase_auto_min_keys`)
 _OTHER_ENV = ("AUTO_MIN_KEYS",)
-_ENV_INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_000" and non-ASCII digits
 
 
 def env_option_names() -> tuple:
@@ -183,8 +181,8 @@ def _option(name, value):
     default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given.
 
     Integer options: a constructor value must be an int (anything with `__index__`; bool, float and str are
-    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "64.0",
-    "1e2", "1_000" or "two"). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
+    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "+64",
+    "64.0", "1e2", "1_000" or "two": `_ints.parse_int`). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
     exactly. Raises ValueError naming the environment variable (for a value from there) or the constructor
     argument `staircase <name>`, with the allowed values / limit and the value given."""
     var = ENV_PREFIX + name.upper()
@@ -215,13 +213,23 @@ def _option(name, value):
     minimum = 0 if name in _ZERO_OK else 1
     what = "a non-negative int" if minimum == 0 else "a positive int"
     if from_env:
-        if not _ENV_INT.fullmatch(value):
-            raise ValueError(f"{where} must be {what} (decimal digits), got {value!r}")
-        value = int(value)
-        if value < minimum:
-            raise ValueError(f"{where} must be {what}, got {value}")
-        return value
+        return parse_int(value, where, minimum=minimum, what=what)
     return as_int(value, where, minimum=minimum, what=what)
+
+
+def option_from_text(name: str, text: str, where: str | None = None):
+    """The value of staircase option `name` written as text (a tool's `name=value`): an int for the integer
+    options (a plain decimal integer, `_ints.parse_int`: "64", not "+64" or "64.0"), the text itself for
+    the choice options (bwd_mode, gqa, kv_layout, inner; the constructor checks the choice). Raises
+    ValueError naming `where` (default "staircase <name>") for an integer option's malformed text, or
+    for an unknown option name."""
+    where = where or f"staircase {name}"
+    if name not in _DEFAULTS:
+        raise ValueError(f"{where}: unknown staircase option {name!r} (one of {', '.join(_DEFAULTS)})")
+    if name in _CHOICES or name == "inner":
+        return text.strip()
+    minimum = 0 if name in _ZERO_OK else 1
+    return parse_int(text, where, minimum=minimum, what="a non-negative int" if minimum == 0 else "a positive int")
 
 
 # ------------------------------------------------------------------------------------------ the plan
