@@ -822,10 +822,12 @@ class StaircaseAttentionKernel:
             self._side[key] = [torch.cuda.Stream(device=device) for _ in range(self.streams)]
         return self._side[key]
 
-    def check_dtype(self, dtype, device=None):
+    def check_dtype(self, dtype, device=None, head_dim=None):
         """Raise ValueError when this backend cannot run `dtype` on `device` (CUDA: cuDNN, bf16/fp16 only;
         CPU: the CPU flash kernel, fp16/bf16/fp32/fp64), or its inner kernel cannot. The ops call it once
-        per call, before their first data collective, so every rank raises."""
+        per call, before their first data collective, so every rank raises. `head_dim`: D when known; it
+        resolves inner="auto" to the kernel the call will run (D < 16 is "math"; None: the choice for an
+        unknown D, which may be another kernel)."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
             ok = (torch.bfloat16, torch.float16)
@@ -836,13 +838,13 @@ class StaircaseAttentionKernel:
         if dtype not in ok:
             raise ValueError(f"backend='staircase' supports q/k/v dtypes {ok} on {dev.type} (cuDNN attention on "
                              f"CUDA), got {dtype}; use backend='flex' or 'math'")
-        inner = self.inner_kernel(dev, dtype, None)
+        inner = self.inner_kernel(dev, dtype, head_dim)
         if hasattr(inner, "check_dtype"):
             inner.check_dtype(dtype, dev)
 
     def _check(self, q, k, v, mask):
         check_call(q, k, v, mask)
-        self.check_dtype(q.dtype, q.device)
+        self.check_dtype(q.dtype, q.device, head_dim=q.shape[2])
         if q.is_cuda and (q.shape[2] % 8 or q.shape[2] > 256):
             raise ValueError(f"backend='staircase' (cuDNN) needs a head dim that is a multiple of 8 and <= 256, "
                              f"got {q.shape[2]}")
