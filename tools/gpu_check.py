@@ -62,6 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from megatron_splitkv.bench import NA_CPU, finite, gpu_cell  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 from megatron_splitkv.kernels.base import IntervalMask  # noqa: E402
 
@@ -1084,8 +1085,6 @@ def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx
     return broken
 
 
-#: table cell of a GPU-only measure in a CPU dry run (TF/s, % of dense SDPA, peak memory)
-NA_CPU = "n/a (CPU)"
 CPU_NOTE = ("CPU dry run (--cpu: tiny shapes, FlexAttention emulated): TF/s, % of dense SDPA and peak GPU memory "
             f"are GPU measures and read {NA_CPU}; the ms columns only show that each path ran, not its speed.")
 
@@ -1095,14 +1094,12 @@ def _is_cpu(res) -> bool:
     return str(res.get("env", {}).get("device", "")).startswith("cpu")
 
 
-def _num(value, fmt="{:.2f}"):
-    """`fmt` of a number, '-' for None / NaN."""
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+_num = finite  # `fmt` of a number, '-' for None / NaN
 
 
 def _g(cpu, value, fmt="{:.0f}"):
-    """A GPU-only measure as a table cell: `fmt` of value ('-' for None / NaN), NA_CPU in a CPU dry run."""
-    return NA_CPU if cpu else _num(value, fmt)
+    """A GPU-only measure as a table cell (`bench.gpu_cell`): NA_CPU in a CPU dry run."""
+    return gpu_cell(cpu, value, fmt)
 
 
 def _ms_tf(cpu, ms, tf):
