@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One-script GPU check and benchmark of the FlexAttention kernel and the Split-KV op (issue 2).
 
-Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown table is printed last):
+Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a markdown table is printed last):
 
   kernel  single GPU: (1) FlexAttentionKernel exactness, bf16, forward + backward with GLOBAL lse/delta
           over a two-part key split, vs float64 autograd; (2) compiled-graph count (torch._dynamo
@@ -37,7 +37,7 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   python tools/gpu_check.py kernel
-  python tools/gpu_check.py compare --out $OUT      # flex vs te vs staircase vs dense SDPA
+  python tools/gpu_check.py compare --out out/cmp   # flex vs te vs staircase vs dense SDPA
   python tools/gpu_check.py compare --kernels flex,staircase \
       --staircase-sweep "group_blocks=16;group_blocks=64;bwd_mode=key;streams=2"
   torchrun --nproc-per-node 2 tools/gpu_check.py dist

@@ -77,12 +77,11 @@ optimizer; CUDA events), the core attention's own time (forward + backward of ev
 step: no prepare inside) and the rest, and the peak memory. % columns: overhead / fresh step, and /
 (fresh step minus grad sync and optimizer), the more conservative one.
 
-    # on one H200 (CP=1) and on two (CP=2, NCCL); megatron-core from the carried wheel (the tool also
-    # looks in /tmp/site by itself, or in $MEGATRON_SPLITKV_SITE):
-    pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl
-    PYTHONPATH=/tmp/site python tools/step_overhead.py
-    PYTHONPATH=/tmp/site torchrun --nproc-per-node 2 tools/step_overhead.py
-    # or: SUITE_STEPS=stepcost bash tools/run_gpu_suite.sh
+    # on one GPU (CP=1) and on two (CP=2, NCCL); needs megatron-core (requirements.txt; a directory
+    # with it installed elsewhere can be named in $MEGATRON_SPLITKV_SITE):
+    python tools/step_overhead.py
+    torchrun --nproc-per-node 2 tools/step_overhead.py
+    # or as a step of the GPU suite: SUITE_STEPS=stepcost bash tools/run_gpu_suite.sh
     # CPU smoke (tiny shapes, gloo): .venv/bin/python tools/step_overhead.py --cpu-smoke
     #                                .venv/bin/torchrun --nproc-per-node 2 tools/step_overhead.py --cpu-smoke
 
@@ -112,7 +111,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SITE = os.environ.get("MEGATRON_SPLITKV_SITE", "/tmp/site")  # where the GPU machine installs the wheel
+# an extra site directory with megatron-core (tools/run_gpu_suite.sh installs it into /tmp/site)
+SITE = os.environ.get("MEGATRON_SPLITKV_SITE", "/tmp/site")
 if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
@@ -122,8 +122,8 @@ PREPARES = None  # PrepareCounter, set in main
 BLOCK_MASKS = None  # BlockMaskTimer, set in main
 
 QWEN3_FIRST_UNUSED_ID = 151669  # as examples/pretrain_dflash.py: the MASK row of the Qwen3 vocabulary
-WHEEL_HINT = ("pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl "
-              "(then PYTHONPATH=/tmp/site, or MEGATRON_SPLITKV_SITE=<dir>)")
+WHEEL_HINT = ("pip install -r requirements.txt (megatron-core 0.19), or name a directory where it is installed in "
+              "MEGATRON_SPLITKV_SITE=<dir>")
 
 #: the drafter at the Qwen3-8B shapes, and the CPU smoke shapes
 REAL = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936,
@@ -276,7 +276,7 @@ def init_distributed(cpu: bool):
     import torch.distributed as dist
 
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)  # NVLink multicast stays off (the lent machines' rule)
+        os.environ.setdefault(k, v)  # NVLink multicast (NVLS) off unless the environment sets these
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if cpu:
