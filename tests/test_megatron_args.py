@@ -18,6 +18,9 @@ from megatron_splitkv.megatron import (  # noqa: E402
     get_dflash_layer_spec,
     validate_splitkv_args,
 )
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
