@@ -84,8 +84,20 @@ DFLASH_FLAG_ALIASES = {"--dflash-num-anchors": ("--num-anchors",), "--dflash-blo
 _STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False}
 
 
+def _short_errors(parser: argparse.ArgumentParser) -> None:
+    """A command-line error (bad choice, bad type, unknown flag) as argparse's own error line naming the flag
+    (and the allowed values for a choice) plus a hint, exit status 2; without the usage argparse prints
+    first, ~750 lines for Megatron's parser, under which the error line is lost."""
+    def error(message):
+        parser.exit(2, f"{parser.prog}: error: {message}\n{parser.prog}: run with --help for every flag\n")
+
+    parser.error = error
+
+
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags."""
+    """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags; the parser's
+    errors become two lines without the full usage (`_short_errors`)."""
+    _short_errors(parser)
     # --num-anchors / --block-size: other spellings of add_splitkv_args' --dflash-num-anchors /
     # --dflash-block-size, the same argparse action (one help text, one default)
     add_splitkv_args(parser, aliases=DFLASH_FLAG_ALIASES)

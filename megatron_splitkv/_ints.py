@@ -7,12 +7,18 @@ Booleans (bool, np.bool_, bool tensors) and floats are rejected: True is not a h
 usually means a computation went through float. The planner alone keeps accepting integral floats
 (`integral_float=True`), a documented behaviour of `plan_context_parallel` since its first release.
 
+Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
+ASCII decimal integer ("64", "-1"), nothing else ("+64", "64.0", "1e2", "1_000", "0x40", non-ASCII digits).
+
 Pure Python (no torch / numpy import) so that argument parsing can use it.
 """
 
 import operator
+import re
 
-__all__ = ["as_int"]
+__all__ = ["as_int", "parse_int", "is_int_text"]
+
+_DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
 
 
 def _is_bool(value) -> bool:
@@ -80,3 +86,32 @@ def as_int(value, name: str, *, minimum=None, maximum=None, what: str | None = N
     if out is None or (minimum is not None and out < minimum) or (maximum is not None and out > maximum):
         raise error(f"{name} must be {req}, got {value!r}")
     return out
+
+
+def is_int_text(text) -> bool:
+    """Whether `text` (a str; surrounding whitespace ignored) is what `parse_int` accepts as an integer: a
+    plain ASCII decimal integer with an optional minus sign ("64", "-1"; not "+64", "64.0", "1_000")."""
+    return isinstance(text, str) and _DECIMAL.fullmatch(text.strip()) is not None
+
+
+def parse_int(text, name: str, *, minimum=None, maximum=None, what: str | None = None, error=ValueError) -> int:
+    """`text` (a str: an environment variable's value, a tool option's `value`) as an int, checked.
+
+    Accepted: a plain ASCII decimal integer, surrounding whitespace ignored ("64", " 64 ", "-1"). Rejected:
+    everything else ("+64", "64.0", "1e2", "1_000", "0x40", "", non-ASCII digits), and values outside
+    [minimum, maximum].
+
+    Args:
+        name: the variable / option as the user wrote it; the message starts with it.
+        minimum, maximum, what, error: as in `as_int`.
+
+    Raises:
+        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (the text as given).
+    """
+    req = what if what is not None else _limit(minimum, maximum)
+    if not is_int_text(text):
+        raise error(f"{name} must be {req} (decimal digits), got {text!r}")
+    value = int(text)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise error(f"{name} must be {req}, got {text!r}")
+    return value

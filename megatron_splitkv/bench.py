@@ -55,7 +55,7 @@ __all__ = [
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
     "csv_arg", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
     "interval_attention_reference", "rel_err", "lse_err", "adaptive_reps", "resolve_chunks", "chunk_bounds", "op_accepts",
-    "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api",
+    "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api", "NA_CPU", "gpu_cell", "finite",
 ]
 
 #: forward + backward FLOPs over forward FLOPs (flash-attn convention; see module docstring).
@@ -1336,6 +1336,16 @@ def finite(x, fmt="{:.2f}", nan="-"):
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return nan
     return fmt.format(x)
+
+
+#: table cell of a GPU-only measure (TF/s, GPU busy time, peak GPU memory) in a CPU run of a tool: printed
+#: instead of numbers that would look measured (0 TF/s, nan GiB)
+NA_CPU = "n/a (CPU)"
+
+
+def gpu_cell(cpu: bool, value, fmt="{:.2f}") -> str:
+    """A GPU-only measure as a table cell: `NA_CPU` in a CPU run, else `finite(value, fmt)` ('-' for None / NaN)."""
+    return NA_CPU if cpu else finite(value, fmt)
 
 
 # ------------------------------------------------------------------------------------------ CLI flags

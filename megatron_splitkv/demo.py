@@ -13,15 +13,12 @@ Usage: python -m megatron_splitkv.demo [--cp 2] [--ctx 1024] [--blocks 8] [--dty
 from __future__ import annotations
 
 import argparse
-import os
-import pickle
-import tempfile
+import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from . import allgather_kv_attention, comm_stats, ring_kv_attention, splitkv_attention
+from .launch import run_gloo
 from .reference import dflash_attention_reference
 
 OPS = {"splitkv": splitkv_attention, "allgather_kv": allgather_kv_attention, "ring_kv": ring_kv_attention}
@@ -46,31 +43,32 @@ def make_problem(seed, cp, ctx, blocks_per_rank, B=16, Hq=4, Hkv=2, D=32, dtype=
     return t
 
 
-def _rank_main(rank, cp, init_file, problems, queue):
+def _rank_main(rank, cp, problems):
+    """One CP rank (a `launch.run_gloo` worker, gloo group initialised): every op on every problem."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=cp)
     res = []
-    try:
-        for t in problems:
-            B, nbl = t["B"], t["q_seq"].shape[0] // cp
-            rows = slice(rank * nbl * B, (rank + 1) * nbl * B)
-            idx = t["ctx_idx"][rank]
-            loc = dict(q=t["q"][rows], k_ctx=t["k_ctx"][idx], v_ctx=t["v_ctx"][idx], k_blk=t["k_blk"][rows],
-                       v_blk=t["v_blk"][rows])
-            row = {}
-            for name, fn in OPS.items():
-                x = {k: v.clone().requires_grad_(True) for k, v in loc.items()}
-                with comm_stats() as st:
-                    out = fn(*x.values(), t["q_seq"][rank * nbl:(rank + 1) * nbl],
-                             t["q_anchor"][rank * nbl:(rank + 1) * nbl], t["kv_seq"][idx], t["kv_pos"][idx],
-                             block_size=B, backend="math")
-                    out.backward(t["dout"][rows])
-                row[name] = dict(out=out.detach(), grads={k: v.grad for k, v in x.items()},
-                                 bytes=st.bytes_by_collective, total=st.total_bytes)
-            res.append(row)
-        queue.put((rank, pickle.dumps(res)))
-    finally:
-        dist.destroy_process_group()
+    for t in problems:
+        B, nbl = t["B"], t["q_seq"].shape[0] // cp
+        rows = slice(rank * nbl * B, (rank + 1) * nbl * B)
+        idx = t["ctx_idx"][rank]
+        loc = dict(q=t["q"][rows], k_ctx=t["k_ctx"][idx], v_ctx=t["v_ctx"][idx], k_blk=t["k_blk"][rows],
+                   v_blk=t["v_blk"][rows])
+        row = {}
+        for name, fn in OPS.items():
+            x = {k: v.clone().requires_grad_(True) for k, v in loc.items()}
+            with comm_stats() as st:
+                out = fn(*x.values(), t["q_seq"][rank * nbl:(rank + 1) * nbl],
+                         t["q_anchor"][rank * nbl:(rank + 1) * nbl], t["kv_seq"][idx], t["kv_pos"][idx],
+                         block_size=B, backend="math")
+                out.backward(t["dout"][rows])
+            row[name] = dict(out=out.detach(), grads={k: v.grad for k, v in x.items()},
+                             bytes=st.bytes_by_collective, total=st.total_bytes)
+        res.append(row)
+    return res
+
+
+class DemoRankError(RuntimeError):
+    """A demo rank failed (its traceback or exit code in the message; `launch.run_gloo`)."""
 
 
 def _rel(a, b):
@@ -87,17 +85,13 @@ def main(argv=None):
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     problems = [make_problem(a.seed, a.cp, c, a.blocks, dtype=dtype) for c in (a.ctx, 4 * a.ctx)]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_rank_main, args=(r, a.cp, os.path.join(tmp, "store"), problems, queue))
-                 for r in range(a.cp)]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join()
-    per_rank = [pickle.loads(got[r]) for r in range(a.cp)]
+    # a rank that raises or dies ends the demo at once with its traceback / exit code (the others are killed;
+    # they would wait in a collective forever): `launch.run_gloo`
+    try:
+        per_rank = run_gloo(_rank_main, a.cp, problems, timeout=600, error=DemoRankError)
+    except DemoRankError as exc:
+        print(f"megatron_splitkv.demo: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     print(f"DFlash attention, CP={a.cp} (gloo, CPU), {a.dtype}, Lq={problems[0]['q'].shape[0]} query rows, "
           f"Hq=4 Hkv=2 D=32 B=16; errors are relative max errors vs the float64 single-process reference")
     for i, t in enumerate(problems):
@@ -122,7 +116,8 @@ def main(argv=None):
             kinds = ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sorted(b["bytes"].items()))
             print(f"  {name:13s} err " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
             print(f"  {'':13s} rank 0 moved {b['total'] / 1e6:.3f} MB: {kinds}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

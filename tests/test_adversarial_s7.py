@@ -12,6 +12,9 @@ import torch
 from megatron_splitkv.data import PrefetchedBatches
 from megatron_splitkv.data.prefetch import DevicePrefetcher
 from megatron_splitkv.data.sharegpt import make_packed_batch
+from _warning_marks import FORK  # marks of the warnings these tests trigger
+
+pytestmark = FORK
 
 B, MASK_ID = 4, 999
 

@@ -30,6 +30,32 @@ def test_bench_attention_cpu_smoke(tmp_path):
     # splitkv rows carry the chunk count of their merge pipeline (k > 1 at CP=2 by default)
     assert re.search(r"\| splitkv( k=\d+)? \| 2 \| lpt \|", md) and "| ring-kv | 2 | zigzag |" in md
     assert "| method |" in p.stdout  # the table is printed last
+    # GPU-only measures read "n/a (CPU)" (were 0 TF/s and nan / '-' GiB), and the note says why
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    hdr = [c.strip() for c in lines[0].strip("|").split("|")]
+    gpu_cols = [hdr.index(c) for c in ("peak GiB", "kernel TF/s", "SDPA TF/s", "op TF/s/GPU")]
+    for ln in lines[2:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert [cells[i] for i in gpu_cols] == ["n/a (CPU)"] * 4, ln
+        assert float(cells[hdr.index("op ms (median)")]) > 0, ln
+    assert "CPU smoke run (--cpu-smoke" in md
+
+
+def test_bench_attention_table_numbers_on_gpu():
+    """The same table for a CUDA run keeps the numbers (the n/a cells are a CPU run's only)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.pop(0)
+    row = dict(method="splitkv", cp=2, placement="lpt", link="nvlink", context=512, op_ms=1.5, prepare_ms=0.2,
+               metadata=True, comm_bytes=100, predicted_bytes=100, peak_mem_gib=1.25, kernel_ms=0.5,
+               kernel_tflops=321.0, sdpa_fwdbwd_tflops=400.0, op_tflops_per_gpu=123.0, pair_imbalance=0.01,
+               planner_imbalance=0.001)
+    gpu = bench_attention.table([row], slow=False)
+    assert "| 1.25 | 0.50 | 321 | 400 | 123 |" in gpu and "n/a (CPU)" not in gpu, gpu
+    cpu = bench_attention.table([row], slow=False, cpu=True)
+    assert "| n/a (CPU) | 0.50 | n/a (CPU) | n/a (CPU) | n/a (CPU) |" in cpu and bench_attention.CPU_NOTE in cpu, cpu
 
 
 def test_bench_attention_cpu_smoke_head_chunks(tmp_path):

@@ -150,3 +150,23 @@ def test_pretrain_dflash_too_many_data_workers_exits_2_with_one_line():
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("pretrain_dflash.py: error: --dflash-data-workers must be at most 32"), last
     assert "got 1000000" in last and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("flag,value,want", [
+    ("--context-parallel-impl", "bogus",
+     "argument --context-parallel-impl: invalid choice: 'bogus' (choose from 'splitkv', 'allgather-kv', 'ring-kv')"),
+    ("--num-layers", "x", "argument --num-layers: invalid int value: 'x'"),
+    ("--no-such-flag", "1", "unrecognized arguments: --no-such-flag 1"),
+])
+def test_pretrain_dflash_argparse_error_without_the_usage(flag, value, want):
+    """A bad choice / type / unknown flag (argparse's own errors, Megatron's parser): the error line naming the
+    flag (and the allowed values) plus a --help hint, exit status 2; not Megatron's ~750-line usage first."""
+    pytest.importorskip("megatron.core")
+    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
+            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+            "--max-position-embeddings", "256", "--micro-batch-size", "1", flag, value]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.splitlines() == [f"pretrain_dflash.py: error: {want}",
+                                     "pretrain_dflash.py: run with --help for every flag"], p.stderr[-2000:]
+    assert p.stdout == ""

@@ -18,6 +18,9 @@ import torch
 
 from megatron_splitkv.data import PrefetchedBatches, ShareGPTLoader, data_parallel_batches, plan_batch
 from megatron_splitkv.data.sharegpt import TokenizedCorpus
+from _warning_marks import FORK, MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV + FORK
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK, MASK_ID, ANCHORS, MAX_TOKENS = 4, 999, 6, 512

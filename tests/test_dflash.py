@@ -228,8 +228,8 @@ def test_loss_ignores_nonfinite_ce_at_zero_weight():
     out.loss.backward()
     keep = w > 0
     expected = float((ce_vals[keep] * w[keep]).sum() / w.sum())
-    assert math.isclose(float(out.loss), expected, rel_tol=1e-12)
-    assert math.isclose(float(out.total), expected, rel_tol=1e-12)
+    assert math.isclose(out.loss.item(), expected, rel_tol=1e-12)
+    assert math.isclose(out.total.item(), expected, rel_tol=1e-12)
     assert torch.allclose(ce.grad, torch.where(keep, w / w.sum(), torch.zeros_like(w)), rtol=1e-12, atol=0)
 
 

@@ -206,7 +206,13 @@ def test_chunk_cost_cpu(tmp_path):
     assert names == ["one call", "one call, reversed", "query k=2", "query k=2, reversed", "head k=2"], names
     assert all(x["ctx_per_rank"] == 256 and x["ms"] > 0 for x in rows)
     assert rows[0]["vs_one"] == 1.0
-    assert (tmp_path / "chunk_cost.md").read_text().count("| 256 | math |") == len(rows)
+    md = (tmp_path / "chunk_cost.md").read_text()
+    assert md.count("| 256 | math |") == len(rows)
+    # TF/s, GPU busy time and peak memory are GPU measures: "n/a (CPU)" (were 0 and nan), null in the JSON
+    table = [ln for ln in md.splitlines() if ln.startswith("| 256 | math |")]
+    assert all(ln.endswith("| n/a (CPU) | n/a (CPU) | n/a (CPU) |") for ln in table), table
+    assert "GPU measures and read n/a (CPU)" in md and "nan" not in md.lower() and "| 0 |" not in md
+    assert all(x["gpu_busy_ms"] is None and x["step_peak_gib"] is None for x in rows), rows
 
 
 def test_run_gpu_suite_names_its_output_folder(tmp_path):

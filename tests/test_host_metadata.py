@@ -18,6 +18,9 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 pytest.importorskip("megatron.core")
 

@@ -18,6 +18,9 @@ from megatron_splitkv.megatron import (  # noqa: E402
     get_dflash_layer_spec,
     validate_splitkv_args,
 )
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -331,7 +334,7 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     validate_splitkv_args(_args(context_parallel_size=4, dflash_num_anchors=8, splitkv_cp_ranks_per_node=8))
     assert os.environ[RANKS_PER_NODE_ENV] == "4"
     # without the flag, a malformed environment variable fails at start-up, naming it
-    for bad in ("3", "x", "0"):
+    for bad in ("3", "x", "0", "+2"):  # "+2": not a plain decimal integer (`_ints.parse_int`)
         monkeypatch.setenv(RANKS_PER_NODE_ENV, bad)
         with pytest.raises(SplitKVArgumentError, match=RANKS_PER_NODE_ENV):
             validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))

@@ -10,6 +10,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from megatron_splitkv.megatron import DFlashPackedSeqParams, splitkv_core_attention  # noqa: E402
 from megatron_splitkv.reference import dflash_attention_reference  # noqa: E402
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 B, H, HKV, D = 4, 4, 2, 8
 

@@ -12,6 +12,9 @@ import os
 
 import pytest
 import torch
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 pytest.importorskip("megatron.core")
 

@@ -11,6 +11,9 @@ import os
 import sys
 
 import pytest
+from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
+
+pytestmark = MEGATRON_ENV
 
 pytest.importorskip("megatron.core")
 

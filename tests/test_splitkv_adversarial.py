@@ -341,10 +341,14 @@ def test_shared_case_c10_chunked_error_does_not_grow_with_p(chunked_cases_run, c
     by_k = {}
     for c, per_rank in _each(chunked_cases_run, "C10"):
         by_k.setdefault(c["num_chunks"], {})[c["P"]] = errors(c, per_rank)
-    with capsys.disabled():
-        for k, errs in sorted(by_k.items()):
-            for P, e in sorted(errs.items()):
-                print(f"\nC10 splitkv bf16 num_chunks={k} P={P}: " + ", ".join(f"{n}={v:.2e}" for n, v in e.items()))
+    # the errors per (num_chunks, P): captured (shown with a failure, not in every run's output)
+    for k, errs in sorted(by_k.items()):
+        for P, e in sorted(errs.items()):
+            print(f"C10 splitkv bf16 num_chunks={k} P={P}: " + ", ".join(f"{n}={v:.2e}" for n, v in e.items()))
+    report = capsys.readouterr().out.splitlines()
+    assert len(report) == sum(len(errs) for errs in by_k.values()) and all(
+        ln.startswith("C10 splitkv bf16 num_chunks=") for ln in report), report
+    print("\n".join(report))  # back into the captured output of the test
     for k, errs in by_k.items():
         for n in errs[2]:
             vals = [e[n] for e in errs.values()]

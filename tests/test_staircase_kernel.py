@@ -325,6 +325,30 @@ def test_everything_in_the_remainder_is_the_inner_kernel():
     assert kern.counts == dict(dense_fwd=0, dense_bwd=0, inner_fwd=1, inner_bwd=1, fixup=0)
 
 
+def test_inner_auto_is_resolved_with_the_head_dim(monkeypatch):
+    """inner="auto" (the default) is a backend choice that depends on D ("math" below 16 on CUDA): the dtype
+    check resolves it with the call's head dim, the same kernel the call runs (it used None)."""
+    import megatron_splitkv.kernels as kernels_mod
+
+    seen = []
+    real = kernels_mod.get_kernel
+
+    def recording(backend="auto", device=None, dtype=None, head_dim=None, keys_per_call=None):
+        seen.append((backend, head_dim))
+        return real(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
+
+    monkeypatch.setattr(kernels_mod, "get_kernel", recording)
+    kern = StaircaseAttentionKernel(inner="auto")
+    kern.check_dtype(torch.float64, "cpu", head_dim=8)
+    assert seen == [("auto", 8)]
+    seen.clear()
+    gen = torch.Generator().manual_seed(seed_of("inner-hd"))
+    mask = dflash_mask(gen, 10, 2, [30, 20])
+    q, k, v, dout = make_inputs(gen, mask, 4, 2, 8, torch.float64)
+    run_and_check(kern, mask, q, k, v, dout, 0.3, gen, 1e-10)
+    assert seen and all(call == ("auto", 8) for call in seen), seen
+
+
 @pytest.mark.parametrize("bwd_mode", ["query", "key"])
 def test_everything_dense_no_remainder(bwd_mode):
     """Blocks in pairs with equal ends (multiples of the grain), no own keys: the remainder is empty, no

@@ -79,7 +79,9 @@ def test_numeric_option_float_or_string_rejected(val):
     ("GROUP_BLOCKS", "1e2", "a positive int (decimal digits), got '1e2'"),
     ("GROUP_BLOCKS", "1_000", "a positive int (decimal digits), got '1_000'"),
     ("GROUP_BLOCKS", "\u0663", "a positive int (decimal digits), got '\u0663'"),  # ARABIC-INDIC DIGIT THREE: int() takes it
-    ("GROUP_BLOCKS", "0", "a positive int, got 0"),
+    ("GROUP_BLOCKS", "0", "a positive int, got '0'"),
+    ("GROUP_BLOCKS", "+64", "a positive int (decimal digits), got '+64'"),  # the one strict parser (_ints.parse_int)
+    ("MIN_PAIRS", "+0", "a non-negative int (decimal digits), got '+0'"),
     ("STREAMS", "2.0", "a positive int (decimal digits), got '2.0'"),
     ("MIN_PAIRS", "1048576.0", "a non-negative int (decimal digits), got '1048576.0'"),
     ("PIECE_MIN_PAIRS", "none", "a non-negative int (decimal digits), got 'none'"),
@@ -121,7 +123,7 @@ def test_env_unknown_option_name_rejected(monkeypatch, var):
     StaircaseAttentionKernel()
 
 
-@pytest.mark.parametrize("val", ["32768.0", "32_768", "1e5", "-1", "\u0663"])
+@pytest.mark.parametrize("val", ["32768.0", "32_768", "1e5", "-1", "\u0663", "+5"])
 def test_env_auto_min_keys_bad_value(monkeypatch, val):
     monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS", val)
     with pytest.raises(ValueError, match="MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS must be a non-negative int .* "
@@ -153,3 +155,65 @@ def test_profile_kernel_flags_checked_before_gpu(flag, val):
             "runpy.run_path('tools/profile_kernel.py', run_name='__main__')")
     p = _run(None, code)
     assert p.returncode == 2 and "Traceback" not in p.stderr and flag in p.stderr.splitlines()[-1], p.stderr
+
+
+# -------------------------------------------------------------------- one strict parser for integer text
+
+
+@pytest.mark.parametrize("text,want", [("64", 64), (" 64 ", 64), ("0", 0), ("-3", -3)])
+def test_parse_int_accepts_plain_decimal(text, want):
+    from megatron_splitkv._ints import is_int_text, parse_int
+
+    assert parse_int(text, "X") == want and is_int_text(text)
+
+
+@pytest.mark.parametrize("text", ["+64", "64.0", "1e2", "1_000", "0x40", "", " ", "--5", "\u00b2", "\u0663", "6 4"])
+def test_parse_int_rejects_other_forms(text):
+    from megatron_splitkv._ints import is_int_text, parse_int
+
+    assert not is_int_text(text)
+    with pytest.raises(ValueError) as exc:
+        parse_int(text, "X", minimum=1)
+    assert str(exc.value) == f"X must be a positive int (decimal digits), got {text!r}"
+
+
+def _tool(name):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import importlib
+
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+@pytest.mark.parametrize("val", ["+64", "\u00b2", "--5", "64.0"])
+def test_tool_option_values_use_the_strict_parser(val):
+    """`opt=value` in tools/staircase_shapes.py --variants and tools/gpu_check.py --staircase-sweep: an int
+    option's value is a plain decimal integer, else a ValueError naming the option and the item ("+64" was
+    kept as the string "+64", "²" and "--5" passed `isdigit` and crashed in int())."""
+    shapes, gpu_check = _tool("staircase_shapes"), _tool("gpu_check")
+    with pytest.raises(ValueError) as exc:
+        shapes.parse_variants(f"a:group_blocks={val}")
+    assert str(exc.value) == (f"group_blocks in 'a:group_blocks={val}' must be a positive int (decimal digits), "
+                              f"got {val!r}")
+    with pytest.raises(ValueError) as exc:
+        gpu_check._parse_stair_sweep(f"group_blocks={val}")
+    assert str(exc.value).startswith(f"--staircase-sweep: group_blocks in 'group_blocks={val}' must be a positive int")
+    # the accepted forms are unchanged: ints for int options, strings for choices
+    assert shapes.parse_variants("a:group_blocks=64,bwd_mode=key") == [("a", {"group_blocks": 64, "bwd_mode": "key"})]
+    assert gpu_check._parse_stair_sweep("min_pairs=0,gqa=native") == [
+        ("min_pairs=0,gqa=native", {"min_pairs": 0, "gqa": "native"})]
+
+
+@pytest.mark.parametrize("val", ["staircase:group_blocks=\u00b2", "staircase:group_blocks=--5",
+                                 "staircase:group_blocks=+64", "staircase:group_blocks"])
+def test_profile_kernel_option_values_strict(val):
+    """tools/profile_kernel.py --backends staircase:<opt>=<value>: a flag error (exit 2, the flag named on the
+    last line), never a traceback ("²" passed `isdigit` and int() raised uncaught)."""
+    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
+            f"sys.argv = ['profile_kernel.py', '--backends', {val!r}]; "
+            "runpy.run_path('tools/profile_kernel.py', run_name='__main__')")
+    p = _run(None, code)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "--backends" in p.stderr.splitlines()[-1], p.stderr

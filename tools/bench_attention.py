@@ -326,8 +326,13 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
     return rows
 
 
-def ab_table(rows, slow):
-    """Markdown table of the chunk-count A/B rows."""
+#: the note under a --cpu-smoke run's tables
+CPU_NOTE = (f"CPU smoke run (--cpu-smoke: tiny shapes, gloo): TF/s and peak GPU memory are GPU measures and read "
+            f"{bench.NA_CPU}; the ms columns only show that each row ran, not its speed.")
+
+
+def ab_table(rows, slow, cpu=False):
+    """Markdown table of the chunk-count A/B rows (cpu: a --cpu-smoke run, GPU measures read n/a (CPU))."""
     hdr = ["link", "CP", "context", "num_chunks", "chunk axis", "op ms (median)", "speedup vs first",
            "max rel. diff vs first", "comm / rank", "collectives", "peak GiB"]
     out = []
@@ -338,7 +343,7 @@ def ab_table(rows, slow):
             continue
         out.append([r["link"], r["cp"], r["context"], r["num_chunks"], r.get("chunk_axis", "rows"), f"{r['op_ms']:.2f}",
                     f"{r['ab_speedup']:.3f}x", f"{r['ab_rel_diff']:.1e}", bench.fmt_bytes(r["comm_bytes"]),
-                    r["comm_records"], bench.finite(r.get("peak_mem_gib"))])
+                    r["comm_records"], bench.gpu_cell(cpu, r.get("peak_mem_gib"))])
     note = ("\nSplit-KV merge pipeline, chunk counts side by side in one process (same inputs, LPT placement; "
             "timed round-robin, median, max over ranks); diff: out and the five gradients vs the first "
             "chunk count (bf16 results; reassociation only); peak: torch.cuda.max_memory_allocated during one "
@@ -348,8 +353,9 @@ def ab_table(rows, slow):
     return bench.md_table(hdr, out) + "\n" + note
 
 
-def table(rows, slow):
-    """Markdown table of the bench rows, with a note stating the conventions."""
+def table(rows, slow, cpu=False):
+    """Markdown table of the bench rows, with a note stating the conventions (cpu: a --cpu-smoke run, GPU
+    measures read n/a (CPU) and the note says so)."""
     hdr = ["method", "CP", "placement", "link", "context", "op ms (median)", "prep ms", "comm / rank", "peak GiB",
            "kernel ms", "kernel TF/s", "SDPA TF/s", "op TF/s/GPU", "pair imb.", "planner imb."]
     out = []
@@ -362,8 +368,10 @@ def table(rows, slow):
                     f"{r['prepare_ms']:.2f}" if r.get("metadata") else "-",
                     bench.fmt_bytes(r["comm_bytes"]) + ("" if r["comm_bytes"] == r["predicted_bytes"] else
                                                         f" (model {bench.fmt_bytes(r['predicted_bytes'])})"),
-                    bench.finite(r["peak_mem_gib"]), f"{r['kernel_ms']:.2f}", bench.finite(r["kernel_tflops"], "{:.0f}"),
-                    bench.finite(r.get("sdpa_fwdbwd_tflops"), "{:.0f}"), f"{r['op_tflops_per_gpu']:.0f}",
+                    bench.gpu_cell(cpu, r["peak_mem_gib"]), f"{r['kernel_ms']:.2f}",
+                    bench.gpu_cell(cpu, r["kernel_tflops"], "{:.0f}"),
+                    bench.gpu_cell(cpu, r.get("sdpa_fwdbwd_tflops"), "{:.0f}"),
+                    bench.gpu_cell(cpu, r["op_tflops_per_gpu"], "{:.0f}"),
                     f"{100 * r['pair_imbalance']:.1f}%", f"{100 * r['planner_imbalance']:.2f}%"])
     note = (f"\nForward + backward of one attention layer; Lq = 512 x 16, Hq 32, Hkv 8, D 128, bf16 (smoke: tiny). "
             f"TF/s: useful FLOPs, fwd+bwd = {bench.FWD_BWD_FACTOR} x 4 x pairs x Hq x D. kernel: slowest rank's local "
@@ -371,6 +379,8 @@ def table(rows, slow):
             f"(send + receive, ring convention; max over ranks).")
     if slow:
         note += " link socket: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 (inter-node stand-in)."
+    if cpu:
+        note += "\n\n" + CPU_NOTE
     return bench.md_table(hdr, out) + "\n" + note
 
 
@@ -552,9 +562,9 @@ def main(argv=None):
                     json.dump(dict(env=env, rows=rows, ab_rows=ab_rows + [r]), f, indent=1, default=str)
 
         ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
-    md = table(rows, args.slow_path)
+    md = table(rows, args.slow_path, cpu=dev.type != "cuda")
     if ab_rows:
-        md += "\n\n" + ab_table(ab_rows, args.slow_path)
+        md += "\n\n" + ab_table(ab_rows, args.slow_path, cpu=dev.type != "cuda")
     if rank == 0:
         with open(json_path, "w") as f:
             json.dump(dict(env=env, rows=rows, ab_rows=ab_rows, wall_s=time.perf_counter() - t_start,

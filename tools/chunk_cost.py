@@ -40,6 +40,10 @@ sys.path.insert(0, ROOT)
 
 from megatron_splitkv import bench  # noqa: E402
 
+#: the note under a --cpu run's table
+CPU_NOTE = (f"CPU smoke run (--cpu: tiny shapes): TF/s, GPU busy time and peak memory are GPU measures and read "
+            f"{bench.NA_CPU}; the ms columns only show that each variant ran, not its speed.")
+
 
 def _reversed(call):
     """The call with its query blocks in reverse order (the data is random: only the mask's block order
@@ -165,9 +169,9 @@ def main(argv=None):
                     fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
-                if not cuda:
+                if not cuda:  # no GPU measure on the CPU: None (the table reads n/a (CPU))
                     fn()
-                    peaks.append(float("nan"))
+                    peaks.append(None)
                     continue
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
@@ -176,15 +180,15 @@ def main(argv=None):
                 torch.cuda.synchronize()
                 peaks.append((torch.cuda.max_memory_allocated() - base) / 2 ** 30)
             res = bench.time_fns_interleaved(fns, dev, reps=args.reps, warmup=2)
-            busy = [_profile(fn, name, f"{_tokens(ctx)} {be}") if args.profile and cuda else float("nan")
-                    for name, fn in zip(names, fns)]
+            busy = [_profile(fn, name, f"{_tokens(ctx)} {be}") if args.profile and cuda
+                    else (float("nan") if cuda else None) for name, fn in zip(names, fns)]
             ms1 = res[0][0]
             for name, (med, mn, _), pk, bz in zip(names, res, peaks, busy):
                 rows.append(dict(ctx_per_rank=ctx, cp=args.cp, rank=r, backend=be, variant=name, ms=med,
                                  min_ms=mn, vs_one=med / ms1, step_peak_gib=pk, gpu_busy_ms=bz,
                                  tflops=bench.FWD_BWD_FACTOR * bench.fwd_flops(pairs[r], Hq, D) / med / 1e9))
                 print(f"[chunk-cost] ctx/rank {ctx} {be} {name}: {med:.2f} ms ({med / ms1:.3f}x), "
-                      f"step peak {pk:.2f} GiB", flush=True)
+                      f"step peak {bench.gpu_cell(not cuda, pk)}{' GiB' if cuda else ''}", flush=True)
             del fns
             if cuda:
                 torch.cuda.empty_cache()
@@ -196,7 +200,10 @@ def main(argv=None):
              "|---|---|---|---|---|---|---|---|"]
     for x in rows:
         lines.append(f"| {_tokens(x['ctx_per_rank'])} | {x['backend']} | {x['variant']} | {x['ms']:.2f} | "
-                     f"{x['vs_one']:.3f}x | {x['tflops']:.0f} | {x['gpu_busy_ms']:.2f} | {x['step_peak_gib']:.2f} |")
+                     f"{x['vs_one']:.3f}x | {bench.gpu_cell(not cuda, x['tflops'], '{:.0f}')} | "
+                     f"{bench.gpu_cell(not cuda, x['gpu_busy_ms'])} | {bench.gpu_cell(not cuda, x['step_peak_gib'])} |")
+    if not cuda:
+        lines += ["", CPU_NOTE]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "chunk_cost.json"), "w") as f:
         json.dump(dict(rows=rows, argv=sys.argv, seconds=time.time() - t0), f, indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One-script GPU check and benchmark of the FlexAttention kernel and the Split-KV op (issue 2).
 
-Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown table is printed last):
+Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a markdown table is printed last):
 
   kernel  single GPU: (1) FlexAttentionKernel exactness, bf16, forward + backward with GLOBAL lse/delta
           over a two-part key split, vs float64 autograd; (2) compiled-graph count (torch._dynamo
@@ -37,7 +37,7 @@ Modes (logs and JSON go to --out, default $OUT or ./out/gpu_check; a markdown ta
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   python tools/gpu_check.py kernel
-  python tools/gpu_check.py compare --out $OUT      # flex vs te vs staircase vs dense SDPA
+  python tools/gpu_check.py compare --out out/cmp   # flex vs te vs staircase vs dense SDPA
   python tools/gpu_check.py compare --kernels flex,staircase \
       --staircase-sweep "group_blocks=16;group_blocks=64;bwd_mode=key;streams=2"
   torchrun --nproc-per-node 2 tools/gpu_check.py dist
@@ -62,6 +62,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
+from megatron_splitkv.bench import NA_CPU, finite, gpu_cell  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 from megatron_splitkv.kernels.base import IntervalMask  # noqa: E402
 
@@ -849,7 +850,7 @@ def _parse_stair_sweep(spec: str):
     """'a=1,b=x;c=2' -> [("a=1,b=x", {"a": 1, "b": "x"}), ("c=2", {"c": 2})]; 'default' -> ("default", {});
     'none' / '' -> []. Variants with gqa=native go last (a rejected cuDNN call could break the context).
     Raises ValueError on a malformed item or an unknown option."""
-    from megatron_splitkv.kernels.staircase import _DEFAULTS
+    from megatron_splitkv.kernels.staircase import _DEFAULTS, option_from_text
 
     out = []
     for item in (x.strip() for x in (spec or "").split(";")):
@@ -865,7 +866,7 @@ def _parse_stair_sweep(spec: str):
             key, val = (x.strip() for x in kv.split("=", 1))
             if key not in _DEFAULTS or key == "inner":
                 raise ValueError(f"--staircase-sweep: unknown staircase option {key!r}")
-            opts[key] = int(val) if val.lstrip("-").isdigit() else val
+            opts[key] = option_from_text(key, val, where=f"--staircase-sweep: {key} in {item!r}")
         out.append((item, opts))
     return sorted(out, key=lambda x: x[1].get("gqa") == "native")
 
@@ -1084,8 +1085,6 @@ def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx
     return broken
 
 
-#: table cell of a GPU-only measure in a CPU dry run (TF/s, % of dense SDPA, peak memory)
-NA_CPU = "n/a (CPU)"
 CPU_NOTE = ("CPU dry run (--cpu: tiny shapes, FlexAttention emulated): TF/s, % of dense SDPA and peak GPU memory "
             f"are GPU measures and read {NA_CPU}; the ms columns only show that each path ran, not its speed.")
 
@@ -1095,14 +1094,12 @@ def _is_cpu(res) -> bool:
     return str(res.get("env", {}).get("device", "")).startswith("cpu")
 
 
-def _num(value, fmt="{:.2f}"):
-    """`fmt` of a number, '-' for None / NaN."""
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+_num = finite  # `fmt` of a number, '-' for None / NaN
 
 
 def _g(cpu, value, fmt="{:.0f}"):
-    """A GPU-only measure as a table cell: `fmt` of value ('-' for None / NaN), NA_CPU in a CPU dry run."""
-    return NA_CPU if cpu else _num(value, fmt)
+    """A GPU-only measure as a table cell (`bench.gpu_cell`): NA_CPU in a CPU dry run."""
+    return gpu_cell(cpu, value, fmt)
 
 
 def _ms_tf(cpu, ms, tf):

@@ -36,15 +36,20 @@ def _spec(ap, spec: str):
     name, _, opts = spec.strip().partition(":")
     if name not in BACKENDS:
         ap.error(f"--backends: unknown backend {name!r} in {spec!r} (one of {BACKENDS})")
-    kw = {}
-    for item in filter(None, opts.split(",")):
-        k, _, v = item.partition("=")
-        kw[k.strip()] = int(v) if v.strip().lstrip("-").isdigit() else v.strip()
-    if kw:
-        if name != "staircase":
-            ap.error(f"--backends: options are only supported for staircase, got {spec!r}")
-        from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+    items = [item.partition("=") for item in filter(None, opts.split(","))]
+    if items and name != "staircase":
+        ap.error(f"--backends: options are only supported for staircase, got {spec!r}")
+    from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel, option_from_text
 
+    kw = {}
+    for k, eq, v in items:
+        if not eq:
+            ap.error(f"--backends: expected option=value, got {k!r} in {spec!r}")
+        try:  # ints: plain decimal digits only ("64", not "+64" or "64.0")
+            kw[k.strip()] = option_from_text(k.strip(), v, where=f"--backends: {k.strip()} in {spec!r}")
+        except ValueError as exc:
+            ap.error(str(exc))
+    if kw:
         try:
             StaircaseAttentionKernel(**kw)  # validates the options (no device work)
         except (TypeError, ValueError) as exc:

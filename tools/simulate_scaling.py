@@ -116,8 +116,8 @@ simulate_scaling.png (matplotlib), and the tables printed last. With `--bench-js
 of the same run) a CP=2 row shows the measured op time next to the model's.
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
-  torchrun --nproc-per-node 2 tools/simulate_scaling.py --out $OUT          # measured (2 GPUs)
-  torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out $OUT
+  torchrun --nproc-per-node 2 tools/simulate_scaling.py --out out/sim      # measured (2 GPUs)
+  torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out out/sim
   python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
       --out /tmp/sim                                                        # CPU, FLOP model
   python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \

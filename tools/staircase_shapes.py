@@ -69,7 +69,7 @@ FLOAT_DTYPES = ("bfloat16", "float16")
 def parse_variants(spec: str):
     """'a:x=1,y=2;default' -> [("a", {"x": 1, "y": 2}), ("default", {})]. ValueError on a malformed item
     or an option the kernel does not have (or one that does not change the plan or the shapes' count)."""
-    from megatron_splitkv.kernels.staircase import _DEFAULTS
+    from megatron_splitkv.kernels.staircase import _DEFAULTS, option_from_text
 
     out = []
     for item in (x.strip() for x in spec.split(";")):
@@ -86,7 +86,7 @@ def parse_variants(spec: str):
             k, v = (x.strip() for x in kv.split("=", 1))
             if k not in _DEFAULTS or k in ("inner", "streams", "kv_layout"):
                 raise ValueError(f"unknown (or shape-neutral) staircase option {k!r} in {item!r}")
-            opts[k] = int(v) if v.lstrip("-").isdigit() else v
+            opts[k] = option_from_text(k, v, where=f"{k} in {item!r}")  # ints: plain decimal digits only
         out.append((name, opts))
     if not out:
         raise ValueError("no variants")

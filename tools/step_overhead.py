@@ -34,8 +34,10 @@ alternating), medians over `--reps` repeats of the max over CP ranks:
 
   (a) each piece alone: plan (host), shard (shard_batch + blocks + upload, synchronised), prepare
       (`DFlashPackedSeqParams.op_metadata` on a new params object: `prepare_splitkv_metadata`, collective),
-      BlockMask (the local kernel's first-call mask build: one forward op call with that new metadata
-      minus the same call again with the mask cached, no grad)
+      BlockMask (the local kernel's first-call mask build, timed directly: the FlexAttention BlockMask
+      builds of one forward op call with that new metadata, device synchronised around each build; n/a
+      when the kernel builds none, e.g. the math kernel of --cpu-smoke; the op's first and cached calls
+      are reported too)
   (b) A/B of the whole step: fresh (everything above per step) vs reused (the plan, the shards, the device
       tensors and the `DFlashPackedSeqParams` of the previous step, whose cached metadata and mask skip
       the prepare and the mask build: `DFlashDraftModel.forward(..., packed_seq_params=)`); overhead =
@@ -75,12 +77,11 @@ optimizer; CUDA events), the core attention's own time (forward + backward of ev
 step: no prepare inside) and the rest, and the peak memory. % columns: overhead / fresh step, and /
 (fresh step minus grad sync and optimizer), the more conservative one.
 
-    # on one H200 (CP=1) and on two (CP=2, NCCL); megatron-core from the carried wheel (the tool also
-    # looks in /tmp/site by itself, or in $MEGATRON_SPLITKV_SITE):
-    pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl
-    PYTHONPATH=/tmp/site python tools/step_overhead.py
-    PYTHONPATH=/tmp/site torchrun --nproc-per-node 2 tools/step_overhead.py
-    # or: SUITE_STEPS=stepcost bash tools/run_gpu_suite.sh
+    # on one GPU (CP=1) and on two (CP=2, NCCL); needs megatron-core (requirements.txt; a directory
+    # with it installed elsewhere can be named in $MEGATRON_SPLITKV_SITE):
+    python tools/step_overhead.py
+    torchrun --nproc-per-node 2 tools/step_overhead.py
+    # or as a step of the GPU suite: SUITE_STEPS=stepcost bash tools/run_gpu_suite.sh
     # CPU smoke (tiny shapes, gloo): .venv/bin/python tools/step_overhead.py --cpu-smoke
     #                                .venv/bin/torchrun --nproc-per-node 2 tools/step_overhead.py --cpu-smoke
 
@@ -110,17 +111,19 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SITE = os.environ.get("MEGATRON_SPLITKV_SITE", "/tmp/site")  # where the GPU machine installs the wheel
+# an extra site directory with megatron-core (tools/run_gpu_suite.sh installs it into /tmp/site)
+SITE = os.environ.get("MEGATRON_SPLITKV_SITE", "/tmp/site")
 if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
 from megatron_splitkv import bench  # noqa: E402
 
 PREPARES = None  # PrepareCounter, set in main
+BLOCK_MASKS = None  # BlockMaskTimer, set in main
 
 QWEN3_FIRST_UNUSED_ID = 151669  # as examples/pretrain_dflash.py: the MASK row of the Qwen3 vocabulary
-WHEEL_HINT = ("pip install -q --no-index --no-deps --target /tmp/site .whl/megatron_core-0.19.2-*.whl "
-              "(then PYTHONPATH=/tmp/site, or MEGATRON_SPLITKV_SITE=<dir>)")
+WHEEL_HINT = ("pip install -r requirements.txt (megatron-core 0.19), or name a directory where it is installed in "
+              "MEGATRON_SPLITKV_SITE=<dir>")
 
 #: the drafter at the Qwen3-8B shapes, and the CPU smoke shapes
 REAL = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, ffn=12288, vocab=151936,
@@ -273,7 +276,7 @@ def init_distributed(cpu: bool):
     import torch.distributed as dist
 
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
-        os.environ.setdefault(k, v)  # NVLink multicast stays off (the lent machines' rule)
+        os.environ.setdefault(k, v)  # NVLink multicast (NVLS) off unless the environment sets these
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if cpu:
@@ -560,6 +563,34 @@ class PrepareCounter:
         att.prepare_splitkv_metadata = counted
 
 
+class BlockMaskTimer:
+    """Times the FlexAttention BlockMask builds directly: wraps `kernels.flex.build_block_mask` (the name the
+    flex kernel's `block_mask` calls on a cache miss), synchronising the device (`sync`) before and after
+    each build. `builds` / `ms`: their count and total milliseconds since `reset()`; a kernel that builds no
+    BlockMask (math, ...) leaves builds at 0. (The BlockMask piece was the first op call minus a cached
+    call: two noisy timings whose difference went negative where no BlockMask is built at all.)"""
+
+    def __init__(self, sync):
+        import megatron_splitkv.kernels.flex as flex
+
+        self.builds, self.ms = 0, 0.0
+        inner = flex.build_block_mask
+
+        def timed(*a, **k):
+            sync()
+            t0 = time.perf_counter()
+            out = inner(*a, **k)
+            sync()
+            self.ms += (time.perf_counter() - t0) * 1e3
+            self.builds += 1
+            return out
+
+        flex.build_block_mask = timed
+
+    def reset(self):
+        self.builds, self.ms = 0, 0.0
+
+
 def _without_metadata(item):
     """The item as a pipeline without --dflash-host-metadata makes it: no metadata, and the upload buffer cut
     before the metadata's region (its last; the other fields' offsets unchanged), so that the prefetched arm
@@ -665,7 +696,7 @@ def run_step(model, trainer, work, clock, attn, kind, reused=None, pipe=None, pr
 
 
 def time_pieces(model, work, clock, args, qkv, pipe):
-    """(a): plan, shard, prepare, BlockMask (first op call minus a cached call), each alone; and the
+    """(a): plan, shard, prepare, BlockMask (its builds in the first op call, `BlockMaskTimer`), each alone; and the
     prefetched arms' data pieces alone (those of the arms run): the next planned batch from the pipeline + its
     upload (+ the bind of its metadata for prefetched+meta)."""
     from megatron_splitkv import splitkv_attention
@@ -701,7 +732,10 @@ def time_pieces(model, work, clock, args, qkv, pipe):
     clock.sync()
     prep_ms = (time.perf_counter() - t0) * 1e3
     calls = []
-    for _ in range(2):  # the first builds the kernel's mask on the new metadata, the second finds it cached
+    BLOCK_MASKS.reset()
+    for i in range(2):  # the first builds the kernel's mask on the new metadata, the second finds it cached
+        if i == 1:
+            mask_ms, mask_builds = BLOCK_MASKS.ms, BLOCK_MASKS.builds
         clock.barrier()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -709,8 +743,9 @@ def time_pieces(model, work, clock, args, qkv, pipe):
                               softmax_scale=1.0 / math.sqrt(args.head_dim))
         clock.sync()
         calls.append((time.perf_counter() - t0) * 1e3)
-    return {"plan": plan_ms, "shard": shard_ms, "prepare": prep_ms, "mask": calls[0] - calls[1],
-            "op_cold": calls[0], "op_warm": calls[1], "upload": upload_ms, "upload_bind": bind_ms}
+    return {"plan": plan_ms, "shard": shard_ms, "prepare": prep_ms, "mask": mask_ms,
+            "mask_builds": float(mask_builds), "op_cold": calls[0], "op_warm": calls[1], "upload": upload_ms,
+            "upload_bind": bind_ms}
 
 
 def _med(xs):
@@ -756,7 +791,7 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
                 "fresh_attn", "reused_fwd", "reused_bwd", "reused_opt", "reused_attn",
                 "pref_wall", "pref_diff", "pref_data", "pmeta_wall", "pmeta_diff", "pmeta_data",
                 "next_host", "upload_host", "bind_host", "ready", "ahead_wall", "ahead_diff", "ahead_data",
-                "plan", "shard", "prepare", "mask", "op_cold", "op_warm", "upload", "upload_bind"]
+                "plan", "shard", "prepare", "mask", "mask_builds", "op_cold", "op_warm", "upload", "upload_bind"]
         n_step_keys = keys.index("plan")
         empty = {"wall": nan, "data": nan, "fwd": nan, "bwd": nan, "opt": nan, "attn": nan}
         per_rep, losses, prepares = [], [], {k: set() for k in ARMS}
@@ -797,7 +832,9 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
     # the % columns' step: the fresh one, or the reused one when --arms leaves fresh out
     base_wall, base_opt = ((med["fresh_wall"], med["fresh_opt"]) if "fresh" in arms
                            else (med["reused_wall"], med["reused_opt"]))
-    pieces = med["plan"] + med["shard"] + med["prepare"] + med["mask"]
+    # no BlockMask built on any rank (e.g. the math kernel): the piece is n/a (None), 0 ms in the sums
+    mask_ms = med["mask"] if med["mask_builds"] > 0 else None
+    pieces = med["plan"] + med["shard"] + med["prepare"] + (mask_ms or 0.0)
     fwdbwd = base_wall - base_opt
     loss_diff = max(abs(v - ls["reused"]) for ls in losses for v in ls.values())
     return {
@@ -808,7 +845,8 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         "bwd_ms": med["fresh_bwd"], "reused_fwd_ms": med["reused_fwd"], "reused_bwd_ms": med["reused_bwd"],
         "attention_ms": med["reused_attn"], "attention_fresh_ms": med["fresh_attn"],
         "rest_ms": med["reused_wall"] - med["reused_attn"],
-        "plan_ms": med["plan"], "shard_ms": med["shard"], "prepare_ms": med["prepare"], "mask_ms": med["mask"],
+        "plan_ms": med["plan"], "shard_ms": med["shard"], "prepare_ms": med["prepare"], "mask_ms": mask_ms,
+        "block_masks_built": int(med["mask_builds"]),
         "op_first_call_ms": med["op_cold"], "op_cached_call_ms": med["op_warm"],
         "overhead_pieces_ms": pieces, "overhead_ab_ms": med["diff"],
         "pct_step_pieces": 100 * pieces / base_wall, "pct_step_ab": 100 * med["diff"] / base_wall,
@@ -817,7 +855,7 @@ def measure_context(context, model, trainer, attn, clock, args, device, dtype, r
         "step_prefetched_ms": med["pref_wall"], "prefetched_data_ms": med["pref_data"], "upload_ms": med["upload"],
         "overhead_prefetched_ms": med["pref_diff"], "pct_step_prefetched": 100 * med["pref_diff"] / base_wall,
         "pct_fwdbwd_prefetched": 100 * med["pref_diff"] / fwdbwd,
-        "overhead_pieces_prefetched_ms": med["upload"] + med["prepare"] + med["mask"],
+        "overhead_pieces_prefetched_ms": med["upload"] + med["prepare"] + (mask_ms or 0.0),
         # (d) prefetched+meta: the metadata built in the worker too; the step uploads + binds it
         "step_prefetched_meta_ms": med["pmeta_wall"], "prefetched_meta_data_ms": med["pmeta_data"],
         "upload_bind_ms": med["upload_bind"], "overhead_prefetched_meta_ms": med["pmeta_diff"],
@@ -854,6 +892,14 @@ def _fmt(x, f="{:.2f}"):
     return bench.finite(x, f)
 
 
+#: the BlockMask cell when the kernel built none (math kernel, --cpu-smoke)
+NO_MASK = "n/a (none built)"
+
+
+def _mask_cell(ms):
+    return NO_MASK if ms is None else _fmt(ms)
+
+
 def table(rows) -> str:
     out = []
     for r in rows:
@@ -862,7 +908,7 @@ def table(rows) -> str:
             continue
         out.append([r["context"], r["cp"], _fmt(r["step_fresh_ms"]), _fmt(r["step_reused_ms"]), _fmt(r["fwdbwd_ms"]),
                     _fmt(r["gradsync_opt_ms"]), _fmt(r["attention_ms"]), _fmt(r["rest_ms"]), _fmt(r["plan_ms"]),
-                    _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _fmt(r["mask_ms"]), _fmt(r["upload_ms"]),
+                    _fmt(r["shard_ms"]), _fmt(r["prepare_ms"]), _mask_cell(r["mask_ms"]), _fmt(r["upload_ms"]),
                     _fmt(r["upload_bind_ms"]), _fmt(r["overhead_pieces_ms"]), _fmt(r["overhead_ab_ms"]),
                     _fmt(r["overhead_prefetched_ms"]), _fmt(r["overhead_prefetched_meta_ms"]),
                     _fmt(r["overhead_ahead_ms"]), _fmt(r["pct_step_pieces"]), _fmt(r["pct_step_ab"]),
@@ -930,7 +976,8 @@ def header(args, device, world, num_params) -> str:
             f"no prepare, no BlockMask build (--dflash-host-metadata on), ahead = prefetched+meta with the next "
             f"batch's next + upload + bind issued right after this step's forward is issued (the default, "
             f"--dflash-device-prefetch on); overhead (a) = "
-            f"plan + shard + prepare + BlockMask each alone, (b) = fresh - reused, (c) = prefetched - reused, "
+            f"plan + shard + prepare + BlockMask each alone (BlockMask: its builds timed directly, {NO_MASK} "
+            f"when the kernel builds none), (b) = fresh - reused, (c) = prefetched - reused, "
             f"(d) = prefetched+meta - reused, (e) = ahead - reused (paired per repeat); arms run: {', '.join(args.arm_list)} (Williams "
             f"order){'' if 'fresh' in args.arm_list else '; % of step: of the REUSED step (no fresh arm run)'}; "
             f"{_pipeline_note(args)}; torch "
@@ -972,10 +1019,11 @@ def main(argv=None):
     if args.cpu_smoke:
         torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     device, rank, world, pgs, host = init_distributed(args.cpu_smoke)
-    global PREPARES
+    global PREPARES, BLOCK_MASKS
     PREPARES = PrepareCounter()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     clock = Clock(device, host, world)
+    BLOCK_MASKS = BlockMaskTimer(clock.sync)
     t_start = time.perf_counter()
     model, num_taps, mask_id = build_model(args, device, dtype, pgs)
     trainer = Trainer(model, args, device, pgs.cp, world)

@@ -27,7 +27,7 @@ no config is recommended ("best": null, "no_recommendation": the reason): the em
 kernel_options, so any difference is noise.
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
-  python tools/tune_flex.py --out $OUT --budget-s 120
+  python tools/tune_flex.py --out out/tune_flex --budget-s 120
   python tools/tune_flex.py --configs default,fwd_tma --tks 16384
   python tools/tune_flex.py --cpu        # plumbing only: flex emulated on CPU ignores kernel_options
 """

@@ -94,13 +94,11 @@ def staircase_auto_min_keys() -> int:
         return STAIRCASE_AUTO_MIN_KEYS
     if raw.lower() in _OFF:
         return 0
-    import re  # noqa: PLC0415
+    from .._ints import parse_int  # noqa: PLC0415
 
     # ASCII decimal digits only (int() would also take "1_000", "+5" or non-ASCII digits)
-    if not re.fullmatch(r"[0-9]+", raw):
-        raise ValueError(f"{AUTO_MIN_KEYS_ENV} must be a non-negative int (keys per call, decimal digits) or one of "
-                         f"{', '.join(_OFF)} (never staircase), got {raw!r}")
-    return int(raw)
+    return parse_int(raw, AUTO_MIN_KEYS_ENV, minimum=0, what=f"a non-negative int (keys per call) or one of "
+                     f"{', '.join(_OFF)} (never staircase)")
 
 
 _CUDNN_OK: dict = {}  # device index -> bool (capability and cuDNN version checked once per device)

@@ -126,17 +126,16 @@ import collections
 import contextlib
 import functools
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
-from .._ints import as_int
+from .._ints import as_int, parse_int
 from .base import IntervalMask, check_call
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
-           "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys"]
+           "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys", "option_from_text"]
 
 A = torch.ops.aten
 _BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 1e30) = 0
@@ -161,7 +160,6 @@ _INNER_CHOICES = ("auto", "math", "flex", "te", "fa4")
 
 #: MEGATRON_SPLITKV_STAIRCASE_* variables that are not constructor options (read by `kernels.staircase_auto_min_keys`)
 _OTHER_ENV = ("AUTO_MIN_KEYS",)
-_ENV_INT = re.compile(r"[+-]?[0-9]+")  # ASCII digits only: int() would also take "1_000" and non-ASCII digits
 
 
 def env_option_names() -> tuple:
@@ -183,8 +181,8 @@ def _option(name, value):
     default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given.
 
     Integer options: a constructor value must be an int (anything with `__index__`; bool, float and str are
-    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "64.0",
-    "1e2", "1_000" or "two"). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
+    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "+64",
+    "64.0", "1e2", "1_000" or "two": `_ints.parse_int`). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
     exactly. Raises ValueError naming the environment variable (for a value from there) or the constructor
     argument `staircase <name>`, with the allowed values / limit and the value given."""
     var = ENV_PREFIX + name.upper()
@@ -215,13 +213,23 @@ def _option(name, value):
     minimum = 0 if name in _ZERO_OK else 1
     what = "a non-negative int" if minimum == 0 else "a positive int"
     if from_env:
-        if not _ENV_INT.fullmatch(value):
-            raise ValueError(f"{where} must be {what} (decimal digits), got {value!r}")
-        value = int(value)
-        if value < minimum:
-            raise ValueError(f"{where} must be {what}, got {value}")
-        return value
+        return parse_int(value, where, minimum=minimum, what=what)
     return as_int(value, where, minimum=minimum, what=what)
+
+
+def option_from_text(name: str, text: str, where: str | None = None):
+    """The value of staircase option `name` written as text (a tool's `name=value`): an int for the integer
+    options (a plain decimal integer, `_ints.parse_int`: "64", not "+64" or "64.0"), the text itself for
+    the choice options (bwd_mode, gqa, kv_layout, inner; the constructor checks the choice). Raises
+    ValueError naming `where` (default "staircase <name>") for an integer option's malformed text, or
+    for an unknown option name."""
+    where = where or f"staircase {name}"
+    if name not in _DEFAULTS:
+        raise ValueError(f"{where}: unknown staircase option {name!r} (one of {', '.join(_DEFAULTS)})")
+    if name in _CHOICES or name == "inner":
+        return text.strip()
+    minimum = 0 if name in _ZERO_OK else 1
+    return parse_int(text, where, minimum=minimum, what="a non-negative int" if minimum == 0 else "a positive int")
 
 
 # ------------------------------------------------------------------------------------------ the plan
@@ -814,10 +822,12 @@ class StaircaseAttentionKernel:
             self._side[key] = [torch.cuda.Stream(device=device) for _ in range(self.streams)]
         return self._side[key]
 
-    def check_dtype(self, dtype, device=None):
+    def check_dtype(self, dtype, device=None, head_dim=None):
         """Raise ValueError when this backend cannot run `dtype` on `device` (CUDA: cuDNN, bf16/fp16 only;
         CPU: the CPU flash kernel, fp16/bf16/fp32/fp64), or its inner kernel cannot. The ops call it once
-        per call, before their first data collective, so every rank raises."""
+        per call, before their first data collective, so every rank raises. `head_dim`: D when known; it
+        resolves inner="auto" to the kernel the call will run (D < 16 is "math"; None: the choice for an
+        unknown D, which may be another kernel)."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
             ok = (torch.bfloat16, torch.float16)
@@ -828,13 +838,13 @@ class StaircaseAttentionKernel:
         if dtype not in ok:
             raise ValueError(f"backend='staircase' supports q/k/v dtypes {ok} on {dev.type} (cuDNN attention on "
                              f"CUDA), got {dtype}; use backend='flex' or 'math'")
-        inner = self.inner_kernel(dev, dtype, None)
+        inner = self.inner_kernel(dev, dtype, head_dim)
         if hasattr(inner, "check_dtype"):
             inner.check_dtype(dtype, dev)
 
     def _check(self, q, k, v, mask):
         check_call(q, k, v, mask)
-        self.check_dtype(q.dtype, q.device)
+        self.check_dtype(q.dtype, q.device, head_dim=q.shape[2])
         if q.is_cuda and (q.shape[2] % 8 or q.shape[2] > 256):
             raise ValueError(f"backend='staircase' (cuDNN) needs a head dim that is a multiple of 8 and <= 256, "
                              f"got {q.shape[2]}")

@@ -46,7 +46,7 @@ import importlib.util
 import os
 from typing import Optional
 
-from .._ints import as_int
+from .._ints import as_int, parse_int
 
 __all__ = [
     "CP_IMPLS",
@@ -516,10 +516,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     flag = "--splitkv-cp-ranks-per-node"
     if rpn is None and os.environ.get(RANKS_PER_NODE_ENV, "").strip():  # checked here too: fail at start-up
         raw, flag = os.environ[RANKS_PER_NODE_ENV].strip(), RANKS_PER_NODE_ENV
-        try:
-            rpn = int(raw)
-        except ValueError:
-            raise SplitKVArgumentError(f"{flag} must be a positive int, got {raw!r}") from None
+        rpn = parse_int(raw, flag, minimum=1, what="a positive int", error=SplitKVArgumentError)
     if rpn is not None:
         rpn = _as_int(rpn, flag)
         if rpn < 1:

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from .._ints import parse_int
 from ..kernels.base import IntervalMask
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -220,19 +221,14 @@ _MAX_FUSED_MIN_P = 1 << 14
 
 def env_positive_int(name: str, maximum: int | None = None):
     """The positive int in environment variable `name`, or None when it is unset or empty (whitespace
-    stripped). Raises ValueError naming the variable for anything else (not an int, < 1, or > `maximum`
-    when given: the message then names the limit, "a positive int <= maximum")."""
+    stripped). Raises ValueError naming the variable for anything else (not a plain decimal integer
+    (`_ints.parse_int`: "+2", "2.0", "1_0" are errors), < 1, or > `maximum` when given: the message then
+    names the limit, "a positive int <= maximum")."""
     env = os.environ.get(name, "").strip()
     if not env:
         return None
-    try:
-        value = int(env)
-    except ValueError:
-        value = 0
-    if value < 1 or (maximum is not None and value > maximum):
-        limit = "a positive int" if maximum is None else f"a positive int <= {maximum}"
-        raise ValueError(f"{name} must be {limit}, got {env!r}")
-    return value
+    limit = "a positive int" if maximum is None else f"a positive int <= {maximum}"
+    return parse_int(env, name, minimum=1, maximum=maximum, what=limit)
 
 
 def fused_bwd_gather_min_p() -> int:

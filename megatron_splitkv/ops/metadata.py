@@ -1040,6 +1040,26 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
 
 
+def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_size, chunk_axis=None) -> tuple:
+    """(chunks, ranks per node, pieces, fused-gather min P, chunk-axis code) requested for the agreement row
+    of `impl`.
+
+    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / exchange_pieces / chunk_axis, or
+    environment variable (read here, so that a malformed value raises on every rank), is a ValueError
+    naming it and the limit whatever the impl. Used by splitkv only: the baselines get (0, 1, 0,
+    FUSED_BWD_GATHER_MIN_P, 0) (one chunk, L = 1, automatic pieces, rows); "must divide P" is about the
+    two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
+    chunks_req = _requested_chunks(num_chunks)
+    pieces_req = _requested_pieces(exchange_pieces)
+    fused_req = fused_bwd_gather_min_p()
+    axis_req = _requested_axis(chunk_axis)
+    if impl == "splitkv":
+        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), pieces_req, fused_req, axis_req
+    as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
+    env_positive_int(RANKS_PER_NODE_ENV)
+    return 0, 1, 0, FUSED_BWD_GATHER_MIN_P, 0
+
+
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
@@ -1075,23 +1095,25 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         device: device of the calls' tensors; default q_seq's device. The metadata is moved there.
         group_check: make every call exchange its shape verdict group-wide (one tiny all-gather and a
             host sync per call) so that a mismatch on one rank raises on all ranks; default False.
-        num_chunks: impl "splitkv" only (ignored by the baselines): how many query chunks the op
-            pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None = the
-            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
+        num_chunks: used by impl "splitkv" only (the baselines check it, then ignore it): how many query
+            chunks the op pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None =
+            the environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
             inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
             Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
-        cp_ranks_per_node: impl "splitkv" only (ignored by the baselines): L, the CP ranks per node of the
-            two-level all-to-all of the forward merge and the dQ exchange (`resolve_ranks_per_node`):
-            None = the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; a
-            positive int dividing P. 1 or P: the single all-to-all (bit-identical to before the option);
+        cp_ranks_per_node: used by impl "splitkv" only (the baselines check that it and the variable are
+            None or positive ints, then ignore them): L, the CP ranks per node of the two-level
+            all-to-all of the forward merge and the dQ exchange (`resolve_ranks_per_node`): None = the
+            environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; a positive int
+            dividing P. 1 or P: the single all-to-all (bit-identical to before the option);
             1 < L < P: node n = CP ranks [n * L, (n + 1) * L) (L consecutive CP ranks must share a node);
             its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
             L); a collective over the CP group). Must be the same on every rank.
-        exchange_pieces: impl "splitkv" only: the row pieces of the two-level forward exchange per chunk
-            (docs/perf-notes.md item 19, `resolve_exchange_pieces`): None = the environment variable
-            MEGATRON_SPLITKV_EXCHANGE_PIECES, else automatic (2 with 1 < L < P at num_chunks 1, else 1);
-            a positive int <= 64, clamped to the smallest chunk's block count; ignored (1) on the flat path
-            (L = 1 or L = P). Must be the same on every rank.
+        exchange_pieces: used by impl "splitkv" only (the baselines check it, then ignore it): the row
+            pieces of the two-level forward exchange per chunk (docs/perf-notes.md item 19,
+            `resolve_exchange_pieces`): None = the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES,
+            else automatic (2 with 1 < L < P at num_chunks 1, else 1); a positive int <= 64, clamped to the
+            smallest chunk's block count; ignored (1) on the flat path (L = 1 or L = P). Must be the same on
+            every rank.
         chunk_axis: impl "splitkv" only: what the `num_chunks` chunks split (ops/splitkv.py item 3, "Head
             chunks"; docs/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
             (every chunk ALL rows with Hq / k query heads and Hkv / k kv heads, GQA groups whole; k clamped to
@@ -1119,13 +1141,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
         values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
         missing or an index beyond its GPUs),
-        bad block_size / head counts / head_dim / dtype / impl / num_chunks, Hq % Hkv != 0,
-        cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE) not a positive int or not dividing the CP
-        group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."), exchange_pieces (or
-        MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive int <= 64, or block_size, Hq, Hkv, D, dtype, impl,
-        group_check, the requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing
-        across ranks; chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads"; and when the node
-        sub-groups cannot be created consistently (see `comm.node_groups`).
+        bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, num_chunks (or
+        MEGATRON_SPLITKV_NUM_CHUNKS) not a positive int, cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE)
+        not a positive int or (splitkv) not dividing the CP group size P ("cp_ranks_per_node=3 must divide
+        the CP group size P=4 ..."), exchange_pieces (or MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive
+        int <= 64, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads" (these for every impl:
+        the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
+        requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing across ranks; and
+        when the node sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
     """
@@ -1149,12 +1172,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         else:
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
-        chunks_req = _requested_chunks(num_chunks) if canon == "splitkv" else 0
-        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if canon == "splitkv" else 1
-        pieces_req = _requested_pieces(exchange_pieces) if canon == "splitkv" else 0
-        axis_req = _requested_axis(chunk_axis) if canon == "splitkv" else 0
-        # environment variables read later in the run: parsed here, so a malformed value raises on every rank
-        fused_req = fused_bwd_gather_min_p() if canon == "splitkv" else FUSED_BWD_GATHER_MIN_P
+        chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
+            canon, num_chunks, cp_ranks_per_node, exchange_pieces, group.size, chunk_axis)
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req)]
@@ -1230,11 +1249,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.defer(reads, name)  # read with the metadata's other host values: one sync
         else:
             rng.check()
-        chunks_req = _requested_chunks(num_chunks) if name == "splitkv" else 0
-        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, group.size) if name == "splitkv" else 1
-        pieces_req = _requested_pieces(None) if name == "splitkv" else 0  # the environment variable only
-        axis_req = _requested_axis(chunk_axis) if name == "splitkv" else 0
-        fused_req = fused_bwd_gather_min_p() if name == "splitkv" else FUSED_BWD_GATHER_MIN_P
+        # exchange pieces: the environment variable only (the ops take no argument)
+        chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
+            name, num_chunks, cp_ranks_per_node, None, group.size, chunk_axis)
         validate_kernel_env()
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
