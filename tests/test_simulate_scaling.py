@@ -1171,3 +1171,106 @@ def test_measured_mode_cpu_head_chunks(tmp_path):
     assert ks == {1, 2}, ks  # 3 clamps to Hkv = 2
     assert all(r["compute_source"].startswith("measured") for r in res["rows"])
     assert all(np.isfinite(r["total_ms"]) and r["total_ms"] > 0 for r in res["rows"])
+
+
+# ------------------------------------------------ uneven head splits, reversed backward order (perf-notes item 22)
+
+HEADS = os.path.join(ROOT, "docs", "results", "simulate_heads_2026-11-30k_h200x2.json")
+
+
+def test_replay_even_head_split_is_todays_k2_and_uneven_reversed_gains(tmp_path):
+    """`--replay --head-split 4,4` in forward order is today's k = 2 heads row bit for bit (same per-chunk kernel
+    times, same records: factor exactly 1); the split rows keep the bytes per collective name; 6/2 with the
+    reversed backward is faster than 4/4 at P = 64, L = 8 (+ overlap, node) and has a positive break-even."""
+    import simulate_scaling as ss
+
+    res = ss.main(["--replay", HEADS, "--bwd-gather", "auto", "--head-split", "4,4:6,2",
+                   "--bwd-chunk-order", "forward,reverse", "--out", str(tmp_path)])
+    rows = [r for r in res["rows"] if r["method"] == "splitkv"]
+
+    def key(r):
+        return r["P"], r["placement"], r["topology"], r["overlap_q_gather"], r["variant"]
+
+    today = {key(r): r for r in rows if r["num_chunks"] == 2 and r["head_split"] is None}
+    split = {(key(r), tuple(r["head_split"]), r["bwd_order"]): r for r in rows if r["head_split"]}
+    assert today and len(split) == 4 * len(today)
+    for kk, t in today.items():
+        even = split[(kk, (4, 4), "forward")]
+        for f in ("total_ms", "exposed_comm_ms", "compute_ms", "comm_ms"):
+            assert even[f] == t[f], (kk, f)
+        assert even["gain_vs_even_ms"] == 0.0 and even["break_even_extra"] == 0.0
+        for o in ("forward", "reverse"):
+            assert split[(kk, (6, 2), o)]["bytes_by_name"].keys() == t["bytes_by_name"].keys()
+            for name, b in t["bytes_by_name"].items():
+                assert split[(kk, (6, 2), o)]["bytes_by_name"][name] == pytest.approx(b, abs=2), name
+            assert split[(kk, (6, 2), o)]["compute_ms"] == pytest.approx(t["compute_ms"], rel=1e-12)
+    kk = (64, "lpt", "node", True, "auto/L=8")
+    rev = split[(kk, (6, 2), "reverse")]
+    assert rev["total_ms"] < split[(kk, (6, 2), "forward")]["total_ms"] < today[kk]["total_ms"]
+    assert rev["gain_vs_even_ms"] == pytest.approx(today[kk]["total_ms"] - rev["total_ms"], rel=1e-12)
+    assert 0 < rev["break_even_extra"] < 1
+    assert "Head splits, topology 'node'" in (tmp_path / "simulate_scaling.md").read_text()
+
+
+@pytest.mark.parametrize("P,L", [(16, 1), (64, 1), (64, 8)])
+def test_reversed_backward_with_an_even_split_equals_forward(P, L):
+    """With equal per-chunk kernel times and an even head split every chunk's lists are equal, so processing the
+    backward's chunks in reverse order changes nothing; an uneven split does change the time (6/2 vs its reverse)."""
+    import simulate_scaling as ss
+
+    link = ss.link_from_dict(json.load(open(HEADS))["link"], "node")
+    nb = 512 // P
+    kw = dict(fwd_fraction=0.29, proj_ms=(0.4, 0.8), bwd_gather="auto", cp_ranks_per_node=L, D=128)
+    for split in ((4, 4), (2, 2, 2, 2), (8,)):
+        recs = bench.predicted_records("splitkv", P=P, rank=0, n_blocks=[nb] * P, n_ctx=[1000] * P, B=16, Hq=32,
+                                       Hkv=8, D=128, metadata=True, num_chunks=len(split), cp_ranks_per_node=L)
+        recs = ss.head_split_records(recs, split, nb)
+        comp = [8.0 / len(split)] * len(split)
+        fwd = ss.splitkv_time_ms(P, comp, recs, link, **kw)
+        assert ss.splitkv_time_ms(P, comp, recs, link, bwd_order="reverse", **kw) == fwd
+    recs = ss.head_split_records(bench.predicted_records(
+        "splitkv", P=P, rank=0, n_blocks=[nb] * P, n_ctx=[1000] * P, B=16, Hq=32, Hkv=8, D=128, metadata=True,
+        num_chunks=2, cp_ranks_per_node=L), (6, 2), nb)
+    comp = ss.head_split_compute(8.0, (6, 2))
+    assert comp == [6.0, 2.0]
+    assert ss.splitkv_time_ms(P, comp, recs, link, bwd_order="reverse", **kw) != \
+        ss.splitkv_time_ms(P, comp, recs, link, **kw)
+    with pytest.raises(ValueError, match="bwd_order must be one of"):
+        ss.splitkv_time_ms(P, comp, recs, link, bwd_order="backward", **kw)
+
+
+def test_head_split_records_scale_each_chunk_by_its_heads():
+    """Chunk c's messages are (h_c / Hkv) of the one-chunk call's, whatever the row chunks' shares (3 row chunks
+    of 8 blocks: 2 / 3 / 3 blocks); records of another chunk count are refused."""
+    import simulate_scaling as ss
+
+    def recs(k):
+        return bench.predicted_records("splitkv", P=4, rank=1, n_blocks=[8] * 4, n_ctx=[100] * 4, B=16, Hq=32, Hkv=8,
+                                       D=128, metadata=True, num_chunks=k)
+
+    one = {r.op: r.msg for r in recs(1)}
+    for split in ((2, 4, 2), (5, 2, 1), (1, 1, 6)):
+        out = ss.head_split_records(recs(3), split, 8)
+        for r in out:
+            assert r.msg == pytest.approx(one[r.op] * split[r.step] / 8, rel=1e-12), (split, r.op, r.step)
+    with pytest.raises(ValueError, match="not of 3 chunks"):
+        ss.head_split_records(recs(1), (2, 4, 2), 8)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--head-split", "5,2"], "--head-split"),
+    (["--head-split", "4,4:6,x"], "--head-split"),
+    (["--head-split", "8,0"], "--head-split"),
+    (["--bwd-chunk-order", "sideways"], "--bwd-chunk-order"),
+])
+def test_head_split_flag_errors(argv, flag, tmp_path, capsys):
+    """A split that does not sum to Hkv (8 in the saved run), a non-int or a zero head count, an unknown order:
+    argparse errors naming the flag."""
+    import simulate_scaling as ss
+
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--replay", HEADS, "--out", str(tmp_path)] + argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err, err
+    if argv[1] == "5,2":
+        assert "summing to Hkv = 8" in err

@@ -278,8 +278,15 @@ def test_agreement_row_encoding():
     for chunks, pieces, L, fused, axis in ((0, 0, 1, 9, 0), ((1 << 23) - 1, 64, 1 << 16, 1 << 14, 1),
                                            ((1 << 23) - 1, 64, 1 << 16, 1 << 14, 0), (3, 2, 8, 1, 1), (7, 1, 2, 9, 0)):
         row = [0] * 10 + [_request_code(chunks, L, fused, pieces, axis)]
-        assert _decoded([row])[0][11:] == [chunks, L, fused, pieces, axis]
+        assert _decoded([row])[0][11:] == [chunks, L, fused, pieces, axis, 0]  # 0: no head split
     assert _request_code(5, 2, 9) == _request_code(5, 2, 9, 0)  # no request: the rows as before item 19's field
+    # a head split (perf-notes item 22): k in column 11, its code + 1 in column 16, the other fields intact
+    codes = set()
+    for split in ((6, 2), (2, 6), (4, 4), (8,), (2, 1, 5), tuple(range(1, 9)) + (28,)):
+        d = _decoded([[0] * 10 + [_request_code(0, 8, 9, 64, 1, split)]])[0]
+        assert d[11:16] == [min(len(split), 31), 8, 9, 64, 1] and d[16] > 0, split
+        codes.add(d[16])
+    assert len(codes) == 6
 
 
 def test_piece_major_packing():

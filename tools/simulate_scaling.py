@@ -24,8 +24,12 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     `--chunk-axis heads`: splitkv's chunks are the op's head chunks (ops/splitkv.py item 3; k clamped to
     Hkv): measured mode times k calls over all rows with Hq / k, Hkv / k heads and one mask, dK / dV written per
     chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
-    per-chunk bytes are those of row chunks (the same bytes per collective name; uneven head splits not
-    modelled), and model-only mode uses the same chunk-loss model.
+    per-chunk bytes are those of row chunks (the same bytes per collective name), and model-only mode uses the
+    same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22) in `--replay` only: `--head-split 6,2`
+    (several with ':') adds rows whose per-chunk bytes (`head_split_records`) and kernel time
+    (`head_split_compute`: the saved k-chunk total x the chunk's heads share) are proportional to its heads,
+    `--bwd-chunk-order reverse` runs their backward chunks in the order k-1..0; each row reports its gain over
+    the even split and the break-even extra kernel cost.
   - communication: the exact per-collective messages the op issues (`bench.predicted_records`, checked
     against comm_stats in tests/test_simulate_scaling.py), each timed by `bench.LinkModel` under every
     `--topology` (default node,flat; the first is the headline; formulas in the LinkModel docstring):
@@ -451,6 +455,87 @@ DEFAULT_TWO_LEVEL_WAIT = "relay"
 #: (read bf16, write + read fp32, accumulate) at ~4 TB/s. Measured mode times it on the GPU instead.
 MERGE_GBS = 800.0
 
+#: `--bwd-chunk-order`: the order the backward processes the chunks in (`splitkv_time_ms`): forward = 0..k-1 (the
+#: op today), reverse = k-1..0 (uneven head chunks: the forward's small last chunk is the backward's first)
+BWD_CHUNK_ORDERS = ("forward", "reverse")
+
+
+def default_head_split(k, Hkv):
+    """The kv heads per chunk of the op's k head chunks (`chunk_bounds(k, Hkv)`), as a tuple."""
+    return tuple(g1 - g0 for g0, g1 in bench.chunk_bounds(int(k), int(Hkv)))
+
+
+def parse_head_splits(value, Hkv, flag="--head-split"):
+    """`--head-split`: one or more head splits separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of
+    kv heads per chunk: positive ints summing to Hkv (k = the list's length, 1 <= k <= Hkv). Returns a list
+    of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise."""
+    out = []
+    for part in [p.strip() for p in str(value).split(":") if p.strip()]:
+        try:
+            split = tuple(int(x) for x in part.split(","))
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a comma list of ints (kv heads per chunk)") from None
+        if any(h < 1 for h in split) or sum(split) != Hkv:
+            raise ValueError(f"{flag}: {part!r} must be positive kv-head counts summing to Hkv = {Hkv} "
+                             f"(sum {sum(split)})")
+        if split not in out:
+            out.append(split)
+    return out
+
+
+def head_split_records(recs, split, n_blocks):
+    """The op's collectives with head chunks of `split` kv heads (`parse_head_splits`) from the records
+    `bench.predicted_records` gives for num_chunks = k = len(split) ROW chunks of `n_blocks` blocks per rank
+    (chunk c = blocks `chunk_bounds(k, n_blocks)[c]` of every rank): every per-chunk message is proportional
+    to its chunk's rows x heads (Q, [O | lse], [dO | stats], dQ, and the two-level stages alike), so chunk c's
+    records (and their exchange pieces) are scaled by (h_c / Hkv) / (rows_c / rows): all rows, h_c of the
+    Hkv heads. The bytes per collective name are unchanged; an even split whose shares equal the row chunks'
+    (k dividing both) gives the records back bit for bit (factor exactly 1). Records not chunked (step -1 or
+    names outside `_SPLITKV_CHUNKED`) are kept. Raises ValueError when the records hold another chunk count."""
+    k, hkv, nb = len(split), sum(split), int(n_blocks)
+    bounds = bench.chunk_bounds(k, nb)
+    out = []
+    for r in recs:
+        name = r.op.split(".", 1)[1]
+        if name not in _SPLITKV_CHUNKED or r.step < 0:
+            out.append(r)
+            continue
+        if r.step >= k:
+            raise ValueError(f"head_split_records: record {r.op} of chunk {r.step}, but the split has {k} chunks")
+        b0, b1 = bounds[r.step]
+        num, den = split[r.step] * nb, hkv * (b1 - b0)
+        f = 1 if num == den else num / den
+        out.append(dataclasses.replace(r, msg=r.msg * f, bytes=r.bytes * f))
+    if {r.step for r in out if r.op.split(".", 1)[1] in _SPLITKV_CHUNKED and r.step >= 0} != set(range(k)):
+        raise ValueError(f"head_split_records: the records are not of {k} chunks (n_blocks {nb} < k?)")
+    return out
+
+
+def head_split_compute(total_ms, split):
+    """Per-chunk fwd+bwd kernel ms of head chunks `split`: the k-chunk loop's total x h_c / Hkv (stated
+    assumption: a chunk's kernel time is proportional to its heads, the chunk loss spread alike; unmeasured
+    for uneven chunks)."""
+    hkv = sum(split)
+    return [float(total_ms) * h / hkv for h in split]
+
+
+def break_even_extra(time_of, t_ref, hi=1.0, tol=1e-6):
+    """The largest uniform extra kernel cost x (a fraction of the split's kernel time) with time_of(x) <= t_ref,
+    by bisection (time_of non-decreasing in x): how much more than modelled the split's kernels may cost
+    before its gain over t_ref is gone. 0.0 when time_of(0) >= t_ref (no gain); hi when still faster there."""
+    if time_of(0.0) >= t_ref:
+        return 0.0
+    if time_of(hi) < t_ref:
+        return hi
+    lo = 0.0
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        if time_of(mid) < t_ref:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
 
 @dataclasses.dataclass(frozen=True)
 class Coll:
@@ -661,7 +746,7 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
 
 def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0), bwd_gather="auto",
                     cp_ranks_per_node=1, D=None, elem=2, acc=4, merge_gbs=MERGE_GBS, two_level_wait=DEFAULT_TWO_LEVEL_WAIT,
-                    detail=None):
+                    detail=None, bwd_order="forward"):
     """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
     (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
     (split forward / backward by `fwd_fraction`). Records not chunked (the self-contained call's
@@ -678,8 +763,13 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     is built on CUDA: stage 1 waited, merged and stage 2 issued on a relay stream, `_advance_two_level`),
     "deferred" (the op before perf-notes item 18: stage 1 of chunk c waited on the compute stream after
     chunk c + 1's kernel was issued; `splitkv_forward_ms`) or "inline" (a what-if: waited right after the
-    chunk's own kernel).
+    chunk's own kernel). bwd_order (`BWD_CHUNK_ORDERS`): "forward" = the backward processes the chunks in
+    the forward's order 0..k-1 (the op today); "reverse" = in the order k-1..0 (prefetch, kernels and dQ
+    all-to-alls in that order: the backward schedule gets the chunks' lists reversed), so that with uneven
+    head chunks (`head_split_records`) the forward's small LAST chunk is the backward's small FIRST one.
     """
+    if bwd_order not in BWD_CHUNK_ORDERS:
+        raise ValueError(f"bwd_order must be one of {BWD_CHUNK_ORDERS}, got {bwd_order!r}")
     if two_level_wait not in TWO_LEVEL_WAITS:
         raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
     n = max(len(comp_calls_ms), 1)
@@ -715,7 +805,11 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
         DO, DO1 = col("bwd.dout", "N1"), col("bwd.dout", "N2")
     else:
         DO, DO1 = col("bwd.dout"), None
-    t_b = splitkv_backward_ms(DO, col("bwd.stats"), KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1,
+    ST = col("bwd.stats")
+    if bwd_order == "reverse":  # the backward's per-chunk lists in its processing order k-1..0
+        DO, ST, KB, RQ = DO[::-1], ST[::-1], KB[::-1], RQ[::-1]
+        RQ1, NS, DO1 = (None if x is None else x[::-1] for x in (RQ1, NS, DO1))
+    t_b = splitkv_backward_ms(DO, ST, KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1,
                               relay=relay)
     serial = [x.ms(link) for x in cs["serial"]]
     # every chunk's collectives in the records' order (chunk by chunk, forward then backward), as summed before
@@ -875,6 +969,10 @@ def check_args(ap, args):
         ap.error(f"--hidden must be >= 1, got {args.hidden}")
     if not (np.isfinite(args.chunk_loss) and (args.chunk_loss >= 0 or args.chunk_loss == -1.0)):
         ap.error(f"--chunk-loss must be a finite number >= 0 (or -1: the fitted {CHUNK_LOSS}), got {args.chunk_loss}")
+    if args.head_split.strip():
+        ap.error("--head-split: only with --replay (the measured and model-only modes time the op's own splits: "
+                 "--chunk-axis heads --num-chunks)")
+    bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS, "backward chunk order")
     args._topologies = bench.choices_arg(ap, "--topology", args.topology, ("node", "flat"), "topology")
     args._bwd_gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
                                                              "backward gather")))
@@ -937,6 +1035,17 @@ def main(argv=None):
                     help="splitkv: what the chunks split (the op's chunk_axis): rows (query blocks; default) or "
                          "heads (all rows with Hq / k, Hkv / k heads per chunk, k clamped to --Hkv): measured mode "
                          "times the head chunks as the op runs them; the per-chunk bytes model is unchanged")
+    ap.add_argument("--head-split", default="",
+                    help="splitkv head chunks of uneven sizes (docs/perf-notes.md item 22): one or more splits separated "
+                         "by ':', each a comma list of kv heads per chunk summing to --Hkv, e.g. 4,4:6,2:2,4,2 (k = the "
+                         "list's length). With --replay: one more row per split (bytes and kernel time per chunk "
+                         "proportional to its heads; the kernel time from the saved k = len(split) row's total, "
+                         "interpolated in k where the run did not time that k), each with its gain over the even split "
+                         "and the break-even extra kernel cost")
+    ap.add_argument("--bwd-chunk-order", default="forward",
+                    help="comma list of forward / reverse: the order the backward processes the chunks of the "
+                         "--head-split rows in (reverse = k-1..0: the forward's small last chunk becomes the "
+                         "backward's first); one row per value")
     ap.add_argument("--chunk-loss", type=float, default=-1.0,
                     help=f"modelled kernel time lost per extra chunk, fraction of the one-chunk kernel time "
                          f"(-1: {CHUNK_LOSS}, fitted on the NVLink chunk A/B at CP=2 128K, docs/benchmarks.md). "
@@ -1417,13 +1526,24 @@ def replay_main(ap, args):
                                                    "backward gather")))
     with open(args.replay) as f:
         saved = json.load(f)
+    orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS,
+                                                  "backward chunk order")))
+    try:
+        splits = parse_head_splits(args.head_split, int(saved["args"]["Hkv"]))
+    except ValueError as e:
+        ap.error(str(e))
+    except KeyError as e:
+        ap.error(f"--replay: {args.replay} lacks {e}")
     try:
         res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait,
-                     exchange_pieces=exchange_pieces_arg(ap, args.exchange_pieces))
+                     exchange_pieces=exchange_pieces_arg(ap, args.exchange_pieces), head_splits=splits,
+                     bwd_orders=orders)
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
     os.makedirs(args.out, exist_ok=True)
     md = f"Replay of {args.replay}: {res['replay']['note']}.\n\n" + render(res)
+    if splits:
+        md += "\n\n" + render_head_splits(res)
     with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
@@ -1527,7 +1647,8 @@ def link_from_dict(d, topology=None):
                            pxn=bool(d.get("pxn", True)))
 
 
-def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0):
+def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0,
+           head_splits=None, bwd_orders=("forward",)):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
     saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
@@ -1543,6 +1664,17 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     automatic choice; 1 = one exchange per chunk, the op before perf-notes item 19); args.exchange_pieces of
     the result is the one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
     source and note); the same inputs with the saved run's variants, schedule and tree reproduce its rows.
+
+    head_splits (`parse_head_splits`; head chunks, docs/perf-notes.md item 22): besides the saved rows, one more
+    row per split x `bwd_orders` (`BWD_CHUNK_ORDERS`) x P > 1 x topology x overlap x variant, with the row's
+    "head_split" and "bwd_order": collectives of `head_split_records` (bytes per chunk proportional to its
+    heads), kernel time per chunk `head_split_compute` of the saved k = len(split) row's total (the measured
+    chunk loop: its chunk loss), or, for a k the run did not time, of the total interpolated linearly in k
+    between the nearest saved k below and above (none above: no row); the op's own even split
+    (`default_head_split`) of a saved k keeps that row's per-chunk times. Each such row also has
+    "gain_vs_even_ms" (T of the same k's even split, forward order, minus its T; the even split's row when
+    requested, else the saved k row) and "break_even_extra" (`break_even_extra`: the extra kernel cost, as a
+    fraction, at which that gain is gone). The saved rows get head_split None, bwd_order "forward".
     Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
     import argparse as _ap
 
@@ -1564,28 +1696,86 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
         if r["method"] == "splitkv":
             groups.setdefault((r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"]), r)
     rows = []
-    for (P, pl, k, topo, ovl), r in groups.items():
+    Hkv = int(a.Hkv)
+    recs_memo = {}
+
+    def compute(P, pl, k, topo, ovl, r, per_call, v, order="forward", split=None, extra=0.0):
         key = (P, pl if P > 1 else first)
         if key not in plans:
             plans[key] = build_problem(P, a, key[1] if P > 1 else "lpt")
         plan = plans[key]
         nb = [plan.blocks_per_rank] * P
         nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
-        for v in variants:
-            L = v["cp_ranks_per_node"]
+        L = v["cp_ranks_per_node"]
+        rkey = (key, r["slowest_rank"], k, L, split)
+        if rkey not in recs_memo:
             recs = bench.predicted_records("splitkv", P=P, rank=r["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
                                            Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
-                                           num_chunks=k, cp_ranks_per_node=min(L, P), **pieces_kw(a._exchange_pieces))
-            det = {}
-            t = method_time("splitkv", P, r["per_call_ms"], recs, links[topo], fwd_fraction=a.fwd_fraction,
-                            overhead_ms=r["overhead_ms"], proj_ms=(r["proj_fwd_ms"], r["proj_bwd_ms"]) if ovl
-                            else (0.0, 0.0), bwd_gather=v["bwd_gather"], cp_ranks_per_node=L, D=a.D, elem=2, acc=4,
-                            merge_gbs=merge, two_level_wait=a.two_level_wait, detail=det)
-            row = dict(r)
-            row.update(variant_fields(v, det, L))
-            row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
-            row.update(t)
-            rows.append(row)
+                                           num_chunks=k, cp_ranks_per_node=min(L, P),
+                                           **pieces_kw(a._exchange_pieces))
+            recs_memo[rkey] = recs if split is None else head_split_records(recs, split, plan.blocks_per_rank)
+        recs = recs_memo[rkey]
+        det = {}
+        t = method_time("splitkv", P, [x * (1.0 + extra) for x in per_call], recs, links[topo],
+                        fwd_fraction=a.fwd_fraction, overhead_ms=r["overhead_ms"],
+                        proj_ms=(r["proj_fwd_ms"], r["proj_bwd_ms"]) if ovl else (0.0, 0.0), bwd_gather=v["bwd_gather"],
+                        cp_ranks_per_node=L, D=a.D, elem=2, acc=4, merge_gbs=merge, two_level_wait=a.two_level_wait,
+                        detail=det, bwd_order=order)
+        row = dict(r)
+        row.update(variant_fields(v, det, L))
+        row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
+        row.update(t)
+        row.update(num_chunks=k, per_call_ms=list(per_call), head_split=None if split is None else list(split),
+                   bwd_order=order)
+        return row
+
+    for (P, pl, k, topo, ovl), r in groups.items():
+        for v in variants:
+            rows.append(compute(P, pl, k, topo, ovl, r, r["per_call_ms"], v))
+    for split in head_splits or []:
+        ks = len(split)
+        for (P, pl, topo, ovl) in dict.fromkeys((P, pl, topo, ovl) for (P, pl, _, topo, ovl) in groups if P > 1):
+            saved_k = sorted(k for (P2, pl2, k, t2, o2) in groups if (P2, pl2, t2, o2) == (P, pl, topo, ovl))
+            total = {k: float(sum(groups[(P, pl, k, topo, ovl)]["per_call_ms"])) for k in saved_k}
+            if ks in total:
+                r = groups[(P, pl, ks, topo, ovl)]
+                if split == default_head_split(ks, Hkv):
+                    per_call, src = list(r["per_call_ms"]), r["compute_source"]
+                else:
+                    per_call, src = head_split_compute(total[ks], split), f"saved k={ks} total x heads share"
+            else:
+                lo = [k for k in saved_k if k < ks]
+                hi = [k for k in saved_k if k > ks]
+                if not lo or not hi:
+                    continue
+                k0, k1 = lo[-1], hi[0]
+                tot = total[k0] + (total[k1] - total[k0]) * (ks - k0) / (k1 - k0)
+                r = groups[(P, pl, k0, topo, ovl)]
+                per_call, src = head_split_compute(tot, split), f"k={k0}/k={k1} totals interpolated x heads share"
+            for v in variants:
+                for order in bwd_orders:
+                    row = compute(P, pl, ks, topo, ovl, r, per_call, v, order, split)
+                    row["compute_source"] = src
+                    row["_args"] = (P, pl, ks, topo, ovl, r, per_call, v, order, split)
+                    rows.append(row)
+    if head_splits:  # the gain over the same k's even split (forward order) and its break-even kernel cost
+        def ref_key(row):
+            return (row["P"], row["placement"], row["num_chunks"], row["topology"], row["overlap_q_gather"],
+                    row["variant"])
+        even = {}
+        for row in rows:
+            if row["bwd_order"] == "forward" and (row["head_split"] is None or tuple(row["head_split"]) ==
+                                                  default_head_split(row["num_chunks"], Hkv)):
+                if row["head_split"] is not None or ref_key(row) not in even:
+                    even[ref_key(row)] = row["total_ms"]
+        for row in rows:
+            args_ = row.pop("_args", None)
+            if args_ is None:
+                continue
+            ref = even.get(ref_key(row))
+            row["gain_vs_even_ms"] = None if ref is None else ref - row["total_ms"]
+            row["break_even_extra"] = None if ref is None else break_even_extra(
+                lambda x: compute(*args_, extra=x)["total_ms"], ref)
     rows += [dict(r) for r in saved["rows"] if r["method"] != "splitkv"]
     set_efficiency(rows, min(r["P"] for r in rows))
     res = dict(saved)
@@ -1621,13 +1811,47 @@ def _solo_group():
     return _SOLO[0]
 
 
+def split_label(r):
+    """"6/2" (+ " rev" for the reversed backward order) of a row with a --head-split, else ""."""
+    if not r.get("head_split"):
+        return ""
+    return "/".join(str(h) for h in r["head_split"]) + (" rev" if r.get("bwd_order") == "reverse" else "")
+
+
+def render_head_splits(res):
+    """Markdown: the --head-split rows of a replay (topology by topology, with the projection overlap as the
+    headline uses it): T(P), exposed communication, compute, efficiency, the gain over the same k's even split
+    (forward order) and the break-even extra kernel cost (`replay`)."""
+    ovl = res["args"].get("overlap_q_gather", "on") == "on"
+    hdr = ["P", "variant", "k", "split (kv heads)", "bwd order", "T(P) ms", "exposed ms", "compute ms", "efficiency",
+           "gain vs even split ms", "break-even extra kernel cost"]
+    parts = []
+    for topo in res.get("topologies", ["flat"]):
+        body = []
+        sel = [r for r in res["rows"] if r["method"] == "splitkv" and r.get("head_split") and r["topology"] == topo
+               and bool(r["overlap_q_gather"]) == ovl]
+        for r in sorted(sel, key=lambda r: (r["P"], r["cp_ranks_per_node"], r["variant"], r["num_chunks"])):
+            g, be = r.get("gain_vs_even_ms"), r.get("break_even_extra")
+            body.append([r["P"], r["variant"], r["num_chunks"], "/".join(map(str, r["head_split"])), r["bwd_order"],
+                         f"{r['total_ms']:.3f}", f"{r['exposed_comm_ms']:.3f}", f"{r['compute_ms']:.3f}",
+                         f"{100 * r['efficiency']:.1f}%", "-" if g is None else f"{g:+.3f}",
+                         "-" if be is None else (f"{100 * be:.1f}% ({be * r['compute_ms']:.3f} ms)")])
+        if body:
+            parts.append(f"Head splits, topology '{topo}'{' + projection overlap' if ovl else ''} (kernel time per "
+                         f"chunk = the k-chunk total x its heads share; gain = T of the same k's even split in forward "
+                         f"order - T; break-even = the extra kernel cost of the split at which that gain is gone)\n\n"
+                         + bench.md_table(hdr, body))
+    return "\n\n".join(parts)
+
+
 def label(res, r):
     """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines, and "+ovl"
     when the layer overlaps the Q gather / dQ all-to-all with the k/v projections."""
     k = r.get("num_chunks", 1)
     var = f" [{r['variant']}]" if len(res.get("variants") or []) > 1 and r.get("variant") else ""
     if r["method"] == "splitkv" and (res.get("chunked_pipeline") or k != 1):
-        return f"splitkv k={k}" + (" +ovl" if r.get("overlap_q_gather") else "") + var
+        sp = split_label(r)
+        return f"splitkv k={k}" + (f" [{sp}]" if sp else "") + (" +ovl" if r.get("overlap_q_gather") else "") + var
     if r["method"] == "splitkv" and r.get("overlap_q_gather"):
         return "splitkv +ovl" + var
     return r["method"] + (var if r["method"] == "splitkv" else "")
@@ -1655,7 +1879,7 @@ def summarize(res):
     def cell(r):
         return None if r is None else dict(T=r["total_ms"], exposed=r["exposed_comm_ms"], efficiency=r["efficiency"],
                                            k=r.get("num_chunks", 1), source=r["compute_source"],
-                                           variant=r.get("variant"))
+                                           variant=r.get("variant"), split=split_label(r))
 
     out = []
     for topo in res.get("topologies", ["flat"]):
@@ -1694,7 +1918,8 @@ def render_summary(res):
     def fmt(c, with_k=False):
         if not c:
             return "-"
-        return (f"k={c['k']}: " if with_k else "") + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%"
+        return ((f"k={c['k']}{' ' + c['split'] if c.get('split') else ''}: " if with_k else "")
+                + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%")
 
     parts = []
     summ = res.get("summary") or summarize(res)

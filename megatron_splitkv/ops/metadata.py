@@ -162,6 +162,74 @@ def _requested_axis(chunk_axis) -> int:
     return CHUNK_AXES.index(chunk_axis)
 
 
+#: environment variable giving Split-KV's uneven head split when `head_split` is None (docs/perf-notes.md item
+#: 22): a comma list of kv heads per chunk, e.g. "6,2"; only with chunk_axis "heads"
+HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
+#: bit 31 of the agreement rows' request code: set when a head split is requested (the low 23 bits then hold
+#: k + (split code << 5), `_head_split_code`)
+_SPLIT_FLAG = 1 << 31
+
+
+def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None):
+    """The requested head split (kv heads per chunk, a tuple) or None: head_split, else the environment variable
+    MEGATRON_SPLITKV_HEAD_SPLIT (unset or empty: None). Positive ints summing to Hkv = num_heads_kv, only with
+    the chunk axis "heads" (axis code 1), and num_chunks None or len(split) (the split fixes k; the variable
+    MEGATRON_SPLITKV_NUM_CHUNKS does not apply then). Raises ValueError naming the argument or the variable."""
+    import os  # noqa: PLC0415
+
+    what = "head_split"
+    if head_split is None:
+        value = os.environ.get(HEAD_SPLIT_ENV, "").strip()
+        if not value:
+            return None
+        what = HEAD_SPLIT_ENV
+        try:
+            split = tuple(int(x) for x in value.split(","))
+        except ValueError:
+            raise ValueError(f"{HEAD_SPLIT_ENV} must be a comma list of positive ints (kv heads per chunk, summing "
+                             f"to Hkv = {num_heads_kv}), got {value!r}") from None
+    else:
+        if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
+            raise ValueError(f"head_split must be None or a sequence of positive ints (kv heads per chunk), got "
+                             f"{head_split!r}")
+        split = tuple(as_int(h, "head_split", minimum=1, what="a sequence of positive ints") for h in head_split)
+    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
+        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
+                         f"{','.join(map(str, split))}")
+    if axis != 1:
+        raise ValueError(f"{what} needs chunk_axis 'heads' (or {CHUNK_AXIS_ENV}=heads): it splits the kv heads")
+    if num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=1) != len(split):
+        raise ValueError(f"num_chunks={num_chunks} differs from the {len(split)} chunks of {what}="
+                         f"{','.join(map(str, split))} (the split fixes the chunk count: pass num_chunks=None)")
+    return split
+
+
+def _head_split_code(split) -> int:
+    """The low 23 bits of the agreement rows' request code for a head split: min(k, 31) + (c << 5), c = the
+    bitmask of its cut positions (partial sums below Hkv) when Hkv <= 18, else a 17-bit CRC of the split (equal
+    splits, equal codes; different splits differ except for a CRC collision at Hkv > 18)."""
+    import zlib  # noqa: PLC0415
+
+    hkv = sum(split)
+    if hkv <= 18:
+        c, acc = 0, 0
+        for h in split[:-1]:
+            acc += h
+            c |= 1 << (acc - 1)
+    else:
+        c = zlib.crc32(",".join(map(str, split)).encode()) & 0x1FFFF
+    return min(len(split), 31) + (c << 5)
+
+
+def _heads_of_split(split, grp: int) -> list:
+    """Per chunk the q-head range (h0, h1) of a head split (kv heads per chunk; G = grp q heads per kv head)."""
+    out, g0 = [], 0
+    for h in split:
+        out.append((g0 * grp, (g0 + h) * grp))
+        g0 += h
+    return out
+
+
 def resolve_chunk_axis(chunk_axis=None) -> str:
     """Split-KV's chunk axis (ops/splitkv.py item 3, "Head chunks"): chunk_axis ("rows" | "heads"), else the
     environment variable MEGATRON_SPLITKV_CHUNK_AXIS, else "rows". Raises ValueError (naming the argument or
@@ -226,20 +294,29 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
 
 
 def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P,
-                  pieces_req: int = 0, axis: int = 0) -> int:
+                  pieces_req: int = 0, axis: int = 0, head_split=None) -> int:
     """Column 10 of the agreement rows: the requested chunk count in the low 23 bits, the chunk axis code
     (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, the requested exchange pieces (0 = automatic, <=
     `MAX_EXCHANGE_PIECES`) in bits 24-31, L - 1 in bits 32-47, the fused backward gather's threshold
-    (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before."""
+    (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before.
+    head_split (a tuple, `_requested_head_split`): bit 31 set and the low 23 bits = `_head_split_code` instead
+    of the requested chunk count (k = len(split)); None leaves the code as before."""
+    if head_split is not None:
+        chunks_req = _SPLIT_FLAG + _head_split_code(head_split)
     return chunks_req + (axis << 23) + (pieces_req << 24) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
 
 
 def _decoded(table):
-    """The agreement table with five derived columns appended to every row: 11 = requested num_chunks,
-    12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the requested exchange pieces,
-    15 = the chunk axis code (decoded from column 10; not sent)."""
-    return [list(row) + [row[10] & _MAX_REQUESTED_CHUNKS, ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48,
-                         (row[10] >> 24) & 0xFF, (row[10] >> 23) & 1]
+    """The agreement table with six derived columns appended to every row: 11 = requested num_chunks (a head
+    split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the
+    requested exchange pieces, 15 = the chunk axis code, 16 = the head split's code + 1 (0: none; decoded
+    from column 10; not sent)."""
+    def split(code):
+        return bool(code & _SPLIT_FLAG) if code >= 0 else False
+
+    return [list(row) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
+                         ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48, (row[10] >> 24) & 0x7F, (row[10] >> 23) & 1,
+                         ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0]
             for row in table]
 
 
@@ -412,6 +489,8 @@ class SplitKVMetadata:
     num_chunks_requested: int = 0
     chunk_axis: str = "rows"
     chunk_heads: list = None
+    #: the requested uneven head split (kv heads per chunk, docs/perf-notes.md item 22), None: the even split
+    head_split: tuple = None
     cp_ranks_per_node: int = 1
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     exchange_pieces_requested: int = 0
@@ -519,6 +598,7 @@ class SplitKVMetadata:
             if _comm_device(group, device).type != device.type:
                 raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
             validate_kernel_env()
+            _refuse_head_split_env("host-built metadata (bind)")
             fused = fused_bwd_gather_min_p() if self.impl == "splitkv" else FUSED_BWD_GATHER_MIN_P
             if rec.chunks_env is not None and _requested_chunks(None) != rec.chunks_env:
                 raise ValueError(f"{NUM_CHUNKS_ENV} resolves to {_requested_chunks(None)} here but to "
@@ -993,11 +1073,14 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
     heads = meta.chunk_axis == "heads"
     # head chunks: k clamped to [1, Hkv], every chunk all rows (the k = 1 chunk), its heads GQA groups whole
-    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, meta.num_heads_kv if heads else nb_max)
+    split = getattr(meta, "head_split", None) if heads else None  # an uneven head split fixes k (item 22)
+    meta.num_chunks = len(split) if split else resolve_num_chunks(meta.num_chunks_requested, P,
+                                                                  meta.num_heads_kv if heads else nb_max)
     hq, grp = meta.num_heads_q, meta.num_heads_q // meta.num_heads_kv
     if heads:
         meta.chunks = [(0, nb_max)] * meta.num_chunks
-        meta.chunk_heads = [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)]
+        meta.chunk_heads = (_heads_of_split(split, grp) if split else
+                            [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)])
     else:
         meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
         meta.chunk_heads = [(0, hq)] * meta.num_chunks
@@ -1040,7 +1123,18 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
 
 
-def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_size, chunk_axis=None) -> tuple:
+def _refuse_head_split_env(where: str) -> None:
+    """ValueError when MEGATRON_SPLITKV_HEAD_SPLIT is set: `where` does not take a head split yet (only
+    `prepare_splitkv_metadata` does), so the variable must not be silently ignored there."""
+    import os  # noqa: PLC0415
+
+    if os.environ.get(HEAD_SPLIT_ENV, "").strip():
+        raise ValueError(f"{HEAD_SPLIT_ENV} is set, but {where} does not support a head split yet (only "
+                         "prepare_splitkv_metadata does); unset it or build the metadata with prepare_splitkv_metadata")
+
+
+def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_size, chunk_axis=None,
+                      head_split_ok=False) -> tuple:
     """(chunks, ranks per node, pieces, fused-gather min P, chunk-axis code) requested for the agreement row
     of `impl`.
 
@@ -1053,6 +1147,8 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_s
     pieces_req = _requested_pieces(exchange_pieces)
     fused_req = fused_bwd_gather_min_p()
     axis_req = _requested_axis(chunk_axis)
+    if impl == "splitkv" and not head_split_ok:
+        _refuse_head_split_env("a call without metadata=")
     if impl == "splitkv":
         return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), pieces_req, fused_req, axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
@@ -1063,7 +1159,7 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_s
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
-                             exchange_pieces=None, chunk_axis=None) -> SplitKVMetadata:
+                             exchange_pieces=None, chunk_axis=None, head_split=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1120,6 +1216,14 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = the environment
             variable MEGATRON_SPLITKV_CHUNK_AXIS ("rows" | "heads"), else "rows". Must be the same on every
             rank (agreed like num_chunks). Same results up to fp rounding, same bytes per collective name.
+        head_split: impl "splitkv" with chunk_axis "heads" only (docs/perf-notes.md item 22): the kv heads of
+            each chunk, positive ints summing to Hkv, e.g. (6, 2); it fixes k = len(head_split) (num_chunks
+            must be None or equal; MEGATRON_SPLITKV_NUM_CHUNKS does not apply). None = the environment
+            variable MEGATRON_SPLITKV_HEAD_SPLIT (a comma list, e.g. "6,2"), else the even split
+            (`chunk_bounds`). An uneven split runs the backward's chunks in reverse order (k-1..0: the forward's
+            small last chunk is the backward's small first one); results are bit-identical to that split in
+            forward order (head chunks' dK / dV and dQ are written per chunk, nothing is summed across
+            chunks). Agreed group-wide like num_chunks (a code of the split in the agreement row).
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1173,10 +1277,15 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
-            canon, num_chunks, cp_ranks_per_node, exchange_pieces, group.size, chunk_axis)
+            canon, num_chunks, cp_ranks_per_node, exchange_pieces, group.size, chunk_axis, head_split_ok=True)
+        split = None
+        if canon == "splitkv":
+            split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
+        elif head_split is not None:
+            raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req)]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1187,15 +1296,16 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, device, err), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (11, "num_chunks (requested)"), (15, "chunk_axis"), (12, "cp_ranks_per_node"),
-                               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)")))
+                               (11, "num_chunks (requested)"), (15, "chunk_axis"), (16, "head_split"),
+                               (12, "cp_ranks_per_node"), (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"),
+                               (14, "exchange_pieces (requested)")))
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        exchange_pieces_requested=table[0][14], chunk_axis=CHUNK_AXES[table[0][15]],
+        exchange_pieces_requested=table[0][14], chunk_axis=CHUNK_AXES[table[0][15]], head_split=split,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1290,7 +1400,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 #: 11-14 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (11, "num_chunks (requested)"), (15, "chunk_axis"), (12, "cp_ranks_per_node"),
+               (11, "num_chunks (requested)"), (15, "chunk_axis"), (16, "head_split"), (12, "cp_ranks_per_node"),
                (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)"))
 
 
@@ -1407,7 +1517,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis))]
+                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
+                                 getattr(meta, "head_split", None))]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend, lanes)
@@ -1442,7 +1553,8 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis))]
+                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
+                                 getattr(meta, "head_split", None))]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
 
@@ -1795,10 +1907,15 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     """
     name = "check_environment_agreement"
     group = resolve_group(cp_group)
-    err, row = "", [-1] * 5
+    err, row = "", [-1] * 6
     try:
+        import os  # noqa: PLC0415
+        import zlib  # noqa: PLC0415
+
+        split_env = os.environ.get(HEAD_SPLIT_ENV, "").strip()  # compared as text (Hkv is not known here)
         row = [_requested_chunks(None), resolve_ranks_per_node(None, group.size), exchange_pieces_env(),
-               fused_bwd_gather_min_p(), _requested_axis(None)]
+               fused_bwd_gather_min_p(), _requested_axis(None),
+               (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
         validate_kernel_env()
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
@@ -1808,7 +1925,8 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
                                (2, f"{RANKS_PER_NODE_ENV} (cp_ranks_per_node)"),
                                (3, f"{EXCHANGE_PIECES_ENV} (requested exchange pieces, 0 = unset)"),
                                (4, FUSED_BWD_GATHER_MIN_P_ENV),
-                               (5, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)")))
+                               (5, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
+                               (6, f"{HEAD_SPLIT_ENV} (head_split, unset = even)")))
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
@@ -1915,6 +2033,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
         pieces_req = _requested_pieces(exchange_pieces)
         axis_req = _requested_axis(chunk_axis)
+        _refuse_head_split_env("prepare_splitkv_metadata_from_plan (host-built metadata)")
         fused_req = fused_bwd_gather_min_p()
         validate_kernel_env()
         # the size table every rank would all-gather: equal block counts, the plan's context counts

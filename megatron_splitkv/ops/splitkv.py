@@ -203,6 +203,19 @@ def _head_split(meta) -> bool:
     return meta.chunk_axis == "heads" and meta.num_chunks > 1
 
 
+def _bwd_order(meta) -> list:
+    """The chunks in the order the backward processes them: k-1..0 for an uneven head split (`meta.head_split`,
+    docs/perf-notes.md item 22: the forward's small last chunk becomes the backward's small first one, so its
+    [dO | stats] gather, exposed before the first kernel, is small; the big chunk's dQ exchange goes last,
+    behind the caller's k/v projection backward), else 0..k-1. Bit-identical either way: a head chunk's dK /
+    dV and dQ are written into its own heads, nothing is summed across chunks."""
+    split = getattr(meta, "head_split", None)
+    n = len(meta.chunks)
+    if _head_split(meta) and split and len(set(split)) > 1:
+        return list(range(n - 1, -1, -1))
+    return list(range(n))
+
+
 def _chunk_heads(meta) -> list:
     """Per chunk its q-head range (h0, h1): `meta.chunk_heads`, or every head for metadata without it (built
     before head chunks existed, e.g. unpickled)."""
@@ -751,44 +764,48 @@ class _SplitKV(torch.autograd.Function):
             else:
                 pend_c = (all_gather(do_c, g, "splitkv.bwd.dout", async_op=True),
                           all_gather(st_c, g, "splitkv.bwd.stats", async_op=True))
-            if c == n - 1:
+            if c == order[-1]:
                 send.clear()
             return pend_c
 
-        pend_g, pend_dq, dk_x, dv_x = {}, [], None, None
-        issued, advanced = [0], [0]  # chunks whose (first-stage) gather / two-level stage 2 is issued
+        # the processing order (`_bwd_order`): position i runs chunk order[i]; gathers, kernels and dQ
+        # exchanges are issued in that order, the dQ pendings kept by chunk (the consumers read them by chunk)
+        order = _bwd_order(meta)
+        pend_g, pend_dq, dk_x, dv_x = {}, [None] * n, None, None
+        issued, advanced = [0], [0]  # positions whose (first-stage) gather / two-level stage 2 is issued
 
-        def prefetch(c):
-            """Before chunk c's kernel: the [dO | stats] gathers of chunks <= c + 1 issued, so chunk c + 1's
-            is in flight while kernel c runs. Two-level: stage 1 of chunks <= c + 2 and stage 2 of chunks
-            <= c + 1. The current stream waits for a chunk's stage 1 before its stage 2 is issued (a stream
-            wait, no host block), and that stage 1 was issued before the previous kernel, so the wait finds
-            it done (except for the first two chunks); stage 2 then runs during kernel c."""
-            while issued[0] < min(c + (2 if nodes == 1 else 3), n):
-                pend_g[issued[0]] = gather_stats(issued[0])
+        def prefetch(i):
+            """Before the kernel at position i: the [dO | stats] gathers of positions <= i + 1 issued, so the
+            next chunk's is in flight while this kernel runs. Two-level: stage 1 of positions <= i + 2 and
+            stage 2 of positions <= i + 1. The current stream waits for a chunk's stage 1 before its stage 2 is
+            issued (a stream wait, no host block), and that stage 1 was issued before the previous kernel, so
+            the wait finds it done (except for the first two chunks); stage 2 then runs during this kernel."""
+            while issued[0] < min(i + (2 if nodes == 1 else 3), n):
+                pend_g[order[issued[0]]] = gather_stats(order[issued[0]])
                 issued[0] += 1
-            while nodes > 1 and advanced[0] < min(c + 2, n):
-                pend_g[advanced[0]].advance()
+            while nodes > 1 and advanced[0] < min(i + 2, n):
+                pend_g[order[advanced[0]]].advance()
                 advanced[0] += 1
 
         dev = lse.device
         lanes = KernelLanes(dev, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
         relay = None if hier is None else RelayStream.get(dev)  # as in forward (item 18)
 
-        def launch(c):
-            prefetch(c)  # one chunk ahead of this kernel
+        def launch(i):  # position i (kernel lanes alternate by position): chunk c = order[i]
+            c = order[i]
+            prefetch(i)  # one chunk ahead of this kernel
             pend = pend_g.pop(c)
-            with lanes.launch(c):
+            with lanes.launch(i):
                 if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
                     buf = pend.take()
-                    lanes.use(c, buf)
+                    lanes.use(i, buf)
                     hc = heads[c][1] - heads[c][0]
                     do_all, stats_all = unpack_dout_stats(buf, g.size, hc, meta.head_dim, plan.acc, nodes=nodes)
                     del buf
                 else:
                     do_all, stats_all = pend[0].take(), pend[1].take()
-                    lanes.use(c, do_all, stats_all)
-                lanes.use(c, q_chunks[c], k_xs[c], v_xs[c])
+                    lanes.use(i, do_all, stats_all)
+                lanes.use(i, q_chunks[c], k_xs[c], v_xs[c])
                 # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
                 # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
                 # returned lse), as in the reference
@@ -800,18 +817,19 @@ class _SplitKV(torch.autograd.Function):
             ctx.states[c] = None
             return grads
 
-        for c, (dq_r, dk_c, dv_c) in lanes.pipeline(n, launch):
+        for i, (dq_r, dk_c, dv_c) in lanes.pipeline(n, launch):
+            c = order[i]
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
             if hier is None:
-                pend_dq.append(all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True))
-            else:  # two-level, as in forward: stage 1 now, chunk c - 1 advances to stage 2
+                pend_dq[c] = all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True)
+            else:  # two-level, as in forward: stage 1 now, the chunk before (in processing order) to stage 2
                 rc = (chunks[c][1] - chunks[c][0]) * bsz
                 send_dq = local_index_major(dq_r, hier[1].size, hier[0].size, dt)
-                pend_dq.append(_TwoStage(all_to_all(send_dq, hier[0], "splitkv.bwd.dq.intra", async_op=True),
-                                         _dq_stage2(meta, rc, plan.acc), relay))
+                pend_dq[c] = _TwoStage(all_to_all(send_dq, hier[0], "splitkv.bwd.dq.intra", async_op=True),
+                                       _dq_stage2(meta, rc, plan.acc), relay)
                 del send_dq
-                if c:
-                    pend_dq[c - 1].advance()
+                if i:
+                    pend_dq[order[i - 1]].advance()
             del dq_r
             if hsplit:  # a head chunk's dK / dV are final: cast / written into its kv heads of the result
                 if dk_x is None:
@@ -833,7 +851,7 @@ class _SplitKV(torch.autograd.Function):
         grads_kv = (unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt), cast(dk_b, dt),
                     cast(dv_b, dt))
         if hier is not None:
-            pend_dq[-1].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
+            pend_dq[order[-1]].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
         if gather is None:
             # the owner sums the P partials of its rows in fp32
             return (None, _sum_dq_partials(pend_dq, meta, rows, dt, plan.acc)) + grads_kv
@@ -848,8 +866,8 @@ class _SplitKV(torch.autograd.Function):
                 d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, h1 - h0, meta.head_dim)
                                    for (b0, b1), (h0, h1) in zip(chunks, heads))
         else:  # issued anyway (every rank issues the same collectives); nothing consumes them
-            for p in pend_dq:
-                p.wait()
+            for c in order:
+                pend_dq[c].wait()
             d_gathered = (None,) * n
         return (None, None) + grads_kv + (None,) + d_gathered
 

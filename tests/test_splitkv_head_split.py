@@ -1,0 +1,228 @@
+"""Split-KV's uneven head split with the backward's chunks in reverse order (`head_split` of
+`prepare_splitkv_metadata`, env MEGATRON_SPLITKV_HEAD_SPLIT; docs/perf-notes.md item 22).
+
+CPU, gloo, one spawn of 4 ranks (P = 1, 2, 3 on sub-groups): output, lse and all five gradients against the
+float64 reference for splits 6/2, 1/7, 2/1/5 (Hkv 8), uneven and empty shards, the two-level all-to-all (P = 4,
+L = 2, with exchange pieces), the early query gather, `metadata=` reused, the split from the environment
+variable; the metadata's chunk heads; bytes per collective name equal to the even split's; errors (single
+process) and ranks disagreeing (the same ValueError on every rank). The host-built paths refuse the variable.
+"""
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+
+import megatron_splitkv as msk
+from _dist import run_distributed
+from _splitkv_helpers import GRAD_NAMES, aggregate_records, build, case, check, local, loss_of, new_seed, small_inputs
+from megatron_splitkv import comm_stats
+from megatron_splitkv.ops.metadata import HEAD_SPLIT_ENV
+from megatron_splitkv.ops.splitkv import _bwd_order
+
+KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
+
+
+def _run(c, rank, group, split, job):
+    t = build(c)
+    x, meta, dout, dlse = local(t, c, rank)
+    env = job.get("env") and split is not None
+    kw = {} if env else {"head_split": split}
+    if env:
+        os.environ[HEAD_SPLIT_ENV] = ",".join(map(str, split))
+    try:
+        md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
+                                          block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                          head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, chunk_axis="heads",
+                                          num_chunks=None if split else job["k"], cp_ranks_per_node=job.get("L"),
+                                          exchange_pieces=job.get("pieces"), **kw)
+    finally:
+        os.environ.pop(HEAD_SPLIT_ENV, None)
+    outs = []
+    for _ in range(2):  # metadata= reused
+        xi = {n: v.detach().clone().requires_grad_(True) for n, v in x.items()}
+        with comm_stats() as st:
+            q = xi["q"] * 1.0 if job.get("early") else xi["q"]
+            handle = msk.splitkv_start_query_gather(q, metadata=md) if job.get("early") else None
+            out, lse = msk.splitkv_attention(q, xi["k_ctx"], xi["v_ctx"], xi["k_blk"], xi["v_blk"], metadata=md,
+                                             backend="math", return_lse=True, query_gather=handle)
+            loss_of(out, lse, dout, dlse).backward()
+        res = dict(out=out.detach().double(), lse=lse.detach().double(),
+                   records=[(r.op, r.kind, r.bytes) for r in st.records],
+                   order=[r.op for r in st.records if r.op.startswith("splitkv.bwd")])
+        for name, key in zip(GRAD_NAMES, KEYS):
+            g = xi[key].grad
+            res[name] = None if g is None else g.double()
+        outs.append(res)
+    res = outs[0]
+    res["repeat_equal"] = all(torch.equal(outs[1][n], res[n]) for n in ("out", "lse") + GRAD_NAMES
+                              if res[n] is not None)
+    res.update(k=md.num_chunks, chunk_heads=list(md.chunk_heads), bwd_order=_bwd_order(md))
+    return res
+
+
+def _worker(rank, world, jobs):
+    import torch.distributed as dist
+
+    groups = {P: dist.new_group(list(range(P))) for P in sorted({c["P"] for c, _ in jobs}) if P < world}
+    out = {}
+    for j, (c, job) in enumerate(jobs):
+        if rank < c["P"]:
+            out[j] = {"split": _run(c, rank, groups.get(c["P"]), job["split"], job),
+                      "even": _run(c, rank, groups.get(c["P"]), None, job)}
+    return out
+
+
+def _jobs(seed):
+    h8 = dict(Hq=16, Hkv=8)
+    tk = 13 + 7 + 20
+    c1 = case(seed, 1, blocks=[5], **h8)
+    c2e = case(seed + 1, 2, blocks=[0, 4], ctx=[tk, 0], **h8)  # a rank without blocks, a rank without context
+    c3 = case(seed + 2, 3, blocks=[2, 0, 3], ctx=[10, 25, 5], **h8)
+    c4 = case(seed + 3, 4, blocks=[3, 0, 6, 2], ctx=[10, 0, 25, 5], poison=True, p_invalid=0.3, **h8)
+    return [
+        (c1, dict(split=(6, 2), k=2)), (c2e, dict(split=(1, 7), k=2)), (c2e, dict(split=(6, 2), k=2, env=True)),
+        (c3, dict(split=(2, 1, 5), k=3, early=True)), (c4, dict(split=(6, 2), k=2)),
+        (c4, dict(split=(2, 1, 5), k=3, L=2, pieces=2)), (c4, dict(split=(6, 2), k=2, L=2, early=True)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def split_run():
+    jobs = _jobs(new_seed())
+    return jobs, run_distributed(_worker, 4, jobs, timeout=600)
+
+
+def test_head_split_exact_vs_reference_and_reused(split_run):
+    jobs, results = split_run
+    for j, (c, job) in enumerate(jobs):
+        per_rank = [results[r][j]["split"] for r in range(c["P"])]
+        check("splitkv", c, per_rank)
+        assert all(r["repeat_equal"] for r in per_rank), job
+
+
+def test_head_split_metadata_and_reversed_backward(split_run):
+    """chunk c = the split's kv heads (x G q heads); the uneven split's backward runs k-1..0 (its dQ exchanges are
+    issued last chunk first: the records' order), the even split's 0..k-1."""
+    jobs, results = split_run
+    for j, (c, job) in enumerate(jobs):
+        G = c["Hq"] // c["Hkv"]
+        for r in range(c["P"]):
+            res, even = results[r][j]["split"], results[r][j]["even"]
+            s, acc, want = job["split"], 0, []
+            for h in s:
+                want.append((acc * G, (acc + h) * G))
+                acc += h
+            assert res["k"] == len(s) and res["chunk_heads"] == want
+            assert res["bwd_order"] == list(range(len(s)))[::-1] and even["bwd_order"] == list(range(len(s)))
+
+
+def test_head_split_keeps_bytes_per_collective(split_run):
+    jobs, results = split_run
+    for j, (c, job) in enumerate(jobs):
+        for r in range(c["P"]):
+            a = aggregate_records(results[r][j]["split"]["records"])
+            b = aggregate_records(results[r][j]["even"]["records"])
+            assert {k: v[1] for k, v in a.items()} == {k: v[1] for k, v in b.items()}, (j, job)
+            assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}, (j, job)
+
+
+# ------------------------------------------------------------------------------- errors, copies, agreement
+
+
+def _prepare(m, **kw):
+    return msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                                        dtype=torch.float32, **kw)
+
+
+def test_head_split_errors_and_copies(monkeypatch):
+    monkeypatch.delenv(HEAD_SPLIT_ENV, raising=False)
+    x, m = small_inputs()
+    for bad, msg in (((1, 2), "head_split must be positive kv-head counts summing to Hkv = 2, got 1,2"),
+                     ((2, 0), "head_split must be a sequence of positive ints, got 0"), ("1,1", "head_split must be None or a sequence"),
+                     ((1.5, 0.5), "head_split must be"), ((True, True), "head_split must be")):
+        with pytest.raises(ValueError, match=msg):
+            _prepare(m, chunk_axis="heads", head_split=bad)
+    with pytest.raises(ValueError, match="head_split needs chunk_axis 'heads'"):
+        _prepare(m, chunk_axis="rows", head_split=(1, 1))
+    with pytest.raises(ValueError, match=r"num_chunks=1 differs from the 2 chunks of head_split=1,1"):
+        _prepare(m, chunk_axis="heads", head_split=(1, 1), num_chunks=1)
+    with pytest.raises(ValueError, match="head_split is for impl 'splitkv' only"):
+        _prepare(m, impl="ring_kv", head_split=(1, 1))
+    for bad in ("1,x", "3", "1,1,0"):
+        monkeypatch.setenv(HEAD_SPLIT_ENV, bad)
+        with pytest.raises(ValueError, match=HEAD_SPLIT_ENV):
+            _prepare(m, chunk_axis="heads")
+    monkeypatch.setenv(HEAD_SPLIT_ENV, "1,1")
+    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but a call without metadata="):
+        msk.splitkv_attention(*x.values(), *m.values(), block_size=4, chunk_axis="heads")
+    meta = _prepare(m, chunk_axis="heads")
+    assert meta.head_split == (1, 1) and meta.num_chunks == 2
+    monkeypatch.delenv(HEAD_SPLIT_ENV)
+    ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
+    assert torch.allclose(msk.splitkv_attention(*x.values(), metadata=meta), ref, atol=1e-6, rtol=1e-6)
+    for other in (copy.copy(meta), pickle.loads(pickle.dumps(meta))):
+        assert other.head_split == (1, 1) and other.chunk_heads == meta.chunk_heads
+        assert torch.equal(msk.splitkv_attention(*x.values(), metadata=other),
+                           msk.splitkv_attention(*x.values(), metadata=meta))
+
+
+def test_host_built_metadata_refuses_the_variable(monkeypatch):
+    import numpy as np
+
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+    from megatron_splitkv.planning import plan_context_parallel
+
+    plan = plan_context_parallel([13, 7], [np.array([0, 3, 9]), np.array([2])], block_size=4, cp_size=1,
+                                 chunk_size=4)
+    kw = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, chunk_axis="heads")
+    host = prepare_splitkv_metadata_from_plan(plan, 0, **kw)
+    monkeypatch.setenv(HEAD_SPLIT_ENV, "1,1")
+    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but prepare_splitkv_metadata_from_plan"):
+        prepare_splitkv_metadata_from_plan(plan, 0, **kw)
+    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but host-built metadata"):
+        host.bind(None, "cpu")
+
+
+def _disagree_worker(rank, world_size):
+    from megatron_splitkv.ops import check_environment_agreement
+
+    x, m = small_inputs(rank)
+    split = (1, 1) if rank == 0 else None  # the same k = 2, the split requested on rank 0 only
+    seen = []
+
+    def env_then(fn, value):
+        def run():
+            if value:
+                os.environ[HEAD_SPLIT_ENV] = value
+            try:
+                return fn()
+            finally:
+                os.environ.pop(HEAD_SPLIT_ENV, None)
+        return run
+
+    for what, fn, want in (
+        ("prepare", lambda: _prepare(m, chunk_axis="heads", num_chunks=2, head_split=split),
+         "head_split must be the same"),
+        ("prepare env", env_then(lambda: _prepare(m, chunk_axis="heads", num_chunks=2), "1,1" if rank == 0 else ""),
+         "head_split must be the same"),
+        ("check env", env_then(check_environment_agreement, "1,1" if rank == 0 else ""),
+         f"{HEAD_SPLIT_ENV} (head_split, unset = even)"),
+    ):
+        try:
+            fn()
+        except ValueError as exc:
+            assert want in str(exc), str(exc)
+            seen.append((what, str(exc)))
+        else:
+            raise AssertionError(f"{what}: no ValueError on rank {rank}")
+    meta = _prepare(m, chunk_axis="heads", head_split=(1, 1))  # still in step: an agreed prepare works
+    assert torch.isfinite(msk.splitkv_attention(*x.values(), metadata=meta)).all()
+    return seen
+
+
+def test_head_split_must_agree_across_ranks():
+    s0, s1 = run_distributed(_disagree_worker, 2, timeout=120)
+    assert s0 == s1 and len(s0) == 3
