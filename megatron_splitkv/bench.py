@@ -351,7 +351,7 @@ def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None):
 
 
 def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True, chunk_axis="rows",
-                 num_heads_kv=None):
+                 num_heads_kv=None, head_split=None):
     """The local-kernel calls `method` makes on `rank` under `plan`. Mirrors ops/*.py:
 
     - "splitkv": k calls (k = the op's chunk count for `num_chunks`, `resolve_chunks`; 1 in a tree
@@ -359,7 +359,9 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
       rank by rank, vs this rank's sorted keys; this rank's own blocks of the chunk also see their own
       keys (appended after the context keys). chunk_axis "heads" (the op's head chunks, ops/splitkv.py
       item 3; needs `num_heads_kv` = Hkv): k clamped to [1, Hkv], every call the all-rows call (one mask)
-      with `kv_heads` = `chunk_bounds(k, Hkv)[c]`, its pairs that share.
+      with `kv_heads` = `chunk_bounds(k, Hkv)[c]`, its pairs that share; `head_split` (kv heads per chunk,
+      positive ints summing to Hkv, e.g. (6, 2): the op's uneven split, docs/perf-notes.md item 22) instead
+      of the even split (k = len(head_split), num_chunks ignored).
     - "allgather-kv": one call, this rank's query blocks vs all context keys (+ own block).
     - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P; step 0 (its
       own shard) with the own block.
@@ -382,10 +384,18 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
         if chunk_axis == "heads":
             if not isinstance(num_heads_kv, int) or num_heads_kv < 1:
                 raise ValueError(f"chunk_axis='heads' needs num_heads_kv (a positive int), got {num_heads_kv!r}")
-            k = resolve_chunks(num_chunks, P, num_heads_kv)
+            if head_split is None:
+                bounds = chunk_bounds(resolve_chunks(num_chunks, P, num_heads_kv), num_heads_kv)
+            else:
+                split = [int(h) for h in head_split]
+                if not split or min(split) < 1 or sum(split) != num_heads_kv:
+                    raise ValueError(f"head_split must be positive ints summing to num_heads_kv={num_heads_kv}, "
+                                     f"got {tuple(head_split)}")
+                ends = np.cumsum(split).tolist()
+                bounds = list(zip([0] + ends[:-1], ends))
             one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block)[0]
             calls = []
-            for g0, g1 in chunk_bounds(k, num_heads_kv):
+            for g0, g1 in bounds:
                 c = KernelCall(**{f: getattr(one, f) for f in one.__dataclass_fields__})
                 share = (g1 - g0) / num_heads_kv
                 c.pairs, c.tile_pairs = one.pairs * share, one.tile_pairs * share

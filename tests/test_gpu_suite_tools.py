@@ -198,12 +198,14 @@ def test_suite_rejects_unknown_backend_before_any_step(tmp_path):
 def test_chunk_cost_cpu(tmp_path):
     """tools/chunk_cost.py --cpu: tiny defaults, every variant timed, the table and JSON written."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "chunk_cost.py"), "--cpu", "--backends", "math",
-                        "--chunks", "2", "--reps", "1", "--reverse", "--out", str(tmp_path)],
+                        "--chunks", "2", "--reps", "1", "--reverse", "--head-splits", "3,1:1,2,1", "--out",
+                        str(tmp_path)],
                        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.load(open(tmp_path / "chunk_cost.json"))["rows"]
     names = [x["variant"] for x in rows]
-    assert names == ["one call", "one call, reversed", "query k=2", "query k=2, reversed", "head k=2"], names
+    assert names == ["one call", "one call, reversed", "query k=2", "query k=2, reversed", "head k=2", "head 3/1",
+                     "head 1/2/1"], names
     assert all(x["ctx_per_rank"] == 256 and x["ms"] > 0 for x in rows)
     assert rows[0]["vs_one"] == 1.0
     md = (tmp_path / "chunk_cost.md").read_text()

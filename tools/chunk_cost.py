@@ -105,6 +105,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
     ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")
+    ap.add_argument("--head-splits", default="",
+                    help="also time uneven head chunks (the op's head_split, docs/perf-notes.md item 22): splits of "
+                         "the kv heads separated by ':', each a comma list summing to Hkv, e.g. 6,2:5,3 "
+                         "(variant 'head 6/2')")
     ap.add_argument("--reverse", action="store_true",
                     help="also time each query variant with its blocks in reverse order (largest prefixes first)")
     ap.add_argument("--lanes", type=int, default=2,
@@ -123,6 +127,7 @@ def main(argv=None):
     from megatron_splitkv.kernels import BACKENDS, get_kernel
 
     backends = bench.choices_arg(ap, "--backends", args.backends, BACKENDS, "backend")
+    splits = [bench.int_list_arg(ap, "--head-splits", sp, 1) for sp in args.head_splits.split(":") if sp.strip()]
     if args.cp < 1 or args.reps < 1 or args.anchors < 1:
         ap.error("--cp, --reps and --anchors must be >= 1")
     s = bench.QWEN3_8B_DRAFTER
@@ -133,6 +138,9 @@ def main(argv=None):
         sys.exit("chunk_cost.py: needs a CUDA device (or --cpu for a tiny smoke run)")
     else:
         dev, dtype = torch.device("cuda", 0), torch.bfloat16
+    for sp in splits:
+        if sum(sp) != Hkv:
+            ap.error(f"--head-splits: {','.join(map(str, sp))} must sum to the {Hkv} kv heads")
     cuda = dev.type == "cuda"
     try:  # before the measurement: an unusable --out must not cost the run
         os.makedirs(args.out, exist_ok=True)
@@ -167,6 +175,10 @@ def main(argv=None):
                     hc = bench.kernel_calls("splitkv", plan, r, num_chunks=k, chunk_axis="heads", num_heads_kv=Hkv)
                     names.append(f"head k={len(hc)}")
                     fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
+            for sp in splits:
+                hc = bench.kernel_calls("splitkv", plan, r, chunk_axis="heads", num_heads_kv=Hkv, head_split=sp)
+                names.append("head " + "/".join(map(str, sp)))
+                fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
                 if not cuda:  # no GPU measure on the CPU: None (the table reads n/a (CPU))
