@@ -5,7 +5,7 @@ CPU, gloo, one spawn of 4 ranks (P = 1, 2, 3 on sub-groups): output, lse and all
 float64 reference for splits 6/2, 1/7, 2/1/5 (Hkv 8), uneven and empty shards, the two-level all-to-all (P = 4,
 L = 2, with exchange pieces), the early query gather, `metadata=` reused, the split from the environment
 variable; the metadata's chunk heads; bytes per collective name equal to the even split's; errors (single
-process) and ranks disagreeing (the same ValueError on every rank). The host-built paths refuse the variable.
+process) and ranks disagreeing (the same ValueError on every rank); the host-built path (data pipeline) takes it too.
 """
 
 import copy
@@ -169,21 +169,41 @@ def test_head_split_errors_and_copies(monkeypatch):
                            msk.splitkv_attention(*x.values(), metadata=meta))
 
 
-def test_host_built_metadata_refuses_the_variable(monkeypatch):
+def test_host_built_metadata_takes_the_split(monkeypatch):
+    """prepare_splitkv_metadata_from_plan (the data pipeline's worker build) takes head_split as an argument
+    or from the variable, like prepare: bound, it equals prepare's metadata field for field (tests/
+    test_metadata_from_plan.py's comparison) and survives the data pipeline's packed recipe; bind refuses a
+    variable that changed since the build (the worker inherits the trainer's environment)."""
     import numpy as np
 
-    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+    from megatron_splitkv.ops import metadata as md
+    from megatron_splitkv.ops import prepare_splitkv_metadata, prepare_splitkv_metadata_from_plan
     from megatron_splitkv.planning import plan_context_parallel
+    from test_metadata_from_plan import meta_diff
 
     plan = plan_context_parallel([13, 7], [np.array([0, 3, 9]), np.array([2])], block_size=4, cp_size=1,
                                  chunk_size=4)
-    kw = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, chunk_axis="heads")
-    host = prepare_splitkv_metadata_from_plan(plan, 0, **kw)
-    monkeypatch.setenv(HEAD_SPLIT_ENV, "1,1")
-    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but prepare_splitkv_metadata_from_plan"):
+    kw = dict(block_size=4, num_heads_q=6, num_heads_kv=3, head_dim=8, dtype=torch.float32, chunk_axis="heads")
+    sl = plan.query_slice(0)
+    ref = prepare_splitkv_metadata(torch.from_numpy(plan.q_seq[sl].copy()), torch.from_numpy(plan.q_anchor[sl].copy()),
+                                   torch.from_numpy(plan.token_seq_ids(0)), torch.from_numpy(plan.token_positions(0)),
+                                   head_split=(2, 1), **kw)
+    assert ref.head_split == (2, 1) and ref.chunk_heads == [(0, 4), (4, 6)]
+    by_arg = prepare_splitkv_metadata_from_plan(plan, 0, head_split=(2, 1), **kw)
+    assert meta_diff(by_arg.bind(None, "cpu"), ref) == []
+    monkeypatch.setenv(HEAD_SPLIT_ENV, " 2, 1")
+    by_env = prepare_splitkv_metadata_from_plan(plan, 0, **kw)
+    assert by_env.head_split == (2, 1) and meta_diff(by_env.bind(None, "cpu"), ref) == []
+    packed = md._from_recipe(md._pack(md._unique_tensors(by_env), pin=False)[0], md._pack_recipe(by_env))
+    assert packed.head_split == (2, 1) and meta_diff(packed.bind(None, "cpu"), ref) == []
+    for changed in ("1,2", ""):
+        monkeypatch.setenv(HEAD_SPLIT_ENV, changed)
+        with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is '{changed}' here but was '2,1' where"):
+            by_env.bind(None, "cpu")
+        by_arg.bind(None, "cpu")  # given as an argument: the variable is not consulted
+    monkeypatch.setenv(HEAD_SPLIT_ENV, "+2,1")
+    with pytest.raises(ValueError, match=HEAD_SPLIT_ENV):
         prepare_splitkv_metadata_from_plan(plan, 0, **kw)
-    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but host-built metadata"):
-        host.bind(None, "cpu")
 
 
 def _disagree_worker(rank, world_size):

@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._ints import as_int
+from .._ints import as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
 from ..kernels.base import IntervalMask
@@ -184,7 +184,7 @@ def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=N
             return None
         what = HEAD_SPLIT_ENV
         try:
-            split = tuple(int(x) for x in value.split(","))
+            split = tuple(parse_int(x, HEAD_SPLIT_ENV) for x in value.split(","))
         except ValueError:
             raise ValueError(f"{HEAD_SPLIT_ENV} must be a comma list of positive ints (kv heads per chunk, summing "
                              f"to Hkv = {num_heads_kv}), got {value!r}") from None
@@ -202,6 +202,20 @@ def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=N
         raise ValueError(f"num_chunks={num_chunks} differs from the {len(split)} chunks of {what}="
                          f"{','.join(map(str, split))} (the split fixes the chunk count: pass num_chunks=None)")
     return split
+
+
+def _head_split_env_text() -> str:
+    """MEGATRON_SPLITKV_HEAD_SPLIT as the split it names, normalised ("6,2"; "" when unset or empty), for the
+    comparison of a host build's environment with the training process's (`SplitKVMetadata.bind`)."""
+    import os  # noqa: PLC0415
+
+    value = os.environ.get(HEAD_SPLIT_ENV, "").strip()
+    if not value:
+        return ""
+    try:
+        return ",".join(str(parse_int(x, HEAD_SPLIT_ENV)) for x in value.split(","))
+    except ValueError:
+        return value
 
 
 def _head_split_code(split) -> int:
@@ -598,7 +612,9 @@ class SplitKVMetadata:
             if _comm_device(group, device).type != device.type:
                 raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
             validate_kernel_env()
-            _refuse_head_split_env("host-built metadata (bind)")
+            if rec.split_env is not None and _head_split_env_text() != rec.split_env:
+                raise ValueError(f"{HEAD_SPLIT_ENV} is {_head_split_env_text()!r} here but was "
+                                 f"{rec.split_env!r} where the metadata was built; pass head_split")
             fused = fused_bwd_gather_min_p() if self.impl == "splitkv" else FUSED_BWD_GATHER_MIN_P
             if rec.chunks_env is not None and _requested_chunks(None) != rec.chunks_env:
                 raise ValueError(f"{NUM_CHUNKS_ENV} resolves to {_requested_chunks(None)} here but to "
@@ -1610,6 +1626,7 @@ class _HostBuild:
     buffer: torch.Tensor = None
     layout: list = None
     axis_env: int = None
+    split_env: str = None  # MEGATRON_SPLITKV_HEAD_SPLIT's text at build time ("" = unset), when it was read
 
 
 def _replace(obj, **changes):
@@ -1794,7 +1811,7 @@ def _pack_recipe(meta) -> tuple:
     offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
     hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
     list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env,
-    pieces_env, axis_env), the entries'
+    pieces_env, axis_env, split_env), the entries'
     `_compile_split` plan)."""
     import dataclasses  # noqa: PLC0415
 
@@ -1822,7 +1839,7 @@ def _pack_recipe(meta) -> tuple:
                     for n in _META_MASK_LISTS})
     values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
     return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
-            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env, rec.axis_env),
+            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env, rec.axis_env, rec.split_env),
             _compile_split(entries))
 
 
@@ -1851,7 +1868,7 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
             fields[n] = list(fields[n])
     fields["device"] = region.device
     fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
-                                      pieces_env=hb[4], axis_env=hb[5], buffer=region,
+                                      pieces_env=hb[4], axis_env=hb[5], split_env=hb[6], buffer=region,
                                       layout=[e[2] for e in entries])
     return SplitKVMetadata(**fields)
 
@@ -1933,7 +1950,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
                                        kv_pos=None, group_check=False, device="cpu",
                                        flex_block_masks=False, exchange_pieces=None,
-                                       chunk_axis=None) -> SplitKVMetadata:
+                                       chunk_axis=None, head_split=None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -1963,9 +1980,9 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             bf16 / fp16 / fp32 / fp64).
         impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
             `prepare_splitkv_metadata`).
-        num_chunks, cp_ranks_per_node, exchange_pieces, chunk_axis: as `prepare_splitkv_metadata`; None reads
-            MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES /
-            MEGATRON_SPLITKV_CHUNK_AXIS in
+        num_chunks, cp_ranks_per_node, exchange_pieces, chunk_axis, head_split: as `prepare_splitkv_metadata`;
+            None reads MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE /
+            MEGATRON_SPLITKV_EXCHANGE_PIECES / MEGATRON_SPLITKV_CHUNK_AXIS / MEGATRON_SPLITKV_HEAD_SPLIT in
             THIS process (a worker inherits the trainer's environment;
             `bind` checks that the variables resolve to the same values there).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
@@ -2033,7 +2050,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
         pieces_req = _requested_pieces(exchange_pieces)
         axis_req = _requested_axis(chunk_axis)
-        _refuse_head_split_env("prepare_splitkv_metadata_from_plan (host-built metadata)")
+        split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
         fused_req = fused_bwd_gather_min_p()
         validate_kernel_env()
         # the size table every rank would all-gather: equal block counts, the plan's context counts
@@ -2070,12 +2087,16 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         impl=canon, group=CommGroup(None, P, rank), block_size=block_size, num_heads_q=num_heads_q,
         num_heads_kv=num_heads_kv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"), n_blocks=[nb] * P,
         n_ctx=n_ctx, q_seq=q_seq_t, q_anchor=q_anchor_t, kv_seq=kv_seq_t, kv_pos=kv_pos_t, valid=valid,
-        group_check=bool(group_check), num_chunks_requested=chunks_req, cp_ranks_per_node=ranks_req,
+        group_check=bool(group_check),
+        # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
+        num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
         fused_bwd_gather_min_p=fused_req, exchange_pieces_requested=pieces_req, chunk_axis=CHUNK_AXES[axis_req],
+        head_split=split,
         host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
                               ranks_env=ranks_req if cp_ranks_per_node is None else None,
                               pieces_env=pieces_req if exchange_pieces is None else None,
-                              axis_env=axis_req if chunk_axis is None else None),
+                              axis_env=axis_req if chunk_axis is None else None,
+                              split_env=_head_split_env_text() if head_split is None else None),
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))

@@ -58,7 +58,14 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    k of every head). Why: FA4's backward iterates key tiles over query tiles, so halving the rows per call
    doubles its per-CTA prologue / epilogue and dK / dV writes; k = 2 query chunks cost 1.132x one call's
    kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
-   chunks up to fp rounding (tests/test_splitkv_head_chunks.py); the op's gain is not yet measured.
+   chunks up to fp rounding (tests/test_splitkv_head_chunks.py). Measured (docs/perf-notes.md item 21): k = 2
+   at CP = 2, 128K: NVLink 0.956x of k = 1 (rows 0.914x), sockets 1.233x (rows 1.211x).
+   Uneven head split (docs/perf-notes.md item 22; opt-in: `prepare_splitkv_metadata(..., head_split=(6, 2))`
+   or MEGATRON_SPLITKV_HEAD_SPLIT=6,2 with the head axis; prepare and the host-built metadata alike): chunk c
+   = the kv heads of the c-th part of the split; the backward then runs the chunks in REVERSE order
+   (`_bwd_order`), so the forward ends with the small chunk (its [O | lse] exchange is the exposed tail) and
+   the backward starts with it (its [dO | stats] gather is the exposed head). Bit-identical to the forward
+   order (head chunks sum nothing across chunks).
 4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
    that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
    Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
