@@ -43,7 +43,7 @@
 #   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gputests (FIRST, alone: pytest
 #      of SUITE_GPU_TESTS, default the GPU test files of kernels, lanes, merges, staircase, env), chunkcost
 #      (after simulate: tools/chunk_cost.py, one stream vs the op's kernel lanes at 16K / 64K keys; SUITE_CHUNKCOST_CP /
-#      _CTX / _CHUNKS / _BACKENDS, _HEADS=1 adds the head-chunk variants), gpucheck (gpu_check dist
+#      _CTX / _CHUNKS / _BACKENDS, _HEADS=1 adds the head-chunk variants, _SPLITS=6,2:5,3 uneven head splits), gpucheck (gpu_check dist
 #      exactness + timing table at 32K/128K), nightly (tests/nightly/run.sh, Megatron-Core from .whl),
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), stepcost (after pretrain:
 #      tools/step_overhead.py, planner + sharding + prepare + BlockMask against a real drafter training step
@@ -356,6 +356,7 @@ if want chunkcost; then
     --chunks "${SUITE_CHUNKCOST_CHUNKS:-2,4}" \
     --backends "$([[ $CPU == 1 ]] && echo math || echo "${SUITE_CHUNKCOST_BACKENDS:-flex,staircase}")" \
     $([[ "${SUITE_CHUNKCOST_HEADS:-0}" == 1 ]] || echo --no-heads) \
+    ${SUITE_CHUNKCOST_SPLITS:+--head-splits "$SUITE_CHUNKCOST_SPLITS"} \
     --reps 7 --out "$WORK/chunkcost" \
     $([[ $CPU == 1 ]] && echo "--cpu --anchors 8")
 fi
