@@ -1226,6 +1226,44 @@ def test_replay_even_head_split_is_todays_k2_and_uneven_reversed_gains(tmp_path)
     assert "Head splits, topology 'node'" in (tmp_path / "simulate_scaling.md").read_text()
 
 
+def test_replay_split_cost_json_scales_the_split_kernel_time(tmp_path):
+    """`--split-cost-json` (a tools/chunk_cost.py JSON with 'head 6/2' and 'head k=2' rows): the split rows' kernel
+    time is the saved k = 2 total x the measured ratio x heads share; ratio 1 reproduces the proportional
+    assumption exactly, a cheaper split is faster by that much compute; a JSON without the even row, or not a
+    chunk_cost JSON, is an error naming the flag."""
+    import simulate_scaling as ss
+
+    def cost(ratio, path, even=True):
+        rows = [dict(ctx_per_rank=16384, backend="fa4", variant="head 6/2", ms=8.0 * ratio)]
+        if even:
+            rows.append(dict(ctx_per_rank=16384, backend="fa4", variant="head k=2", ms=8.0))
+        path.write_text(json.dumps(dict(rows=rows)))
+        return str(path)
+
+    def split_rows(extra, out):
+        res = ss.main(["--replay", HEADS, "--bwd-gather", "auto", "--head-split", "6,2", "--bwd-chunk-order",
+                       "reverse", "--out", str(tmp_path / out)] + extra)
+        return {(r["P"], r["topology"], r["overlap_q_gather"], r["variant"]): r for r in res["rows"]
+                if r["method"] == "splitkv" and r["head_split"]}
+
+    base = split_rows([], "a")
+    same = split_rows(["--split-cost-json", cost(1.0, tmp_path / "c1.json")], "b")
+    cheap = split_rows(["--split-cost-json", cost(0.9, tmp_path / "c2.json")], "c")
+    assert base.keys() == same.keys() == cheap.keys() and base
+    for k, r in base.items():
+        assert same[k]["total_ms"] == pytest.approx(r["total_ms"], rel=1e-12)
+        assert cheap[k]["compute_ms"] == pytest.approx(0.9 * r["compute_ms"], rel=1e-9)
+        assert cheap[k]["total_ms"] < r["total_ms"]
+        assert "x 0.900 (measured split / even" in cheap[k]["compute_source"]
+    with pytest.raises(SystemExit):
+        ss.main(["--replay", HEADS, "--head-split", "6,2", "--split-cost-json", cost(1.0, tmp_path / "c3.json", False),
+                 "--out", str(tmp_path / "d")])
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(SystemExit):
+        ss.main(["--replay", HEADS, "--head-split", "6,2", "--split-cost-json", str(tmp_path / "bad.json"),
+                 "--out", str(tmp_path / "e")])
+
+
 @pytest.mark.parametrize("P,L", [(16, 1), (64, 1), (64, 8)])
 def test_reversed_backward_with_an_even_split_equals_forward(P, L):
     """With equal per-chunk kernel times and an even head split every chunk's lists are equal, so processing the

@@ -519,6 +519,34 @@ def head_split_compute(total_ms, split):
     return [float(total_ms) * h / hkv for h in split]
 
 
+def split_cost_ratios(ap, path, splits):
+    """`--split-cost-json`: {split: ms of "head a/b" / ms of "head k=len(split)"} from a tools/chunk_cost.py JSON
+    (the first context and kernel that has both), for the splits in `splits`; {} without a path. ap.error
+    naming the flag when the file is unreadable or has no even-split row for a split it times."""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("'rows' is not a list of rows")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        ap.error(f"--split-cost-json {path!r}: not a tools/chunk_cost.py JSON ({e})")
+    out = {}
+    for split in splits:
+        name = "head " + "/".join(map(str, split))
+        for r in rows:
+            if r.get("variant") != name:
+                continue
+            even = [x for x in rows if x.get("variant") == f"head k={len(split)}" and
+                    (x.get("ctx_per_rank"), x.get("backend")) == (r.get("ctx_per_rank"), r.get("backend"))]
+            if not even:
+                ap.error(f"--split-cost-json {path!r}: '{name}' has no 'head k={len(split)}' row to compare with")
+            out[tuple(split)] = float(r["ms"]) / float(even[0]["ms"])
+            break
+    return out
+
+
 def break_even_extra(time_of, t_ref, hi=1.0, tol=1e-6):
     """The largest uniform extra kernel cost x (a fraction of the split's kernel time) with time_of(x) <= t_ref,
     by bisection (time_of non-decreasing in x): how much more than modelled the split's kernels may cost
@@ -1042,6 +1070,10 @@ def main(argv=None):
                          "proportional to its heads; the kernel time from the saved k = len(split) row's total, "
                          "interpolated in k where the run did not time that k), each with its gain over the even split "
                          "and the break-even extra kernel cost")
+    ap.add_argument("--split-cost-json", default="",
+                    help="with --replay --head-split: a tools/chunk_cost.py JSON (--head-splits) whose measured ratio "
+                         "'head a/b' / 'head k=K' (the split vs the even split of the same k, one kernel, one context) "
+                         "scales the split's kernel time (instead of the proportional assumption alone)")
     ap.add_argument("--bwd-chunk-order", default="forward",
                     help="comma list of forward / reverse: the order the backward processes the chunks of the "
                          "--head-split rows in (reverse = k-1..0: the forward's small last chunk becomes the "
@@ -1534,10 +1566,11 @@ def replay_main(ap, args):
         ap.error(str(e))
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e}")
+    split_cost = split_cost_ratios(ap, args.split_cost_json, splits)
     try:
         res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait,
                      exchange_pieces=exchange_pieces_arg(ap, args.exchange_pieces), head_splits=splits,
-                     bwd_orders=orders)
+                     bwd_orders=orders, split_cost=split_cost)
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
     os.makedirs(args.out, exist_ok=True)
@@ -1648,7 +1681,7 @@ def link_from_dict(d, topology=None):
 
 
 def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0,
-           head_splits=None, bwd_orders=("forward",)):
+           head_splits=None, bwd_orders=("forward",), split_cost=None):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
     saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
@@ -1741,6 +1774,10 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
                 r = groups[(P, pl, ks, topo, ovl)]
                 if split == default_head_split(ks, Hkv):
                     per_call, src = list(r["per_call_ms"]), r["compute_source"]
+                elif split_cost and tuple(split) in split_cost:
+                    f = split_cost[tuple(split)]
+                    per_call = head_split_compute(total[ks] * f, split)
+                    src = f"saved k={ks} total x {f:.3f} (measured split / even, chunk_cost) x heads share"
                 else:
                     per_call, src = head_split_compute(total[ks], split), f"saved k={ks} total x heads share"
             else:
