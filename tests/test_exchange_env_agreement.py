@@ -116,14 +116,16 @@ def _pretrain_worker(rank, world):
 
     os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = str(1 + rank)
     mod = pretrain_in_worker("pretrain_dflash_env", rank, world)
-    it, _, _ = mod.train_valid_test_datasets_provider(None)
-    try:
+    it = None
+    try:  # raised when the data pipeline is created (before any metadata is built)
+        it, _, _ = mod.train_valid_test_datasets_provider(None)
         mod.forward_step(it, _Model())
         return None
     except ValueError as exc:
         return str(exc)
     finally:
-        it.close()
+        if it is not None:
+            it.close()
 
 
 def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
@@ -132,6 +134,49 @@ def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
     assert len(set(msgs)) == 1 and msgs[0] is not None, msgs
     assert "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks, 0 = unset) must be the same on every CP rank; " \
            "got [1, 2] (by rank)" in msgs[0], msgs[0]
+
+
+def _pretrain_malformed_worker(rank, world):
+    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers) with a Split-KV variable malformed on
+    rank 1 only: MEGATRON_SPLITKV_CHUNK_AXIS 'Heads' (rank 0: 'heads'), then MEGATRON_SPLITKV_NUM_CHUNKS '+2' (rank
+    0: '2'). Returns per scenario the ValueError message of this rank (None: no error)."""
+    from test_data_pipeline import _Model, pretrain_in_worker
+
+    out = []
+    for i, (var, bad, good) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "Heads", "heads"),
+                                          ("MEGATRON_SPLITKV_NUM_CHUNKS", "+2", "2"))):
+        for v in _VARS + ("MEGATRON_SPLITKV_CHUNK_AXIS",):
+            os.environ.pop(v, None)
+        os.environ[var] = bad if rank == 1 else good
+        it = None
+        try:
+            mod = pretrain_in_worker(f"pretrain_dflash_malformed{i}", rank, world)
+            it, _, _ = mod.train_valid_test_datasets_provider(None)
+            mod.forward_step(it, _Model())
+            out.append(None)
+        except ValueError as exc:
+            out.append(str(exc))
+        finally:
+            if it is not None:
+                it.close()
+    return out
+
+
+def test_pretrain_dflash_variable_malformed_on_one_rank_raises_on_every_rank():
+    """A Split-KV variable malformed on ONE rank (adversarial finding, session 9): the data pipeline built the
+    host metadata before `check_environment_agreement` ran, so that rank raised alone (in the metadata build)
+    and the other rank waited in the agreement's all-gather forever. Now the check runs when the pipeline is
+    created (train_valid_test_datasets_provider, before any metadata is built): the same ValueError on every
+    rank, naming the rank and the variable."""
+    pytest.importorskip("megatron.core")
+    res = run_distributed(_pretrain_malformed_worker, 2, timeout=240)
+    for j, (var, bad) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "'Heads'"),
+                                    ("MEGATRON_SPLITKV_NUM_CHUNKS", "'+2'"))):
+        msgs = {r[j] for r in res}
+        assert len(msgs) == 1, (var, msgs)  # the same on every rank
+        msg = msgs.pop()
+        assert msg is not None and msg.startswith("check_environment_agreement: ") and "rank 1" in msg \
+            and var in msg and bad in msg, (var, msg)
 
 
 if __name__ == "__main__":  # pragma: no cover
