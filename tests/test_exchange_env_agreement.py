@@ -137,23 +137,27 @@ def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
 
 
 def _pretrain_malformed_worker(rank, world):
-    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers) with a Split-KV variable malformed on
-    rank 1 only: MEGATRON_SPLITKV_CHUNK_AXIS 'Heads' (rank 0: 'heads'), then MEGATRON_SPLITKV_NUM_CHUNKS '+2' (rank
-    0: '2'). Returns per scenario the ValueError message of this rank (None: no error)."""
+    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers): first with head chunks on both
+    ranks (MEGATRON_SPLITKV_CHUNK_AXIS heads, NUM_CHUNKS 2), then with a Split-KV variable malformed on rank 1 only:
+    MEGATRON_SPLITKV_CHUNK_AXIS 'Heads' (rank 0: 'heads'), MEGATRON_SPLITKV_NUM_CHUNKS '+2' (rank 0: '2'). Returns
+    per scenario the bound metadata's (chunk_axis, num_chunks, chunk_heads) or the ValueError message."""
     from test_data_pipeline import _Model, pretrain_in_worker
 
     out = []
-    for i, (var, bad, good) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "Heads", "heads"),
-                                          ("MEGATRON_SPLITKV_NUM_CHUNKS", "+2", "2"))):
+    for i, env in enumerate(({"MEGATRON_SPLITKV_CHUNK_AXIS": "heads", "MEGATRON_SPLITKV_NUM_CHUNKS": "2"},
+                             {"MEGATRON_SPLITKV_CHUNK_AXIS": "Heads" if rank == 1 else "heads"},
+                             {"MEGATRON_SPLITKV_NUM_CHUNKS": "+2" if rank == 1 else "2"})):
         for v in _VARS + ("MEGATRON_SPLITKV_CHUNK_AXIS",):
             os.environ.pop(v, None)
-        os.environ[var] = bad if rank == 1 else good
+        os.environ.update(env)
         it = None
         try:
             mod = pretrain_in_worker(f"pretrain_dflash_malformed{i}", rank, world)
             it, _, _ = mod.train_valid_test_datasets_provider(None)
-            mod.forward_step(it, _Model())
-            out.append(None)
+            model = _Model()
+            mod.forward_step(it, model)
+            m = model.metadata[-1]  # the bound metadata the drafter got
+            out.append((m.chunk_axis, m.num_chunks, m.chunk_heads))
         except ValueError as exc:
             out.append(str(exc))
         finally:
@@ -170,8 +174,10 @@ def test_pretrain_dflash_variable_malformed_on_one_rank_raises_on_every_rank():
     rank, naming the rank and the variable."""
     pytest.importorskip("megatron.core")
     res = run_distributed(_pretrain_malformed_worker, 2, timeout=240)
+    # both ranks heads, 2 chunks: the metadata built in the pipeline splits the drafter's 2 kv heads (4 q heads)
+    assert [r[0] for r in res] == [("heads", 2, [(0, 2), (2, 4)])] * 2, res
     for j, (var, bad) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "'Heads'"),
-                                    ("MEGATRON_SPLITKV_NUM_CHUNKS", "'+2'"))):
+                                    ("MEGATRON_SPLITKV_NUM_CHUNKS", "'+2'")), start=1):
         msgs = {r[j] for r in res}
         assert len(msgs) == 1, (var, msgs)  # the same on every rank
         msg = msgs.pop()
