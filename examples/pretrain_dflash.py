@@ -293,6 +293,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
                                      kernel_backend=kernel_backend_from_args(args),
                                      cuda=_device().type == "cuda")
+        # before any metadata is built (here or in the workers): the build reads the Split-KV environment per
+        # process, so a variable malformed on one rank raised there alone while the others waited in the
+        # agreement's all-gather of the first micro-batch (hang); the same ValueError on every rank instead
+        _check_environment()
     it = prefetch_planned_batches(_batch_source(skip), args, mask_token_id=args.mask_token_id,
                                   gamma=args.loss_decay_gamma, feature_store=_STATE["store"],
                                   cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
@@ -328,6 +332,17 @@ def _cp_group():
     return ps.get_context_parallel_group()
 
 
+def _check_environment():
+    """Once per process, on every CP rank: host-built metadata reads the Split-KV environment (num_chunks, chunk
+    axis, exchange pieces, ...) per process; ranks that differ would issue different collectives in the op
+    (abort / hang), a value malformed on one rank would raise there alone: the same ValueError on every rank
+    instead (`ops.check_environment_agreement`, collective)."""
+    from megatron_splitkv.ops import check_environment_agreement
+
+    check_environment_agreement(_cp_group(), _device())
+    _STATE["env_agreed"] = True
+
+
 def _prepare_item(item):
     """A host PlannedBatch (plan, shard, blocks, features, metadata) -> PreparedItem (item, its upload on the
     device (non-blocking from pinned memory), the op's keyword arguments: its Split-KV metadata bound to the CP
@@ -338,13 +353,7 @@ def _prepare_item(item):
 
     dev = item.to(_device(), non_blocking=True)
     if dev.metadata is not None and not _STATE.get("env_agreed"):
-        # once per process, at the first micro-batch of every CP rank: host-built metadata reads the Split-KV
-        # environment (num_chunks, exchange pieces, ...) per process; ranks that differ would issue different
-        # collectives in the op (abort / hang): the same ValueError on every rank instead
-        from megatron_splitkv.ops import check_environment_agreement
-
-        check_environment_agreement(_cp_group(), _device())
-        _STATE["env_agreed"] = True
+        _check_environment()
     kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
     return PreparedItem(item, dev, kw)
 

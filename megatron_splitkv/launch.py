@@ -7,7 +7,9 @@ picklable). Used by `megatron_splitkv.demo` (`make demo`) and by the test suite 
 
 Every way a worker can go wrong raises `error` naming the rank, as soon as it is seen (the other ranks,
 which may wait in a collective forever, are killed):
-- an exception on any rank: that rank's traceback;
+- an exception on any rank: that rank's traceback (the lowest such rank when several reported one), preceded by
+  the ranks that died without a report meanwhile (a segfault on one rank makes its peers fail in their
+  collectives with gloo's "Connection closed by peer": the dead rank and its signal are the cause);
 - a rank that dies before reporting a result (os._exit, segfault, abort, killed): its exit code (a
   negative code is the signal number, named);
 - a rank that reported its result but then exits non-zero (e.g. an abort in its teardown or in interpreter
@@ -142,10 +144,27 @@ def run_gloo(fn, world_size, *args, timeout=300, error=RuntimeError):
                 for p in procs:
                     p.join(timeout=max(0.0, teardown_deadline - time.monotonic()))
         if errors:
+            # reports still in the pipe (the loop stopped at the first error): the lowest failed rank is named,
+            # whichever report came first; a rank that reported did not die silently
+            reported = set(results)
+            try:
+                while True:
+                    r, ok, payload = queue.get(timeout=0.2)
+                    reported.add(r)
+                    if not ok:
+                        errors[r] = payload
+            except queue_mod.Empty:
+                pass
             rank = min(errors)
             how = ("killed by the launcher after its report" if procs[rank].pid in killed
                    else _describe_exit(procs[rank].exitcode))
-            raise error(f"rank {rank} of {world_size} failed ({how}):\n{errors[rank]}")
+            # a rank that died without a report (segfault, os._exit) is usually why the others failed (gloo:
+            # "Connection closed by peer"), and its death may be noticed after their reports: named first
+            died = [r for r, p in enumerate(procs) if r not in reported and r not in errors and p.pid not in killed
+                    and p.exitcode is not None]
+            cause = "".join(f"rank {r} of {world_size} exited without reporting a result, "
+                            f"{_describe_exit(procs[r].exitcode)}; " for r in died)
+            raise error(f"{cause}rank {rank} of {world_size} failed ({how}):\n{errors[rank]}")
         if dead:
             rank = min(dead)
             raise error(

@@ -1,5 +1,6 @@
 """Reproduction cases C1, C2, C3, C5, C6 and C10 of /work/shared/cases/README.md for the CP attention
-ops, in ONE 8-rank gloo spawn (smaller CP sizes run on subgroups). Expected values come from the
+ops, in ONE 8-rank gloo spawn (smaller CP sizes run on subgroups); each case also through Split-KV's head chunks
+(chunk_axis "heads", k = 2, heads doubled where Hkv = 1: `_heads`). Expected values come from the
 single-process float64 reference. Source: DESIGN.md section 2."""
 
 import pytest
@@ -64,6 +65,16 @@ def _c10(seed):
                  blocks=[16 // P] * P, p_invalid=0.0, p_zero=0.0) for P in (2, 4, 8)]
 
 
+def _heads(c, metadata=False):
+    """Case c through the head-chunked pipeline (chunk_axis "heads", k = 2; ops/splitkv.py item 3 "Head chunks"):
+    with Hkv = 1 (k would clamp to one chunk) the heads are doubled, Hq = 2 G, Hkv = 2 (same GQA ratio G), so
+    that the two chunks really split the heads; `metadata`: through prepare_splitkv_metadata / metadata=."""
+    h = dict(c, num_chunks=2, chunk_axis="heads", metadata=metadata)
+    if c["Hkv"] == 1:
+        h.update(Hq=2 * c["Hq"], Hkv=2)
+    return h
+
+
 @pytest.fixture(scope="module")
 def cases_run():
     seed = new_seed()
@@ -74,10 +85,16 @@ def cases_run():
         for op in ALL_OPS:
             jobs.append((op, c))
             names.append(name)
+    for i, (name, c) in enumerate(named):  # every case again through Split-KV's head chunks
+        jobs.append(("splitkv", _heads(c, metadata=bool(i % 2))))
+        names.append(name)
     for c in _c10(seed):
         jobs.append(("splitkv", c))
         names.append("C10")
-    results = run_distributed(jobs_worker, 8, jobs, timeout=400)
+    for c in _c10(seed):
+        jobs.append(("splitkv", _heads(c)))
+        names.append("C10 heads")
+    results = run_distributed(jobs_worker, 8, jobs, timeout=600)
     return jobs, names, results
 
 
@@ -134,14 +151,15 @@ def test_c6_fewer_context_tokens_than_ranks(cases_run):
             assert len(c["ctx_idx"][r]) == per_rank[r]["dk_ctx"].shape[0]
 
 
-def test_c10_bf16_error_does_not_grow_with_p(cases_run, capsys):
-    errs = {c["P"]: errors(c, per_rank) for _, c, per_rank in _each(cases_run, "C10")}
+@pytest.mark.parametrize("name", ["C10", "C10 heads"])
+def test_c10_bf16_error_does_not_grow_with_p(cases_run, capsys, name):
+    errs = {c["P"]: errors(c, per_rank) for _, c, per_rank in _each(cases_run, name)}
     # the errors per P: captured (shown with a failure, not in every run's output)
     for P, e in errs.items():
-        print(f"C10 splitkv bf16 Lk=32K Lq=256 P={P}: rel. max error vs float64 reference: "
+        print(f"{name} splitkv bf16 Lk=32K Lq=256 P={P}: rel. max error vs float64 reference: "
               + ", ".join(f"{k}={v:.2e}" for k, v in e.items()))
     report = capsys.readouterr().out.splitlines()
-    assert [ln.split(":")[0] for ln in report] == [f"C10 splitkv bf16 Lk=32K Lq=256 P={P}" for P in errs], report
+    assert [ln.split(":")[0] for ln in report] == [f"{name} splitkv bf16 Lk=32K Lq=256 P={P}" for P in errs], report
     print("\n".join(report))  # back into the captured output of the test
     for k in errs[2]:
         assert all(e[k] < 2e-2 for e in errs.values()), (k, errs)

@@ -834,8 +834,8 @@ def _as_worker(monkeypatch):
 
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [1, 2])
-def test_packed_round_trip_equals_direct_build(P, k, monkeypatch):
+@pytest.mark.parametrize("k, axis", [(1, None), (2, None), (2, "heads")])
+def test_packed_round_trip_equals_direct_build(P, k, axis, monkeypatch):
     """Fresh random batches and plans (P = 1-4, uneven and empty shards, k = 1 and 2 chunks): an item packed as
     a worker packs it, through torch's ForkingPickler (the DataLoader's path: ONE item buffer, nothing else
     shared) and through a plain pickle (by value), then `to`, equals the item built directly on every field,
@@ -848,7 +848,7 @@ def test_packed_round_trip_equals_direct_build(P, k, monkeypatch):
     from test_metadata_from_plan import meta_diff
 
     spec = MetadataSpec(num_heads_q=HQ, num_heads_kv=HKV, head_dim=HD, dtype=torch.float32, num_chunks=k,
-                        flex_block_masks=True)
+                        flex_block_masks=True, chunk_axis=axis)
     rng = np.random.default_rng(100 * P + k)
     empty_seen = False
     for trial in range(4):
@@ -862,7 +862,8 @@ def test_packed_round_trip_equals_direct_build(P, k, monkeypatch):
                 packed = plan_batch(batch, **kw)
             ref = prepare_splitkv_metadata_from_plan(direct.plan, rank, block_size=BLOCK, num_heads_q=HQ,
                                                      num_heads_kv=HKV, head_dim=HD, dtype=torch.float32,
-                                                     num_chunks=k, flex_block_masks=True)
+                                                     num_chunks=k, flex_block_masks=True, chunk_axis=axis)
+            assert ref.chunk_axis == (axis or "rows") and (axis is None or ref.num_chunks == k)
             empty_seen |= direct.kv_seq.numel() == 0
             counter = _CountingPickler()
             from multiprocessing.reduction import ForkingPickler

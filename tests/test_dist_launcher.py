@@ -49,6 +49,17 @@ def _hang_on_rank1(rank, world_size):
     return rank
 
 
+def _segfault_on_rank1_while_rank0_waits(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 1:
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSEGV)  # dies in the middle of the job (a segfault in a kernel)
+    dist.barrier()  # rank 0: gloo raises "Connection closed by peer" once rank 1 is gone
+    return rank
+
+
 def test_all_ranks_ok():
     assert run_distributed(_ok, 3, timeout=120) == [0, 10, 20]
 
@@ -72,6 +83,17 @@ def test_worker_failure_after_or_instead_of_result_fails(worker, needles):
         run_distributed(worker, 2, timeout=120)
     msg = str(e.value)
     assert "rank 1" in msg and all(n in msg for n in needles), msg
+
+
+def test_rank_that_dies_is_named_when_a_peer_fails_because_of_it():
+    """Rank 1 segfaults while rank 0 waits in a collective; rank 0 then raises gloo's "Connection closed by peer"
+    and reports it, usually before rank 1's missing report is noticed. The launcher named only rank 0 and its
+    connection error (the segfault, the cause, appeared nowhere; adversarial finding, session 9): it must name
+    rank 1 and its signal too."""
+    with pytest.raises(AssertionError) as e:
+        run_distributed(_segfault_on_rank1_while_rank0_waits, 2, timeout=120)
+    msg = str(e.value)
+    assert "rank 1" in msg and "SIGSEGV" in msg, msg
 
 
 def test_worker_hang_fails_with_timeout():

@@ -143,6 +143,9 @@ def _worker(rank, world, cp_impl, tmp):
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    if cp_impl == "splitkv-heads":  # Split-KV's head chunks from the environment (2 kv heads: k = 2 splits them)
+        os.environ.update(MEGATRON_SPLITKV_CHUNK_AXIS="heads", MEGATRON_SPLITKV_NUM_CHUNKS="2")
+        cp_impl = "splitkv"
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     base = ProcessGroupCollection.use_mpu_process_groups()
     groups = {1: [dist.new_group([r]) for r in range(world)],
@@ -169,7 +172,7 @@ def _worker(rank, world, cp_impl, tmp):
     return res
 
 
-@pytest.mark.parametrize("cp_impl", ["splitkv"])
+@pytest.mark.parametrize("cp_impl", ["splitkv", "splitkv-heads"])
 def test_drafter_loss_and_grads_cp_equal_single(cp_impl, tmp_path):
     res = run_distributed(_worker, 4, cp_impl, str(tmp_path), timeout=240)
     ref = res[0][1]

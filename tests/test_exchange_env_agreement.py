@@ -116,14 +116,16 @@ def _pretrain_worker(rank, world):
 
     os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = str(1 + rank)
     mod = pretrain_in_worker("pretrain_dflash_env", rank, world)
-    it, _, _ = mod.train_valid_test_datasets_provider(None)
-    try:
+    it = None
+    try:  # raised when the data pipeline is created (before any metadata is built)
+        it, _, _ = mod.train_valid_test_datasets_provider(None)
         mod.forward_step(it, _Model())
         return None
     except ValueError as exc:
         return str(exc)
     finally:
-        it.close()
+        if it is not None:
+            it.close()
 
 
 def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
@@ -132,6 +134,55 @@ def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
     assert len(set(msgs)) == 1 and msgs[0] is not None, msgs
     assert "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks, 0 = unset) must be the same on every CP rank; " \
            "got [1, 2] (by rank)" in msgs[0], msgs[0]
+
+
+def _pretrain_malformed_worker(rank, world):
+    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers): first with head chunks on both
+    ranks (MEGATRON_SPLITKV_CHUNK_AXIS heads, NUM_CHUNKS 2), then with a Split-KV variable malformed on rank 1 only:
+    MEGATRON_SPLITKV_CHUNK_AXIS 'Heads' (rank 0: 'heads'), MEGATRON_SPLITKV_NUM_CHUNKS '+2' (rank 0: '2'). Returns
+    per scenario the bound metadata's (chunk_axis, num_chunks, chunk_heads) or the ValueError message."""
+    from test_data_pipeline import _Model, pretrain_in_worker
+
+    out = []
+    for i, env in enumerate(({"MEGATRON_SPLITKV_CHUNK_AXIS": "heads", "MEGATRON_SPLITKV_NUM_CHUNKS": "2"},
+                             {"MEGATRON_SPLITKV_CHUNK_AXIS": "Heads" if rank == 1 else "heads"},
+                             {"MEGATRON_SPLITKV_NUM_CHUNKS": "+2" if rank == 1 else "2"})):
+        for v in _VARS + ("MEGATRON_SPLITKV_CHUNK_AXIS",):
+            os.environ.pop(v, None)
+        os.environ.update(env)
+        it = None
+        try:
+            mod = pretrain_in_worker(f"pretrain_dflash_malformed{i}", rank, world)
+            it, _, _ = mod.train_valid_test_datasets_provider(None)
+            model = _Model()
+            mod.forward_step(it, model)
+            m = model.metadata[-1]  # the bound metadata the drafter got
+            out.append((m.chunk_axis, m.num_chunks, m.chunk_heads))
+        except ValueError as exc:
+            out.append(str(exc))
+        finally:
+            if it is not None:
+                it.close()
+    return out
+
+
+def test_pretrain_dflash_variable_malformed_on_one_rank_raises_on_every_rank():
+    """A Split-KV variable malformed on ONE rank (adversarial finding, session 9): the data pipeline built the
+    host metadata before `check_environment_agreement` ran, so that rank raised alone (in the metadata build)
+    and the other rank waited in the agreement's all-gather forever. Now the check runs when the pipeline is
+    created (train_valid_test_datasets_provider, before any metadata is built): the same ValueError on every
+    rank, naming the rank and the variable."""
+    pytest.importorskip("megatron.core")
+    res = run_distributed(_pretrain_malformed_worker, 2, timeout=240)
+    # both ranks heads, 2 chunks: the metadata built in the pipeline splits the drafter's 2 kv heads (4 q heads)
+    assert [r[0] for r in res] == [("heads", 2, [(0, 2), (2, 4)])] * 2, res
+    for j, (var, bad) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "'Heads'"),
+                                    ("MEGATRON_SPLITKV_NUM_CHUNKS", "'+2'")), start=1):
+        msgs = {r[j] for r in res}
+        assert len(msgs) == 1, (var, msgs)  # the same on every rank
+        msg = msgs.pop()
+        assert msg is not None and msg.startswith("check_environment_agreement: ") and "rank 1" in msg \
+            and var in msg and bad in msg, (var, msg)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -165,3 +165,33 @@ def test_pipeline_and_megatron_flag_counts_accept_index_types():
     assert _as_int(Idx(3), "--dflash-data-workers") == 3
     with pytest.raises(SplitKVArgumentError, match=r"--dflash-data-workers must be an integer, got 1.0"):
         _as_int(1.0, "--dflash-data-workers")
+
+
+@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS"])
+def test_flex_bucket_steps_env_is_strict(var):
+    """The FlexAttention kernel's bucket steps (read when kernels.flex is imported) go through the one strict
+    parser (`_ints.parse_int`, adversarial finding, session 9): int() took '+3' and '1_0' (10 steps), and 'abc'
+    failed as "invalid literal for int()" without naming the variable. Now: a ValueError naming the variable and
+    the limit for anything but a positive decimal; ' 3 ' is 3, unset is 2."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (f"from megatron_splitkv.kernels import flex; print(flex.DEFAULT_BUCKET_STEPS, "
+            f"flex.DEFAULT_Q_BUCKET_STEPS)")
+
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if "FLEX_" not in k}
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        if value is not None:
+            env[var] = value
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    ok = run(" 3 ")
+    want = "3 2" if var.endswith("_FLEX_BUCKET_STEPS") else "2 3"
+    assert ok.returncode == 0 and ok.stdout.split()[-2:] == want.split(), (ok.stdout, ok.stderr[-2000:])
+    assert run(None).stdout.split()[-2:] == ["2", "2"]
+    for bad in ("+3", "1_0", "abc", "٣"):
+        r = run(bad)
+        assert r.returncode != 0 and f"ValueError: {var} must be a positive int" in r.stderr, (bad, r.stderr[-2000:])

@@ -93,14 +93,24 @@ except ImportError as _e:  # pragma: no cover - depends on the torch build
 
 #: FlexAttention's sparse tile (query rows x keys); BlockMask granularity.
 TILE = 128
+
+
+def _env_steps(name: str, default: int = 2) -> int:
+    """Bucket steps from environment variable `name` (unset or empty: `default`): a positive decimal int
+    (`_ints.parse_int`: "+3", "1_0" are errors); ValueError naming the variable otherwise."""
+    from .._ints import parse_int  # noqa: PLC0415
+
+    value = os.environ.get(name, "").strip()
+    return default if not value else parse_int(value, name, minimum=1)
+
 #: Bucket steps per octave for padded KEY lengths (env MEGATRON_SPLITKV_FLEX_BUCKET_STEPS overrides):
 #: 2 -> {2, 3} x 2**e x 128, at most 50% padded keys, two compiled shapes per octave of Tk.
-DEFAULT_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "2"))
+DEFAULT_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS")
 #: Bucket steps per octave for padded QUERY lengths (env MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS overrides):
 #: 2 -> {2, 3} x 2**e x 128 (<= 1.5x rows). Not 1 (powers of two): the gathered query count of a packed
 #: 128K-token ShareGPT batch is 0.6M-0.77M rows, where padded q and out (Hq heads, kept for backward)
 #: cost GBs per layer; 2 already puts all of them in one bucket (786432).
-DEFAULT_Q_BUCKET_STEPS = int(os.environ.get("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS", "2"))
+DEFAULT_Q_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS")
 #: Reuse an already-compiled key bucket one step above the own one (env MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0
 #: turns it off).
 DEFAULT_REUSE_KV_BUCKET = os.environ.get("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", "1") != "0"
