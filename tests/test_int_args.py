@@ -195,3 +195,30 @@ def test_flex_bucket_steps_env_is_strict(var):
     for bad in ("+3", "1_0", "abc", "٣"):
         r = run(bad)
         assert r.returncode != 0 and f"ValueError: {var} must be a positive int" in r.stderr, (bad, r.stderr[-2000:])
+
+
+def test_flex_reuse_kv_bucket_env_is_a_strict_switch():
+    """MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET (read when kernels.flex is imported) is a 0 / 1 switch: "false",
+    "no" and "2" turned the reuse ON (anything but "0" did); now they are a ValueError naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    var = "MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET"
+
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if "FLEX_" not in k}
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        if value is not None:
+            env[var] = value
+        return subprocess.run([sys.executable, "-c", "from megatron_splitkv.kernels import flex; "
+                               "print(flex.DEFAULT_REUSE_KV_BUCKET)"], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    for value, want in ((None, "True"), ("", "True"), ("1", "True"), (" 0 ", "False")):
+        r = run(value)
+        assert r.returncode == 0 and r.stdout.split()[-1] == want, (value, r.stderr[-2000:])
+    for bad in ("false", "no", "2"):
+        r = run(bad)
+        assert r.returncode != 0 and f"ValueError: {var} must be 0 or 1" in r.stderr, (bad, r.stderr[-2000:])
