@@ -461,3 +461,40 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
     assert seen[0][0] is None and seen[0][2] == 16  # no key count; head dim = hidden / heads
     assert mod._kernel_label(argparse.Namespace(splitkv_kernel="te"), dcfg) == "te"
     assert len(seen) == 2  # an explicit kernel is named as given, nothing resolved
+
+
+@pytest.mark.parametrize("var,value,pattern", [
+    ("MEGATRON_SPLITKV_NUM_CHUNKS", "-1", "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
+    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "0", "MEGATRON_SPLITKV_EXCHANGE_PIECES must be"),
+    ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "x", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
+    ("MEGATRON_SPLITKV_CHUNK_AXIS", "cols", "MEGATRON_SPLITKV_CHUNK_AXIS must be one of rows, heads"),
+    ("MEGATRON_SPLITKV_HEAD_SPLIT", "3,2", "MEGATRON_SPLITKV_HEAD_SPLIT must be positive kv-head counts summing to "
+                                          "Hkv = 2"),
+    ("MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "maybe", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER must be one of"),
+])
+def test_op_environment_checked_at_start_up(monkeypatch, var, value, pattern):
+    """The op's environment variables are checked by validate_splitkv_args (start-up and --parse-only), not only
+    in the first attention call (fresh-user finding, session 9: CHUNK_AXIS=cols and NUM_CHUNKS=-1 passed
+    --parse-only). Hkv for the head split is per tensor-parallel rank (num_query_groups 4 / tp 2 = 2)."""
+    monkeypatch.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "heads")  # a head split needs the head axis
+    validate_splitkv_args(_args())  # valid environment passes
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SplitKVArgumentError, match=pattern):
+        validate_splitkv_args(_args())
+    if var == "MEGATRON_SPLITKV_HEAD_SPLIT":
+        monkeypatch.setenv(var, "1,1")
+        validate_splitkv_args(_args())
+
+
+def test_parse_only_refuses_a_bad_op_variable(monkeypatch, capsys):
+    """examples/pretrain_dflash.py --parse-only exits 2 naming a malformed op variable (it printed the namespace)."""
+    mod, base = _pretrain_parse_only("pretrain_dflash_env")
+    argv = sys.argv
+    monkeypatch.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "cols")
+    try:
+        with pytest.raises((SplitKVArgumentError, SystemExit)) as exc:
+            mod.main(base)
+    finally:
+        sys.argv = argv
+    text = str(exc.value) + capsys.readouterr().err
+    assert "MEGATRON_SPLITKV_CHUNK_AXIS" in text

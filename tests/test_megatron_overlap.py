@@ -111,8 +111,14 @@ def test_flag_and_env_resolution(monkeypatch):
         monkeypatch.setenv(ENV, off)
         assert resolve_overlap_query_gather(None) is False
         assert resolve_overlap_query_gather(True) is True
-    monkeypatch.setenv(ENV, "1")
-    assert resolve_overlap_query_gather(None) is True and resolve_overlap_query_gather(False) is False
+    for on in ("1", "true", "On", "yes", ""):
+        monkeypatch.setenv(ENV, on)
+        assert resolve_overlap_query_gather(None) is True and resolve_overlap_query_gather(False) is False
+    for bad in ("maybe", "2", "offf"):  # were taken as on
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=f"{ENV} must be one of 0/false/off/no or 1/true/on/yes"):
+            resolve_overlap_query_gather(None)
+        assert resolve_overlap_query_gather(False) is False  # given explicitly: the variable is not read
     spec = get_dflash_layer_spec("splitkv", use_te=False, overlap_query_gather=False)
     assert spec.submodules.self_attention.params["overlap_query_gather"] is False
 

@@ -1326,3 +1326,18 @@ def test_head_split_flag_errors(argv, flag, tmp_path, capsys):
     assert e.value.code == 2 and flag in err, err
     if argv[1] == "5,2":
         assert "summing to Hkv = 8" in err
+
+
+def test_cpu_flag_is_a_tiny_dry_run(tmp_path):
+    """`--cpu` alone is the tiny dry run its help promises (fresh-user finding, session 9: it kept the 16K-per-rank
+    Qwen3-8B shapes and CP up to 64 and ran for hours on the CPU): the shape flags left at their defaults take
+    `CPU_SHAPES`, a flag given on the command line keeps its value."""
+    import simulate_scaling as ss
+
+    res = ss.main(["--cpu", "--ctx-per-rank", "128", "--methods", "splitkv", "--placements", "lpt",
+                   "--out", str(tmp_path)])
+    a = res["args"]
+    assert a["ctx_per_rank"] == 128  # given
+    for name in ("cps", "anchors", "B", "Hq", "Hkv", "D", "hidden", "reps"):
+        assert a[name] == ss.CPU_SHAPES[name], name
+    assert sorted({r["P"] for r in res["rows"]}) == [1, 2, 4]

@@ -1022,6 +1022,11 @@ def check_args(ap, args):
     return cps, methods, placements
 
 
+#: `--cpu`: the tiny shapes a CPU dry run takes for the shape flags left at their defaults (the full defaults
+#: would time a 16K-per-rank shard of the Qwen3-8B drafter on the CPU for CP up to 64: hours)
+CPU_SHAPES = dict(cps="1,2,4", ctx_per_rank=256, anchors=8, B=4, Hq=4, Hkv=2, D=16, hidden=64, reps=2)
+
+
 def main(argv=None):
     """CLI (see the module docstring). Returns the result dict (also written as JSON on rank 0)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1162,13 +1167,19 @@ def main(argv=None):
     ap.add_argument("--bench-json", default="", help="bench_attention.json: show measured CP=2 next to model")
     ap.add_argument("--budget-s", type=float, default=0.0, help="measured mode: stop measuring after this")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
-    ap.add_argument("--cpu", action="store_true", help="measured mode on CPU (tiny shapes; tests only)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="measured mode on CPU, a dry run: the shape flags left at their defaults take tiny values "
+                         f"({' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in CPU_SHAPES.items())})")
     ap.add_argument("--replay", default="",
                     help="a saved simulate_scaling.json: recompute its splitkv rows with this tree's collectives and "
                          "schedule model from the run's saved kernel times, projection windows, overhead, node-merge "
                          "rate and link (no GPU; `replay`); --bwd-gather picks the variants (crossed with the saved "
                          "run's L values), --out the output directory; the other flags are ignored")
     args = ap.parse_args(argv)
+    if args.cpu:  # a dry run: tiny shapes for every shape flag the command line left at its default
+        for name, tiny in CPU_SHAPES.items():
+            if getattr(args, name) == ap.get_default(name):
+                setattr(args, name, tiny)
     if args.two_level_wait is None:
         args.two_level_wait = DEFAULT_TWO_LEVEL_WAIT
     args._exchange_pieces = exchange_pieces_arg(ap, args.exchange_pieces)

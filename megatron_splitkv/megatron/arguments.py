@@ -426,6 +426,32 @@ def _fa4_available() -> bool:
     return fa4_available()
 
 
+def _check_op_env(args, tp: int) -> None:
+    """The op's environment variables, checked at start-up (and by --parse-only) with the resolvers the op
+    uses when it prepares a step: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P,
+    _CHUNK_AXIS, _HEAD_SPLIT (against the kv heads per tensor-parallel rank) and _OVERLAP_Q_GATHER; a malformed
+    value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
+    from ..ops.common import fused_bwd_gather_min_p  # noqa: PLC0415 - torch only when validating
+    from ..ops.metadata import (  # noqa: PLC0415
+        HEAD_SPLIT_ENV, _requested_axis, _requested_chunks, _requested_head_split, _requested_pieces)
+    from .layers import resolve_overlap_query_gather  # noqa: PLC0415
+
+    try:
+        _requested_chunks(None)
+        _requested_pieces(None)
+        fused_bwd_gather_min_p()
+        axis = _requested_axis(None)
+        resolve_overlap_query_gather(None)
+        heads = getattr(args, "num_attention_heads", None)
+        if os.environ.get(HEAD_SPLIT_ENV, "").strip() and heads is not None:
+            groups = getattr(args, "num_query_groups", None)
+            if not getattr(args, "group_query_attention", groups is not None) or groups is None:
+                groups = heads
+            _requested_head_split(None, int(groups) // tp, axis)
+    except ValueError as exc:
+        raise SplitKVArgumentError(str(exc)) from exc
+
+
 def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
@@ -443,7 +469,9 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
-    which the op reads when it prepares a step.
+    which the op reads when it prepares a step; the op's other environment variables (`_check_op_env`:
+    MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT,
+    _OVERLAP_Q_GATHER).
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
@@ -527,6 +555,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
         # the op reads it when the step's metadata is prepared, identically on every rank
         os.environ[RANKS_PER_NODE_ENV] = str(rpn)
+    _check_op_env(args, tp)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(
             "--sequence-parallel is not supported by the local spec (torch norms); use "

@@ -55,16 +55,23 @@ __all__ = [
 ]
 
 #: environment variable read when `overlap_query_gather` is None: "0" / "false" / "off" / "no" turn the
-#: early Split-KV query all-gather off (A/B measurements), anything else (or unset) leaves it on.
+#: early Split-KV query all-gather off (A/B measurements), "1" / "true" / "on" / "yes" (or unset) leave it on.
 OVERLAP_Q_GATHER_ENV = "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"
+_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes", "")
 
 
 def resolve_overlap_query_gather(value: Optional[bool]) -> bool:
     """`overlap_query_gather` of `DFlashAttention`: True / False as given; None = the environment
-    variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0", "false", "off", "no": off), default on."""
+    variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0", "false", "off", "no": off; "1", "true", "on", "yes" or
+    unset: on; case-insensitive). Raises ValueError naming the variable for any other value ("maybe" was
+    taken as on)."""
     if value is not None:
         return bool(value)
-    return os.environ.get(OVERLAP_Q_GATHER_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    env = os.environ.get(OVERLAP_Q_GATHER_ENV, "").strip().lower()
+    if env not in _OFF + _ON:
+        raise ValueError(f"{OVERLAP_Q_GATHER_ENV} must be one of 0/false/off/no or 1/true/on/yes (or unset), "
+                         f"got {os.environ[OVERLAP_Q_GATHER_ENV]!r}")
+    return env not in _OFF
 
 
 def apply_rope(x: Tensor, positions: Tensor, *, base: float, rotary_percent: float = 1.0) -> Tensor:
