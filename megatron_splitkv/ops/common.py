@@ -75,11 +75,16 @@ def intervals(keys_sorted, block_seq, block_anchor, block_size) -> IntervalMask:
 
 
 def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
-    """Pad dim 0 of x to `rows` with `value`."""
-    if x.shape[0] == rows:
+    """x [T, ...] padded along dim 0 to `rows` (>= T) rows of `value`: x itself when it already has `rows`
+    rows and is contiguous, else ONE new contiguous tensor written by a copy and a fill (the copy that pads
+    also makes a strided x contiguous, e.g. a head chunk's heads of every row: a collective's send buffer)."""
+    if x.shape[0] == rows and x.is_contiguous():
         return x
-    pad = x.new_full((rows - x.shape[0],) + tuple(x.shape[1:]), value)
-    return torch.cat([x, pad], 0)
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    out[: x.shape[0]].copy_(x)
+    if rows > x.shape[0]:
+        out[x.shape[0]:].fill_(value)
+    return out
 
 
 # ----------------------------------------------------------------------------- merge by lse

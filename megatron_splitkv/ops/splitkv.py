@@ -49,7 +49,7 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    heads [g0 G, g1 G) (G = Hq / Hkv, GQA groups whole) of ALL rows (`SplitKVMetadata.chunk_heads`; chunks =
    [(0, nb_max)] * k, k clamped to [1, Hkv], uneven splits allowed), the one-call masks shared (the same
    `IntervalMask` objects: a kernel's cached tables built once). Each chunk's send tensors are its heads made
-   contiguous by the copy that pads them anyway (`zero_invalid_rows` of q's head slice, `_pad_heads` of dO and
+   contiguous by the copy that pads them anyway (`zero_invalid_rows` of q's head slice, `pad_rows` of dO and
    the statistics); its local keys are built from the kv-head slice by `with_own_keys` (the gathering copy
    split by heads); the owner merges each chunk into [rows, h0:h1] of one output (the Triton merge writes the
    strided destination, the torch merge copies there) and writes its dQ sums there; dK / dV of a head chunk
@@ -234,16 +234,6 @@ def _kv_heads(meta, c):
     h0, h1 = meta.chunk_heads[c]
     grp = meta.num_heads_q // meta.num_heads_kv
     return h0 // grp, h1 // grp
-
-
-def _pad_heads(x, rows, h0, h1, value=0.0):
-    """x[:, h0:h1] padded with `value` to `rows` rows: ONE new contiguous tensor (a head chunk's send buffer,
-    written by the copy that pads it)."""
-    out = x.new_empty((rows, h1 - h0) + tuple(x.shape[2:]))
-    out[: x.shape[0]].copy_(x[:, h0:h1])
-    if rows > x.shape[0]:
-        out[x.shape[0]:].fill_(value)
-    return out
 
 
 def _query_sends(q, meta, rows_max):
@@ -750,7 +740,7 @@ class _SplitKV(torch.autograd.Function):
         # N > 1: the packed gather in two stages (`_gather_dout_stats`), its segments local-index-major
         nodes = hier[1].size if hier is not None and two_level_bwd_gather(hier[1].size) else 1
         # head chunks: each chunk's heads of every row padded into contiguous send tensors by the padding copy
-        # itself (`_pad_heads`), chunk by chunk
+        # itself (`pad_rows` of the head slice), chunk by chunk
         if hsplit:
             send = [dout, torch.stack([delta, lse], -1)]
         else:
@@ -760,8 +750,8 @@ class _SplitKV(torch.autograd.Function):
         def gather_stats(c):
             if hsplit:
                 h0, h1 = meta.chunk_heads[c]
-                do_c, st_c = _pad_heads(send[0], rows_max, h0, h1), _pad_heads(send[1], rows_max, h0, h1,
-                                                                              float("-inf"))
+                do_c = pad_rows(send[0][:, h0:h1], rows_max)
+                st_c = pad_rows(send[1][:, h0:h1], rows_max, float("-inf"))
             else:
                 b0, b1 = chunks[c]
                 sl = slice(b0 * bsz, b1 * bsz)
