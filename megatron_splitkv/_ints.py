@@ -8,7 +8,8 @@ usually means a computation went through float. The planner alone keeps acceptin
 (`integral_float=True`), a documented behaviour of `plan_context_parallel` since its first release.
 
 Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
-ASCII decimal integer ("64", "-1"), nothing else ("+64", "64.0", "1e2", "1_000", "0x40", non-ASCII digits).
+ASCII decimal integer ("64", "-1"), nothing else ("+64", "64.0", "1e2", "1_000", "0x40", non-ASCII digits);
+`env_switch` for the 0 / 1 environment switches.
 
 Pure Python (no torch / numpy import) so that argument parsing can use it.
 """
@@ -115,3 +116,16 @@ def parse_int(text, name: str, *, minimum=None, maximum=None, what: str | None =
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(f"{name} must be {req}, got {text!r}")
     return value
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """A 0 / 1 environment switch: "1" on, "0" off, unset or empty `default` (surrounding whitespace
+    ignored). Raises ValueError naming the variable for any other value ("false", "no", "2")."""
+    import os  # noqa: PLC0415
+
+    v = os.environ.get(name, "").strip()
+    if v == "":
+        return default
+    if v in ("0", "1"):
+        return v == "1"
+    raise ValueError(f"{name} must be 0 or 1, got {v!r}")

@@ -30,6 +30,7 @@ import os
 
 import torch
 
+from .._ints import env_switch
 from .base import IntervalMask, half_precision_cuda_index
 from .math import MathAttentionKernel
 
@@ -183,8 +184,6 @@ AUTO_FA4_ENV = "MEGATRON_SPLITKV_AUTO_FA4"
 def auto_fa4() -> bool:
     """Whether "auto" may pick "fa4": MEGATRON_SPLITKV_AUTO_FA4 "1" / unset (default: yes) or "0".
     Raises ValueError naming the variable for any other value. Set it identically on every rank."""
-    from ..ops.common import env_switch  # noqa: PLC0415 - ops import kernels at module level
-
     return env_switch(AUTO_FA4_ENV, True)
 
 

@@ -76,6 +76,7 @@ import os
 
 import torch
 
+from .._ints import env_switch
 from .base import IntervalMask, check_call
 from .flex_bwd_prep import grad_tangents
 
@@ -113,18 +114,7 @@ DEFAULT_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS")
 DEFAULT_Q_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS")
 #: Reuse an already-compiled key bucket one step above the own one (env MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0
 #: turns it off).
-def _env_on_off(name: str, default: bool) -> bool:
-    """A 0 / 1 switch from environment variable `name` (unset or empty: `default`); ValueError naming the
-    variable for anything else ("false", "no", "2" turned the feature on before)."""
-    value = os.environ.get(name, "").strip()
-    if value in ("0", "1"):
-        return value == "1"
-    if value:
-        raise ValueError(f"{name} must be 0 or 1 (or unset), got {value!r}")
-    return default
-
-
-DEFAULT_REUSE_KV_BUCKET = _env_on_off("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", True)
+DEFAULT_REUSE_KV_BUCKET = env_switch("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", True)
 
 _COMPILED = None
 

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .._ints import parse_int
+from .._ints import env_switch, parse_int
 from ..kernels.base import IntervalMask
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -276,17 +276,6 @@ def debug_checks() -> bool:
 
     Raises: ValueError naming the variable for any other value."""
     return env_switch(DEBUG_CHECKS_ENV, default=False)
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """A 0 / 1 environment switch: "1" on, "0" off, unset or empty `default`. Raises ValueError naming the
-    variable for any other value."""
-    v = os.environ.get(name, "").strip()
-    if v == "":
-        return default
-    if v in ("0", "1"):
-        return v == "1"
-    raise ValueError(f"{name} must be 0 or 1, got {v!r}")
 
 
 KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
