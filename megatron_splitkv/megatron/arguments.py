@@ -426,21 +426,17 @@ def _fa4_available() -> bool:
     return fa4_available()
 
 
-def _check_op_env(args, tp: int) -> None:
-    """The op's environment variables, checked at start-up (and by --parse-only) with the resolvers the op
-    uses when it prepares a step: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P,
-    _CHUNK_AXIS, _HEAD_SPLIT (against the kv heads per tensor-parallel rank) and _OVERLAP_Q_GATHER; a malformed
-    value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
-    from ..ops.common import fused_bwd_gather_min_p  # noqa: PLC0415 - torch only when validating
-    from ..ops.metadata import (  # noqa: PLC0415
-        HEAD_SPLIT_ENV, _requested_axis, _requested_chunks, _requested_head_split, _requested_pieces)
+def _check_op_env(args, tp: int, cp: int) -> None:
+    """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
+    it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
+    _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
+    heads per tensor-parallel rank, and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a malformed value is a
+    SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
+    from ..ops.metadata import HEAD_SPLIT_ENV, _requested_head_split, env_request_row  # noqa: PLC0415
     from .layers import resolve_overlap_query_gather  # noqa: PLC0415
 
     try:
-        _requested_chunks(None)
-        _requested_pieces(None)
-        fused_bwd_gather_min_p()
-        axis = _requested_axis(None)
+        axis = env_request_row(cp)[4]
         resolve_overlap_query_gather(None)
         heads = getattr(args, "num_attention_heads", None)
         if os.environ.get(HEAD_SPLIT_ENV, "").strip() and heads is not None:
@@ -555,7 +551,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
         # the op reads it when the step's metadata is prepared, identically on every rank
         os.environ[RANKS_PER_NODE_ENV] = str(rpn)
-    _check_op_env(args, tp)
+    _check_op_env(args, tp, cp)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(
             "--sequence-parallel is not supported by the local spec (torch norms); use "

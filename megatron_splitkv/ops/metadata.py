@@ -91,7 +91,7 @@ __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_
            "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
            "prepare_splitkv_metadata_from_plan", "resolve_exchange_pieces", "piece_bounds",
            "EXCHANGE_PIECES_ENV", "check_environment_agreement", "CHUNK_AXIS_ENV", "CHUNK_AXES",
-           "resolve_chunk_axis"]
+           "resolve_chunk_axis", "env_request_row"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -1895,6 +1895,21 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
     return x.to(device="cpu", dtype=torch.int64)
 
 
+def env_request_row(cp_size: int) -> list:
+    """The op's environment requests as THIS process resolves them, one int each (what
+    `check_environment_agreement` compares across ranks; `megatron.arguments` checks them at start-up):
+    MEGATRON_SPLITKV_NUM_CHUNKS (0 = unset), MEGATRON_SPLITKV_RANKS_PER_NODE (resolved for `cp_size`),
+    MEGATRON_SPLITKV_EXCHANGE_PIECES (0 = unset), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS
+    (code: 0 rows, 1 heads) and MEGATRON_SPLITKV_HEAD_SPLIT (a CRC of its normalised text + 1, 0 = unset; its
+    sum is checked against Hkv where Hkv is known). Raises ValueError naming a malformed variable."""
+    import zlib  # noqa: PLC0415
+
+    split_env = _head_split_env_text()
+    return [_requested_chunks(None), resolve_ranks_per_node(None, cp_size), exchange_pieces_env(),
+            fused_bwd_gather_min_p(), _requested_axis(None),
+            (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
+
+
 def check_environment_agreement(cp_group=None, device=None) -> None:
     """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
     resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
@@ -1926,13 +1941,7 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     group = resolve_group(cp_group)
     err, row = "", [-1] * 6
     try:
-        import os  # noqa: PLC0415
-        import zlib  # noqa: PLC0415
-
-        split_env = os.environ.get(HEAD_SPLIT_ENV, "").strip()  # compared as text (Hkv is not known here)
-        row = [_requested_chunks(None), resolve_ranks_per_node(None, group.size), exchange_pieces_env(),
-               fused_bwd_gather_min_p(), _requested_axis(None),
-               (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
+        row = env_request_row(group.size)
         validate_kernel_env()
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
