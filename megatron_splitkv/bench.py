@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._ints import parse_int
+
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
     "kernel_calls", "time_kernel_calls", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
@@ -1375,6 +1377,25 @@ def add_workload_args(ap, *, reps: int) -> None:
 def csv_arg(value: str) -> list:
     """Comma list flag -> list of non-empty stripped strings."""
     return [x.strip() for x in value.split(",") if x.strip()]
+
+
+def parse_head_splits(value, Hkv: int, flag: str) -> list:
+    """A tool flag's head splits (the op's `head_split`, docs/perf-notes.md item 22): one or more splits
+    separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of kv heads per chunk, positive decimal ints
+    (`_ints.parse_int`) summing to Hkv. Returns a list of tuples, duplicates dropped; "" -> []. Raises
+    ValueError naming `flag` otherwise (tools pass it to `ap.error`)."""
+    out = []
+    for part in [p.strip() for p in str(value).split(":") if p.strip()]:
+        try:
+            split = tuple(parse_int(x, flag) for x in part.split(","))
+        except ValueError:
+            raise ValueError(f"{flag}: {part!r} is not a comma list of ints (kv heads per chunk)") from None
+        if any(h < 1 for h in split) or sum(split) != Hkv:
+            raise ValueError(f"{flag}: {part} must sum to the {Hkv} kv heads: positive kv-head counts per chunk "
+                             f"summing to Hkv = {Hkv}, got sum {sum(split)}")
+        if split not in out:
+            out.append(split)
+    return out
 
 
 def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:

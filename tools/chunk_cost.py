@@ -127,7 +127,6 @@ def main(argv=None):
     from megatron_splitkv.kernels import BACKENDS, get_kernel
 
     backends = bench.choices_arg(ap, "--backends", args.backends, BACKENDS, "backend")
-    splits = [bench.int_list_arg(ap, "--head-splits", sp, 1) for sp in args.head_splits.split(":") if sp.strip()]
     if args.cp < 1 or args.reps < 1 or args.anchors < 1:
         ap.error("--cp, --reps and --anchors must be >= 1")
     s = bench.QWEN3_8B_DRAFTER
@@ -138,9 +137,10 @@ def main(argv=None):
         sys.exit("chunk_cost.py: needs a CUDA device (or --cpu for a tiny smoke run)")
     else:
         dev, dtype = torch.device("cuda", 0), torch.bfloat16
-    for sp in splits:
-        if sum(sp) != Hkv:
-            ap.error(f"--head-splits: {','.join(map(str, sp))} must sum to the {Hkv} kv heads")
+    try:
+        splits = bench.parse_head_splits(args.head_splits, Hkv, "--head-splits")
+    except ValueError as e:
+        ap.error(str(e))
     cuda = dev.type == "cuda"
     try:  # before the measurement: an unusable --out must not cost the run
         os.makedirs(args.out, exist_ok=True)

@@ -465,26 +465,8 @@ def default_head_split(k, Hkv):
     return tuple(g1 - g0 for g0, g1 in bench.chunk_bounds(int(k), int(Hkv)))
 
 
-def parse_head_splits(value, Hkv, flag="--head-split"):
-    """`--head-split`: one or more head splits separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of
-    kv heads per chunk: positive ints summing to Hkv (k = the list's length, 1 <= k <= Hkv). Returns a list
-    of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise."""
-    out = []
-    for part in [p.strip() for p in str(value).split(":") if p.strip()]:
-        try:
-            split = tuple(int(x) for x in part.split(","))
-        except ValueError:
-            raise ValueError(f"{flag}: {part!r} is not a comma list of ints (kv heads per chunk)") from None
-        if any(h < 1 for h in split) or sum(split) != Hkv:
-            raise ValueError(f"{flag}: {part!r} must be positive kv-head counts summing to Hkv = {Hkv} "
-                             f"(sum {sum(split)})")
-        if split not in out:
-            out.append(split)
-    return out
-
-
 def head_split_records(recs, split, n_blocks):
-    """The op's collectives with head chunks of `split` kv heads (`parse_head_splits`) from the records
+    """The op's collectives with head chunks of `split` kv heads (`bench.parse_head_splits`) from the records
     `bench.predicted_records` gives for num_chunks = k = len(split) ROW chunks of `n_blocks` blocks per rank
     (chunk c = blocks `chunk_bounds(k, n_blocks)[c]` of every rank): every per-chunk message is proportional
     to its chunk's rows x heads (Q, [O | lse], [dO | stats], dQ, and the two-level stages alike), so chunk c's
@@ -1572,7 +1554,7 @@ def replay_main(ap, args):
     orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS,
                                                   "backward chunk order")))
     try:
-        splits = parse_head_splits(args.head_split, int(saved["args"]["Hkv"]))
+        splits = bench.parse_head_splits(args.head_split, int(saved["args"]["Hkv"]), "--head-split")
     except ValueError as e:
         ap.error(str(e))
     except KeyError as e:
@@ -1709,7 +1691,7 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     the result is the one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
     source and note); the same inputs with the saved run's variants, schedule and tree reproduce its rows.
 
-    head_splits (`parse_head_splits`; head chunks, docs/perf-notes.md item 22): besides the saved rows, one more
+    head_splits (`bench.parse_head_splits`; head chunks, docs/perf-notes.md item 22): besides the saved rows, one more
     row per split x `bwd_orders` (`BWD_CHUNK_ORDERS`) x P > 1 x topology x overlap x variant, with the row's
     "head_split" and "bwd_order": collectives of `head_split_records` (bytes per chunk proportional to its
     heads), kernel time per chunk `head_split_compute` of the saved k = len(split) row's total (the measured
