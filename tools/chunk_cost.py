@@ -17,7 +17,7 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
   head k        the op's head chunks (`chunk_axis="heads"`, `bench.kernel_calls(..., chunk_axis="heads")`): k
                 calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups stay
                 whole; k clamped to Hkv, uneven splits allowed), the one-call mask shared; dK / dV of a chunk
-                written into its heads: no accumulation (`bench.chunk_loop`, as the op)
+                written into its heads: no accumulation (`bench.chunk_loop`, as the op); also with n lanes
 
     python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase --reverse
 
@@ -112,9 +112,9 @@ def main(argv=None):
     ap.add_argument("--reverse", action="store_true",
                     help="also time each query variant with its blocks in reverse order (largest prefixes first)")
     ap.add_argument("--lanes", type=int, default=2,
-                    help="also time the query chunks with their kernels on this many side streams, alternating "
-                         "(the op's kernel lanes, CUDA; <= 1: no such variant). The plain 'query k' rows run "
-                         "on one stream (the op with MEGATRON_SPLITKV_KERNEL_LANES=1)")
+                    help="also time the query and head chunks with their kernels on this many side streams, "
+                         "alternating (the op's kernel lanes, CUDA; <= 1: no such variant). The plain 'query k' / "
+                         "'head ...' rows run on one stream (the op with MEGATRON_SPLITKV_KERNEL_LANES=1)")
     ap.add_argument("--profile", action="store_true",
                     help="per variant: torch.profiler over 2 steps: wall vs GPU-busy ms and the top kernels")
     args = ap.parse_args(argv)
@@ -158,6 +158,15 @@ def main(argv=None):
             kern = get_kernel(be, dev, dtype, head_dim=D)
             gen = torch.Generator(device=dev).manual_seed(args.seed)
             names, fns = ["one call"], [_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
+
+            def add_heads(name, hc):
+                """A head-chunk variant on one stream, and with --lanes side streams (the op's kernel lanes)."""
+                names.append(name)
+                fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
+                if args.lanes > 1 and cuda and len(hc) > 1:
+                    names.append(f"{name}, {args.lanes} lanes")
+                    fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
+
             if args.reverse:
                 names.append("one call, reversed")
                 fns.append(_variant(kern, [_reversed(c) for c in one], Hq, Hkv, D, dtype, dev, gen))
@@ -173,12 +182,10 @@ def main(argv=None):
                     fns.append(_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
                 if args.heads:
                     hc = bench.kernel_calls("splitkv", plan, r, num_chunks=k, chunk_axis="heads", num_heads_kv=Hkv)
-                    names.append(f"head k={len(hc)}")
-                    fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
+                    add_heads(f"head k={len(hc)}", hc)
             for sp in splits:
-                hc = bench.kernel_calls("splitkv", plan, r, chunk_axis="heads", num_heads_kv=Hkv, head_split=sp)
-                names.append("head " + "/".join(map(str, sp)))
-                fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
+                add_heads("head " + "/".join(map(str, sp)),
+                          bench.kernel_calls("splitkv", plan, r, chunk_axis="heads", num_heads_kv=Hkv, head_split=sp))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
                 if not cuda:  # no GPU measure on the CPU: None (the table reads n/a (CPU))
