@@ -1341,3 +1341,80 @@ def test_cpu_flag_is_a_tiny_dry_run(tmp_path):
     for name in ("cps", "anchors", "B", "Hq", "Hkv", "D", "hidden", "reps"):
         assert a[name] == ss.CPU_SHAPES[name], name
     assert sorted({r["P"] for r in res["rows"]}) == [1, 2, 4]
+
+
+# ------------------------------------------------ measured head splits and paired rounds (perf-notes items 21-22)
+
+
+def _tiny_calls():
+    """splitkv's k = 2 row chunks of rank 0 at P = 2 (tiny CPU shapes) and an empty call between them."""
+    lens, anchors = bench.make_workload(512, 8, n_seqs=1, seed=3)
+    plan = bench.place(lens, anchors, cp_size=2, strategy="lpt", block_size=4)
+    calls = bench.kernel_calls("splitkv", plan, 0, num_chunks=2)
+    empty = bench.KernelCall(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), 4)
+    return [calls[0], empty, calls[1]]
+
+
+def test_time_kernel_calls_refactor_keeps_its_result(monkeypatch):
+    """`time_kernel_calls` through `kernel_calls_timing`: one step per live call on CPU, per_call_ms = each step's
+    median at the live calls' places (0.0 for an empty call), ms = their sum, the rest of the dict as before; the
+    lanes' result divides its one step by the live calls; a real CPU run has the same structure."""
+    calls = _tiny_calls()
+    kw = dict(Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", backend="math")
+    real = bench.time_kernel_calls(calls, reps=1, warmup=0, **kw)
+    assert set(real) == {"ms", "per_call_ms", "pairs", "tile_pairs", "fwd_flops", "tflops", "lanes"}
+    assert len(real["per_call_ms"]) == 3 and real["per_call_ms"][1] == 0.0 and real["lanes"] == 1
+    assert real["ms"] == pytest.approx(sum(real["per_call_ms"])) and min(real["per_call_ms"][::2]) > 0
+    fake = iter([7.0, 5.0])
+    ran = []
+
+    def fake_time_fn(fn, device, reps, warmup):
+        fn()  # the step runs (forward + backward of its call)
+        ran.append(fn)
+        return next(fake), 0.0, []
+
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    got = bench.time_kernel_calls(calls, reps=1, warmup=0, **kw)
+    assert got["per_call_ms"] == [7.0, 0.0, 5.0] and got["ms"] == 12.0 and len(ran) == 2
+    spec = bench.kernel_calls_timing(calls, **kw)
+    assert len(spec.steps) == 2 and spec.lanes == 1
+    assert spec.result([7.0, 5.0]) == got
+    assert got["pairs"] == sum(c.pairs for c in calls) == real["pairs"]
+    lanes = bench.KernelCallsTiming(calls, [None], 2, 4, 16, True).result([9.0])
+    assert lanes["per_call_ms"] == [4.5, 0.0, 4.5] and lanes["ms"] == 9.0 and lanes["lanes"] == 2
+    with pytest.raises(ValueError, match="step times"):
+        spec.result([1.0])
+
+
+def test_time_kernel_calls_rounds_builds_once_and_rotates(monkeypatch):
+    """`time_kernel_calls_rounds`: every task's steps built once; round i times the tasks in their order rotated by
+    i; one result per task and round, the per-call structure of `time_kernel_calls`."""
+    calls = _tiny_calls()
+    kw = dict(Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", backend="math")
+    specs = [bench.kernel_calls_timing(calls[:1], **kw), bench.kernel_calls_timing(calls, **kw)]
+    built, seq = [], []
+
+    def counted(build, t):  # a step builder that records its calls and tags its step with the task
+        def b():
+            built.append(t)
+            step = build()
+            step.task = t
+            return step
+        return b
+
+    for t, s in enumerate(specs):
+        s.steps = [counted(b, t) for b in s.steps]
+
+    def fake_time_fn(fn, device, reps, warmup):
+        seq.append(fn.task)
+        return float(len(seq)), 0.0, []
+
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    out = bench.time_kernel_calls_rounds(specs, device="cpu", rounds=3, reps=1)
+    assert sorted(built) == [0, 1, 1]  # once per step: task 0 one step, task 1 two (the empty call has none)
+    assert seq == [0, 1, 1, 1, 1, 0, 0, 1, 1]  # rounds: (0, 1), (1, 0), (0, 1)
+    assert [len(o) for o in out] == [3, 3]
+    assert [o["per_call_ms"] for o in out[0]] == [[1.0], [6.0], [7.0]]
+    assert [o["per_call_ms"] for o in out[1]] == [[2.0, 0.0, 3.0], [4.0, 0.0, 5.0], [8.0, 0.0, 9.0]]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench.time_kernel_calls_rounds(specs, device="cpu", rounds=0)
