@@ -52,7 +52,8 @@ from ._ints import parse_int
 
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
-    "kernel_calls", "time_kernel_calls", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
+    "kernel_calls", "time_kernel_calls", "kernel_calls_timing", "KernelCallsTiming",
+    "time_kernel_calls_rounds", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
     "csv_arg", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
@@ -616,28 +617,41 @@ def call_mask(call, device):
                         torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
 
 
-def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
-                      reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
-                      fresh_mask: bool = False, lanes=None):
-    """Time the local kernel over `calls` (from `kernel_calls`): forward (+ backward with the global
-    lse/delta taken from the forward, as in the op) through the kernel API. Random inputs (never zeros).
-    fresh_mask=False (default): one IntervalMask per call reused across repeats, so the FlexAttention
-    BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
-    True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
+@dataclass
+class KernelCallsTiming:
+    """What `kernel_calls_timing` builds for timing the local kernel over `calls`: `steps`, zero-argument
+    builders, each returning one timed step (a callable: forward + backward of its calls, inputs and masks made
+    when the builder runs, reused by every call of the step); one step for the chunk loop on kernel lanes (all
+    calls), else one per live call (calls without rows or keys take no step). `result(step_ms)` turns the
+    steps' medians (ms, in `steps` order) into `time_kernel_calls`' result dict: ms = their sum, per_call_ms =
+    each call's median (the lanes' step / the live calls; 0.0 for an empty call)."""
 
-    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, all with the
-    same key count (Split-KV's chunks: one k / v), CUDA and lanes > 1 the calls run as Split-KV's chunk
-    loop runs them (`ops.common.KernelLanes`): every call's
-    forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
-    stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
-    Head chunks (calls of `kernel_calls(..., chunk_axis="heads")`, with `kv_heads`): each call gets its heads
-    (Hq_c = G * Hkv_c query heads, Hkv_c kv heads, all rows), the calls share one mask in the chunk loop, and
-    their dK / dV are written into their heads (`chunk_loop`), as the op runs them.
+    calls: list
+    steps: list
+    lanes: int
+    Hq: int
+    D: int
+    backward: bool
 
-    Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
-    step / k), pairs, tile_pairs, fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when
-    backward), lanes (the lanes used: 1 = calls timed alone).
-    """
+    def result(self, step_ms) -> dict:
+        step_ms = [float(x) for x in step_ms]
+        if len(step_ms) != len(self.steps):
+            raise ValueError(f"KernelCallsTiming.result: {len(step_ms)} step times for {len(self.steps)} steps")
+        live = [c for c in self.calls if c.rows and c.num_keys]
+        if self.lanes > 1:  # one step: the chunk loop over every live call
+            per_call = [step_ms[0] / len(live) if (c.rows and c.num_keys) else 0.0 for c in self.calls]
+            return _calls_result(self.calls, per_call, step_ms[0], self.Hq, self.D, self.backward, self.lanes)
+        it = iter(step_ms)
+        per_call = [next(it) if (c.rows and c.num_keys) else 0.0 for c in self.calls]
+        return _calls_result(self.calls, per_call, float(sum(per_call)), self.Hq, self.D, self.backward, 1)
+
+
+def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto", seed: int = 0,
+                        backward: bool = True, fresh_mask: bool = False, lanes=None) -> KernelCallsTiming:
+    """The timed steps of the local kernel over `calls` (from `kernel_calls`) and how their medians become per-call
+    ms (`KernelCallsTiming`); `time_kernel_calls` times them one after the other, `time_kernel_calls_rounds` in
+    interleaved rounds. Random inputs (never zeros) from one generator seeded `seed`, drawn in the calls' order
+    when the step builders run in order. The arguments as in `time_kernel_calls`."""
     from .kernels import get_kernel
     from .kernels.base import IntervalMask
 
@@ -651,24 +665,21 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     live = [c for c in calls if c.rows and c.num_keys]
     same_keys = len({c.num_keys for c in live}) == 1  # the chunk loop's contract: one k / v for every call
     if device.type == "cuda" and n_lanes > 1 and len(live) > 1 and same_keys:
-        parts0, k, v = chunk_inputs(live, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, gen=gen)
-        heads = isinstance(k, list)
+        def build_lanes():
+            parts0, k, v = chunk_inputs(live, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, gen=gen)
+            heads = isinstance(k, list)
 
-        def lanes_step():
-            parts = parts0
-            if fresh_mask:  # new masks (head chunks: one, shared)
-                ms = [call_mask(live[0], device)] * len(live) if heads else [call_mask(c, device) for c in live]
-                parts = [(q, do, m) for (q, do, _), m in zip(parts0, ms)]
-            chunk_loop(kern, parts, k, v, scale, n_lanes, backward=backward)
+            def lanes_step():
+                parts = parts0
+                if fresh_mask:  # new masks (head chunks: one, shared)
+                    ms = [call_mask(live[0], device)] * len(live) if heads else [call_mask(c, device) for c in live]
+                    parts = [(q, do, m) for (q, do, _), m in zip(parts0, ms)]
+                chunk_loop(kern, parts, k, v, scale, n_lanes, backward=backward)
+            return lanes_step
 
-        med, _, _ = time_fn(lanes_step, device, reps=reps, warmup=warmup)
-        per_call = [med / len(live) if (c.rows and c.num_keys) else 0.0 for c in calls]
-        return _calls_result(calls, per_call, med, Hq, D, backward, n_lanes)
-    per_call = []
-    for c in calls:
-        if c.rows == 0 or c.num_keys == 0:
-            per_call.append(0.0)
-            continue
+        return KernelCallsTiming(list(calls), [build_lanes], n_lanes, Hq, D, backward)
+
+    def build_one(c):
         hkv = Hkv if c.kv_heads is None else c.kv_heads[1] - c.kv_heads[0]  # a head chunk: its heads
         hq = hkv * (Hq // Hkv)
         q = _rand((c.rows, hq, D), gen, device, dtype)
@@ -694,11 +705,63 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
             if backward:
                 delta = (do.float() * o).sum(-1)
                 kern.backward(q, k, v, m, scale, do, lse, delta, st)
+        return step
 
-        med, _, _ = time_fn(step, device, reps=reps, warmup=warmup)
-        per_call.append(med)
-        del q, k, v, do
-    return _calls_result(calls, per_call, float(sum(per_call)), Hq, D, backward, 1)
+    return KernelCallsTiming(list(calls), [lambda c=c: build_one(c) for c in live], 1, Hq, D, backward)
+
+
+def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
+                      reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
+                      fresh_mask: bool = False, lanes=None):
+    """Time the local kernel over `calls` (from `kernel_calls`): forward (+ backward with the global
+    lse/delta taken from the forward, as in the op) through the kernel API. Random inputs (never zeros).
+    fresh_mask=False (default): one IntervalMask per call reused across repeats, so the FlexAttention
+    BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
+    True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
+
+    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, all with the
+    same key count (Split-KV's chunks: one k / v), CUDA and lanes > 1 the calls run as Split-KV's chunk
+    loop runs them (`ops.common.KernelLanes`): every call's
+    forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
+    stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
+    Head chunks (calls of `kernel_calls(..., chunk_axis="heads")`, with `kv_heads`): each call gets its heads
+    (Hq_c = G * Hkv_c query heads, Hkv_c kv heads, all rows), the calls share one mask in the chunk loop, and
+    their dK / dV are written into their heads (`chunk_loop`), as the op runs them.
+
+    The steps come from `kernel_calls_timing`; each is built, timed (`time_fn`, median of `reps` after `warmup`)
+    and dropped before the next is built.
+
+    Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
+    step / k), pairs, tile_pairs, fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when
+    backward), lanes (the lanes used: 1 = calls timed alone).
+    """
+    spec = kernel_calls_timing(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, backend=backend, seed=seed,
+                               backward=backward, fresh_mask=fresh_mask, lanes=lanes)
+    meds = []
+    for build in spec.steps:
+        step = build()
+        meds.append(time_fn(step, torch.device(device), reps=reps, warmup=warmup)[0])
+        del step
+    return spec.result(meds)
+
+
+def time_kernel_calls_rounds(specs, *, device, rounds: int, reps: int = 5, warmup: int = 1):
+    """Time several `KernelCallsTiming` (tasks) in `rounds` interleaved rounds: every task's steps are built ONCE
+    (inputs and masks reused by every round); round i times every task once (each step a `time_fn` median of
+    `reps` after `warmup` untimed calls), the tasks in their order rotated by i (round 0: 0, 1, ..., round 1: 1,
+    ..., n-1, 0), so that drift (clocks, host) between rounds hits every task alike and the tasks' values of one
+    round are comparable. Returns, per task, the list of its `KernelCallsTiming.result` dicts, one per round."""
+    if int(rounds) < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    device = torch.device(device)
+    steps = [[build() for build in s.steps] for s in specs]
+    out = [[] for _ in specs]
+    n = len(specs)
+    for i in range(int(rounds)):
+        for t in [(i + x) % n for x in range(n)]:
+            meds = [time_fn(st, device, reps=reps, warmup=warmup)[0] for st in steps[t]]
+            out[t].append(specs[t].result(meds))
+    return out
 
 
 def _calls_result(calls, per_call, ms, Hq, D, backward, lanes):

@@ -1341,3 +1341,217 @@ def test_cpu_flag_is_a_tiny_dry_run(tmp_path):
     for name in ("cps", "anchors", "B", "Hq", "Hkv", "D", "hidden", "reps"):
         assert a[name] == ss.CPU_SHAPES[name], name
     assert sorted({r["P"] for r in res["rows"]}) == [1, 2, 4]
+
+
+# ------------------------------------------------ measured head splits and paired rounds (perf-notes items 21-22)
+
+
+def _tiny_calls():
+    """splitkv's k = 2 row chunks of rank 0 at P = 2 (tiny CPU shapes) and an empty call between them."""
+    lens, anchors = bench.make_workload(512, 8, n_seqs=1, seed=3)
+    plan = bench.place(lens, anchors, cp_size=2, strategy="lpt", block_size=4)
+    calls = bench.kernel_calls("splitkv", plan, 0, num_chunks=2)
+    empty = bench.KernelCall(np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), 4)
+    return [calls[0], empty, calls[1]]
+
+
+def test_time_kernel_calls_refactor_keeps_its_result(monkeypatch):
+    """`time_kernel_calls` through `kernel_calls_timing`: one step per live call on CPU, per_call_ms = each step's
+    median at the live calls' places (0.0 for an empty call), ms = their sum, the rest of the dict as before; the
+    lanes' result divides its one step by the live calls; a real CPU run has the same structure."""
+    calls = _tiny_calls()
+    kw = dict(Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", backend="math")
+    real = bench.time_kernel_calls(calls, reps=1, warmup=0, **kw)
+    assert set(real) == {"ms", "per_call_ms", "pairs", "tile_pairs", "fwd_flops", "tflops", "lanes"}
+    assert len(real["per_call_ms"]) == 3 and real["per_call_ms"][1] == 0.0 and real["lanes"] == 1
+    assert real["ms"] == pytest.approx(sum(real["per_call_ms"])) and min(real["per_call_ms"][::2]) > 0
+    fake = iter([7.0, 5.0])
+    ran = []
+
+    def fake_time_fn(fn, device, reps, warmup):
+        fn()  # the step runs (forward + backward of its call)
+        ran.append(fn)
+        return next(fake), 0.0, []
+
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    got = bench.time_kernel_calls(calls, reps=1, warmup=0, **kw)
+    assert got["per_call_ms"] == [7.0, 0.0, 5.0] and got["ms"] == 12.0 and len(ran) == 2
+    spec = bench.kernel_calls_timing(calls, **kw)
+    assert len(spec.steps) == 2 and spec.lanes == 1
+    assert spec.result([7.0, 5.0]) == got
+    assert got["pairs"] == sum(c.pairs for c in calls) == real["pairs"]
+    lanes = bench.KernelCallsTiming(calls, [None], 2, 4, 16, True).result([9.0])
+    assert lanes["per_call_ms"] == [4.5, 0.0, 4.5] and lanes["ms"] == 9.0 and lanes["lanes"] == 2
+    with pytest.raises(ValueError, match="step times"):
+        spec.result([1.0])
+
+
+def test_time_kernel_calls_rounds_builds_once_and_rotates(monkeypatch):
+    """`time_kernel_calls_rounds`: every task's steps built once; round i times the tasks in their order rotated by
+    i; one result per task and round, the per-call structure of `time_kernel_calls`."""
+    calls = _tiny_calls()
+    kw = dict(Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", backend="math")
+    specs = [bench.kernel_calls_timing(calls[:1], **kw), bench.kernel_calls_timing(calls, **kw)]
+    built, seq = [], []
+
+    def counted(build, t):  # a step builder that records its calls and tags its step with the task
+        def b():
+            built.append(t)
+            step = build()
+            step.task = t
+            return step
+        return b
+
+    for t, s in enumerate(specs):
+        s.steps = [counted(b, t) for b in s.steps]
+
+    def fake_time_fn(fn, device, reps, warmup):
+        seq.append(fn.task)
+        return float(len(seq)), 0.0, []
+
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    out = bench.time_kernel_calls_rounds(specs, device="cpu", rounds=3, reps=1)
+    assert sorted(built) == [0, 1, 1]  # once per step: task 0 one step, task 1 two (the empty call has none)
+    assert seq == [0, 1, 1, 1, 1, 0, 0, 1, 1]  # rounds: (0, 1), (1, 0), (0, 1)
+    assert [len(o) for o in out] == [3, 3]
+    assert [o["per_call_ms"] for o in out[0]] == [[1.0], [6.0], [7.0]]
+    assert [o["per_call_ms"] for o in out[1]] == [[2.0, 0.0, 3.0], [4.0, 0.0, 5.0], [8.0, 0.0, 9.0]]
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        bench.time_kernel_calls_rounds(specs, device="cpu", rounds=0)
+
+
+_TINY = ["--cpu", "--methods", "splitkv", "--reps", "1", "--num-chunks", "1,2"]
+
+
+def _row_key(r):
+    return (r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"], r.get("variant"),
+            tuple(r.get("head_split") or ()), r.get("bwd_order", "forward"))
+
+
+def test_measured_head_split_rows_and_their_replay(tmp_path, monkeypatch):
+    """Measured mode with --head-split 3,1 (Hkv 4) and both backward orders: the split's head chunks and the even
+    2/2 of the same k are timed as the op's head chunks (lanes as the op), at every P > 1; one row per split x
+    order x topology x overlap x variant with measured compute, the gain over 2/2 (forward) and the break-even;
+    the saved JSON replays to the same rows (with or without naming the split again); no paired rounds here."""
+    import simulate_scaling as ss
+
+    timed = []
+    orig = bench.time_kernel_calls
+
+    def spy(calls, **kw):
+        timed.append(([c.kv_heads for c in calls], kw.get("lanes", "unset")))
+        return orig(calls, **kw)
+
+    monkeypatch.setattr(bench, "time_kernel_calls", spy)
+    res = ss.main(_TINY + ["--Hkv", "4", "--Hq", "8", "--placements", "lpt", "--head-split", "3,1",
+                           "--bwd-chunk-order", "forward,reverse", "--out", str(tmp_path / "run")])
+    for heads in ([(0, 3), (3, 4)], [(0, 2), (2, 4)]):
+        assert (heads, None) in timed, timed
+    rows = res["rows"]
+    split = [r for r in rows if r.get("head_split")]
+    assert {(r["P"], tuple(r["head_split"]), r["bwd_order"]) for r in split} == {
+        (P, s, o) for P in (2, 4) for s, o in (((3, 1), "forward"), ((3, 1), "reverse"), ((2, 2), "forward"))}
+    assert len(split) == 2 * 3 * 2 * 2 * len(res["variants"])  # P x (split, order) x topology x overlap x variant
+    assert all(r["compute_source"] == "measured" and len(r["per_call_ms"]) == 2 and r["num_chunks"] == 2
+               for r in split)
+    even = {_row_key(r)[:6]: r for r in split if tuple(r["head_split"]) == (2, 2)}
+    for r in split:
+        ref = even[_row_key(r)[:6]]
+        assert r["gain_vs_even_ms"] == ref["total_ms"] - r["total_ms"]
+        assert 0.0 <= r["break_even_extra"] <= 1.0
+        assert (r["break_even_extra"] > 0) == (r["gain_vs_even_ms"] > 0)
+        assert r["bytes_by_name"].keys() == ref["bytes_by_name"].keys()
+    assert all(ref["gain_vs_even_ms"] == 0.0 for ref in even.values())
+    assert not any("efficiency_rounds" in r or "per_call_ms_rounds" in r for r in rows)
+    assert not any("head_split" in r for r in rows if r not in split)  # today's rows as they were
+    assert "Head splits, topology 'node'" in (tmp_path / "run" / "simulate_scaling.md").read_text()
+    saved = str(tmp_path / "run" / "simulate_scaling.json")
+    for extra in ([], ["--head-split", "3,1", "--bwd-chunk-order", "forward,reverse"]):
+        rep = ss.main(["--replay", saved, "--out", str(tmp_path / "replay")] + extra)
+        got = {_row_key(r): r for r in rep["rows"]}
+        want = {_row_key(r): r for r in rows}
+        assert got.keys() == want.keys()
+        for k, r in want.items():
+            for f in ("total_ms", "exposed_comm_ms", "compute_ms", "efficiency", "compute_source", "per_call_ms",
+                      "gain_vs_even_ms", "break_even_extra", "bytes_by_name"):
+                assert got[k].get(f) == r.get(f), (k, f)
+
+
+def test_paired_rounds_efficiency_per_round(tmp_path, monkeypatch):
+    """--paired-rounds 2: the P0 reference shard first, then every measured splitkv shard of the first placement (the
+    head split's too; not zigzag's), each timed once per round; their per-call ms = the median over the rounds; every
+    first-placement splitkv row with P > 1 has efficiency_rounds = T(1)_i / T(P)_i of round i's compute (P = 1
+    rows and other placements none); the summary shows median [min-max]; the JSON replays to the same rounds."""
+    import simulate_scaling as ss
+
+    seen = []
+    orig = bench.time_kernel_calls_rounds
+
+    def spy(specs, **kw):
+        seen.append((specs, kw))
+        return orig(specs, **kw)
+
+    monkeypatch.setattr(bench, "time_kernel_calls_rounds", spy)
+    res = ss.main(_TINY + ["--placements", "lpt,zigzag", "--sample-ranks", "1", "--head-split", "1,1",
+                           "--paired-rounds", "2", "--out", str(tmp_path / "run")])
+    (specs, kw), = seen
+    assert kw["rounds"] == 2
+    assert len(specs[0].calls) == 1 and specs[0].calls[0].num_ctx == 256  # P = 1, k = 1: the T(1) shard
+    # P = 1: k = 1; P = 2, 4: k = 1, 2 and the split 1/1 (lpt only; one sampled rank each)
+    assert len(specs) == 1 + 2 * 3
+    rows = [r for r in res["rows"] if r["method"] == "splitkv"]
+    first = [r for r in rows if r["placement"] in ("lpt", "-")]
+    assert all(r["compute_source"] == "measured, 2 interleaved rounds" for r in first)
+    assert all("efficiency_rounds" not in r for r in rows if r["placement"] == "zigzag" or r["P"] == 1)
+    base = {}
+    for r in first:
+        assert len(r["per_call_ms_rounds"]) == 2 and len(r["total_ms_rounds"]) == 2
+        for c, ms in enumerate(r["per_call_ms"]):  # one sampled rank: the median of its two rounds
+            assert ms == pytest.approx(np.median([pc[c] for pc in r["per_call_ms_rounds"]]), rel=1e-12)
+        if r["P"] == 1:
+            b = base.setdefault(r["topology"], list(r["total_ms_rounds"]))
+            base[r["topology"]] = [min(x, y) for x, y in zip(b, r["total_ms_rounds"])]
+    for r in first:
+        if r["P"] > 1:
+            assert r["efficiency_rounds"] == [b / t for b, t in zip(base[r["topology"]], r["total_ms_rounds"])]
+    md = (tmp_path / "run" / "simulate_scaling.md").read_text()
+    assert "efficiency over 2 paired rounds" in md
+    head = next(e for e in res["summary"] if e["P"] == 4 and e["topology"] == "node")["head"]
+    assert ss.rounds_text(head["efficiency_rounds"]) in md
+    rep = ss.main(["--replay", str(tmp_path / "run" / "simulate_scaling.json"), "--out", str(tmp_path / "replay")])
+    got = {_row_key(r): r for r in rep["rows"] if r["method"] == "splitkv"}
+    for r in rows:
+        assert got[_row_key(r)].get("efficiency_rounds") == r.get("efficiency_rounds"), _row_key(r)
+        assert got[_row_key(r)]["total_ms"] == r["total_ms"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--cpu", "--paired-rounds", "-1"], "--paired-rounds"),
+    (["--model-only", "--paired-rounds", "1"], "--paired-rounds"),
+    (["--model-only", "--head-split", "1,1"], "--head-split"),
+    (["--cpu", "--Hkv", "4", "--Hq", "8", "--head-split", "3,2"], "--head-split"),
+    (["--cpu", "--head-split", "1,x"], "--head-split"),
+])
+def test_head_split_and_rounds_flag_errors(argv, flag, tmp_path, capsys):
+    """Negative rounds, rounds or a head split without measuring, a split not summing to --Hkv: exit 2 naming the
+    flag, before anything is measured."""
+    import simulate_scaling as ss
+
+    with pytest.raises(SystemExit) as e:
+        ss.main(argv + ["--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and flag in err, err
+    assert not os.path.exists(tmp_path / "simulate_scaling.json")
+
+
+def test_paired_rounds_refused_with_replay_or_several_ranks(tmp_path, capsys, monkeypatch):
+    import simulate_scaling as ss
+
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--replay", HEADS, "--paired-rounds", "1", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--paired-rounds" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--cpu", "--paired-rounds", "1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--paired-rounds" in err and "WORLD_SIZE=2" in err

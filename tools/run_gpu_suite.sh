@@ -37,7 +37,13 @@
 #      dQ all-to-all overlap with the k/v projections (timed on the GPU), under the node topology (8
 #      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model (SUITE_SIM_CHUNK_AXIS=heads: splitkv's
 #      chunks split heads, the op's chunk_axis); measuring budget SUITE_SIM_S
-#      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`)
+#      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`).
+#      SUITE_SIM_HEAD_SPLIT (e.g. 6,2 or 6,2:5,3; kv heads per chunk summing to the tool's Hkv: 8, 2 with
+#      SUITE_CPU=1): --head-split, the uneven head chunks timed as the op runs them (and the even split of the
+#      same k), with --bwd-chunk-order forward,reverse. SUITE_SIM_ROUNDS=R (> 0): --paired-rounds R, the P = 1
+#      reference shard and every measured splitkv shard re-timed in R interleaved rounds (efficiency per round,
+#      median [min-max]); the tool then runs as ONE process (every shard on GPU 0, the link from SUITE_LINK_JSON
+#      instead of measured collectives) and the step's limit grows by R x the measuring budget
 #   exact. torchrun 2 x tools/gpu_check.py dist --skip op: op exactness at CP=2 over NCCL (bf16 vs float64,
 #      out + five gradients) of this tree's ops
 #   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gputests (FIRST, alone: pytest
@@ -142,6 +148,27 @@ if [[ -n "${SUITE_CHUNK_AXIS_AB:-}" && ! "$SUITE_CHUNK_AXIS_AB" =~ ^(rows|heads)
   echo "run_gpu_suite.sh: SUITE_CHUNK_AXIS_AB must be a comma list of rows / heads, got '$SUITE_CHUNK_AXIS_AB'" >&2
   exit 2
 fi
+# simulate's head splits and paired rounds (tools/simulate_scaling.py --head-split / --paired-rounds): each split a
+# comma list of positive kv-head counts summing to the tool's Hkv (8; 2 with SUITE_CPU=1), splits separated by ':'
+SIM_HKV=$([[ "$CPU" == 1 ]] && echo 2 || echo 8)
+if [[ -n "${SUITE_SIM_HEAD_SPLIT:-}" ]]; then
+  if [[ ! "$SUITE_SIM_HEAD_SPLIT" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*(:[1-9][0-9]*(,[1-9][0-9]*)*)*$ ]]; then
+    echo "run_gpu_suite.sh: SUITE_SIM_HEAD_SPLIT must be ':'-separated comma lists of positive kv-head counts (e.g. 6,2:5,3), got '$SUITE_SIM_HEAD_SPLIT'" >&2
+    exit 2
+  fi
+  for SP in ${SUITE_SIM_HEAD_SPLIT//:/ }; do
+    if (( ${SP//,/+} != SIM_HKV )); then
+      echo "run_gpu_suite.sh: SUITE_SIM_HEAD_SPLIT: $SP must sum to the $SIM_HKV kv heads simulate uses" >&2; exit 2
+    fi
+  done
+fi
+if [[ -n "${SUITE_SIM_ROUNDS+x}" && ! "${SUITE_SIM_ROUNDS}" =~ ^[0-9]+$ ]]; then
+  echo "run_gpu_suite.sh: SUITE_SIM_ROUNDS must be a whole number of rounds (0 = none), got '${SUITE_SIM_ROUNDS}'" >&2
+  exit 2
+fi
+SIM_ROUNDS=$(( 10#${SUITE_SIM_ROUNDS:-0} ))
+if [[ -n "${SUITE_SIM_HEAD_SPLIT:-}" ]]; then SIM_X+=(--head-split "$SUITE_SIM_HEAD_SPLIT" --bwd-chunk-order forward,reverse); fi
+if (( SIM_ROUNDS > 0 )); then SIM_X+=(--paired-rounds "$SIM_ROUNDS"); fi
 want() { [[ "$STEPS" == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS )); }
 clip() {  # clip MAX: MAX seconds, or what is left of the budget minus 5 s if less
@@ -329,10 +356,13 @@ if want simulate; then
   BJ="$WORK/bench/bench_attention.json"; KJ="$WORK/kernels/gpu_check_compare$([[ $CPU == 1 ]] && echo _cpu)_w1.json"
   if [[ -s "$BJ" ]]; then SIM_J+=(--bench-json "$BJ"); fi
   if [[ -s "$KJ" ]]; then SIM_J+=(--kernels-json "$KJ"); fi
-  if (( NPROC < 2 )) && [[ "$CPU" != 1 ]]; then SIM_J+=(--link-json "$LINK_JSON"); fi
+  SIM_RUN=("${RUN[@]}")
+  if (( SIM_ROUNDS > 0 )); then SIM_RUN=("$PY"); fi  # paired rounds: one process, every shard on one device
+  if (( NPROC < 2 || SIM_ROUNDS > 0 )) && [[ "$CPU" != 1 ]]; then SIM_J+=(--link-json "$LINK_JSON"); fi
   SIM_S=${SUITE_SIM_S:-65}  # shards measured for SB s (k = 1 of every method first), the rest modelled
   SB=$(( $(left) - 45 )); SB=$(( SB > SIM_S ? SIM_S : (SB < 20 ? 20 : SB) ))
-  step c_simulate $(( SIM_S + 45 )) "${RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" --budget-s "$SB" "${SIM_J[@]}" --out "$WORK/sim"
+  step c_simulate $(( SIM_S + 45 + SIM_ROUNDS * SB )) "${SIM_RUN[@]}" tools/simulate_scaling.py "${SIM_X[@]}" \
+    --budget-s "$SB" "${SIM_J[@]}" --out "$WORK/sim"
 fi
 
 # e. the kernel_options sweep, when it could not run next to `kernels`

@@ -25,11 +25,24 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     Hkv): measured mode times k calls over all rows with Hq / k, Hkv / k heads and one mask, dK / dV written per
     chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
     per-chunk bytes are those of row chunks (the same bytes per collective name), and model-only mode uses the
-    same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22) in `--replay` only: `--head-split 6,2`
-    (several with ':') adds rows whose per-chunk bytes (`head_split_records`) and kernel time
-    (`head_split_compute`: the saved k-chunk total x the chunk's heads share) are proportional to its heads,
-    `--bwd-chunk-order reverse` runs their backward chunks in the order k-1..0; each row reports its gain over
-    the even split and the break-even extra kernel cost.
+    same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22): `--head-split 6,2` (several with ':';
+    measured mode and `--replay`, not `--model-only`) adds rows whose per-chunk bytes (`head_split_records`) are
+    proportional to its heads; measured mode times the split's head chunks at every P > 1 (first placement)
+    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`, kernel lanes as the op),
+    and the even split of the same k likewise (the gain's reference, whatever --chunk-axis says); `--replay`
+    recomputes a saved run's measured split rows from their saved per-chunk ms, and models a split the run
+    did not measure (`head_split_compute`: the saved k-chunk total x the chunk's heads share).
+    `--bwd-chunk-order forward,reverse` runs their backward chunks in the order 0..k-1 / k-1..0 (one row each);
+    each row reports its gain over the same k's even split (forward order) and the break-even extra kernel cost
+    (`head_split_rows`, `add_split_gains`: one code for both modes).
+    `--paired-rounds R` (measured mode, one process; docs/perf-notes.md item 21: T(1) drifted ~5% between runs):
+    after the measuring phase the P0 reference shard (splitkv k = 1) and every measured splitkv shard of the
+    first placement (sampled ranks, chunk counts, head splits) are re-timed in R interleaved rounds (inputs built
+    once, every task once per round, the order rotated by one each round: `bench.time_kernel_calls_rounds`);
+    their per-call ms = the median over the rounds, and every splitkv row with P > P0 gets efficiency_rounds =
+    [T(P0)_i / T(P)_i], both sides recomputed with round i's shards (round i's slowest sampled rank; overhead
+    and projection windows as in the row), shown as median [min-max] in the summary and the headline's own
+    table. The rounds are not cut by --budget-s and hold every re-timed shard's inputs at once.
   - communication: the exact per-collective messages the op issues (`bench.predicted_records`, checked
     against comm_stats in tests/test_simulate_scaling.py), each timed by `bench.LinkModel` under every
     `--topology` (default node,flat; the first is the headline; formulas in the LinkModel docstring):
@@ -547,6 +560,125 @@ def break_even_extra(time_of, t_ref, hi=1.0, tol=1e-6):
     return lo
 
 
+def round_totals(total_of, per_call_rounds):
+    """[total_of(per-call ms of round i)] for the rounds of `--paired-rounds` (None without rounds)."""
+    if not per_call_rounds:
+        return None
+    return [float(total_of(list(pc))) for pc in per_call_rounds]
+
+
+def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs, recs_memo, order="forward",
+                split=None, extra=0.0, per_call_rounds=None):
+    """One splitkv row recomputed from per-chunk kernel ms (the rows of `--replay` and the `--head-split` rows of
+    both modes): `base` (a row: slowest_rank, overhead_ms, proj_fwd_ms / proj_bwd_ms, placement, the measured
+    fields) updated with the variant's fields and `method_time` of this tree's `bench.predicted_records` for
+    the base's slowest rank (`head_split_records` of them with a head `split`), the schedule `a` asks for (a run's
+    args: B, Hq, Hkv, D, no_metadata, fwd_fraction, two_level_wait, _exchange_pieces) and the backward chunk
+    `order`. per_call: fwd+bwd ms per chunk, each x (1 + extra) (`break_even_extra`); per_call_rounds (the
+    `--paired-rounds` values: one per-chunk list per round) adds "per_call_ms_rounds" and "total_ms_rounds" (T of
+    each round's compute, the rest of the row alike). recs_memo: a dict the records are cached in."""
+    L = variant["cp_ranks_per_node"]
+    rkey = (P, base["placement"], base["slowest_rank"], k, L, None if split is None else tuple(split))
+    if rkey not in recs_memo:
+        nb = [plan.blocks_per_rank] * P
+        nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
+        recs = bench.predicted_records("splitkv", P=P, rank=base["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
+                                       Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
+                                       num_chunks=k, cp_ranks_per_node=min(L, P), **pieces_kw(a._exchange_pieces))
+        recs_memo[rkey] = recs if split is None else head_split_records(recs, split, plan.blocks_per_rank)
+    recs = recs_memo[rkey]
+
+    def timed(pc, det=None):
+        return method_time("splitkv", P, [x * (1.0 + extra) for x in pc], recs, link, fwd_fraction=a.fwd_fraction,
+                           overhead_ms=base["overhead_ms"],
+                           proj_ms=(base["proj_fwd_ms"], base["proj_bwd_ms"]) if ovl else (0.0, 0.0),
+                           bwd_gather=variant["bwd_gather"], cp_ranks_per_node=L, D=a.D, elem=2, acc=4,
+                           merge_gbs=merge_gbs, two_level_wait=a.two_level_wait, detail=det, bwd_order=order)
+
+    det = {}
+    t = timed(per_call, det)
+    row = dict(base)
+    row.update(variant_fields(variant, det, L))
+    row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
+    row.update(t)
+    row.update(num_chunks=k, per_call_ms=list(per_call), head_split=None if split is None else list(split),
+               bwd_order=order)
+    if per_call_rounds:
+        row.update(per_call_ms_rounds=[list(pc) for pc in per_call_rounds],
+                   total_ms_rounds=round_totals(lambda pc: timed(pc)["total_ms"], per_call_rounds))
+    return row
+
+
+def head_split_rows(base, *, split, orders, variants, source, **kw):
+    """The rows of one head `split` from its per-chunk kernel ms (`splitkv_row`'s keywords in kw: a, plan, P, per_call,
+    link, ovl, merge_gbs, recs_memo, per_call_rounds): one per variant x backward chunk order, compute_source
+    `source`, each marked for `add_split_gains` (its "_args": the keywords that recompute it)."""
+    rows = []
+    for v in variants:
+        for order in orders:
+            args_ = dict(kw, k=len(split), variant=v, order=order, split=tuple(split))
+            row = splitkv_row(base, **args_)
+            row["compute_source"] = source
+            row["_args"] = (base, args_)
+            rows.append(row)
+    return rows
+
+
+def add_split_gains(rows, Hkv):
+    """The head-split rows' (those `head_split_rows` marked: "_args", removed here) "gain_vs_even_ms" = T of the
+    same (P, placement, k, topology, overlap, variant)'s even split (`default_head_split`) in forward order - T
+    (the even split's row when there is one, else the row without a split of that k; None without either)
+    and "break_even_extra" (`break_even_extra`: the extra kernel cost, as a fraction, at which that gain is
+    gone; recomputed by `splitkv_row`)."""
+    def ref_key(row):
+        return (row["P"], row["placement"], row["num_chunks"], row["topology"], row["overlap_q_gather"],
+                row.get("variant"))
+
+    even = {}
+    for row in rows:
+        if row["method"] != "splitkv" or row.get("bwd_order", "forward") != "forward":
+            continue
+        hs = row.get("head_split")
+        if hs is None or tuple(hs) == default_head_split(row["num_chunks"], Hkv):
+            if hs is not None or ref_key(row) not in even:
+                even[ref_key(row)] = row["total_ms"]
+    for row in rows:
+        marked = row.pop("_args", None)
+        if marked is None:
+            continue
+        base, args_ = marked
+        ref = even.get(ref_key(row))
+        row["gain_vs_even_ms"] = None if ref is None else ref - row["total_ms"]
+        row["break_even_extra"] = None if ref is None else break_even_extra(
+            lambda x: splitkv_row(base, **dict(args_, extra=x, per_call_rounds=None))["total_ms"], ref)
+
+
+def set_efficiency_rounds(rows, p0):
+    """`--paired-rounds`: every row with "total_ms_rounds" and P > p0 gets "efficiency_rounds" = [T(p0)_i / T(P)_i],
+    T(p0)_i = round i's fastest row of the same method and topology at p0 among those with rounds (as
+    `set_efficiency`'s base, each round on its own compute)."""
+    base = {}
+    for r in rows:
+        tr = r.get("total_ms_rounds")
+        if r["P"] == p0 and tr:
+            key = (r["method"], r.get("topology", "flat"))
+            base[key] = tr if key not in base else [min(x, y) for x, y in zip(base[key], tr)]
+    for r in rows:
+        tr = r.get("total_ms_rounds")
+        b = base.get((r["method"], r.get("topology", "flat")))
+        if r["P"] > p0 and tr and b and len(b) == len(tr):
+            r["efficiency_rounds"] = [x / t if t > 0 else float("nan") for x, t in zip(b, tr)]
+
+
+def rounds_text(eff_rounds):
+    """"median [min-max]" (percent) of a row's efficiency_rounds, "" without."""
+    if not eff_rounds:
+        return ""
+    e = sorted(100 * x for x in eff_rounds)
+    med = float(np.median(e))
+    return f"{med:.1f}% [{e[0]:.1f}-{e[-1]:.1f}]"
+
+
 @dataclasses.dataclass(frozen=True)
 class Coll:
     """One collective of the modelled Split-KV schedule. name: record name after "splitkv." ("fwd.out",
@@ -979,10 +1111,25 @@ def check_args(ap, args):
         ap.error(f"--hidden must be >= 1, got {args.hidden}")
     if not (np.isfinite(args.chunk_loss) and (args.chunk_loss >= 0 or args.chunk_loss == -1.0)):
         ap.error(f"--chunk-loss must be a finite number >= 0 (or -1: the fitted {CHUNK_LOSS}), got {args.chunk_loss}")
+    args._head_splits = []
     if args.head_split.strip():
-        ap.error("--head-split: only with --replay (the measured and model-only modes time the op's own splits: "
-                 "--chunk-axis heads --num-chunks)")
-    bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS, "backward chunk order")
+        if args.model_only:
+            ap.error("--head-split: not with --model-only (measured mode times the splits' shards; --replay models "
+                     "them from a saved run)")
+        try:
+            args._head_splits = bench.parse_head_splits(args.head_split, args.Hkv, "--head-split")
+        except ValueError as e:
+            ap.error(str(e))
+    args._bwd_orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order,
+                                                            BWD_CHUNK_ORDERS, "backward chunk order")))
+    if args.paired_rounds < 0:
+        ap.error(f"--paired-rounds must be an int >= 0, got {args.paired_rounds}")
+    if args.paired_rounds > 0:
+        if args.model_only:
+            ap.error("--paired-rounds: not with --model-only (it re-times measured shards)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            ap.error(f"--paired-rounds: one process only (WORLD_SIZE={os.environ.get('WORLD_SIZE')}): every shard is "
+                     f"re-timed on one device; take the link from --link-json")
     args._topologies = bench.choices_arg(ap, "--topology", args.topology, ("node", "flat"), "topology")
     args._bwd_gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
                                                              "backward gather")))
@@ -1053,10 +1200,12 @@ def main(argv=None):
     ap.add_argument("--head-split", default="",
                     help="splitkv head chunks of uneven sizes (docs/perf-notes.md item 22): one or more splits separated "
                          "by ':', each a comma list of kv heads per chunk summing to --Hkv, e.g. 4,4:6,2:2,4,2 (k = the "
-                         "list's length). With --replay: one more row per split (bytes and kernel time per chunk "
-                         "proportional to its heads; the kernel time from the saved k = len(split) row's total, "
-                         "interpolated in k where the run did not time that k), each with its gain over the even split "
-                         "and the break-even extra kernel cost")
+                         "list's length). Measured mode: the split's head chunks timed as the op runs them at every "
+                         "P > 1 (first placement), with the even split of the same k (the reference); rows with bytes per "
+                         "chunk proportional to its heads. With --replay: a split the saved run measured keeps its "
+                         "per-chunk ms, another one gets the saved k = len(split) row's total x heads share (interpolated "
+                         "in k where the run did not time that k). Each row has its gain over the even split and the "
+                         "break-even extra kernel cost. Not with --model-only")
     ap.add_argument("--split-cost-json", default="",
                     help="with --replay --head-split: a tools/chunk_cost.py JSON (--head-splits) whose measured ratio "
                          "'head a/b' / 'head k=K' (the split vs the even split of the same k, one kernel, one context) "
@@ -1065,6 +1214,14 @@ def main(argv=None):
                     help="comma list of forward / reverse: the order the backward processes the chunks of the "
                          "--head-split rows in (reverse = k-1..0: the forward's small last chunk becomes the "
                          "backward's first); one row per value")
+    ap.add_argument("--paired-rounds", type=int, default=0,
+                    help="measured mode, one process: after the measuring phase re-time, in R interleaved rounds, the "
+                         "P = min(--cps) reference shard (splitkv k = 1: what T(P0) is built from) and every measured "
+                         "splitkv shard of the first placement (every sampled rank, k and --head-split), each task once "
+                         "per round (a median of --reps), the order rotated by one each round, inputs built once; their "
+                         "per-call ms = the median over the rounds, and every splitkv row with P > P0 gets "
+                         "efficiency_rounds (T(P0)_i / T(P)_i of round i's compute; shown as median [min-max]). "
+                         "0 (default): no rounds")
     ap.add_argument("--chunk-loss", type=float, default=-1.0,
                     help=f"modelled kernel time lost per extra chunk, fraction of the one-chunk kernel time "
                          f"(-1: {CHUNK_LOSS}, fitted on the NVLink chunk A/B at CP=2 128K, docs/benchmarks.md). "
@@ -1263,7 +1420,7 @@ def main(argv=None):
             key = (P, pl if P > 1 else placements[0])
             if key not in plans:
                 plans[key] = build_problem(P, args, key[1])
-    jobs = []  # (P, method, placement, num_chunks)
+    jobs = []  # (P, method, placement, num_chunks, head split: None = the chunk axis of --chunk-axis)
     for P in cps:
         for m in methods:
             for pl in (placements if m == "splitkv" else placements[:1]):
@@ -1277,7 +1434,26 @@ def main(argv=None):
                 else:
                     ks = chunk_list(P, nb)[:1]
                 for k in ks:
-                    jobs.append((P, m, pl, k))
+                    jobs.append((P, m, pl, k, None))
+    # --head-split: splitkv's head chunks of each split at every P > 1 (first placement), and the even split of
+    # each split's k (the gain's reference, measured as head chunks whatever --chunk-axis says); a k the row
+    # chunks' records cannot take (fewer blocks per rank than chunks) is skipped, as `head_split_records` needs
+    split_jobs = {}  # split -> backward orders of its rows
+    for split in args._head_splits:
+        split_jobs[split] = list(args._bwd_orders)
+    for split in args._head_splits:  # the even split of its k, when not asked for itself: forward order only
+        split_jobs.setdefault(default_head_split(len(split), args.Hkv), ["forward"])
+    if split_jobs and "splitkv" in methods and has_chunks:
+        for P in cps:
+            if P == 1:
+                continue
+            nb = plans[(P, placements[0])].blocks_per_rank
+            for split in split_jobs:
+                if bench.resolve_chunks(len(split), P, nb) != len(split):
+                    log(f"[head-split] P={P}: {len(split)} chunks of {'/'.join(map(str, split))} exceed the "
+                        f"{nb} blocks per rank the bytes model chunks: no rows")
+                    continue
+                jobs.append((P, "splitkv", placements[0], len(split), split))
     job_index = {jb: j for j, jb in enumerate(jobs)}
 
     # compute tasks: (job index, rank); the most loaded rank of every job first, then the others (so a
@@ -1286,19 +1462,24 @@ def main(argv=None):
     # baselines have no such fallback), splitkv first, then by P
     calls_of = {}
     tasks = []
-    for j, (P, m, pl, k) in enumerate(jobs):
+    for j, (P, m, pl, k, split) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         ranks, _ = sample_ranks(m, plan, args.sample_ranks)
         for i, r in enumerate(ranks):
-            calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused,
-                                       **({"chunk_axis": args.chunk_axis, "num_heads_kv": args.Hkv}
-                                          if m == "splitkv" else {}))
+            if split is not None:  # the op's head chunks of the split (`head_split=`), timed as the op runs them
+                calls = bench.kernel_calls(m, plan, r, chunk_axis="heads", num_heads_kv=args.Hkv, head_split=split,
+                                           own_block=fused)
+            else:
+                calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused,
+                                           **({"chunk_axis": args.chunk_axis, "num_heads_kv": args.Hkv}
+                                              if m == "splitkv" else {}))
             calls_of[(j, r)] = calls
             tasks.append((i, j, r))
     mprio = {m: i for i, m in enumerate(("splitkv", "allgather-kv", "ring-kv"))}
     tasks = [(j, r) for _, j, r in sorted(tasks, key=lambda t: (t[0], jobs[t[1]][3] != 1, mprio.get(jobs[t[1]][1], 9),
                                                                 jobs[t[1]][3], jobs[t[1]][0]))]
     comp = {}  # (j, r) -> list of per-call ms
+    rounds = {}  # (j, r) -> per --paired-rounds round: its list of per-call ms
     proj_rate = None  # measured (fwd, bwd) TF/s of the k/v projection
     merge_rate = None  # measured (fwd, bwd) GB/s of the two-level all-to-all's node merge / node sum
     if measured:
@@ -1318,7 +1499,8 @@ def main(argv=None):
                                              reps=args.reps, warmup=1, fresh_mask=args.no_metadata,
                                              lanes=None if jobs[j][1] == "splitkv" else 1, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
-                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]} rank {r}: "
+                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]}"
+                      f"{' split ' + '/'.join(map(str, jobs[j][4])) if jobs[j][4] else ''} rank {r}: "
                       f"{kt['ms']:.2f} ms, {kt['tflops']:.0f} TF/s", flush=True)
             except Exception:  # noqa: BLE001
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} rank {r} ERROR\n{traceback.format_exc(limit=3)}",
@@ -1381,6 +1563,27 @@ def main(argv=None):
                     merge_rate = mr
         else:
             comp.update(local)
+        if args.paired_rounds > 0:  # one process (check_args): every shard re-timed here
+            # the P0 reference shard (splitkv k = 1, what T(P0) is built from) first, then every measured splitkv
+            # shard of the first placement in the measuring order; inputs built once, R rounds, rotated order
+            p0 = min(cps)
+            rt = [(j, r) for (j, r) in tasks if jobs[j][1] == "splitkv" and jobs[j][2] == placements[0]
+                  and comp.get((j, r)) is not None]
+            rt.sort(key=lambda t: not (jobs[t[0]][0] == p0 and jobs[t[0]][3] == 1 and jobs[t[0]][4] is None))
+            try:
+                t_r = time.perf_counter()
+                specs = [bench.kernel_calls_timing(calls_of[t], dtype=dtype, device=dev, backend=args.backend,
+                                                   fresh_mask=args.no_metadata, lanes=None, **shapes) for t in rt]
+                got = bench.time_kernel_calls_rounds(specs, device=dev, rounds=args.paired_rounds, reps=args.reps,
+                                                     warmup=1)
+                for t, per_round in zip(rt, got):
+                    rounds[t] = [list(x["per_call_ms"]) for x in per_round]
+                    comp[t] = [float(np.median([pc[c] for pc in rounds[t]])) for c in range(len(rounds[t][0]))]
+                log(f"[rounds] {len(rt)} splitkv shards x {args.paired_rounds} interleaved rounds: "
+                    f"{time.perf_counter() - t_r:.1f}s")
+            except Exception:  # noqa: BLE001
+                rounds.clear()
+                print(f"[rounds] ERROR (the single measurements kept)\n{traceback.format_exc(limit=3)}", flush=True)
         overhead_ms = op_over if op_over is not None else args.op_overhead_ms
         overhead_src = "measured (CP=1 op - kernel)" if op_over is not None else "stated"
     else:
@@ -1409,11 +1612,12 @@ def main(argv=None):
                 rates[m], rate_src[m] = every, f"calibrated on all measured shards: {every:.0f} TF/s"
     for (j, r) in tasks:
         if comp.get((j, r)) is not None:
-            comp[("src", j, r)] = "measured"
+            comp[("src", j, r)] = f"measured, {args.paired_rounds} interleaved rounds" if (j, r) in rounds \
+                else "measured"
             continue
-        P, m, pl, k = jobs[j]
+        P, m, pl, k, _ = jobs[j]
         pairs = [c.pairs for c in calls_of[(j, r)]]
-        j1 = job_index.get((P, m, pl, 1))
+        j1 = job_index.get((P, m, pl, 1, None))
         if m == "splitkv" and k > 1 and j1 is not None and comp.get((j1, r)) is not None \
                 and comp.get(("src", j1, r)) == "measured":
             comp[(j, r)] = chunked_calls_ms(sum(comp[(j1, r)]), pairs, chunk_loss)
@@ -1450,7 +1654,8 @@ def main(argv=None):
     # splitkv variant (backward gather x two-level all-to-all)
     rows = []
     takes_l = "cp_ranks_per_node" in inspect.signature(bench.predicted_records).parameters
-    for j, (P, m, pl, k) in enumerate(jobs):
+    split_memo = {}
+    for j, (P, m, pl, k, split) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         rks = [r for (jj, r) in tasks if jj == j]
         # slowest sampled rank
@@ -1459,6 +1664,23 @@ def main(argv=None):
         nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
         pj = proj_ms(plan, r_slow)
+        # --paired-rounds: round i's compute = that round's slowest sampled rank (every sampled rank re-timed)
+        pc_rounds = None
+        if rks and all((j, r) in rounds for r in rks):
+            pc_rounds = [max((rounds[(j, r)][i] for r in rks), key=sum) for i in range(args.paired_rounds)]
+        if split is not None:  # a head split's rows (`head_split_rows`, as `--replay` makes them)
+            for topo in topologies:
+                for ovl in (False, True):
+                    base = dict(P=P, method=m, placement=pl, num_chunks=k, topology=topo, overlap_q_gather=ovl,
+                                proj_fwd_ms=pj[0], proj_bwd_ms=pj[1], context=P * args.ctx_per_rank,
+                                sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
+                                per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
+                                sampled_pairs=pairs, planner_imbalance=float(plan.imbalance), overhead_ms=overhead_ms)
+                    rows += head_split_rows(base, split=split, orders=split_jobs[split], variants=variants,
+                                            source=comp[("src", j, r_slow)], a=args, plan=plan, P=P,
+                                            per_call=comp[(j, r_slow)], link=links[topo], ovl=ovl,
+                                            merge_gbs=merge_rate, recs_memo=split_memo, per_call_rounds=pc_rounds)
+            continue
         recs_of = {}
         for v in (variants if m == "splitkv" else [None]):
             L = v["cp_ranks_per_node"] if v else 1
@@ -1475,11 +1697,17 @@ def main(argv=None):
             for topo in topologies:
                 for ovl in ((False, True) if m == "splitkv" else (False,)):
                     det = {}
-                    t = method_time(m, P, comp[(j, r_slow)], recs, links[topo], fwd_fraction=args.fwd_fraction,
-                                    overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0),
-                                    **(dict(opts, detail=det) if v else {}))
+
+                    def timed(pc, det=None):
+                        return method_time(m, P, pc, recs, links[topo], fwd_fraction=args.fwd_fraction,
+                                           overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0),
+                                           **(dict(opts, detail=det) if v else {}))
+                    t = timed(comp[(j, r_slow)], det)
                     extra = variant_fields(v, det, L) if v is not None else {}
                     nbytes = sum(extra["bytes_by_name"].values()) if v else sum(r.bytes for r in recs)
+                    if pc_rounds:  # each round's T, the rest of the row alike
+                        extra.update(per_call_ms_rounds=pc_rounds,
+                                     total_ms_rounds=round_totals(lambda pc: timed(pc)["total_ms"], pc_rounds))
                     rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
                                      overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
                                      context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
@@ -1487,7 +1715,10 @@ def main(argv=None):
                                      sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
                                      planner_imbalance=float(plan.imbalance), bytes_per_rank=nbytes,
                                      **extra, **t))
+    if split_jobs:  # the split rows' gain over the same k's even split (forward order) and break-even cost
+        add_split_gains(rows, args.Hkv)
     set_efficiency(rows, min(cps))
+    set_efficiency_rounds(rows, min(cps))
     # measured CP=2 from bench_attention (the op alone: rows without the projection overlap)
     bj = {}
     if args.bench_json and os.path.exists(args.bench_json):
@@ -1522,6 +1753,8 @@ def main(argv=None):
     result["summary"] = summarize(result)
     if rank == 0:
         md = render(result)
+        if split_jobs:
+            md += "\n\n" + render_head_splits(result)
         with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
@@ -1543,6 +1776,9 @@ def main(argv=None):
 def replay_main(ap, args):
     """`--replay`: validate, `replay`, write simulate_scaling.json / .md (prefixed with the replay note) to
     --out and print the tables. Returns the result."""
+    if args.paired_rounds:
+        ap.error("--paired-rounds: not with --replay (it re-times measured shards; a replay recomputes a saved run's "
+                 "rounds from its saved per-round kernel times)")
     if not os.path.isfile(args.replay):
         ap.error(f"--replay: no such file {args.replay!r}")
     if not str(args.out).strip():
@@ -1697,10 +1933,12 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     heads), kernel time per chunk `head_split_compute` of the saved k = len(split) row's total (the measured
     chunk loop: its chunk loss), or, for a k the run did not time, of the total interpolated linearly in k
     between the nearest saved k below and above (none above: no row); the op's own even split
-    (`default_head_split`) of a saved k keeps that row's per-chunk times. Each such row also has
-    "gain_vs_even_ms" (T of the same k's even split, forward order, minus its T; the even split's row when
-    requested, else the saved k row) and "break_even_extra" (`break_even_extra`: the extra kernel cost, as a
-    fraction, at which that gain is gone). The saved rows get head_split None, bwd_order "forward".
+    (`default_head_split`) of a saved k keeps that row's per-chunk times. Split rows the saved run has (measured
+    with `--head-split`) are recomputed from their own per-chunk ms, in their saved backward orders (plus
+    `bwd_orders` when the split is asked for), whether or not head_splits names them. Each split row also has
+    "gain_vs_even_ms" and "break_even_extra" (`add_split_gains`). The saved rows get head_split None, bwd_order
+    "forward". Rows saved with per-round kernel ms (`--paired-rounds`) get their rounds' T and
+    efficiency_rounds again (`set_efficiency_rounds`).
     Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
     import argparse as _ap
 
@@ -1717,50 +1955,44 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     links = {t: link_from_dict(saved["link"], t) for t in topologies}
     merge = tuple(saved["node_merge"]["gbs"])
     first = a.placements.split(",")[0].strip()
-    plans, groups = {}, {}
+    plans, groups, sgroups = {}, {}, {}
     for r in saved["rows"]:  # one saved row per (P, placement, k, topology, overlap): its measured inputs
-        if r["method"] == "splitkv":
+        if r["method"] != "splitkv":
+            continue
+        if r.get("head_split"):  # a split row the run measured (or a replay computed): its own per-chunk ms
+            g = sgroups.setdefault((r["P"], r["placement"], tuple(r["head_split"]), r["topology"],
+                                    r["overlap_q_gather"]), [r, []])
+            if r.get("bwd_order", "forward") not in g[1]:
+                g[1].append(r.get("bwd_order", "forward"))
+        else:
             groups.setdefault((r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"]), r)
     rows = []
     Hkv = int(a.Hkv)
     recs_memo = {}
 
-    def compute(P, pl, k, topo, ovl, r, per_call, v, order="forward", split=None, extra=0.0):
+    def plan_of(P, pl):
         key = (P, pl if P > 1 else first)
         if key not in plans:
             plans[key] = build_problem(P, a, key[1] if P > 1 else "lpt")
-        plan = plans[key]
-        nb = [plan.blocks_per_rank] * P
-        nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
-        L = v["cp_ranks_per_node"]
-        rkey = (key, r["slowest_rank"], k, L, split)
-        if rkey not in recs_memo:
-            recs = bench.predicted_records("splitkv", P=P, rank=r["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
-                                           Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
-                                           num_chunks=k, cp_ranks_per_node=min(L, P),
-                                           **pieces_kw(a._exchange_pieces))
-            recs_memo[rkey] = recs if split is None else head_split_records(recs, split, plan.blocks_per_rank)
-        recs = recs_memo[rkey]
-        det = {}
-        t = method_time("splitkv", P, [x * (1.0 + extra) for x in per_call], recs, links[topo],
-                        fwd_fraction=a.fwd_fraction, overhead_ms=r["overhead_ms"],
-                        proj_ms=(r["proj_fwd_ms"], r["proj_bwd_ms"]) if ovl else (0.0, 0.0), bwd_gather=v["bwd_gather"],
-                        cp_ranks_per_node=L, D=a.D, elem=2, acc=4, merge_gbs=merge, two_level_wait=a.two_level_wait,
-                        detail=det, bwd_order=order)
-        row = dict(r)
-        row.update(variant_fields(v, det, L))
-        row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
-        row.update(t)
-        row.update(num_chunks=k, per_call_ms=list(per_call), head_split=None if split is None else list(split),
-                   bwd_order=order)
-        return row
+        return plans[key]
+
+    def kw(P, pl, topo, ovl, per_call, rounds=None):
+        return dict(a=a, plan=plan_of(P, pl), P=P, per_call=per_call, link=links[topo], ovl=ovl, merge_gbs=merge,
+                    recs_memo=recs_memo, per_call_rounds=rounds)
 
     for (P, pl, k, topo, ovl), r in groups.items():
         for v in variants:
-            rows.append(compute(P, pl, k, topo, ovl, r, r["per_call_ms"], v))
+            rows.append(splitkv_row(r, k=k, variant=v, **kw(P, pl, topo, ovl, r["per_call_ms"],
+                                                             r.get("per_call_ms_rounds"))))
+    for (P, pl, split, topo, ovl), (r, saved_orders) in sgroups.items():  # the saved split rows, recomputed
+        orders = list(dict.fromkeys(saved_orders + (list(bwd_orders) if split in (head_splits or []) else [])))
+        rows += head_split_rows(r, split=split, orders=orders, variants=variants, source=r["compute_source"],
+                                **kw(P, pl, topo, ovl, r["per_call_ms"], r.get("per_call_ms_rounds")))
     for split in head_splits or []:
         ks = len(split)
         for (P, pl, topo, ovl) in dict.fromkeys((P, pl, topo, ovl) for (P, pl, _, topo, ovl) in groups if P > 1):
+            if (P, pl, tuple(split), topo, ovl) in sgroups:  # measured by the run: its rows above
+                continue
             saved_k = sorted(k for (P2, pl2, k, t2, o2) in groups if (P2, pl2, t2, o2) == (P, pl, topo, ovl))
             total = {k: float(sum(groups[(P, pl, k, topo, ovl)]["per_call_ms"])) for k in saved_k}
             if ks in total:
@@ -1782,32 +2014,14 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
                 tot = total[k0] + (total[k1] - total[k0]) * (ks - k0) / (k1 - k0)
                 r = groups[(P, pl, k0, topo, ovl)]
                 per_call, src = head_split_compute(tot, split), f"k={k0}/k={k1} totals interpolated x heads share"
-            for v in variants:
-                for order in bwd_orders:
-                    row = compute(P, pl, ks, topo, ovl, r, per_call, v, order, split)
-                    row["compute_source"] = src
-                    row["_args"] = (P, pl, ks, topo, ovl, r, per_call, v, order, split)
-                    rows.append(row)
-    if head_splits:  # the gain over the same k's even split (forward order) and its break-even kernel cost
-        def ref_key(row):
-            return (row["P"], row["placement"], row["num_chunks"], row["topology"], row["overlap_q_gather"],
-                    row["variant"])
-        even = {}
-        for row in rows:
-            if row["bwd_order"] == "forward" and (row["head_split"] is None or tuple(row["head_split"]) ==
-                                                  default_head_split(row["num_chunks"], Hkv)):
-                if row["head_split"] is not None or ref_key(row) not in even:
-                    even[ref_key(row)] = row["total_ms"]
-        for row in rows:
-            args_ = row.pop("_args", None)
-            if args_ is None:
-                continue
-            ref = even.get(ref_key(row))
-            row["gain_vs_even_ms"] = None if ref is None else ref - row["total_ms"]
-            row["break_even_extra"] = None if ref is None else break_even_extra(
-                lambda x: compute(*args_, extra=x)["total_ms"], ref)
+            r = {f: x for f, x in r.items() if f not in ("per_call_ms_rounds", "total_ms_rounds", "efficiency_rounds")}
+            rows += head_split_rows(r, split=split, orders=list(bwd_orders), variants=variants, source=src,
+                                    **kw(P, pl, topo, ovl, per_call))
+    if head_splits or sgroups:  # the gain over the same k's even split (forward order) and its break-even kernel cost
+        add_split_gains(rows, Hkv)
     rows += [dict(r) for r in saved["rows"] if r["method"] != "splitkv"]
     set_efficiency(rows, min(r["P"] for r in rows))
+    set_efficiency_rounds(rows, min(r["P"] for r in rows))
     res = dict(saved)
     res.update(args=dict(vars(a)), variants=variants, rows=rows,
                replay=dict(source=source, note="splitkv rows recomputed from the saved per-chunk kernel times, "
@@ -1849,12 +2063,13 @@ def split_label(r):
 
 
 def render_head_splits(res):
-    """Markdown: the --head-split rows of a replay (topology by topology, with the projection overlap as the
-    headline uses it): T(P), exposed communication, compute, efficiency, the gain over the same k's even split
-    (forward order) and the break-even extra kernel cost (`replay`)."""
+    """Markdown: the --head-split rows of a run or a replay (topology by topology, with the projection overlap as
+    the headline uses it): T(P), exposed communication, compute and where it came from, efficiency (and its
+    paired rounds), the gain over the same k's even split (forward order) and the break-even extra kernel cost
+    (`add_split_gains`)."""
     ovl = res["args"].get("overlap_q_gather", "on") == "on"
     hdr = ["P", "variant", "k", "split (kv heads)", "bwd order", "T(P) ms", "exposed ms", "compute ms", "efficiency",
-           "gain vs even split ms", "break-even extra kernel cost"]
+           "gain vs even split ms", "break-even extra kernel cost", "compute source"]
     parts = []
     for topo in res.get("topologies", ["flat"]):
         body = []
@@ -1864,12 +2079,17 @@ def render_head_splits(res):
             g, be = r.get("gain_vs_even_ms"), r.get("break_even_extra")
             body.append([r["P"], r["variant"], r["num_chunks"], "/".join(map(str, r["head_split"])), r["bwd_order"],
                          f"{r['total_ms']:.3f}", f"{r['exposed_comm_ms']:.3f}", f"{r['compute_ms']:.3f}",
-                         f"{100 * r['efficiency']:.1f}%", "-" if g is None else f"{g:+.3f}",
-                         "-" if be is None else (f"{100 * be:.1f}% ({be * r['compute_ms']:.3f} ms)")])
+                         f"{100 * r['efficiency']:.1f}%" + (f" (rounds {rounds_text(r['efficiency_rounds'])})"
+                                                             if r.get("efficiency_rounds") else ""),
+                         "-" if g is None else f"{g:+.3f}",
+                         "-" if be is None else (f"{100 * be:.1f}% ({be * r['compute_ms']:.3f} ms)"),
+                         r["compute_source"]])
         if body:
             parts.append(f"Head splits, topology '{topo}'{' + projection overlap' if ovl else ''} (kernel time per "
-                         f"chunk = the k-chunk total x its heads share; gain = T of the same k's even split in forward "
-                         f"order - T; break-even = the extra kernel cost of the split at which that gain is gone)\n\n"
+                         f"chunk: measured = the split's head chunks timed as the op runs them; 'saved ... x heads "
+                         f"share' = a replay's k-chunk total x the chunk's heads share; gain = T of the same k's even "
+                         f"split in forward order - T; break-even = the extra kernel cost of the split at which that "
+                         f"gain is gone)\n\n"
                          + bench.md_table(hdr, body))
     return "\n\n".join(parts)
 
@@ -1909,7 +2129,8 @@ def summarize(res):
     def cell(r):
         return None if r is None else dict(T=r["total_ms"], exposed=r["exposed_comm_ms"], efficiency=r["efficiency"],
                                            k=r.get("num_chunks", 1), source=r["compute_source"],
-                                           variant=r.get("variant"), split=split_label(r))
+                                           variant=r.get("variant"), split=split_label(r),
+                                           efficiency_rounds=r.get("efficiency_rounds"))
 
     out = []
     for topo in res.get("topologies", ["flat"]):
@@ -1948,8 +2169,9 @@ def render_summary(res):
     def fmt(c, with_k=False):
         if not c:
             return "-"
+        rt = rounds_text(c.get("efficiency_rounds"))
         return ((f"k={c['k']}{' ' + c['split'] if c.get('split') else ''}: " if with_k else "")
-                + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%")
+                + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%" + (f", rounds {rt}" if rt else ""))
 
     parts = []
     summ = res.get("summary") or summarize(res)
@@ -1985,6 +2207,17 @@ def render_summary(res):
                          f"separate / one fused gather; L: CP ranks per node of the two-level all-to-all, 1 = one "
                          f"all-to-all); cells: T(P) ms (exposed communication ms) efficiency\n\n"
                          + bench.md_table(hdr, body))
+        paired = [e for e in ents if e["head"] and e["head"].get("efficiency_rounds")]
+        if paired:  # --paired-rounds: the headline's efficiency per round
+            n = len(paired[0]["head"]["efficiency_rounds"])
+            body = [[e["P"], e["headline_variant"] or "-", e["head"]["k"] if not e["head"].get("split")
+                     else f"{e['head']['k']} {e['head']['split']}", f"{100 * e['head']['efficiency']:.1f}%",
+                     rounds_text(e["head"]["efficiency_rounds"]),
+                     " ".join(f"{100 * x:.1f}" for x in e["head"]["efficiency_rounds"])] for e in paired]
+            parts.append(f"{title.get(topo, topo)}, headline ({head}) efficiency over {n} paired rounds (T(P0)_i / "
+                         f"T(P)_i, each side with round i's re-timed shards; the usual column = the shards' median over "
+                         f"the rounds)\n\n" + bench.md_table(["P", "variant", "k", "efficiency", "rounds median [min-max]",
+                                                             "per round %"], body))
     return "\n\n".join(parts)
 
 
@@ -2012,7 +2245,9 @@ def render(res):
             continue
         line = [r["P"], label(res, r), r["placement"], r["context"], f"{r['compute_ms']:.2f}",
                 f"{r['comm_ms']:.2f} ({r['exposed_comm_ms']:.2f})", f"{r['overhead_ms']:.2f}",
-                f"{r['total_ms']:.2f}", f"{100 * r['efficiency']:.0f}%", bench.fmt_bytes(r["bytes_per_rank"]),
+                f"{r['total_ms']:.2f}", f"{100 * r['efficiency']:.0f}%" + (
+                    f" (rounds {rounds_text(r['efficiency_rounds'])})" if r.get("efficiency_rounds") else ""),
+                bench.fmt_bytes(r["bytes_per_rank"]),
                 r["compute_source"]]
         if has_bench:
             line.append(bench.finite(r.get("bench_measured_ms")))
