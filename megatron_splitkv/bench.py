@@ -624,7 +624,8 @@ class KernelCallsTiming:
     when the builder runs, reused by every call of the step); one step for the chunk loop on kernel lanes (all
     calls), else one per live call (calls without rows or keys take no step). `result(step_ms)` turns the
     steps' medians (ms, in `steps` order) into `time_kernel_calls`' result dict: ms = their sum, per_call_ms =
-    each call's median (the lanes' step / the live calls; 0.0 for an empty call)."""
+    each call's median (the lanes' step apportioned to the live calls by their visible pairs: an uneven head
+    split's chunks by their heads; 0.0 for an empty call)."""
 
     calls: list
     steps: list
@@ -638,8 +639,10 @@ class KernelCallsTiming:
         if len(step_ms) != len(self.steps):
             raise ValueError(f"KernelCallsTiming.result: {len(step_ms)} step times for {len(self.steps)} steps")
         live = [c for c in self.calls if c.rows and c.num_keys]
-        if self.lanes > 1:  # one step: the chunk loop over every live call
-            per_call = [step_ms[0] / len(live) if (c.rows and c.num_keys) else 0.0 for c in self.calls]
+        if self.lanes > 1:  # one step: the chunk loop over every live call, apportioned by their visible pairs
+            tot = float(sum(c.pairs for c in live))
+            per_call = [(step_ms[0] * (c.pairs / tot if tot > 0 else 1.0 / len(live)) if (c.rows and c.num_keys)
+                         else 0.0) for c in self.calls]
             return _calls_result(self.calls, per_call, step_ms[0], self.Hq, self.D, self.backward, self.lanes)
         it = iter(step_ms)
         per_call = [next(it) if (c.rows and c.num_keys) else 0.0 for c in self.calls]
@@ -732,8 +735,8 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     and dropped before the next is built.
 
     Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
-    step / k), pairs, tile_pairs, fwd_flops (useful), tflops (useful, FWD_BWD_FACTOR convention when
-    backward), lanes (the lanes used: 1 = calls timed alone).
+    lanes' step apportioned by the calls' visible pairs), pairs, tile_pairs, fwd_flops (useful), tflops (useful,
+    FWD_BWD_FACTOR convention when backward), lanes (the lanes used: 1 = calls timed alone).
     """
     spec = kernel_calls_timing(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, backend=backend, seed=seed,
                                backward=backward, fresh_mask=fresh_mask, lanes=lanes)

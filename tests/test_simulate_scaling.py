@@ -7,6 +7,7 @@
 - `--model-only` runs end to end on CPU and writes the table, JSON and PNG.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -1358,7 +1359,7 @@ def _tiny_calls():
 def test_time_kernel_calls_refactor_keeps_its_result(monkeypatch):
     """`time_kernel_calls` through `kernel_calls_timing`: one step per live call on CPU, per_call_ms = each step's
     median at the live calls' places (0.0 for an empty call), ms = their sum, the rest of the dict as before; the
-    lanes' result divides its one step by the live calls; a real CPU run has the same structure."""
+    lanes' result apportions its one step by the live calls' visible pairs; a real CPU run has the same structure."""
     calls = _tiny_calls()
     kw = dict(Hq=4, Hkv=2, D=16, dtype=torch.float32, device="cpu", backend="math")
     real = bench.time_kernel_calls(calls, reps=1, warmup=0, **kw)
@@ -1381,7 +1382,15 @@ def test_time_kernel_calls_refactor_keeps_its_result(monkeypatch):
     assert spec.result([7.0, 5.0]) == got
     assert got["pairs"] == sum(c.pairs for c in calls) == real["pairs"]
     lanes = bench.KernelCallsTiming(calls, [None], 2, 4, 16, True).result([9.0])
-    assert lanes["per_call_ms"] == [4.5, 0.0, 4.5] and lanes["ms"] == 9.0 and lanes["lanes"] == 2
+    share = calls[0].pairs / (calls[0].pairs + calls[2].pairs)  # the lanes' step apportioned by visible pairs
+    assert lanes["per_call_ms"] == pytest.approx([9.0 * share, 0.0, 9.0 * (1 - share)]) and lanes["ms"] == 9.0
+    assert lanes["lanes"] == 2
+    # an uneven head split (6 / 2 kv heads of one mask): its chunks get 3/4 and 1/4 of the step
+    one = _tiny_calls()[0]
+    heads = [dataclasses.replace(one, pairs=one.pairs * h / 8, kv_heads=kv, num_heads_kv=8)
+             for h, kv in ((6, (0, 6)), (2, (6, 8)))]
+    got6 = bench.KernelCallsTiming(heads, [None], 2, 32, 16, True).result([8.0])["per_call_ms"]
+    assert got6 == pytest.approx([6.0, 2.0])
     with pytest.raises(ValueError, match="step times"):
         spec.result([1.0])
 
