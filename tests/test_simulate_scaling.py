@@ -1486,6 +1486,34 @@ def test_measured_head_split_rows_and_their_replay(tmp_path, monkeypatch):
                 assert got[k].get(f) == r.get(f), (k, f)
 
 
+def test_measured_overhead_per_chunking(tmp_path, monkeypatch):
+    """Measured mode times the op's own ms beyond its kernel at P = 1 for every chunking its splitkv rows use (k = 1,
+    the even head split, each --head-split): a chunked row's overhead = k = 1's + what its chunking's (op - kernel)
+    adds over k = 1's; the k = 1 rows keep k = 1's; the result lists every chunking's measurement."""
+    import simulate_scaling as ss
+
+    fake = {("one",): (10.0, 9.0), ("heads", (2, 2)): (12.0, 10.5), ("heads", (3, 1)): (12.5, 10.8)}
+    asked = []
+
+    def fake_time(key, plan1, args, **kw):
+        asked.append(key)
+        assert plan1.cp_size == 1 and kw["reps"] >= 9
+        return fake[key]
+
+    monkeypatch.setattr(ss, "time_chunking_overhead", fake_time)
+    res = ss.main(_TINY + ["--Hkv", "4", "--Hq", "8", "--placements", "lpt", "--chunk-axis", "heads",
+                           "--head-split", "3,1", "--out", str(tmp_path / "run")])
+    assert asked[0] == ("one",) and sorted(asked[1:]) == [("heads", (2, 2)), ("heads", (3, 1))]
+    want = {None: 1.0, (2, 2): 1.5, (3, 1): 1.7}
+    for r in res["rows"]:
+        sp = tuple(r["head_split"]) if r.get("head_split") else ((2, 2) if r["num_chunks"] == 2 else None)
+        assert r["overhead_ms"] == pytest.approx(want[sp]), (r["P"], r["num_chunks"], r.get("head_split"))
+        assert r["total_ms"] >= r["compute_ms"] + r["overhead_ms"] - 1e-9
+    got = {tuple(e["key"]): (e["label"], e["overhead_ms"]) for e in res["overhead_by_chunking"]}
+    assert got[("one",)] == ("k=1", 1.0) and got[("heads", "(3, 1)")][0] == "heads 3/1"
+    assert "heads 3/1 +0.70 ms" in res["overhead_source"]
+
+
 def test_paired_rounds_efficiency_per_round(tmp_path, monkeypatch):
     """--paired-rounds 2: the P0 reference shard first, then every measured splitkv shard of the first placement (the
     head split's too; not zigzag's), each timed once per round; their per-call ms = the median over the rounds; every

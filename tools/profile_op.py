@@ -5,7 +5,7 @@ tools/chunk_cost.py times the local kernel's chunks alone; over NCCL the op's k 
 (per-step metadata, forward + backward, LPT placement, drafter shapes) for each (num_chunks, kernel lanes)
 variant and, on rank 0, times the host's issue of one step (no synchronize inside: close to the wall time when
 the host is the bottleneck) and profiles 3 steps with torch.profiler: wall ms per step, the top host ops, GPU-busy ms (union of all
-kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates), the
+kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates / FlashAttention-4), the
 NCCL kernels' summed time, and the time the local kernels overlap NCCL kernels. Prints a table last.
 
 With `--ab-rounds R` it first times the variants round-robin without the profiler (R rounds; before each
@@ -186,7 +186,7 @@ def main():
             ev = prof.events()
             allk = _intervals(ev, lambda n: True)
             nccl = _intervals(ev, lambda n: "nccl" in n.lower())
-            local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha")))
+            local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha", "flash_attncute")))
             other = [iv for iv in allk if iv not in set(nccl) | set(local)]
             n = a.steps * 1e3
             row = dict(rank=rank, k=k, lanes=lanes, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n,

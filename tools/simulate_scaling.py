@@ -1073,6 +1073,58 @@ def pieces_kw(n):
         else {}
 
 
+def job_chunking(k, split, axis, Hkv):
+    """The op's chunking of a splitkv job, as a hashable key and a label: (("one",), "k=1") for one call,
+    (("rows", k), "rows k=K") for query-row chunks, (("heads", split), "heads a/b") for head chunks (an even
+    head split as `default_head_split`)."""
+    if split is None and int(k) == 1:
+        return ("one",), "k=1"
+    if split is None and axis != "heads":
+        return ("rows", int(k)), f"rows k={int(k)}"
+    sp = tuple(split) if split is not None else default_head_split(k, Hkv)
+    return ("heads", sp), "heads " + "/".join(map(str, sp))
+
+
+def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, reps):
+    """The op's own ms beyond its kernel at P = 1 for one chunking (`job_chunking` key): the real op with per-step
+    metadata of that chunking (num_chunks / chunk_axis / head_split) and its kernel calls of the same chunking,
+    timed side by side (`bench.time_fns_interleaved`, `reps` rounds). Returns (op_ms, kernel_ms), medians. The
+    glue a chunk adds (head slices, packs, merges, the chunk loop's waits) is in op - kernel; what the kernel
+    itself loses per chunk is in the shards' measured kernel times."""
+    opts, kc = {}, {}
+    if key[0] == "rows":
+        opts, kc = {"num_chunks": key[1], "chunk_axis": "rows"}, {"num_chunks": key[1]}
+    elif key[0] == "heads":
+        sp = tuple(key[1])
+        opts = {"num_chunks": len(sp), "chunk_axis": "heads"}
+        kc = {"chunk_axis": "heads", "num_heads_kv": args.Hkv}
+        if sp != default_head_split(len(sp), args.Hkv):
+            opts["head_split"] = sp
+            kc["head_split"] = sp
+        else:
+            kc["num_chunks"] = len(sp)
+    else:
+        opts = {"num_chunks": 1}
+    x = bench.rank_inputs(plan1, 0, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, device=device)
+    meta = None if args.no_metadata else bench.prepare_meta(
+        "splitkv", x, block_size=args.B, cp_group=group, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, **opts)
+    op_kw = None if meta is not None or key == ("one",) else opts
+
+    def op():
+        bench.run_op("splitkv", x, block_size=args.B, cp_group=group, backend=args.backend, meta=meta,
+                     op_kwargs=op_kw)
+    spec = bench.kernel_calls_timing(bench.kernel_calls("splitkv", plan1, 0, own_block=fused, **kc), dtype=dtype,
+                                     device=device, backend=args.backend, fresh_mask=args.no_metadata, lanes=None,
+                                     Hq=args.Hq, Hkv=args.Hkv, D=args.D)
+    steps = [b() for b in spec.steps]
+
+    def kern():
+        for st in steps:
+            st()
+    (op_ms, _, _), (k_ms, _, _) = bench.time_fns_interleaved([op, kern], device, reps=reps, warmup=2)
+    return float(op_ms), float(k_ms)
+
+
 def check_args(ap, args):
     """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, methods,
     placements) as lists."""
@@ -1482,6 +1534,7 @@ def main(argv=None):
     rounds = {}  # (j, r) -> per --paired-rounds round: its list of per-call ms
     proj_rate = None  # measured (fwd, bwd) TF/s of the k/v projection
     merge_rate = None  # measured (fwd, bwd) GB/s of the two-level all-to-all's node merge / node sum
+    over_by = {}  # measured mode: the op's overhead per chunking (`time_chunking_overhead`)
     if measured:
         mine = [t for i, t in enumerate(tasks) if i % max(world, 1) == rank]
         shapes = dict(Hq=args.Hq, Hkv=args.Hkv, D=args.D)
@@ -1510,24 +1563,28 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         # op overhead at CP=1: the real op vs its kernel; the k/v projection's matmul rate
         op_over = None
+        over_by = {}  # job_chunking key -> dict(label, op_ms, kernel_ms, overhead_ms)
         if rank == 0:
-            try:
-                plan1 = plans[(1, placements[0])] if (1, placements[0]) in plans else build_problem(1, args, "lpt")
-                x = bench.rank_inputs(plan1, 0, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, device=dev)
-                meta = None if args.no_metadata else bench.prepare_meta(
-                    "splitkv", x, block_size=args.B, cp_group=_solo_group(), Hq=args.Hq, Hkv=args.Hkv, D=args.D,
-                    dtype=dtype, **({"num_chunks": 1} if bench.op_option("num_chunks") == "prepare" else {}))
-                op_ms, _, _ = bench.time_fn(lambda: bench.run_op("splitkv", x, block_size=args.B, cp_group=_solo_group(),
-                                                                 backend=args.backend, meta=meta), dev, reps=args.reps,
-                                            warmup=1)
-                k_ms = bench.time_kernel_calls(bench.kernel_calls("splitkv", plan1, 0, num_chunks=1, own_block=tree_fused),
-                                               dtype=dtype, device=dev,
-                                               backend=args.backend, reps=args.reps, warmup=1, Hq=args.Hq, Hkv=args.Hkv,
-                                               D=args.D, fresh_mask=args.no_metadata)["ms"]
-                op_over = max(op_ms - k_ms, 0.0)
-                print(f"[overhead] CP=1 op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = {op_over:.2f} ms", flush=True)
-            except Exception:  # noqa: BLE001
-                print(f"[overhead] ERROR\n{traceback.format_exc(limit=3)}", flush=True)
+            plan1 = plans[(1, placements[0])] if (1, placements[0]) in plans else build_problem(1, args, "lpt")
+            keys = {("one",): "k=1"}
+            for (P_, m_, pl_, k_, sp_) in jobs:
+                if m_ == "splitkv":
+                    key, lab = job_chunking(k_, sp_, args.chunk_axis, args.Hkv)
+                    keys.setdefault(key, lab)
+            for key, lab in keys.items():  # k = 1 first: the overhead of T(P0) and of every k = 1 row
+                try:
+                    op_ms, k_ms = time_chunking_overhead(key, plan1, args, dtype=dtype, device=dev,
+                                                         group=_solo_group(), fused=tree_fused,
+                                                         reps=max(3 * args.reps, 9))
+                    over_by[key] = dict(label=lab, op_ms=op_ms, kernel_ms=k_ms, overhead_ms=max(op_ms - k_ms, 0.0))
+                    print(f"[overhead] CP=1 {lab}: op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = "
+                          f"{over_by[key]['overhead_ms']:.2f} ms", flush=True)
+                except Exception:  # noqa: BLE001
+                    print(f"[overhead] {lab} ERROR\n{traceback.format_exc(limit=3)}", flush=True)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if ("one",) in over_by:
+                op_over = over_by[("one",)]["overhead_ms"]
             if any(two_level_layout(P, L, args.gpus_per_node) for P in cps for L in args._ranks_per_node):
                 try:
                     Lm = max(L for L in args._ranks_per_node if any(two_level_layout(P, L, args.gpus_per_node)
@@ -1552,11 +1609,13 @@ def main(argv=None):
             import torch.distributed as dist
 
             objs = [None] * world
-            dist.all_gather_object(objs, (local, op_over, proj_rate, merge_rate))
-            for loc, ov, pr, mr in objs:
+            dist.all_gather_object(objs, (local, op_over, proj_rate, merge_rate, over_by))
+            for loc, ov, pr, mr, ob in objs:
                 comp.update(loc)
                 if ov is not None:
                     op_over = ov
+                if ob:
+                    over_by = ob
                 if pr is not None:
                     proj_rate = pr
                 if mr is not None:
@@ -1594,6 +1653,18 @@ def main(argv=None):
         overhead_ms = max(overhead_ms + (-own_ms if fused else own_ms), 0.0)
         overhead_src += f", {'-' if fused else '+'} own block {own_ms:.2f} ms ({own_src})"
     overhead_src += "; own block " + ("fused in the kernel" if fused else "a separate pass")
+    if len(over_by) > 1 and ("one",) in over_by:
+        overhead_src += ("; chunked rows: + their chunking's measured CP=1 (op - kernel) minus k = 1's ("
+                         + ", ".join(f"{v['label']} {v['overhead_ms'] - over_by[('one',)]['overhead_ms']:+.2f} ms"
+                                     for key, v in over_by.items() if key != ("one",)) + ")")
+
+    def job_overhead(k, split):
+        """The op overhead of a splitkv row of k chunks / head split: k = 1's (overhead_ms) plus what its
+        chunking's measured CP=1 glue adds over k = 1's (0 where not measured)."""
+        key, _ = job_chunking(k, split, args.chunk_axis, args.Hkv)
+        if key in over_by and ("one",) in over_by:
+            return max(overhead_ms + over_by[key]["overhead_ms"] - over_by[("one",)]["overhead_ms"], 0.0)
+        return overhead_ms
     # unmeasured shards: splitkv k > 1 from the same rank's measured k = 1 x the chunk-loss model, else the
     # FLOP model (splitkv: the one-call time x the chunk-loss model) at a kernel rate CALIBRATED on this
     # run's measured k = 1 shards of the same method (else of any method; else --kernel-tflops), so that a
@@ -1664,6 +1735,7 @@ def main(argv=None):
         nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
         pj = proj_ms(plan, r_slow)
+        ov_j = job_overhead(k, split) if m == "splitkv" else overhead_ms
         # --paired-rounds: round i's compute = that round's slowest sampled rank (every sampled rank re-timed)
         pc_rounds = None
         if rks and all((j, r) in rounds for r in rks):
@@ -1675,7 +1747,7 @@ def main(argv=None):
                                 proj_fwd_ms=pj[0], proj_bwd_ms=pj[1], context=P * args.ctx_per_rank,
                                 sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
                                 per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
-                                sampled_pairs=pairs, planner_imbalance=float(plan.imbalance), overhead_ms=overhead_ms)
+                                sampled_pairs=pairs, planner_imbalance=float(plan.imbalance), overhead_ms=ov_j)
                     rows += head_split_rows(base, split=split, orders=split_jobs[split], variants=variants,
                                             source=comp[("src", j, r_slow)], a=args, plan=plan, P=P,
                                             per_call=comp[(j, r_slow)], link=links[topo], ovl=ovl,
@@ -1700,7 +1772,7 @@ def main(argv=None):
 
                     def timed(pc, det=None):
                         return method_time(m, P, pc, recs, links[topo], fwd_fraction=args.fwd_fraction,
-                                           overhead_ms=overhead_ms, proj_ms=pj if ovl else (0.0, 0.0),
+                                           overhead_ms=ov_j, proj_ms=pj if ovl else (0.0, 0.0),
                                            **(dict(opts, detail=det) if v else {}))
                     t = timed(comp[(j, r_slow)], det)
                     extra = variant_fields(v, det, L) if v is not None else {}
@@ -1743,6 +1815,7 @@ def main(argv=None):
                  gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", world=world),
         args=vars(args), link=links[topologies[0]].to_dict(), link_source=link_source, topologies=topologies,
         overhead_ms=overhead_ms, overhead_source=overhead_src,
+        overhead_by_chunking=[dict(v, key=list(map(str, key))) for key, v in over_by.items()],
         model_kernel_rate={m: rate_src.get(m, f"stated {args.kernel_tflops:.0f} TF/s") for m in
                            dict.fromkeys(jobs[j][1] for j, _ in tasks)},
         own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms, source=own_src),
