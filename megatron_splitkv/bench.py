@@ -748,16 +748,24 @@ def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda",
     return spec.result(meds)
 
 
-def time_kernel_calls_rounds(specs, *, device, rounds: int, reps: int = 5, warmup: int = 1):
+def time_kernel_calls_rounds(specs, *, device, rounds: int, reps: int = 5, warmup: int = 1, warmup_rounds: int = 1):
     """Time several `KernelCallsTiming` (tasks) in `rounds` interleaved rounds: every task's steps are built ONCE
     (inputs and masks reused by every round); round i times every task once (each step a `time_fn` median of
     `reps` after `warmup` untimed calls), the tasks in their order rotated by i (round 0: 0, 1, ..., round 1: 1,
     ..., n-1, 0), so that drift (clocks, host) between rounds hits every task alike and the tasks' values of one
-    round are comparable. Returns, per task, the list of its `KernelCallsTiming.result` dicts, one per round."""
+    round are comparable. `warmup_rounds` untimed passes over every task's steps come first (after building all of
+    them: the first timed round otherwise meets the allocations and clocks of the build; seen on the H200 as a first
+    round 5-15% off the others). Returns, per task, the list of its `KernelCallsTiming.result` dicts, one per timed
+    round."""
     if int(rounds) < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     device = torch.device(device)
     steps = [[build() for build in s.steps] for s in specs]
+    for _ in range(max(int(warmup_rounds), 0)):
+        for task in steps:
+            for st in task:
+                st()
+    _sync(device)
     out = [[] for _ in specs]
     n = len(specs)
     for i in range(int(rounds)):

@@ -1395,6 +1395,15 @@ def test_time_kernel_calls_refactor_keeps_its_result(monkeypatch):
         spec.result([1.0])
 
 
+def _noting(step, ran, t):
+    """`step` wrapped so that calling it notes task t in `ran` (its `task` tag kept)."""
+    def f():
+        ran.append(t)
+        return step()
+    f.task = step.task
+    return f
+
+
 def test_time_kernel_calls_rounds_builds_once_and_rotates(monkeypatch):
     """`time_kernel_calls_rounds`: every task's steps built once; round i times the tasks in their order rotated by
     i; one result per task and round, the per-call structure of `time_kernel_calls`."""
@@ -1418,8 +1427,12 @@ def test_time_kernel_calls_rounds_builds_once_and_rotates(monkeypatch):
         seq.append(fn.task)
         return float(len(seq)), 0.0, []
 
+    ran = []
+    for t, s in enumerate(specs):  # every step also notes its untimed runs (the warm-up round)
+        s.steps = [(lambda b, t=t: (lambda: _noting(b(), ran, t)))(b) for b in s.steps]
     monkeypatch.setattr(bench, "time_fn", fake_time_fn)
     out = bench.time_kernel_calls_rounds(specs, device="cpu", rounds=3, reps=1)
+    assert ran == [0, 1, 1]  # one untimed warm-up round over every step before the timed rounds
     assert sorted(built) == [0, 1, 1]  # once per step: task 0 one step, task 1 two (the empty call has none)
     assert seq == [0, 1, 1, 1, 1, 0, 0, 1, 1]  # rounds: (0, 1), (1, 0), (0, 1)
     assert [len(o) for o in out] == [3, 3]
