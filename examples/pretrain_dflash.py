@@ -235,7 +235,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     print_rank_0(f"DFlash: target {args.target_num_layers} layers, taps {taps}, drafter {dcfg.num_layers} "
                  f"layers, B={args.dflash_block_size}, {args.dflash_num_anchors} anchors/sequence, "
                  f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner, "
-                 f"{_kernel_label(args, dcfg)} kernel)")
+                 f"{_kernel_label(args, dcfg)} kernel"
+                 + (f", CP ranks per node {args.splitkv_cp_ranks_per_node_auto}"
+                    if getattr(args, "splitkv_cp_ranks_per_node_auto", None) else "") + ")")
     return DFlashDraftModel(
         dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
@@ -429,6 +431,7 @@ def _shown_args(args) -> argparse.Namespace:
     shown = argparse.Namespace(**vars(args))
     for k, v in runtime_flag_values(args).items():
         setattr(shown, k, v)
+    vars(shown).pop("splitkv_cp_ranks_per_node_auto", None)  # shown as splitkv_cp_ranks_per_node's value
     if getattr(args, "loss_decay_gamma", None) is None:
         shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
     for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),

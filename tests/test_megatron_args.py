@@ -18,6 +18,7 @@ from megatron_splitkv.megatron import (  # noqa: E402
     get_dflash_layer_spec,
     validate_splitkv_args,
 )
+from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, auto_cp_ranks_per_node  # noqa: E402
 from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV
@@ -323,6 +324,8 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     # validate_splitkv_args wrote it through os.environ (it must not leak into later tests)
     monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
     monkeypatch.delenv(RANKS_PER_NODE_ENV)
+    for name in LOCAL_SIZE_ENVS:  # no launcher size per node: the automatic choice is 1
+        monkeypatch.delenv(name, raising=False)
     p = add_splitkv_args(argparse.ArgumentParser())
     assert p.parse_args([]).splitkv_cp_ranks_per_node is None
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
@@ -342,6 +345,56 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     assert a.splitkv_cp_ranks_per_node == 4
     validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))
     assert os.environ[RANKS_PER_NODE_ENV] == "4" and resolve_ranks_per_node(None, 8) == 4
+
+
+@pytest.mark.parametrize("env,tp,cp,want", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 64, 8),  # 8 nodes of 8 CP ranks: two-level
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 16, 4),  # TP 2: 4 CP ranks per node
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 8, 1),  # one node: one all-to-all
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 4, 1),
+    ({"LOCAL_WORLD_SIZE": "6"}, 1, 8, 1),  # 6 per node does not divide 8
+    ({"LOCAL_WORLD_SIZE": "8"}, 3, 8, 1),  # TP 3 does not divide 8
+    ({"LOCAL_WORLD_SIZE": "8"}, 8, 16, 1),  # one CP rank per node
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 1, 8, 4),  # Slurm's count, the repeat suffix dropped
+    ({"LOCAL_WORLD_SIZE": "x", "SLURM_NTASKS_PER_NODE": "2"}, 1, 8, 2),  # malformed: the next source
+    ({"LOCAL_WORLD_SIZE": "0"}, 1, 8, 1),
+    ({}, 1, 64, 1),  # unknown: one all-to-all
+])
+def test_auto_cp_ranks_per_node(env, tp, cp, want):
+    """`auto_cp_ranks_per_node`: the launcher's processes per node / TP when the CP group spans whole nodes (1 < L
+    < CP, L divides CP), else 1, with the reason."""
+    L, why = auto_cp_ranks_per_node(tp, cp, environ=env)
+    assert L == want, why
+    assert isinstance(why, str) and why
+
+
+def test_auto_cp_ranks_per_node_exported_by_validate(monkeypatch):
+    """Neither --splitkv-cp-ranks-per-node nor MEGATRON_SPLITKV_RANKS_PER_NODE: validate exports the automatic L (>
+    1 only; impl splitkv only) and records the choice for the start-up line; the flag and the variable win over it;
+    the op then resolves it (ops.metadata.resolve_ranks_per_node)."""
+    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
+
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
+    monkeypatch.delenv(RANKS_PER_NODE_ENV)
+    for name in LOCAL_SIZE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
+    validate_splitkv_args(a)
+    assert os.environ[RANKS_PER_NODE_ENV] == "8" and resolve_ranks_per_node(None, 32) == 8
+    assert a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 8 (LOCAL_WORLD_SIZE=8")
+    monkeypatch.delenv(RANKS_PER_NODE_ENV)
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=4, dflash_num_anchors=8)  # one node: nothing exported
+    validate_splitkv_args(a)
+    assert RANKS_PER_NODE_ENV not in os.environ and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 ")
+    a = _args(context_parallel_impl="allgather-kv", tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
+    validate_splitkv_args(a)  # the baselines run no two-level exchange: nothing exported
+    assert RANKS_PER_NODE_ENV not in os.environ
+    validate_splitkv_args(_args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32, splitkv_cp_ranks_per_node=1))
+    assert os.environ[RANKS_PER_NODE_ENV] == "1"  # the flag wins (1 = one all-to-all)
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    validate_splitkv_args(_args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32))
+    assert os.environ[RANKS_PER_NODE_ENV] == "2"  # the variable wins
 
 
 def _dest_clashes(parser, actions):

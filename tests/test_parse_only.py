@@ -42,11 +42,13 @@ def _parse(pre, capsys, monkeypatch, *extra):
 
 
 def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):  # the automatic CP ranks per node: 1 without them
+        monkeypatch.delenv(name, raising=False)
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
     # runtime-resolved flags: their values, not None
     for want in ("dflash_data_workers='auto (-> 1 on CUDA, 0 on CPU)'",
                  "dflash_host_metadata='auto (-> on on CUDA, off on CPU)'",
-                 "dflash_data_prefetch=2", "dflash_device_prefetch='on'", "splitkv_cp_ranks_per_node=1", "splitkv_no_overlap_q_gather=False",
+                 "dflash_data_prefetch=2", "dflash_device_prefetch='on'", "splitkv_cp_ranks_per_node='auto -> 1 (", "splitkv_no_overlap_q_gather=False",
                  "loss_decay_gamma=1.75",  # 7 * 4 / 16
                  "target_ffn_hidden_size='128 (--ffn-hidden-size)'",
                  "target_num_attention_heads='4 (--num-attention-heads)'"):

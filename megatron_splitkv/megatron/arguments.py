@@ -24,7 +24,9 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              is installed (Hopper, bf16 / fp16), else staircase on CUDA from
                              32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
-                             exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else 1)
+                             exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else
+                             automatic from the launcher's processes per node / TP when the CP group spans
+                             nodes (`auto_cp_ranks_per_node`), else 1)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
                              in forward_step; at most MAX_DATA_WORKERS = 32 per rank)
@@ -237,7 +239,9 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
             "one all-to-all. Usually the "
             "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
-            "MEGATRON_SPLITKV_RANKS_PER_NODE, else 1. docs/perf-notes.md item 9.",
+            "MEGATRON_SPLITKV_RANKS_PER_NODE, else automatic: the launcher's processes per node (LOCAL_WORLD_SIZE, "
+            "SLURM_NTASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
+            "docs/perf-notes.md item 9.",
         )
     if not _has(parser, "--splitkv-kernel"):
         group.add_argument(
@@ -381,7 +385,9 @@ def runtime_flag_values(args) -> dict:
     if getattr(args, "splitkv_cp_ranks_per_node", None) is None:
         env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
         out["splitkv_cp_ranks_per_node"] = (f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)" if env
-                                            else 1)
+                                            else getattr(args, "splitkv_cp_ranks_per_node_auto", None)
+                                            or "auto (launcher's processes per node / TP when the CP group "
+                                               "spans nodes, else 1)")
     if getattr(args, "cp_chunk_size", None) is None:
         out["cp_chunk_size"] = "auto (per batch: planning.auto_chunk_size)"
     if getattr(args, "splitkv_kernel", None) is None:
@@ -426,6 +432,46 @@ def _fa4_available() -> bool:
     return fa4_available()
 
 
+#: the launcher's processes per node, in the order they are read by `auto_cp_ranks_per_node`: torchrun / torch
+#: elastic's LOCAL_WORLD_SIZE, then Slurm's SLURM_NTASKS_PER_NODE (e.g. "8" or "8(x4)": the leading count)
+LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
+    """The CP ranks per node L of Split-KV's two-level all-to-all when `--splitkv-cp-ranks-per-node` and
+    MEGATRON_SPLITKV_RANKS_PER_NODE are unset: (L, why), L = 1 when the two-level path does not apply.
+
+    Megatron's rank order puts the CP dimension right after TP (tp-cp-ep-dp-pp, and tp-cp-ep-pp-dp), and
+    launchers give each node a contiguous block of global ranks, so with n processes per node (the first of
+    `LOCAL_SIZE_ENVS` that is a positive int) a CP group of size cp covers whole nodes of L = n / tp of its
+    ranks when tp divides n, 1 < L < cp and L divides cp: then the all-to-all of the output merge and the dQ
+    exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/perf-notes.md
+    items 9 and 18; simulated at CP 64 on 8-GPU nodes: 90-92% weak-scaling efficiency against 81% with one
+    all-to-all, docs/benchmarks.md twelfth run). A group within one node (cp <= n / tp), an unknown or
+    malformed launcher size, tp not dividing n, or L not dividing cp: L = 1 (one all-to-all, as before).
+    Exact either way (the same sums in fp32); only the schedule changes. `environ`: a mapping (default
+    os.environ). Every rank of a homogeneous job computes the same L; should ranks differ, the op's
+    per-step agreement check raises naming MEGATRON_SPLITKV_RANKS_PER_NODE (no hang)."""
+    env = os.environ if environ is None else environ
+    n, src = None, None
+    for name in LOCAL_SIZE_ENVS:
+        raw = str(env.get(name, "") or "").strip()
+        head = raw.split("(", 1)[0].strip()
+        if head.isdigit() and int(head) > 0:
+            n, src = int(head), f"{name}={raw}"
+            break
+    if n is None:
+        return 1, "no launcher size per node (" + " / ".join(LOCAL_SIZE_ENVS) + " unset)"
+    if n % tp:
+        return 1, f"{src} is not a multiple of --tensor-model-parallel-size {tp}"
+    L = n // tp
+    if L >= cp:
+        return 1, f"{src}, TP {tp}: the CP group of {cp} fits in one node (one all-to-all)"
+    if L <= 1 or cp % L:
+        return 1, f"{src}, TP {tp}: {L} CP ranks per node do not divide --context-parallel-size {cp}"
+    return L, f"{src} / TP {tp}"
+
+
 def _check_op_env(args, tp: int, cp: int) -> None:
     """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
     it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
@@ -465,7 +511,8 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
-    which the op reads when it prepares a step; the op's other environment variables (`_check_op_env`:
+    which the op reads when it prepares a step (neither set, impl splitkv: `auto_cp_ranks_per_node`, exported
+    when > 1, the choice and why in args.splitkv_cp_ranks_per_node_auto); the op's other environment variables (`_check_op_env`:
     MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT,
     _OVERLAP_Q_GATHER).
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
@@ -551,6 +598,11 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
         # the op reads it when the step's metadata is prepared, identically on every rank
         os.environ[RANKS_PER_NODE_ENV] = str(rpn)
+    elif impl == "splitkv":  # neither the flag nor the variable: from the launcher's processes per node
+        auto, why = auto_cp_ranks_per_node(tp, cp)
+        args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"
+        if auto > 1:
+            os.environ[RANKS_PER_NODE_ENV] = str(auto)
     _check_op_env(args, tp, cp)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(
