@@ -1330,18 +1330,19 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 
 
 def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
-    """The local kernel for this call, its dtype checked (`check_dtype`, when the kernel has one).
+    """The local kernel for this call, its dtype and head dim checked (`check_dtype`, when the kernel has
+    one: the same rule as the kernel's forward / backward, so a refusal happens here, on every rank).
     keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
     (`kernels.auto_keys_per_call` of the agreed size table; None: "auto" = flex / math as before).
 
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
-            this dtype on this device."""
+            this dtype / head dim on this device."""
     kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
-            check_dtype(dtype, device)
+            check_dtype(dtype, device, head_dim=head_dim)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
     return kernel
