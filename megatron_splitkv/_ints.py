@@ -8,7 +8,8 @@ usually means a computation went through float. The planner alone keeps acceptin
 (`integral_float=True`), a documented behaviour of `plan_context_parallel` since its first release.
 
 Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
-ASCII decimal integer ("64", "-1"), nothing else ("+64", "64.0", "1e2", "1_000", "0x40", non-ASCII digits);
+ASCII decimal integer ("64", "-1") of at most `MAX_DIGITS` significant digits, nothing else ("+64", "64.0",
+"1e2", "1_000", "0x40", non-ASCII digits);
 `env_switch` for the 0 / 1 environment switches.
 
 Pure Python (no torch / numpy import) so that argument parsing can use it.
@@ -20,6 +21,19 @@ import re
 __all__ = ["as_int", "parse_int", "is_int_text"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
+
+#: `parse_int` takes at most this many significant digits (Python's default int-conversion limit, fixed here
+#: whatever `sys.set_int_max_str_digits` says): a longer number is refused with the package's message, naming
+#: the variable and the allowed range, not Python's own ValueError
+MAX_DIGITS = 4300
+_SHOWN = 40  # characters of a long text quoted in a message
+
+
+def _shown(text) -> str:
+    """repr(text), cut to its first characters (and its length) when it is long."""
+    if isinstance(text, str) and len(text) > _SHOWN:
+        return f"{text[:_SHOWN]!r}... ({len(text)} characters)"
+    return repr(text)
 
 
 def _is_bool(value) -> bool:
@@ -99,22 +113,29 @@ def parse_int(text, name: str, *, minimum=None, maximum=None, what: str | None =
     """`text` (a str: an environment variable's value, a tool option's `value`) as an int, checked.
 
     Accepted: a plain ASCII decimal integer, surrounding whitespace ignored ("64", " 64 ", "-1"). Rejected:
-    everything else ("+64", "64.0", "1e2", "1_000", "0x40", "", non-ASCII digits), and values outside
-    [minimum, maximum].
+    everything else ("+64", "64.0", "1e2", "1_000", "0x40", "", non-ASCII digits), values outside
+    [minimum, maximum], and numbers of more than `MAX_DIGITS` significant digits (whatever the limits).
 
     Args:
         name: the variable / option as the user wrote it; the message starts with it.
         minimum, maximum, what, error: as in `as_int`.
 
     Raises:
-        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (the text as given).
+        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (the text as given; a long
+            text cut to its first characters and its length).
     """
     req = what if what is not None else _limit(minimum, maximum)
     if not is_int_text(text):
-        raise error(f"{name} must be {req} (decimal digits), got {text!r}")
-    value = int(text)
+        raise error(f"{name} must be {req} (decimal digits), got {_shown(text)}")
+    body = text.strip()
+    sign = "-" if body.startswith("-") else ""
+    digits = body.lstrip("-").lstrip("0") or "0"  # leading zeros count against int()'s limit, not the value's
+    if len(digits) > MAX_DIGITS:
+        raise error(f"{name} must be {req} (at most {MAX_DIGITS} digits), got a {len(digits)}-digit number "
+                    f"{_shown(text)}")
+    value = int(sign + digits)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise error(f"{name} must be {req}, got {text!r}")
+        raise error(f"{name} must be {req}, got {_shown(text)}")
     return value
 
 
