@@ -75,6 +75,7 @@ if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
 
+from megatron_splitkv._ints import float_arg  # noqa: E402
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
@@ -103,7 +104,7 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # --dflash-block-size, the same argparse action (one help text, one default)
     add_splitkv_args(parser, aliases=DFLASH_FLAG_ALIASES)
     g = parser.add_argument_group(title="dflash drafter")
-    g.add_argument("--loss-decay-gamma", type=float, default=None,
+    g.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
                    help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
     g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,
                    help="Reserved MASK token: an unused row of the target vocabulary.")

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ._ints import parse_int
 from .ops.metadata import check_head_split, head_split_from_text
 
 __all__ = [
@@ -1391,9 +1392,10 @@ def parse_head_splits(value, Hkv: int, flag: str) -> list:
 
 
 def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:
-    """Comma list of integers >= `minimum`; otherwise `ap.error` (exit 2) naming `flag`."""
+    """Comma list of integers >= `minimum` (plain decimal, `_ints.parse_int`); otherwise `ap.error` (exit 2)
+    naming `flag`."""
     try:
-        out = [int(c) for c in csv_arg(value)]
+        out = [parse_int(c, flag) for c in csv_arg(value)]
     except ValueError:
         out = None
     if not out or min(out) < minimum:
