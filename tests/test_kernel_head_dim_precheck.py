@@ -54,3 +54,49 @@ def test_fa4_check_dtype_refuses_head_dim():
             kern.check_dtype(torch.bfloat16, None, head_dim=d)
     for d in GOOD:
         kern.check_dtype(torch.bfloat16, None, head_dim=d)
+
+
+# ------------------------------------------------------------------ the op, 2 gloo ranks, one without keys
+
+
+def _cuda_rule_worker(rank, world, c):
+    """A staircase kernel that applies the CUDA head-dim rule on this CPU rank too (what cuDNN refuses on a GPU
+    rank), installed where `get_kernel` finds it; the op then runs with backend='staircase'."""
+    import torch.distributed as dist
+    from _splitkv_helpers import run_local
+
+    from megatron_splitkv import kernels
+
+    class CudaRuleStaircase(StaircaseAttentionKernel):
+        def check_dtype(self, dtype, device=None, head_dim=None):
+            base.check_cuda_head_dim(head_dim, "backend='staircase' (cuDNN)")
+            super().check_dtype(dtype, device, head_dim=head_dim)
+
+    kernels._CACHE[("staircase", "cpu", torch.float32)] = CudaRuleStaircase()
+    seen = []
+    for op in ("splitkv", "allgather_kv", "ring_kv"):
+        for meta in (False, True):
+            try:
+                run_local(op, {**c, "metadata": meta}, rank, dist.group.WORLD)
+            except ValueError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError(f"{op} metadata={meta}: no ValueError")
+    # still in step: the same case on the math kernel runs
+    return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
+
+
+def test_head_dim_refusal_reaches_every_rank_before_any_collective():
+    """D = 12 with backend='staircase' while rank 1 holds no blocks and no context (its kernel never runs): the
+    head-dim refusal came from the kernel's forward on rank 0 only, after the Q all-gather, and rank 1 waited in
+    the next collective (a hang until the timeout). The ops' pre-collective check now passes the call's D, so
+    every rank raises the same error, for every op, with and without metadata=."""
+    from _dist import run_distributed
+    from _splitkv_helpers import case, check, new_seed
+
+    c = case(new_seed(), 2, dtype="float32", D=12, blocks=[3, 0], ctx=[40, 0], backend="staircase")
+    (s0, ok0), (s1, ok1) = run_distributed(_cuda_rule_worker, 2, c, timeout=120)
+    assert s0 == s1 and len(s0) == 6, (s0, s1)
+    assert all("backend='staircase' (cuDNN) needs a head dim D (q.shape[2]) that is a multiple of 8" in m
+               and m.endswith("got 12") for m in s0), s0
+    check("splitkv", c, [ok0, ok1])
