@@ -37,10 +37,17 @@ _SHOWN = 40  # characters of a long text quoted in a message
 
 
 def _shown(text) -> str:
-    """repr(text), cut to its first characters (and its length) when it is long."""
+    """repr(text), cut to its first characters (and its length) when it is long; an int too long for
+    repr() (Python's int-conversion limit) as its digit count."""
     if isinstance(text, str) and len(text) > _SHOWN:
         return f"{text[:_SHOWN]!r}... ({len(text)} characters)"
-    return repr(text)
+    try:
+        return repr(text)
+    except ValueError:  # int.__repr__ beyond sys.get_int_max_str_digits()
+        n = operator.index(text) if hasattr(text, "__index__") else None
+        if n is None:
+            raise
+        return f"an int of about {int(abs(n).bit_length() * 0.30103) + 1} digits"
 
 
 def _is_bool(value) -> bool:
@@ -106,7 +113,7 @@ def as_int(value, name: str, *, minimum=None, maximum=None, what: str | None = N
                 except (TypeError, ValueError, OverflowError):
                     out = None
     if out is None or (minimum is not None and out < minimum) or (maximum is not None and out > maximum):
-        raise error(f"{name} must be {req}, got {value!r}")
+        raise error(f"{name} must be {req}, got {_shown(value)}")
     return out
 
 

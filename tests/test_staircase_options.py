@@ -252,3 +252,14 @@ def test_profile_kernel_option_values_strict(val):
     p = _run(None, code)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "--backends" in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_as_int_message_for_an_int_beyond_the_conversion_limit():
+    """An out-of-range int too long for repr() (Python's 4300-digit limit) raised Python's own ValueError while
+    the message was formatted; now the package's message, with the digit count."""
+    from megatron_splitkv._ints import as_int
+
+    for v in (10 ** 5000, -(10 ** 5000)):
+        with pytest.raises(ValueError, match=r"^block_size must be an int in \[1, 64\], got an int of about 5001 "
+                                             r"digits$"):
+            as_int(v, "block_size", minimum=1, maximum=64)
