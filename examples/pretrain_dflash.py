@@ -46,7 +46,8 @@ the frozen shared embedding/LM head travel with it); on resume the data pipeline
 already consumed (without building them).
 
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
-(`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace).
+(`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace: one
+`name = value` line per flag, sorted).
 Source: DESIGN.md sections 1-4; arXiv 2611.05926 (Split-KV); DFlash.
 """
 
@@ -74,6 +75,7 @@ if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
 
+from megatron_splitkv._ints import float_arg  # noqa: E402
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
@@ -102,7 +104,7 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # --dflash-block-size, the same argparse action (one help text, one default)
     add_splitkv_args(parser, aliases=DFLASH_FLAG_ALIASES)
     g = parser.add_argument_group(title="dflash drafter")
-    g.add_argument("--loss-decay-gamma", type=float, default=None,
+    g.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
                    help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
     g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,
                    help="Reserved MASK token: an unused row of the target vocabulary.")
@@ -126,8 +128,8 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--parse-only", action="store_true", default=argparse.SUPPRESS,
                    help="CPU check of a command line: parse it with Megatron's parser plus these flags, run the "
                    "Split-KV flag validation (validate_splitkv_args; a bad flag is one error line naming it, exit "
-                   "status 2), print the parsed namespace (flags resolved at run time shown as what they resolve "
-                   "to) and exit without training. Needs megatron-core, no GPU.")
+                   "status 2), print the parsed namespace (one 'name = value' line per flag, sorted; flags resolved "
+                   "at run time shown as what they resolve to) and exit without training. Needs megatron-core, no GPU.")
     # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
     # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
     # is still an error naming the flag
@@ -480,6 +482,7 @@ def main(argv=None):
         from megatron.training.arguments import parse_args
 
         from megatron_splitkv.megatron import validate_splitkv_args
+        from megatron_splitkv.megatron.arguments import format_parsed_args
 
         sys.argv.remove("--parse-only")
         args = parse_args(add_dflash_args)
@@ -487,7 +490,7 @@ def main(argv=None):
         # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine or
         # FlashAttention-4 is installed is a property of the training machine, not of the flags: not checked here
         validate_splitkv_args(args, have_te=True, have_fa4=True)
-        print(_shown_args(args))
+        print(format_parsed_args(_shown_args(args)))
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args

@@ -8,8 +8,14 @@ usually means a computation went through float. The planner alone keeps acceptin
 (`integral_float=True`), a documented behaviour of `plan_context_parallel` since its first release.
 
 Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
-ASCII decimal integer ("64", "-1"), nothing else ("+64", "64.0", "1e2", "1_000", "0x40", non-ASCII digits);
+ASCII decimal integer ("64", "-1") of at most `MAX_DIGITS` significant digits, nothing else ("+64", "64.0",
+"1e2", "1_000", "0x40", non-ASCII digits);
 `env_switch` for the 0 / 1 environment switches.
+
+Real numbers as text (a tool's or the demo's float flags, float environment variables): `parse_float` and, for
+argparse, `float_arg`: a plain ASCII decimal number ("0.5", "-2", "1e-3", ".5"), finite, within its limits;
+not "nan", "inf", "1e999" (inf after rounding), "1_0", "0x1p3" or non-ASCII digits (`float()` takes most of
+them, and a NaN bandwidth or learning rate then only shows as NaN results).
 
 Pure Python (no torch / numpy import) so that argument parsing can use it.
 """
@@ -17,9 +23,31 @@ Pure Python (no torch / numpy import) so that argument parsing can use it.
 import operator
 import re
 
-__all__ = ["as_int", "parse_int", "is_int_text"]
+__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
+# a plain decimal real number: float() would also take "nan", "inf", "1_0" and non-ASCII digits
+_REAL = re.compile(r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+#: `parse_int` takes at most this many significant digits (Python's default int-conversion limit, fixed here
+#: whatever `sys.set_int_max_str_digits` says): a longer number is refused with the package's message, naming
+#: the variable and the allowed range, not Python's own ValueError
+MAX_DIGITS = 4300
+_SHOWN = 40  # characters of a long text quoted in a message
+
+
+def _shown(text) -> str:
+    """repr(text), cut to its first characters (and its length) when it is long; an int too long for
+    repr() (Python's int-conversion limit) as its digit count."""
+    if isinstance(text, str) and len(text) > _SHOWN:
+        return f"{text[:_SHOWN]!r}... ({len(text)} characters)"
+    try:
+        return repr(text)
+    except ValueError:  # int.__repr__ beyond sys.get_int_max_str_digits()
+        n = operator.index(text) if hasattr(text, "__index__") else None
+        if n is None:
+            raise
+        return f"an int of about {int(abs(n).bit_length() * 0.30103) + 1} digits"
 
 
 def _is_bool(value) -> bool:
@@ -85,7 +113,7 @@ def as_int(value, name: str, *, minimum=None, maximum=None, what: str | None = N
                 except (TypeError, ValueError, OverflowError):
                     out = None
     if out is None or (minimum is not None and out < minimum) or (maximum is not None and out > maximum):
-        raise error(f"{name} must be {req}, got {value!r}")
+        raise error(f"{name} must be {req}, got {_shown(value)}")
     return out
 
 
@@ -99,22 +127,29 @@ def parse_int(text, name: str, *, minimum=None, maximum=None, what: str | None =
     """`text` (a str: an environment variable's value, a tool option's `value`) as an int, checked.
 
     Accepted: a plain ASCII decimal integer, surrounding whitespace ignored ("64", " 64 ", "-1"). Rejected:
-    everything else ("+64", "64.0", "1e2", "1_000", "0x40", "", non-ASCII digits), and values outside
-    [minimum, maximum].
+    everything else ("+64", "64.0", "1e2", "1_000", "0x40", "", non-ASCII digits), values outside
+    [minimum, maximum], and numbers of more than `MAX_DIGITS` significant digits (whatever the limits).
 
     Args:
         name: the variable / option as the user wrote it; the message starts with it.
         minimum, maximum, what, error: as in `as_int`.
 
     Raises:
-        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (the text as given).
+        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (the text as given; a long
+            text cut to its first characters and its length).
     """
     req = what if what is not None else _limit(minimum, maximum)
     if not is_int_text(text):
-        raise error(f"{name} must be {req} (decimal digits), got {text!r}")
-    value = int(text)
+        raise error(f"{name} must be {req} (decimal digits), got {_shown(text)}")
+    body = text.strip()
+    sign = "-" if body.startswith("-") else ""
+    digits = body.lstrip("-").lstrip("0") or "0"  # leading zeros count against int()'s limit, not the value's
+    if len(digits) > MAX_DIGITS:
+        raise error(f"{name} must be {req} (at most {MAX_DIGITS} digits), got a {len(digits)}-digit number "
+                    f"{_shown(text)}")
+    value = int(sign + digits)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise error(f"{name} must be {req}, got {text!r}")
+        raise error(f"{name} must be {req}, got {_shown(text)}")
     return value
 
 
@@ -129,3 +164,60 @@ def env_switch(name: str, default: bool) -> bool:
     if v in ("0", "1"):
         return v == "1"
     raise ValueError(f"{name} must be 0 or 1, got {v!r}")
+
+
+def _real_limit(minimum, maximum, above) -> str:
+    lo = None if minimum is None else (f"> {minimum:g}" if above else f">= {minimum:g}")
+    if lo is not None and maximum is not None:
+        return f"a finite number {lo} and <= {maximum:g}"
+    if lo is not None:
+        return f"a finite number {lo}"
+    if maximum is not None:
+        return f"a finite number <= {maximum:g}"
+    return "a finite number"
+
+
+def parse_float(text, name: str, *, minimum=None, maximum=None, above: bool = False, what: str | None = None,
+                error=ValueError) -> float:
+    """`text` (a str: a flag's or an environment variable's value) as a finite float, checked.
+
+    Accepted: a plain ASCII decimal number, surrounding whitespace ignored ("0.5", " 2 ", "-1", "1e-3", ".5",
+    "+3"), finite after conversion, >= minimum (> minimum with above=True) and <= maximum when given.
+    Rejected: "nan", "inf", "infinity", numbers that overflow to inf ("1e999"), "1_000", hex floats,
+    non-ASCII digits, "", values outside the limits.
+
+    Raises:
+        `error` (ValueError by default): "<name> must be <what>, got <text!r>" (default what: "a finite
+            number >= minimum" and so on).
+    """
+    import math  # noqa: PLC0415
+
+    req = what if what is not None else _real_limit(minimum, maximum, above)
+    value = None
+    if isinstance(text, str) and _REAL.fullmatch(text.strip()) is not None:
+        try:
+            value = float(text)
+        except (ValueError, OverflowError):
+            value = None
+    if value is None or not math.isfinite(value):
+        raise error(f"{name} must be {req}, got {_shown(text)}")
+    if minimum is not None and (value <= minimum if above else value < minimum):
+        raise error(f"{name} must be {req}, got {_shown(text)}")
+    if maximum is not None and value > maximum:
+        raise error(f"{name} must be {req}, got {_shown(text)}")
+    return value
+
+
+def float_arg(minimum=None, maximum=None, *, above: bool = False, what: str | None = None):
+    """An argparse `type=` for a finite real flag (`parse_float`'s rules and limits): a bad value is argparse's
+    one error line naming the flag ("argument --lr: must be a finite number >= 0, got 'nan'"), exit status 2."""
+    import argparse  # noqa: PLC0415
+
+    def parse(text):
+        try:
+            return parse_float(text, "value", minimum=minimum, maximum=maximum, above=above, what=what)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
+
+    parse.__name__ = "finite number"  # argparse's fallback message names the type by it
+    return parse

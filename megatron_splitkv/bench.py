@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from ._ints import parse_int
+from .ops.metadata import check_head_split, head_split_from_text
 
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
@@ -389,11 +390,8 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
                 raise ValueError(f"chunk_axis='heads' needs num_heads_kv (a positive int), got {num_heads_kv!r}")
             if head_split is None:
                 bounds = chunk_bounds(resolve_chunks(num_chunks, P, num_heads_kv), num_heads_kv)
-            else:
-                split = [int(h) for h in head_split]
-                if not split or min(split) < 1 or sum(split) != num_heads_kv:
-                    raise ValueError(f"head_split must be positive ints summing to num_heads_kv={num_heads_kv}, "
-                                     f"got {tuple(head_split)}")
+            else:  # the op's own validator and message (`ops.metadata.check_head_split`)
+                split = check_head_split(head_split, num_heads_kv)
                 ends = np.cumsum(split).tolist()
                 bounds = list(zip([0] + ends[:-1], ends))
             one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block)[0]
@@ -1456,26 +1454,22 @@ def csv_arg(value: str) -> list:
 def parse_head_splits(value, Hkv: int, flag: str) -> list:
     """A tool flag's head splits (the op's `head_split`, docs/perf-notes.md item 22): one or more splits
     separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of kv heads per chunk, positive decimal ints
-    (`_ints.parse_int`) summing to Hkv. Returns a list of tuples, duplicates dropped; "" -> []. Raises
-    ValueError naming `flag` otherwise (tools pass it to `ap.error`)."""
+    summing to Hkv (`ops.metadata.head_split_from_text`, the op's parser of MEGATRON_SPLITKV_HEAD_SPLIT).
+    Returns a list of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise (tools
+    pass it to `ap.error`)."""
     out = []
     for part in [p.strip() for p in str(value).split(":") if p.strip()]:
-        try:
-            split = tuple(parse_int(x, flag) for x in part.split(","))
-        except ValueError:
-            raise ValueError(f"{flag}: {part!r} is not a comma list of ints (kv heads per chunk)") from None
-        if any(h < 1 for h in split) or sum(split) != Hkv:
-            raise ValueError(f"{flag}: {part} must sum to the {Hkv} kv heads: positive kv-head counts per chunk "
-                             f"summing to Hkv = {Hkv}, got sum {sum(split)}")
+        split = head_split_from_text(part, Hkv, flag)
         if split not in out:
             out.append(split)
     return out
 
 
 def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:
-    """Comma list of integers >= `minimum`; otherwise `ap.error` (exit 2) naming `flag`."""
+    """Comma list of integers >= `minimum` (plain decimal, `_ints.parse_int`); otherwise `ap.error` (exit 2)
+    naming `flag`."""
     try:
-        out = [int(c) for c in csv_arg(value)]
+        out = [parse_int(c, flag) for c in csv_arg(value)]
     except ValueError:
         out = None
     if not out or min(out) < minimum:

@@ -40,6 +40,8 @@ import time
 
 
 def parse_args(argv=None):
+    from ._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--cp", type=int, default=2, help="context-parallel size = number of gloo processes")
@@ -49,13 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed batch")
     p.add_argument("--num-anchors", type=int, default=32, help="anchors (query blocks) per sequence")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--loss-decay-gamma", type=float, default=None, help="default 7 for B=16")
+    p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None, help="default 7 for B=16")
     p.add_argument("--limit", type=int, default=400, help="ShareGPT conversations to load")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--target-layers", type=int, default=6)
     p.add_argument("--draft-layers", type=int, default=2)
-    p.add_argument("--target-init-std", type=float, default=0.1, help="random target's init std")
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--target-init-std", type=float_arg(0), default=0.1, help="random target's init std")
+    p.add_argument("--lr", type=float_arg(0), default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--save", type=str, default=None, help="checkpoint directory to write")

@@ -40,6 +40,13 @@ CASES = [
     ("extract_features.py", ["--tap-layers", "99"], "--tap-layers"),
     ("extract_features.py", ["--tap-layers", "-1", "3"], "--tap-layers"),
     ("extract_features.py", ["--target-num-layers", "3", "--draft-num-layers", "5"], "--target-num-layers"),
+    # real-valued flags: finite numbers within their limits (`_ints.float_arg`); float() took "nan" and "inf"
+    ("extract_features.py", ["--rotary-base", "nan"], "--rotary-base"),
+    ("extract_features.py", ["--rotary-base", "0"], "--rotary-base"),
+    ("staircase_shapes.py", ["--moved-pair-ns", "nan"], "--moved-pair-ns"),
+    ("staircase_shapes.py", ["--call-us", "inf"], "--call-us"),
+    ("bench_attention.py", ["--cpu-smoke", "--ab-reserve-s", "nan"], "--ab-reserve-s"),
+    ("step_overhead.py", ["--cpu-smoke", "--budget-s", "nan"], "--budget-s"),
 ]
 
 

@@ -116,7 +116,7 @@ def install_emulator():
     from megatron_splitkv.kernels import fa4
 
     fa4._interface = lambda: (_fwd, _bwd, _bst, _ONE, _TWO)
-    fa4.FA4AttentionKernel.check_dtype = lambda self, dtype, device=None: None
+    fa4.FA4AttentionKernel.check_dtype = lambda self, dtype, device=None, head_dim=None: None
     base_check = fa4.check_call
     fa4.FA4AttentionKernel._check = lambda self, q, k, v, mask: base_check(q, k, v, mask)
     for key in [k for k in kernels._CACHE if k[0] == "fa4"]:

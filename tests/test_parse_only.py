@@ -46,19 +46,40 @@ def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
     # runtime-resolved flags: their values, not None
-    for want in ("dflash_data_workers='auto (-> 1 on CUDA, 0 on CPU)'",
-                 "dflash_host_metadata='auto (-> on on CUDA, off on CPU)'",
-                 "dflash_data_prefetch=2", "dflash_device_prefetch='on'", "splitkv_cp_ranks_per_node='auto -> 1 (", "splitkv_no_overlap_q_gather=False",
-                 "loss_decay_gamma=1.75",  # 7 * 4 / 16
-                 "target_ffn_hidden_size='128 (--ffn-hidden-size)'",
-                 "target_num_attention_heads='4 (--num-attention-heads)'"):
-        assert want in out, want
+    lines = out.splitlines()
+    for want in ("dflash_data_workers = 'auto (-> 1 on CUDA, 0 on CPU)'",
+                 "dflash_host_metadata = 'auto (-> on on CUDA, off on CPU)'",
+                 "dflash_data_prefetch = 2", "dflash_device_prefetch = 'on'", "splitkv_no_overlap_q_gather = False",
+                 "loss_decay_gamma = 1.75",  # 7 * 4 / 16
+                 "target_ffn_hidden_size = '128 (--ffn-hidden-size)'",
+                 "target_num_attention_heads = '4 (--num-attention-heads)'"):
+        assert want in lines, want
+    assert any(ln.startswith("splitkv_cp_ranks_per_node = 'auto -> 1 (") for ln in lines)  # auto_cp_ranks_per_node
     for flag in ("dflash_data_workers", "dflash_data_prefetch", "dflash_host_metadata", "dflash_device_prefetch",
                  "loss_decay_gamma",
                  "splitkv_cp_ranks_per_node", "splitkv_no_overlap_q_gather", "cp_chunk_size", "target_ffn_hidden_size"):
-        assert f"{flag}=None" not in out, flag
+        assert f"{flag} = None" not in lines, flag
     # the namespace the caller gets is the parsed one (resolution stays at run time)
     assert args.dflash_data_workers is None and args.dflash_host_metadata is None and args.loss_decay_gamma is None
+
+
+def test_parse_only_prints_one_sorted_name_value_line_per_flag(pre, capsys, monkeypatch):
+    """--parse-only printed `Namespace(a=1, b=2, ...)` on one line (hundreds of flags); now one `name = value`
+    line per attribute of the shown namespace, sorted by name, every attribute once, values as repr()."""
+    import re
+
+    args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
+    lines = out.splitlines()
+    assert len(lines) > 100 and not out.startswith("Namespace(")
+    names = []
+    for line in lines:
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*) = (.+)", line)
+        assert m, line
+        names.append(m.group(1))
+    assert names == sorted(names) and len(set(names)) == len(names)
+    assert set(names) == set(vars(pre._shown_args(args)))
+    assert "num_layers = 2" in lines and "hidden_size = 64" in lines and "context_parallel_impl = 'splitkv'" in lines
+    assert "dflash_block_size = 4" in lines
 
 
 @pytest.mark.parametrize("extra, workers, host", [
@@ -70,7 +91,8 @@ def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
 ])
 def test_parse_only_host_metadata_follows_workers(pre, capsys, monkeypatch, extra, workers, host):
     _, out = _parse(pre, capsys, monkeypatch, *extra)
-    assert f"dflash_data_workers={workers}," in out and f"dflash_host_metadata={host}," in out
+    lines = out.splitlines()
+    assert f"dflash_data_workers = {workers}" in lines and f"dflash_host_metadata = {host}" in lines
 
 
 def test_ranks_per_node_from_environment(pre, capsys, monkeypatch):
@@ -80,7 +102,9 @@ def test_ranks_per_node_from_environment(pre, capsys, monkeypatch):
     pre.main([*BASE, "--context-parallel-impl", "splitkv", "--context-parallel-size", "16",
               "--dflash-num-anchors", "16"])
     out = capsys.readouterr().out
-    assert "splitkv_cp_ranks_per_node=8," in out or "splitkv_cp_ranks_per_node='8 " in out
+    assert ("splitkv_cp_ranks_per_node = 8" in out.splitlines()
+            or "splitkv_cp_ranks_per_node = '8 (MEGATRON_SPLITKV_RANKS_PER_NODE, clamped to the CP size)'"
+            in out.splitlines()), out
 
 
 def test_synchronous_host_metadata_is_documented(pre, capsys, monkeypatch):
@@ -92,7 +116,8 @@ def test_synchronous_host_metadata_is_documented(pre, capsys, monkeypatch):
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--dflash-data-workers", "0",
                        "--dflash-host-metadata", "on")
     assert host_metadata_from_args(args, 0) is True
-    assert "dflash_host_metadata='on (synchronous: built on the host in forward_step, --dflash-data-workers 0)'" in out
+    assert ("dflash_host_metadata = 'on (synchronous: built on the host in forward_step, --dflash-data-workers 0)'"
+            in out.splitlines())
     p = add_splitkv_args(argparse.ArgumentParser())
     help_text = " ".join(p.format_help().split())
     assert "'on' with --dflash-data-workers 0 is the synchronous mode" in help_text
@@ -123,7 +148,7 @@ def test_parse_only_command_line_prints_no_machine_warnings():
     p = subprocess.run([sys.executable, script, *BASE, "--context-parallel-impl", "splitkv"], capture_output=True,
                        text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "context_parallel_impl='splitkv'" in p.stdout
+    assert "context_parallel_impl = 'splitkv'" in p.stdout.splitlines()
     assert "Warning" not in p.stderr and "No CUDA runtime" not in p.stderr, p.stderr
     p = subprocess.run([sys.executable, script, *BASE, "--context-parallel-impl", "splitkv", "--cp-chunk-size", "0"],
                        capture_output=True, text=True, env=env, timeout=300)

@@ -1166,8 +1166,13 @@ def test_head_chunk_calls_mirror_the_op():
     q, do = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     rk, rv = bench.chunk_loop(kern, [(q, do, parts[0][2])], torch.cat(ks, 1), torch.cat(vs, 1), 8 ** -0.5, 1)
     assert torch.allclose(dk, rk, atol=1e-12, rtol=1e-12) and torch.allclose(dv, rv, atol=1e-12, rtol=1e-12)
-    for bad in ((2, 2), (3, 0), ()):
-        with pytest.raises(ValueError, match="head_split must be positive ints summing to num_heads_kv=3"):
+    # the op's validator (ops.metadata.check_head_split) and its one message, not a copy of its own
+    for bad, got in (((2, 2), "2,2"), ((3, 0), "3,0"), ((), ""), ((4, -1), "4,-1")):
+        with pytest.raises(ValueError, match=f"^head_split must be positive kv-head counts summing to Hkv = 3, "
+                                             f"got {got}$"):
+            bench.kernel_calls("splitkv", plan, 0, chunk_axis="heads", num_heads_kv=3, head_split=bad)
+    for bad in ((2.0, 1.0), (True, 2), "2,1"):  # int() took floats and bools silently
+        with pytest.raises(ValueError, match="^head_split must be "):
             bench.kernel_calls("splitkv", plan, 0, chunk_axis="heads", num_heads_kv=3, head_split=bad)
     with pytest.raises(ValueError, match="chunk_axis='heads' needs num_heads_kv"):
         bench.kernel_calls("splitkv", plan, 0, num_chunks=2, chunk_axis="heads")
@@ -1325,8 +1330,13 @@ def test_head_split_flag_errors(argv, flag, tmp_path, capsys):
         ss.main(["--replay", HEADS, "--out", str(tmp_path)] + argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and flag in err, err
-    if argv[1] == "5,2":
-        assert "summing to Hkv = 8" in err
+    if argv[1] == "5,2":  # the op's message for MEGATRON_SPLITKV_HEAD_SPLIT, with the flag's name
+        assert "--head-split must be positive kv-head counts summing to Hkv = 8, got 5,2" in err, err
+    if argv[1] == "8,0":
+        assert "--head-split must be positive kv-head counts summing to Hkv = 8, got 8,0" in err, err
+    if argv[1] == "4,4:6,x":
+        assert "--head-split must be a comma list of positive ints (kv heads per chunk, summing to Hkv = 8), " \
+               "got '6,x'" in err, err
 
 
 def test_cpu_flag_is_a_tiny_dry_run(tmp_path):

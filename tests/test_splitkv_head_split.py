@@ -141,7 +141,9 @@ def test_head_split_errors_and_copies(monkeypatch):
     monkeypatch.delenv(HEAD_SPLIT_ENV, raising=False)
     x, m = small_inputs()
     for bad, msg in (((1, 2), "head_split must be positive kv-head counts summing to Hkv = 2, got 1,2"),
-                     ((2, 0), "head_split must be a sequence of positive ints, got 0"), ("1,1", "head_split must be None or a sequence"),
+                     ((2, 0), "head_split must be positive kv-head counts summing to Hkv = 2, got 2,0"),
+                     ((3, -1), "head_split must be positive kv-head counts summing to Hkv = 2, got 3,-1"),
+                     ((1, "1"), "head_split must be a sequence of positive ints, got '1'"), ("1,1", "head_split must be None or a sequence"),
                      ((1.5, 0.5), "head_split must be"), ((True, True), "head_split must be")):
         with pytest.raises(ValueError, match=msg):
             _prepare(m, chunk_axis="heads", head_split=bad)
@@ -246,3 +248,32 @@ def _disagree_worker(rank, world_size):
 def test_head_split_must_agree_across_ranks():
     s0, s1 = run_distributed(_disagree_worker, 2, timeout=120)
     assert s0 == s1 and len(s0) == 3
+
+
+@pytest.mark.parametrize("text,want", [
+    ("3,2", "{n} must be positive kv-head counts summing to Hkv = 4, got 3,2"),
+    ("4,0", "{n} must be positive kv-head counts summing to Hkv = 4, got 4,0"),
+    ("5,-1", "{n} must be positive kv-head counts summing to Hkv = 4, got 5,-1"),
+    ("2,x", "{n} must be a comma list of positive ints (kv heads per chunk, summing to Hkv = 4), got '2,x'"),
+    ("2,+2", "{n} must be a comma list of positive ints (kv heads per chunk, summing to Hkv = 4), got '2,+2'"),
+])
+def test_one_head_split_validator_for_the_op_env_and_the_tools(monkeypatch, text, want):
+    """The op's MEGATRON_SPLITKV_HEAD_SPLIT, the tools' --head-split(s) (`bench.parse_head_splits`) and the op's
+    / `bench.kernel_calls`' head_split value go through one validator (`ops.metadata.check_head_split` /
+    `head_split_from_text`) with one message; each only names its own argument."""
+    from megatron_splitkv import bench
+    from megatron_splitkv.ops import metadata as md
+
+    monkeypatch.setenv(HEAD_SPLIT_ENV, text)
+    with pytest.raises(ValueError) as env_err:
+        md._requested_head_split(None, 4, 1)
+    with pytest.raises(ValueError) as flag_err:
+        bench.parse_head_splits("2,2:" + text, 4, "--head-split")
+    assert str(env_err.value) == want.format(n=HEAD_SPLIT_ENV)
+    assert str(flag_err.value) == want.format(n="--head-split")
+    if "x" not in text and "+" not in text:
+        value = tuple(int(h) for h in text.split(","))
+        with pytest.raises(ValueError) as arg_err:
+            md.check_head_split(value, 4)
+        assert str(arg_err.value) == want.format(n="head_split")
+    assert bench.parse_head_splits("3,1:1,3:3,1", 4, "--head-split") == [(3, 1), (1, 3)]

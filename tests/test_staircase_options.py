@@ -177,6 +177,41 @@ def test_parse_int_rejects_other_forms(text):
     assert str(exc.value) == f"X must be a positive int (decimal digits), got {text!r}"
 
 
+@pytest.mark.parametrize("text", ["1" * 4301, "-" + "9" * 5000, " " + "7" * 100000 + " "])
+def test_parse_int_refuses_more_digits_than_the_limit_with_its_own_message(text):
+    """More than 4300 digits: the package's message (variable, range, digit limit), not Python's
+    int-conversion ValueError ("Exceeds the limit (4300 digits) ..."); the text is quoted cut."""
+    from megatron_splitkv._ints import MAX_DIGITS, parse_int
+
+    n = len(text.strip().lstrip("-"))
+    with pytest.raises(ValueError) as exc:
+        parse_int(text, "X", minimum=1, maximum=64)
+    msg = str(exc.value)
+    assert msg.startswith(f"X must be an int in [1, 64] (at most {MAX_DIGITS} digits), got a {n}-digit number ")
+    assert "Exceeds the limit" not in msg and len(msg) < 200 and f"({len(text)} characters)" in msg
+
+
+def test_parse_int_leading_zeros_and_the_digit_limit():
+    from megatron_splitkv._ints import MAX_DIGITS, parse_int
+
+    assert parse_int("0" * 5000 + "42", "X") == 42  # zeros are not significant digits
+    assert parse_int("-" + "0" * 5000 + "3", "X") == -3
+    assert parse_int("9" * MAX_DIGITS, "X") == int("9" * MAX_DIGITS)
+    with pytest.raises(ValueError, match=r"^X must be an int >= 0, got '-00000000001'$"):
+        parse_int("-" + "0" * 10 + "1", "X", minimum=0)
+
+
+@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_KERNEL_LANES", "MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS",
+                                 "MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS"])
+def test_env_ints_longer_than_the_digit_limit_name_the_variable(monkeypatch, var):
+    from megatron_splitkv.kernels import validate_kernel_env
+
+    monkeypatch.setenv(var, "8" * 4301)
+    with pytest.raises(ValueError) as exc:
+        validate_kernel_env()
+    assert str(exc.value).startswith(var) and "(at most 4300 digits), got a 4301-digit number" in str(exc.value)
+
+
 def _tool(name):
     sys.path.insert(0, os.path.join(ROOT, "tools"))
     try:
@@ -217,3 +252,14 @@ def test_profile_kernel_option_values_strict(val):
     p = _run(None, code)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert "--backends" in p.stderr.splitlines()[-1], p.stderr
+
+
+def test_as_int_message_for_an_int_beyond_the_conversion_limit():
+    """An out-of-range int too long for repr() (Python's 4300-digit limit) raised Python's own ValueError while
+    the message was formatted; now the package's message, with the digit count."""
+    from megatron_splitkv._ints import as_int
+
+    for v in (10 ** 5000, -(10 ** 5000)):
+        with pytest.raises(ValueError, match=r"^block_size must be an int in \[1, 64\], got an int of about 5001 "
+                                             r"digits$"):
+            as_int(v, "block_size", minimum=1, maximum=64)

@@ -68,6 +68,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_splitkv import bench  # noqa: E402
+from megatron_splitkv._ints import float_arg  # noqa: E402
 from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402
 from megatron_splitkv.planning import STRATEGIES  # noqa: E402
@@ -457,7 +458,7 @@ def main(argv=None):
                     help="after the rows: A/B of splitkv chunk counts at CP = world, e.g. 1,2,4 (needs an op "
                          "with num_chunks; otherwise one row says so)")
     ap.add_argument("--ab-contexts", default="131072", help="contexts of the --chunks-ab A/B, comma list")
-    ap.add_argument("--ab-reserve-s", type=float, default=0.0,
+    ap.add_argument("--ab-reserve-s", type=float_arg(0), default=0.0,
                     help="with --chunks-ab and --budget-s: the rows stop starting at --budget-s minus this, "
                          "leaving it to the A/B (which always runs, after the rows)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new row after this many seconds")

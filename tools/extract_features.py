@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def parse_args(argv=None):
+    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+
     p = argparse.ArgumentParser(description="Extract DFlash target features to a memory-mapped file.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--sharegpt-limit", type=int, default=None, help="first N conversations (default all)")
@@ -41,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-channels", type=int, default=128)
     p.add_argument("--ffn-hidden-size", type=int, default=12288)
     p.add_argument("--vocab-size", type=int, default=151936)
-    p.add_argument("--rotary-base", type=float, default=1e6)
+    p.add_argument("--rotary-base", type=float_arg(0, above=True), default=1e6)
     p.add_argument("--target-load", default=None, help="target weights (random init when unset)")
     p.add_argument("--target-seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),

@@ -203,6 +203,8 @@ COLS = ["context", "P", "rank", "worker ms", "tensors", "segments", "pickled KiB
 
 
 def main():
+    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
     ap.add_argument("--cp-sizes", default="1,2")
@@ -214,10 +216,11 @@ def main():
                     help="without the host-built FlexAttention tables (default: with, as on CUDA)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--gap", type=float, default=0.0, help="seconds to sleep after each item")
+    ap.add_argument("--gap", type=float_arg(0), default=0.0, help="seconds to sleep after each item")
     ap.add_argument("--ready", type=int, default=1,
                     help="items received before next is timed (default 1; 2 = the worker idle, prefetch 2)")
-    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (s), inherited by forked workers")
+    ap.add_argument("--switch-interval", type=float_arg(0, above=True), default=None,
+                    help="sys.setswitchinterval (s, > 0), inherited by forked workers")
     ap.add_argument("--sharing-strategy", default=None, help="torch.multiprocessing sharing strategy")
     ap.add_argument("--profile", action="store_true", help="cProfile of next + to + bind, printed per row")
     ap.add_argument("--top", type=int, default=20)
@@ -238,7 +241,7 @@ def main():
             subprocess.run([sys.executable, os.path.abspath(__file__)] + argv, check=True, env=env)
         return
     torch.set_num_threads(1)
-    if args.switch_interval:
+    if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if args.sharing_strategy:
         torch.multiprocessing.set_sharing_strategy(args.sharing_strategy)

@@ -303,6 +303,8 @@ def render(res, args) -> str:
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", default="10,100,1000", help="checkpoints (the run lasts the largest)")
@@ -324,9 +326,9 @@ def main(argv=None):
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--sizes", default="8192,16384,32768,65536,131072", help="one-sequence context sizes")
     ap.add_argument("--key-bins", default="16384,32768,65536,131072", help="bin edges of keys per call")
-    ap.add_argument("--moved-pair-ns", type=float, default=0.21,
+    ap.add_argument("--moved-pair-ns", type=float_arg(0), default=0.21,
                     help="extra fwd+bwd ns per visible pair moved from the dense part to flex (H200 fit)")
-    ap.add_argument("--call-us", type=float, default=200.0,
+    ap.add_argument("--call-us", type=float_arg(0), default=200.0,
                     help="extra fwd+bwd us per additional dense call (H200 fit, incl. the merge/accumulation)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the markdown tables here")

@@ -117,6 +117,7 @@ if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
 from megatron_splitkv import bench  # noqa: E402
+from megatron_splitkv._ints import float_arg, parse_float  # noqa: E402
 
 PREPARES = None  # PrepareCounter, set in main
 BLOCK_MASKS = None  # BlockMaskTimer, set in main
@@ -204,7 +205,7 @@ def parse_args(argv=None):
                          "prefetched arms (pretrain_dflash.py --dflash-data-workers; default 1)")
     ap.add_argument("--data-prefetch", type=int, default=2,
                     help="batches each worker prepares ahead (--dflash-data-prefetch; default 2)")
-    ap.add_argument("--budget-s", type=float, default=480.0,
+    ap.add_argument("--budget-s", type=float_arg(0), default=480.0,
                     help="start no new context after this many seconds (default 480; 0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "step_overhead"), help="output folder")
@@ -239,6 +240,10 @@ def parse_args(argv=None):
         ap.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.budget_s < 0:
         ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
+    try:
+        pg_timeout_s()
+    except ValueError as exc:
+        ap.error(str(exc))
     from megatron_splitkv.kernels import BACKENDS
     from megatron_splitkv.planning import STRATEGIES
 
@@ -267,6 +272,17 @@ def parse_args(argv=None):
 # --------------------------------------------------------------------------------------------------
 
 
+#: env var: the process groups' timeout in seconds (default 600)
+PG_TIMEOUT_ENV = "STEP_OVERHEAD_PG_TIMEOUT_S"
+
+
+def pg_timeout_s() -> float:
+    """STEP_OVERHEAD_PG_TIMEOUT_S (unset or empty: 600) as seconds: a finite number > 0
+    (`_ints.parse_float`; float() took "nan" and "inf"); ValueError naming the variable otherwise."""
+    raw = os.environ.get(PG_TIMEOUT_ENV, "").strip()
+    return 600.0 if not raw else parse_float(raw, PG_TIMEOUT_ENV, minimum=0, above=True)
+
+
 def init_distributed(cpu: bool):
     """The world (torchrun: WORLD_SIZE processes; else one) = one CP group; Megatron's parallel state with
     TP = 1, CP = world. Returns (device, rank, world, pgs, host_group) with host_group a gloo group for
@@ -287,7 +303,7 @@ def init_distributed(cpu: bool):
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         backend = "nccl"
-    timeout = datetime.timedelta(seconds=float(os.environ.get("STEP_OVERHEAD_PG_TIMEOUT_S", "600")))
+    timeout = datetime.timedelta(seconds=pg_timeout_s())
     if world == 1:  # plain `python`: a one-process group through env://, as `torchrun --nproc-per-node 1` makes
         import socket
 

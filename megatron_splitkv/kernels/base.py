@@ -50,10 +50,12 @@ Kernels implement:
         to skip the fp32 round trip of results it sends in the input dtype (`ops.common.native_results`);
         results are bit-identical either way.
 
-    check_dtype(dtype, device) (optional): raise ValueError when the kernel cannot run `dtype` on
-        `device`. The ops call it once per call, before their first data collective, so that every rank
-        raises (a rank without queries or keys never calls forward/backward, whose own checks would
-        then fire on the other ranks only and leave this one waiting in a collective).
+    check_dtype(dtype, device=None, head_dim=None) (optional): raise ValueError when the kernel cannot run
+        `dtype` with head dim `head_dim` (D; None: unknown) on `device`. The ops call it once per call, with
+        the call's D, before their first data collective, so that every rank raises (a rank without queries
+        or keys never calls forward/backward, whose own checks would then fire on the other ranks only and
+        leave this one waiting in a collective). It must refuse everything forward/backward refuse for
+        the dtype, device and head dim.
 """
 
 from dataclasses import dataclass
@@ -176,13 +178,36 @@ def check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Interval
         raise ValueError(f"mask.num_keys={mask.num_keys} but k has {k.shape[0]} keys")
 
 
+#: the head dims cuDNN SDPA (the staircase kernel's dense part on CUDA) and FlashAttention-4 take: a multiple
+#: of CUDA_HEAD_DIM_MULTIPLE, at most CUDA_HEAD_DIM_MAX (`cuda_head_dim_ok`, `check_cuda_head_dim`)
+CUDA_HEAD_DIM_MULTIPLE = 8
+CUDA_HEAD_DIM_MAX = 256
+
+
+def cuda_head_dim_ok(head_dim) -> bool:
+    """Whether cuDNN SDPA / FlashAttention-4 take head dim `head_dim` (None: unknown -> True): a positive
+    multiple of 8 that is at most 256. The one rule behind `half_precision_cuda_index` (what "auto" may
+    pick) and `check_cuda_head_dim` (what the kernels refuse, before the ops' first collective)."""
+    return head_dim is None or (0 < head_dim <= CUDA_HEAD_DIM_MAX and head_dim % CUDA_HEAD_DIM_MULTIPLE == 0)
+
+
+def check_cuda_head_dim(head_dim, backend: str) -> None:
+    """Raise ValueError naming `backend`, the head dim (D, q.shape[2]) and the limit when `cuda_head_dim_ok`
+    refuses `head_dim`."""
+    if not cuda_head_dim_ok(head_dim):
+        raise ValueError(f"{backend} needs a head dim D (q.shape[2]) that is a multiple of "
+                         f"{CUDA_HEAD_DIM_MULTIPLE} in [{CUDA_HEAD_DIM_MULTIPLE}, {CUDA_HEAD_DIM_MAX}] on CUDA, "
+                         f"got {head_dim}")
+
+
 def half_precision_cuda_index(device, dtype, head_dim=None):
     """The CUDA device index of `device` when it is a CUDA device, `dtype` is bf16 / fp16 and `head_dim` is
-    None or a multiple of 8 <= 256 (what cuDNN SDPA and FlashAttention-4 take); else None. Never raises."""
+    None or a multiple of 8 <= 256 (`cuda_head_dim_ok`: what cuDNN SDPA and FlashAttention-4 take); else
+    None. Never raises."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+    if not cuda_head_dim_ok(head_dim):
         return None
     try:
         return dev.index if dev.index is not None else torch.cuda.current_device()

@@ -38,7 +38,7 @@ import importlib.util
 
 import torch
 
-from .base import IntervalMask, check_call, half_precision_cuda_index
+from .base import IntervalMask, check_call, check_cuda_head_dim, half_precision_cuda_index
 from .flex import TILE, _block_tables, _rows_table
 
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
@@ -231,11 +231,13 @@ class FA4AttentionKernel:
         self.cache_tables = cache_tables
 
     # ----------------------------------------------------------------------------------------------
-    def check_dtype(self, dtype, device=None):
-        """Raise ValueError when FA4 cannot run `dtype` on `device` (the ops call it once per call,
-        before their first data collective, so every rank raises)."""
+    def check_dtype(self, dtype, device=None, head_dim=None):
+        """Raise ValueError when FA4 cannot run `dtype` with head dim `head_dim` (D, None: not checked; a
+        multiple of 8 <= 256, `base.check_cuda_head_dim`) on `device` (the ops call it once per call, with
+        the call's D, before their first data collective, so every rank raises)."""
         if dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"backend 'fa4' runs bf16 / fp16 only, got {dtype}; use 'flex' or 'math'")
+        check_cuda_head_dim(head_dim, "backend 'fa4'")
         if deterministic_requested():
             raise ValueError("backend 'fa4': FlashAttention-4 has no deterministic block-sparse backward (its dQ "
                              "is accumulated with atomics) and torch.use_deterministic_algorithms (Megatron's "
@@ -272,7 +274,7 @@ class FA4AttentionKernel:
         check_call(q, k, v, mask)
         if not q.is_cuda:
             raise ValueError("backend 'fa4' runs on CUDA tensors only")
-        self.check_dtype(q.dtype)
+        self.check_dtype(q.dtype, head_dim=q.shape[2])
 
     def _mask_mod(self, t: _Tables):
         return self._mask_two if t.union else self._mask_one

@@ -386,10 +386,10 @@ class FlexAttentionKernel:
             cache[key] = build_block_mask(mask, q_len, kv_len)
         return cache[key]
 
-    def check_dtype(self, dtype, device=None):
-        """Raise ValueError when flex cannot run `dtype` on `device` (float64 on CUDA); the ops call it
-        once per call, before their first data collective, so that every rank raises (a rank without
-        keys never calls the kernel)."""
+    def check_dtype(self, dtype, device=None, head_dim=None):  # noqa: ARG002 - the kernels' protocol (base)
+        """Raise ValueError when flex cannot run `dtype` on `device` (float64 on CUDA; `head_dim` is not
+        restricted here); the ops call it once per call, before their first data collective, so that every
+        rank raises (a rank without keys never calls the kernel)."""
         if dtype == torch.float64 and device is not None and torch.device(device).type == "cuda":
             raise ValueError("FlexAttention (Triton) does not support float64; use the math kernel")
 

@@ -131,7 +131,7 @@ from dataclasses import dataclass
 import torch
 
 from .._ints import as_int, parse_int
-from .base import IntervalMask, check_call
+from .base import IntervalMask, check_call, check_cuda_head_dim
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
@@ -823,11 +823,13 @@ class StaircaseAttentionKernel:
         return self._side[key]
 
     def check_dtype(self, dtype, device=None, head_dim=None):
-        """Raise ValueError when this backend cannot run `dtype` on `device` (CUDA: cuDNN, bf16/fp16 only;
-        CPU: the CPU flash kernel, fp16/bf16/fp32/fp64), or its inner kernel cannot. The ops call it once
-        per call, before their first data collective, so every rank raises. `head_dim`: D when known; it
-        resolves inner="auto" to the kernel the call will run (D < 16 is "math"; None: the choice for an
-        unknown D, which may be another kernel)."""
+        """Raise ValueError when this backend cannot run `dtype` with head dim `head_dim` on `device` (CUDA:
+        cuDNN, bf16/fp16 only, D a multiple of 8 <= 256 (`base.check_cuda_head_dim`); CPU: the CPU flash
+        kernel, fp16/bf16/fp32/fp64, any D), or its inner kernel cannot. The ops call it once per call, with
+        the call's D, before their first data collective, so every rank raises (forward / backward run the
+        same check). `head_dim`: D when known (None: not checked); it also resolves inner="auto" to the
+        kernel the call will run (D < 16 is "math"; None: the choice for an unknown D, which may be another
+        kernel)."""
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cuda":
             ok = (torch.bfloat16, torch.float16)
@@ -838,16 +840,15 @@ class StaircaseAttentionKernel:
         if dtype not in ok:
             raise ValueError(f"backend='staircase' supports q/k/v dtypes {ok} on {dev.type} (cuDNN attention on "
                              f"CUDA), got {dtype}; use backend='flex' or 'math'")
+        if dev.type == "cuda":
+            check_cuda_head_dim(head_dim, "backend='staircase' (cuDNN)")
         inner = self.inner_kernel(dev, dtype, head_dim)
         if hasattr(inner, "check_dtype"):
-            inner.check_dtype(dtype, dev)
+            inner.check_dtype(dtype, dev, head_dim=head_dim)
 
     def _check(self, q, k, v, mask):
         check_call(q, k, v, mask)
-        self.check_dtype(q.dtype, q.device, head_dim=q.shape[2])
-        if q.is_cuda and (q.shape[2] % 8 or q.shape[2] > 256):
-            raise ValueError(f"backend='staircase' (cuDNN) needs a head dim that is a multiple of 8 and <= 256, "
-                             f"got {q.shape[2]}")
+        self.check_dtype(q.dtype, q.device, head_dim=q.shape[2])  # the ops' pre-collective check, head dim too
 
     def _dense_rows(self, x, plan: StaircasePlan, bsz: int, hkv: int, fold: bool, dtype=None):
         """Rows of the dense blocks in plan order, [nd * B (* G), H', ...], in `dtype` (default x's): a view

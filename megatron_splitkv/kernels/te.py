@@ -260,7 +260,7 @@ class TEAttentionKernel:
             cache[groups] = te_plan(mask, groups)
         return cache[groups]
 
-    def check_dtype(self, dtype, device=None):
+    def check_dtype(self, dtype, device=None, head_dim=None):  # noqa: ARG002 - the kernels' protocol (base)
         """Raise ValueError when this backend cannot run `dtype` (the ops call it once per call, before
         their first data collective, so that every rank raises instead of only the ranks whose kernel
         runs: a rank without keys never calls the kernel)."""

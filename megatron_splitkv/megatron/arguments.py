@@ -67,6 +67,8 @@ __all__ = [
     "device_prefetch_from_args",
     "DEVICE_PREFETCH_CHOICES",
     "MAX_DATA_WORKERS",
+    "format_parsed_args",
+    "runtime_flag_values",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -393,6 +395,14 @@ def runtime_flag_values(args) -> dict:
     if getattr(args, "splitkv_kernel", None) is None:
         out["splitkv_kernel"] = "auto"
     return out
+
+
+def format_parsed_args(args) -> str:
+    """The text `--parse-only` prints: one `name = value` line per attribute of the namespace `args` (an
+    argparse.Namespace, or a dict), sorted by name; values as repr() (strings quoted, so that None and
+    'None' differ). No trailing newline."""
+    values = args if isinstance(args, dict) else vars(args)
+    return "\n".join(f"{name} = {values[name]!r}" for name in sorted(values))
 
 
 def data_prefetch_from_args(args) -> int:

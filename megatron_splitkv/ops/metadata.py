@@ -170,11 +170,44 @@ HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
 _SPLIT_FLAG = 1 << 31
 
 
+def _checked_split_sum(split: tuple, num_heads_kv: int, what: str) -> tuple:
+    """`split` (ints) when its counts are positive and sum to Hkv; else THE head-split range error."""
+    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
+        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
+                         f"{','.join(map(str, split))}")
+    return split
+
+
+def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") -> tuple:
+    """THE validator of a head split given as a value (the op's `head_split`, `bench.kernel_calls`'): a sequence
+    (not a string) of positive ints (`_ints.as_int`: no bool, no float) summing to Hkv = `num_heads_kv`.
+    Returns the split as a tuple of ints. Raises ValueError starting with `what`."""
+    if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
+        raise ValueError(f"{what} must be None or a sequence of positive ints (kv heads per chunk), got "
+                         f"{head_split!r}")
+    split = tuple(as_int(h, what, what="a sequence of positive ints") for h in head_split)
+    return _checked_split_sum(split, num_heads_kv, what)  # counts < 1: the one range message, as for text
+
+
+def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
+    """THE parser of a head split given as text (MEGATRON_SPLITKV_HEAD_SPLIT, the tools' --head-split(s) via
+    `bench.parse_head_splits`): a comma list of plain decimal ints (`_ints.parse_int`), each positive, summing
+    to Hkv = `num_heads_kv`, e.g. "6,2". Returns a tuple of ints. Raises ValueError starting with `what` (the
+    variable or flag): the same message as `check_head_split` for a bad sum or count."""
+    try:
+        split = tuple(parse_int(x, what) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of positive ints (kv heads per chunk, summing "
+                         f"to Hkv = {num_heads_kv}), got {text!r}") from None
+    return _checked_split_sum(split, num_heads_kv, what)
+
+
 def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None):
-    """The requested head split (kv heads per chunk, a tuple) or None: head_split, else the environment variable
-    MEGATRON_SPLITKV_HEAD_SPLIT (unset or empty: None). Positive ints summing to Hkv = num_heads_kv, only with
-    the chunk axis "heads" (axis code 1), and num_chunks None or len(split) (the split fixes k; the variable
-    MEGATRON_SPLITKV_NUM_CHUNKS does not apply then). Raises ValueError naming the argument or the variable."""
+    """The requested head split (kv heads per chunk, a tuple) or None: head_split (`check_head_split`), else the
+    environment variable MEGATRON_SPLITKV_HEAD_SPLIT (`head_split_from_text`; unset or empty: None). Positive
+    ints summing to Hkv = num_heads_kv, only with the chunk axis "heads" (axis code 1), and num_chunks None or
+    len(split) (the split fixes k; the variable MEGATRON_SPLITKV_NUM_CHUNKS does not apply then). Raises
+    ValueError naming the argument or the variable."""
     import os  # noqa: PLC0415
 
     what = "head_split"
@@ -183,19 +216,9 @@ def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=N
         if not value:
             return None
         what = HEAD_SPLIT_ENV
-        try:
-            split = tuple(parse_int(x, HEAD_SPLIT_ENV) for x in value.split(","))
-        except ValueError:
-            raise ValueError(f"{HEAD_SPLIT_ENV} must be a comma list of positive ints (kv heads per chunk, summing "
-                             f"to Hkv = {num_heads_kv}), got {value!r}") from None
+        split = head_split_from_text(value, num_heads_kv, HEAD_SPLIT_ENV)
     else:
-        if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
-            raise ValueError(f"head_split must be None or a sequence of positive ints (kv heads per chunk), got "
-                             f"{head_split!r}")
-        split = tuple(as_int(h, "head_split", minimum=1, what="a sequence of positive ints") for h in head_split)
-    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
-        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
-                         f"{','.join(map(str, split))}")
+        split = check_head_split(head_split, num_heads_kv)
     if axis != 1:
         raise ValueError(f"{what} needs chunk_axis 'heads' (or {CHUNK_AXIS_ENV}=heads): it splits the kv heads")
     if num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=1) != len(split):
@@ -1330,18 +1353,19 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 
 
 def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
-    """The local kernel for this call, its dtype checked (`check_dtype`, when the kernel has one).
+    """The local kernel for this call, its dtype and head dim checked (`check_dtype`, when the kernel has
+    one: the same rule as the kernel's forward / backward, so a refusal happens here, on every rank).
     keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
     (`kernels.auto_keys_per_call` of the agreed size table; None: "auto" = flex / math as before).
 
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
-            this dtype on this device."""
+            this dtype / head dim on this device."""
     kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
-            check_dtype(dtype, device)
+            check_dtype(dtype, device, head_dim=head_dim)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
     return kernel
