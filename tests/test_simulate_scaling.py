@@ -1615,3 +1615,23 @@ def test_paired_rounds_refused_with_replay_or_several_ranks(tmp_path, capsys, mo
         ss.main(["--cpu", "--paired-rounds", "1", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--paired-rounds" in err and "WORLD_SIZE=2" in err
+
+
+def test_replay_reads_gzip_and_refuses_garbage(tmp_path, capsys):
+    """--replay reads a gzip-compressed saved run (docs/results keeps the large ones as .json.gz) to the same rows
+    as the plain file; a file that is neither exits 2 naming the flag (no traceback)."""
+    import gzip
+
+    import simulate_scaling as ss
+
+    gz = tmp_path / "run.json.gz"
+    with open(SEVENTH, "rb") as f, gzip.open(gz, "wb") as g:
+        g.write(f.read())
+    plain = ss.main(["--replay", SEVENTH, "--out", str(tmp_path / "a")])
+    zipped = ss.main(["--replay", str(gz), "--out", str(tmp_path / "b")])
+    assert [r["total_ms"] for r in plain["rows"]] == [r["total_ms"] for r in zipped["rows"]]
+    bad = tmp_path / "bad.json.gz"
+    bad.write_text("not gzip")
+    with pytest.raises(SystemExit) as e:
+        ss.main(["--replay", str(bad), "--out", str(tmp_path / "c")])
+    assert e.value.code == 2 and "--replay" in capsys.readouterr().err

@@ -153,6 +153,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gzip
 import inspect
 import json
 import os
@@ -1362,7 +1363,7 @@ def main(argv=None):
                     help="measured mode on CPU, a dry run: the shape flags left at their defaults take tiny values "
                          f"({' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in CPU_SHAPES.items())})")
     ap.add_argument("--replay", default="",
-                    help="a saved simulate_scaling.json: recompute its splitkv rows with this tree's collectives and "
+                    help="a saved simulate_scaling.json (or .json.gz): recompute its splitkv rows with this tree's collectives and "
                          "schedule model from the run's saved kernel times, projection windows, overhead, node-merge "
                          "rate and link (no GPU; `replay`); --bwd-gather picks the variants (crossed with the saved "
                          "run's L values), --out the output directory; the other flags are ignored")
@@ -1858,8 +1859,11 @@ def replay_main(ap, args):
         ap.error("--out must be a directory path, got an empty string")
     gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
                                                    "backward gather")))
-    with open(args.replay) as f:
-        saved = json.load(f)
+    try:  # a saved run, plain or gzip-compressed (docs/results keeps the larger ones as .json.gz)
+        with (gzip.open(args.replay, "rt") if args.replay.endswith(".gz") else open(args.replay)) as f:
+            saved = json.load(f)
+    except (OSError, ValueError, EOFError) as e:
+        ap.error(f"--replay {args.replay!r}: not a simulate_scaling.json ({type(e).__name__}: {e})")
     orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS,
                                                   "backward chunk order")))
     try:
