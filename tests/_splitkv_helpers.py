@@ -196,6 +196,22 @@ class RelayRecorder:
         return t
 
 
+def errors_of_every_op(c, rank, group, exc_type, extras=({}, {"metadata": True})):
+    """Run every CP op (splitkv, allgather_kv, ring_kv) on case `c` with each of `extras` merged into it, expecting
+    each call to raise `exc_type` on this rank (the refusal must reach every rank before any collective of the
+    op). Returns the messages in call order; AssertionError naming the op when one does not raise."""
+    seen = []
+    for op in ("splitkv", "allgather_kv", "ring_kv"):
+        for extra in extras:
+            try:
+                run_local(op, {**c, **extra}, rank, group)
+            except exc_type as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError(f"{op} {extra}: no {exc_type.__name__} on rank {rank}")
+    return seen
+
+
 def raw_and_double_results(out, lse, x, **extra):
     """An op run's results for the two-level tests: out / lse and the five input gradients (None where an input
     got none) in float64, the same as raw tensors under "raw" (for bit-identity checks), plus `extra`."""

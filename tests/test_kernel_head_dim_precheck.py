@@ -63,7 +63,7 @@ def _cuda_rule_worker(rank, world, c):
     """A staircase kernel that applies the CUDA head-dim rule on this CPU rank too (what cuDNN refuses on a GPU
     rank), installed where `get_kernel` finds it; the op then runs with backend='staircase'."""
     import torch.distributed as dist
-    from _splitkv_helpers import run_local
+    from _splitkv_helpers import errors_of_every_op, run_local
 
     from megatron_splitkv import kernels
 
@@ -73,15 +73,7 @@ def _cuda_rule_worker(rank, world, c):
             super().check_dtype(dtype, device, head_dim=head_dim)
 
     kernels._CACHE[("staircase", "cpu", torch.float32)] = CudaRuleStaircase()
-    seen = []
-    for op in ("splitkv", "allgather_kv", "ring_kv"):
-        for meta in (False, True):
-            try:
-                run_local(op, {**c, "metadata": meta}, rank, dist.group.WORLD)
-            except ValueError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError(f"{op} metadata={meta}: no ValueError")
+    seen = errors_of_every_op(c, rank, dist.group.WORLD, ValueError, ({"metadata": False}, {"metadata": True}))
     # still in step: the same case on the math kernel runs
     return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
 

@@ -16,7 +16,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import case, check, errors, job_results, jobs_worker, new_seed, run_local
+from _splitkv_helpers import case, check, errors, errors_of_every_op, job_results, jobs_worker, new_seed, run_local
 from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV
 
 import test_cases_op as C
@@ -199,15 +199,8 @@ def _te_missing_worker(rank, world):
     for key in [k for k in kernels._CACHE if k[0] == "te"]:
         del kernels._CACHE[key]
     c = case(5, world, dtype="bfloat16", blocks=[2, 0], ctx=[30, 10], backend="te")
-    seen = []
-    for op in ("splitkv", "allgather_kv", "ring_kv"):
-        for meta in (False, True):
-            try:
-                run_local(op, {**c, "metadata": meta}, rank, dist.group.WORLD)
-            except ImportError as exc:
-                seen.append(str(exc).split("; import failed")[0])
-            else:
-                raise AssertionError("no ImportError")
+    seen = [m.split("; import failed")[0] for m in errors_of_every_op(
+        c, rank, dist.group.WORLD, ImportError, ({"metadata": False}, {"metadata": True}))]
     return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
 
 
@@ -377,15 +370,7 @@ def _te_on_one_rank_worker(rank, world):
             return _load(backend)
         kernels._load = missing
     c = case(7, world, dtype="bfloat16", blocks=[2, 1], ctx=[30, 10], backend="te")
-    seen = []
-    for op in ("splitkv", "allgather_kv", "ring_kv"):
-        for extra in ({}, {"metadata": True, "group_check": True}):
-            try:
-                run_local(op, {**c, **extra}, rank, dist.group.WORLD)
-            except ImportError as exc:
-                seen.append(str(exc))
-            else:
-                raise AssertionError(f"{op} {extra}: no ImportError on rank {rank}")
+    seen = errors_of_every_op(c, rank, dist.group.WORLD, ImportError, ({}, {"metadata": True, "group_check": True}))
     # the group is still usable afterwards
     return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
 
