@@ -1615,3 +1615,37 @@ def test_paired_rounds_refused_with_replay_or_several_ranks(tmp_path, capsys, mo
         ss.main(["--cpu", "--paired-rounds", "1", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--paired-rounds" in err and "WORLD_SIZE=2" in err
+
+
+def test_replay_unmeasured_split_takes_its_head_chunkings_overhead(tmp_path, monkeypatch):
+    """`--replay --head-split 3,1` of a run that measured rows k = 2 and the head split 2/2 (not 3/1): the 3/1 rows
+    had the rows k = 2 row's overhead (its row chunking's glue, 2.0 ms here) while their reference, the measured
+    2/2 head-chunk rows, had the head chunking's (1.5 ms): the gain over the even split carried the difference of
+    the two chunkings' glue. A split row's overhead is that of head chunks: k = 1's + the saved (op - kernel) of
+    that split's chunking if measured, else of the even split of its k, minus k = 1's (as measured mode's
+    `job_overhead`); with neither saved, the base row's as before."""
+    import simulate_scaling as ss
+
+    fake = {("one",): (10.0, 9.0), ("rows", 2): (11.0, 9.0), ("heads", (2, 2)): (12.0, 10.5)}
+    monkeypatch.setattr(ss, "time_chunking_overhead", lambda key, plan1, args, **kw: fake[key])
+    res = ss.main(_TINY + ["--Hkv", "4", "--Hq", "8", "--cps", "1,2", "--placements", "lpt", "--head-split", "2,2",
+                           "--out", str(tmp_path / "run")])
+    got = {(r["num_chunks"], tuple(r.get("head_split") or ())): r["overhead_ms"] for r in res["rows"]}
+    assert got[(2, ())] == pytest.approx(2.0) and got[(2, (2, 2))] == pytest.approx(1.5)
+    saved = str(tmp_path / "run" / "simulate_scaling.json")
+    rep = ss.main(["--replay", saved, "--head-split", "3,1", "--out", str(tmp_path / "replay")])
+    split = [r for r in rep["rows"] if r.get("head_split")]
+    assert {tuple(r["head_split"]) for r in split} == {(2, 2), (3, 1)}
+    for r in split:
+        assert r["overhead_ms"] == pytest.approx(1.5), (tuple(r["head_split"]), r["overhead_ms"])
+    # a saved run without the per-chunking list (an older tree): the base row's overhead, as before
+    import json
+
+    with open(saved) as f:
+        old = json.load(f)
+    old.pop("overhead_by_chunking")
+    with open(tmp_path / "old.json", "w") as f:
+        json.dump(old, f)
+    rep = ss.main(["--replay", str(tmp_path / "old.json"), "--head-split", "3,1", "--out", str(tmp_path / "r2")])
+    got = [r["overhead_ms"] for r in rep["rows"] if r.get("head_split") == [3, 1]]
+    assert got and all(v == pytest.approx(2.0) for v in got), got
