@@ -1649,3 +1649,20 @@ def test_replay_unmeasured_split_takes_its_head_chunkings_overhead(tmp_path, mon
     rep = ss.main(["--replay", str(tmp_path / "old.json"), "--head-split", "3,1", "--out", str(tmp_path / "r2")])
     got = [r["overhead_ms"] for r in rep["rows"] if r.get("head_split") == [3, 1]]
     assert got and all(v == pytest.approx(2.0) for v in got), got
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(rounds=2.7), "rounds"), (dict(rounds=True), "rounds"), (dict(rounds="3"), "rounds"),
+    (dict(rounds=2, reps=0), "reps"), (dict(rounds=2, reps=1.5), "reps"), (dict(rounds=2, warmup=-1), "warmup"),
+    (dict(rounds=2, warmup_rounds=-2), "warmup_rounds"), (dict(rounds=2, warmup_rounds=0.5), "warmup_rounds"),
+])
+def test_time_kernel_calls_rounds_refuses_non_int_counts(kw, name):
+    """time_kernel_calls_rounds int()'d its counts: rounds=2.7 ran 2 rounds, rounds=True / "3" ran, reps=0 gave NaN
+    per-call ms (a median of no times), a negative warmup_rounds was taken as 0. The package's int check
+    (`_ints.as_int`): a ValueError naming the argument, before anything is built or timed."""
+    built = []
+    spec = bench.KernelCallsTiming(calls=[], steps=[lambda: built.append(1) or (lambda: None)], lanes=1, Hq=4, D=16,
+                                   backward=True)
+    with pytest.raises(ValueError, match=rf"^{name} must be "):
+        bench.time_kernel_calls_rounds([spec], device="cpu", **kw)
+    assert not built
