@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._ints import parse_int
+from ._ints import as_int, parse_int
 from .ops.metadata import check_head_split, head_split_from_text
 
 __all__ = [
@@ -754,19 +754,22 @@ def time_kernel_calls_rounds(specs, *, device, rounds: int, reps: int = 5, warmu
     round are comparable. `warmup_rounds` untimed passes over every task's steps come first (after building all of
     them: the first timed round otherwise meets the allocations and clocks of the build; seen on the H200 as a first
     round 5-15% off the others). Returns, per task, the list of its `KernelCallsTiming.result` dicts, one per timed
-    round."""
-    if int(rounds) < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    round. rounds and reps: ints >= 1, warmup and warmup_rounds: ints >= 0 (`_ints.as_int`: ValueError naming the
+    argument, before anything is built)."""
+    rounds = as_int(rounds, "rounds", minimum=1, what=">= 1 (an int)")  # the package's int check: no 2.7, True, "3"
+    reps = as_int(reps, "reps", minimum=1, what=">= 1 (an int; 0 reps: NaN medians)")
+    warmup = as_int(warmup, "warmup", minimum=0)
+    warmup_rounds = as_int(warmup_rounds, "warmup_rounds", minimum=0)
     device = torch.device(device)
     steps = [[build() for build in s.steps] for s in specs]
-    for _ in range(max(int(warmup_rounds), 0)):
+    for _ in range(warmup_rounds):
         for task in steps:
             for st in task:
                 st()
     _sync(device)
     out = [[] for _ in specs]
     n = len(specs)
-    for i in range(int(rounds)):
+    for i in range(rounds):
         for t in [(i + x) % n for x in range(n)]:
             meds = [time_fn(st, device, reps=reps, warmup=warmup)[0] for st in steps[t]]
             out[t].append(specs[t].result(meds))

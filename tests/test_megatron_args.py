@@ -551,3 +551,43 @@ def test_parse_only_refuses_a_bad_op_variable(monkeypatch, capsys):
         sys.argv = argv
     text = str(exc.value) + capsys.readouterr().err
     assert "MEGATRON_SPLITKV_CHUNK_AXIS" in text
+
+
+@pytest.mark.parametrize("raw", ["\u00b2", "9" * 5000, "\u0668", "+8", "8.0", "1_6"])
+def test_auto_cp_ranks_per_node_malformed_launcher_size_is_no_size(raw):
+    """A launcher size that is not a plain ASCII positive int ('²' passed str.isdigit() and then int() raised
+    Python's ValueError out of validate_splitkv_args; a 5000-digit value hit the int-conversion limit; '٨' (an
+    Arabic-Indic 8) was taken as 8, which the package's text-int policy refuses) is unknown: L = 1, and the
+    reason names the variable and its value instead of claiming it is unset."""
+    L, why = auto_cp_ranks_per_node(1, 16, environ={"LOCAL_WORLD_SIZE": raw})
+    assert L == 1
+    assert "LOCAL_WORLD_SIZE=" in why and "not a positive int" in why, why
+    assert len(why) < 300, why
+    # the next source is still read
+    assert auto_cp_ranks_per_node(1, 16, environ={"LOCAL_WORLD_SIZE": raw, "SLURM_NTASKS_PER_NODE": "4"})[0] == 4
+
+
+def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypatch):
+    """--parse-only prints runtime_flag_values after validate_splitkv_args, which exports the automatic L as
+    MEGATRON_SPLITKV_RANKS_PER_NODE; the line then read '4 (MEGATRON_SPLITKV_RANKS_PER_NODE, clamped to the
+    CP size)', as if the user had set the variable. It must show the automatic choice and its reason."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV
+
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
+    monkeypatch.delenv(RANKS_PER_NODE_ENV)
+    for name in LOCAL_SIZE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=8, dflash_num_anchors=8,
+              splitkv_cp_ranks_per_node=None)
+    validate_splitkv_args(a)
+    assert os.environ[RANKS_PER_NODE_ENV] == "4"
+    shown = runtime_flag_values(a)["splitkv_cp_ranks_per_node"]
+    assert shown.startswith("auto -> 4 (LOCAL_WORLD_SIZE=4"), shown
+    # a variable the user set is still shown as theirs
+    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=8, dflash_num_anchors=8,
+              splitkv_cp_ranks_per_node=None)
+    validate_splitkv_args(a)
+    assert runtime_flag_values(a)["splitkv_cp_ranks_per_node"].startswith("2 (MEGATRON_SPLITKV_RANKS_PER_NODE")

@@ -1635,3 +1635,54 @@ def test_replay_reads_gzip_and_refuses_garbage(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         ss.main(["--replay", str(bad), "--out", str(tmp_path / "c")])
     assert e.value.code == 2 and "--replay" in capsys.readouterr().err
+
+
+def test_replay_unmeasured_split_takes_its_head_chunkings_overhead(tmp_path, monkeypatch):
+    """`--replay --head-split 3,1` of a run that measured rows k = 2 and the head split 2/2 (not 3/1): the 3/1 rows
+    had the rows k = 2 row's overhead (its row chunking's glue, 2.0 ms here) while their reference, the measured
+    2/2 head-chunk rows, had the head chunking's (1.5 ms): the gain over the even split carried the difference of
+    the two chunkings' glue. A split row's overhead is that of head chunks: k = 1's + the saved (op - kernel) of
+    that split's chunking if measured, else of the even split of its k, minus k = 1's (as measured mode's
+    `job_overhead`); with neither saved, the base row's as before."""
+    import simulate_scaling as ss
+
+    fake = {("one",): (10.0, 9.0), ("rows", 2): (11.0, 9.0), ("heads", (2, 2)): (12.0, 10.5)}
+    monkeypatch.setattr(ss, "time_chunking_overhead", lambda key, plan1, args, **kw: fake[key])
+    res = ss.main(_TINY + ["--Hkv", "4", "--Hq", "8", "--cps", "1,2", "--placements", "lpt", "--head-split", "2,2",
+                           "--out", str(tmp_path / "run")])
+    got = {(r["num_chunks"], tuple(r.get("head_split") or ())): r["overhead_ms"] for r in res["rows"]}
+    assert got[(2, ())] == pytest.approx(2.0) and got[(2, (2, 2))] == pytest.approx(1.5)
+    saved = str(tmp_path / "run" / "simulate_scaling.json")
+    rep = ss.main(["--replay", saved, "--head-split", "3,1", "--out", str(tmp_path / "replay")])
+    split = [r for r in rep["rows"] if r.get("head_split")]
+    assert {tuple(r["head_split"]) for r in split} == {(2, 2), (3, 1)}
+    for r in split:
+        assert r["overhead_ms"] == pytest.approx(1.5), (tuple(r["head_split"]), r["overhead_ms"])
+    # a saved run without the per-chunking list (an older tree): the base row's overhead, as before
+    import json
+
+    with open(saved) as f:
+        old = json.load(f)
+    old.pop("overhead_by_chunking")
+    with open(tmp_path / "old.json", "w") as f:
+        json.dump(old, f)
+    rep = ss.main(["--replay", str(tmp_path / "old.json"), "--head-split", "3,1", "--out", str(tmp_path / "r2")])
+    got = [r["overhead_ms"] for r in rep["rows"] if r.get("head_split") == [3, 1]]
+    assert got and all(v == pytest.approx(2.0) for v in got), got
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(rounds=2.7), "rounds"), (dict(rounds=True), "rounds"), (dict(rounds="3"), "rounds"),
+    (dict(rounds=2, reps=0), "reps"), (dict(rounds=2, reps=1.5), "reps"), (dict(rounds=2, warmup=-1), "warmup"),
+    (dict(rounds=2, warmup_rounds=-2), "warmup_rounds"), (dict(rounds=2, warmup_rounds=0.5), "warmup_rounds"),
+])
+def test_time_kernel_calls_rounds_refuses_non_int_counts(kw, name):
+    """time_kernel_calls_rounds int()'d its counts: rounds=2.7 ran 2 rounds, rounds=True / "3" ran, reps=0 gave NaN
+    per-call ms (a median of no times), a negative warmup_rounds was taken as 0. The package's int check
+    (`_ints.as_int`): a ValueError naming the argument, before anything is built or timed."""
+    built = []
+    spec = bench.KernelCallsTiming(calls=[], steps=[lambda: built.append(1) or (lambda: None)], lanes=1, Hq=4, D=16,
+                                   backward=True)
+    with pytest.raises(ValueError, match=rf"^{name} must be "):
+        bench.time_kernel_calls_rounds([spec], device="cpu", **kw)
+    assert not built

@@ -277,3 +277,26 @@ def test_one_head_split_validator_for_the_op_env_and_the_tools(monkeypatch, text
             md.check_head_split(value, 4)
         assert str(arg_err.value) == want.format(n="head_split")
     assert bench.parse_head_splits("3,1:1,3:3,1", 4, "--head-split") == [(3, 1), (1, 3)]
+
+
+def test_head_split_messages_name_the_argument_for_huge_counts_and_long_values():
+    """check_head_split([10**5000, 1], 4) raised Python's own 'Exceeds the limit (4300 digits) for integer string
+    conversion' (the range message str()'d every count), not a message naming head_split; a long split or text
+    was quoted whole (a 3000-count split: a 6 KB message, a 10 KB variable: 10 KB). Now the message names the
+    argument and quotes long values cut (as `_ints.parse_int` / `as_int`)."""
+    from megatron_splitkv.ops import metadata as md
+
+    for value in ([10 ** 5000, 1], [1, -(10 ** 5000)], [2] * 3000):
+        with pytest.raises(ValueError) as err:
+            md.check_head_split(value, 4)
+        msg = str(err.value)
+        assert msg.startswith("head_split must be positive kv-head counts summing to Hkv = 4, got "), msg[:120]
+        assert len(msg) < 400, len(msg)
+    assert "3000 counts" in msg
+    for text in ("9" * 5000 + ",1", "2" + "," * 10000, "2," * 3000 + "2"):
+        with pytest.raises(ValueError) as err:
+            md.head_split_from_text(text, 4, "X")
+        assert str(err.value).startswith("X must be ") and len(str(err.value)) < 400, len(str(err.value))
+    # short values keep their exact messages
+    with pytest.raises(ValueError, match=r"^head_split must be positive kv-head counts summing to Hkv = 4, got 3,3$"):
+        md.check_head_split((3, 3), 4)

@@ -1986,6 +1986,42 @@ def link_from_dict(d, topology=None):
                            pxn=bool(d.get("pxn", True)))
 
 
+def saved_chunking_overheads(saved) -> dict:
+    """A saved run's "overhead_by_chunking" as {`job_chunking` key: overhead_ms} ({} for a run of a tree without
+    it, or entries that do not parse)."""
+    import ast
+
+    out = {}
+    for e in saved.get("overhead_by_chunking") or []:
+        try:
+            key = list(e["key"])
+            if key[0] == "one":
+                k = ("one",)
+            elif key[0] == "rows":
+                k = ("rows", int(key[1]))
+            elif key[0] == "heads":
+                k = ("heads", tuple(int(h) for h in ast.literal_eval(key[1])))
+            else:
+                continue
+            out[k] = float(e["overhead_ms"])
+        except (KeyError, IndexError, TypeError, ValueError, SyntaxError):
+            continue
+    return out
+
+
+def saved_split_overhead(saved, split, Hkv):
+    """The op overhead of a head `split`'s rows in a replay of `saved` (measured mode's `job_overhead`): the run's
+    k = 1 overhead + (the saved CP=1 (op - kernel) of the split's head chunking, else of the even split of its k)
+    - k = 1's, at least 0; None when the run saved neither (the caller keeps the base row's)."""
+    by = saved_chunking_overheads(saved)
+    if ("one",) not in by or "overhead_ms" not in saved:
+        return None
+    for key in (("heads", tuple(split)), ("heads", default_head_split(len(split), Hkv))):
+        if key in by:
+            return max(float(saved["overhead_ms"]) + by[key] - by[("one",)], 0.0)
+    return None
+
+
 def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0,
            head_splits=None, bwd_orders=("forward",), split_cost=None):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
@@ -2009,7 +2045,9 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     "head_split" and "bwd_order": collectives of `head_split_records` (bytes per chunk proportional to its
     heads), kernel time per chunk `head_split_compute` of the saved k = len(split) row's total (the measured
     chunk loop: its chunk loss), or, for a k the run did not time, of the total interpolated linearly in k
-    between the nearest saved k below and above (none above: no row); the op's own even split
+    between the nearest saved k below and above (none above: no row), and the op overhead of head chunks
+    (`saved_split_overhead`: the saved per-chunking (op - kernel) of the split, else of the even split of its k;
+    the base row's when the run saved neither); the op's own even split
     (`default_head_split`) of a saved k keeps that row's per-chunk times. Split rows the saved run has (measured
     with `--head-split`) are recomputed from their own per-chunk ms, in their saved backward orders (plus
     `bwd_orders` when the split is asked for), whether or not head_splits names them. Each split row also has
@@ -2092,6 +2130,9 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
                 r = groups[(P, pl, k0, topo, ovl)]
                 per_call, src = head_split_compute(tot, split), f"k={k0}/k={k1} totals interpolated x heads share"
             r = {f: x for f, x in r.items() if f not in ("per_call_ms_rounds", "total_ms_rounds", "efficiency_rounds")}
+            ov = saved_split_overhead(saved, split, Hkv)  # head chunks' glue, not the base row's chunking's
+            if ov is not None:
+                r["overhead_ms"] = ov
             rows += head_split_rows(r, split=split, orders=list(bwd_orders), variants=variants, source=src,
                                     **kw(P, pl, topo, ovl, per_call))
     if head_splits or sgroups:  # the gain over the same k's even split (forward order) and its break-even kernel cost

@@ -48,7 +48,7 @@ import importlib.util
 import os
 from typing import Optional
 
-from .._ints import as_int, parse_int
+from .._ints import _shown, as_int, parse_int
 
 __all__ = [
     "CP_IMPLS",
@@ -386,10 +386,11 @@ def runtime_flag_values(args) -> dict:
         out["splitkv_no_overlap_q_gather"] = env in ("0", "false", "off", "no")
     if getattr(args, "splitkv_cp_ranks_per_node", None) is None:
         env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-        out["splitkv_cp_ranks_per_node"] = (f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)" if env
-                                            else getattr(args, "splitkv_cp_ranks_per_node_auto", None)
-                                            or "auto (launcher's processes per node / TP when the CP group "
-                                               "spans nodes, else 1)")
+        # validate_splitkv_args records its automatic choice and exports it as the variable: shown as automatic
+        auto = getattr(args, "splitkv_cp_ranks_per_node_auto", None)
+        out["splitkv_cp_ranks_per_node"] = (auto if auto else f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)"
+                                            if env else "auto (launcher's processes per node / TP when the CP "
+                                                        "group spans nodes, else 1)")
     if getattr(args, "cp_chunk_size", None) is None:
         out["cp_chunk_size"] = "auto (per batch: planning.auto_chunk_size)"
     if getattr(args, "splitkv_kernel", None) is None:
@@ -463,15 +464,23 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     os.environ). Every rank of a homogeneous job computes the same L; should ranks differ, the op's
     per-step agreement check raises naming MEGATRON_SPLITKV_RANKS_PER_NODE (no hang)."""
     env = os.environ if environ is None else environ
-    n, src = None, None
+    n, src, bad = None, None, []
     for name in LOCAL_SIZE_ENVS:
         raw = str(env.get(name, "") or "").strip()
+        if not raw:
+            continue
         head = raw.split("(", 1)[0].strip()
-        if head.isdigit() and int(head) > 0:
-            n, src = int(head), f"{name}={raw}"
-            break
+        try:  # a plain ASCII decimal (str.isdigit() takes '²', which int() refuses, and non-ASCII digits)
+            count = parse_int(head, name, minimum=1)
+        except ValueError:
+            count = None
+        if count is None:
+            bad.append(f"{name}={_shown(raw)} is not a positive int")
+            continue
+        n, src = count, f"{name}={raw if len(raw) <= 40 else _shown(raw)}"
+        break
     if n is None:
-        return 1, "no launcher size per node (" + " / ".join(LOCAL_SIZE_ENVS) + " unset)"
+        return 1, "no launcher size per node (" + ("; ".join(bad) if bad else " / ".join(LOCAL_SIZE_ENVS) + " unset") + ")"
     if n % tp:
         return 1, f"{src} is not a multiple of --tensor-model-parallel-size {tp}"
     L = n // tp

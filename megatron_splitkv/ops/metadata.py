@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._ints import as_int, parse_int
+from .._ints import _shown, as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
 from ..kernels.base import IntervalMask
@@ -174,8 +174,15 @@ def _checked_split_sum(split: tuple, num_heads_kv: int, what: str) -> tuple:
     """`split` (ints) when its counts are positive and sum to Hkv; else THE head-split range error."""
     if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
         raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
-                         f"{','.join(map(str, split))}")
+                         f"{_split_text(split)}")
     return split
+
+
+def _split_text(split: tuple) -> str:
+    """"6,2" for a message; a split of many counts cut to its first ones (and its count), a count beyond Python's
+    int-conversion limit by its digit count (`_ints._shown`), so that the message stays the package's."""
+    shown = [str(h) if abs(h).bit_length() < 10000 else _shown(h) for h in split[:8]]
+    return ",".join(shown) + (f",... ({len(split)} counts)" if len(split) > 8 else "")
 
 
 def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") -> tuple:
@@ -198,7 +205,7 @@ def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
         split = tuple(parse_int(x, what) for x in str(text).split(","))
     except ValueError:
         raise ValueError(f"{what} must be a comma list of positive ints (kv heads per chunk, summing "
-                         f"to Hkv = {num_heads_kv}), got {text!r}") from None
+                         f"to Hkv = {num_heads_kv}), got {_shown(text)}") from None
     return _checked_split_sum(split, num_heads_kv, what)
 
 
