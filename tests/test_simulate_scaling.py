@@ -1587,6 +1587,7 @@ def test_paired_rounds_efficiency_per_round(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,flag", [
     (["--cpu", "--paired-rounds", "-1"], "--paired-rounds"),
+    (["--cpu", "--paired-rounds", "1001"], "--paired-rounds"),
     (["--model-only", "--paired-rounds", "1"], "--paired-rounds"),
     (["--model-only", "--head-split", "1,1"], "--head-split"),
     (["--cpu", "--Hkv", "4", "--Hq", "8", "--head-split", "3,2"], "--head-split"),

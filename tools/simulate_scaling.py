@@ -1126,6 +1126,11 @@ def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, rep
     return float(op_ms), float(k_ms)
 
 
+#: `--paired-rounds` at most: each round re-times every measured splitkv shard (~40 at the default CP sizes, ~10 ms each
+#: on the H200); 1000 rounds are ~7 minutes there, more than one device call allows
+MAX_PAIRED_ROUNDS = 1000
+
+
 def check_args(ap, args):
     """Validate the flags up front (argparse error, exit 2, naming the flag). Returns (cps, methods,
     placements) as lists."""
@@ -1175,8 +1180,8 @@ def check_args(ap, args):
             ap.error(str(e))
     args._bwd_orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order,
                                                             BWD_CHUNK_ORDERS, "backward chunk order")))
-    if args.paired_rounds < 0:
-        ap.error(f"--paired-rounds must be an int >= 0, got {args.paired_rounds}")
+    if not 0 <= args.paired_rounds <= MAX_PAIRED_ROUNDS:
+        ap.error(f"--paired-rounds must be an int in [0, {MAX_PAIRED_ROUNDS}], got {args.paired_rounds}")
     if args.paired_rounds > 0:
         if args.model_only:
             ap.error("--paired-rounds: not with --model-only (it re-times measured shards)")
