@@ -113,7 +113,8 @@ def main(argv=None):
                     full = torch.cat(parts)
                 errs["d" + k] = _rel(full, x[k].grad)
             b = per_rank[0][i][name]
-            kinds = ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sorted(b["bytes"].items()))
+            kinds = ", ".join(f"{k} {v / 1e6:.3f} MB" if v >= 5e3 else f"{k} {int(v)} B"  # small: metadata
+                              for k, v in sorted(b["bytes"].items()))
             print(f"  {name:13s} err " + " ".join(f"{k}={v:.1e}" for k, v in errs.items()))
             print(f"  {'':13s} rank 0 moved {b['total'] / 1e6:.3f} MB: {kinds}")
     return 0

@@ -441,7 +441,8 @@ def _summary(h, args, world, wall, resumed=False):
         f"  planner imbalance  mean {np.mean(h['imb']):.4f}, max {np.max(h['imb']):.4f} (max/mean load - 1)",
         f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / n / 1e6:.2f} MB/rank/step "
         f"({args.context_parallel_impl}, forward+backward), target features "
-        f"{h['bytes_target_all'] / world / n / 1e6:.2f} MB/rank/step (all-gather KV, forward only)",
+        f"{h['bytes_target_all'] / world / n / 1e6:.2f} MB/rank/step (all-gather KV, forward only); means over "
+        f"the {n} steps run (the batches' contexts differ)",
     ]
     return "\n".join(lines), first, last
 
