@@ -29,7 +29,8 @@ Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a ma
           dense path that ran, share of pairs served densely). JSON + tables are rewritten after every
           section, so a timeout keeps what finished.
   dist    under torchrun (2+ processes, NCCL; gloo with --cpu): op exactness at CP=P (bf16 vs float64,
-          output + all five grads) for the three ops, then the timing table: Lq 512 x 16, context 32K and
+          output + all five grads) for the three ops and for splitkv through per-step metadata (the
+          training path; the one that takes MEGATRON_SPLITKV_HEAD_SPLIT), then the timing table: Lq 512 x 16, context 32K and
           128K total, Hq 32, Hkv 8, D 128, bf16, median fwd+bwd with CUDA events, comm bytes per
           collective (comm_stats) and peak memory.
 
@@ -516,13 +517,27 @@ def op_exactness(dev, cpu, world, rank, group, res, backend):
     loc, lmeta, (b0, b1), idx = _shard(t, meta, B, rank, world, chunk, 99)
     idx = idx.to(dev)
     rows = []
-    for name, fn in ops.items():
+    # splitkv also through per-step metadata (prepare_splitkv_metadata, then metadata=): the training path, and the
+    # only one that takes MEGATRON_SPLITKV_HEAD_SPLIT
+    runs = [(name, fn, False) for name, fn in ops.items()]
+    if "splitkv" in ops:
+        runs.insert(1, ("splitkv (metadata)", ops["splitkv"], True))
+    for name, fn, with_meta in runs:
         x = {k: v.detach().to(dev).clone().requires_grad_() for k, v in loc.items()}
         mm = {k: v.to(dev) for k, v in lmeta.items()}
         err = {}
         try:
-            out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], mm["q_seq"], mm["q_anchor"],
-                     mm["kv_seq"], mm["kv_pos"], block_size=B, cp_group=group, backend=backend)
+            if with_meta:
+                from megatron_splitkv.ops import prepare_splitkv_metadata
+
+                pm = prepare_splitkv_metadata(mm["q_seq"], mm["q_anchor"], mm["kv_seq"], mm["kv_pos"], block_size=B,
+                                              num_heads_q=shp["Hq"], num_heads_kv=shp["Hkv"], head_dim=shp["D"],
+                                              dtype=x["q"].dtype, cp_group=group, impl="splitkv", device=dev)
+                out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], None, None, None, None,
+                         metadata=pm, backend=backend)
+            else:
+                out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], mm["q_seq"], mm["q_anchor"],
+                         mm["kv_seq"], mm["kv_pos"], block_size=B, cp_group=group, backend=backend)
             out.backward(dout[b0 * B:b1 * B].to(dev, out.dtype))
             # squared-error sums, reduced over ranks -> global relative errors
             pieces = {"out": (out.detach(), ref_out.detach()[b0 * B:b1 * B]), "q": (x["q"].grad, ref_grads["q"][b0 * B:b1 * B]),
