@@ -1664,13 +1664,13 @@ def main(argv=None):
                          + ", ".join(f"{v['label']} {v['overhead_ms'] - over_by[('one',)]['overhead_ms']:+.2f} ms"
                                      for key, v in over_by.items() if key != ("one",)) + ")")
 
+    glue = {key: v["overhead_ms"] for key, v in over_by.items()}
+
     def job_overhead(k, split):
         """The op overhead of a splitkv row of k chunks / head split: k = 1's (overhead_ms) plus what its
         chunking's measured CP=1 glue adds over k = 1's (0 where not measured)."""
-        key, _ = job_chunking(k, split, args.chunk_axis, args.Hkv)
-        if key in over_by and ("one",) in over_by:
-            return max(overhead_ms + over_by[key]["overhead_ms"] - over_by[("one",)]["overhead_ms"], 0.0)
-        return overhead_ms
+        got = chunked_overhead(overhead_ms, glue, [job_chunking(k, split, args.chunk_axis, args.Hkv)[0]])
+        return overhead_ms if got is None else got
     # unmeasured shards: splitkv k > 1 from the same rank's measured k = 1 x the chunk-loss model, else the
     # FLOP model (splitkv: the one-call time x the chunk-loss model) at a kernel rate CALIBRATED on this
     # run's measured k = 1 shards of the same method (else of any method; else --kernel-tflops), so that a
@@ -1746,14 +1746,16 @@ def main(argv=None):
         pc_rounds = None
         if rks and all((j, r) in rounds for r in rks):
             pc_rounds = [max((rounds[(j, r)][i] for r in rks), key=sum) for i in range(args.paired_rounds)]
+        # the fields every row of this job has (topology, overlap and the timing are added per row)
+        common = dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, proj_fwd_ms=pj[0],
+                      proj_bwd_ms=pj[1], context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
+                      compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
+                      sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
+                      planner_imbalance=float(plan.imbalance))
         if split is not None:  # a head split's rows (`head_split_rows`, as `--replay` makes them)
             for topo in topologies:
                 for ovl in (False, True):
-                    base = dict(P=P, method=m, placement=pl, num_chunks=k, topology=topo, overlap_q_gather=ovl,
-                                proj_fwd_ms=pj[0], proj_bwd_ms=pj[1], context=P * args.ctx_per_rank,
-                                sampled_ranks=rks, slowest_rank=r_slow, compute_source=comp[("src", j, r_slow)],
-                                per_call_ms=comp[(j, r_slow)], sampled_compute_ms=[sum(comp[(j, r)]) for r in rks],
-                                sampled_pairs=pairs, planner_imbalance=float(plan.imbalance), overhead_ms=ov_j)
+                    base = dict(common, topology=topo, overlap_q_gather=ovl, overhead_ms=ov_j)
                     rows += head_split_rows(base, split=split, orders=split_jobs[split], variants=variants,
                                             source=comp[("src", j, r_slow)], a=args, plan=plan, P=P,
                                             per_call=comp[(j, r_slow)], link=links[topo], ovl=ovl,
@@ -1786,12 +1788,7 @@ def main(argv=None):
                     if pc_rounds:  # each round's T, the rest of the row alike
                         extra.update(per_call_ms_rounds=pc_rounds,
                                      total_ms_rounds=round_totals(lambda pc: timed(pc)["total_ms"], pc_rounds))
-                    rows.append(dict(P=P, method=m, placement=pl if P > 1 else "-", num_chunks=k, topology=topo,
-                                     overlap_q_gather=ovl, proj_fwd_ms=pj[0], proj_bwd_ms=pj[1],
-                                     context=P * args.ctx_per_rank, sampled_ranks=rks, slowest_rank=r_slow,
-                                     compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
-                                     sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
-                                     planner_imbalance=float(plan.imbalance), bytes_per_rank=nbytes,
+                    rows.append(dict(common, topology=topo, overlap_q_gather=ovl, bytes_per_rank=nbytes,
                                      **extra, **t))
     if split_jobs:  # the split rows' gain over the same k's even split (forward order) and break-even cost
         add_split_gains(rows, args.Hkv)
@@ -2014,17 +2011,26 @@ def saved_chunking_overheads(saved) -> dict:
     return out
 
 
+def chunked_overhead(base_ms, glue, keys):
+    """The op overhead of a chunked row: `base_ms` (k = 1's) plus what the first of `keys` (`job_chunking` keys)
+    found in `glue` ({key: CP=1 op - kernel ms}) adds over k = 1's (glue[("one",)]), at least 0. None when `glue`
+    has no k = 1 entry or none of `keys` (the caller keeps its base)."""
+    if ("one",) not in glue:
+        return None
+    for key in keys:
+        if key in glue:
+            return max(float(base_ms) + glue[key] - glue[("one",)], 0.0)
+    return None
+
+
 def saved_split_overhead(saved, split, Hkv):
     """The op overhead of a head `split`'s rows in a replay of `saved` (measured mode's `job_overhead`): the run's
     k = 1 overhead + (the saved CP=1 (op - kernel) of the split's head chunking, else of the even split of its k)
     - k = 1's, at least 0; None when the run saved neither (the caller keeps the base row's)."""
-    by = saved_chunking_overheads(saved)
-    if ("one",) not in by or "overhead_ms" not in saved:
+    if "overhead_ms" not in saved:
         return None
-    for key in (("heads", tuple(split)), ("heads", default_head_split(len(split), Hkv))):
-        if key in by:
-            return max(float(saved["overhead_ms"]) + by[key] - by[("one",)], 0.0)
-    return None
+    return chunked_overhead(saved["overhead_ms"], saved_chunking_overheads(saved),
+                            (("heads", tuple(split)), ("heads", default_head_split(len(split), Hkv))))
 
 
 def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0,
