@@ -387,6 +387,13 @@ def small_inputs(rank=0):
     return x, m
 
 
+def prepare_small(m, **kw):
+    """`prepare_splitkv_metadata` for `small_inputs`' metadata keywords `m` (B 4, Hq 4 / Hkv 2, D 8, fp32, no group:
+    one process); `kw` the further keywords (num_chunks, chunk_axis, head_split, ...)."""
+    return msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                                        dtype=torch.float32, **kw)
+
+
 def run_in_triton_interpreter(code: str, expect: str, timeout: int):
     """Run `code` (a Python program) in a fresh interpreter with TRITON_INTERPRET=1 (Triton kernels on the
     CPU) and the repository on PYTHONPATH; assert exit status 0 and that stdout contains `expect`."""

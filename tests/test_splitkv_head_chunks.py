@@ -33,7 +33,7 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, check_no_own, local, loss_of,
-                              new_seed, small_inputs)
+                              new_seed, prepare_small, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import CHUNK_AXIS_ENV, chunk_bounds, resolve_chunk_axis
 
@@ -217,25 +217,20 @@ def test_resolve_chunk_axis(monkeypatch):
             resolve_chunk_axis(bad)
 
 
-def _prepare(m, **kw):
-    return msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
-                                        dtype=torch.float32, **kw)
-
-
 def test_single_process_errors_and_copies(monkeypatch):
     monkeypatch.delenv(CHUNK_AXIS_ENV, raising=False)
     x, m = small_inputs()
     with pytest.raises(ValueError, match="chunk_axis must be None, 'rows' or 'heads', got 'cols'"):
-        _prepare(m, chunk_axis="cols")
+        prepare_small(m, chunk_axis="cols")
     with pytest.raises(ValueError, match="chunk_axis must be None, 'rows' or 'heads'"):
         msk.splitkv_attention(*x.values(), *m.values(), block_size=4, chunk_axis="cols")
     monkeypatch.setenv(CHUNK_AXIS_ENV, "columns")
     with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} must be one of rows, heads"):
-        _prepare(m)
+        prepare_small(m)
     with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} must be one of rows, heads"):
         msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     monkeypatch.setenv(CHUNK_AXIS_ENV, "heads")
-    meta = _prepare(m, num_chunks=5)  # Hkv = 2: clamped
+    meta = prepare_small(m, num_chunks=5)  # Hkv = 2: clamped
     assert meta.chunk_axis == "heads" and meta.num_chunks == 2 and meta.chunk_heads == [(0, 2), (2, 4)]
     monkeypatch.delenv(CHUNK_AXIS_ENV)
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
@@ -250,7 +245,7 @@ def test_single_process_errors_and_copies(monkeypatch):
         assert torch.equal(msk.splitkv_attention(*x.values(), metadata=other), msk.splitkv_attention(
             *x.values(), metadata=meta))
     # the baselines ignore the axis
-    assert _prepare(m, impl="ring_kv", chunk_axis="heads").chunk_axis == "rows"
+    assert prepare_small(m, impl="ring_kv", chunk_axis="heads").chunk_axis == "rows"
 
 
 def test_bind_rechecks_the_environment(monkeypatch):
@@ -293,10 +288,10 @@ def _disagree_worker(rank, world_size):
         return run
 
     for what, fn, want in (
-        ("prepare", lambda: _prepare(m, num_chunks=2, chunk_axis=axis), "chunk_axis must be the same on every CP rank"),
+        ("prepare", lambda: prepare_small(m, num_chunks=2, chunk_axis=axis), "chunk_axis must be the same on every CP rank"),
         ("call", lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=2, chunk_axis=axis),
          "chunk_axis must be the same on every CP rank"),
-        ("prepare env", env_then(lambda: _prepare(m, num_chunks=2)), "chunk_axis must be the same on every CP rank"),
+        ("prepare env", env_then(lambda: prepare_small(m, num_chunks=2)), "chunk_axis must be the same on every CP rank"),
         ("call env", env_then(lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=2)),
          "chunk_axis must be the same on every CP rank"),
         ("check env", env_then(lambda: check_environment_agreement()), f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),

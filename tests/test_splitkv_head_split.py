@@ -17,7 +17,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, aggregate_records, build, case, check, local, loss_of, new_seed, small_inputs
+from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, local, loss_of, new_seed,
+                              prepare_small, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import HEAD_SPLIT_ENV
 from megatron_splitkv.ops.splitkv import _bwd_order
@@ -132,11 +133,6 @@ def test_head_split_keeps_bytes_per_collective(split_run):
 # ------------------------------------------------------------------------------- errors, copies, agreement
 
 
-def _prepare(m, **kw):
-    return msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
-                                        dtype=torch.float32, **kw)
-
-
 def test_head_split_errors_and_copies(monkeypatch):
     monkeypatch.delenv(HEAD_SPLIT_ENV, raising=False)
     x, m = small_inputs()
@@ -146,21 +142,21 @@ def test_head_split_errors_and_copies(monkeypatch):
                      ((1, "1"), "head_split must be a sequence of positive ints, got '1'"), ("1,1", "head_split must be None or a sequence"),
                      ((1.5, 0.5), "head_split must be"), ((True, True), "head_split must be")):
         with pytest.raises(ValueError, match=msg):
-            _prepare(m, chunk_axis="heads", head_split=bad)
+            prepare_small(m, chunk_axis="heads", head_split=bad)
     with pytest.raises(ValueError, match="head_split needs chunk_axis 'heads'"):
-        _prepare(m, chunk_axis="rows", head_split=(1, 1))
+        prepare_small(m, chunk_axis="rows", head_split=(1, 1))
     with pytest.raises(ValueError, match=r"num_chunks=1 differs from the 2 chunks of head_split=1,1"):
-        _prepare(m, chunk_axis="heads", head_split=(1, 1), num_chunks=1)
+        prepare_small(m, chunk_axis="heads", head_split=(1, 1), num_chunks=1)
     with pytest.raises(ValueError, match="head_split is for impl 'splitkv' only"):
-        _prepare(m, impl="ring_kv", head_split=(1, 1))
+        prepare_small(m, impl="ring_kv", head_split=(1, 1))
     for bad in ("1,x", "3", "1,1,0"):
         monkeypatch.setenv(HEAD_SPLIT_ENV, bad)
         with pytest.raises(ValueError, match=HEAD_SPLIT_ENV):
-            _prepare(m, chunk_axis="heads")
+            prepare_small(m, chunk_axis="heads")
     monkeypatch.setenv(HEAD_SPLIT_ENV, "1,1")
     with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but a call without metadata="):
         msk.splitkv_attention(*x.values(), *m.values(), block_size=4, chunk_axis="heads")
-    meta = _prepare(m, chunk_axis="heads")
+    meta = prepare_small(m, chunk_axis="heads")
     assert meta.head_split == (1, 1) and meta.num_chunks == 2
     monkeypatch.delenv(HEAD_SPLIT_ENV)
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
@@ -226,9 +222,9 @@ def _disagree_worker(rank, world_size):
         return run
 
     for what, fn, want in (
-        ("prepare", lambda: _prepare(m, chunk_axis="heads", num_chunks=2, head_split=split),
+        ("prepare", lambda: prepare_small(m, chunk_axis="heads", num_chunks=2, head_split=split),
          "head_split must be the same"),
-        ("prepare env", env_then(lambda: _prepare(m, chunk_axis="heads", num_chunks=2), "1,1" if rank == 0 else ""),
+        ("prepare env", env_then(lambda: prepare_small(m, chunk_axis="heads", num_chunks=2), "1,1" if rank == 0 else ""),
          "head_split must be the same"),
         ("check env", env_then(check_environment_agreement, "1,1" if rank == 0 else ""),
          f"{HEAD_SPLIT_ENV} (head_split, unset = even)"),
@@ -240,7 +236,7 @@ def _disagree_worker(rank, world_size):
             seen.append((what, str(exc)))
         else:
             raise AssertionError(f"{what}: no ValueError on rank {rank}")
-    meta = _prepare(m, chunk_axis="heads", head_split=(1, 1))  # still in step: an agreed prepare works
+    meta = prepare_small(m, chunk_axis="heads", head_split=(1, 1))  # still in step: an agreed prepare works
     assert torch.isfinite(msk.splitkv_attention(*x.values(), metadata=meta)).all()
     return seen
 
