@@ -469,15 +469,12 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
         raw = str(env.get(name, "") or "").strip()
         if not raw:
             continue
-        head = raw.split("(", 1)[0].strip()
         try:  # a plain ASCII decimal (str.isdigit() takes '²', which int() refuses, and non-ASCII digits)
-            count = parse_int(head, name, minimum=1)
+            n = parse_int(raw.split("(", 1)[0], name, minimum=1)
         except ValueError:
-            count = None
-        if count is None:
             bad.append(f"{name}={_shown(raw)} is not a positive int")
             continue
-        n, src = count, f"{name}={raw if len(raw) <= 40 else _shown(raw)}"
+        src = f"{name}={raw if len(raw) <= 40 else _shown(raw)}"
         break
     if n is None:
         return 1, "no launcher size per node (" + ("; ".join(bad) if bad else " / ".join(LOCAL_SIZE_ENVS) + " unset") + ")"
