@@ -69,7 +69,7 @@ def _worker(rank, world, jobs):
         for name, key in zip(GRAD_NAMES, KEYS):
             res[name] = x[key].grad.double()
         out[j] = res
-    for name in (RPN, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for name in (RPN, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         os.environ.pop(name, None)
     return out
 

@@ -358,6 +358,8 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 1, 8, 4),  # Slurm's count, the repeat suffix dropped
     ({"LOCAL_WORLD_SIZE": "x", "SLURM_NTASKS_PER_NODE": "2"}, 1, 8, 2),  # malformed: the next source
     ({"LOCAL_WORLD_SIZE": "0"}, 1, 8, 1),
+    ({"SLURM_TASKS_PER_NODE": "8(x4)"}, 1, 32, 8),  # Slurm's always-set variable, homogeneous
+    ({"SLURM_NTASKS_PER_NODE": "8(x2),8"}, 1, 32, 8),  # a list of equal counts is homogeneous
     ({}, 1, 64, 1),  # unknown: one all-to-all
 ])
 def test_auto_cp_ranks_per_node(env, tp, cp, want):
@@ -366,6 +368,18 @@ def test_auto_cp_ranks_per_node(env, tp, cp, want):
     L, why = auto_cp_ranks_per_node(tp, cp, environ=env)
     assert L == want, why
     assert isinstance(why, str) and why
+
+
+@pytest.mark.parametrize("name", ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"])
+def test_auto_cp_ranks_per_node_heterogeneous_slurm_is_one(name):
+    """Slurm's '8(x2),4' (two nodes of 8 ranks, one of 4) was read as 8: nodes of different sizes give no
+    whole-node CP groups, so the automatic L is 1 and the reason says why."""
+    L, why = auto_cp_ranks_per_node(1, 16, environ={name: "8(x2),4"})
+    assert L == 1 and "heterogeneous" in why and f"{name}=8(x2),4" in why, why
+    assert auto_cp_ranks_per_node(1, 16, environ={name: "8(x2)"})[0] == 8  # homogeneous stays 8
+    for bad in ("8(x0)", "8(x", "8,", "(x2)", "8(x2)4"):  # malformed: no size, not a heterogeneous one
+        L, why = auto_cp_ranks_per_node(1, 16, environ={name: bad})
+        assert L == 1 and "not a positive int" in why, (bad, why)
 
 
 def test_auto_cp_ranks_per_node_exported_by_validate(monkeypatch):

@@ -42,7 +42,7 @@ def _parse(pre, capsys, monkeypatch, *extra):
 
 
 def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):  # the automatic CP ranks per node: 1 without them
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):  # the automatic CP ranks per node: 1 without them
         monkeypatch.delenv(name, raising=False)
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
     # runtime-resolved flags: their values, not None

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 from typing import Optional
 
 from .._ints import _shown, as_int, parse_int
@@ -242,7 +243,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             "one all-to-all. Usually the "
             "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
             "MEGATRON_SPLITKV_RANKS_PER_NODE, else automatic: the launcher's processes per node (LOCAL_WORLD_SIZE, "
-            "SLURM_NTASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
+            "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
             "docs/perf-notes.md item 9.",
         )
     if not _has(parser, "--splitkv-kernel"):
@@ -444,8 +445,26 @@ def _fa4_available() -> bool:
 
 
 #: the launcher's processes per node, in the order they are read by `auto_cp_ranks_per_node`: torchrun / torch
-#: elastic's LOCAL_WORLD_SIZE, then Slurm's SLURM_NTASKS_PER_NODE (e.g. "8" or "8(x4)": the leading count)
-LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+#: elastic's LOCAL_WORLD_SIZE, then Slurm's SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE ("8", "8(x4)", or a
+#: list such as "8(x2),4": `_per_node_counts`)
+LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+_PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
+
+
+def _per_node_counts(raw: str, name: str) -> tuple:
+    """The distinct ranks-per-node counts of a launcher size text, sorted: "8" or "8(x4)" -> (8,), Slurm's
+    heterogeneous "8(x2),4" (two nodes of 8 ranks, one of 4) -> (4, 8). The text is a comma-separated list of
+    `N` or `N(xK)` (N ranks on each of K nodes), N and K plain ASCII decimals >= 1 (`parse_int`); ValueError
+    naming `name` otherwise."""
+    counts = set()
+    for item in raw.strip().split(","):
+        m = _PER_NODE_ITEM.fullmatch(item.strip())
+        if m is None:
+            raise ValueError(f"{name} must be N, N(xK) or a comma-separated list of them, got {_shown(raw)}")
+        if m.group(2) is not None:
+            parse_int(m.group(2), name, minimum=1)  # K nodes
+        counts.add(parse_int(m.group(1), name, minimum=1))
+    return tuple(sorted(counts))
 
 
 def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
@@ -459,7 +478,8 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/perf-notes.md
     items 9 and 18; simulated at CP 64 on 8-GPU nodes: 90-92% weak-scaling efficiency against 81% with one
     all-to-all, docs/benchmarks.md twelfth run). A group within one node (cp <= n / tp), an unknown or
-    malformed launcher size, tp not dividing n, or L not dividing cp: L = 1 (one all-to-all, as before).
+    malformed launcher size, a heterogeneous one (Slurm's "8(x2),4": nodes of different sizes), tp not
+    dividing n, or L not dividing cp: L = 1 (one all-to-all, as before).
     Exact either way (the same sums in fp32); only the schedule changes. `environ`: a mapping (default
     os.environ). Every rank of a homogeneous job computes the same L; should ranks differ, the op's
     per-step agreement check raises naming MEGATRON_SPLITKV_RANKS_PER_NODE (no hang)."""
@@ -470,11 +490,14 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
         if not raw:
             continue
         try:  # a plain ASCII decimal (str.isdigit() takes '²', which int() refuses, and non-ASCII digits)
-            n = parse_int(raw.split("(", 1)[0], name, minimum=1)
+            counts = _per_node_counts(raw, name)
         except ValueError:
             bad.append(f"{name}={_shown(raw)} is not a positive int")
             continue
         src = f"{name}={raw if len(raw) <= 40 else _shown(raw)}"
+        if len(counts) > 1:
+            return 1, f"{src}: a heterogeneous allocation (nodes hold {' or '.join(map(str, counts))} ranks)"
+        n = counts[0]
         break
     if n is None:
         return 1, "no launcher size per node (" + ("; ".join(bad) if bad else " / ".join(LOCAL_SIZE_ENVS) + " unset") + ")"
