@@ -189,22 +189,22 @@ def _build_target(args, params_dtype, taps, pgs, cpu_init=False):
     return TargetFeatureProvider(target, taps)
 
 
+def _head_dim(dcfg) -> int:
+    """The drafter's attention head dim (kv_channels, else hidden size / heads)."""
+    return dcfg.kv_channels or dcfg.hidden_size // dcfg.num_attention_heads
+
+
 def _kernel_label(args, dcfg) -> str:
     """The --splitkv-kernel for the start-up line; "auto" with what it resolves to on this process's device
-    for the drafter's dtype and head dim (`kernels.resolve_auto_backend` without a key count: fa4 where
-    FlashAttention-4 runs, else flex / math; staircase, chosen per step from the context size, is named as
-    the alternative)."""
+    for the drafter's dtype and head dim (`kernels.auto_backend_text`: fa4 where FlashAttention-4 runs, else
+    flex / math; staircase, chosen per step from the context size, named with its threshold where it runs)."""
     name = getattr(args, "splitkv_kernel", None) or "auto"
     if name != "auto":
         return name
-    from megatron_splitkv.kernels import resolve_auto_backend, staircase_auto_min_keys  # noqa: PLC0415
+    from megatron_splitkv.kernels import auto_backend_code, auto_backend_text  # noqa: PLC0415
 
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    head_dim = dcfg.kv_channels or dcfg.hidden_size // dcfg.num_attention_heads
-    got = resolve_auto_backend(None, dev, dcfg.params_dtype, head_dim)
-    if got == "flex" and staircase_auto_min_keys() > 0:
-        got = f"flex, staircase from {staircase_auto_min_keys()} keys per call"
-    return f"auto -> {got}"
+    return f"auto -> {auto_backend_text(auto_backend_code(dev, dcfg.params_dtype, _head_dim(dcfg)))}"
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -343,7 +343,8 @@ def _check_environment():
     instead (`ops.check_environment_agreement`, collective)."""
     from megatron_splitkv.ops import check_environment_agreement
 
-    check_environment_agreement(_cp_group(), _device())
+    dcfg = _STATE["config"]  # and what kernel backend "auto" resolves to on each rank (mixed hardware)
+    check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype, head_dim=_head_dim(dcfg))
     _STATE["env_agreed"] = True
 
 

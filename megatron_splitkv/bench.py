@@ -235,8 +235,9 @@ def _intervals_np(keys_sorted, q_seq, q_anchor):
 
 
 #: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/metadata.py: the
-#: [1, 11] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, error)
-META_INTS = 11
+#: [1, 12] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, what
+#: backend "auto" resolves to, error)
+META_INTS = 12
 #: own-block keys start at a multiple of this after the context keys (ops.common.OWN_KEY_ALIGN)
 OWN_KEY_ALIGN = 128
 #: default Split-KV chunk count at CP > 1 (ops.metadata.DEFAULT_NUM_CHUNKS), when that module lacks it

@@ -54,7 +54,7 @@ def test_splitkv_bytes_formula(bytes_run):
     f4, i8 = 4, 8
     ag = lambda n: 2 * (P - 1) * n  # noqa: E731  (n = per-rank chunk bytes)
     expect = {
-        "splitkv.meta": ag(11 * i8),  # [error flag, 7 sizes, resolved softmax_scale, call mode, chunks]
+        "splitkv.meta": ag(12 * i8),  # [error flag, 7 sizes, resolved softmax_scale, call mode, chunks, auto kernel]
         "splitkv.fwd.q": ag(rows * hq * d * f4),
         "splitkv.fwd.block_meta": ag(4 * 2 * i8),
         # all-to-all of [O | lse] in q's dtype (fp32 here: lse packs as 1 element), one block per rank

@@ -520,6 +520,7 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
 
     monkeypatch.setattr(kernels, "resolve_auto_backend", fake)
     monkeypatch.setattr(kernels, "staircase_auto_min_keys", lambda: 32768)
+    monkeypatch.setattr(kernels, "staircase_runs_on", lambda *a: True)
     fake.answer = "fa4"
     assert mod._kernel_label(argparse.Namespace(splitkv_kernel=None), dcfg) == "auto -> fa4"
     fake.answer = "flex"

@@ -36,7 +36,8 @@ from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
            "staircase_auto_min_keys", "staircase_runs_on", "validate_kernel_env", "auto_keys_per_call",
-           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS", "AUTO_FA4_ENV", "auto_fa4"]
+           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS", "AUTO_FA4_ENV", "auto_fa4", "auto_backend_code",
+           "auto_backend_text"]
 
 BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 _CACHE: dict = {}
@@ -230,6 +231,31 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
     if threshold > 0 and int(keys_per_call) >= threshold and staircase_runs_on(device, dtype, head_dim):
         return "staircase"
     return "flex"
+
+
+_AUTO_BASES = ("math", "flex", "fa4")  # what "auto" picks without keys_per_call: the low 2 bits of the code
+_MAX_CODE_KEYS = 1 << 55  # a staircase threshold saturates here (beyond any key count; fits an int64 row)
+
+
+def auto_backend_code(device, dtype, head_dim=None) -> int:
+    """What backend "auto" means on THIS process for calls of (device, dtype, head_dim), as one int for the ops'
+    group-wide agreement rows: the index in ("math", "flex", "fa4") of `resolve_auto_backend(None, ...)`, plus 4
+    x the staircase threshold (`staircase_auto_min_keys`, saturated at 2**55) when that is "flex" and the
+    staircase kernel runs here (`staircase_runs_on`), else plus 0. Equal codes resolve "auto" to the same kernel
+    for every group-wide keys_per_call; codes differ where the facts differ (e.g. FlashAttention-4 installed or
+    a Hopper GPU on some ranks only, MEGATRON_SPLITKV_AUTO_FA4, the deterministic mode). `auto_backend_text`
+    decodes it. Raises ValueError for a malformed MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS."""
+    base = resolve_auto_backend(None, device, dtype, head_dim)
+    threshold = staircase_auto_min_keys() if base == "flex" else 0
+    if threshold and not staircase_runs_on(device, dtype, head_dim):
+        threshold = 0
+    return _AUTO_BASES.index(base) + 4 * min(threshold, _MAX_CODE_KEYS)
+
+
+def auto_backend_text(code: int) -> str:
+    """`auto_backend_code` as text: "fa4", "math", "flex" or "flex, staircase from N keys per call"."""
+    base, threshold = _AUTO_BASES[code & 3], code >> 2
+    return f"{base}, staircase from {threshold} keys per call" if threshold else base
 
 
 def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, keys_per_call=None):

@@ -65,7 +65,8 @@ import torch
 
 from .._ints import _shown, as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
-from ..kernels import BACKENDS, auto_keys_per_call, get_kernel, validate_kernel_env
+from ..kernels import (BACKENDS, auto_backend_code, auto_backend_text, auto_keys_per_call, get_kernel,
+                       validate_kernel_env)
 from ..kernels.base import IntervalMask
 from .common import (
     EXCHANGE_PIECES_ENV,
@@ -351,17 +352,40 @@ def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED
 
 
 def _decoded(table):
-    """The agreement table with six derived columns appended to every row: 11 = requested num_chunks (a head
-    split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the fused backward gather's threshold, 14 = the
-    requested exchange pieces, 15 = the chunk axis code, 16 = the head split's code + 1 (0: none; decoded
-    from column 10; not sent)."""
+    """The agreement table with six derived columns inserted after column 10 of every row: 11 = requested
+    num_chunks (a head split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the fused backward gather's
+    threshold, 14 = the requested exchange pieces, 15 = the chunk axis code, 16 = the head split's code + 1 (0:
+    none; decoded from column 10; not sent); the sent columns after 10 follow from 17 (17: `_AUTO_COL`)."""
     def split(code):
         return bool(code & _SPLIT_FLAG) if code >= 0 else False
 
-    return [list(row) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
+    return [list(row[:11]) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
                          ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48, (row[10] >> 24) & 0x7F, (row[10] >> 23) & 1,
-                         ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0]
+                         ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0] + list(row[11:])
             for row in table]
+
+
+#: the decoded agreement rows' column of `kernels.auto_backend_code` (what backend "auto" resolves to on the
+#: rank), sent by `prepare_splitkv_metadata` and the call without `metadata=`
+_AUTO_COL = 17
+
+
+def _check_auto_agree(name, table, col=_AUTO_COL):
+    """Raise the same ValueError on every rank when backend "auto" resolves to different kernels across the
+    group (table column `col`: `kernels.auto_backend_code` of each rank), naming the kernels and the ranks:
+    each rank would otherwise run its own kernel (FA4 where installed on a Hopper GPU, flex elsewhere) or
+    raise alone."""
+    by_kernel: dict = {}
+    for r, row in enumerate(table):
+        by_kernel.setdefault(auto_backend_text(row[col]), []).append(r)
+    if len(by_kernel) > 1:
+        got = "; ".join(f"{k!r} on CP rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}"
+                        for k, rs in by_kernel.items())
+        raise ValueError(
+            f"{name}: kernel backend 'auto' must resolve to the same kernel on every CP rank (same dtype and head dim); "
+            f"it resolves to {got}. Make the same kernels available on every rank (FlashAttention-4 on a Hopper "
+            "GPU, cuDNN), or set MEGATRON_SPLITKV_AUTO_FA4=0 (no fa4) and MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS=0 "
+            "(no staircase) on every rank")
 
 
 def _requested_pieces(exchange_pieces) -> int:
@@ -1276,7 +1300,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         block metadata (splitkv) or gathered context keys (allgather_kv, ring_kv), the sort order and the
         `IntervalMask`(s) whose FlexAttention BlockMask is cached on first use.
 
-    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 11] int64 all-gather of sizes, the
+    Collectives (recorded by `comm_stats`): "<impl>.meta" (a [1, 12] int64 all-gather of sizes, the
     requested chunk count and cp_ranks_per_node, and the error flag), then "splitkv.fwd.block_meta" (2 int64 per block),
     "allgather_kv.fwd.kv_meta" or "ring_kv.ctx_meta" (one int64 per context token). Host syncs, impl
     "splitkv": ONE in a size-1 group (the range check, the "already sorted" test and the own-block masks'
@@ -1297,7 +1321,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         the CP group size P=4 ..."), exchange_pieces (or MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive
         int <= 64, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads" (these for every impl:
         the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
-        requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing across ranks; and
+        requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing across ranks; kernel
+        backend "auto" resolving to different kernels across ranks (`kernels.auto_backend_code`: e.g. FA4 on a
+        Hopper GPU on some ranks only; checked whatever backend the calls pass, which prepare does not know:
+        MEGATRON_SPLITKV_AUTO_FA4=0 on every rank lifts it for fa4); and
         when the node sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
@@ -1307,7 +1334,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     name = "prepare_splitkv_metadata"  # the same on every rank, even if impl differs
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
-    err, row, ints, rng, reads = "", [-1] * 10, None, None, _HostReads()
+    err, row, ints, rng, reads = "", [-1] * 11, None, None, _HostReads()
     try:
         device = _check_device(device)  # a bad device on one rank raises on every rank (not only there)
         if canon is None:
@@ -1331,7 +1358,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split)]
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split),
+               auto_backend_code(device, dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1345,6 +1373,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                                (11, "num_chunks (requested)"), (15, "chunk_axis"), (16, "head_split"),
                                (12, "cp_ranks_per_node"), (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"),
                                (14, "exchange_pieces (requested)")))
+    _check_auto_agree(name, table)
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
@@ -1392,12 +1421,12 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
                           cp_ranks_per_node=None, chunk_axis=None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
-    (op name "<op>.meta", [1, 11] int64: sizes, resolved softmax_scale, call mode, requested chunk
+    (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
     count and cp_ranks_per_node), raise the same ValueError on every rank when any rank is invalid or
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1], None, None, _HostReads(), 1
+    err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads(), 1
     try:
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
@@ -1412,7 +1441,8 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         validate_kernel_env()
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req)]
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req),
+               auto_backend_code(q.device, q.dtype, d)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -1431,6 +1461,8 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     dev = q.device if isinstance(q, torch.Tensor) else None
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, dev, err), f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
+    if backend == "auto":
+        _check_auto_agree(name, table)
     meta = SplitKVMetadata(
         impl=name, group=group, block_size=row[2], num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
@@ -1443,7 +1475,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
-#: all-gather the same [1, 11] int64 row (as their first collective), so a group mixing them is detected.
+#: all-gather the same [1, 12] int64 row (as their first collective), so a group mixing them is detected.
 #: 11-14 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
@@ -1555,17 +1587,17 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if meta.group_check and meta.group.size > 1:
-        # the same [1, 11] row layout as a call without metadata= ("<op>.meta"), so that a group
+        # the same [1, 12] row layout as a call without metadata= ("<op>.meta"), so that a group
         # where some ranks pass metadata= (with group_check) and others do not raises everywhere
         mode = _MODE_METADATA if query_gather is None else _MODE_QUERY_GATHER
-        row = [-1] * 8 + [mode, -1]
+        row = [-1] * 8 + [mode, -1, -1]
         if not err:
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
                                  meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None))]
+                                 getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
     return _call_plan(meta, name, softmax_scale, backend, lanes)
@@ -1575,7 +1607,7 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
     """Validation of `splitkv_start_query_gather(q, metadata=meta)` before its collectives: meta is a
     splitkv `SplitKVMetadata`, q a tensor of shape [Tq_local, Hq, D] with the metadata's dtype and device.
     Local ValueError (this rank only) unless the metadata has group_check, in which case the verdict
-    and the call mode are all-gathered ("splitkv.check", the [1, 11] row of the op's checks) and every
+    and the call mode are all-gathered ("splitkv.check", the [1, 12] row of the op's checks) and every
     rank raises the same ValueError: also when other ranks make a different call at that point (e.g.
     the op without query_gather=)."""
     err = ""
@@ -1595,13 +1627,13 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if grouped:
-        row = [-1] * 8 + [_MODE_GATHER_START, -1]
+        row = [-1] * 8 + [_MODE_GATHER_START, -1, -1]
         if not err:  # softmax_scale is not known yet: 0 on every starting rank
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
                                  meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None))]
+                                 getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
 
@@ -1941,7 +1973,7 @@ def env_request_row(cp_size: int) -> list:
             (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
 
 
-def check_environment_agreement(cp_group=None, device=None) -> None:
+def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None) -> None:
     """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
     resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
     (or when one is malformed on some rank).
@@ -1957,11 +1989,16 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
 
     Checked: MEGATRON_SPLITKV_NUM_CHUNKS, MEGATRON_SPLITKV_RANKS_PER_NODE (as resolved for this group's size),
     MEGATRON_SPLITKV_EXCHANGE_PIECES, MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS (as
-    resolved: unset = rows), and the kernel environment parsed (`kernels.validate_kernel_env`).
+    resolved: unset = rows), the kernel environment parsed (`kernels.validate_kernel_env`) and, with `dtype`,
+    what kernel backend "auto" resolves to for calls of that dtype and head dim on `device`
+    (`kernels.auto_backend_code`: FlashAttention-4, flex, staircase, math; as `prepare_splitkv_metadata` agrees
+    it).
 
     Args:
         cp_group: the CP ProcessGroup (None: the default group when initialised, else one process).
-        device: the device of the tiny all-gather (default: CPU, or the current CUDA device with NCCL).
+        device: the device of the tiny all-gather (default: CPU, or the current CUDA device with NCCL), and
+            the device of the op calls for the "auto" check.
+        dtype, head_dim: the op calls' q/k/v dtype and head dim (None: "auto" not checked).
 
     Raises:
         ValueError("check_environment_agreement: ..."), the same on every rank: a variable malformed on some
@@ -1970,10 +2007,11 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
     """
     name = "check_environment_agreement"
     group = resolve_group(cp_group)
-    err, row = "", [-1] * 6
+    err, row = "", [-1] * 7
     try:
-        row = env_request_row(group.size)
+        requests = env_request_row(group.size)
         validate_kernel_env()
+        row = requests + [0 if dtype is None else auto_backend_code(_comm_device(group, device), dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), "splitkv.check")
@@ -1984,6 +2022,7 @@ def check_environment_agreement(cp_group=None, device=None) -> None:
                                (4, FUSED_BWD_GATHER_MIN_P_ENV),
                                (5, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
                                (6, f"{HEAD_SPLIT_ENV} (head_split, unset = even)")))
+    _check_auto_agree(name, table, col=7)
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,

@@ -1,0 +1,70 @@
+"""Kernel backend "auto" resolving differently across CP ranks (mixed hardware).
+
+"auto" is resolved per process (`kernels.resolve_auto_backend`): fa4 where FlashAttention-4 is installed on a
+Hopper GPU, flex / staircase / math elsewhere. With a rank lacking FA4 (or its GPU) the ranks ran different
+kernels, or the call raised on some ranks only. `kernels.auto_backend_code` is now part of the agreement row of
+`prepare_splitkv_metadata` and of the call without `metadata=` (backend "auto"), and of
+`check_environment_agreement(dtype=)` (host-built metadata): every rank raises the same ValueError naming the
+backend and the ranks.
+
+CPU, gloo, P = 2: rank 1's availability monkeypatched (`resolve_auto_backend` says "fa4" there, as on a Hopper
+GPU with FA4; or "flex").
+"""
+
+import torch
+
+from _dist import run_distributed
+from _splitkv_helpers import small_inputs
+
+
+def _worker(rank, world):
+    import megatron_splitkv as msk
+    import megatron_splitkv.kernels as kernels
+    from megatron_splitkv.ops import check_environment_agreement
+
+    x, m = small_inputs(rank)
+    kw = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32)
+
+    def attempt(fn):
+        try:
+            fn()
+            return None
+        except ValueError as exc:
+            return str(exc)
+
+    def plain(backend):
+        return lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, backend=backend)
+
+    out = {"agree": attempt(lambda: msk.splitkv_attention(*x.values(), None, None, None, None, backend="auto",
+                                                           metadata=msk.prepare_splitkv_metadata(*m.values(), **kw)))}
+    real = kernels.resolve_auto_backend
+    for kernel in ("fa4", "flex"):
+        if rank == 1:  # FA4 on a Hopper GPU (or flex) on this rank only
+            kernels.resolve_auto_backend = lambda *a, _k=kernel, **k: _k
+        out[kernel, "prepare"] = attempt(lambda: msk.prepare_splitkv_metadata(*m.values(), **kw))
+        out[kernel, "env"] = attempt(lambda: check_environment_agreement(dtype=torch.float32, head_dim=8))
+        out[kernel, "env without dtype"] = attempt(check_environment_agreement)
+        kernels.resolve_auto_backend = real
+    if rank == 1:
+        kernels.resolve_auto_backend = lambda *a, **k: "flex"
+    out["plain auto"] = attempt(plain("auto"))
+    out["plain math"] = attempt(plain("math"))  # an explicit backend: runs
+    kernels.resolve_auto_backend = real
+    return out
+
+
+def test_auto_backend_differing_across_ranks_raises_the_same_error_everywhere():
+    res = run_distributed(_worker, 2, timeout=300)
+    assert res[0] == res[1]  # the same messages on every rank
+    out = res[0]
+    assert out["agree"] is None and out["plain math"] is None
+    for kernel in ("fa4", "flex"):
+        assert out[kernel, "env without dtype"] is None
+        for what, name in (("prepare", "prepare_splitkv_metadata"), ("env", "check_environment_agreement")):
+            msg = out[kernel, what]
+            assert msg is not None and msg.startswith(f"{name}: kernel backend 'auto' must resolve to the same "
+                                                      "kernel on every CP rank"), msg
+            assert f"'math' on CP rank 0; '{kernel}' on CP rank 1" in msg, msg
+    msg = out["plain auto"]
+    assert msg is not None and msg.startswith("splitkv: kernel backend 'auto'"), msg
+    assert "'math' on CP rank 0; 'flex' on CP rank 1" in msg, msg
