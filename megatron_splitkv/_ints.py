@@ -10,7 +10,8 @@ usually means a computation went through float. The planner alone keeps acceptin
 Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
 ASCII decimal integer ("64", "-1") of at most `MAX_DIGITS` significant digits, nothing else ("+64", "64.0",
 "1e2", "1_000", "0x40", non-ASCII digits);
-`env_switch` for the 0 / 1 environment switches.
+`env_switch` for the 0 / 1 environment switches; `int_arg`, the argparse `type=` of the package's own integer
+flags (argparse's `type=int` takes "+64" and "1_000").
 
 Real numbers as text (a tool's or the demo's float flags, float environment variables): `parse_float` and, for
 argparse, `float_arg`: a plain ASCII decimal number ("0.5", "-2", "1e-3", ".5"), finite, within its limits;
@@ -23,7 +24,7 @@ Pure Python (no torch / numpy import) so that argument parsing can use it.
 import operator
 import re
 
-__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg"]
+__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg", "int_arg"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
 # a plain decimal real number: float() would also take "nan", "inf", "1_0" and non-ASCII digits
@@ -208,16 +209,29 @@ def parse_float(text, name: str, *, minimum=None, maximum=None, above: bool = Fa
     return value
 
 
-def float_arg(minimum=None, maximum=None, *, above: bool = False, what: str | None = None):
-    """An argparse `type=` for a finite real flag (`parse_float`'s rules and limits): a bad value is argparse's
-    one error line naming the flag ("argument --lr: must be a finite number >= 0, got 'nan'"), exit status 2."""
+def _arg_type(parse_text, type_name: str, **checks):
+    """An argparse `type=` calling `parse_text(text, "value", **checks)`: its ValueError becomes argparse's one
+    error line naming the flag ("argument --lr: must be ..., got 'nan'"), exit status 2."""
     import argparse  # noqa: PLC0415
 
     def parse(text):
         try:
-            return parse_float(text, "value", minimum=minimum, maximum=maximum, above=above, what=what)
+            return parse_text(text, "value", **checks)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix("value ")) from None
 
-    parse.__name__ = "finite number"  # argparse's fallback message names the type by it
+    parse.__name__ = type_name  # argparse's fallback message names the type by it
     return parse
+
+
+def float_arg(minimum=None, maximum=None, *, above: bool = False, what: str | None = None):
+    """An argparse `type=` for a finite real flag (`parse_float`'s rules and limits): a bad value is argparse's
+    one error line naming the flag ("argument --lr: must be a finite number >= 0, got 'nan'"), exit status 2."""
+    return _arg_type(parse_float, "finite number", minimum=minimum, maximum=maximum, above=above, what=what)
+
+
+def int_arg(minimum=None, maximum=None, *, what: str | None = None):
+    """An argparse `type=` for an integer flag (`parse_int`'s rules and limits; argparse's `type=int` also takes
+    "+64" and "1_000"): a bad value is argparse's one error line naming the flag ("argument --cp-chunk-size:
+    must be an int (decimal digits), got '+64'"), exit status 2."""
+    return _arg_type(parse_int, "int", minimum=minimum, maximum=maximum, what=what)

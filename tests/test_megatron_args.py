@@ -606,3 +606,22 @@ def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypat
               splitkv_cp_ranks_per_node=None)
     validate_splitkv_args(a)
     assert runtime_flag_values(a)["splitkv_cp_ranks_per_node"].startswith("2 (MEGATRON_SPLITKV_RANKS_PER_NODE")
+
+
+_INT_FLAGS = ("--cp-chunk-size", "--dflash-block-size", "--dflash-num-anchors", "--splitkv-cp-ranks-per-node",
+              "--dflash-data-workers", "--dflash-data-prefetch")
+
+
+@pytest.mark.parametrize("flag", _INT_FLAGS)
+def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
+    """The plugin's own int flags parse with `_ints.int_arg` (`parse_int`): argparse's type=int took '+64',
+    '1_000' and non-ASCII digits ('٨'). A bad value is argparse's one error line naming the flag, exit 2."""
+    p = add_splitkv_args(argparse.ArgumentParser())
+    dest = flag.lstrip("-").replace("-", "_")
+    assert getattr(p.parse_args([flag, "64"]), dest) == 64
+    for bad in ("+64", "1_000", "\u0668", "64.0", "0x40"):
+        with pytest.raises(SystemExit) as exc:
+            p.parse_args([flag, bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"argument {flag}: must be an int (decimal digits), got {bad!r}" in err, err

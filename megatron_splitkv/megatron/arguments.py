@@ -49,7 +49,7 @@ import os
 import re
 from typing import Optional
 
-from .._ints import _shown, as_int, parse_int
+from .._ints import _shown, as_int, int_arg, parse_int
 
 __all__ = [
     "CP_IMPLS",
@@ -211,7 +211,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
         )
     if not _has(parser, "--cp-chunk-size"):
         group.add_argument(
-            "--cp-chunk-size", type=int, default=None,
+            "--cp-chunk-size", type=int_arg(), default=None,
             help="Context chunk size (tokens) of the CP planner; default: chosen automatically.",
         )
     if not _has(parser, "--cp-balance"):
@@ -220,11 +220,11 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             help="How context chunks are assigned to CP ranks (default lpt).",
         )
     if not _has(parser, "--dflash-block-size"):
-        group.add_argument(*spellings("--dflash-block-size"), dest="dflash_block_size", type=int, default=16,
+        group.add_argument(*spellings("--dflash-block-size"), dest="dflash_block_size", type=int_arg(), default=16,
                            help="DFlash draft block size B: tokens per draft block, >= 2 (default 16).")
     if not _has(parser, "--dflash-num-anchors"):
         group.add_argument(
-            *spellings("--dflash-num-anchors"), dest="dflash_num_anchors", type=int, default=512,
+            *spellings("--dflash-num-anchors"), dest="dflash_num_anchors", type=int_arg(), default=512,
             help="DFlash query budget: anchors (query blocks) per sequence (default 512).",
         )
     if not _has(parser, "--splitkv-no-overlap-q-gather"):
@@ -236,7 +236,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
         )
     if not _has(parser, "--splitkv-cp-ranks-per-node"):
         group.add_argument(
-            "--splitkv-cp-ranks-per-node", type=int, default=None,
+            "--splitkv-cp-ranks-per-node", type=int_arg(), default=None,
             help="Split-KV: CP ranks per node (L) for the two-level all-to-all of the output merge and the dQ "
             "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
             "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
@@ -258,7 +258,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
         )
     if not _has(parser, "--dflash-data-workers"):
         group.add_argument(
-            "--dflash-data-workers", type=int, default=None,
+            "--dflash-data-workers", type=int_arg(), default=None,
             help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
             "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
             "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
@@ -266,7 +266,7 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
         )
     if not _has(parser, "--dflash-data-prefetch"):
         group.add_argument(
-            "--dflash-data-prefetch", type=int, default=None,
+            "--dflash-data-prefetch", type=int_arg(), default=None,
             help="Batches each data-pipeline worker prepares ahead (the DataLoader's prefetch_factor, >= 1; "
             "default 2). Host memory: about workers x prefetch + 2 prepared batches (offline feature rows).",
         )
