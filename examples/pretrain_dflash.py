@@ -239,7 +239,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                  f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner, "
                  f"{_kernel_label(args, dcfg)} kernel"
                  + (f", CP ranks per node {args.splitkv_cp_ranks_per_node_auto}"
-                    if getattr(args, "splitkv_cp_ranks_per_node_auto", None) else "") + ")")
+                    if getattr(args, "splitkv_cp_ranks_per_node_auto", None) else "")
+                 + (f", pipeline {args.splitkv_pipeline_auto}" if getattr(args, "splitkv_pipeline_auto", None) else "")
+                 + ")")
     return DFlashDraftModel(
         dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
@@ -434,6 +436,7 @@ def _shown_args(args) -> argparse.Namespace:
     for k, v in runtime_flag_values(args).items():
         setattr(shown, k, v)
     vars(shown).pop("splitkv_cp_ranks_per_node_auto", None)  # shown as splitkv_cp_ranks_per_node's value
+    vars(shown).pop("splitkv_auto_env", None)  # validate's record of what it exported: shown as the flags' values
     if getattr(args, "loss_decay_gamma", None) is None:
         shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
     for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),
