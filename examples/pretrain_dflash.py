@@ -17,7 +17,9 @@
 Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
 `--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase,fa4}` (the op's local kernel),
-`--splitkv-no-overlap-q-gather` (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
+`--splitkv-no-overlap-q-gather`, `--splitkv-cp-ranks-per-node`, `--splitkv-num-chunks`, `--splitkv-chunk-axis`,
+`--splitkv-kernel-lanes` (the last four automatic when unset for a CP group across nodes; the start-up line says
+what was chosen) (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
 budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
 `--loss-decay-gamma`, `--mask-token-id`; target flags
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
@@ -239,7 +241,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                  f"CP impl {args.context_parallel_impl} ({args.cp_balance} planner, "
                  f"{_kernel_label(args, dcfg)} kernel"
                  + (f", CP ranks per node {args.splitkv_cp_ranks_per_node_auto}"
-                    if getattr(args, "splitkv_cp_ranks_per_node_auto", None) else "") + ")")
+                    if getattr(args, "splitkv_cp_ranks_per_node_auto", None) else "")
+                 + (f", pipeline {args.splitkv_pipeline_auto}" if getattr(args, "splitkv_pipeline_auto", None) else "")
+                 + ")")
     return DFlashDraftModel(
         dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
         output_layer=provider.output_layer, mask_token_id=args.mask_token_id,
@@ -435,6 +439,7 @@ def _shown_args(args) -> argparse.Namespace:
     for k, v in runtime_flag_values(args).items():
         setattr(shown, k, v)
     vars(shown).pop("splitkv_cp_ranks_per_node_auto", None)  # shown as splitkv_cp_ranks_per_node's value
+    vars(shown).pop("splitkv_auto_env", None)  # validate's record of what it exported: shown as the flags' values
     if getattr(args, "loss_decay_gamma", None) is None:
         shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
     for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),

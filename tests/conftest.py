@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 # the ops re-check the interval masks they build (ops.common.debug_checks; off by default in production)
@@ -16,3 +18,16 @@ _IMPORT_TIME_WARNINGS = ("ignore:Apex is not installed. Falling back to Torch No
 def pytest_configure(config):
     for spec in _IMPORT_TIME_WARNINGS:
         config.addinivalue_line("filterwarnings", spec)
+
+
+@pytest.fixture(autouse=True)
+def _restore_splitkv_env():
+    """Put this process's MEGATRON_SPLITKV_* variables back after every test: `validate_splitkv_args` exports
+    its automatic choices (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS, _KERNEL_LANES) into
+    os.environ, which monkeypatch does not undo for a variable it did not set, so a later test's op would run
+    with them (e.g. head chunks)."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("MEGATRON_SPLITKV_") and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)

@@ -1,14 +1,21 @@
 """The automatic CP ranks per node (`megatron.arguments.auto_cp_ranks_per_node`, exported by
 `validate_splitkv_args` when neither --splitkv-cp-ranks-per-node nor MEGATRON_SPLITKV_RANKS_PER_NODE is set)
-reaches the op through the Megatron path and the op is exact with it.
+and the automatic pipeline across nodes (`auto_pipeline`: MEGATRON_SPLITKV_NUM_CHUNKS=2,
+MEGATRON_SPLITKV_CHUNK_AXIS=heads, and MEGATRON_SPLITKV_KERNEL_LANES=2 where the kernel is fa4) reach the op
+through the Megatron path and the op is exact with them.
 
 CPU, gloo, one spawn of 8 ranks. Per job every rank of the CP group sets the launcher's variable
 (LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE), clears MEGATRON_SPLITKV_RANKS_PER_NODE, validates the flags
 (TP and CP as given; the CP group of the op is the P gloo ranks), and calls the op WITHOUT
-cp_ranks_per_node, so that it reads the exported variable:
+cp_ranks_per_node, so that it reads the exported variable; the jobs with num_chunks given pass chunk_axis="rows"
+too (as before the automatic pipeline), the others neither, so that the op reads the exported pipeline:
 
 - the exported L is the documented one (launcher size / TP, 1 < L < P, L divides P);
 - the op ran the two-level all-to-all with it (".intra" records over L ranks, ".inter" over P / L);
+- the automatic pipeline is exported where the group spans nodes with >= 2 kv heads per TP rank (lanes when
+  validated as fa4: `have_fa4=True` with --splitkv-kernel auto; the op here runs the math kernel on CPU, where
+  lanes are CUDA-only and a no-op, so the exported MEGATRON_SPLITKV_KERNEL_LANES=2 is only checked to be
+  harmless), and the op then ran 2 head chunks (each data collective issued twice);
 - output, lse and all five gradients equal the single-process float64 reference (`_splitkv_helpers.check`).
 Source: DESIGN.md section 2 (exact CP); docs/perf-notes.md item 9 (two-level all-to-all).
 """
@@ -31,20 +38,23 @@ WORLD = 8
 RPN = "MEGATRON_SPLITKV_RANKS_PER_NODE"
 
 
-def _validated_L(P, tp, env):
-    """What validate_splitkv_args exports for CP size P and TP tp under the launcher variables `env`."""
-    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, validate_splitkv_args
+def _validated_L(c, tp, env, fa4):
+    """What validate_splitkv_args exports for case c's CP size and heads (per TP rank) and TP tp under the launcher
+    variables `env`, FlashAttention-4 taken as installed or not: (L, its record, the pipeline's variables, its
+    record)."""
+    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, PIPELINE_ENVS, validate_splitkv_args
 
-    for name in (RPN, *LOCAL_SIZE_ENVS):
+    for name in (RPN, *LOCAL_SIZE_ENVS, *PIPELINE_ENVS):
         os.environ.pop(name, None)
     os.environ.update(env)
     args = argparse.Namespace(
-        context_parallel_impl="splitkv", tensor_model_parallel_size=tp, context_parallel_size=P,
-        num_attention_heads=4 * tp, num_query_groups=2 * tp, group_query_attention=True, micro_batch_size=1,
-        dflash_num_anchors=P, dflash_block_size=4, cp_chunk_size=None, cp_balance="lpt",
-        transformer_impl="local", attention_dropout=0.0, sequence_parallel=False)
-    validate_splitkv_args(args, have_te=False, have_fa4=False)
-    return os.environ.get(RPN), args.splitkv_cp_ranks_per_node_auto
+        context_parallel_impl="splitkv", tensor_model_parallel_size=tp, context_parallel_size=c["P"],
+        num_attention_heads=c["Hq"] * tp, num_query_groups=c["Hkv"] * tp, group_query_attention=True,
+        micro_batch_size=1, dflash_num_anchors=c["P"], dflash_block_size=4, cp_chunk_size=None, cp_balance="lpt",
+        transformer_impl="local", attention_dropout=0.0, sequence_parallel=False, bf16=True)
+    validate_splitkv_args(args, have_te=False, have_fa4=fa4)
+    pipeline = {name: os.environ[name] for name in PIPELINE_ENVS if name in os.environ}
+    return os.environ.get(RPN), args.splitkv_cp_ranks_per_node_auto, pipeline, args.splitkv_pipeline_auto
 
 
 def _worker(rank, world, jobs):
@@ -52,24 +62,27 @@ def _worker(rank, world, jobs):
 
     groups = {P: dist.new_group(list(range(P))) for P in sorted({c["P"] for c, *_ in jobs}) if P < world}
     out = {}
-    for j, (c, tp, env, k) in enumerate(jobs):
+    for j, (c, tp, env, k, fa4) in enumerate(jobs):
         if rank >= c["P"]:
             continue
-        exported, why = _validated_L(c["P"], tp, env)
+        exported, why, pipeline, pipeline_why = _validated_L(c, tp, env, fa4)
         t = build(c)
         x, meta, dout, dlse = local(t, c, rank)
+        chunking = {} if k is None else dict(num_chunks=k, chunk_axis="rows")  # None: the exported pipeline
         with comm_stats() as st:
             o, lse = msk.splitkv_attention(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                                           cp_group=groups.get(c["P"]), backend="math", return_lse=True,
-                                           num_chunks=k)
+                                           cp_group=groups.get(c["P"]), backend="math", return_lse=True, **chunking)
             loss_of(o, lse, dout, dlse).backward()
         res = dict(out=o.detach().double(), lse=lse.detach().double(), exported=exported, why=why,
-                   sizes={(r.op, r.group_size) for r in st.records})
+                   pipeline=pipeline, pipeline_why=pipeline_why, sizes={(r.op, r.group_size) for r in st.records},
+                   issued=[r.op for r in st.records])
         for name, key in zip(GRAD_NAMES, KEYS):
             res[name] = x[key].grad.double()
         out[j] = res
-    for name in (RPN, "LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, PIPELINE_ENVS
+
+    for name in (RPN, *LOCAL_SIZE_ENVS, *PIPELINE_ENVS):
         os.environ.pop(name, None)
     return out
 
@@ -77,26 +90,38 @@ def _worker(rank, world, jobs):
 @pytest.fixture(scope="module")
 def run8():
     seed = new_seed()
-    jobs = [  # (case, TP, launcher variables, num_chunks) -> the automatic L
-        (case(seed, 4, blocks=[2, 0, 3, 1], ctx=[0, 14, 13, 13]), 1, {"LOCAL_WORLD_SIZE": "2"}, 1),  # L = 2
+    jobs = [  # (case, TP, launcher variables, num_chunks (None: as exported), FA4 installed) -> the automatic L
+        (case(seed, 4, blocks=[2, 0, 3, 1], ctx=[0, 14, 13, 13]), 1, {"LOCAL_WORLD_SIZE": "2"}, 1, False),  # L = 2
         (case(seed + 1, 8, blocks=[3, 0, 5, 2, 1, 0, 4, 2], ctx=[9, 0, 6, 5, 4, 7, 9, 0], poison=True,
-              p_invalid=0.3), 2, {"LOCAL_WORLD_SIZE": "8"}, 2),  # TP 2: L = 4
+              p_invalid=0.3), 2, {"LOCAL_WORLD_SIZE": "8"}, 2, False),  # TP 2: L = 4
         (case(seed + 2, 8, dtype="float32", Hq=4, Hkv=1, blocks=[2, 4, 1, 3, 2, 1, 0, 0]), 1,
-         {"SLURM_NTASKS_PER_NODE": "2(x4)"}, 1),  # Slurm: L = 2
+         {"SLURM_NTASKS_PER_NODE": "2(x4)"}, None, True),  # Slurm: L = 2; 1 kv head: no automatic pipeline
+        # the automatic pipeline: 2 head chunks (Hkv 2 per TP rank), + 2 lanes (validated as fa4; CPU: no-op)
+        (case(seed + 3, 4, blocks=[1, 3, 0, 2], ctx=[11, 0, 15, 14]), 1, {"LOCAL_WORLD_SIZE": "2"}, None, False),
+        (case(seed + 4, 8, Hq=8, Hkv=4, blocks=[2, 1, 0, 3, 1, 2, 4, 0], ctx=[5, 9, 0, 7, 6, 8, 3, 2], poison=True,
+              p_invalid=0.3), 2, {"LOCAL_WORLD_SIZE": "8"}, None, True),  # TP 2: L = 4
     ]
-    want = [2, 4, 2]
+    want = [2, 4, 2, 2, 4]
     return jobs, want, run_distributed(_worker, WORLD, jobs, timeout=500)
 
 
 def test_auto_L_is_exported_and_used_and_exact(run8):
     jobs, want, results = run8
-    for j, ((c, tp, env, k), L) in enumerate(zip(jobs, want)):
+    from megatron_splitkv.megatron.arguments import CHUNK_AXIS_ENV, KERNEL_LANES_ENV, NUM_CHUNKS_ENV
+
+    for j, ((c, tp, env, k, fa4), L) in enumerate(zip(jobs, want)):
         P = c["P"]
         per_rank = [results[r][j] for r in range(P)]
+        auto = c["Hkv"] >= 2  # every group here spans nodes: exported wherever there are 2 kv heads per TP rank
+        pipeline = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads", **({KERNEL_LANES_ENV: "2"} if fa4 else {})}
         for r, res in enumerate(per_rank):
             assert res["exported"] == str(L), (j, r, res["exported"], res["why"])
             assert res["why"].startswith(f"auto -> {L} ("), res["why"]
+            assert res["pipeline"] == (pipeline if auto else {}), (j, res["pipeline"], res["pipeline_why"])
+            assert res["pipeline_why"].startswith("auto -> 2 head chunks" if auto else "auto -> off ("), res["pipeline_why"]
             sizes = res["sizes"]
             assert ("splitkv.fwd.out.intra", L) in sizes and ("splitkv.fwd.out.inter", P // L) in sizes, sizes
             assert ("splitkv.bwd.dq.intra", L) in sizes and ("splitkv.bwd.dq.inter", P // L) in sizes, sizes
+            chunks = k if k is not None else 2 if auto else 1  # the op's chunks: given, else as exported
+            assert res["issued"].count("splitkv.bwd.dq.inter") == chunks, (j, res["issued"])
         check("splitkv", c, per_rank)

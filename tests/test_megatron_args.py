@@ -609,6 +609,7 @@ def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypat
 
 
 _INT_FLAGS = ("--cp-chunk-size", "--dflash-block-size", "--dflash-num-anchors", "--splitkv-cp-ranks-per-node",
+              "--splitkv-num-chunks", "--splitkv-kernel-lanes",
               "--dflash-data-workers", "--dflash-data-prefetch")
 
 
@@ -625,3 +626,203 @@ def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
         assert exc.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert f"argument {flag}: must be an int (decimal digits), got {bad!r}" in err, err
+
+
+# ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/perf-notes.md item 25) ----
+from megatron_splitkv.megatron.arguments import PIPELINE_ENVS, auto_pipeline  # noqa: E402
+
+ON = {"MEGATRON_SPLITKV_NUM_CHUNKS": "2", "MEGATRON_SPLITKV_CHUNK_AXIS": "heads"}
+ON_LANES = {**ON, "MEGATRON_SPLITKV_KERNEL_LANES": "2"}
+
+
+@pytest.mark.parametrize("env,tp,cp,kv,kernel,want", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, 8, "fa4", ON_LANES),  # 2 nodes of 8: head chunks + lanes (fa4)
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 64, 8, "flex", ON),  # lanes with fa4 only
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 64, 8, "auto", ON),  # auto not resolving to fa4 (the caller says "fa4" when it does)
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 8, 4, "fa4", ON_LANES),  # TP 2: 4 CP ranks per node < 8
+    ({"LOCAL_WORLD_SIZE": "1"}, 1, 2, 8, "fa4", ON_LANES),  # one GPU per node: the socket stand-in's CP 2
+    ({"LOCAL_WORLD_SIZE": "6"}, 1, 8, 8, "fa4", ON_LANES),  # spans nodes though L = 6 does not divide 8 (L stays 1)
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 1, 8, 2, "fa4", ON_LANES),  # Slurm's count
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 8, 8, "fa4", {}),  # one node: NVLink, one call is best
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 4, 4, "fa4", {}),  # TP 2, one node
+    ({"LOCAL_WORLD_SIZE": "8"}, 3, 8, 8, "fa4", {}),  # TP 3 does not divide 8: unknown layout
+    ({}, 1, 64, 8, "fa4", {}),  # unknown launcher size
+    ({"LOCAL_WORLD_SIZE": "x"}, 1, 64, 8, "fa4", {}),  # malformed launcher size
+    ({"SLURM_NTASKS_PER_NODE": "8(x2),4"}, 1, 16, 8, "fa4", {}),  # heterogeneous nodes: layout unknown
+    ({"LOCAL_WORLD_SIZE": "8"}, 8, 16, 1, "fa4", {}),  # Hkv / TP = 1: no head chunks
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, None, "fa4", {}),  # kv heads unknown
+    *[({"LOCAL_WORLD_SIZE": "8", name: value}, 1, 16, 8, "fa4", {})  # the user's (or a flag's) variable: off
+      for name, value in zip(PIPELINE_ENVS, ("1", "rows", "6,2", "1"))],
+    ({"LOCAL_WORLD_SIZE": "8", "MEGATRON_SPLITKV_NUM_CHUNKS": " "}, 1, 16, 8, "fa4", ON_LANES),  # empty = unset
+])
+def test_auto_pipeline(env, tp, cp, kv, kernel, want):
+    """`auto_pipeline`: 2 head chunks (+ 2 kernel lanes with fa4) when the CP group spans nodes (launcher's
+    processes per node / TP < CP), each TP rank holds >= 2 kv heads and none of the pipeline's variables is set;
+    else no change; always a one-line reason."""
+    exports, why = auto_pipeline(tp, cp, kv, kernel, environ=env)
+    assert exports == want, why
+    assert isinstance(why, str) and why and "\n" not in why
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher size, none of the op's pipeline variables, no automatic L; MEGATRON_SPLITKV_AUTO_FA4 unset."""
+    for name in (*LOCAL_SIZE_ENVS, *PIPELINE_ENVS, "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_AUTO_FA4"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def _pipeline_env():
+    return {name: os.environ[name] for name in PIPELINE_ENVS if name in os.environ}
+
+
+def _spanning(**kw):  # with LOCAL_WORLD_SIZE=8: 2 nodes of 8 GPUs, TP 1, CP 16, 4 kv heads
+    return _args(**{"tensor_model_parallel_size": 1, "context_parallel_size": 16, "dflash_num_anchors": 16, **kw})
+
+
+def test_auto_pipeline_exported_by_validate(clean_env):
+    """validate_splitkv_args exports the automatic pipeline (impl splitkv only) and records it for the start-up
+    line; lanes only where the local kernel is fa4: --splitkv-kernel fa4, or auto with FlashAttention-4, not
+    --deterministic-mode, bf16 / fp16, MEGATRON_SPLITKV_AUTO_FA4 not 0."""
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    a = _spanning()
+    validate_splitkv_args(a, have_fa4=True)
+    assert _pipeline_env() == ON_LANES
+    assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks, 2 kernel lanes (LOCAL_WORLD_SIZE=8 / TP 1"), \
+        a.splitkv_pipeline_auto
+    for kw, fa4 in ((dict(), False), (dict(deterministic_mode=True), True), (dict(bf16=False, fp16=False), True),
+                    (dict(splitkv_kernel="flex"), True)):
+        for name in PIPELINE_ENVS:
+            clean_env.delenv(name, raising=False)
+        a = _spanning(**kw)
+        validate_splitkv_args(a, have_fa4=fa4)
+        assert _pipeline_env() == ON, kw
+        assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks ("), (kw, a.splitkv_pipeline_auto)
+    for name in PIPELINE_ENVS:
+        clean_env.delenv(name, raising=False)
+    validate_splitkv_args(_spanning(splitkv_kernel="fa4", bf16=False), have_fa4=True)  # fa4 asked for: lanes
+    assert _pipeline_env() == ON_LANES
+    for name in PIPELINE_ENVS:
+        clean_env.delenv(name, raising=False)
+    clean_env.setenv("MEGATRON_SPLITKV_AUTO_FA4", "0")
+    validate_splitkv_args(_spanning(), have_fa4=True)
+    assert _pipeline_env() == ON
+    for name in PIPELINE_ENVS:
+        clean_env.delenv(name, raising=False)
+    for kw in (dict(context_parallel_impl="allgather-kv"), dict(context_parallel_size=8, dflash_num_anchors=8),
+               dict(num_query_groups=1)):
+        a = _spanning(**kw)
+        validate_splitkv_args(a, have_fa4=True)  # a baseline, one node, one kv head: nothing exported
+        assert _pipeline_env() == {}, kw
+    assert a.splitkv_pipeline_auto.startswith("auto -> off ("), a.splitkv_pipeline_auto
+
+
+@pytest.mark.parametrize("flag,attr,name,value", [
+    ("--splitkv-num-chunks", "splitkv_num_chunks", "MEGATRON_SPLITKV_NUM_CHUNKS", 4),
+    ("--splitkv-chunk-axis", "splitkv_chunk_axis", "MEGATRON_SPLITKV_CHUNK_AXIS", "rows"),
+    ("--splitkv-kernel-lanes", "splitkv_kernel_lanes", "MEGATRON_SPLITKV_KERNEL_LANES", 1),
+])
+def test_pipeline_flags_win_over_variable_and_automatic(clean_env, flag, attr, name, value):
+    """Each pipeline flag parses (default None), is exported as its variable, wins over that variable, and
+    turns the automatic pipeline off (the other variables keep the op's defaults); the variable alone does too."""
+    p = add_splitkv_args(argparse.ArgumentParser())
+    assert getattr(p.parse_args([]), attr) is None
+    assert getattr(p.parse_args([flag, str(value)]), attr) == value
+    with pytest.raises(SystemExit):  # argparse: an int / one of rows, heads
+        p.parse_args([flag, "cols"])
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    clean_env.setenv(name, "3" if name != "MEGATRON_SPLITKV_CHUNK_AXIS" else "heads")
+    a = _spanning(**{attr: value})
+    validate_splitkv_args(a, have_fa4=True)
+    assert _pipeline_env() == {name: str(value)}  # the flag's value; nothing automatic
+    assert a.splitkv_pipeline_auto.startswith("auto -> off (set by a flag or the environment: " + name), \
+        a.splitkv_pipeline_auto
+    clean_env.setenv(name, "2" if name != "MEGATRON_SPLITKV_CHUNK_AXIS" else "rows")
+    a = _spanning()
+    validate_splitkv_args(a, have_fa4=True)
+    assert _pipeline_env() == {name: os.environ[name]}  # the variable alone: kept, nothing automatic
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    shown = runtime_flag_values(a)
+    assert shown[attr] == f"{os.environ[name]} ({name})"  # shown as the user's
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(splitkv_num_chunks=0), r"--splitkv-num-chunks must be >= 1, got 0"),
+    (dict(splitkv_num_chunks=-2), r"--splitkv-num-chunks must be >= 1, got -2"),
+    (dict(splitkv_num_chunks="2"), r"--splitkv-num-chunks"),
+    (dict(splitkv_num_chunks=True), r"--splitkv-num-chunks"),
+    (dict(splitkv_kernel_lanes=0), r"--splitkv-kernel-lanes must be >= 1, got 0"),
+    (dict(splitkv_kernel_lanes=5), r"--splitkv-kernel-lanes must be at most 4 .*got 5"),
+    (dict(splitkv_chunk_axis="cols"), r"--splitkv-chunk-axis must be one of \('rows', 'heads'\), got 'cols'"),
+])
+def test_pipeline_flags_bad_values(clean_env, kw, match):
+    with pytest.raises(SplitKVArgumentError, match=match):
+        validate_splitkv_args(_spanning(**kw))
+
+
+def test_kernel_lanes_variable_checked_at_start_up(clean_env):
+    """A malformed MEGATRON_SPLITKV_KERNEL_LANES is a SplitKVArgumentError naming it (it raised only in the
+    first attention call's validation); a value above the cap is the op's to clamp (ops.common.kernel_lanes)."""
+    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "two")
+    with pytest.raises(SplitKVArgumentError, match="MEGATRON_SPLITKV_KERNEL_LANES"):
+        validate_splitkv_args(_args())
+    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "8")
+    validate_splitkv_args(_args())
+
+
+def test_pipeline_literals_match_the_op():
+    """arguments keeps the op's names literal (parsing imports no torch): they must stay the op's."""
+    from megatron_splitkv.megatron import arguments as A
+    from megatron_splitkv.ops import common, metadata
+
+    assert (A.NUM_CHUNKS_ENV, A.CHUNK_AXIS_ENV, A.HEAD_SPLIT_ENV, A.CHUNK_AXES, A.RANKS_PER_NODE_ENV) == (
+        metadata.NUM_CHUNKS_ENV, metadata.CHUNK_AXIS_ENV, metadata.HEAD_SPLIT_ENV, metadata.CHUNK_AXES,
+        metadata.RANKS_PER_NODE_ENV)
+    assert (A.KERNEL_LANES_ENV, A.MAX_KERNEL_LANES) == (common.KERNEL_LANES_ENV, common.MAX_KERNEL_LANES)
+
+
+def test_validate_twice_gives_the_same_result(clean_env):
+    """A second validate_splitkv_args on the same args took the first call's exported variables for the user's:
+    the pipeline then read 'off (set by ... MEGATRON_SPLITKV_NUM_CHUNKS)' and L 'clamped ... variable'. The
+    automatic exports are remembered (args.splitkv_auto_env) and undone first; a variable the user set is never
+    removed."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    a = _spanning()
+    validate_splitkv_args(a, have_fa4=True)
+    first = (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a))
+    validate_splitkv_args(a, have_fa4=True)
+    assert (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a)) == first
+    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == ON_LANES
+    assert a.splitkv_auto_env == {"MEGATRON_SPLITKV_RANKS_PER_NODE": "8", **ON_LANES}
+    # the second call's inputs changed (one node now): its own earlier exports are gone, nothing stale remains
+    clean_env.setenv("LOCAL_WORLD_SIZE", "16")
+    validate_splitkv_args(a, have_fa4=True)
+    assert _pipeline_env() == {} and "MEGATRON_SPLITKV_RANKS_PER_NODE" not in os.environ
+    assert a.splitkv_pipeline_auto.startswith("auto -> off (") and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 (")
+    # the user's own variables, even with the automatic values, are theirs on every call
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "2")
+    clean_env.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
+    a = _spanning()
+    for _ in range(2):
+        validate_splitkv_args(a, have_fa4=True)
+        assert _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "2"} and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
+        assert not a.splitkv_auto_env and not hasattr(a, "splitkv_cp_ranks_per_node_auto")
+
+
+def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    a = _spanning()
+    shown = runtime_flag_values(a)  # before validate: what the run would do
+    assert shown["splitkv_num_chunks"].startswith("auto (") and shown["splitkv_kernel_lanes"].startswith("auto (")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    validate_splitkv_args(a, have_fa4=True)
+    shown = runtime_flag_values(a)
+    assert (shown["splitkv_num_chunks"], shown["splitkv_chunk_axis"], shown["splitkv_kernel_lanes"]) == (
+        "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)", "auto -> 2 (splitkv_pipeline_auto)")
+    validate_splitkv_args(a, have_fa4=False)
+    assert runtime_flag_values(a)["splitkv_kernel_lanes"] == "auto -> 1 (splitkv_pipeline_auto)"

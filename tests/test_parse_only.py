@@ -33,7 +33,9 @@ def pre():
 
 def _parse(pre, capsys, monkeypatch, *extra):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    for var in ("MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"):
+    for var in ("MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "MEGATRON_SPLITKV_NUM_CHUNKS",
+                "MEGATRON_SPLITKV_CHUNK_AXIS", "MEGATRON_SPLITKV_HEAD_SPLIT", "MEGATRON_SPLITKV_KERNEL_LANES",
+                "MEGATRON_SPLITKV_AUTO_FA4"):
         monkeypatch.delenv(var, raising=False)
     capsys.readouterr()
     args = pre.main([*BASE, *extra])
@@ -57,8 +59,12 @@ def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
     assert any(ln.startswith("splitkv_cp_ranks_per_node = 'auto -> 1 (") for ln in lines)  # auto_cp_ranks_per_node
     for flag in ("dflash_data_workers", "dflash_data_prefetch", "dflash_host_metadata", "dflash_device_prefetch",
                  "loss_decay_gamma",
-                 "splitkv_cp_ranks_per_node", "splitkv_no_overlap_q_gather", "cp_chunk_size", "target_ffn_hidden_size"):
+                 "splitkv_cp_ranks_per_node", "splitkv_no_overlap_q_gather", "cp_chunk_size", "target_ffn_hidden_size",
+                 "splitkv_num_chunks", "splitkv_chunk_axis", "splitkv_kernel_lanes"):
         assert f"{flag} = None" not in lines, flag
+    # one node (no launcher size): the automatic pipeline is off, and says why
+    assert any(ln.startswith("splitkv_pipeline_auto = 'auto -> off (no launcher size per node") for ln in lines)
+    assert "splitkv_num_chunks = 'auto -> 1 (splitkv_pipeline_auto)'" in lines
     # the namespace the caller gets is the parsed one (resolution stays at run time)
     assert args.dflash_data_workers is None and args.dflash_host_metadata is None and args.loss_decay_gamma is None
 
@@ -154,3 +160,25 @@ def test_parse_only_command_line_prints_no_machine_warnings():
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "pretrain_dflash.py: error: --cp-chunk-size must be a positive number of tokens, got 0"], p.stderr
+
+
+@pytest.mark.parametrize("extra,lanes", [(("--bf16",), 2), ((), 1)])
+def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monkeypatch, extra, lanes):
+    """A CP group spanning nodes (LOCAL_WORLD_SIZE=8, CP 16): --parse-only shows the automatic pipeline (2 head
+    chunks; 2 kernel lanes where `auto` picks fa4: --parse-only assumes FlashAttention-4 present, and fa4 needs
+    bf16 / fp16 parameters, so not without --bf16 / --fp16) as the three flags' values and its reason; the
+    record of the exported variables (splitkv_auto_env) is not shown."""
+    monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--context-parallel-size", "16",
+                       *extra)
+    lines = out.splitlines()
+    for want in ("splitkv_num_chunks = 'auto -> 2 (splitkv_pipeline_auto)'",
+                 "splitkv_chunk_axis = 'auto -> heads (splitkv_pipeline_auto)'",
+                 f"splitkv_kernel_lanes = 'auto -> {lanes} (splitkv_pipeline_auto)'",
+                 "splitkv_cp_ranks_per_node = 'auto -> 8 (LOCAL_WORLD_SIZE=8 / TP 1)'"):
+        assert want in lines, (want, [ln for ln in lines if ln.startswith("splitkv")])
+    label = "2 head chunks, 2 kernel lanes" if lanes == 2 else "2 head chunks"
+    assert any(ln.startswith(f"splitkv_pipeline_auto = 'auto -> {label} (LOCAL_WORLD_SIZE=8 / TP 1 = 8 CP ranks per "
+                             "node < CP 16: the group spans nodes; 4 kv heads per TP rank") for ln in lines), lines
+    assert not any(ln.startswith("splitkv_auto_env") for ln in lines)

@@ -27,6 +27,11 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else
                              automatic from the launcher's processes per node / TP when the CP group spans
                              nodes (`auto_cp_ranks_per_node`), else 1)
+    --splitkv-num-chunks N   query chunks of Split-KV's merge pipeline (exported as MEGATRON_SPLITKV_NUM_CHUNKS)
+    --splitkv-chunk-axis {rows,heads}  what the chunks split (MEGATRON_SPLITKV_CHUNK_AXIS)
+    --splitkv-kernel-lanes N CUDA side streams of the chunks' kernels, 1-4 (MEGATRON_SPLITKV_KERNEL_LANES)
+                             (these three, and MEGATRON_SPLITKV_HEAD_SPLIT, all unset: 2 head chunks, with fa4 on
+                             2 lanes, when the CP group spans nodes, else the op's defaults: `auto_pipeline`)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
                              in forward_step; at most MAX_DATA_WORKERS = 32 per rank)
@@ -70,6 +75,8 @@ __all__ = [
     "MAX_DATA_WORKERS",
     "format_parsed_args",
     "runtime_flag_values",
+    "auto_cp_ranks_per_node",
+    "auto_pipeline",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -78,6 +85,16 @@ CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 # `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
 RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
+# the chunked pipeline's variables (literal for the same reason): `ops.metadata.NUM_CHUNKS_ENV`, `CHUNK_AXIS_ENV`,
+# `HEAD_SPLIT_ENV`, `CHUNK_AXES`; `ops.common.KERNEL_LANES_ENV` and `MAX_KERNEL_LANES`, where the op caps the lanes
+NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
+CHUNK_AXIS_ENV = "MEGATRON_SPLITKV_CHUNK_AXIS"
+HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
+KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
+CHUNK_AXES = ("rows", "heads")
+MAX_KERNEL_LANES = 4
+#: the variables `auto_pipeline` chooses; any of them set by the user (or by a flag) turns it off
+PIPELINE_ENVS = (NUM_CHUNKS_ENV, CHUNK_AXIS_ENV, HEAD_SPLIT_ENV, KERNEL_LANES_ENV)
 # upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
 # pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
 # per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
@@ -246,6 +263,30 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
             "docs/perf-notes.md item 9.",
         )
+    if not _has(parser, "--splitkv-num-chunks"):
+        group.add_argument(
+            "--splitkv-num-chunks", type=int_arg(), default=None,
+            help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
+            "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
+            "--splitkv-chunk-axis heads to the kv heads per TP rank. Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
+            "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
+            "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.",
+        )
+    if not _has(parser, "--splitkv-chunk-axis"):
+        group.add_argument(
+            "--splitkv-chunk-axis", type=str, default=None, choices=CHUNK_AXES,
+            help="Split-KV: what the pipeline's chunks split: rows (query blocks of every rank) or heads (kv "
+            "heads, whole GQA groups, of all rows). Exported as MEGATRON_SPLITKV_CHUNK_AXIS. Default: that "
+            "variable, else automatic (heads with the automatic 2 chunks, else rows).",
+        )
+    if not _has(parser, "--splitkv-kernel-lanes"):
+        group.add_argument(
+            "--splitkv-kernel-lanes", type=int_arg(), default=None,
+            help="Split-KV: CUDA side streams the chunks' local kernels run on (1-%d; 1 = the caller's stream; "
+            "no effect on CPU or with one chunk). Exported as MEGATRON_SPLITKV_KERNEL_LANES. Default: that "
+            "variable, else automatic: 2 with the automatic head chunks when the local kernel is fa4, else 1. "
+            "docs/perf-notes.md item 12." % MAX_KERNEL_LANES,
+        )
     if not _has(parser, "--splitkv-kernel"):
         group.add_argument(
             "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
@@ -360,8 +401,9 @@ def runtime_flag_values(args) -> dict:
     string 'auto (-> X on CUDA, Y on CPU)'; the others are the value itself. Flags set on the command line
     are not listed, except `--dflash-host-metadata on` with `--dflash-data-workers 0`, shown as
     'on (synchronous: ...)' (the metadata is then built on the host in forward_step). Pure: reads the
-    environment variables the run would read (MEGATRON_SPLITKV_RANKS_PER_NODE,
-    MEGATRON_SPLITKV_OVERLAP_Q_GATHER), imports nothing, never checks for CUDA. Values are not validated
+    environment variables the run would read (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS,
+    _KERNEL_LANES, _OVERLAP_Q_GATHER) and `validate_splitkv_args`' records of its automatic choices, imports
+    nothing, never checks for CUDA. Values are not validated
     here (`validate_splitkv_args` does that)."""
     out = {}
     impl = getattr(args, "context_parallel_impl", None)
@@ -392,6 +434,19 @@ def runtime_flag_values(args) -> dict:
         out["splitkv_cp_ranks_per_node"] = (auto if auto else f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)"
                                             if env else "auto (launcher's processes per node / TP when the CP "
                                                         "group spans nodes, else 1)")
+    # the chunked pipeline, as splitkv_cp_ranks_per_node: the user's variable, else validate's automatic choice
+    auto, exported = getattr(args, "splitkv_pipeline_auto", None), getattr(args, "splitkv_auto_env", None) or {}
+    for attr, name, default in (("splitkv_num_chunks", NUM_CHUNKS_ENV, 1), ("splitkv_chunk_axis", CHUNK_AXIS_ENV, "rows"),
+                                ("splitkv_kernel_lanes", KERNEL_LANES_ENV, 1)):
+        if getattr(args, attr, None) is not None:
+            continue
+        env = os.environ.get(name, "").strip()
+        if env and exported.get(name) != env:
+            out[attr] = f"{env} ({name})"
+        elif auto:
+            out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"
+        else:
+            out[attr] = f"auto (automatic pipeline across nodes, else {default})"
     if getattr(args, "cp_chunk_size", None) is None:
         out["cp_chunk_size"] = "auto (per batch: planning.auto_chunk_size)"
     if getattr(args, "splitkv_kernel", None) is None:
@@ -483,6 +538,18 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     Exact either way (the same sums in fp32); only the schedule changes. `environ`: a mapping (default
     os.environ). Every rank of a homogeneous job computes the same L; should ranks differ, the op's
     per-step agreement check raises naming MEGATRON_SPLITKV_RANKS_PER_NODE (no hang)."""
+    L, why = _cp_ranks_per_node(tp, cp, environ)
+    if L is None:
+        return 1, why
+    if L <= 1 or cp % L:
+        return 1, f"{why}: {L} CP ranks per node do not divide --context-parallel-size {cp}"
+    return L, why
+
+
+def _cp_ranks_per_node(tp: int, cp: int, environ=None):
+    """(L, src) with L = the launcher's processes per node (the first of `LOCAL_SIZE_ENVS` that is a positive
+    int) / tp when the CP group spans nodes (L < cp) and src the text 'NAME=n / TP tp'; else (None, why not):
+    an unknown, malformed or heterogeneous launcher size, tp not dividing it, or the group within one node."""
     env = os.environ if environ is None else environ
     n, src, bad = None, None, []
     for name in LOCAL_SIZE_ENVS:
@@ -496,39 +563,140 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
             continue
         src = f"{name}={raw if len(raw) <= 40 else _shown(raw)}"
         if len(counts) > 1:
-            return 1, f"{src}: a heterogeneous allocation (nodes hold {' or '.join(map(str, counts))} ranks)"
+            return None, f"{src}: a heterogeneous allocation (nodes hold {' or '.join(map(str, counts))} ranks)"
         n = counts[0]
         break
     if n is None:
-        return 1, "no launcher size per node (" + ("; ".join(bad) if bad else " / ".join(LOCAL_SIZE_ENVS) + " unset") + ")"
+        return None, "no launcher size per node (" + ("; ".join(bad) if bad else " / ".join(LOCAL_SIZE_ENVS) + " unset") + ")"
     if n % tp:
-        return 1, f"{src} is not a multiple of --tensor-model-parallel-size {tp}"
-    L = n // tp
-    if L >= cp:
-        return 1, f"{src}, TP {tp}: the CP group of {cp} fits in one node (one all-to-all)"
-    if L <= 1 or cp % L:
-        return 1, f"{src}, TP {tp}: {L} CP ranks per node do not divide --context-parallel-size {cp}"
-    return L, f"{src} / TP {tp}"
+        return None, f"{src} is not a multiple of --tensor-model-parallel-size {tp}"
+    if n // tp >= cp:
+        return None, f"{src}, TP {tp}: the CP group of {cp} fits in one node"
+    return n // tp, f"{src} / TP {tp}"
+
+
+def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
+    """Split-KV's chunked merge pipeline when none of `PIPELINE_ENVS` (MEGATRON_SPLITKV_NUM_CHUNKS, _CHUNK_AXIS,
+    _HEAD_SPLIT, _KERNEL_LANES) is set (nor --splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-kernel-lanes,
+    which export them): (exports, why), exports = {variable: value} to set (empty: the op's defaults, one call).
+
+    Rule: when the CP group spans nodes (the launcher's processes per node / tp < cp, as in
+    `auto_cp_ranks_per_node`; an unknown launcher size or tp not dividing it: no change) and each TP rank holds
+    `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (NUM_CHUNKS=2, CHUNK_AXIS=heads), and
+    KERNEL_LANES=2 when the local `kernel` is "fa4". Why (docs/perf-notes.md item 25, docs/benchmarks.md twelfth
+    run): over a slow link (2 x H200 over NCCL sockets, 128K per rank) 2 head chunks took 0.818x of one call; on
+    NVLink one call stays best (k = 2 heads 1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU
+    nodes: 93-95% with 2 head chunks on 2 lanes (90-91% at k = 1, but 93.5-93.9% in the same runs: not resolved
+    there). Not measured across real nodes. Lanes were measured with fa4 head chunks only
+    (flex query chunks were slower with them over NCCL), hence fa4 only. Exact either way (head chunks sum
+    nothing across chunks; lanes issue the same kernels). `environ`: a mapping (default os.environ)."""
+    env = os.environ if environ is None else environ
+    mine = [f"{name}={_shown(str(env[name]).strip())}" for name in PIPELINE_ENVS if str(env.get(name, "") or "").strip()]
+    if mine:
+        return {}, f"set by a flag or the environment: {', '.join(mine)}"
+    L, why = _cp_ranks_per_node(tp, cp, env)
+    if L is None:
+        return {}, why
+    why = f"{why} = {L} CP ranks per node < CP {cp}: the group spans nodes"
+    if kv_heads is None or kv_heads < 2:
+        return {}, f"{why}, but {kv_heads} kv heads per TP rank: no head chunks"
+    out = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}
+    if kernel == "fa4":
+        out[KERNEL_LANES_ENV] = "2"
+        return out, f"{why}; {kv_heads} kv heads per TP rank; kernel fa4"
+    return out, f"{why}; {kv_heads} kv heads per TP rank; kernel {kernel}: no kernel lanes (measured with fa4 only)"
+
+
+def _pipeline_label(exports) -> str:
+    """`auto_pipeline`'s exports in words: '2 head chunks, 2 kernel lanes', or 'off'."""
+    if not exports:
+        return "off"
+    lanes = exports.get(KERNEL_LANES_ENV)
+    return f"{exports[NUM_CHUNKS_ENV]} head chunks" + (f", {lanes} kernel lanes" if lanes else "")
+
+
+def _kv_heads(args):
+    """The model's kv heads: --num-query-groups with --group-query-attention, else --num-attention-heads (None
+    when that is unset)."""
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None)
+    if not getattr(args, "group_query_attention", groups is not None) or groups is None:
+        return heads
+    return groups
+
+
+def _local_kernel(args, kernel: str, have_fa4) -> str:
+    """The local kernel as far as start-up knows it, for `auto_pipeline`: "fa4" for --splitkv-kernel fa4, and for
+    auto where it will pick fa4 (FlashAttention-4 installed or `have_fa4`, MEGATRON_SPLITKV_AUTO_FA4 not 0, not
+    --deterministic-mode, bf16 / fp16 parameters); else the flag's value ("auto" = not fa4 here)."""
+    if kernel != "auto" or getattr(args, "deterministic_mode", False):
+        return kernel
+    if not (getattr(args, "bf16", True) or getattr(args, "fp16", False)):  # fa4 runs bf16 / fp16 only
+        return kernel
+    from ..kernels import auto_fa4  # noqa: PLC0415
+
+    return "fa4" if auto_fa4() and (_fa4_available() if have_fa4 is None else have_fa4) else kernel
+
+
+#: args attributes of `validate_splitkv_args`' automatic choices (shown by the start-up line and --parse-only)
+#: and of the variables it exported for them ({name: value}), so that a second call undoes them first
+_AUTO_ATTRS = ("splitkv_cp_ranks_per_node_auto", "splitkv_pipeline_auto", "splitkv_auto_env")
+
+
+def _undo_auto(args) -> None:
+    """Forget a previous `validate_splitkv_args` call's automatic choices: remove the variables it exported
+    automatically (those still holding its value) and its records in args, so that this call sees the user's
+    environment again (a second call took its own export for the user's and named it so)."""
+    for name, value in (getattr(args, "splitkv_auto_env", None) or {}).items():
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    for attr in _AUTO_ATTRS:
+        vars(args).pop(attr, None)
+
+
+def _export_auto(args, exports: dict) -> None:
+    """Set the variables `exports` ({name: value}) chosen automatically, and remember them in
+    args.splitkv_auto_env (`_undo_auto`)."""
+    os.environ.update(exports)
+    args.splitkv_auto_env = {**(getattr(args, "splitkv_auto_env", None) or {}), **exports}
+
+
+def _export_pipeline_flags(args) -> None:
+    """--splitkv-num-chunks (>= 1), --splitkv-chunk-axis (rows | heads), --splitkv-kernel-lanes (1 to
+    MAX_KERNEL_LANES = 4, where the op caps MEGATRON_SPLITKV_KERNEL_LANES) checked and exported as their
+    variables (the flag wins over the variable); SplitKVArgumentError naming the flag."""
+    chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
+    if chunks is not None:
+        os.environ[NUM_CHUNKS_ENV] = str(chunks)
+    axis = getattr(args, "splitkv_chunk_axis", None)
+    if axis is not None:
+        if axis not in CHUNK_AXES:
+            raise SplitKVArgumentError(f"--splitkv-chunk-axis must be one of {CHUNK_AXES}, got {axis!r}")
+        os.environ[CHUNK_AXIS_ENV] = axis
+    lanes = _int_arg(args, "splitkv_kernel_lanes", "--splitkv-kernel-lanes", None, 1)
+    if lanes is not None:
+        if lanes > MAX_KERNEL_LANES:
+            raise SplitKVArgumentError(f"--splitkv-kernel-lanes must be at most {MAX_KERNEL_LANES} (the op's cap "
+                                       f"on side streams), got {lanes}")
+        os.environ[KERNEL_LANES_ENV] = str(lanes)
 
 
 def _check_op_env(args, tp: int, cp: int) -> None:
     """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
     it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
     _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
-    heads per tensor-parallel rank, and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a malformed value is a
-    SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
-    from ..ops.metadata import HEAD_SPLIT_ENV, _requested_head_split, env_request_row  # noqa: PLC0415
+    heads per tensor-parallel rank, MEGATRON_SPLITKV_KERNEL_LANES and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a
+    malformed value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
+    from ..ops.common import kernel_lanes  # noqa: PLC0415
+    from ..ops.metadata import _requested_head_split, env_request_row  # noqa: PLC0415
     from .layers import resolve_overlap_query_gather  # noqa: PLC0415
 
     try:
         axis = env_request_row(cp)[4]
+        kernel_lanes()
         resolve_overlap_query_gather(None)
-        heads = getattr(args, "num_attention_heads", None)
-        if os.environ.get(HEAD_SPLIT_ENV, "").strip() and heads is not None:
-            groups = getattr(args, "num_query_groups", None)
-            if not getattr(args, "group_query_attention", groups is not None) or groups is None:
-                groups = heads
-            _requested_head_split(None, int(groups) // tp, axis)
+        if os.environ.get(HEAD_SPLIT_ENV, "").strip() and _kv_heads(args) is not None:
+            _requested_head_split(None, int(_kv_heads(args)) // tp, axis)
     except ValueError as exc:
         raise SplitKVArgumentError(str(exc)) from exc
 
@@ -551,9 +719,13 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step (neither set, impl splitkv: `auto_cp_ranks_per_node`, exported
-    when > 1, the choice and why in args.splitkv_cp_ranks_per_node_auto); the op's other environment variables (`_check_op_env`:
-    MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT,
-    _OVERLAP_Q_GATHER).
+    when > 1, the choice and why in args.splitkv_cp_ranks_per_node_auto); `--splitkv-num-chunks` >= 1,
+    `--splitkv-chunk-axis` rows / heads, `--splitkv-kernel-lanes` 1-4, exported as MEGATRON_SPLITKV_NUM_CHUNKS,
+    _CHUNK_AXIS, _KERNEL_LANES (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
+    exported, the choice and why in args.splitkv_pipeline_auto); the op's other environment variables
+    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
+    _HEAD_SPLIT, _KERNEL_LANES, _OVERLAP_Q_GATHER). Calling it again on the same args gives the same result: the
+    variables it exported automatically (args.splitkv_auto_env) are removed first, not taken for the user's.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
@@ -571,10 +743,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     mbs = _int_arg(args, "micro_batch_size", "--micro-batch-size", 1, 1)
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None:
-        groups = getattr(args, "num_query_groups", None)
-        if not getattr(args, "group_query_attention", groups is not None):
-            groups = None
-        check_attention_heads(heads, groups, tp)
+        check_attention_heads(heads, _kv_heads(args), tp)
     anchors = _int_arg(args, "dflash_num_anchors", "--dflash-num-anchors", None, 1)
     if anchors is not None:
         if (mbs * anchors) % cp:
@@ -622,6 +791,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         raise SplitKVArgumentError(
             f"--attention-dropout must be 0 with --context-parallel-impl {impl} (got {args.attention_dropout})"
         )
+    _undo_auto(args)
     rpn = getattr(args, "splitkv_cp_ranks_per_node", None)
     flag = "--splitkv-cp-ranks-per-node"
     if rpn is None and os.environ.get(RANKS_PER_NODE_ENV, "").strip():  # checked here too: fail at start-up
@@ -641,7 +811,17 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         auto, why = auto_cp_ranks_per_node(tp, cp)
         args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"
         if auto > 1:
-            os.environ[RANKS_PER_NODE_ENV] = str(auto)
+            _export_auto(args, {RANKS_PER_NODE_ENV: str(auto)})
+    _export_pipeline_flags(args)
+    if impl == "splitkv":  # none of the pipeline's flags and variables: 2 head chunks when the group spans nodes
+        kv = _kv_heads(args)
+        try:
+            local = _local_kernel(args, kernel, have_fa4)
+        except ValueError as exc:  # a malformed MEGATRON_SPLITKV_AUTO_FA4
+            raise SplitKVArgumentError(str(exc)) from exc
+        exports, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp, local)
+        args.splitkv_pipeline_auto = f"auto -> {_pipeline_label(exports)} ({why})"
+        _export_auto(args, exports)
     _check_op_env(args, tp, cp)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(

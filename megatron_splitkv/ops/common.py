@@ -284,18 +284,20 @@ KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
 #: 1.07x -> 1.00x of one call), but over NCCL the op with k = 2 was not faster with them (CP=2 16K: 10.73 vs
 #: 10.51 ms without; 128K staircase: 43.65 vs 39.63 ms), so they stay opt-in (MEGATRON_SPLITKV_KERNEL_LANES=2)
 DEFAULT_KERNEL_LANES = 1
+#: the most side streams `kernel_lanes` gives (a larger MEGATRON_SPLITKV_KERNEL_LANES is capped to it)
+MAX_KERNEL_LANES = 4
 _LANE_STREAMS: dict = {}  # device index -> the side streams, created once per process
 
 
 def kernel_lanes() -> int:
     """Side streams of the chunked pipeline's kernels: MEGATRON_SPLITKV_KERNEL_LANES (a positive int; 1 =
-    every kernel on the caller's stream; unset or empty: `DEFAULT_KERNEL_LANES` = 1), capped at 4.
+    every kernel on the caller's stream; unset or empty: `DEFAULT_KERNEL_LANES` = 1), capped at `MAX_KERNEL_LANES` = 4.
     Local to a rank (no collective depends on it). Raises ValueError naming the variable for a malformed
     value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank). The op
     reads it once per call where the call is validated (`ops.metadata.check_call` / the call without
     `metadata=`) and keeps it in the call's `Plan.lanes`: its forward and backward never parse it."""
     lanes = env_positive_int(KERNEL_LANES_ENV)
-    return DEFAULT_KERNEL_LANES if lanes is None else min(lanes, 4)
+    return DEFAULT_KERNEL_LANES if lanes is None else min(lanes, MAX_KERNEL_LANES)
 
 
 class KernelLanes:
