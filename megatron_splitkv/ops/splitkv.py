@@ -878,18 +878,21 @@ class _SplitKV(torch.autograd.Function):
                 if i:
                     pend_dq[order[i - 1]].advance()
             del dq_r
-            if hsplit:  # a head chunk's dK / dV are final: written (in dt) into its kv heads of the result, in
-                # context order (`_grad_rows`: the unsort in the same copy; nothing left to unsort after the loop)
+            if hsplit:  # a head chunk's dK / dV are final: written (in dt) into its kv heads of the result. In
+                # the kernel's dtype dt (`native_results`, or fp32 / fp64 inputs) in context order (`_grad_rows`: the
+                # unsort in the same copy, nothing left to unsort after the loop); else (an fp32 result for bf16 /
+                # fp16 inputs: index_copy_ does not cast) cast by a copy in sorted order and unsorted after the loop
                 if dk_x is None:
                     dk_x = dk_c.new_empty((dk_c.shape[0], meta.num_heads_kv, dk_c.shape[2]), dtype=dt)
                     dv_x = dv_c.new_empty((dv_c.shape[0], meta.num_heads_kv, dv_c.shape[2]), dtype=dt)
-                    rows_kv = _grad_rows(meta, dk_c.shape[0], dk_c.device)
+                    if dk_c.dtype == dt:
+                        rows_kv = _grad_rows(meta, dk_c.shape[0], dk_c.device)
                 g0, g1 = _kv_heads(meta, c)
                 for dst, src in ((dk_x, dk_c), (dv_x, dv_c)):
                     if rows_kv is None:
                         dst[:, g0:g1].copy_(src)
                     else:
-                        dst[:, g0:g1].index_copy_(0, rows_kv, src.to(dt))
+                        dst[:, g0:g1].index_copy_(0, rows_kv, src)
             elif dk_x is None:  # the fp32 sums of a chunked pass start from the first chunk's exact upcast
                 dk_x, dv_x = (dk_c, dv_c) if n == 1 else (dk_c.to(plan.acc), dv_c.to(plan.acc))
             else:  # fp32 += input dtype: the same fp32 additions as adding the upcast
@@ -900,7 +903,7 @@ class _SplitKV(torch.autograd.Function):
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
         dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
-        order_kv = None if hsplit else meta.order  # head chunks: written in context order already
+        order_kv = meta.order if rows_kv is None else None  # head chunks through `_grad_rows`: in context order
         grads_kv = (unsort(dk_s, order_kv).to(dt), unsort(dv_s, order_kv).to(dt), cast(dk_b, dt), cast(dv_b, dt))
         if hier is not None:
             pend_dq[order[-1]].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
