@@ -41,6 +41,8 @@ owner's merge take their torch paths, one Triton kernel each on the GPU: the CPU
     .venv/bin/python tools/host_overhead.py                         # P = 1, 2; k = 1, 2, 4; math
     .venv/bin/python tools/host_overhead.py --backends math,flex,staircase --breakdown --top 25 \\
         --json out/host_overhead.json                               # + aten ops by issuing function
+    .venv/bin/python tools/host_overhead.py --heads 32 --heads-kv 8 --num-chunks 2 --chunk-axis heads \
+        --breakdown --digest                                        # head chunks (--head-split 6,2: uneven)
 
 Without RANK in the environment it launches itself once per P with `python -m torch.distributed.run` and
 prints one table at the end; under torchrun it is the worker (rank 0 reports). `--digest` adds a sha256 of
