@@ -224,6 +224,8 @@ class FA4AttentionKernel:
 
     name = "fa4"
     native_dtype_results = True
+    #: q / k / v / dout may be head slices (any row / head strides, unit stride on D): FA4 reads them in place
+    strided_heads = True
 
     def __init__(self, tile: int = TILE, cache_tables: bool = True):
         self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
@@ -280,8 +282,9 @@ class FA4AttentionKernel:
         return self._mask_two if t.union else self._mask_one
 
     @staticmethod
-    def _b(x):  # [T, H, D] -> [1, T, H, D] contiguous (FA4's bshd layout; a view for contiguous x)
-        return x.contiguous().unsqueeze(0)
+    def _b(x):  # [T, H, D] -> [1, T, H, D] (FA4's bshd layout): a view whenever D has unit stride (FA4 takes any
+        # row / head strides, e.g. a head chunk's slice: `strided_heads`), else a contiguous copy
+        return (x if x.stride(-1) == 1 else x.contiguous()).unsqueeze(0)
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, q, k, v, mask: IntervalMask, scale: float, native: bool = False):

@@ -266,6 +266,14 @@ def _head_sends(x, meta, rows_max, fill=0, valid_rows=None):
     return list(buf.unbind(0))
 
 
+def _key_views(x, meta):
+    """Per chunk its local keys (or values) as views of the one call's x [Tk', Hkv, D] (`with_own_keys`): the
+    kv heads [g0, g1) of a head chunk (for kernels with `strided_heads`), else x itself."""
+    if not _head_split(meta):
+        return [x] * len(meta.chunks)
+    return [x[:, g0:g1] for g0, g1 in (_kv_heads(meta, c) for c in range(len(meta.chunks)))]
+
+
 def _query_sends(q, meta, rows_max):
     """Per chunk, the tensor its "splitkv.fwd.q" all-gather sends: this rank's padded q (invalid blocks' rows
     zeroed, `zero_invalid_rows`) restricted to the chunk, contiguous. Rows: slices [b0 * B, b1 * B) of ONE
@@ -643,17 +651,22 @@ class _SplitKV(torch.autograd.Function):
 
         prefetch(1)
         # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]; head
-        # chunks: one per chunk from its kv heads (the same gathering copy, split by heads: no extra copy but
-        # for k_blk None with sorted context, where the head slice is made contiguous)
-        if hsplit:
+        # chunks: for a kernel taking strided heads (`strided_heads`, kernels/base.py) views [:, g0:g1] of the
+        # one call's keys (`_key_views`: no copy per chunk); else one per chunk from its kv heads (the same
+        # gathering copy, split by heads: no extra copy but for k_blk None with sorted context, where the head
+        # slice is made contiguous)
+        if hsplit and not getattr(plan.kernel, "strided_heads", False):
             kv_h = [_kv_heads(meta, c) for c in range(n)]
             k_xs = [with_own_keys(k_ctx[:, g0:g1], meta.order, None if k_blk is None else k_blk[:, g0:g1],
                                   plan.valid_rows) for g0, g1 in kv_h]
             v_xs = [with_own_keys(v_ctx[:, g0:g1], meta.order, None if v_blk is None else v_blk[:, g0:g1],
                                   plan.valid_rows) for g0, g1 in kv_h]
+            kv_saved = k_xs + v_xs
         else:
-            k_xs = [with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)] * n
-            v_xs = [with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)] * n
+            k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
+            v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
+            k_xs, v_xs, kv_saved = _key_views(k_x, meta), _key_views(v_x, meta), [k_x, v_x]
+            del k_x, v_x
         dev = k_xs[0].device
         # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
         # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
@@ -747,9 +760,9 @@ class _SplitKV(torch.autograd.Function):
         # attribute holding an output would form a reference cycle through the graph).
         alias = dtype == plan.acc
         ctx.out = None if alias else out
-        n_kv = n if hsplit else 1  # the local keys: one per head chunk, else one for every chunk
-        ctx.save_for_backward(lse, out if alias else None, *q_chunks, *k_xs[:n_kv], *v_xs[:n_kv])
-        del k_xs, v_xs
+        # the local keys: one per head chunk (copies), else the one call's (every chunk's, or their views)
+        ctx.save_for_backward(lse, out if alias else None, *q_chunks, *kv_saved)
+        del k_xs, v_xs, kv_saved
         # an output nobody uses gets None in backward (not a materialised zero tensor): no zero fill and no
         # dlse term (the same delta: delta - 0 == delta bit for bit), no zero dO when only lse is used
         ctx.set_materialize_grads(False)
@@ -762,10 +775,11 @@ class _SplitKV(torch.autograd.Function):
         chunks = meta.chunks
         n, hsplit, heads = len(chunks), _head_split(meta), _chunk_heads(meta)
         lse, out, *saved = ctx.saved_tensors
-        n_kv = n if hsplit else 1
+        n_kv = (len(saved) - n) // 2  # n: one per head chunk; 1: the one call's keys
         q_chunks = saved[:n]
-        k_xs = saved[n:n + n_kv] if hsplit else saved[n:n + 1] * n
-        v_xs = saved[n + n_kv:] if hsplit else saved[n + 1:] * n
+        k_xs, v_xs = saved[n:n + n_kv], saved[n + n_kv:]
+        if n_kv == 1:
+            k_xs, v_xs = _key_views(k_xs[0], meta), _key_views(v_xs[0], meta)
         del saved
         g, bsz = plan.group, plan.block_size
         hier = meta.node_groups
