@@ -282,9 +282,11 @@ class FA4AttentionKernel:
         return self._mask_two if t.union else self._mask_one
 
     @staticmethod
-    def _b(x):  # [T, H, D] -> [1, T, H, D] (FA4's bshd layout): a view whenever D has unit stride (FA4 takes any
-        # row / head strides, e.g. a head chunk's slice: `strided_heads`), else a contiguous copy
-        return (x if x.stride(-1) == 1 else x.contiguous()).unsqueeze(0)
+    def _b(x):  # [T, H, D] -> [1, T, H, D] (FA4's bshd layout): a view for contiguous x and for a head slice
+        # [:, h0:h1] of a contiguous tensor (FA4 reads it through its strides: `strided_heads`), else a copy
+        t, h, d = x.shape
+        head_slice = x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d
+        return (x if head_slice else x.contiguous()).unsqueeze(0)
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, q, k, v, mask: IntervalMask, scale: float, native: bool = False):
