@@ -306,6 +306,12 @@ def worker(a) -> None:
     plan = bench.place(lens, anchors, cp_size=world, strategy="lpt", block_size=a.block_size)
     hkv = a.heads_kv or a.heads
     x = bench.rank_inputs(plan, rank, Hq=a.heads, Hkv=hkv, D=a.head_dim, dtype=dtype, device="cpu")
+    if a.shuffle_context:  # this rank's context tokens in a fixed random order: the op sorts / unsorts them
+        perm = torch.randperm(x["kv_seq"].shape[0], generator=torch.Generator().manual_seed(rank))
+        for name in ("k_ctx", "v_ctx"):
+            x[name] = x[name].detach()[perm].requires_grad_()
+        for name in ("kv_seq", "kv_pos"):
+            x[name] = x[name][perm]
     chunking = {} if a.chunk_axis is None else {"chunk_axis": a.chunk_axis}
     if a.head_split:
         chunking["head_split"] = a.head_split
@@ -452,6 +458,8 @@ def main(argv=None):
     ap.add_argument("--head-split", default=None,
                     help="kv heads per chunk with --chunk-axis heads, e.g. 6,2 (item 22; replaces --num-chunks)")
     ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--shuffle-context", action="store_true",
+                    help="each rank's context tokens in a random order (the planner gives them sorted: no unsort)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
     ap.add_argument("--warmup", type=int, default=3)
