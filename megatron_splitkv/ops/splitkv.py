@@ -248,7 +248,8 @@ def _head_sends(x, meta, rows_max, fill=0, valid_rows=None):
     contiguous [rows_max, h1 - h0, ...] tensor (a collective's send buffer), rows >= rows filled with `fill`;
     valid_rows [rows] bool given: the rows of invalid blocks zeroed (`zero_invalid_rows`, padding 0). Chunks of
     equal width: views of one chunk-major [k, rows_max, Hc, ...] buffer written by ONE copy (select) of the
-    strided head slices and one fill (docs/perf-notes.md item 24); uneven ones (`head_split`): one copy (select)
+    strided head slices and one fill (docs/perf-notes.md item 24; the buffer, this rank's rows only, lives until
+    the last chunk's collective is waited, not chunk by chunk); uneven ones (`head_split`): one copy (select)
     and fill per chunk. The same values either way (copies and the same elementwise select)."""
     heads, rows = meta.chunk_heads, x.shape[0]
     widths = {h1 - h0 for h0, h1 in heads}
