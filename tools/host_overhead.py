@@ -41,6 +41,8 @@ owner's merge take their torch paths, one Triton kernel each on the GPU: the CPU
     .venv/bin/python tools/host_overhead.py                         # P = 1, 2; k = 1, 2, 4; math
     .venv/bin/python tools/host_overhead.py --backends math,flex,staircase --breakdown --top 25 \\
         --json out/host_overhead.json                               # + aten ops by issuing function
+    .venv/bin/python tools/host_overhead.py --heads 32 --heads-kv 8 --num-chunks 2 --chunk-axis heads \
+        --breakdown --digest                                        # head chunks (--head-split 6,2: uneven)
 
 Without RANK in the environment it launches itself once per P with `python -m torch.distributed.run` and
 prints one table at the end; under torchrun it is the worker (rank 0 reports). `--digest` adds a sha256 of
@@ -302,12 +304,22 @@ def worker(a) -> None:
     dtype = getattr(torch, a.dtype)
     lens, anchors = bench.make_workload(a.context, a.anchors, seed=0)
     plan = bench.place(lens, anchors, cp_size=world, strategy="lpt", block_size=a.block_size)
-    x = bench.rank_inputs(plan, rank, Hq=a.heads, Hkv=a.heads, D=a.head_dim, dtype=dtype, device="cpu")
+    hkv = a.heads_kv or a.heads
+    x = bench.rank_inputs(plan, rank, Hq=a.heads, Hkv=hkv, D=a.head_dim, dtype=dtype, device="cpu")
+    if a.shuffle_context:  # this rank's context tokens in a fixed random order: the op sorts / unsorts them
+        perm = torch.randperm(x["kv_seq"].shape[0], generator=torch.Generator().manual_seed(rank))
+        for name in ("k_ctx", "v_ctx"):
+            x[name] = x[name].detach()[perm].requires_grad_()
+        for name in ("kv_seq", "kv_pos"):
+            x[name] = x[name][perm]
+    chunking = {} if a.chunk_axis is None else {"chunk_axis": a.chunk_axis}
+    if a.head_split:
+        chunking["head_split"] = a.head_split
     rows = []
     for backend in a.backends:
         for k in a.num_chunks:
-            meta = bench.prepare_meta("splitkv", x, block_size=a.block_size, cp_group=g, Hq=a.heads, Hkv=a.heads,
-                                      D=a.head_dim, dtype=dtype, num_chunks=k)
+            meta = bench.prepare_meta("splitkv", x, block_size=a.block_size, cp_group=g, Hq=a.heads, Hkv=hkv,
+                                      D=a.head_dim, dtype=dtype, num_chunks=None if a.head_split else k, **chunking)
 
             def step():
                 return bench.run_op("splitkv", x, block_size=a.block_size, cp_group=g, backend=backend, meta=meta)
@@ -344,6 +356,7 @@ def worker(a) -> None:
             prof_ms = (time.perf_counter() - t0) * 1e3 / a.profile_steps
             st = pstats.Stats(prof)
             row = {"backend": backend, "P": world, "k": meta.num_chunks, "context": a.context, "anchors": a.anchors,
+                   "chunk_axis": getattr(meta, "chunk_axis", "rows"), "head_split": getattr(meta, "head_split", None),
                    "wall_ms": max(float(t[0]) for t in allmed), "wall_ms_by_rank": [float(t[0]) for t in allmed],
                    "host_ms": max(float(t[1]) for t in allmed), "host_ms_by_rank": [float(t[1]) for t in allmed],
                    "py_calls": st.total_calls / a.profile_steps,
@@ -385,7 +398,9 @@ def _fmt_row(r) -> list:
         f" / {sum(v for c, v in w.items() if c not in ('op', 'glue', 'kernel'))}"
     c = r["py_calls_split"]
     calls = f"{c['op py'] + c['op aten']:.0f} / {c['glue py'] + c['glue aten']:.0f}"
-    return [r["backend"], r["P"], r["k"], f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['py_calls']:.0f}", calls, r["aten_ops"], where,
+    k = r["k"] if r.get("chunk_axis", "rows") == "rows" or r["k"] == 1 else \
+        "/".join(map(str, r["head_split"])) if r.get("head_split") else f"{r['k']} heads"
+    return [r["backend"], r["P"], k, f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['py_calls']:.0f}", calls, r["aten_ops"], where,
             r["views"], r["syncs"]] + [f"{s[c]:.2f}" for c in CATEGORIES[:7]] + [
         f"{r['profiled_ms']:.2f}", "-" if r["dense_calls"] is None else r["dense_calls"]]
 
@@ -399,7 +414,8 @@ def report(rows, a) -> None:
                 for n, v in STAIRCASE_SMALL.items()}
         print("staircase options: " + ", ".join(f"{n.lower()}={v}" for n, v in opts.items()))
     print(f"\nSplit-KV op host overhead per step (forward + backward, metadata reused; CPU, gloo, 1 thread per "
-          f"rank; context {a.context}, {a.anchors} anchors x B {a.block_size}, Hq = Hkv = {a.heads}, D {a.head_dim}, "
+          f"rank; context {a.context}, {a.anchors} anchors x B {a.block_size}, Hq {a.heads}, Hkv {a.heads_kv or a.heads}, "
+          f"D {a.head_dim}, "
           f"{a.dtype}; MEGATRON_SPLITKV_DEBUG_CHECKS={dc}; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print("wall ms: median of --steps, max over ranks, no profiler. op py ... autograd: cProfile ms per step "
@@ -435,8 +451,15 @@ def main(argv=None):
     ap.add_argument("--staircase", default="small", choices=["small", "default"],
                     help="staircase options: scaled to the shapes (STAIRCASE_SMALL) or the kernel's defaults")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=1, help="Hq = Hkv")
+    ap.add_argument("--heads", type=int, default=1, help="Hq (= Hkv unless --heads-kv)")
+    ap.add_argument("--heads-kv", type=int, default=None, help="Hkv (dividing --heads; default: --heads)")
+    ap.add_argument("--chunk-axis", default=None, choices=["rows", "heads"],
+                    help="what the --num-chunks chunks split (docs/perf-notes.md item 21; default: the op's default)")
+    ap.add_argument("--head-split", default=None,
+                    help="kv heads per chunk with --chunk-axis heads, e.g. 6,2 (item 22; replaces --num-chunks)")
     ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--shuffle-context", action="store_true",
+                    help="each rank's context tokens in a random order (the planner gives them sorted: no unsort)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -452,6 +475,18 @@ def main(argv=None):
     nprocs = bench.int_list_arg(ap, "--nproc", a.nproc, 1)
     a.num_chunks = bench.int_list_arg(ap, "--num-chunks", a.num_chunks, 1)
     a.backends = bench.choices_arg(ap, "--backends", a.backends, ("math", "staircase", "flex"), "backend")
+    if a.heads_kv is not None and (a.heads_kv < 1 or a.heads % a.heads_kv):
+        ap.error(f"--heads-kv must be >= 1 and divide --heads ({a.heads}), got {a.heads_kv}")
+    if a.head_split is not None:
+        from megatron_splitkv.ops.metadata import head_split_from_text
+
+        if a.chunk_axis != "heads":
+            ap.error("--head-split needs --chunk-axis heads")
+        try:
+            a.head_split = head_split_from_text(a.head_split, a.heads_kv or a.heads, "--head-split")
+        except ValueError as exc:
+            ap.error(str(exc))
+        a.num_chunks = [len(a.head_split)]
     for flag in ("context", "anchors", "block_size", "heads", "head_dim", "steps", "profile_steps", "top"):
         if getattr(a, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")

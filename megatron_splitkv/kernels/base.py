@@ -50,6 +50,16 @@ Kernels implement:
         to skip the fp32 round trip of results it sends in the input dtype (`ops.common.native_results`);
         results are bit-identical either way.
 
+    strided_heads (optional class attribute, default False): when True, forward and backward take q, k, v
+        and dout with any row and head strides (unit stride on D), e.g. the head slices [:, g0:g1] of wider
+        tensors, reading them in place with the same results as on contiguous copies. Split-KV's head chunks
+        then pass every chunk's local keys / values as views of one tensor instead of a copy per chunk
+        (ops/splitkv.py `_key_views`; docs/perf-notes.md item 24). Set for math (its tiles are gathered /
+        selected into new tensors first) and fa4 (FlashAttention-4 reads strided heads through its TMA
+        layouts; only the last stride must be 1); not for flex (its leaves are copied contiguous inside the
+        kernel anyway) or te (copies its inputs contiguous), nor staircase (its cuDNN graphs are keyed by
+        the inputs' strides; not tried with head slices).
+
     check_dtype(dtype, device=None, head_dim=None) (optional): raise ValueError when the kernel cannot run
         `dtype` with head dim `head_dim` (D; None: unknown) on `device`. The ops call it once per call, with
         the call's D, before their first data collective, so that every rank raises (a rank without queries

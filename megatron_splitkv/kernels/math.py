@@ -39,6 +39,8 @@ class MathAttentionKernel:
     """
 
     name = "math"
+    #: q / k / v / dout may be head slices (any row / head strides): every tile is selected into a new tensor
+    strided_heads = True
 
     def __init__(self, max_elements: int = 1 << 22):
         self.max_elements = int(max_elements)

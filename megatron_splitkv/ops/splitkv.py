@@ -49,11 +49,16 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    heads [g0 G, g1 G) (G = Hq / Hkv, GQA groups whole) of ALL rows (`SplitKVMetadata.chunk_heads`; chunks =
    [(0, nb_max)] * k, k clamped to [1, Hkv], uneven splits allowed), the one-call masks shared (the same
    `IntervalMask` objects: a kernel's cached tables built once). Each chunk's send tensors are its heads made
-   contiguous by the copy that pads them anyway (`zero_invalid_rows` of q's head slice, `pad_rows` of dO and
-   the statistics); its local keys are built from the kv-head slice by `with_own_keys` (the gathering copy
-   split by heads); the owner merges each chunk into [rows, h0:h1] of one output (the Triton merge writes the
-   strided destination, the torch merge copies there) and writes its dQ sums there; dK / dV of a head chunk
-   are final (written into its kv heads, no fp32 accumulation across chunks). Same collectives per chunk and
+   contiguous by the copy that pads them anyway (`_head_sends`: for chunks of equal width ONE chunk-major
+   buffer per tensor, written by one select / copy of q, dO and the statistics and one fill, each chunk a
+   contiguous view of it; an uneven split one copy per chunk; docs/perf-notes.md item 24); its local keys are
+   the kv-head views [:, g0:g1] of the one call's keys for a kernel with `strided_heads` (math, fa4:
+   kernels/base.py; `_key_views`), else built from the kv-head slice by `with_own_keys` (the gathering copy
+   split by heads: flex, te, staircase); the owner merges each
+   chunk into [rows, h0:h1] of one output (the Triton merge writes the strided destination, the torch merge
+   copies there) and writes its dQ sums there; dK / dV of a head chunk are final: written in the inputs' dtype
+   straight into its kv heads of the gradient, in context order (`_grad_rows`: the unsort folded into that
+   one `index_copy_`, no sorted buffer unsorted again), no fp32 accumulation across chunks. Same collectives per chunk and
    the same bytes per collective name as row chunks (each carries Hq / k heads of every row instead of rows /
    k of every head). Why: FA4's backward iterates key tiles over query tiles, so halving the rows per call
    doubles its per-CTA prologue / epilogue and dK / dV writes; k = 2 query chunks cost 1.132x one call's
@@ -167,6 +172,7 @@ from __future__ import annotations
 
 import collections
 import warnings
+import weakref
 
 import torch
 
@@ -191,6 +197,7 @@ from .common import (
     unsort,
     with_own_keys,
     zero_invalid_rows,
+    zero_scalar,
 )
 from .fused_merge import merges_in_place, sum_partials
 from .metadata import check_query_gather_start, run_op
@@ -236,15 +243,70 @@ def _kv_heads(meta, c):
     return h0 // grp, h1 // grp
 
 
+def _head_sends(x, meta, rows_max, fill=0, valid_rows=None):
+    """Per head chunk (`meta.chunk_heads`), the q heads [h0, h1) of every row of x [rows, Hq, ...] as ONE
+    contiguous [rows_max, h1 - h0, ...] tensor (a collective's send buffer), rows >= rows filled with `fill`;
+    valid_rows [rows] bool given: the rows of invalid blocks zeroed (`zero_invalid_rows`, padding 0). Chunks of
+    equal width: views of one chunk-major [k, rows_max, Hc, ...] buffer written by ONE copy (select) of the
+    strided head slices and one fill (docs/perf-notes.md item 24; the buffer, this rank's rows only, lives until
+    the last chunk's collective is waited, not chunk by chunk); uneven ones (`head_split`): one copy (select)
+    and fill per chunk. The same values either way (copies and the same elementwise select)."""
+    heads, rows = meta.chunk_heads, x.shape[0]
+    widths = {h1 - h0 for h0, h1 in heads}
+    if len(widths) > 1:
+        if valid_rows is not None:
+            return [zero_invalid_rows(x[:, h0:h1], valid_rows, rows_max) for h0, h1 in heads]
+        return [pad_rows(x[:, h0:h1], rows_max, fill) for h0, h1 in heads]
+    k, hc = len(heads), widths.pop()
+    buf = x.new_empty((k, rows_max, hc) + tuple(x.shape[2:]))
+    src = x.unflatten(1, (k, hc)).transpose(0, 1)  # [k, rows, Hc, ...] view
+    if valid_rows is None:
+        buf[:, :rows].copy_(src)
+    else:
+        torch.where(valid_rows[:, None, None], src, zero_scalar(x.dtype, x.device), out=buf[:, :rows])
+    if rows_max > rows:
+        buf[:, rows:].fill_(fill)
+    return list(buf.unbind(0))
+
+
+def _key_views(x, meta):
+    """Per chunk its local keys (or values) as views of the one call's x [Tk', Hkv, D] (`with_own_keys`): the
+    kv heads [g0, g1) of a head chunk (for kernels with `strided_heads`), else x itself."""
+    if not _head_split(meta):
+        return [x] * len(meta.chunks)
+    return [x[:, g0:g1] for g0, g1 in (_kv_heads(meta, c) for c in range(len(meta.chunks)))]
+
+
 def _query_sends(q, meta, rows_max):
     """Per chunk, the tensor its "splitkv.fwd.q" all-gather sends: this rank's padded q (invalid blocks' rows
     zeroed, `zero_invalid_rows`) restricted to the chunk, contiguous. Rows: slices [b0 * B, b1 * B) of ONE
-    padded copy; head chunks: the chunk's heads of every row, each written contiguous by its own part of that
-    one copy (no extra copy)."""
+    padded copy; head chunks: the chunk's heads of every row (`_head_sends`: one chunk-major copy for equal
+    chunks)."""
     if _head_split(meta):
-        return [zero_invalid_rows(q[:, h0:h1], meta.valid_rows, rows_max) for h0, h1 in meta.chunk_heads]
+        return _head_sends(q, meta, rows_max, valid_rows=meta.valid_rows)
     q_pad, bsz = zero_invalid_rows(q, meta.valid_rows, rows_max), meta.block_size
     return [q_pad[b0 * bsz:b1 * bsz] for b0, b1 in meta.chunks]
+
+
+#: per metadata (weakly held), per local key count: `_grad_rows`' index
+_GRAD_ROWS = weakref.WeakKeyDictionary()
+
+
+def _grad_rows(meta, num_keys: int, device):
+    """Where a head chunk's dK / dV rows go (docs/perf-notes.md item 24): None when the local context is
+    already sorted (`meta.order` None: the kernel's key rows are the result's rows), else an int64 index
+    [num_keys] for `index_copy_`: sorted context row i -> its context token `meta.order[i]` (the `unsort`),
+    every later row (the own-key padding and the own keys of `with_own_keys`) to itself. Built once per
+    metadata and key count (the same in every layer)."""
+    order = meta.order
+    if order is None:
+        return None
+    cache = _GRAD_ROWS.setdefault(meta, {})
+    idx = cache.get(num_keys)
+    if idx is None:
+        n = order.shape[0]
+        idx = cache[num_keys] = torch.cat([order, torch.arange(n, num_keys, dtype=order.dtype, device=device)])
+    return idx
 
 
 def _gather_q_chunk(sends, meta, c):
@@ -592,17 +654,22 @@ class _SplitKV(torch.autograd.Function):
 
         prefetch(1)
         # local keys: sorted context (order precomputed per step, no host sync) [+ padding + own block]; head
-        # chunks: one per chunk from its kv heads (the same gathering copy, split by heads: no extra copy but
-        # for k_blk None with sorted context, where the head slice is made contiguous)
-        if hsplit:
+        # chunks: for a kernel taking strided heads (`strided_heads`, kernels/base.py) views [:, g0:g1] of the
+        # one call's keys (`_key_views`: no copy per chunk); else one per chunk from its kv heads (the same
+        # gathering copy, split by heads: no extra copy but for k_blk None with sorted context, where the head
+        # slice is made contiguous)
+        if hsplit and not getattr(plan.kernel, "strided_heads", False):
             kv_h = [_kv_heads(meta, c) for c in range(n)]
             k_xs = [with_own_keys(k_ctx[:, g0:g1], meta.order, None if k_blk is None else k_blk[:, g0:g1],
                                   plan.valid_rows) for g0, g1 in kv_h]
             v_xs = [with_own_keys(v_ctx[:, g0:g1], meta.order, None if v_blk is None else v_blk[:, g0:g1],
                                   plan.valid_rows) for g0, g1 in kv_h]
+            kv_saved = k_xs + v_xs
         else:
-            k_xs = [with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)] * n
-            v_xs = [with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)] * n
+            k_x = with_own_keys(k_ctx, meta.order, k_blk, plan.valid_rows)
+            v_x = with_own_keys(v_ctx, meta.order, v_blk, plan.valid_rows)
+            k_xs, v_xs, kv_saved = _key_views(k_x, meta), _key_views(v_x, meta), [k_x, v_x]
+            del k_x, v_x
         dev = k_xs[0].device
         # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
         # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
@@ -696,9 +763,9 @@ class _SplitKV(torch.autograd.Function):
         # attribute holding an output would form a reference cycle through the graph).
         alias = dtype == plan.acc
         ctx.out = None if alias else out
-        n_kv = n if hsplit else 1  # the local keys: one per head chunk, else one for every chunk
-        ctx.save_for_backward(lse, out if alias else None, *q_chunks, *k_xs[:n_kv], *v_xs[:n_kv])
-        del k_xs, v_xs
+        # the local keys: one per head chunk (copies), else the one call's (every chunk's, or their views)
+        ctx.save_for_backward(lse, out if alias else None, *q_chunks, *kv_saved)
+        del k_xs, v_xs, kv_saved
         # an output nobody uses gets None in backward (not a materialised zero tensor): no zero fill and no
         # dlse term (the same delta: delta - 0 == delta bit for bit), no zero dO when only lse is used
         ctx.set_materialize_grads(False)
@@ -711,10 +778,11 @@ class _SplitKV(torch.autograd.Function):
         chunks = meta.chunks
         n, hsplit, heads = len(chunks), _head_split(meta), _chunk_heads(meta)
         lse, out, *saved = ctx.saved_tensors
-        n_kv = n if hsplit else 1
+        n_kv = (len(saved) - n) // 2  # n: one per head chunk; 1: the one call's keys
         q_chunks = saved[:n]
-        k_xs = saved[n:n + n_kv] if hsplit else saved[n:n + 1] * n
-        v_xs = saved[n + n_kv:] if hsplit else saved[n + 1:] * n
+        k_xs, v_xs = saved[n:n + n_kv], saved[n + n_kv:]
+        if n_kv == 1:
+            k_xs, v_xs = _key_views(k_xs[0], meta), _key_views(v_xs[0], meta)
         del saved
         g, bsz = plan.group, plan.block_size
         hier = meta.node_groups
@@ -740,18 +808,17 @@ class _SplitKV(torch.autograd.Function):
         # N > 1: the packed gather in two stages (`_gather_dout_stats`), its segments local-index-major
         nodes = hier[1].size if hier is not None and two_level_bwd_gather(hier[1].size) else 1
         # head chunks: each chunk's heads of every row padded into contiguous send tensors by the padding copy
-        # itself (`pad_rows` of the head slice), chunk by chunk
+        # itself (`_head_sends`: one chunk-major copy of dO and one of the statistics for equal chunks)
+        stats = torch.stack([delta, lse], -1)
         if hsplit:
-            send = [dout, torch.stack([delta, lse], -1)]
+            send = [_head_sends(dout, meta, rows_max), _head_sends(stats, meta, rows_max, float("-inf"))]
         else:
-            send = [pad_rows(dout, rows_max), pad_rows(torch.stack([delta, lse], -1), rows_max, float("-inf"))]
-        del delta
+            send = [pad_rows(dout, rows_max), pad_rows(stats, rows_max, float("-inf"))]
+        del delta, stats
 
         def gather_stats(c):
             if hsplit:
-                h0, h1 = meta.chunk_heads[c]
-                do_c = pad_rows(send[0][:, h0:h1], rows_max)
-                st_c = pad_rows(send[1][:, h0:h1], rows_max, float("-inf"))
+                do_c, st_c = send[0][c], send[1][c]
             else:
                 b0, b1 = chunks[c]
                 sl = slice(b0 * bsz, b1 * bsz)
@@ -768,7 +835,7 @@ class _SplitKV(torch.autograd.Function):
         # the processing order (`_bwd_order`): position i runs chunk order[i]; gathers, kernels and dQ
         # exchanges are issued in that order, the dQ pendings kept by chunk (the consumers read them by chunk)
         order = _bwd_order(meta)
-        pend_g, pend_dq, dk_x, dv_x = {}, [None] * n, None, None
+        pend_g, pend_dq, dk_x, dv_x, rows_kv = {}, [None] * n, None, None, None
         issued, advanced = [0], [0]  # positions whose (first-stage) gather / two-level stage 2 is issued
 
         def prefetch(i):
@@ -828,13 +895,21 @@ class _SplitKV(torch.autograd.Function):
                 if i:
                     pend_dq[order[i - 1]].advance()
             del dq_r
-            if hsplit:  # a head chunk's dK / dV are final: cast / written into its kv heads of the result
+            if hsplit:  # a head chunk's dK / dV are final: written (in dt) into its kv heads of the result. In
+                # the kernel's dtype dt (`native_results`, or fp32 / fp64 inputs) in context order (`_grad_rows`: the
+                # unsort in the same copy, nothing left to unsort after the loop); else (an fp32 result for bf16 /
+                # fp16 inputs: index_copy_ does not cast) cast by a copy in sorted order and unsorted after the loop
                 if dk_x is None:
                     dk_x = dk_c.new_empty((dk_c.shape[0], meta.num_heads_kv, dk_c.shape[2]), dtype=dt)
                     dv_x = dv_c.new_empty((dv_c.shape[0], meta.num_heads_kv, dv_c.shape[2]), dtype=dt)
+                    if dk_c.dtype == dt:
+                        rows_kv = _grad_rows(meta, dk_c.shape[0], dk_c.device)
                 g0, g1 = _kv_heads(meta, c)
-                dk_x[:, g0:g1].copy_(dk_c)
-                dv_x[:, g0:g1].copy_(dv_c)
+                for dst, src in ((dk_x, dk_c), (dv_x, dv_c)):
+                    if rows_kv is None:
+                        dst[:, g0:g1].copy_(src)
+                    else:
+                        dst[:, g0:g1].index_copy_(0, rows_kv, src)
             elif dk_x is None:  # the fp32 sums of a chunked pass start from the first chunk's exact upcast
                 dk_x, dv_x = (dk_c, dv_c) if n == 1 else (dk_c.to(plan.acc), dv_c.to(plan.acc))
             else:  # fp32 += input dtype: the same fp32 additions as adding the upcast
@@ -845,8 +920,8 @@ class _SplitKV(torch.autograd.Function):
         tk = plan.n_ctx[g.rank]
         dk_s, dk_b = split_own_grad(dk_x, tk, ctx.own)
         dv_s, dv_b = split_own_grad(dv_x, tk, ctx.own)
-        grads_kv = (unsort(dk_s, meta.order).to(dt), unsort(dv_s, meta.order).to(dt), cast(dk_b, dt),
-                    cast(dv_b, dt))
+        order_kv = meta.order if rows_kv is None else None  # head chunks through `_grad_rows`: in context order
+        grads_kv = (unsort(dk_s, order_kv).to(dt), unsort(dv_s, order_kv).to(dt), cast(dk_b, dt), cast(dv_b, dt))
         if hier is not None:
             pend_dq[order[-1]].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
         if gather is None:
