@@ -136,8 +136,7 @@ def cases_fa4():
     jobs, names = [], []
     for name, c in named:
         for op in (["splitkv", "allgather_kv", "ring_kv"] if name != "C10" else ["splitkv"]):
-            # splitkv: also row chunks and head chunks (the wrapper then gets the local keys as head slices of one
-            # tensor: `strided_heads`; clamped to one call where Hkv = 1)
+            # splitkv: also row chunks and head chunks (clamped to one call where Hkv = 1)
             for extra in ({}, *(({"metadata": True, "num_chunks": 2},
                                  {"metadata": True, "num_chunks": 2, "chunk_axis": "heads"}) if op == "splitkv" else ())):
                 # FA4's lse is fp32 whatever the inputs: the float64 cases run in float32 (fp32 tolerance)

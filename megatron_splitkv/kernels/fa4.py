@@ -224,8 +224,9 @@ class FA4AttentionKernel:
 
     name = "fa4"
     native_dtype_results = True
-    #: q / k / v / dout may be head slices (any row / head strides, unit stride on D): FA4 reads them in place
-    strided_heads = True
+    #: False: head slices are copied contiguous (`_b`). FA4 reading them in place (strides) crashed on the H200
+    #: (cudaErrorInvalidAddressSpace / an illegal memory access, intermittently, 2026-12-01, docs/perf-notes.md item 24)
+    strided_heads = False
 
     def __init__(self, tile: int = TILE, cache_tables: bool = True):
         self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
@@ -282,11 +283,8 @@ class FA4AttentionKernel:
         return self._mask_two if t.union else self._mask_one
 
     @staticmethod
-    def _b(x):  # [T, H, D] -> [1, T, H, D] (FA4's bshd layout): a view for contiguous x and for a head slice
-        # [:, h0:h1] of a contiguous tensor (FA4 reads it through its strides: `strided_heads`), else a copy
-        t, h, d = x.shape
-        head_slice = x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= h * d
-        return (x if head_slice else x.contiguous()).unsqueeze(0)
+    def _b(x):  # [T, H, D] -> [1, T, H, D] contiguous (FA4's bshd layout; a view for contiguous x)
+        return x.contiguous().unsqueeze(0)
 
     # ----------------------------------------------------------------------------------------------
     def forward(self, q, k, v, mask: IntervalMask, scale: float, native: bool = False):

@@ -52,9 +52,9 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    contiguous by the copy that pads them anyway (`_head_sends`: for chunks of equal width ONE chunk-major
    buffer per tensor, written by one select / copy of q, dO and the statistics and one fill, each chunk a
    contiguous view of it; an uneven split one copy per chunk; docs/perf-notes.md item 24); its local keys are
-   the kv-head views [:, g0:g1] of the one call's keys for a kernel with `strided_heads` (math, fa4:
+   the kv-head views [:, g0:g1] of the one call's keys for a kernel with `strided_heads` (math;
    kernels/base.py; `_key_views`), else built from the kv-head slice by `with_own_keys` (the gathering copy
-   split by heads: flex, te, staircase); the owner merges each
+   split by heads: fa4, flex, te, staircase); the owner merges each
    chunk into [rows, h0:h1] of one output (the Triton merge writes the strided destination, the torch merge
    copies there) and writes its dQ sums there; dK / dV of a head chunk are final: written in the inputs' dtype
    straight into its kv heads of the gradient, in context order (`_grad_rows`: the unsort folded into that
