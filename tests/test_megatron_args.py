@@ -862,3 +862,26 @@ def test_validate_another_namespace_does_not_inherit_the_first_ones_exports(clea
     assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "4" and os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] == "2"
     validate_splitkv_args(_spanning(), have_fa4=True)
     assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "3"}
+
+
+def test_num_chunks_flag_against_a_head_split_variable(clean_env):
+    """MEGATRON_SPLITKV_HEAD_SPLIT fixes the op's chunk count (k = its entries; the op ignores
+    MEGATRON_SPLITKV_NUM_CHUNKS then): --splitkv-num-chunks 3 with HEAD_SPLIT=6,2 was exported and silently
+    dropped (the op ran 2 chunks). A different count is now an error naming both; an equal one is fine. And
+    --parse-only showed the ignored variable ('3 (MEGATRON_SPLITKV_NUM_CHUNKS)') or 'auto -> 1' as the chunk
+    count; it shows the split's."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    clean_env.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "heads")
+    clean_env.setenv("MEGATRON_SPLITKV_HEAD_SPLIT", "6, 2")
+    with pytest.raises(SplitKVArgumentError, match=r"--splitkv-num-chunks 3 differs from the 2 chunks of "
+                                                   r"MEGATRON_SPLITKV_HEAD_SPLIT='6, 2'"):
+        validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=3))
+    validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=2))
+    a = _spanning(num_attention_heads=16, num_query_groups=8)
+    validate_splitkv_args(a)
+    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
+    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")  # ignored by the op under a head split
+    validate_splitkv_args(a)
+    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"

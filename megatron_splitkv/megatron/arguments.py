@@ -268,7 +268,8 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             "--splitkv-num-chunks", type=int_arg(), default=None,
             help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
             "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
-            "--splitkv-chunk-axis heads to the kv heads per TP rank. Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
+            "--splitkv-chunk-axis heads to the kv heads per TP rank; with MEGATRON_SPLITKV_HEAD_SPLIT set it must equal "
+            "that split's chunk count (the split fixes it). Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
             "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.",
         )
@@ -441,7 +442,9 @@ def runtime_flag_values(args) -> dict:
         if getattr(args, attr, None) is not None:
             continue
         env = os.environ.get(name, "").strip()
-        if env and exported.get(name) != env:
+        if name == NUM_CHUNKS_ENV and _head_split_chunks() is not None:  # the op's k then (the variable ignored)
+            out[attr] = f"{_head_split_chunks()} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
+        elif env and exported.get(name) != env:
             out[attr] = f"{env} ({name})"
         elif auto:
             out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"
@@ -682,11 +685,25 @@ def _export_auto(args, exports: dict) -> None:
     args.splitkv_auto_env = {**(getattr(args, "splitkv_auto_env", None) or {}), **exports}
 
 
+def _head_split_chunks():
+    """The chunk count MEGATRON_SPLITKV_HEAD_SPLIT fixes (its comma-separated entries), None when it is unset or
+    empty (its values are checked by `_check_op_env`)."""
+    text = os.environ.get(HEAD_SPLIT_ENV, "").strip()
+    return len(text.split(",")) if text else None
+
+
 def _export_pipeline_flags(args) -> None:
     """--splitkv-num-chunks (>= 1), --splitkv-chunk-axis (rows | heads), --splitkv-kernel-lanes (1 to
     MAX_KERNEL_LANES = 4, where the op caps MEGATRON_SPLITKV_KERNEL_LANES) checked and exported as their
     variables (the flag wins over the variable); SplitKVArgumentError naming the flag."""
     chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
+    split_k = _head_split_chunks()
+    if chunks is not None and split_k is not None and chunks != split_k:
+        # the op ignores MEGATRON_SPLITKV_NUM_CHUNKS under a head split: the flag would be dropped silently
+        raise SplitKVArgumentError(
+            f"--splitkv-num-chunks {chunks} differs from the {split_k} chunks of {HEAD_SPLIT_ENV}="
+            f"{_shown(os.environ[HEAD_SPLIT_ENV].strip())} (the split fixes the chunk count: drop the flag or "
+            "the variable)")
     if chunks is not None:
         _set_env(NUM_CHUNKS_ENV, chunks)
     axis = getattr(args, "splitkv_chunk_axis", None)
