@@ -31,3 +31,8 @@ def _restore_splitkv_env():
     for k in [k for k in os.environ if k.startswith("MEGATRON_SPLITKV_") and k not in before]:
         del os.environ[k]
     os.environ.update(before)
+    # and validate's process-wide record of what it exported (`arguments._EXPORTED`), now undone here: a later
+    # test setting one of them to the same value must not have it taken for validate's (and put back)
+    args_mod = sys.modules.get("megatron_splitkv.megatron.arguments")
+    if args_mod is not None:
+        args_mod._EXPORTED.clear()

@@ -68,3 +68,40 @@ def test_auto_backend_differing_across_ranks_raises_the_same_error_everywhere():
     msg = out["plain auto"]
     assert msg is not None and msg.startswith("splitkv: kernel backend 'auto'"), msg
     assert "'math' on CP rank 0; 'flex' on CP rank 1" in msg, msg
+
+
+def _mixed_backend_worker(rank, world):
+    """Ranks 0 and 1 call with backend "auto", rank 2 with "math"; rank 1's "auto" resolves to flex (mixed
+    hardware). Then rank 0 "auto", ranks 1 and 2 "math" (rank 1's "auto" still flex, but unused there)."""
+    import megatron_splitkv as msk
+    import megatron_splitkv.kernels as kernels
+
+    x, m = small_inputs(rank)
+    if rank == 1:
+        kernels.resolve_auto_backend = lambda *a, **k: "flex"
+    out = {}
+    for job, autos in (("two auto ranks differ", (0, 1)), ("one auto rank", (0,))):
+        try:
+            o = msk.splitkv_attention(*x.values(), *m.values(), block_size=4,
+                                      backend="auto" if rank in autos else "math")
+            out[job] = ("ran", o.detach().double())
+        except ValueError as exc:
+            out[job] = ("raised", str(exc))
+    return out
+
+
+def test_auto_check_does_not_depend_on_this_ranks_backend():
+    """The call without metadata= checked "auto"'s agreement only on the ranks that passed backend="auto": with
+    some ranks on an explicit backend those raised alone and the others waited in the data collectives (hang).
+    Every rank now sends whether it uses "auto" and the check runs on every rank over the ranks that do: the same
+    ValueError everywhere when they differ; one "auto" rank among explicit ones has nothing to disagree with
+    (as before: an explicit backend is the caller's) and runs, with the same output as an all-"math" call."""
+    res = run_distributed(_mixed_backend_worker, 3, timeout=120)
+    kinds = {r["two auto ranks differ"][0] for r in res}
+    assert kinds == {"raised"}, [r["two auto ranks differ"] for r in res]
+    msgs = {r["two auto ranks differ"][1] for r in res}
+    assert len(msgs) == 1, msgs
+    msg = msgs.pop()
+    assert msg.startswith("splitkv: kernel backend 'auto'") and "'math' on CP rank 0; 'flex' on CP rank 1" in msg, msg
+    assert "rank 2" not in msg, msg  # rank 2 passed "math": not part of "auto"'s agreement
+    assert all(r["one auto rank"][0] == "ran" for r in res), [r["one auto rank"][0] for r in res]

@@ -826,3 +826,62 @@ def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
         "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)", "auto -> 2 (splitkv_pipeline_auto)")
     validate_splitkv_args(a, have_fa4=False)
     assert runtime_flag_values(a)["splitkv_kernel_lanes"] == "auto -> 1 (splitkv_pipeline_auto)"
+
+
+def test_validate_another_namespace_does_not_inherit_the_first_ones_exports(clean_env):
+    """validate_splitkv_args on a second args namespace in the same process (a sweep, a notebook, --parse-only
+    twice) took the first namespace's exports for the user's: its automatic pipeline and L (2 head chunks and 2
+    lanes on a CP group inside one node, shown as '2 (MEGATRON_SPLITKV_NUM_CHUNKS)'), a flag of the first
+    namespace (--splitkv-num-chunks 4 without the flag), and the first one's clamp of the user's
+    MEGATRON_SPLITKV_RANKS_PER_NODE (8 -> 4 at CP 4; then 4 at CP 16 instead of the user's 8). What validate
+    exported is now undone process-wide first (the user's value put back), so each namespace gets what it
+    would get alone."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    user = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")}
+    validate_splitkv_args(_spanning(), have_fa4=True)  # 2 nodes: automatic pipeline + L 8
+    assert _pipeline_env() == ON_LANES and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
+    b = _spanning(context_parallel_size=4, dflash_num_anchors=4)  # inside one node
+    validate_splitkv_args(b, have_fa4=True)
+    assert _pipeline_env() == {} and "MEGATRON_SPLITKV_RANKS_PER_NODE" not in os.environ, _pipeline_env()
+    assert b.splitkv_pipeline_auto.startswith("auto -> off (LOCAL_WORLD_SIZE=8, TP 1: the CP group of 4 fits"), \
+        b.splitkv_pipeline_auto
+    assert runtime_flag_values(b)["splitkv_num_chunks"] == "auto -> 1 (splitkv_pipeline_auto)"
+    # a flag of one namespace is not another's
+    validate_splitkv_args(_spanning(splitkv_num_chunks=4), have_fa4=True)
+    assert _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "4"}
+    validate_splitkv_args(_spanning(context_parallel_size=4, dflash_num_anchors=4), have_fa4=True)
+    assert _pipeline_env() == {}
+    assert {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")} == user
+    # the user's variable, clamped for one namespace, is the user's again for the next
+    clean_env.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
+    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")
+    validate_splitkv_args(_spanning(context_parallel_size=4, dflash_num_anchors=4, splitkv_num_chunks=2),
+                          have_fa4=True)
+    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "4" and os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] == "2"
+    validate_splitkv_args(_spanning(), have_fa4=True)
+    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "3"}
+
+
+def test_num_chunks_flag_against_a_head_split_variable(clean_env):
+    """MEGATRON_SPLITKV_HEAD_SPLIT fixes the op's chunk count (k = its entries; the op ignores
+    MEGATRON_SPLITKV_NUM_CHUNKS then): --splitkv-num-chunks 3 with HEAD_SPLIT=6,2 was exported and silently
+    dropped (the op ran 2 chunks). A different count is now an error naming both; an equal one is fine. And
+    --parse-only showed the ignored variable ('3 (MEGATRON_SPLITKV_NUM_CHUNKS)') or 'auto -> 1' as the chunk
+    count; it shows the split's."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    clean_env.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "heads")
+    clean_env.setenv("MEGATRON_SPLITKV_HEAD_SPLIT", "6, 2")
+    with pytest.raises(SplitKVArgumentError, match=r"--splitkv-num-chunks 3 differs from the 2 chunks of "
+                                                   r"MEGATRON_SPLITKV_HEAD_SPLIT='6, 2'"):
+        validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=3))
+    validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=2))
+    a = _spanning(num_attention_heads=16, num_query_groups=8)
+    validate_splitkv_args(a)
+    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
+    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")  # ignored by the op under a head split
+    validate_splitkv_args(a)
+    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"

@@ -268,7 +268,8 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
             "--splitkv-num-chunks", type=int_arg(), default=None,
             help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
             "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
-            "--splitkv-chunk-axis heads to the kv heads per TP rank. Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
+            "--splitkv-chunk-axis heads to the kv heads per TP rank; with MEGATRON_SPLITKV_HEAD_SPLIT set it must equal "
+            "that split's chunk count (the split fixes it). Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
             "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.",
         )
@@ -441,7 +442,9 @@ def runtime_flag_values(args) -> dict:
         if getattr(args, attr, None) is not None:
             continue
         env = os.environ.get(name, "").strip()
-        if env and exported.get(name) != env:
+        if name == NUM_CHUNKS_ENV and _head_split_chunks() is not None:  # the op's k then (the variable ignored)
+            out[attr] = f"{_head_split_chunks()} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
+        elif env and exported.get(name) != env:
             out[attr] = f"{env} ({name})"
         elif auto:
             out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"
@@ -639,26 +642,54 @@ def _local_kernel(args, kernel: str, have_fa4) -> str:
 
 
 #: args attributes of `validate_splitkv_args`' automatic choices (shown by the start-up line and --parse-only)
-#: and of the variables it exported for them ({name: value}), so that a second call undoes them first
+#: and of the variables it exported for them ({name: value}; `runtime_flag_values` tells them from the user's)
 _AUTO_ATTRS = ("splitkv_cp_ranks_per_node_auto", "splitkv_pipeline_auto", "splitkv_auto_env")
+#: every variable `validate_splitkv_args` set in os.environ in THIS process, whatever the args namespace (its
+#: automatic choices, its flags' values, the clamped MEGATRON_SPLITKV_RANKS_PER_NODE): {name: (the value it
+#: set, the value before it or None)}. The environment is the process's, not a namespace's: a second call,
+#: on any namespace, undoes them first (`_undo_auto`), so that it sees the user's environment again
+_EXPORTED: dict = {}
+
+
+def _set_env(name: str, value) -> None:
+    """os.environ[name] = value, recorded in `_EXPORTED` with the value it replaces (the first one this call
+    replaced, when set twice)."""
+    value = str(value)
+    before = _EXPORTED[name][1] if name in _EXPORTED else os.environ.get(name)
+    _EXPORTED[name] = (value, before)
+    os.environ[name] = value
 
 
 def _undo_auto(args) -> None:
-    """Forget a previous `validate_splitkv_args` call's automatic choices: remove the variables it exported
-    automatically (those still holding its value) and its records in args, so that this call sees the user's
-    environment again (a second call took its own export for the user's and named it so)."""
-    for name, value in (getattr(args, "splitkv_auto_env", None) or {}).items():
+    """Forget the previous `validate_splitkv_args` call's exports (this namespace's or another's, `_EXPORTED`):
+    each variable still holding the value it set gets its earlier value back (removed when it had none); one
+    changed since is the user's and kept. Then drop args' records of automatic choices, so that this call
+    sees the user's environment (a second call took the first call's exports for the user's and named them
+    so; another namespace inherited them: head chunks on a CP group inside one node)."""
+    for name, (value, before) in list(_EXPORTED.items()):
         if os.environ.get(name) == value:
-            del os.environ[name]
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+    _EXPORTED.clear()
     for attr in _AUTO_ATTRS:
         vars(args).pop(attr, None)
 
 
 def _export_auto(args, exports: dict) -> None:
-    """Set the variables `exports` ({name: value}) chosen automatically, and remember them in
-    args.splitkv_auto_env (`_undo_auto`)."""
-    os.environ.update(exports)
+    """Set the variables `exports` ({name: value}) chosen automatically (`_set_env`), and remember them in
+    args.splitkv_auto_env (what `runtime_flag_values` shows as automatic)."""
+    for name, value in exports.items():
+        _set_env(name, value)
     args.splitkv_auto_env = {**(getattr(args, "splitkv_auto_env", None) or {}), **exports}
+
+
+def _head_split_chunks():
+    """The chunk count MEGATRON_SPLITKV_HEAD_SPLIT fixes (its comma-separated entries), None when it is unset or
+    empty (its values are checked by `_check_op_env`)."""
+    text = os.environ.get(HEAD_SPLIT_ENV, "").strip()
+    return len(text.split(",")) if text else None
 
 
 def _export_pipeline_flags(args) -> None:
@@ -666,19 +697,26 @@ def _export_pipeline_flags(args) -> None:
     MAX_KERNEL_LANES = 4, where the op caps MEGATRON_SPLITKV_KERNEL_LANES) checked and exported as their
     variables (the flag wins over the variable); SplitKVArgumentError naming the flag."""
     chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
+    split_k = _head_split_chunks()
+    if chunks is not None and split_k is not None and chunks != split_k:
+        # the op ignores MEGATRON_SPLITKV_NUM_CHUNKS under a head split: the flag would be dropped silently
+        raise SplitKVArgumentError(
+            f"--splitkv-num-chunks {chunks} differs from the {split_k} chunks of {HEAD_SPLIT_ENV}="
+            f"{_shown(os.environ[HEAD_SPLIT_ENV].strip())} (the split fixes the chunk count: drop the flag or "
+            "the variable)")
     if chunks is not None:
-        os.environ[NUM_CHUNKS_ENV] = str(chunks)
+        _set_env(NUM_CHUNKS_ENV, chunks)
     axis = getattr(args, "splitkv_chunk_axis", None)
     if axis is not None:
         if axis not in CHUNK_AXES:
             raise SplitKVArgumentError(f"--splitkv-chunk-axis must be one of {CHUNK_AXES}, got {axis!r}")
-        os.environ[CHUNK_AXIS_ENV] = axis
+        _set_env(CHUNK_AXIS_ENV, axis)
     lanes = _int_arg(args, "splitkv_kernel_lanes", "--splitkv-kernel-lanes", None, 1)
     if lanes is not None:
         if lanes > MAX_KERNEL_LANES:
             raise SplitKVArgumentError(f"--splitkv-kernel-lanes must be at most {MAX_KERNEL_LANES} (the op's cap "
                                        f"on side streams), got {lanes}")
-        os.environ[KERNEL_LANES_ENV] = str(lanes)
+        _set_env(KERNEL_LANES_ENV, lanes)
 
 
 def _check_op_env(args, tp: int, cp: int) -> None:
@@ -724,12 +762,14 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     _CHUNK_AXIS, _KERNEL_LANES (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
     exported, the choice and why in args.splitkv_pipeline_auto); the op's other environment variables
     (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
-    _HEAD_SPLIT, _KERNEL_LANES, _OVERLAP_Q_GATHER). Calling it again on the same args gives the same result: the
-    variables it exported automatically (args.splitkv_auto_env) are removed first, not taken for the user's.
+    _HEAD_SPLIT, _KERNEL_LANES, _OVERLAP_Q_GATHER). Calling it again, on the same args or another namespace, gives
+    what that namespace gets alone: every variable an earlier call exported (automatically or for a flag) is
+    first put back to the user's value (`_undo_auto`), not taken for the user's.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
+    _undo_auto(args)  # an earlier call's exports (any namespace's): this call sees the user's environment
     if getattr(args, "dflash_data_workers", None) is not None:  # None: resolved at run time (CUDA or not)
         data_workers_from_args(args)
     data_prefetch_from_args(args)
@@ -791,7 +831,6 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         raise SplitKVArgumentError(
             f"--attention-dropout must be 0 with --context-parallel-impl {impl} (got {args.attention_dropout})"
         )
-    _undo_auto(args)
     rpn = getattr(args, "splitkv_cp_ranks_per_node", None)
     flag = "--splitkv-cp-ranks-per-node"
     if rpn is None and os.environ.get(RANKS_PER_NODE_ENV, "").strip():  # checked here too: fail at start-up
@@ -806,7 +845,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
             raise SplitKVArgumentError(
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
         # the op reads it when the step's metadata is prepared, identically on every rank
-        os.environ[RANKS_PER_NODE_ENV] = str(rpn)
+        _set_env(RANKS_PER_NODE_ENV, rpn)
     elif impl == "splitkv":  # neither the flag nor the variable: from the launcher's processes per node
         auto, why = auto_cp_ranks_per_node(tp, cp)
         args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"

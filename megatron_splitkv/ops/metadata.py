@@ -368,16 +368,21 @@ def _decoded(table):
 #: the decoded agreement rows' column of `kernels.auto_backend_code` (what backend "auto" resolves to on the
 #: rank), sent by `prepare_splitkv_metadata` and the call without `metadata=`
 _AUTO_COL = 17
+#: that column's entry of a rank whose call passes an explicit backend (the call without `metadata=`): not in
+#: "auto"'s agreement
+_NO_AUTO = -1
 
 
 def _check_auto_agree(name, table, col=_AUTO_COL):
     """Raise the same ValueError on every rank when backend "auto" resolves to different kernels across the
-    group (table column `col`: `kernels.auto_backend_code` of each rank), naming the kernels and the ranks:
-    each rank would otherwise run its own kernel (FA4 where installed on a Hopper GPU, flex elsewhere) or
-    raise alone."""
+    group (table column `col`: `kernels.auto_backend_code` of each rank; a negative entry, `_NO_AUTO`: that
+    rank does not call with "auto" and is left out), naming the kernels and the ranks: each rank would
+    otherwise run its own kernel (FA4 where installed on a Hopper GPU, flex elsewhere) or raise alone. Decided
+    from the gathered table only, so every rank decides the same whatever its own backend."""
     by_kernel: dict = {}
     for r, row in enumerate(table):
-        by_kernel.setdefault(auto_backend_text(row[col]), []).append(r)
+        if row[col] >= 0:
+            by_kernel.setdefault(auto_backend_text(row[col]), []).append(r)
     if len(by_kernel) > 1:
         got = "; ".join(f"{k!r} on CP rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}"
                         for k, rs in by_kernel.items())
@@ -1442,7 +1447,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
                _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req),
-               auto_backend_code(q.device, q.dtype, d)]
+               # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
+               # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
+               auto_backend_code(q.device, q.dtype, d) if backend == "auto" else _NO_AUTO]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -1461,8 +1468,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     dev = q.device if isinstance(q, torch.Tensor) else None
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, dev, err), f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
-    if backend == "auto":
-        _check_auto_agree(name, table)
+    _check_auto_agree(name, table)  # over the ranks that call with "auto" (the others sent _NO_AUTO)
     meta = SplitKVMetadata(
         impl=name, group=group, block_size=row[2], num_heads_q=row[3], num_heads_kv=row[4],
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
