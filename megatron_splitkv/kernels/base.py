@@ -223,3 +223,34 @@ def half_precision_cuda_index(device, dtype, head_dim=None):
         return dev.index if dev.index is not None else torch.cuda.current_device()
     except (RuntimeError, AssertionError, AttributeError):  # no driver, torch without CUDA, ...
         return None
+
+
+def mask_cache(mask, attr: str, key, build):
+    """What a kernel derives from an `IntervalMask` (tables, block masks, plans), cached on the mask object in
+    the dict attribute `attr` under `key`: build() on first use, the cached value afterwards (the ops share one
+    mask per step across layers and, with head chunks, across a layer's chunks). The cache assumes the mask's
+    intervals are not modified in place afterwards. Entries put into `attr` by others (the data pipeline's
+    host-built tables, bound on the caller's stream) are returned as they are.
+
+    Stream-safe on CUDA: a build records an event on the current stream after build() (whose device work, e.g.
+    FA4's block tables or FlexAttention's BlockMask, is issued on that stream), kept in the dict attribute
+    `attr + "_ready"`; a use on ANOTHER stream waits for that event before returning the value. Without it,
+    Split-KV's head chunks on two kernel lanes (`ops.common.KernelLanes`: chunk 0 on one side stream, chunk 1
+    on the other, both with the same mask) read the tables chunk 0's stream was still writing: seen on the H200
+    (2026-12-01) as an illegal memory access / cudaErrorInvalidAddressSpace in FA4, intermittently. A use on the
+    building stream is ordered already (no wait). Returns build()'s value (or the cached one)."""
+    cache = mask.__dict__.setdefault(attr, {})
+    dev = mask.lo.device
+    if key not in cache:
+        cache[key] = build()
+        if dev.type == "cuda":
+            stream = torch.cuda.current_stream(dev)
+            mask.__dict__.setdefault(attr + "_ready", {})[key] = (stream.record_event(), stream)
+        return cache[key]
+    ready = mask.__dict__.get(attr + "_ready", {}).get(key)
+    if ready is not None:
+        event, built_on = ready
+        stream = torch.cuda.current_stream(dev)
+        if stream != built_on:
+            stream.wait_event(event)
+    return cache[key]

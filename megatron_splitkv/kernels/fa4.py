@@ -38,7 +38,7 @@ import importlib.util
 
 import torch
 
-from .base import IntervalMask, check_call, check_cuda_head_dim, half_precision_cuda_index
+from .base import IntervalMask, mask_cache, check_call, check_cuda_head_dim, half_precision_cuda_index
 from .flex import TILE, _block_tables, _rows_table
 
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
@@ -257,11 +257,8 @@ class FA4AttentionKernel:
         device work for the tables in the training step."""
         if not self.cache_tables:
             return _Tables(mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len))
-        cache = mask.__dict__.setdefault("_fa4_tables", {})
-        key = (q_len, kv_len, self.tile)
-        if key not in cache:
-            cache[key] = _Tables(mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len))
-        return cache[key]
+        return mask_cache(mask, "_fa4_tables", (q_len, kv_len, self.tile), lambda: _Tables(
+            mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len)))
 
     def _prebuilt(self, mask, q_len, kv_len):
         host = mask.__dict__.get(_FLEX_HOST)

@@ -77,7 +77,7 @@ import os
 import torch
 
 from .._ints import env_switch
-from .base import IntervalMask, check_call
+from .base import IntervalMask, check_call, mask_cache
 from .flex_bwd_prep import grad_tangents
 
 try:  # torch >= 2.5
@@ -380,11 +380,7 @@ class FlexAttentionKernel:
         """
         if not self.cache_block_mask:
             return build_block_mask(mask, q_len, kv_len)
-        cache = mask.__dict__.setdefault("_flex_block_masks", {})
-        key = (q_len, kv_len)
-        if key not in cache:
-            cache[key] = build_block_mask(mask, q_len, kv_len)
-        return cache[key]
+        return mask_cache(mask, "_flex_block_masks", (q_len, kv_len), lambda: build_block_mask(mask, q_len, kv_len))
 
     def check_dtype(self, dtype, device=None, head_dim=None):  # noqa: ARG002 - the kernels' protocol (base)
         """Raise ValueError when flex cannot run `dtype` on `device` (float64 on CUDA; `head_dim` is not

@@ -22,7 +22,7 @@ through the tile matmul (as in any dense attention tile).
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, mask_cache
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -54,13 +54,9 @@ class MathAttentionKernel:
         step (`prepare_splitkv_metadata`) is read once. The cache assumes the intervals are not
         modified in place afterwards.
         """
-        cache = mask.__dict__.setdefault("_math_groups", {})
-        key = (num_heads, self.max_elements)
-        if key not in cache:
-            dev = mask.lo.device
-            cache[key] = [(torch.tensor(b, dtype=torch.long, device=dev), lo, hi, own)
-                          for b, lo, hi, own in self._make_groups(mask, num_heads)]
-        return cache[key]
+        dev = mask.lo.device
+        return mask_cache(mask, "_math_groups", (num_heads, self.max_elements), lambda: [
+            (torch.tensor(b, dtype=torch.long, device=dev), lo, hi, own) for b, lo, hi, own in self._make_groups(mask, num_heads)])
 
     def _make_groups(self, mask: IntervalMask, num_heads: int):
         lo, hi = mask.lo.tolist(), mask.hi.tolist()

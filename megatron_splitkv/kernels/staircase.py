@@ -131,7 +131,7 @@ from dataclasses import dataclass
 import torch
 
 from .._ints import as_int, parse_int
-from .base import IntervalMask, check_call, check_cuda_head_dim
+from .base import IntervalMask, check_call, check_cuda_head_dim, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
@@ -754,12 +754,9 @@ class StaircaseAttentionKernel:
     def plan(self, mask: IntervalMask) -> StaircasePlan:
         """The decomposition of `mask`, cached on the mask object (`mask._staircase_plans`); the cache
         assumes lo/hi (lo2/hi2) are not modified in place afterwards."""
-        cache = mask.__dict__.setdefault("_staircase_plans", {})
         key = (self.group_blocks, self.min_group_blocks, self.key_grain, self.min_keys, self.min_pairs,
                self.sub_group_blocks, self.key_buckets, self.key_pieces, self.max_tile_keys, self.piece_min_pairs)
-        if key not in cache:
-            cache[key] = staircase_plan(mask, *key)
-        return cache[key]
+        return mask_cache(mask, "_staircase_plans", key, lambda: staircase_plan(mask, *key))
 
     def call_shapes(self, mask: IntervalMask, heads_q: int, heads_kv: int, head_dim: int,
                     dtype=torch.bfloat16) -> list:

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import IntervalMask
+from .base import IntervalMask, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 from .flex import bucket_length
 
@@ -255,10 +255,7 @@ class TEAttentionKernel:
 
     # ------------------------------------------------------------------ plumbing
     def plan(self, mask: IntervalMask, groups: int) -> _Plan:
-        cache = mask.__dict__.setdefault("_te_plans", {})
-        if groups not in cache:
-            cache[groups] = te_plan(mask, groups)
-        return cache[groups]
+        return mask_cache(mask, "_te_plans", groups, lambda: te_plan(mask, groups))
 
     def check_dtype(self, dtype, device=None, head_dim=None):  # noqa: ARG002 - the kernels' protocol (base)
         """Raise ValueError when this backend cannot run `dtype` (the ops call it once per call, before
