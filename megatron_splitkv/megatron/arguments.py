@@ -203,6 +203,125 @@ def _checked_aliases(parser: argparse.ArgumentParser, aliases) -> dict:
     return out
 
 
+#: values of --dflash-host-metadata
+HOST_METADATA_CHOICES = ("on", "off")
+
+#: values of --dflash-device-prefetch
+DEVICE_PREFETCH_CHOICES = ("on", "off")
+
+#: the plugin's own flags, added by `add_splitkv_args` where the parser does not have them: (flag, add_argument kwargs)
+_FLAG_SPECS = (
+    ("--context-parallel-impl", dict(
+        type=str,
+        default=None,
+        choices=CP_IMPLS,
+        help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
+             "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default here: unset "
+             "(Megatron's native context parallelism); examples/pretrain_dflash.py defaults to splitkv.")),
+    ("--cp-chunk-size", dict(
+        type=int_arg(),
+        default=None,
+        help="Context chunk size (tokens) of the CP planner; default: chosen automatically.")),
+    ("--cp-balance", dict(
+        type=str,
+        default="lpt",
+        choices=CP_BALANCE,
+        help="How context chunks are assigned to CP ranks (default lpt).")),
+    ("--dflash-block-size", dict(
+        type=int_arg(),
+        default=16,
+        help="DFlash draft block size B: tokens per draft block, >= 2 (default 16).")),
+    ("--dflash-num-anchors", dict(
+        type=int_arg(),
+        default=512,
+        help="DFlash query budget: anchors (query blocks) per sequence (default 512).")),
+    ("--splitkv-no-overlap-q-gather", dict(
+        action="store_true",
+        default=None,
+        help="Split-KV: do not start the query all-gather before the key/value projections (it then "
+             "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
+             "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.")),
+    ("--splitkv-cp-ranks-per-node", dict(
+        type=int_arg(),
+        default=None,
+        help="Split-KV: CP ranks per node (L) for the two-level all-to-all of the output merge and the dQ "
+             "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
+             "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
+             "one all-to-all. Usually the "
+             "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
+             "MEGATRON_SPLITKV_RANKS_PER_NODE, else automatic: the launcher's processes per node (LOCAL_WORLD_SIZE, "
+             "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
+             "docs/perf-notes.md item 9.")),
+    ("--splitkv-num-chunks", dict(
+        type=int_arg(),
+        default=None,
+        help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
+             "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
+             "--splitkv-chunk-axis heads to the kv heads per TP rank; with MEGATRON_SPLITKV_HEAD_SPLIT set it must equal "
+             "that split's chunk count (the split fixes it). Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
+             "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
+             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.")),
+    ("--splitkv-chunk-axis", dict(
+        type=str,
+        default=None,
+        choices=CHUNK_AXES,
+        help="Split-KV: what the pipeline's chunks split: rows (query blocks of every rank) or heads (kv "
+             "heads, whole GQA groups, of all rows). Exported as MEGATRON_SPLITKV_CHUNK_AXIS. Default: that "
+             "variable, else automatic (heads with the automatic 2 chunks, else rows).")),
+    ("--splitkv-kernel-lanes", dict(
+        type=int_arg(),
+        default=None,
+        help="Split-KV: CUDA side streams the chunks' local kernels run on (1-%d; 1 = the caller's stream; "
+             "no effect on CPU or with one chunk). Exported as MEGATRON_SPLITKV_KERNEL_LANES. Default: that "
+             "variable, else automatic: 2 with the automatic head chunks when the local kernel is fa4, else 1. "
+             "docs/perf-notes.md item 12." % MAX_KERNEL_LANES)),
+    ("--splitkv-kernel", dict(
+        type=str,
+        default="auto",
+        choices=KERNEL_BACKENDS,
+        help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
+             "auto (fa4 where FlashAttention-4 is installed on a Hopper GPU and not in "
+             "deterministic mode, else staircase on CUDA from 32K context keys per call, else FlexAttention "
+             "on CUDA, math otherwise), math, flex, te (Transformer Engine), staircase (dense cuDNN "
+             "rectangles + flex remainder) or fa4 (FlashAttention-4, extra 'fa4'). Default auto; see "
+             "docs/kernels.md.")),
+    ("--dflash-data-workers", dict(
+        type=int_arg(),
+        default=None,
+        help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
+             "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
+             "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
+             "on the step's critical path). Default: 1 when CUDA is available, else 0. At most %d per rank." % MAX_DATA_WORKERS)),
+    ("--dflash-data-prefetch", dict(
+        type=int_arg(),
+        default=None,
+        help="Batches each data-pipeline worker prepares ahead (the DataLoader's prefetch_factor, >= 1; "
+             "default 2). Host memory: about workers x prefetch + 2 prepared batches (offline feature rows).")),
+    ("--dflash-host-metadata", dict(
+        type=str,
+        default=None,
+        choices=HOST_METADATA_CHOICES,
+        help="Build each batch's Split-KV attention metadata (key intervals, chunk masks, FlexAttention "
+             "block tables) in the data pipeline's workers from the plan, on the host, instead of in the first "
+             "drafter layer of the step (collectives + host syncs + BlockMask build); the step only binds it to "
+             "the CP group (no copy beyond the batch's upload). Only with --context-parallel-impl splitkv. "
+             "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off. 'on' with "
+             "--dflash-data-workers 0 is the synchronous mode: the same metadata is built on the host in "
+             "forward_step, on the step's critical path (debugging / A/B; as a DataLoader with num_workers=0 "
+             "does its workers' work in the main process).")),
+    ("--dflash-device-prefetch", dict(
+        type=str,
+        default=None,
+        choices=DEVICE_PREFETCH_CHOICES,
+        help="Take the next batch from the data pipeline, upload it (non-blocking) and bind its Split-KV "
+             "metadata right after the current micro-batch's forward is issued, while the GPU runs it, instead "
+             "of at the start of the next step where the GPU waits for the host "
+             "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
+             "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
+             "Default: on.")),
+)
+
+
 def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict] = None) -> argparse.ArgumentParser:
     """Add the Split-KV flags (see module docstring) to `parser` and return it (Megatron's
     `extra_args_provider` contract). Idempotent: flags the parser already has are skipped.
@@ -219,121 +338,9 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
 
     def spellings(flag):
         return (flag, *names.setdefault(flag, tuple(aliases.get(flag, ()))))
-    if not _has(parser, "--context-parallel-impl"):
-        group.add_argument(
-            "--context-parallel-impl", type=str, default=None, choices=CP_IMPLS,
-            help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
-            "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default here: unset "
-            "(Megatron's native context parallelism); examples/pretrain_dflash.py defaults to splitkv.",
-        )
-    if not _has(parser, "--cp-chunk-size"):
-        group.add_argument(
-            "--cp-chunk-size", type=int_arg(), default=None,
-            help="Context chunk size (tokens) of the CP planner; default: chosen automatically.",
-        )
-    if not _has(parser, "--cp-balance"):
-        group.add_argument(
-            "--cp-balance", type=str, default="lpt", choices=CP_BALANCE,
-            help="How context chunks are assigned to CP ranks (default lpt).",
-        )
-    if not _has(parser, "--dflash-block-size"):
-        group.add_argument(*spellings("--dflash-block-size"), dest="dflash_block_size", type=int_arg(), default=16,
-                           help="DFlash draft block size B: tokens per draft block, >= 2 (default 16).")
-    if not _has(parser, "--dflash-num-anchors"):
-        group.add_argument(
-            *spellings("--dflash-num-anchors"), dest="dflash_num_anchors", type=int_arg(), default=512,
-            help="DFlash query budget: anchors (query blocks) per sequence (default 512).",
-        )
-    if not _has(parser, "--splitkv-no-overlap-q-gather"):
-        group.add_argument(
-            "--splitkv-no-overlap-q-gather", action="store_true", default=None,
-            help="Split-KV: do not start the query all-gather before the key/value projections (it then "
-            "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
-            "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.",
-        )
-    if not _has(parser, "--splitkv-cp-ranks-per-node"):
-        group.add_argument(
-            "--splitkv-cp-ranks-per-node", type=int_arg(), default=None,
-            help="Split-KV: CP ranks per node (L) for the two-level all-to-all of the output merge and the dQ "
-            "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
-            "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
-            "one all-to-all. Usually the "
-            "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
-            "MEGATRON_SPLITKV_RANKS_PER_NODE, else automatic: the launcher's processes per node (LOCAL_WORLD_SIZE, "
-            "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
-            "docs/perf-notes.md item 9.",
-        )
-    if not _has(parser, "--splitkv-num-chunks"):
-        group.add_argument(
-            "--splitkv-num-chunks", type=int_arg(), default=None,
-            help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
-            "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
-            "--splitkv-chunk-axis heads to the kv heads per TP rank; with MEGATRON_SPLITKV_HEAD_SPLIT set it must equal "
-            "that split's chunk count (the split fixes it). Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
-            "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
-            "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.",
-        )
-    if not _has(parser, "--splitkv-chunk-axis"):
-        group.add_argument(
-            "--splitkv-chunk-axis", type=str, default=None, choices=CHUNK_AXES,
-            help="Split-KV: what the pipeline's chunks split: rows (query blocks of every rank) or heads (kv "
-            "heads, whole GQA groups, of all rows). Exported as MEGATRON_SPLITKV_CHUNK_AXIS. Default: that "
-            "variable, else automatic (heads with the automatic 2 chunks, else rows).",
-        )
-    if not _has(parser, "--splitkv-kernel-lanes"):
-        group.add_argument(
-            "--splitkv-kernel-lanes", type=int_arg(), default=None,
-            help="Split-KV: CUDA side streams the chunks' local kernels run on (1-%d; 1 = the caller's stream; "
-            "no effect on CPU or with one chunk). Exported as MEGATRON_SPLITKV_KERNEL_LANES. Default: that "
-            "variable, else automatic: 2 with the automatic head chunks when the local kernel is fa4, else 1. "
-            "docs/perf-notes.md item 12." % MAX_KERNEL_LANES,
-        )
-    if not _has(parser, "--splitkv-kernel"):
-        group.add_argument(
-            "--splitkv-kernel", type=str, default="auto", choices=KERNEL_BACKENDS,
-            help="Local attention kernel of the context-parallel DFlash attention (the op's backend=): "
-            "auto (fa4 where FlashAttention-4 is installed on a Hopper GPU and not in "
-            "deterministic mode, else staircase on CUDA from 32K context keys per call, else FlexAttention "
-            "on CUDA, math otherwise), math, flex, te (Transformer Engine), staircase (dense cuDNN "
-            "rectangles + flex remainder) or fa4 (FlashAttention-4, extra 'fa4'). Default auto; see "
-            "docs/kernels.md.",
-        )
-    if not _has(parser, "--dflash-data-workers"):
-        group.add_argument(
-            "--dflash-data-workers", type=int_arg(), default=None,
-            help="Worker processes (torch DataLoader) of the DFlash data pipeline: they compute each packed "
-            "batch's CP plan, this rank's shard, draft blocks and feature rows ahead of the training step, in "
-            "pinned memory; the step only uploads them. 0 = synchronous (planned and sharded in forward_step, "
-            "on the step's critical path). Default: 1 when CUDA is available, else 0. At most %d per rank." % MAX_DATA_WORKERS,
-        )
-    if not _has(parser, "--dflash-data-prefetch"):
-        group.add_argument(
-            "--dflash-data-prefetch", type=int_arg(), default=None,
-            help="Batches each data-pipeline worker prepares ahead (the DataLoader's prefetch_factor, >= 1; "
-            "default 2). Host memory: about workers x prefetch + 2 prepared batches (offline feature rows).",
-        )
-    if not _has(parser, "--dflash-host-metadata"):
-        group.add_argument(
-            "--dflash-host-metadata", type=str, default=None, choices=HOST_METADATA_CHOICES,
-            help="Build each batch's Split-KV attention metadata (key intervals, chunk masks, FlexAttention "
-            "block tables) in the data pipeline's workers from the plan, on the host, instead of in the first "
-            "drafter layer of the step (collectives + host syncs + BlockMask build); the step only binds it to "
-            "the CP group (no copy beyond the batch's upload). Only with --context-parallel-impl splitkv. "
-            "Default: on with --context-parallel-impl splitkv and --dflash-data-workers > 0, else off. 'on' with "
-            "--dflash-data-workers 0 is the synchronous mode: the same metadata is built on the host in "
-            "forward_step, on the step's critical path (debugging / A/B; as a DataLoader with num_workers=0 "
-            "does its workers' work in the main process).",
-        )
-    if not _has(parser, "--dflash-device-prefetch"):
-        group.add_argument(
-            "--dflash-device-prefetch", type=str, default=None, choices=DEVICE_PREFETCH_CHOICES,
-            help="Take the next batch from the data pipeline, upload it (non-blocking) and bind its Split-KV "
-            "metadata right after the current micro-batch's forward is issued, while the GPU runs it, instead "
-            "of at the start of the next step where the GPU waits for the host "
-            "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
-            "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
-            "Default: on.",
-        )
+    for flag, kwargs in _FLAG_SPECS:
+        if not _has(parser, flag):
+            group.add_argument(*spellings(flag), **kwargs)
     for flag, extra in aliases.items():
         if not _has(parser, flag):
             raise ValueError(f"add_splitkv_args: aliases key {flag!r} is not an option of the parser")
@@ -342,10 +349,6 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
     return parser
 
 
-#: values of --dflash-host-metadata
-HOST_METADATA_CHOICES = ("on", "off")
-#: values of --dflash-device-prefetch
-DEVICE_PREFETCH_CHOICES = ("on", "off")
 
 
 def device_prefetch_from_args(args) -> bool:
