@@ -592,8 +592,8 @@ def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
     KERNEL_LANES=2 when the local `kernel` is "fa4". Why (docs/perf-notes.md item 25, docs/benchmarks.md twelfth
     run): over a slow link (2 x H200 over NCCL sockets, 128K per rank) 2 head chunks took 0.818x of one call; on
     NVLink one call stays best (k = 2 heads 1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU
-    nodes: 93-95% with 2 head chunks on 2 lanes (90-91% at k = 1, but 93.5-93.9% in the same runs: not resolved
-    there). Not measured across real nodes. Lanes were measured with fa4 head chunks only
+    nodes: 2 head chunks on 2 lanes 0 to +1 point over k = 1 within a run (thirteenth run: 92.7-93.8% vs
+    92.7-92.8%), so the CP 64 gain is small; the socket A/B is the evidence. Not measured across real nodes. Lanes were measured with fa4 head chunks only
     (flex query chunks were slower with them over NCCL), hence fa4 only. Exact either way (head chunks sum
     nothing across chunks; lanes issue the same kernels). `environ`: a mapping (default os.environ)."""
     env = os.environ if environ is None else environ
