@@ -85,7 +85,8 @@ QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 
 # short spellings this script accepts for add_splitkv_args' flags (aliases: the same option)
 DFLASH_FLAG_ALIASES = {"--dflash-num-anchors": ("--num-anchors",), "--dflash-block-size": ("--block-size",)}
 
-_STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False}
+_STATE = {"provider": None, "store": None, "stats": {}, "config": None, "pgs": None, "device_prefetch": False,
+          "kernel": "auto"}
 
 
 def _short_errors(parser: argparse.ArgumentParser) -> None:
@@ -226,6 +227,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     dcfg = core_transformer_config_from_args(args)
     taps = target_layer_ids(args.target_num_layers, dcfg.num_layers)
     _STATE["config"], _STATE["pgs"] = dcfg, pgs  # the data pipeline's metadata shapes; the step's CP group
+    _STATE["kernel"] = kernel_backend_from_args(args)  # the layers' local kernel (the env agreement's "auto" check)
     provider = _build_target(args, dcfg.params_dtype, taps, pgs).cuda()
     if args.features_path:
         store = FeatureStore(args.features_path)
@@ -347,8 +349,10 @@ def _check_environment():
     instead (`ops.check_environment_agreement`, collective)."""
     from megatron_splitkv.ops import check_environment_agreement
 
-    dcfg = _STATE["config"]  # and what kernel backend "auto" resolves to on each rank (mixed hardware)
-    check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype, head_dim=_head_dim(dcfg))
+    dcfg = _STATE["config"]  # and, with --splitkv-kernel auto, what it resolves to on each rank (mixed hardware)
+    auto = _STATE["kernel"] == "auto"
+    check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype if auto else None,
+                                head_dim=_head_dim(dcfg))
     _STATE["env_agreed"] = True
 
 

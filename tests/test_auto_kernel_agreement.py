@@ -44,7 +44,20 @@ def _worker(rank, world):
         out[kernel, "prepare"] = attempt(lambda: msk.prepare_splitkv_metadata(*m.values(), **kw))
         out[kernel, "env"] = attempt(lambda: check_environment_agreement(dtype=torch.float32, head_dim=8))
         out[kernel, "env without dtype"] = attempt(check_environment_agreement)
+        # the calls use an explicit kernel (--splitkv-kernel flex on mixed hardware): no "auto" check, the op runs
+        explicit = {}
+
+        def run_explicit():
+            meta = msk.prepare_splitkv_metadata(*m.values(), **kw, backend="math")
+            explicit["out"] = msk.splitkv_attention(*x.values(), None, None, None, None, backend="math",
+                                                    metadata=meta).detach().double()
+        out[kernel, "prepare explicit"] = attempt(run_explicit)
+        out[kernel, "explicit out"] = "out" in explicit and bool(torch.isfinite(explicit["out"]).all())
+        # one rank "auto", the other explicit: a single "auto" resolution agrees with itself
+        out[kernel, "prepare one auto"] = attempt(
+            lambda: msk.prepare_splitkv_metadata(*m.values(), **kw, backend="auto" if rank == 0 else "flex"))
         kernels.resolve_auto_backend = real
+    out["prepare bad backend"] = attempt(lambda: msk.prepare_splitkv_metadata(*m.values(), **kw, backend="flash"))
     if rank == 1:
         kernels.resolve_auto_backend = lambda *a, **k: "flex"
     out["plain auto"] = attempt(plain("auto"))
@@ -60,11 +73,15 @@ def test_auto_backend_differing_across_ranks_raises_the_same_error_everywhere():
     assert out["agree"] is None and out["plain math"] is None
     for kernel in ("fa4", "flex"):
         assert out[kernel, "env without dtype"] is None
+        assert out[kernel, "prepare explicit"] is None and out[kernel, "prepare one auto"] is None
+        assert out[kernel, "explicit out"] is True  # ran, finite
         for what, name in (("prepare", "prepare_splitkv_metadata"), ("env", "check_environment_agreement")):
             msg = out[kernel, what]
             assert msg is not None and msg.startswith(f"{name}: kernel backend 'auto' must resolve to the same "
                                                       "kernel on every CP rank"), msg
             assert f"'math' on CP rank 0; '{kernel}' on CP rank 1" in msg, msg
+    msg = out["prepare bad backend"]
+    assert msg is not None and "backend must be 'auto' or one of" in msg and "'flash'" in msg, msg
     msg = out["plain auto"]
     assert msg is not None and msg.startswith("splitkv: kernel backend 'auto'"), msg
     assert "'math' on CP rank 0; 'flex' on CP rank 1" in msg, msg

@@ -159,13 +159,15 @@ class DFlashPackedSeqParams(PackedSeqParams):
         return (anchor[:, None] + offs[None, :]).reshape(-1)
 
     def op_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, device, cp_group=None) -> SplitKVMetadata:
+                    dtype: torch.dtype, device, cp_group=None, backend: str = "auto") -> SplitKVMetadata:
         """The CP op's `SplitKVMetadata` for this micro-batch, prepared on the first call (collective:
         every rank of `cp_group` calls it, as every rank runs the same layers) with
         `prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=..., impl=cp_impl, ...)`
         and returned from the cache on this instance by later calls with the same key (cp_impl,
         num_heads_q, num_heads_kv, head_dim, dtype, device, id(cp_group)). Pass it to the op as
-        `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None).
+        `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None). `backend`: the
+        kernel the calls pass (prepare's `backend`: only "auto" takes part in the group-wide check of what
+        "auto" resolves to).
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
@@ -185,7 +187,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
             meta = prepare_splitkv_metadata(
                 self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
                 num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
-                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device,
+                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend,
             )
             self._op_metadata[key] = meta
         return meta
@@ -402,7 +404,7 @@ class SplitKVCoreAttention(MegatronModule):
         q = self._flat_query(query, params)
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=num_heads_kv, head_dim=q.shape[2],
-            dtype=q.dtype, device=q.device, cp_group=self.cp_group,
+            dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
         )
         return DFlashQueryGather(query=query, q=q, gather=splitkv_start_query_gather(q, metadata=meta),
                                  params=params)
@@ -503,7 +505,7 @@ class SplitKVCoreAttention(MegatronModule):
         # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
-            dtype=q.dtype, device=q.device, cp_group=self.cp_group,
+            dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
         )
         extra = {} if query_gather is None else {"query_gather": query_gather.gather}
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),

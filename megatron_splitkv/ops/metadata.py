@@ -373,6 +373,14 @@ _AUTO_COL = 17
 _NO_AUTO = -1
 
 
+def _prepare_backend(backend) -> str:
+    """`prepare_splitkv_metadata`'s backend: "auto" (the calls resolve it: its resolution is agreed group-wide) or
+    an explicit kernel name of `kernels.BACKENDS`; ValueError naming backend otherwise."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    return backend
+
+
 def _check_auto_agree(name, table, col=_AUTO_COL):
     """Raise the same ValueError on every rank when backend "auto" resolves to different kernels across the
     group (table column `col`: `kernels.auto_backend_code` of each rank; a negative entry, `_NO_AUTO`: that
@@ -1234,7 +1242,8 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_s
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
-                             exchange_pieces=None, chunk_axis=None, head_split=None) -> SplitKVMetadata:
+                             exchange_pieces=None, chunk_axis=None, head_split=None,
+                             backend="auto") -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1299,6 +1308,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             small last chunk is the backward's small first one); results are bit-identical to that split in
             forward order (head chunks' dK / dV and dQ are written per chunk, nothing is summed across
             chunks). Agreed group-wide like num_chunks (a code of the split in the agreement row).
+        backend: the kernel the calls will pass ("auto", the default, or a name of `kernels.BACKENDS`). With
+            "auto" this rank's resolution (`kernels.auto_backend_code`) is compared with the other "auto"
+            ranks' (mixed hardware: FA4 on some ranks only raises the same ValueError everywhere); an explicit
+            kernel takes no part in that check. The metadata does not depend on it.
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1328,8 +1341,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
         requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing across ranks; kernel
         backend "auto" resolving to different kernels across ranks (`kernels.auto_backend_code`: e.g. FA4 on a
-        Hopper GPU on some ranks only; checked whatever backend the calls pass, which prepare does not know:
-        MEGATRON_SPLITKV_AUTO_FA4=0 on every rank lifts it for fa4); and
+        Hopper GPU on some ranks only; checked on the ranks that pass backend="auto", the default: a rank
+        whose calls use an explicit backend passes it and sends no "auto" code); backend not a known kernel
+        name (`kernels.BACKENDS`); and
         when the node sub-groups cannot be created consistently (see `comm.node_groups`).
 
     Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
@@ -1364,7 +1378,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split),
-               auto_backend_code(device, dtype, head_dim)]
+               auto_backend_code(device, dtype, head_dim) if _prepare_backend(backend) == "auto" else _NO_AUTO]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -2004,7 +2018,9 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
         cp_group: the CP ProcessGroup (None: the default group when initialised, else one process).
         device: the device of the tiny all-gather (default: CPU, or the current CUDA device with NCCL), and
             the device of the op calls for the "auto" check.
-        dtype, head_dim: the op calls' q/k/v dtype and head dim (None: "auto" not checked).
+        dtype, head_dim: the op calls' q/k/v dtype and head dim (dtype None: "auto" not checked on this rank;
+            pass None where the calls use an explicit kernel backend). The "auto" resolution is computed for
+            `device` (the op's device, also with a gloo group), else for the group's communication device.
 
     Raises:
         ValueError("check_environment_agreement: ..."), the same on every rank: a variable malformed on some
@@ -2017,7 +2033,8 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     try:
         requests = env_request_row(group.size)
         validate_kernel_env()
-        row = requests + [0 if dtype is None else auto_backend_code(_comm_device(group, device), dtype, head_dim)]
+        op_device = _comm_device(group, None) if device is None else torch.device(device)
+        row = requests + [_NO_AUTO if dtype is None else auto_backend_code(op_device, dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), "splitkv.check")
