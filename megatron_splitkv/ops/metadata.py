@@ -936,7 +936,17 @@ def _check_agree(name, table, cols):
                     f"{name}: every rank of the CP group must call the op the same way: all with "
                     "splitkv_start_query_gather + splitkv_attention(..., query_gather=) or all without "
                     f"(and all with metadata= or all without); got {vals} (by rank)")
-            raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)")
+            raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)"
+                             + (_AUTO_PIPELINE_HINT if any(w in what for w in _PIPELINE_WORDS) else ""))
+
+
+#: the agreement names the Megatron integration may have set automatically (megatron.arguments.auto_pipeline /
+#: auto_cp_ranks_per_node), and what to check then
+_PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split", NUM_CHUNKS_ENV, CHUNK_AXIS_ENV,
+                   RANKS_PER_NODE_ENV)
+_AUTO_PIPELINE_HINT = (" (under Megatron, unset ones are chosen from the launcher's processes per node: check that "
+                       "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE are the same on every node, or set "
+                       "--splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-cp-ranks-per-node)")
 
 
 # ----------------------------------------------------------------------------- local checks
