@@ -885,3 +885,13 @@ def test_num_chunks_flag_against_a_head_split_variable(clean_env):
     clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")  # ignored by the op under a head split
     validate_splitkv_args(a)
     assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
+
+
+def test_runtime_flag_values_says_the_lanes_variable_is_capped(clean_env):
+    """MEGATRON_SPLITKV_KERNEL_LANES above the op's cap (4) was shown as is by --parse-only while the op ran 4."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "9")
+    assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "9 (MEGATRON_SPLITKV_KERNEL_LANES; the op caps it at 4)"
+    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "3")
+    assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "3 (MEGATRON_SPLITKV_KERNEL_LANES)"
