@@ -895,3 +895,22 @@ def test_runtime_flag_values_says_the_lanes_variable_is_capped(clean_env):
     assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "9 (MEGATRON_SPLITKV_KERNEL_LANES; the op caps it at 4)"
     clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "3")
     assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "3 (MEGATRON_SPLITKV_KERNEL_LANES)"
+
+
+def test_fresh_user_reasons(clean_env):
+    """Reasons a fresh user found wrong or unhelpful: TP = processes per node gave '1 CP ranks per node do not
+    divide CP 16' (1 divides it); MEGATRON_SPLITKV_HEAD_SPLIT without the head axis named only the op's keyword
+    and variable, not the Megatron flag; the automatic pipeline's 'off' reason named only the variable a flag
+    exported."""
+    from megatron_splitkv.megatron.arguments import auto_cp_ranks_per_node
+
+    L, why = auto_cp_ranks_per_node(8, 16, environ={"LOCAL_WORLD_SIZE": "8"})
+    assert L == 1 and why.endswith("1 CP rank per node (one all-to-all)") and "divide" not in why, why
+    clean_env.setenv("MEGATRON_SPLITKV_HEAD_SPLIT", "1,1")  # _args: 2 kv heads per TP rank
+    with pytest.raises(SplitKVArgumentError, match=r"needs chunk_axis 'heads'.*\(with Megatron: --splitkv-chunk-axis heads\)"):
+        validate_splitkv_args(_args())
+    clean_env.delenv("MEGATRON_SPLITKV_HEAD_SPLIT")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    a = _spanning(splitkv_num_chunks=1)
+    validate_splitkv_args(a, have_fa4=True)
+    assert "MEGATRON_SPLITKV_NUM_CHUNKS='1' (or --splitkv-num-chunks)" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto

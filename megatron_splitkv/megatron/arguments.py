@@ -548,7 +548,9 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     L, why = _cp_ranks_per_node(tp, cp, environ)
     if L is None:
         return 1, why
-    if L <= 1 or cp % L:
+    if L <= 1:
+        return 1, f"{why}: 1 CP rank per node (one all-to-all)"
+    if cp % L:
         return 1, f"{why}: {L} CP ranks per node do not divide --context-parallel-size {cp}"
     return L, why
 
@@ -598,7 +600,10 @@ def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
     (flex query chunks were slower with them over NCCL), hence fa4 only. Exact either way (head chunks sum
     nothing across chunks; lanes issue the same kernels). `environ`: a mapping (default os.environ)."""
     env = os.environ if environ is None else environ
-    mine = [f"{name}={_shown(str(env[name]).strip())}" for name in PIPELINE_ENVS if str(env.get(name, "") or "").strip()]
+    flags = {NUM_CHUNKS_ENV: "--splitkv-num-chunks", CHUNK_AXIS_ENV: "--splitkv-chunk-axis",
+             KERNEL_LANES_ENV: "--splitkv-kernel-lanes"}
+    mine = [f"{name}={_shown(str(env[name]).strip())}" + (f" (or {flags[name]})" if name in flags else "")
+            for name in PIPELINE_ENVS if str(env.get(name, "") or "").strip()]
     if mine:
         return {}, f"set by a flag or the environment: {', '.join(mine)}"
     L, why = _cp_ranks_per_node(tp, cp, env)
@@ -740,7 +745,8 @@ def _check_op_env(args, tp: int, cp: int) -> None:
         if os.environ.get(HEAD_SPLIT_ENV, "").strip() and _kv_heads(args) is not None:
             _requested_head_split(None, int(_kv_heads(args)) // tp, axis)
     except ValueError as exc:
-        raise SplitKVArgumentError(str(exc)) from exc
+        hint = " (with Megatron: --splitkv-chunk-axis heads)" if "needs chunk_axis 'heads'" in str(exc) else ""
+        raise SplitKVArgumentError(str(exc) + hint) from exc
 
 
 def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
