@@ -914,3 +914,13 @@ def test_fresh_user_reasons(clean_env):
     a = _spanning(splitkv_num_chunks=1)
     validate_splitkv_args(a, have_fa4=True)
     assert "MEGATRON_SPLITKV_NUM_CHUNKS='1' (or --splitkv-num-chunks)" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto
+
+
+@pytest.mark.parametrize("kw", [dict(splitkv_num_chunks=2), dict(splitkv_chunk_axis="heads"), dict(splitkv_kernel_lanes=2)])
+def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
+    """The merge pipeline is Split-KV's: its flags with --context-parallel-impl allgather-kv / ring-kv were accepted
+    and ignored (fresh user, session 11)."""
+    for impl in ("allgather-kv", "ring-kv"):
+        with pytest.raises(SplitKVArgumentError, match=r"applies to --context-parallel-impl splitkv only .*" + impl):
+            validate_splitkv_args(_args(context_parallel_impl=impl, **kw))
+    validate_splitkv_args(_args(**kw))  # splitkv: fine

@@ -861,6 +861,12 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"
         if auto > 1:
             _export_auto(args, {RANKS_PER_NODE_ENV: str(auto)})
+    if impl != "splitkv":  # the baselines have no merge pipeline: a flag given for it would be ignored silently
+        for attr, flag in (("splitkv_num_chunks", "--splitkv-num-chunks"), ("splitkv_chunk_axis", "--splitkv-chunk-axis"),
+                           ("splitkv_kernel_lanes", "--splitkv-kernel-lanes")):
+            if getattr(args, attr, None) is not None:
+                raise SplitKVArgumentError(f"{flag} applies to --context-parallel-impl splitkv only (the merge "
+                                           f"pipeline), got --context-parallel-impl {impl}")
     _export_pipeline_flags(args)
     if impl == "splitkv":  # none of the pipeline's flags and variables: 2 head chunks when the group spans nodes
         kv = _kv_heads(args)
