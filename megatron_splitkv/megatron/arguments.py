@@ -349,8 +349,6 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
     return parser
 
 
-
-
 def device_prefetch_from_args(args) -> bool:
     """Whether forward_step prepares the next batch during the current forward (`--dflash-device-prefetch`,
     unset/None = on); SplitKVArgumentError naming the flag for any value other than "on" / "off"."""
