@@ -924,3 +924,14 @@ def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
         with pytest.raises(SplitKVArgumentError, match=r"applies to --context-parallel-impl splitkv only .*" + impl):
             validate_splitkv_args(_args(context_parallel_impl=impl, **kw))
     validate_splitkv_args(_args(**kw))  # splitkv: fine
+
+
+@pytest.mark.parametrize("value,shown", [("8", "8 (MEGATRON_SPLITKV_KERNEL_LANES; the op caps it at 4)"),
+                                         ("\u00b2", "\u00b2 (MEGATRON_SPLITKV_KERNEL_LANES)")])
+def test_runtime_flag_values_does_not_parse_a_malformed_lanes_variable(clean_env, value, shown):
+    """runtime_flag_values is pure and validates nothing: a MEGATRON_SPLITKV_KERNEL_LANES that str.isdigit()
+    takes but int() refuses ('\u00b2') is shown as it is, not a ValueError (validate_splitkv_args names it)."""
+    from megatron_splitkv.megatron.arguments import runtime_flag_values
+
+    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", value)
+    assert runtime_flag_values(_args(context_parallel_impl=None))["splitkv_kernel_lanes"] == shown

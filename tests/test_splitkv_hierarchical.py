@@ -270,7 +270,7 @@ def _errors_worker(rank, world):
         except ValueError as exc:
             assert msg in str(exc), (what, str(exc))
             if "by rank" in what:  # what Megatron may have chosen automatically, and what to check
-                assert "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE are the same on every node" in str(exc), str(exc)
+                assert "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE are the same on every node" in str(exc), str(exc)
             seen.append((what, str(exc)))
         else:
             raise AssertionError(f"{what}: no ValueError on rank {rank}")

@@ -56,9 +56,10 @@ Kernels implement:
         then pass every chunk's local keys / values as views of one tensor instead of a copy per chunk
         (ops/splitkv.py `_key_views`; docs/perf-notes.md item 24). Set for math (its tiles are gathered /
         selected into new tensors first); not for fa4 (reading head slices in place through its strides was not
-        measured faster, docs/perf-notes.md item 24, nor verified on the GPU: its inputs are copied contiguous), flex (its leaves are copied contiguous inside the
-        kernel anyway) or te (copies its inputs contiguous), nor staircase (its cuDNN graphs are keyed by
-        the inputs' strides; not tried with head slices).
+        measured faster, docs/perf-notes.md item 24, nor verified on the GPU: its inputs are copied
+        contiguous), flex (its leaves are copied contiguous inside the kernel anyway) or te (copies its inputs
+        contiguous), nor staircase (its cuDNN graphs are keyed by the inputs' strides; not tried with head
+        slices).
 
     check_dtype(dtype, device=None, head_dim=None) (optional): raise ValueError when the kernel cannot run
         `dtype` with head dim `head_dim` (D; None: unknown) on `device`. The ops call it once per call, with

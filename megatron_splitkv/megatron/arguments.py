@@ -54,7 +54,7 @@ import os
 import re
 from typing import Optional
 
-from .._ints import _shown, as_int, int_arg, parse_int
+from .._ints import _shown, as_int, int_arg, is_int_text, parse_int
 
 __all__ = [
     "CP_IMPLS",
@@ -349,8 +349,6 @@ def add_splitkv_args(parser: argparse.ArgumentParser, *, aliases: Optional[dict]
     return parser
 
 
-
-
 def device_prefetch_from_args(args) -> bool:
     """Whether forward_step prepares the next batch during the current forward (`--dflash-device-prefetch`,
     unset/None = on); SplitKVArgumentError naming the flag for any value other than "on" / "off"."""
@@ -448,7 +446,7 @@ def runtime_flag_values(args) -> dict:
         if name == NUM_CHUNKS_ENV and _head_split_chunks() is not None:  # the op's k then (the variable ignored)
             out[attr] = f"{_head_split_chunks()} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
         elif env and exported.get(name) != env:
-            capped = name == KERNEL_LANES_ENV and env.isdigit() and int(env) > MAX_KERNEL_LANES
+            capped = name == KERNEL_LANES_ENV and is_int_text(env) and int(env) > MAX_KERNEL_LANES
             out[attr] = f"{env} ({name}" + (f"; the op caps it at {MAX_KERNEL_LANES})" if capped else ")")
         elif auto:
             out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"

@@ -945,7 +945,7 @@ def _check_agree(name, table, cols):
 _PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split", NUM_CHUNKS_ENV, CHUNK_AXIS_ENV,
                    RANKS_PER_NODE_ENV)
 _AUTO_PIPELINE_HINT = (" (under Megatron, unset ones are chosen from the launcher's processes per node: check that "
-                       "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE are the same on every node, or set "
+                       "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE are the same on every node, or set "
                        "--splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-cp-ranks-per-node)")
 
 

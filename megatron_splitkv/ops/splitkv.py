@@ -57,8 +57,10 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    split by heads: fa4, flex, te, staircase); the owner merges each
    chunk into [rows, h0:h1] of one output (the Triton merge writes the strided destination, the torch merge
    copies there) and writes its dQ sums there; dK / dV of a head chunk are final: written in the inputs' dtype
-   straight into its kv heads of the gradient, in context order (`_grad_rows`: the unsort folded into that
-   one `index_copy_`, no sorted buffer unsorted again), no fp32 accumulation across chunks. Same collectives per chunk and
+   straight into its kv heads of the gradient, in context order where the kernel returns them in that dtype
+   (`_grad_rows`: the unsort folded into that one `index_copy_`, no sorted buffer unsorted again; an fp32
+   result for bf16 / fp16 inputs is cast by a copy and unsorted once after the chunks), no fp32 accumulation
+   across chunks. Same collectives per chunk and
    the same bytes per collective name as row chunks (each carries Hq / k heads of every row instead of rows /
    k of every head). Why: FA4's backward iterates key tiles over query tiles, so halving the rows per call
    doubles its per-CTA prologue / epilogue and dK / dV writes; k = 2 query chunks cost 1.132x one call's
