@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _splitkv_helpers import case, check, contiguous_ctx, errors, job_results, jobs_worker, new_seed
+from _splitkv_helpers import case, check, contiguous_ctx, errors, job_results, jobs_worker, new_seed, rel_rms_err
 
 ALL_OPS = ["splitkv", "allgather_kv", "ring_kv"]
 
@@ -161,7 +161,16 @@ def test_c10_bf16_error_does_not_grow_with_p(cases_run, capsys, name):
     report = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in report] == [f"{name} splitkv bf16 Lk=32K Lq=256 P={P}" for P in errs], report
     print("\n".join(report))  # back into the captured output of the test
-    for k in errs[2]:
+    for k in errs[2]:  # every P within the bf16 tolerance (max-norm)
         assert all(e[k] < 2e-2 for e in errs.values()), (k, errs)
-        base = min(e[k] for e in errs.values())
-        assert max(e[k] for e in errs.values()) <= 2.0 * base + 1e-3, (k, errs)
+    # growth with P on the relative RMS error (all elements): the max-norm errors of bf16 results are single
+    # elements' roundings, ~2^-9, and moved non-monotonically with P (seed 386857571, C10 heads dq: P = 2 / 4 / 8 =
+    # 2.66e-3 / 5.04e-3 / 1.46e-3, the same before session 11's changes), which failed the earlier bound
+    # max <= 2 x min + 1e-3 on the max-norm. A merge that loses precision with P (bf16 sums, per-rank lse) moves
+    # the RMS error of every row
+    rms = {c["P"]: errors(c, per_rank, norm=rel_rms_err) for _, c, per_rank in _each(cases_run, name)}
+    for P, e in rms.items():
+        print(f"{name} splitkv bf16 P={P}: rel. RMS error vs float64 reference: "
+              + ", ".join(f"{k}={v:.2e}" for k, v in e.items()))
+    for k in rms[2]:
+        assert max(e[k] for e in rms.values()) <= 1.25 * rms[2][k] + 1e-6, (k, rms)
