@@ -350,9 +350,8 @@ def _check_environment():
     from megatron_splitkv.ops import check_environment_agreement
 
     dcfg = _STATE["config"]  # and, with --splitkv-kernel auto, what it resolves to on each rank (mixed hardware)
-    auto = _STATE["kernel"] == "auto"
-    check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype if auto else None,
-                                head_dim=_head_dim(dcfg))
+    check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype, head_dim=_head_dim(dcfg),
+                                backend=_STATE["kernel"])
     _STATE["env_agreed"] = True
 
 

@@ -373,12 +373,14 @@ _AUTO_COL = 17
 _NO_AUTO = -1
 
 
-def _prepare_backend(backend) -> str:
-    """`prepare_splitkv_metadata`'s backend: "auto" (the calls resolve it: its resolution is agreed group-wide) or
-    an explicit kernel name of `kernels.BACKENDS`; ValueError naming backend otherwise."""
+def _auto_entry(backend, device, dtype, head_dim) -> int:
+    """This rank's entry of the agreement rows' "auto" column (`_check_auto_agree`): `kernels.auto_backend_code`
+    for (device, dtype, head_dim) when its calls pass backend "auto" (and dtype is known), else `_NO_AUTO` (an
+    explicit kernel takes no part in the check). ValueError naming backend unless it is "auto" or a name of
+    `kernels.BACKENDS`."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    return backend
+    return auto_backend_code(device, dtype, head_dim) if backend == "auto" and dtype is not None else _NO_AUTO
 
 
 def _check_auto_agree(name, table, col=_AUTO_COL):
@@ -1388,7 +1390,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split),
-               auto_backend_code(device, dtype, head_dim) if _prepare_backend(backend) == "auto" else _NO_AUTO]
+               _auto_entry(backend, device, dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1473,7 +1475,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
                # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
-               auto_backend_code(q.device, q.dtype, d) if backend == "auto" else _NO_AUTO]
+               _auto_entry(backend, q.device, q.dtype, d)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
         _resolve_kernel(name, backend, q.device, q.dtype, d)
@@ -2003,7 +2005,7 @@ def env_request_row(cp_size: int) -> list:
             (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
 
 
-def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None) -> None:
+def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None, backend="auto") -> None:
     """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
     resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
     (or when one is malformed on some rank).
@@ -2028,9 +2030,11 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
         cp_group: the CP ProcessGroup (None: the default group when initialised, else one process).
         device: the device of the tiny all-gather (default: CPU, or the current CUDA device with NCCL), and
             the device of the op calls for the "auto" check.
-        dtype, head_dim: the op calls' q/k/v dtype and head dim (dtype None: "auto" not checked on this rank;
-            pass None where the calls use an explicit kernel backend). The "auto" resolution is computed for
-            `device` (the op's device, also with a gloo group), else for the group's communication device.
+        dtype, head_dim: the op calls' q/k/v dtype and head dim (dtype None: "auto" not checked on this rank).
+            The "auto" resolution is computed for `device` (the op's device, also with a gloo group), else for
+            the group's communication device.
+        backend: the kernel the op calls pass (as `prepare_splitkv_metadata`'s): only "auto" takes part in the
+            check of its resolution.
 
     Raises:
         ValueError("check_environment_agreement: ..."), the same on every rank: a variable malformed on some
@@ -2044,7 +2048,7 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
         requests = env_request_row(group.size)
         validate_kernel_env()
         op_device = _comm_device(group, None) if device is None else torch.device(device)
-        row = requests + [_NO_AUTO if dtype is None else auto_backend_code(op_device, dtype, head_dim)]
+        row = requests + [_auto_entry(backend, op_device, dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), "splitkv.check")
