@@ -95,6 +95,10 @@ CHUNK_AXES = ("rows", "heads")
 MAX_KERNEL_LANES = 4
 #: the variables `auto_pipeline` chooses; any of them set by the user (or by a flag) turns it off
 PIPELINE_ENVS = (NUM_CHUNKS_ENV, CHUNK_AXIS_ENV, HEAD_SPLIT_ENV, KERNEL_LANES_ENV)
+#: the pipeline's flags: (args attribute, flag, the variable it is exported as, the op's default)
+_PIPELINE_FLAGS = (("splitkv_num_chunks", "--splitkv-num-chunks", NUM_CHUNKS_ENV, 1),
+                   ("splitkv_chunk_axis", "--splitkv-chunk-axis", CHUNK_AXIS_ENV, "rows"),
+                   ("splitkv_kernel_lanes", "--splitkv-kernel-lanes", KERNEL_LANES_ENV, 1))
 # upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
 # pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
 # per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
@@ -438,13 +442,13 @@ def runtime_flag_values(args) -> dict:
                                                         "group spans nodes, else 1)")
     # the chunked pipeline, as splitkv_cp_ranks_per_node: the user's variable, else validate's automatic choice
     auto, exported = getattr(args, "splitkv_pipeline_auto", None), getattr(args, "splitkv_auto_env", None) or {}
-    for attr, name, default in (("splitkv_num_chunks", NUM_CHUNKS_ENV, 1), ("splitkv_chunk_axis", CHUNK_AXIS_ENV, "rows"),
-                                ("splitkv_kernel_lanes", KERNEL_LANES_ENV, 1)):
+    split_k = _head_split_chunks()
+    for attr, _, name, default in _PIPELINE_FLAGS:
         if getattr(args, attr, None) is not None:
             continue
         env = os.environ.get(name, "").strip()
-        if name == NUM_CHUNKS_ENV and _head_split_chunks() is not None:  # the op's k then (the variable ignored)
-            out[attr] = f"{_head_split_chunks()} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
+        if name == NUM_CHUNKS_ENV and split_k is not None:  # the op's k then (the variable ignored)
+            out[attr] = f"{split_k} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
         elif env and exported.get(name) != env:
             capped = name == KERNEL_LANES_ENV and is_int_text(env) and int(env) > MAX_KERNEL_LANES
             out[attr] = f"{env} ({name}" + (f"; the op caps it at {MAX_KERNEL_LANES})" if capped else ")")
@@ -598,8 +602,7 @@ def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
     (flex query chunks were slower with them over NCCL), hence fa4 only. Exact either way (head chunks sum
     nothing across chunks; lanes issue the same kernels). `environ`: a mapping (default os.environ)."""
     env = os.environ if environ is None else environ
-    flags = {NUM_CHUNKS_ENV: "--splitkv-num-chunks", CHUNK_AXIS_ENV: "--splitkv-chunk-axis",
-             KERNEL_LANES_ENV: "--splitkv-kernel-lanes"}
+    flags = {name: flag for _, flag, name, _ in _PIPELINE_FLAGS}
     mine = [f"{name}={_shown(str(env[name]).strip())}" + (f" (or {flags[name]})" if name in flags else "")
             for name in PIPELINE_ENVS if str(env.get(name, "") or "").strip()]
     if mine:
@@ -860,8 +863,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         if auto > 1:
             _export_auto(args, {RANKS_PER_NODE_ENV: str(auto)})
     if impl != "splitkv":  # the baselines have no merge pipeline: a flag given for it would be ignored silently
-        for attr, flag in (("splitkv_num_chunks", "--splitkv-num-chunks"), ("splitkv_chunk_axis", "--splitkv-chunk-axis"),
-                           ("splitkv_kernel_lanes", "--splitkv-kernel-lanes")):
+        for attr, flag, _, _ in _PIPELINE_FLAGS:
             if getattr(args, attr, None) is not None:
                 raise SplitKVArgumentError(f"{flag} applies to --context-parallel-impl splitkv only (the merge "
                                            f"pipeline), got --context-parallel-impl {impl}")
