@@ -16,6 +16,7 @@ $(VENV)/.installed: setup.py requirements.txt
 	$(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps dflash==0.1.0
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

