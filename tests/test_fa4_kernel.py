@@ -18,7 +18,7 @@ import torch
 
 from _splitkv_helpers import case, check, new_seed, run_local, with_random_own_slots
 
-from megatron_splitkv import bench as mb
+from tools import benchlib as mb
 from megatron_splitkv import kernels
 from megatron_splitkv.kernels import fa4
 from megatron_splitkv.kernels.base import IntervalMask

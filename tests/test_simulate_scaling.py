@@ -1,4 +1,4 @@
-"""tools/simulate_scaling.py and the alpha-beta / byte model of megatron_splitkv.bench (issue 6).
+"""tools/simulate_scaling.py and the alpha-beta / byte model of tools.benchlib (issue 6).
 
 - `fit_alpha_beta` recovers known latency/bandwidth from synthetic timings of every collective kind;
 - `predicted_records` (the byte counts the simulator uses) equal the ops' own comm_stats records, op
@@ -21,7 +21,7 @@ from _dist import run_distributed
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce", "send"])

@@ -35,7 +35,8 @@ import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import (RelayRecorder as _Recorder, aggregate_records, build, case, check, local, loss_of, new_seed,
                               raw_and_double_results)
-from megatron_splitkv import bench, comm_stats
+from megatron_splitkv import comm_stats
+from tools import benchlib as bench
 from megatron_splitkv.ops.common import (
     EXCHANGE_PIECES_ENV,
     MAX_EXCHANGE_PIECES,

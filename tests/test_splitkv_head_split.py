@@ -257,7 +257,7 @@ def test_one_head_split_validator_for_the_op_env_and_the_tools(monkeypatch, text
     """The op's MEGATRON_SPLITKV_HEAD_SPLIT, the tools' --head-split(s) (`bench.parse_head_splits`) and the op's
     / `bench.kernel_calls`' head_split value go through one validator (`ops.metadata.check_head_split` /
     `head_split_from_text`) with one message; each only names its own argument."""
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
     from megatron_splitkv.ops import metadata as md
 
     monkeypatch.setenv(HEAD_SPLIT_ENV, text)

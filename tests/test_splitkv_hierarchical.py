@@ -20,7 +20,8 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, TOL, build, case, check, local, loss_of, new_seed, rel_err, small_inputs
-from megatron_splitkv import bench, comm_stats
+from megatron_splitkv import comm_stats
+from tools import benchlib as bench
 from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")

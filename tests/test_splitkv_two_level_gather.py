@@ -27,7 +27,8 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, build, case, check, local, loss_of, new_seed
-from megatron_splitkv import bench, comm_stats
+from megatron_splitkv import comm_stats
+from tools import benchlib as bench
 from megatron_splitkv.ops import common
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")

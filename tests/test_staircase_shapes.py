@@ -291,7 +291,7 @@ def test_shapes_over_random_steps_stay_bounded(dist, anchors_per):
     """Simulated training steps (random packed batches of 4K-128K sequences, 512 anchors, LPT at CP 1, 2
     and 8, Split-KV's calls on every rank): the default kernel's dense shapes (forward and backward) lie
     in `shape_bound` (<= 2 x 103 cuDNN graphs), and the legacy rounding makes several times as many."""
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
 
     seed = seed_of("steps", dist, anchors_per)
     rng = np.random.default_rng(seed)

@@ -13,7 +13,7 @@ Per row (method, CP, placement, context), written to --out as bench_attention.{j
     per-step metadata (`prepare_splitkv_metadata`, reused as every drafter layer does; `--no-metadata`
     times the self-contained call instead); "prep ms": the metadata preparation, once per step;
   - comm bytes per rank (comm_stats, the ops' own accounting; max over ranks) and the model's count
-    (`megatron_splitkv.bench.predicted_bytes`, must agree);
+    (`tools.benchlib.predicted_bytes`, must agree);
   - peak memory: torch.cuda.max_memory_allocated during one step (max over ranks), absolute GiB;
   - local kernel: the rank's local-kernel calls timed alone (`bench.kernel_calls`, fresh mask per call as
     in the op), slowest rank's ms and its useful TF/s; next to dense SDPA's TF/s at about the same
@@ -67,7 +67,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 from megatron_splitkv._ints import float_arg  # noqa: E402
 from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402

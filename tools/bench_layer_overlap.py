@@ -72,7 +72,7 @@ def build_layer(args, cp, device, dtype):
 
 
 def run_context(attn, ctx_len, args, device, dtype, rank, cp):
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
     from megatron_splitkv.megatron import DFlashPackedSeqParams
 
     B = args.block_size

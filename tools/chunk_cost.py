@@ -38,7 +38,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 
 #: the note under a --cpu run's table
 CPU_NOTE = (f"CPU smoke run (--cpu: tiny shapes): TF/s, GPU busy time and peak memory are GPU measures and read "

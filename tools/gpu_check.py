@@ -19,7 +19,7 @@ Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a ma
           (`--kernels`, default "fa4,flex,te,staircase"; a kernel that does not import gets a row saying why)
           through the kernel API with a cached mask: forward and forward + backward (backward with the
           global lse/delta, as in the op) ms, useful TF/s (4 * pairs * Hq * D forward, x3.5 forward +
-          backward, megatron_splitkv.bench's convention) and % of dense SDPA at the same useful FLOPs;
+          backward, tools.benchlib's convention) and % of dense SDPA at the same useful FLOPs;
           exactness vs a float64 reference (out, lse, dq, dk, dv; at the first Tk also over a two-part key
           split merged by lse, the op's global-lse path). Then the own-block part (each block's B queries x
           its own B keys): today's fp32 einsum path (ops.common.own_block_forward/backward) and its lse
@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from megatron_splitkv.bench import NA_CPU, finite, gpu_cell  # noqa: E402
+from tools.benchlib import NA_CPU, finite, gpu_cell  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 from megatron_splitkv.kernels.base import IntervalMask  # noqa: E402
 
@@ -94,8 +94,8 @@ def sync(dev):
 
 
 def bench(fn, dev, reps=10, warmup=3):
-    """Median and min milliseconds of fn() (megatron_splitkv.bench.time_fn: CUDA events on GPU)."""
-    from megatron_splitkv.bench import time_fn
+    """Median and min milliseconds of fn() (tools.benchlib.time_fn: CUDA events on GPU)."""
+    from tools.benchlib import time_fn
 
     med, mn, _ = time_fn(fn, dev, reps=reps, warmup=warmup)
     return med, mn
@@ -659,7 +659,7 @@ def _load_kernel(name, dev, dtype, D, te_emulator=False):
 
 
 def _exact(o, l, grads, ref):
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
 
     return mb.kernel_errors(o, l, grads, ref)
 
@@ -693,7 +693,7 @@ def _split_exactness(kern, q, k, v, mask, scale, do, ref):
 
 
 def _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warmup):
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
 
     return mb.time_kernel_api(kern, q, k, v, mask, scale, do, dev, reps=reps, warmup=warmup)
 
@@ -722,7 +722,7 @@ def kernel_compare(dev, cpu, res, args, flush):
     every Tk, its block-diagonal own block, its fused context + own block call. So a kernel that breaks the
     CUDA context (rows say so; the later ones are skipped) cannot take the earlier kernels' rows with it.
     Inputs are seeded per Tk: every kernel sees the same tensors; float64 references are kept per Tk."""
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
     from megatron_splitkv.ops.common import merge
 
     try:  # the op's separate own-block pass (trees before the fused own block)
@@ -899,7 +899,7 @@ def _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, 
     the float64 reference, forward and forward + backward timing (kernel API, cached mask), TF/s on useful
     FLOPs, % of dense SDPA, speed-up over flex, the dense path that ran. On CPU (dry run) every variant
     gets STAIR_CPU underneath so that the tiny shapes make dense calls."""
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
     from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
 
     broken = None
@@ -994,7 +994,7 @@ def _own_block_setup(dev, n_anchors, B, Hq, Hkv, D, dt, scale, prob, reps, warm,
                      own_block_backward, merge):
     """Own-block inputs (Tq = n_anchors * B rows, the first Tk's q and dO), its float64 reference on the
     block-diagonal mask, and the einsum pass + merge rows (no kernel involved)."""
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
     from megatron_splitkv.kernels.base import IntervalMask
 
     _, q, _, _, do, _ = prob
@@ -1065,7 +1065,7 @@ def _fused(dev, out, name, kern, prob, tk, B, Hkv, D, dt, scale, reps, warm, ctx
     """Context + own block in ONE kernel call, built exactly as the ops build it (keys [context ; zero
     padding to a multiple of 128 ; own keys], second intervals `ops.common.with_own_blocks`), vs the
     separate path (context kernel + einsum own block + merge). Returns a "broken" label or None."""
-    from megatron_splitkv import bench as mb
+    from tools import benchlib as mb
 
     try:
         from megatron_splitkv.ops.common import with_own_blocks, with_own_keys

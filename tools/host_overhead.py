@@ -292,7 +292,7 @@ def _digest(tensors) -> str:
 def worker(a) -> None:
     import torch.distributed as dist
 
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
     from megatron_splitkv.kernels import get_kernel
     torch.set_num_threads(1)
     if "staircase" in a.backends and a.staircase == "small":
@@ -406,7 +406,7 @@ def _fmt_row(r) -> list:
 
 
 def report(rows, a) -> None:
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
 
     dc = os.environ.get("MEGATRON_SPLITKV_DEBUG_CHECKS", "") or "unset"
     if "staircase" in a.backends:
@@ -470,7 +470,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
 
     nprocs = bench.int_list_arg(ap, "--nproc", a.nproc, 1)
     a.num_chunks = bench.int_list_arg(ap, "--num-chunks", a.num_chunks, 1)

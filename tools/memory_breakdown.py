@@ -256,7 +256,7 @@ def split_bytes(records, classes):
 
 
 def _run_rank(rank, world, args):
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
 
     _install_flex_standin(args.kernel)
     dtype = getattr(torch, args.dtype)

@@ -51,7 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 
 #: the DFlash Qwen3-8B drafter's attention shapes (docs/benchmarks.md)

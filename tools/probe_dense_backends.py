@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10)
     a = ap.parse_args()
-    from megatron_splitkv.bench import int_list_arg  # noqa: PLC0415
+    from tools.benchlib import int_list_arg  # noqa: PLC0415
 
     keys = int_list_arg(ap, "--keys", a.keys, 2)
     for flag, v in (("--rows", a.rows), ("--heads-q", a.heads_q), ("--heads-kv", a.heads_kv),

@@ -4,7 +4,7 @@ For each backend spec and key count: warm up, then `torch.profiler` over `--iter
 calls through the kernel API (backward with the global lse/delta, as in the op; cached mask, as with the
 per-step metadata). Prints, per case, the wall time per iteration, the summed GPU kernel time per
 iteration (busy time; wall - busy = launch gaps / host syncs), and the top GPU kernels by total time.
-Shapes: 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8, D 128, bf16, one sequence (megatron_splitkv.bench).
+Shapes: 512 anchors x 16 (Lq 8192), Hq 32, Hkv 8, D 128, bf16, one sequence (tools.benchlib).
 
     python tools/profile_kernel.py --backends "flex;staircase;staircase:streams=2,group_blocks=64" \
         --keys 16384,65536 [--iters 3] [--top 15]
@@ -25,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # as the other tools: runs from a checkout without PYTHONPATH
 
-from megatron_splitkv import bench as mb  # noqa: E402
+from tools import benchlib as mb  # noqa: E402
 from megatron_splitkv.kernels import get_kernel  # noqa: E402
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 
 
 def _intervals(events, pred):

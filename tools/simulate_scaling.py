@@ -10,7 +10,7 @@ by default; the base is the fastest variant at P0: placements, chunk counts, ove
 
 T(P) = compute + exposed communication + op overhead, per method, modelled as the code does it
 (read ops/*.py):
-  - compute: the local-kernel calls of the slowest rank (`megatron_splitkv.bench.kernel_calls`: splitkv =
+  - compute: the local-kernel calls of the slowest rank (`tools.benchlib.kernel_calls`: splitkv =
     all Lq queries vs the rank's keys, one call per chunk; allgather-kv = the rank's Lq/P queries vs all
     keys; ring-kv = the rank's queries vs each shard, one call per ring step; each with the own block
     where the op fuses it). Measured mode: each sampled rank's real shard is run on one GPU with the
@@ -167,7 +167,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 from megatron_splitkv.planning import STRATEGIES as PLACEMENTS  # noqa: E402
 
 QUERY_FLOPS_NOTE = "useful fwd = 4*pairs*Hq*D; fwd+bwd = 3.5x"
@@ -1441,8 +1441,7 @@ def main(argv=None):
     log(f"[link] {link_source}: {json.dumps(links[topologies[0]].to_dict())}")
 
     # ---- own block: fused into the kernel call (as this tree's ops do) or a separate pass
-    tree_fused = bench._fused_own_block()
-    fused = tree_fused if args.fused_own_block == "auto" else args.fused_own_block == "on"
+    fused = args.fused_own_block != "off"
     own_ms, own_src = 2.0, "stated"
     if args.own_block_ms >= 0:
         own_ms, own_src = args.own_block_ms, "--own-block-ms"
@@ -1457,12 +1456,11 @@ def main(argv=None):
             log(f"[own-block] {args.kernels_json}: no own-block timing ({type(e).__name__}: {e}); stated {own_ms} ms")
 
     # ---- chunk counts of splitkv (the merge pipeline), per P: candidates, clamped as the op clamps them
-    has_chunks = bench._has_chunks()
     measured = not args.model_only
     chunk_loss = CHUNK_LOSS if args.chunk_loss < 0 else args.chunk_loss
 
     def chunk_list(P, nb):
-        if not has_chunks or P == 1:  # nothing to pipeline without communication
+        if P == 1:  # nothing to pipeline without communication
             return [1]
         req = args._num_chunks or ([1, 2, 4] if measured else [1, 2, 3, 4, 6, 8])
         limit = args.Hkv if args.chunk_axis == "heads" else nb  # head chunks clamp to Hkv, as the op
@@ -1501,7 +1499,7 @@ def main(argv=None):
         split_jobs[split] = list(args._bwd_orders)
     for split in args._head_splits:  # the even split of its k, when not asked for itself: forward order only
         split_jobs.setdefault(default_head_split(len(split), args.Hkv), ["forward"])
-    if split_jobs and "splitkv" in methods and has_chunks:
+    if split_jobs and "splitkv" in methods:
         for P in cps:
             if P == 1:
                 continue
@@ -1580,7 +1578,7 @@ def main(argv=None):
             for key, lab in keys.items():  # k = 1 first: the overhead of T(P0) and of every k = 1 row
                 try:
                     op_ms, k_ms = time_chunking_overhead(key, plan1, args, dtype=dtype, device=dev,
-                                                         group=_solo_group(), fused=tree_fused,
+                                                         group=_solo_group(), fused=True,
                                                          reps=max(3 * args.reps, 9))
                     over_by[key] = dict(label=lab, op_ms=op_ms, kernel_ms=k_ms, overhead_ms=max(op_ms - k_ms, 0.0))
                     print(f"[overhead] CP=1 {lab}: op {op_ms:.2f} ms - kernel {k_ms:.2f} ms = "
@@ -1654,7 +1652,7 @@ def main(argv=None):
     else:
         overhead_ms, overhead_src = args.op_overhead_ms, "stated"
     # the stated overhead describes the op with a SEPARATE own block; a measured one, this tree's op
-    base_fused = tree_fused if overhead_src.startswith("measured") else False
+    base_fused = True if overhead_src.startswith("measured") else False
     if fused != base_fused:
         overhead_ms = max(overhead_ms + (-own_ms if fused else own_ms), 0.0)
         overhead_src += f", {'-' if fused else '+'} own block {own_ms:.2f} ms ({own_src})"
@@ -1821,8 +1819,8 @@ def main(argv=None):
         overhead_by_chunking=[dict(v, key=list(map(str, key))) for key, v in over_by.items()],
         model_kernel_rate={m: rate_src.get(m, f"stated {args.kernel_tflops:.0f} TF/s") for m in
                            dict.fromkeys(jobs[j][1] for j, _ in tasks)},
-        own_block=dict(fused=fused, tree_fused=tree_fused, separate_ms=own_ms, source=own_src),
-        chunked_pipeline=has_chunks, chunk_loss=chunk_loss, kv_projection=dict(source=proj_src, tflops=list(proj_rate)),
+        own_block=dict(fused=fused, separate_ms=own_ms, source=own_src),
+        chunked_pipeline=True, chunk_loss=chunk_loss, kv_projection=dict(source=proj_src, tflops=list(proj_rate)),
         variants=variants, node_merge=dict(source=merge_src, gbs=list(merge_rate)),
         measured_collectives=measured_coll, flop_convention=QUERY_FLOPS_NOTE,
         rows=rows, wall_s=time.perf_counter() - t_start)

@@ -133,7 +133,7 @@ def call_masks(plan, rank, impl):
     """(IntervalMask, context keys) of each local-kernel call of `impl` on `rank` (own block fused)."""
     import torch
 
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
     from megatron_splitkv.kernels.base import IntervalMask
 
     out = []
@@ -186,7 +186,7 @@ def model_ms(moved_pairs, extra_calls, args):
 def run(args):
     import torch
 
-    from megatron_splitkv import bench
+    from tools import benchlib as bench
     from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
 
     dtype = getattr(torch, args.dtype)
@@ -335,7 +335,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    from megatron_splitkv.bench import int_list_arg
+    from tools.benchlib import int_list_arg
     from megatron_splitkv.planning import STRATEGIES
 
     for flag in ("--steps", "--cp", "--sizes", "--key-bins"):

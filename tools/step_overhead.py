@@ -116,7 +116,7 @@ SITE = os.environ.get("MEGATRON_SPLITKV_SITE", "/tmp/site")
 if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 from megatron_splitkv._ints import float_arg, parse_float  # noqa: E402
 
 PREPARES = None  # PrepareCounter, set in main

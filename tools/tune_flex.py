@@ -2,7 +2,7 @@
 """FlexAttention `kernel_options` sweep for the DFlash interval mask (issue 6, item e).
 
 Workload: 512 anchors x 16 (Tq 8192), one sequence, Hq 32, Hkv 8, D 128, bf16, `--tks` keys (16K, 64K),
-the mask of `megatron_splitkv.bench.dflash_interval_mask` (the same as tools/gpu_check.py compare). Each
+the mask of `tools.benchlib.dflash_interval_mask` (the same as tools/gpu_check.py compare). Each
 config runs through the kernel API (`FlexAttentionKernel(kernel_options=...)`, cached mask: what the op
 runs; note that flex silently drops `USE_TMA` when its inputs do not qualify, so the API path, not raw
 flex, is what counts), compiled once per (config, Tk): forward and forward + backward ms, useful TF/s
@@ -48,7 +48,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv import bench  # noqa: E402
+from tools import benchlib as bench  # noqa: E402
 
 #: (name, kernel_options), at most six, ordered by expected value (the first is the baseline)
 #: (forward-only changes first: the backward variants are the likelier to fail to compile or, worse, to

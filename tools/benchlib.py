@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._ints import as_int, parse_int
-from .ops.metadata import check_head_split, head_split_from_text
+from megatron_splitkv._ints import as_int, parse_int
+from megatron_splitkv.ops.common import own_key_start
+from megatron_splitkv.ops.metadata import check_head_split, head_split_from_text, resolve_num_chunks
 
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
@@ -97,7 +98,7 @@ def make_workload(total_context: int, n_anchors: int = 512, *, n_seqs: int = 1, 
 
     Returns (seq_lens [n_seqs] int64 numpy, anchors: list of n_seqs sorted int64 arrays).
     """
-    from .data.anchors import sample_anchors
+    from megatron_splitkv.data.anchors import sample_anchors
 
     lens = np.full(n_seqs, total_context // n_seqs, dtype=np.int64)
     lens[: total_context % n_seqs] += 1
@@ -109,7 +110,7 @@ def make_workload(total_context: int, n_anchors: int = 512, *, n_seqs: int = 1, 
 
 def place(seq_lens, anchors, *, cp_size: int, strategy: str = "lpt", block_size: int = 16, **kw):
     """`planning.plan_context_parallel` (the planner's placement: "lpt", "zigzag", "contiguous", ...)."""
-    from .planning import plan_context_parallel
+    from megatron_splitkv.planning import plan_context_parallel
 
     return plan_context_parallel(seq_lens, anchors, block_size=block_size, cp_size=cp_size,
                                  strategy=strategy, **kw)
@@ -159,7 +160,7 @@ def prepare_meta(method, x, *, block_size, cp_group, Hq, Hkv, D, dtype=torch.bfl
     the group calls it). The training configuration: prepared once per step, reused by every layer.
     `options`: extra keywords of prepare_splitkv_metadata (e.g. num_chunks, where it takes them: see
     `op_option`)."""
-    from .ops import prepare_splitkv_metadata
+    from megatron_splitkv.ops import prepare_splitkv_metadata
 
     return prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
                                     num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=cp_group,
@@ -172,7 +173,7 @@ def op_option(name: str, method: str = "splitkv"):
     (this tree's op has no such option). Signature inspection only; nothing runs."""
     import inspect
 
-    from .ops import prepare_splitkv_metadata
+    from megatron_splitkv.ops import prepare_splitkv_metadata
 
     try:
         if name in inspect.signature(prepare_splitkv_metadata).parameters:
@@ -189,7 +190,7 @@ def op_accepts(name: str, where: str, method: str = "splitkv") -> bool:
     has a keyword `name` in this tree. Signature inspection only."""
     import inspect
 
-    from .ops import prepare_splitkv_metadata
+    from megatron_splitkv.ops import prepare_splitkv_metadata
 
     fn = prepare_splitkv_metadata if where == "prepare" else op_fn(method)
     try:
@@ -238,29 +239,14 @@ def _intervals_np(keys_sorted, q_seq, q_anchor):
 #: [1, 12] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, what
 #: backend "auto" resolves to, error)
 META_INTS = 12
-#: own-block keys start at a multiple of this after the context keys (ops.common.OWN_KEY_ALIGN)
-OWN_KEY_ALIGN = 128
-#: default Split-KV chunk count at CP > 1 (ops.metadata.DEFAULT_NUM_CHUNKS), when that module lacks it
-_DEFAULT_CHUNKS = 4
-
-
 def _own_key_start(n: int) -> int:
-    try:
-        from .ops.common import own_key_start
-
-        return int(own_key_start(n))
-    except ImportError:  # a tree without the fused own block
-        return -(-int(n) // OWN_KEY_ALIGN) * OWN_KEY_ALIGN
+    return int(own_key_start(n))
 
 
 def resolve_chunks(num_chunks, P: int, max_blocks: int) -> int:
     """The chunk count Split-KV uses for `num_chunks` (None: its default, the environment variable
     MEGATRON_SPLITKV_NUM_CHUNKS included) at CP size P with `max_blocks` blocks per rank: the op's own
-    `ops.metadata.resolve_num_chunks` when this tree has it, else 1 (no chunked pipeline)."""
-    try:
-        from .ops.metadata import resolve_num_chunks
-    except ImportError:
-        return 1
+    `ops.metadata.resolve_num_chunks`."""
     return int(resolve_num_chunks(num_chunks, P, max(int(max_blocks), 1)))
 
 
@@ -378,7 +364,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
     sl = plan.query_slice(rank)
     nb = plan.blocks_per_rank
     valid_local = np.asarray(plan.q_anchor[sl]) >= 0
-    fused = own_block and _fused_own_block()
+    fused = own_block
 
     def keys_of(r):
         return np.sort(_keys_np(plan.token_seq_ids(r), plan.token_positions(r)))
@@ -404,7 +390,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
                 c.kv_heads, c.num_heads_kv = (g0, g1), num_heads_kv
                 calls.append(c)
             return calls
-        k = resolve_chunks(num_chunks, P, nb) if _has_chunks() else 1
+        k = resolve_chunks(num_chunks, P, nb)
         mine = keys_of(rank)
         calls = []
         for b0, b1 in chunk_bounds(k, nb):
@@ -420,34 +406,6 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
         return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], keys_of((rank - s) % P), B,
                            own=own if s == 0 else None) for s in range(P)]
     raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-
-
-def _fused_own_block() -> bool:
-    """True when this tree's ops run the own block inside the kernel call (ops.common.with_own_keys)."""
-    try:
-        from .ops.common import with_own_keys  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _has_chunks() -> bool:
-    """True when this tree's Split-KV op has the chunked merge pipeline (ops.metadata.chunk_bounds)."""
-    try:
-        from .ops.metadata import chunk_bounds as _cb  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _has_two_level_gather() -> bool:
-    """True when this tree's Split-KV op gathers the backward's [dO | stats] in two stages with the two-level
-    all-to-all (ops/splitkv.py `_gather_dout_stats`, records "splitkv.bwd.dout.inter" / ".intra")."""
-    try:
-        from .ops.splitkv import _gather_dout_stats as _g  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def fwd_flops(pairs: float, Hq: int, D: int) -> float:
@@ -528,7 +486,7 @@ def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
     Head chunks (the op's `chunk_axis="heads"`): k and v are lists, chunk c's keys / values [Tk, Hkv_c, D] (its
     kv heads; every part all rows with its q heads, the same mask); a chunk's dK / dV are final: written into
     their heads of one [Tk, Hkv, D] result each (no fp32 sums), which is returned."""
-    from .ops.common import KernelLanes
+    from megatron_splitkv.ops.common import KernelLanes
 
     if not parts:
         return None
@@ -607,7 +565,7 @@ def chunk_inputs(calls, *, Hq, Hkv, D, dtype, device, gen, mask=None):
 
 def call_mask(call, device):
     """The `IntervalMask` of a `KernelCall` on `device` (with the own-block second intervals when it has them)."""
-    from .kernels.base import IntervalMask
+    from megatron_splitkv.kernels.base import IntervalMask
 
     lo, hi = torch.as_tensor(call.lo, device=device), torch.as_tensor(call.hi, device=device)
     if call.own_lo is None:
@@ -654,10 +612,10 @@ def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda
     ms (`KernelCallsTiming`); `time_kernel_calls` times them one after the other, `time_kernel_calls_rounds` in
     interleaved rounds. Random inputs (never zeros) from one generator seeded `seed`, drawn in the calls' order
     when the step builders run in order. The arguments as in `time_kernel_calls`."""
-    from .kernels import get_kernel
-    from .kernels.base import IntervalMask
+    from megatron_splitkv.kernels import get_kernel
+    from megatron_splitkv.kernels.base import IntervalMask
 
-    from .ops.common import kernel_lanes
+    from megatron_splitkv.ops.common import kernel_lanes
 
     device = torch.device(device)
     kern = get_kernel(backend, device, dtype, head_dim=D)
@@ -823,7 +781,7 @@ def dflash_interval_mask(n_anchors: int, num_keys: int, *, block_size: int = 16,
     `n_anchors` anchors drawn uniformly without replacement from [1, num_keys], sorted; block b sees keys
     [0, a_b) (positions strictly before its anchor). Visible (row, key) pairs = block_size * sum(a_b).
     The same construction as tools/gpu_check.py's kernel mode (docs/benchmarks.md)."""
-    from .kernels.base import IntervalMask
+    from megatron_splitkv.kernels.base import IntervalMask
 
     gen = torch.Generator().manual_seed(seed)
     n = min(int(n_anchors), int(num_keys))
@@ -1049,27 +1007,27 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
     tk_max = max(n_ctx)
     if method == "splitkv":
         nb_max = max(n_blocks)
-        k = resolve_chunks(num_chunks, P, nb_max) if _has_chunks() else 1
+        k = resolve_chunks(num_chunks, P, nb_max)
         bounds = chunk_bounds(k, nb_max) if nb_max else [(0, 0)]
         try:  # the op's own resolution (argument, else environment variable clamped to P, else 1)
-            from .ops.metadata import resolve_ranks_per_node
+            from megatron_splitkv.ops.metadata import resolve_ranks_per_node
             L = int(resolve_ranks_per_node(cp_ranks_per_node, P))
         except ImportError:  # a tree without the two-level all-to-all
             L = 1
         N = P // L
         two_level = 1 < L < P
         try:  # the op's rule (ops.common.fuse_bwd_gather: multi-node groups)
-            from .ops.common import fuse_bwd_gather
+            from megatron_splitkv.ops.common import fuse_bwd_gather
             fused_gather = fuse_bwd_gather(P, two_level)
         except ImportError:  # a tree without the fused gather
             fused_gather = False
         try:  # the op's rule for gathering it in two stages (ops.common.two_level_bwd_gather: N >= 8 nodes)
-            from .ops.common import two_level_bwd_gather
-            two_gather = fused_gather and two_level and _has_two_level_gather() and two_level_bwd_gather(N)
+            from megatron_splitkv.ops.common import two_level_bwd_gather
+            two_gather = fused_gather and two_level and two_level_bwd_gather(N)
         except ImportError:  # a tree without the two-level gather
             two_gather = False
         try:  # the op's row pieces of the two-level forward exchange (ops.metadata.resolve_exchange_pieces)
-            from .ops.metadata import _requested_pieces, piece_bounds, resolve_exchange_pieces
+            from megatron_splitkv.ops.metadata import _requested_pieces, piece_bounds, resolve_exchange_pieces
             req = 0 if exchange_pieces is not None and int(exchange_pieces) == 0 else _requested_pieces(exchange_pieces)
             pieces = piece_bounds(bounds, resolve_exchange_pieces(req, len(bounds), L, P, bounds))
         except ImportError:  # a tree without them: one piece per chunk
