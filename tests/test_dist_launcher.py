@@ -104,7 +104,7 @@ def test_worker_hang_fails_with_timeout():
 
 
 def test_demo_fails_fast_with_the_rank_error():
-    """`python -m megatron_splitkv.demo` (`make demo`) uses the same launcher (`megatron_splitkv.launch.run_gloo`):
+    """`examples/op_demo.py` uses the same launcher (`megatron_splitkv.launch.run_gloo`):
     a rank that raises ends the demo at once, exit status 1, with that rank's error (it waited 600 s on its
     result queue). Here every rank raises (a malformed MEGATRON_SPLITKV_NUM_CHUNKS is refused group-wide)."""
     import subprocess
@@ -113,9 +113,10 @@ def test_demo_fails_fast_with_the_rank_error():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MEGATRON_SPLITKV_NUM_CHUNKS="x",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "megatron_splitkv.demo", "--ctx", "64", "--blocks", "2"], env=env,
+    p = subprocess.run([sys.executable, os.path.join(root, "examples", "op_demo.py"), "--ctx", "64", "--blocks", "2"],
+                       env=env,
                        cwd=root, capture_output=True, text=True, timeout=240)
     assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
-    assert "megatron_splitkv.demo: error: rank 0 of 2 failed" in p.stderr, p.stderr[-3000:]
+    assert "op_demo: error: rank 0 of 2 failed" in p.stderr, p.stderr[-3000:]
     assert "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int" in p.stderr, p.stderr[-3000:]
     assert "DFlash attention" not in p.stdout

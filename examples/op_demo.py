@@ -1,4 +1,4 @@
-"""`make demo`: Split-KV attention at CP=2 over gloo on CPU vs the two baselines.
+"""Split-KV attention at CP=2 over gloo on CPU vs the two baselines.
 
 Spawns `--cp` processes (default 2), runs `splitkv_attention`, `allgather_kv_attention` and
 `ring_kv_attention` forward + backward on the same sharded DFlash problem (packed sequences, shuffled
@@ -7,7 +7,7 @@ all five gradients vs the single-process float64 reference, and the bytes each c
 (convention: `megatron_splitkv.comm`). It repeats at a 4x longer context with the same query budget:
 Split-KV's bytes stay put, the baselines' grow. Source: arXiv 2611.05926, DESIGN.md section 2.
 
-Usage: python -m megatron_splitkv.demo [--cp 2] [--ctx 1024] [--blocks 8] [--dtype float32]
+Usage: .venv/bin/python examples/op_demo.py [--cp 2] [--ctx 1024] [--blocks 8] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from . import allgather_kv_attention, comm_stats, ring_kv_attention, splitkv_attention
-from .launch import run_gloo
-from .reference import dflash_attention_reference
+from megatron_splitkv import allgather_kv_attention, comm_stats, ring_kv_attention, splitkv_attention
+from megatron_splitkv.launch import run_gloo
+from megatron_splitkv.reference import dflash_attention_reference
 
 OPS = {"splitkv": splitkv_attention, "allgather_kv": allgather_kv_attention, "ring_kv": ring_kv_attention}
 FLOATS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
@@ -90,7 +90,7 @@ def main(argv=None):
     try:
         per_rank = run_gloo(_rank_main, a.cp, problems, timeout=600, error=DemoRankError)
     except DemoRankError as exc:
-        print(f"megatron_splitkv.demo: error: {exc}", file=sys.stderr, flush=True)
+        print(f"op_demo: error: {exc}", file=sys.stderr, flush=True)
         return 1
     print(f"DFlash attention, CP={a.cp} (gloo, CPU), {a.dtype}, Lq={problems[0]['q'].shape[0]} query rows, "
           f"Hq=4 Hkv=2 D=32 B=16; errors are relative max errors vs the float64 single-process reference")
