@@ -314,14 +314,16 @@ class TargetFeatureProvider(torch.nn.Module):
 
     Args:
         model: a `GPTModel` from `build_target_model` (pre_process stage; PP is not supported).
-        tap_layers: 0-based target layer ids (`megatron_splitkv.dflash.target_layer_ids`); the output of
-            decoder layer i (before the final norm) is tapped, as DFlash's `hidden_states[i + 1]`.
+        tap_layers: 0-based target layer ids (`megatron_splitkv.dflash.target_layer_ids`). The feature of
+            id i is Hugging Face's `hidden_states[i + 1]` (`output_hidden_states=True`; DFlash, vLLM and
+            SGLang add the same +1): the output of decoder layer i, and for the last layer (i = n - 1)
+            that output after the final norm, as transformers returns it (`tests/test_hf_import.py`).
 
     `forward(input_ids, kv_seq, kv_pos)`:
         input_ids, kv_seq, kv_pos: [T_r] int64, this rank's context tokens (any order, e.g.
             `shard_batch(...)["input_ids"/"kv_seq"/"kv_pos"]`), GLOBAL positions and sequence ids.
         Returns [T_r, n_taps * hidden] in the model's dtype, no grad. Runs the embedding and layers
-        0..max(tap_layers) only (the rest of the target and its LM head are not needed).
+        0..max(tap_layers) only (the LM head is not needed; the final norm only for a last-layer tap).
         Every rank of the CP group must call it (collectives inside), including ranks with T_r = 0.
     """
 
@@ -358,6 +360,6 @@ class TargetFeatureProvider(torch.nn.Module):
         for i, layer in enumerate(self.model.decoder.layers[: last + 1]):
             h, _ = layer(hidden_states=h, attention_mask=None, packed_seq_params=params)
             if i in self.tap_layers:
-                feats[i] = h
+                feats[i] = self.model.decoder.final_layernorm(h) if i == len(self.model.decoder.layers) - 1 else h
         out = torch.cat([feats[i] for i in self.tap_layers], dim=-1)  # [T_r, 1, n_taps * hidden]
         return out[:, 0]

@@ -1,0 +1,150 @@
+"""Target import (issue 20 item 1): a Hugging Face Qwen3 checkpoint written by transformers' save_pretrained
+(random init; one model.safetensors, and a sharded save with model.safetensors.index.json) loaded into our
+frozen target GPTModel at TP 1 and TP 2 (gloo): its logits and every tapped feature equal transformers'
+`Qwen3ForCausalLM(output_hidden_states=True)` on the same input (feature of tap id i = `hidden_states[i + 1]`,
+the DFlash convention; the last layer's is after the final norm, as transformers returns it), float32,
+atol 2e-5 + rtol 1e-4; GQA (4 query / 2 kv heads), tied and untied embeddings, rope theta != the default.
+Bad input: a clear `HFCheckpointError` naming the file and the field (or tensor).
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from _dist import run_distributed
+from _warning_marks import MEGATRON_ENV
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("safetensors")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = MEGATRON_ENV
+
+LAYERS, VOCAB, S = 3, 96, 13
+
+
+def _save(path, tied, shard):
+    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                                   rope_theta=5e5, tie_word_embeddings=tied, initializer_range=0.2)
+    torch.manual_seed(7 if tied else 8)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so that a norm mapped to the wrong place shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, **({"max_shard_size": "40KB"} if shard else {}))
+    ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    return dict(path=path, ids=ids[0], logits=out.logits[0], hidden=[h[0] for h in out.hidden_states])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    tied = _save(str(root / "tied"), True, False)
+    untied = _save(str(root / "untied"), False, True)
+    assert os.path.exists(os.path.join(untied["path"], "model.safetensors.index.json"))  # the sharded path
+    assert os.path.exists(os.path.join(tied["path"], "model.safetensors"))
+    return {"tied": tied, "untied": untied}
+
+
+def _worker(rank, world, paths, ids, bad):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_splitkv.megatron.hf import HFCheckpointError, load_hf_target, read_qwen3_config
+    from megatron_splitkv.megatron.models import TargetFeatureProvider, target_packed_seq_params
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    out = {}
+    for name, path in paths.items():
+        model = load_hf_target(path, pg_collection=pgs, mask_token_id=VOCAB - 1, drafter_hidden_size=32)
+        provider = TargetFeatureProvider(model, list(range(LAYERS)))  # every layer tapped
+        pos = torch.arange(S)
+        with torch.no_grad():
+            feats = provider(ids, torch.zeros(S, dtype=torch.long), pos)
+            h = model.embedding(input_ids=ids[None], position_ids=None)
+            params = target_packed_seq_params(torch.zeros(S, dtype=torch.long), pos)
+            for layer in model.decoder.layers:
+                h, _ = layer(hidden_states=h, attention_mask=None, packed_seq_params=params)
+            logits, _ = model.output_layer(model.decoder.final_layernorm(h))
+            parts = [torch.empty_like(logits) for _ in range(world)]
+            dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
+        out[name] = dict(feats=feats, logits=torch.cat(parts, -1)[:, 0])
+    errors = {}
+    for case, (fn, kw) in bad.items():
+        try:
+            if fn == "load":
+                load_hf_target(pg_collection=pgs, **kw)
+            else:
+                read_qwen3_config(**kw)
+        except HFCheckpointError as exc:
+            errors[case] = str(exc)
+    out["errors"] = errors
+    ps.destroy_model_parallel()
+    return out
+
+
+def _bad_checkpoints(checkpoints, root):
+    """Broken copies of the saved checkpoints -> {case: (function, kwargs)}."""
+    tied, untied = checkpoints["tied"]["path"], checkpoints["untied"]["path"]
+    llama = os.path.join(root, "llama")
+    shutil.copytree(tied, llama)
+    cfg = json.load(open(os.path.join(llama, "config.json")))
+    cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    json.dump(cfg, open(os.path.join(llama, "config.json"), "w"))
+    no_shard = os.path.join(root, "no-shard")
+    shutil.copytree(untied, no_shard)
+    index = json.load(open(os.path.join(no_shard, "model.safetensors.index.json")))
+    lost = sorted(set(index["weight_map"].values()))[-1]
+    os.remove(os.path.join(no_shard, lost))
+    no_tensor = os.path.join(root, "no-tensor")
+    shutil.copytree(untied, no_tensor)
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    json.dump(index, open(os.path.join(no_tensor, "model.safetensors.index.json"), "w"))
+    return {
+        "not_qwen3": ("load", dict(path=llama)),
+        "missing_shard": ("load", dict(path=no_shard)),
+        "missing_tensor": ("load", dict(path=no_tensor)),
+        "no_mask_room": ("read", dict(path=tied, mask_token_id=VOCAB)),
+        "hidden_mismatch": ("load", dict(path=tied, drafter_hidden_size=64)),
+        "tp_heads": ("read", dict(path=tied, tp_size=4)),
+    }, lost
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_import_matches_transformers(checkpoints, tp, tmp_path):
+    bad, lost = _bad_checkpoints(checkpoints, str(tmp_path)) if tp == 1 else ({}, None)
+    paths = {k: v["path"] for k, v in checkpoints.items()}
+    ids = checkpoints["tied"]["ids"]
+    assert torch.equal(ids, checkpoints["untied"]["ids"])
+    res = run_distributed(_worker, tp, paths, ids, bad, timeout=240)
+    for name, ref in checkpoints.items():
+        for r in range(tp):
+            got = res[r][name]
+            feats = got["feats"].view(S, LAYERS, 32)
+            for i in range(LAYERS):  # tap id i = hidden_states[i + 1]
+                torch.testing.assert_close(feats[:, i], ref["hidden"][i + 1], atol=2e-5, rtol=1e-4,
+                                           msg=f"{name} TP{tp} rank {r}: tap {i}")
+            torch.testing.assert_close(got["logits"], ref["logits"], atol=2e-5, rtol=1e-4,
+                                       msg=f"{name} TP{tp} rank {r}: logits")
+        # the features differ from a shifted tap (the bug class a wrong +1 causes)
+        assert (res[0][name]["feats"].view(S, LAYERS, 32)[:, 0] - ref["hidden"][0]).abs().max() > 1e-2
+    if tp == 1:
+        err = res[0]["errors"]
+        assert set(err) == set(bad), err  # every bad input raised HFCheckpointError
+        assert "config.json" in err["not_qwen3"] and "model_type" in err["not_qwen3"] and "'llama'" in err["not_qwen3"]
+        assert "model.safetensors.index.json" in err["missing_shard"] and lost in err["missing_shard"]
+        assert "model.layers.1.mlp.up_proj.weight" in err["missing_tensor"] and "index.json" in err["missing_tensor"]
+        assert "config.json" in err["no_mask_room"] and "vocab_size" in err["no_mask_room"]
+        assert f"mask token id {VOCAB}" in err["no_mask_room"]
+        assert "config.json" in err["hidden_mismatch"] and "hidden_size = 32" in err["hidden_mismatch"]
+        assert "64" in err["hidden_mismatch"]
+        assert "num_key_value_heads = 2" in err["tp_heads"] and "4" in err["tp_heads"]
