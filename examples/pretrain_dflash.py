@@ -23,7 +23,8 @@ what was chosen) (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anc
 budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
 `--loss-decay-gamma`, `--mask-token-id`; target flags
 `--target-num-layers`, `--target-ffn-hidden-size`, `--target-num-attention-heads`, `--target-num-query-groups`,
-`--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`; data flags
+`--target-kv-channels`, `--target-load` (weights; random init when absent), `--target-seed`, `--target-hf-path`
+(a Hugging Face Qwen3 checkpoint directory: sizes, vocabulary, rope theta and weights, TP-sharded); data flags
 `--sharegpt-limit`, `--data-seed`, `--features-path` (offline features from tools/extract_features.py:
 each CP rank reads only its shard's rows; of the target only the embedding and LM head the drafter borrows
 are then built, no decoder layer); `--dflash-data-workers N`
@@ -120,6 +121,10 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     t.add_argument("--target-load", type=str, default=None,
                    help="Target weights (torch state dict file or Megatron torch_dist dir); random init if unset.")
     t.add_argument("--target-seed", type=int, default=1234)
+    t.add_argument("--target-hf-path", type=str, default=None,
+                   help="Hugging Face Qwen3 checkpoint directory (config.json + *.safetensors) of the target: its "
+                   "config replaces the --target-* sizes and the weights are loaded TP-sharded "
+                   "(megatron_splitkv.megatron.hf.load_hf_target); not with --target-load.")
     d = parser.add_argument_group(title="dflash data")
     d.add_argument("--sharegpt-limit", type=int, default=None, help="first N ShareGPT conversations only")
     d.add_argument("--data-seed", type=int, default=0)
@@ -180,9 +185,19 @@ def _build_target(args, params_dtype, taps, pgs, cpu_init=False):
     decoder layer is built at all; without it (random target) each layer is built and freed once, one at a
     time, so that the random LM head equals the one of the target the features were extracted from
     (tools/extract_features.py with the same --target-seed). cpu_init: CPU initialisation (tests)."""
+    from megatron_splitkv.megatron.hf import load_hf_target
     from megatron_splitkv.megatron.models import TargetFeatureProvider, build_target_model, load_target_weights
 
     offline = bool(args.features_path)
+    hf_path = getattr(args, "target_hf_path", None)
+    if hf_path:  # the target's sizes, vocabulary and rope theta from its config.json
+        if args.target_load:
+            raise ValueError("--target-hf-path and --target-load both name the target's weights: give one")
+        target = load_hf_target(hf_path, pg_collection=pgs, params_dtype=params_dtype,
+                                mask_token_id=args.mask_token_id, drafter_hidden_size=args.hidden_size,
+                                max_sequence_length=args.max_position_embeddings, decoder_layers=not offline,
+                                use_cpu_initialization=cpu_init)
+        return TargetFeatureProvider(target, taps)
     target = build_target_model(_target_config(args, params_dtype, cpu_init), vocab_size=args.padded_vocab_size,
                                 max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
                                 pg_collection=pgs, seed=args.target_seed, decoder_layers=not offline,
@@ -225,6 +240,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         raise ValueError("the DFlash drafter runs on one pipeline stage: use --pipeline-model-parallel-size 1")
     pgs = _pgs(pg_collection)
     dcfg = core_transformer_config_from_args(args)
+    if getattr(args, "target_hf_path", None):  # the target's depth is its config.json's
+        from megatron_splitkv.megatron.hf import read_qwen3_config
+
+        args.target_num_layers = read_qwen3_config(args.target_hf_path)["num_hidden_layers"]
     taps = target_layer_ids(args.target_num_layers, dcfg.num_layers)
     _STATE["config"], _STATE["pgs"] = dcfg, pgs  # the data pipeline's metadata shapes; the step's CP group
     _STATE["kernel"] = kernel_backend_from_args(args)  # the layers' local kernel (the env agreement's "auto" check)

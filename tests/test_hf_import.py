@@ -7,6 +7,8 @@ atol 2e-5 + rtol 1e-4; GQA (4 query / 2 kv heads), tied and untied embeddings, r
 Bad input: a clear `HFCheckpointError` naming the file and the field (or tensor).
 """
 
+import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -24,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = MEGATRON_ENV
 
 LAYERS, VOCAB, S = 3, 96, 13
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _save(path, tied, shard):
@@ -78,6 +81,12 @@ def _worker(rank, world, paths, ids, bad):
             parts = [torch.empty_like(logits) for _ in range(world)]
             dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
         out[name] = dict(feats=feats, logits=torch.cat(parts, -1)[:, 0])
+    if world == 2:  # examples/pretrain_dflash.py --target-hf-path (the untied, sharded checkpoint), TP-sharded
+        args = argparse.Namespace(target_hf_path=paths["untied"], target_load=None, features_path=None,
+                                  mask_token_id=VOCAB - 1, hidden_size=32, max_position_embeddings=64)
+        provider = _example()._build_target(args, torch.float32, [0, 2], pgs, cpu_init=True)
+        with torch.no_grad():
+            out["pretrain_feats"] = provider(ids, torch.zeros(S, dtype=torch.long), torch.arange(S))
     errors = {}
     for case, (fn, kw) in bad.items():
         try:
@@ -90,6 +99,14 @@ def _worker(rank, world, paths, ids, bad):
     out["errors"] = errors
     ps.destroy_model_parallel()
     return out
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("pretrain_dflash_hf", os.path.join(ROOT, "examples",
+                                                                                     "pretrain_dflash.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _bad_checkpoints(checkpoints, root):
@@ -137,6 +154,11 @@ def test_import_matches_transformers(checkpoints, tp, tmp_path):
                                        msg=f"{name} TP{tp} rank {r}: logits")
         # the features differ from a shifted tap (the bug class a wrong +1 causes)
         assert (res[0][name]["feats"].view(S, LAYERS, 32)[:, 0] - ref["hidden"][0]).abs().max() > 1e-2
+    if tp == 2:
+        ref = checkpoints["untied"]["hidden"]
+        for r in range(tp):
+            torch.testing.assert_close(res[r]["pretrain_feats"], torch.cat([ref[1], ref[3]], -1), atol=2e-5,
+                                       rtol=1e-4, msg=f"pretrain_dflash --target-hf-path, rank {r}")
     if tp == 1:
         err = res[0]["errors"]
         assert set(err) == set(bad), err  # every bad input raised HFCheckpointError
@@ -148,3 +170,29 @@ def test_import_matches_transformers(checkpoints, tp, tmp_path):
         assert "config.json" in err["hidden_mismatch"] and "hidden_size = 32" in err["hidden_mismatch"]
         assert "64" in err["hidden_mismatch"]
         assert "num_key_value_heads = 2" in err["tp_heads"] and "4" in err["tp_heads"]
+
+
+def test_extract_features_flag(checkpoints, tmp_path, capsys):
+    """tools/extract_features.py --target-hf-path: the target's sizes come from config.json; a checkpoint that
+    is not Qwen3 is one argparse error naming the file and the field (exit status 2)."""
+    spec = importlib.util.spec_from_file_location("extract_features_hf", os.path.join(ROOT, "tools",
+                                                                                      "extract_features.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    args = tool.parse_args(["--out", str(tmp_path / "f"), "--target-hf-path", checkpoints["tied"]["path"],
+                            "--draft-num-layers", "1"])
+    got = (args.target_num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups,
+           args.kv_channels, args.ffn_hidden_size, args.vocab_size, args.rotary_base)
+    assert got == (LAYERS, 32, 4, 2, 8, 48, VOCAB, 5e5)
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoints["tied"]["path"], bad)
+    cfg = json.load(open(bad / "config.json"))
+    cfg["model_type"] = "mistral"
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(SystemExit) as exc:
+        tool.parse_args(["--out", str(tmp_path / "f"), "--target-hf-path", str(bad)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--target-hf-path" in err and "config.json" in err and "'mistral'" in err, err
+    with pytest.raises(SystemExit) as exc:
+        tool.parse_args(["--out", str(tmp_path / "f"), "--target-hf-path", str(bad), "--target-load", str(bad)])
+    assert exc.value.code == 2 and "--target-load" in capsys.readouterr().err

@@ -5,6 +5,8 @@
         --target-num-layers 36 --draft-num-layers 5 --hidden-size 4096 --num-attention-heads 32 \\
         --num-query-groups 8 --kv-channels 128 --ffn-hidden-size 12288 --target-load /ckpt/qwen3-8b.pt
     torchrun --nproc-per-node 4 tools/extract_features.py ...   # long conversations split over 4 CP ranks
+    python tools/extract_features.py --out /data/feat --target-hf-path /ckpt/Qwen3-8B --draft-num-layers 5
+        # a Hugging Face Qwen3 target: its sizes, vocabulary, rope theta and weights from the directory
 
 Output (a directory, see `megatron_splitkv.megatron.models.features`): `features.bin`, a memory-mapped
 [num_tokens, n_taps * hidden] array (bf16 by default), `index.npz` (row offsets, token ids, loss masks,
@@ -45,6 +47,11 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--rotary-base", type=float_arg(0, above=True), default=1e6)
     p.add_argument("--target-load", default=None, help="target weights (random init when unset)")
+    p.add_argument("--target-hf-path", default=None,
+                   help="Hugging Face Qwen3 checkpoint directory (config.json + *.safetensors): the target's sizes, "
+                   "vocabulary, rope theta and weights (replaces --target-num-layers, --hidden-size, "
+                   "--num-attention-heads, --num-query-groups, --kv-channels, --ffn-hidden-size, --vocab-size, "
+                   "--rotary-base; not with --target-load)")
     p.add_argument("--target-seed", type=int, default=1234)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="stored dtype; the target runs in bf16 on GPU, fp32 on CPU")
@@ -64,6 +71,8 @@ def check_args(p, args):
     if args.num_attention_heads % args.num_query_groups:
         p.error(f"--num-attention-heads ({args.num_attention_heads}) must be a multiple of --num-query-groups "
                 f"({args.num_query_groups})")
+    if args.target_hf_path:
+        _sizes_from_hf(p, args)
     n = args.target_num_layers
     if args.tap_layers:
         bad = [i for i in args.tap_layers if not 0 <= i < n]
@@ -81,6 +90,23 @@ def check_args(p, args):
         p.error(f"--target-load: no such file {args.target_load!r}")
 
 
+def _sizes_from_hf(p, args):
+    """--target-hf-path: the target's sizes from its config.json (argparse error naming the file and the
+    field when it is not a usable Qwen3 checkpoint)."""
+    from megatron_splitkv.megatron.hf import HFCheckpointError, read_qwen3_config
+
+    if args.target_load:
+        p.error("--target-hf-path and --target-load both name the target's weights: give one")
+    try:
+        hf = read_qwen3_config(args.target_hf_path)
+    except HFCheckpointError as exc:
+        p.error(f"--target-hf-path: {exc}")
+    args.target_num_layers, args.hidden_size = hf["num_hidden_layers"], hf["hidden_size"]
+    args.num_attention_heads, args.num_query_groups = hf["num_attention_heads"], hf["num_key_value_heads"]
+    args.kv_channels, args.ffn_hidden_size = hf["head_dim"], hf["intermediate_size"]
+    args.vocab_size, args.rotary_base = hf["vocab_size"], hf["rope_theta"]
+
+
 def main(argv=None):
     args = parse_args(argv)
     import torch
@@ -90,6 +116,7 @@ def main(argv=None):
 
     from megatron_splitkv.data import load_sharegpt
     from megatron_splitkv.dflash import target_layer_ids
+    from megatron_splitkv.megatron.hf import load_hf_target
     from megatron_splitkv.megatron.models import (
         TargetFeatureProvider,
         build_target_model,
@@ -115,8 +142,12 @@ def main(argv=None):
                        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size, params_dtype=dtype,
                        use_cpu_initialization=not cuda, context_parallel_size=world)
-    target = build_target_model(cfg, vocab_size=args.vocab_size, max_sequence_length=args.max_tokens,
-                                rotary_base=args.rotary_base, pg_collection=pgs, seed=args.target_seed)
+    if args.target_hf_path:
+        target = load_hf_target(args.target_hf_path, pg_collection=pgs, params_dtype=dtype,
+                                max_sequence_length=args.max_tokens, use_cpu_initialization=not cuda)
+    else:
+        target = build_target_model(cfg, vocab_size=args.vocab_size, max_sequence_length=args.max_tokens,
+                                    rotary_base=args.rotary_base, pg_collection=pgs, seed=args.target_seed)
     if args.target_load:
         load_target_weights(target, args.target_load)
     taps = args.tap_layers or target_layer_ids(args.target_num_layers, args.draft_num_layers)
@@ -124,6 +155,11 @@ def main(argv=None):
     if cuda:
         provider = provider.cuda()
     corpus = load_sharegpt(args.sharegpt_limit)
+    if len(corpus) and int(corpus.tokens.max()) >= args.vocab_size:
+        print(f"extract_features.py: error: the ShareGPT token ids reach {int(corpus.tokens.max())}, beyond the "
+              f"target's vocabulary (vocab_size {args.vocab_size}); use a target with the Qwen tokenizer's vocabulary",
+              file=sys.stderr)
+        raise SystemExit(2)
 
     def conversations():
         for i in range(len(corpus)):
@@ -139,7 +175,8 @@ def main(argv=None):
             print(f"[extract_features] {i + 1}/{len(corpus)} conversations, {total[0]:,} tokens", flush=True)
 
     meta = {"tap_layers": taps, "hidden_size": args.hidden_size, "target_num_layers": args.target_num_layers,
-            "target_load": args.target_load, "target_seed": args.target_seed, "source": "ShareGPT V3",
+            "target_load": args.target_load, "target_hf_path": args.target_hf_path,
+            "target_seed": args.target_seed, "source": "ShareGPT V3",
             "max_tokens": args.max_tokens}
     write_features(provider, conversations(), args.out, cp_group=pgs.cp, dtype=getattr(torch, args.dtype),
                    meta=meta, progress=progress if rank == 0 else None)
