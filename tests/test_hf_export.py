@@ -3,13 +3,12 @@
 (`dflash.model.DFlashDraftModel.from_pretrained`, dflash 0.1.0, which no one here wrote) with no missing /
 unexpected key, gives the same drafter hidden states (after the final norm) as our model on the same context
 features and block tokens: float32, atol 2e-5 + rtol 1e-4. Also the command line from a Megatron
-`--ckpt-format torch` checkpoint (TP shards gathered from files) and its refusals.
+`--ckpt-format torch` checkpoint (TP shards gathered from files) and from the demo's common.pt (equal to
+dflash's own save_pretrained of the same weights), and its refusals.
 """
 
 import json
 import os
-import subprocess
-import sys
 from argparse import Namespace
 
 import pytest
@@ -21,6 +20,9 @@ from _warning_marks import MEGATRON_ENV
 pytest.importorskip("megatron.core")
 pytest.importorskip("safetensors")
 dflash_model = pytest.importorskip("dflash.model")
+transformers = pytest.importorskip("transformers")
+
+from megatron_splitkv import export as export_cli  # noqa: E402
 
 pytestmark = MEGATRON_ENV
 
@@ -29,7 +31,6 @@ VOCAB, MASK_ID = 64, 63
 HIDDEN, TARGET_LAYERS, DRAFT_LAYERS = 32, 6, 2
 SEQ_LENS = [23, 18]
 ANCHORS = [[0, 9], [3, 11]]  # anchor 0: a block without context
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _data():
@@ -174,20 +175,113 @@ def test_export_tp2_cp2_matches_dflash(tmp_path):
 
     # the command line, from the Megatron --ckpt-format torch checkpoint (TP shards read from files)
     out2 = str(tmp_path / "cli-hf")
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-m", "megatron_splitkv.export", "--load", ckpt, "--out", out2],
-                         capture_output=True, text=True, env=env, cwd=ROOT)
-    assert run.returncode == 0, run.stderr
+    assert export_cli.main(["--load", ckpt, "--out", out2]) == 0
     assert json.load(open(os.path.join(out2, "config.json"))) == cfg
-    with safe_open(os.path.join(out, "model.safetensors"), "pt") as a, \
-            safe_open(os.path.join(out2, "model.safetensors"), "pt") as b:
+    _assert_same_tensors(out, out2)
+
+
+def _assert_same_tensors(a_dir, b_dir):
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(a_dir, "model.safetensors"), "pt") as a, \
+            safe_open(os.path.join(b_dir, "model.safetensors"), "pt") as b:
+        assert set(a.keys()) == set(b.keys())
         for k in a.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
 
-    # refusals: one line naming the file and the field, exit status 2, no traceback
-    bad = subprocess.run([sys.executable, "-m", "megatron_splitkv.export", "--load", str(tmp_path / "none"),
-                          "--out", out2], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "no such directory" in bad.stderr and "Traceback" not in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "megatron_splitkv.export", "--load", ckpt, "--out", out2,
-                          "--mask-token-id", str(VOCAB)], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert bad.returncode == 2 and "mask_token_id 64" in bad.stderr and "vocab_size 64" in bad.stderr, bad.stderr
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A drafter exported at TP 1 by `export_checkpoint` from a demo-format common.pt
+    (megatron_splitkv/train_demo.py --save) whose parameters are built from a tiny random DFlash checkpoint
+    written by dflash itself (so this fixture does not go through our key table)."""
+    root = tmp_path_factory.mktemp("demo")
+    cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "intermediate_size": 48, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "num_target_layers": TARGET_LAYERS, "block_size": B,
+           "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [3]}}
+    torch.manual_seed(0)
+    ref = dflash_model.DFlashDraftModel(transformers.Qwen3Config(**cfg))
+    with torch.no_grad():  # every tensor distinct (norms too), so that a key mapped to the wrong place shows
+        for prm in ref.parameters():
+            prm.normal_()
+    sd = ref.state_dict()
+    h, d, g = HIDDEN, 8, 2
+    lay = "decoder.layers.0."
+    kv = torch.cat([sd["layers.0.self_attn.k_proj.weight"].view(g, d, h),
+                    sd["layers.0.self_attn.v_proj.weight"].view(g, d, h)], 1).reshape(-1, h)
+    model = {"fc.weight": sd["fc.weight"], "hidden_norm.weight": sd["hidden_norm.weight"],
+             "decoder.final_layernorm.weight": sd["norm.weight"],
+             lay + "input_layernorm.weight": sd["layers.0.input_layernorm.weight"],
+             lay + "self_attention.linear_q.weight": sd["layers.0.self_attn.q_proj.weight"],
+             lay + "self_attention.linear_kv.weight": kv,
+             lay + "self_attention.q_layernorm.weight": sd["layers.0.self_attn.q_norm.weight"],
+             lay + "self_attention.k_layernorm.weight": sd["layers.0.self_attn.k_norm.weight"],
+             lay + "self_attention.linear_proj.weight": sd["layers.0.self_attn.o_proj.weight"],
+             lay + "pre_mlp_layernorm.weight": sd["layers.0.post_attention_layernorm.weight"],
+             lay + "mlp.linear_fc1.weight": torch.cat([sd["layers.0.mlp.gate_proj.weight"],
+                                                       sd["layers.0.mlp.up_proj.weight"]], 0),
+             lay + "mlp.linear_fc2.weight": sd["layers.0.mlp.down_proj.weight"]}
+    ref_dir = str(root / "ref")
+    ref.save_pretrained(ref_dir)
+    it = root / "ckpt" / "iter_0000005"
+    it.mkdir(parents=True)
+    meta = dict(mask_token_id=MASK_ID, target_layer_ids=[3], num_target_layers=TARGET_LAYERS, block_size=B,
+                vocab_size=VOCAB, rope_theta=1e6)
+    torch.save({"format": 1, "step": 5, "model": model, "dflash_export": meta,
+                "args": {"target_layers": TARGET_LAYERS, "draft_layers": 1, "block_size": B}},
+               str(it / "common.pt"))
+    (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5\n")
+    return dict(root=root, ckpt=str(root / "ckpt"), ref=ref_dir, common=str(it / "common.pt"))
+
+
+def test_export_demo_checkpoint(exported, tmp_path):
+    """The demo's common.pt -> the same tensors as dflash's own save_pretrained of the same weights."""
+    out = str(tmp_path / "out")
+    assert export_cli.main(["--load", exported["ckpt"], "--out", out]) == 0
+    _assert_same_tensors(out, exported["ref"])
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [3]}
+    model, info = dflash_model.DFlashDraftModel.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+
+
+def _refusal(argv, capsys):
+    code = export_cli.main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_export_refusals(exported, tmp_path, capsys):
+    """Bad checkpoints and flags: one error line naming the file and the field, exit status 2."""
+    out = str(tmp_path / "out")
+    code, err = _refusal(["--load", str(tmp_path / "none"), "--out", out], capsys)
+    assert code == 2 and "no such directory" in err
+    code, err = _refusal(["--load", exported["ckpt"], "--out", out, "--mask-token-id", str(VOCAB)], capsys)
+    assert code == 2 and f"mask_token_id {VOCAB}" in err and f"vocab_size {VOCAB}" in err, err
+    code, err = _refusal(["--load", exported["ckpt"], "--out", out, "--target-layer-ids", "1,3"], capsys)
+    assert code == 2 and "fc.weight" in err and "[1, 3]" in err, err  # 2 taps, but fc reads 1 x hidden
+    common = torch.load(exported["common"], weights_only=False)
+
+    def variant(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        c = dict(common, model=dict(common["model"]))
+        change(c)
+        torch.save(c, str(d / "common.pt"))
+        return _refusal(["--load", str(d), "--out", out], capsys)
+
+    code, err = variant("bias", lambda c: c["model"].update({"decoder.layers.0.mlp.linear_fc2.bias": torch.zeros(4)}))
+    assert code == 2 and "bias" in err and "common.pt" in err, err
+    code, err = variant("no-qk-norm", lambda c: c["model"].pop("decoder.layers.0.self_attention.q_layernorm.weight"))
+    assert code == 2 and "q_layernorm" in err, err
+    code, err = variant("no-meta", lambda c: c.pop("dflash_export"))  # the demo's args lack the mask token
+    assert code == 2 and "common.pt" in err and "mask_token_id" in err and "vocab_size" in err, err
+    assert "target_layer_ids" not in err.split("missing")[0]  # taps and depth came from the args
+    (tmp_path / "dist").mkdir()
+    (tmp_path / "dist" / ".metadata").write_text("")
+    code, err = _refusal(["--load", str(tmp_path / "dist"), "--out", out], capsys)
+    assert code == 2 and "torch_dist" in err and "--ckpt-format torch" in err, err
+    with pytest.raises(SystemExit) as exc:
+        export_cli.parse_args(["--load", exported["ckpt"], "--out", out, "--target-layer-ids", "1,x"])
+    assert exc.value.code == 2 and "--target-layer-ids" in capsys.readouterr().err

@@ -38,6 +38,7 @@ Public functions:
     load_hf_target_weights(model, path)  the weights into an existing `build_target_model` model
     drafter_hf_state(model)            the drafter's TP shards gathered into DFlash HF tensors (collective)
     export_drafter(model, out, ...)    config.json + model.safetensors of an in-memory drafter
+    drafter_export_meta(model, ...)    what a checkpoint stores (under EXPORT_META_KEY) for a later export
     export_checkpoint(load, out, ...)  the same from a checkpoint on disk (demo or Megatron `torch` format)
 
 Source: DESIGN.md sections 1, 4 and 6; transformers' Qwen3 (`modeling_qwen3.py`), z-lab dflash 0.1.0
@@ -56,6 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..dflash import target_layer_ids
 from .models.target import _TE_TO_LOCAL, build_target_model, qwen3_config
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "HFCheckpointError",
     "KeyMap",
     "Qwen3Shape",
+    "drafter_export_meta",
     "drafter_hf_config",
     "drafter_hf_state",
     "drafter_keys",
@@ -641,6 +644,46 @@ def drafter_hf_state(model) -> Tuple[Dict[str, Tensor], Qwen3Shape, int]:
     return _drafter_shards_to_hf(shards, type(model).__name__)
 
 
+def drafter_export_meta(model, *, target_layer_ids: Sequence[int], num_target_layers: int,
+                        vocab_size: Optional[int] = None, max_position_embeddings: int = 32768) -> dict:
+    """What config.json needs beyond the weights, for an in-memory `DFlashDraftModel`: store it in a
+    checkpoint's common dict under `EXPORT_META_KEY` so that `export_checkpoint` (and `python -m
+    megatron_splitkv.export`) can write the config later.
+
+    Returns {mask_token_id, target_layer_ids, num_target_layers, block_size, vocab_size, rope_theta,
+    rms_norm_eps, max_position_embeddings} (plain Python values). mask_token_id, block_size, rope theta
+    (the layers' rotary_base) and rms eps come from the model; vocab_size defaults to the shared
+    embedding's rows (`word_embeddings.num_embeddings`)."""
+    emb = model.word_embeddings
+    vocab = vocab_size or getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
+    rope = getattr(model.decoder.layers[0].self_attention, "rotary_base", None)
+    return dict(mask_token_id=int(model.mask_token_id), target_layer_ids=[int(i) for i in target_layer_ids],
+                num_target_layers=int(num_target_layers), block_size=int(model.block_size), vocab_size=int(vocab),
+                rope_theta=None if rope is None else float(rope),
+                rms_norm_eps=float(model.config.layernorm_epsilon),
+                max_position_embeddings=int(max_position_embeddings))
+
+
+_META_NEEDED = ("mask_token_id", "target_layer_ids", "num_target_layers", "block_size", "vocab_size", "rope_theta")
+
+
+def _write(out_dir: Optional[str], tensors: Dict[str, Tensor], shape: Qwen3Shape, layers: int, meta: dict,
+           dtype: Optional[torch.dtype], where: str) -> dict:
+    """config.json (from the sizes and `meta`) and model.safetensors (when out_dir is given) -> config."""
+    missing = [k for k in _META_NEEDED if meta.get(k) is None]
+    if missing:
+        raise HFCheckpointError(f"{where}: field(s) {missing} of {EXPORT_META_KEY!r} missing; give them "
+                                f"(--mask-token-id, --vocab-size, ... or meta=)")
+    _check_fc(shape, tensors, meta["target_layer_ids"], where)
+    dtype = dtype or tensors["fc.weight"].dtype
+    kw = {k: meta[k] for k in _META_NEEDED}
+    kw.update({k: meta[k] for k in ("rms_norm_eps", "max_position_embeddings") if meta.get(k) is not None})
+    config = drafter_hf_config(shape, layers, dtype=_dtype_name(dtype), **kw)
+    if out_dir is not None:
+        save_dflash_hf(out_dir, config, {k: v.to(dtype) for k, v in tensors.items()})
+    return config
+
+
 def export_drafter(model, out_dir: Optional[str], *, target_layer_ids: Sequence[int], num_target_layers: int,
                    vocab_size: Optional[int] = None, max_position_embeddings: int = 32768,
                    dtype: Optional[torch.dtype] = None) -> dict:
@@ -648,25 +691,16 @@ def export_drafter(model, out_dir: Optional[str], *, target_layer_ids: Sequence[
 
     Collective over the model's TP group (`drafter_hf_state`); the ranks that pass `out_dir` write it
     (pass None on all but one rank, e.g. `out_dir if dist.get_rank() == 0 else None`).
-    Args: target_layer_ids / num_target_layers: the taps and the target's depth; vocab_size: default the
-        shared embedding's rows (`word_embeddings.num_embeddings`); dtype: tensor dtype written (default the
-        parameters'). mask_token_id, block_size, rope theta and rms eps come from the model.
-    Returns the config.json dict. Errors: `HFCheckpointError`.
+    Args: target_layer_ids / num_target_layers: the taps and the target's depth; vocab_size,
+        max_position_embeddings: see `drafter_export_meta`; dtype: tensor dtype written (default the
+        parameters').
+    Returns the config.json dict. Errors: `HFCheckpointError` (what the layout cannot express, tap ids
+        outside the target, a fc width that is not len(target_layer_ids) * hidden).
     """
+    meta = drafter_export_meta(model, target_layer_ids=target_layer_ids, num_target_layers=num_target_layers,
+                               vocab_size=vocab_size, max_position_embeddings=max_position_embeddings)
     tensors, shape, layers = drafter_hf_state(model)
-    _check_fc(shape, tensors, target_layer_ids, type(model).__name__)
-    if vocab_size is None:
-        emb = model.word_embeddings
-        vocab_size = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
-    dtype = dtype or tensors["fc.weight"].dtype
-    rope = getattr(model.decoder.layers[0].self_attention, "rotary_base", 1e6)
-    config = drafter_hf_config(shape, layers, mask_token_id=model.mask_token_id, target_layer_ids=target_layer_ids,
-                               num_target_layers=num_target_layers, block_size=model.block_size,
-                               vocab_size=vocab_size, rope_theta=rope, rms_norm_eps=model.config.layernorm_epsilon,
-                               max_position_embeddings=max_position_embeddings, dtype=_dtype_name(dtype))
-    if out_dir is not None:
-        save_dflash_hf(out_dir, config, {k: v.to(dtype) for k, v in tensors.items()})
-    return config
+    return _write(out_dir, tensors, shape, layers, meta, dtype, type(model).__name__)
 
 
 # --------------------------------------------------------------------------------------- from checkpoints
@@ -709,8 +743,6 @@ def _megatron_torch_shards(d: str) -> Tuple[List[Dict[str, Tensor]], Any]:
 
 
 def _meta_from_megatron_args(args) -> dict:
-    from ..dflash import target_layer_ids
-
     layers, target_layers = getattr(args, "num_layers", None), getattr(args, "target_num_layers", None)
     meta = dict(mask_token_id=getattr(args, "mask_token_id", None),
                 block_size=getattr(args, "dflash_block_size", None) or 16,
@@ -754,8 +786,6 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
         found = dict(common.get(EXPORT_META_KEY) or {})
         if not found and "args" in common:
             a = common["args"]
-            from ..dflash import target_layer_ids
-
             found = dict(block_size=a.get("block_size"), num_target_layers=a.get("target_layers"),
                          target_layer_ids=target_layer_ids(a["target_layers"], a["draft_layers"])
                          if a.get("target_layers") and a.get("draft_layers") else None)
@@ -771,17 +801,4 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
                                 "--ckpt-format torch): not a drafter checkpoint this export reads")
     found.update(meta or {})
     tensors, shape, layers = _drafter_shards_to_hf(shards, where)
-    need = ("mask_token_id", "target_layer_ids", "num_target_layers", "block_size", "vocab_size", "rope_theta")
-    missing = [k for k in need if found.get(k) is None]
-    if missing:
-        raise HFCheckpointError(f"{where}: field(s) {missing} of {EXPORT_META_KEY!r} missing; give them "
-                                f"(--mask-token-id, --vocab-size, ... or meta=)")
-    _check_fc(shape, tensors, found["target_layer_ids"], where)
-    dtype = dtype or tensors["fc.weight"].dtype
-    kw = {k: found[k] for k in need}
-    for k in ("rms_norm_eps", "max_position_embeddings"):
-        if found.get(k) is not None:
-            kw[k] = found[k]
-    config = drafter_hf_config(shape, layers, dtype=_dtype_name(dtype), **kw)
-    save_dflash_hf(out_dir, config, {k: v.to(dtype) for k, v in tensors.items()})
-    return config
+    return _write(out_dir, tensors, shape, layers, found, dtype, where)
