@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import Tensor
 
 from ..dflash import target_layer_ids
@@ -353,9 +355,6 @@ class _SafetensorsDir:
 
 def _tp_of(model) -> Tuple[int, int]:
     """(TP size, TP rank) of a Megatron module with `pg_collection`, else of Megatron's parallel_state."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     g = getattr(getattr(model, "pg_collection", None), "tp", None)
     if g is not None:
         return dist.get_world_size(g), dist.get_rank(g)
@@ -431,12 +430,15 @@ def load_hf_target(path: str, *, pg_collection=None, params_dtype: torch.dtype =
         Face's `hidden_states[i + 1]`.
     Errors: `HFCheckpointError` (see `read_qwen3_config` and `load_hf_target_weights`).
     """
-    import torch.distributed as dist
-
     tp = dist.get_world_size(pg_collection.tp) if pg_collection is not None else _tp_of(None)[0]
+    if getattr(pg_collection, "cp", None) is not None:
+        cp = dist.get_world_size(pg_collection.cp)
+    else:
+        cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
     hf = read_qwen3_config(path, mask_token_id=mask_token_id, drafter_hidden_size=drafter_hidden_size, tp_size=tp)
+    # no random init: every parameter is overwritten by the checkpoint (load_hf_target_weights checks it)
     cfg = target_config_from_hf(hf, params_dtype=params_dtype, tensor_model_parallel_size=tp,
-                                use_cpu_initialization=use_cpu_initialization)
+                                context_parallel_size=cp, use_cpu_initialization=use_cpu_initialization, perform_initialization=False)
     vocab = -(-hf["vocab_size"] // tp) * tp
     model = build_target_model(cfg, vocab_size=vocab, rotary_base=hf["rope_theta"],
                                max_sequence_length=max_sequence_length or hf["max_position_embeddings"],
@@ -591,7 +593,7 @@ def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int,
 def save_dflash_hf(out_dir: str, config: dict, tensors: Dict[str, Tensor]) -> str:
     """Write `out_dir/config.json` and `out_dir/model.safetensors` (metadata {"format": "pt"}). Returns
     out_dir."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # the optional extra "hf"
 
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -617,8 +619,6 @@ def drafter_hf_state(model) -> Tuple[Dict[str, Tensor], Qwen3Shape, int]:
     convert them to the DFlash Hugging Face tensors. Collective: every rank of the TP group calls it.
     Returns (tensors by Hugging Face name, sizes, number of layers), the same on every rank.
     Errors: `HFCheckpointError` for what the layout cannot express (`_check_expressible`, biases)."""
-    import torch.distributed as dist
-
     _check_expressible(lambda n: getattr(model.config, n, None), type(model).__name__)
     for layer in model.decoder.layers:
         attn = layer.self_attention
