@@ -8,6 +8,7 @@ Bad input: a clear `HFCheckpointError` naming the file and the field (or tensor)
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -57,15 +58,47 @@ def checkpoints(tmp_path_factory):
 
 
 def _worker(rank, world, paths, ids, bad):
+    """TP `world` over spawned gloo ranks."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
+    try:
+        return _run(ProcessGroupCollection.use_mpu_process_groups(), world, paths, ids, bad)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@contextlib.contextmanager
+def _in_process():
+    """TP 1 in this process (a one-rank gloo group; none of the spawn cost)."""
+    import tempfile
+
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    own = not dist.is_initialized()
+    with tempfile.TemporaryDirectory() as tmp:
+        if own:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        ps.initialize_model_parallel()
+        try:
+            yield ProcessGroupCollection.use_mpu_process_groups()
+        finally:
+            ps.destroy_model_parallel()
+            if own:
+                dist.destroy_process_group()
+
+
+def _run(pgs, world, paths, ids, bad):
+    """Our target's features (every layer tapped) and gathered logits per checkpoint; the pretrain script's
+    target at TP 1; the bad inputs' error messages."""
+    import torch.distributed as dist
+
     from megatron_splitkv.megatron.hf import HFCheckpointError, load_hf_target, read_qwen3_config
     from megatron_splitkv.megatron.models import TargetFeatureProvider, target_packed_seq_params
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=world, create_gloo_process_groups=False)
-    pgs = ProcessGroupCollection.use_mpu_process_groups()
     out = {}
     for name, path in paths.items():
         model = load_hf_target(path, pg_collection=pgs, mask_token_id=VOCAB - 1, drafter_hidden_size=32)
@@ -81,7 +114,7 @@ def _worker(rank, world, paths, ids, bad):
             parts = [torch.empty_like(logits) for _ in range(world)]
             dist.all_gather(parts, logits.contiguous(), group=pgs.tp)
         out[name] = dict(feats=feats, logits=torch.cat(parts, -1)[:, 0])
-    if world == 2:  # examples/pretrain_dflash.py --target-hf-path (the untied, sharded checkpoint), TP-sharded
+    if world == 1:  # examples/pretrain_dflash.py --target-hf-path (the untied, sharded checkpoint)
         args = argparse.Namespace(target_hf_path=paths["untied"], target_load=None, features_path=None,
                                   mask_token_id=VOCAB - 1, hidden_size=32, max_position_embeddings=64)
         provider = _example()._build_target(args, torch.float32, [0, 2], pgs, cpu_init=True)
@@ -97,7 +130,6 @@ def _worker(rank, world, paths, ids, bad):
         except HFCheckpointError as exc:
             errors[case] = str(exc)
     out["errors"] = errors
-    ps.destroy_model_parallel()
     return out
 
 
@@ -142,7 +174,11 @@ def test_import_matches_transformers(checkpoints, tp, tmp_path):
     paths = {k: v["path"] for k, v in checkpoints.items()}
     ids = checkpoints["tied"]["ids"]
     assert torch.equal(ids, checkpoints["untied"]["ids"])
-    res = run_distributed(_worker, tp, paths, ids, bad, timeout=240)
+    if tp == 1:
+        with _in_process() as pgs:
+            res = [_run(pgs, 1, paths, ids, bad)]
+    else:
+        res = run_distributed(_worker, tp, paths, ids, bad, timeout=240)
     for name, ref in checkpoints.items():
         for r in range(tp):
             got = res[r][name]
@@ -154,7 +190,7 @@ def test_import_matches_transformers(checkpoints, tp, tmp_path):
                                        msg=f"{name} TP{tp} rank {r}: logits")
         # the features differ from a shifted tap (the bug class a wrong +1 causes)
         assert (res[0][name]["feats"].view(S, LAYERS, 32)[:, 0] - ref["hidden"][0]).abs().max() > 1e-2
-    if tp == 2:
+    if tp == 1:
         ref = checkpoints["untied"]["hidden"]
         for r in range(tp):
             torch.testing.assert_close(res[r]["pretrain_feats"], torch.cat([ref[1], ref[3]], -1), atol=2e-5,
