@@ -253,7 +253,8 @@ def read_qwen3_config(path: str, *, mask_token_id: Optional[int] = None,
     if cfg.get("attention_bias"):
         raise HFCheckpointError(f"{where}: field attention_bias is true; Megatron's Qwen3 target has no biases")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"{where}: field hidden_act is {cfg['hidden_act']!r}, only 'silu' (SwiGLU) is supported")
+        raise HFCheckpointError(f"{where}: field hidden_act is {cfg['hidden_act']!r}, only 'silu' (SwiGLU) is "
+                                "supported")
     if cfg.get("use_sliding_window"):
         raise HFCheckpointError(f"{where}: field use_sliding_window is true; sliding-window targets are not supported")
     heads = cfg["num_attention_heads"]
@@ -438,7 +439,8 @@ def load_hf_target(path: str, *, pg_collection=None, params_dtype: torch.dtype =
     hf = read_qwen3_config(path, mask_token_id=mask_token_id, drafter_hidden_size=drafter_hidden_size, tp_size=tp)
     # no random init: every parameter is overwritten by the checkpoint (load_hf_target_weights checks it)
     cfg = target_config_from_hf(hf, params_dtype=params_dtype, tensor_model_parallel_size=tp,
-                                context_parallel_size=cp, use_cpu_initialization=use_cpu_initialization, perform_initialization=False)
+                                context_parallel_size=cp, use_cpu_initialization=use_cpu_initialization,
+                                perform_initialization=False)
     vocab = -(-hf["vocab_size"] // tp) * tp
     model = build_target_model(cfg, vocab_size=vocab, rotary_base=hf["rope_theta"],
                                max_sequence_length=max_sequence_length or hf["max_position_embeddings"],
