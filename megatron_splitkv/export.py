@@ -1,0 +1,69 @@
+"""Export a trained DFlash drafter in the DFlash Hugging Face layout (z-lab dflash, SpecForge, SGLang, vLLM).
+
+    python -m megatron_splitkv.export --load CKPT --out DIR [--step N] [--mask-token-id ID] ...
+
+Reads a drafter checkpoint (the demo's `--save` directory, or Megatron's `--ckpt-format torch` of
+examples/pretrain_dflash.py, TP shards gathered) and writes DIR/config.json and DIR/model.safetensors
+(`megatron_splitkv.megatron.hf.export_checkpoint`, where the formats and the metadata are described). The
+flags after --out replace or complete the metadata the checkpoint carries. A bad flag or checkpoint is one
+error line naming it, exit status 2. From Python: `megatron_splitkv.megatron.hf.export_drafter(model, out,
+...)` exports an in-memory model on any TP size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._ints import float_arg, int_arg
+
+
+def _ids(text: str):
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated layer ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"must be non-negative layer ids, got {text!r}")
+    return ids
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_splitkv.export", description=__doc__.split("\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint directory (or one iteration directory of it)")
+    p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors)")
+    p.add_argument("--step", type=int_arg(0), default=None, help="iteration to export (default: the latest)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="tensor dtype written (default: the checkpoint's)")
+    m = p.add_argument_group("metadata (default: what the checkpoint carries)")
+    m.add_argument("--mask-token-id", type=int_arg(0), default=None)
+    m.add_argument("--target-layer-ids", type=_ids, default=None, help="comma-separated 0-based target layer ids")
+    m.add_argument("--num-target-layers", type=int_arg(1), default=None)
+    m.add_argument("--block-size", type=int_arg(2), default=None)
+    m.add_argument("--vocab-size", type=int_arg(1), default=None)
+    m.add_argument("--rope-theta", type=float_arg(0, above=True), default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from .megatron.hf import HFCheckpointError, export_checkpoint
+
+    meta = {k: getattr(args, k) for k in ("mask_token_id", "target_layer_ids", "num_target_layers", "block_size",
+                                          "vocab_size", "rope_theta") if getattr(args, k) is not None}
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        cfg = export_checkpoint(args.load, args.out, step=args.step, meta=meta, dtype=dtype)
+    except HFCheckpointError as exc:
+        print(f"python -m megatron_splitkv.export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: DFlashDraftModel, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+          f"block size {cfg['block_size']}, target_layer_ids {cfg['dflash_config']['target_layer_ids']}, "
+          f"mask token {cfg['dflash_config']['mask_token_id']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
