@@ -53,7 +53,7 @@ class DemoTargetSpec:
     hidden: int = 128
     num_layers: int = 6
     init_std: float = 0.02
-    steps: int = 200
+    steps: int = 150
     seq_len: int = 128
     batch: int = 4
     lr: float = 3e-3
@@ -79,7 +79,7 @@ def _windows(stream: np.ndarray, n: int, seq_len: int, rng) -> torch.Tensor:
     return torch.as_tensor(np.stack([stream[s:s + seq_len] for s in starts]))
 
 
-def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 2, log=print) -> dict:
+def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, log=print) -> dict:
     """Make the demo target (see the module docstring) and save it to `out_dir` (`save_pretrained`,
     ``token_map.json``, ``demo_target.json``). Returns the metadata written to ``demo_target.json``:
     fingerprint, spec, vocabulary size, first/last training loss, seconds, and for 3 held-out prompts the
@@ -143,7 +143,7 @@ def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 2, lo
     return meta
 
 
-def ensure_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 2, log=print) -> tuple:
+def ensure_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, log=print) -> tuple:
     """`out_dir` holding the demo target of `spec`: reused when its ``demo_target.json`` fingerprint
     matches, else made (`make_demo_target`). Returns (metadata dict, made: bool)."""
     path = os.path.join(out_dir, META_FILE)

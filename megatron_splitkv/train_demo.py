@@ -128,7 +128,7 @@ def prepare_target(args, log=print) -> None:
 
         path = os.path.join(args.out_dir, "target-hf")
         t0 = time.time()
-        meta, made = ensure_demo_target(demo_target_spec(args), path, threads=max(1, args.cp * args.threads),
+        meta, made = ensure_demo_target(demo_target_spec(args), path, threads=args.threads,
                                         log=log)
         what = f"made in {time.time() - t0:.0f} s" if made else "reused (fingerprint matches)"
         log(f"demo target {path}: {what}; {meta['vocab_ids']} Qwen ids + MASK, training loss "
@@ -250,7 +250,7 @@ def evaluate_round_trip(args, log=print):
     from .acceptance import (HELDOUT_FIRST_RECORD, evaluate_acceptance, format_report, heldout_prompts, load_pair,
                              write_report)
 
-    torch.set_num_threads(max(1, args.cp * args.threads))
+    torch.set_num_threads(args.threads)
     prompts = heldout_prompts(args.eval_prompts)
     results = {}
     for label, name in (("untrained", "drafter-hf-init"), ("trained", "drafter-hf")):
