@@ -184,7 +184,7 @@ def format_report(result: dict, label: str = "") -> str:
     lines.append(f"  per-prompt tau: {per}")
     total = max(1, sum(result["histogram"].values()))
     lines.append("  acceptance length histogram (share of verification steps): "
-                 + " ".join(f"{k}:{v / total:.0%}" for k, v in result["histogram"].items()))
+                 + " ".join(f"{k}:{v / total:.0%}" for k, v in result["histogram"].items() if v))
     if result["skipped"]:
         lines.append(f"  skipped {len(result['skipped'])} prompts: "
                      + "; ".join(f"record {s['record']} ({s['reason']})" for s in result["skipped"][:5]))

@@ -1,24 +1,35 @@
-"""DFlash drafter training end to end on CPU: ShareGPT -> planner -> target features -> Split-KV drafter.
+"""DFlash drafter training end to end on CPU: a Hugging Face target in, a DFlash drafter out, tau measured.
 
-    python -m megatron_splitkv.train_demo            # CP=2 over gloo, ~30 steps, a few minutes on 2 cores
+    python -m megatron_splitkv.train_demo            # CP=2 over gloo, 30 steps, a few minutes on 2 cores
 
-What runs (DESIGN.md sections 1-3; arXiv 2611.05926):
+What runs (DESIGN.md sections 1-3 and 6; arXiv 2611.05926):
+0. The target: a tiny Qwen3 made with transformers and briefly trained on the same ShareGPT conversations
+   (`megatron_splitkv.demo_target`), saved in Hugging Face format to OUT_DIR/target-hf (default
+   out/demo) with its compact vocabulary (`token_map.json`) and made once: reused while its fingerprint
+   matches. `--target-hf-path DIR` takes any Qwen3 directory instead; `--random-target` a random Megatron
+   target (no round trip).
 1. ShareGPT conversations (Qwen chat template, loss on assistant tokens) packed into batches of
    `--max-tokens` tokens; `--num-anchors` DFlash anchors sampled per sequence
    (`megatron_splitkv.data.ShareGPTLoader`).
 2. The LPT planner (`megatron_splitkv.planning.plan_context_parallel`) assigns context chunks to the CP
    ranks; `shard_batch` gives each rank its tokens with global positions and an equal share of the query
    blocks.
-3. A tiny frozen Qwen3-style target (`megatron_splitkv.megatron.models`, random init) computes the tapped
-   hidden states of each rank's context tokens, exactly causal under the permuted layout.
+3. The frozen target, imported through `megatron_splitkv.megatron.hf.load_hf_target` into a Megatron-Core
+   `GPTModel`, computes the tapped hidden states of each rank's context tokens, exactly causal under the
+   permuted layout.
 4. The DFlash drafter (fc + RMSNorm fusion, DFlash layers with Split-KV attention, frozen target
    embedding / LM head) computes the decayed loss normalised over the CP group; gradients of the
    replicated parameters are summed over the group; AdamW step.
+5. The drafter is exported in the DFlash Hugging Face layout (`megatron_splitkv.megatron.hf.export_drafter`)
+   before training (OUT_DIR/drafter-hf-init) and after (OUT_DIR/drafter-hf), and the official DFlash
+   inference code measures the acceptance length tau of both on held-out ShareGPT prompts
+   (`megatron_splitkv.acceptance`; OUT_DIR/tau.json, tau.png).
 
-The vocabulary is compacted to the token ids that occur in the loaded conversations (a bijection, so the
-data is unchanged) plus one MASK row, to keep the LM head small on CPU. Progress: tqdm on rank 0 with
-the loss of every step; a closing summary with first/last loss, tokens/s, planner imbalance and bytes
-moved per rank by the attention collectives (`megatron_splitkv.comm_stats`).
+With the random target the vocabulary is compacted to the token ids that occur in the loaded conversations
+(a bijection, so the data is unchanged) plus one MASK row, as the demo target's `token_map.json` does.
+Progress: tqdm on rank 0 with the loss of every step; a closing summary with first/last loss, tokens/s,
+planner imbalance and bytes moved per rank by the attention collectives (`megatron_splitkv.comm_stats`),
+then the held-out tau of the untrained and the trained drafter.
 
 Checkpoints (Megatron-like flags): `--save DIR` writes ``DIR/iter_0000NNN/`` every `--save-interval`
 steps and at the end, then ``DIR/latest_checkpointed_iteration.txt``; `--load DIR` resumes from the
@@ -123,6 +134,9 @@ def prepare_target(args, log=print) -> None:
     (`map_corpus`, `check_hf_target`), so that a bad target fails here with its message."""
     if args.random_target:
         return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the demo prints its own lines (weights loading / writing bars off)
     if args.target_hf_path is None:
         from .demo_target import ensure_demo_target
 

@@ -125,3 +125,18 @@ def test_mismatched_drafter_exits_2_naming_file_and_field(pair, tmp_path, capsys
     err = capsys.readouterr().err
     assert rc == 2
     assert str(bad / "config.json") in err and "target_layer_ids" in err and "num_hidden_layers 4" in err
+
+
+def test_compact_vocab_round_trip_and_errors(tmp_path):
+    v = CompactVocab.from_tokens([7, 3, 151645], [3, 9])
+    assert v.token_ids.tolist() == [3, 7, 9, 151645] and v.mask_token_id == 4 and v.num_rows == 5
+    assert v.encode([9, 3, 151645]).tolist() == [2, 0, 3]
+    assert v.decode([2, 0, 3, 4]).tolist() == [9, 3, 151645, -1]  # MASK has no tokenizer id
+    with pytest.raises(ValueError, match=r"prompt: 1 token id\(s\) outside .* \(first: 8\)"):
+        v.encode([3, 8], "prompt")
+    v.save(str(tmp_path))
+    assert CompactVocab.load(str(tmp_path)).token_ids.tolist() == v.token_ids.tolist()
+    assert CompactVocab.load(str(tmp_path / "none")) is None
+    (tmp_path / "token_map.json").write_text(json.dumps({"format": 1, "token_ids": [5, 2]}))
+    with pytest.raises(ValueError, match="token_map.json: field 'token_ids' must be sorted"):
+        CompactVocab.load(str(tmp_path))
