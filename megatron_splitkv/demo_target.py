@@ -53,10 +53,10 @@ class DemoTargetSpec:
     hidden: int = 128
     num_layers: int = 6
     init_std: float = 0.02
-    steps: int = 150
-    seq_len: int = 128
-    batch: int = 4
-    lr: float = 3e-3
+    steps: int = 300
+    seq_len: int = 64
+    batch: int = 8
+    lr: float = 1e-2
     max_positions: int = 4096
     seed: int = 0
 

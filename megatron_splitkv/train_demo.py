@@ -111,8 +111,8 @@ def add_round_trip_args(p):
     g.add_argument("--out-dir", default=DEMO_OUT, help=f"where the round trip writes (default {DEMO_OUT})")
     g.add_argument("--mask-token-id", type=int_arg(0), default=None,
                    help="MASK token id for a target without token_map.json (a compact target has its own)")
-    g.add_argument("--target-train-steps", type=int_arg(0, 100000), default=200,
-                   help="training steps of the demo target on the --limit conversations (default 200)")
+    g.add_argument("--target-train-steps", type=int_arg(0, 100000), default=300,
+                   help="training steps of the demo target on the --limit conversations (default 300)")
     g.add_argument("--eval-prompts", type=int_arg(0, 64), default=16,
                    help="held-out ShareGPT prompts for tau (default 16; 0: no evaluation)")
     g.add_argument("--eval-new-tokens", type=int_arg(1, 4096), default=64,
