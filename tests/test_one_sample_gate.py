@@ -130,6 +130,7 @@ def test_overfitted_drafter_passes_the_gate(gate):
     assert losses[-1] < 0.05 * losses[0], losses[::25]
     tau, new = _mean_acceptance(out, target, prompt)
     assert new.tolist() == seq[PROMPT_LEN:].tolist()  # lossless: the target's own greedy continuation
+    print(f"one-sample gate: mean acceptance {tau:.2f} (B = {B}, gate {GATE})")
     assert tau >= GATE, f"mean acceptance {tau:.2f} < {GATE} (B = {B})"
 
 
@@ -144,4 +145,5 @@ def test_shifted_tap_ids_fail_the_gate(gate):
     json.dump(cfg, open(path, "w"))
     tau, new = _mean_acceptance(shifted, target, prompt)
     assert new.tolist() == seq[PROMPT_LEN:].tolist()  # still lossless: only the drafts get worse
+    print(f"one-sample gate, tap ids shifted by -1: mean acceptance {tau:.2f} (B = {B}, gate {GATE})")
     assert tau < GATE, f"the gate missed shifted tap ids: mean acceptance {tau:.2f} >= {GATE}"
