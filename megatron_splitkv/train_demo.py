@@ -1,24 +1,35 @@
-"""DFlash drafter training end to end on CPU: ShareGPT -> planner -> target features -> Split-KV drafter.
+"""DFlash drafter training end to end on CPU: a Hugging Face target in, a DFlash drafter out, tau measured.
 
-    python -m megatron_splitkv.train_demo            # CP=2 over gloo, ~30 steps, a few minutes on 2 cores
+    python -m megatron_splitkv.train_demo            # CP=2 over gloo, 30 steps, a few minutes on 2 cores
 
-What runs (DESIGN.md sections 1-3; arXiv 2611.05926):
+What runs (DESIGN.md sections 1-3 and 6; arXiv 2611.05926):
+0. The target: a tiny Qwen3 made with transformers and briefly trained on the same ShareGPT conversations
+   (`megatron_splitkv.demo_target`), saved in Hugging Face format to OUT_DIR/target-hf (default
+   out/demo) with its compact vocabulary (`token_map.json`) and made once: reused while its fingerprint
+   matches. `--target-hf-path DIR` takes any Qwen3 directory instead; `--random-target` a random Megatron
+   target (no round trip).
 1. ShareGPT conversations (Qwen chat template, loss on assistant tokens) packed into batches of
    `--max-tokens` tokens; `--num-anchors` DFlash anchors sampled per sequence
    (`megatron_splitkv.data.ShareGPTLoader`).
 2. The LPT planner (`megatron_splitkv.planning.plan_context_parallel`) assigns context chunks to the CP
    ranks; `shard_batch` gives each rank its tokens with global positions and an equal share of the query
    blocks.
-3. A tiny frozen Qwen3-style target (`megatron_splitkv.megatron.models`, random init) computes the tapped
-   hidden states of each rank's context tokens, exactly causal under the permuted layout.
+3. The frozen target, imported through `megatron_splitkv.megatron.hf.load_hf_target` into a Megatron-Core
+   `GPTModel`, computes the tapped hidden states of each rank's context tokens, exactly causal under the
+   permuted layout.
 4. The DFlash drafter (fc + RMSNorm fusion, DFlash layers with Split-KV attention, frozen target
    embedding / LM head) computes the decayed loss normalised over the CP group; gradients of the
    replicated parameters are summed over the group; AdamW step.
+5. The drafter is exported in the DFlash Hugging Face layout (`megatron_splitkv.megatron.hf.export_drafter`)
+   before training (OUT_DIR/drafter-hf-init) and after (OUT_DIR/drafter-hf), and the official DFlash
+   inference code measures the acceptance length tau of both on held-out ShareGPT prompts
+   (`megatron_splitkv.acceptance`; OUT_DIR/tau.json, tau.png).
 
-The vocabulary is compacted to the token ids that occur in the loaded conversations (a bijection, so the
-data is unchanged) plus one MASK row, to keep the LM head small on CPU. Progress: tqdm on rank 0 with
-the loss of every step; a closing summary with first/last loss, tokens/s, planner imbalance and bytes
-moved per rank by the attention collectives (`megatron_splitkv.comm_stats`).
+With the random target the vocabulary is compacted to the token ids that occur in the loaded conversations
+(a bijection, so the data is unchanged) plus one MASK row, as the demo target's `token_map.json` does.
+Progress: tqdm on rank 0 with the loss of every step; a closing summary with first/last loss, tokens/s,
+planner imbalance and bytes moved per rank by the attention collectives (`megatron_splitkv.comm_stats`),
+then the held-out tau of the untrained and the trained drafter.
 
 Checkpoints (Megatron-like flags): `--save DIR` writes ``DIR/iter_0000NNN/`` every `--save-interval`
 steps and at the end, then ``DIR/latest_checkpointed_iteration.txt``; `--load DIR` resumes from the
@@ -43,6 +54,7 @@ def parse_args(argv=None):
     from ._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_round_trip_args(p)
     p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     p.add_argument("--cp", type=int, default=2, help="context-parallel size = number of gloo processes")
     p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"))
@@ -72,6 +84,200 @@ def parse_args(argv=None):
     if args.ckpt_step is not None and args.load is None:
         p.error("--ckpt-step needs --load")
     return args
+
+
+# ----------------------------------------------------------------------------------------------- round trip
+DEMO_OUT = os.path.join("out", "demo")
+
+
+def _hf_dir(text):
+    """argparse type: a Hugging Face model directory (with config.json)."""
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text}: no config.json (a Hugging Face Qwen3 directory is needed)")
+    return text
+
+
+def add_round_trip_args(p):
+    """The flags of the Hugging Face round trip: target in, drafter out, tau measured."""
+    from ._ints import int_arg
+
+    g = p.add_argument_group("round trip (Hugging Face target in, DFlash drafter out, acceptance length)")
+    t = g.add_mutually_exclusive_group()
+    t.add_argument("--target-hf-path", type=_hf_dir, default=None,
+                   help="Hugging Face Qwen3 target directory, imported with megatron_splitkv.megatron.hf "
+                        "(default: the demo target, made once in OUT_DIR/target-hf and reused)")
+    t.add_argument("--random-target", action="store_true",
+                   help="a random Megatron target instead (--target-init-std); no export, no tau")
+    g.add_argument("--out-dir", default=DEMO_OUT, help=f"where the round trip writes (default {DEMO_OUT})")
+    g.add_argument("--mask-token-id", type=int_arg(0), default=None,
+                   help="MASK token id for a target without token_map.json (a compact target has its own)")
+    g.add_argument("--target-train-steps", type=int_arg(0, 100000), default=300,
+                   help="training steps of the demo target on the --limit conversations (default 300)")
+    g.add_argument("--eval-prompts", type=int_arg(0, 64), default=16,
+                   help="held-out ShareGPT prompts for tau (default 16; 0: no evaluation)")
+    g.add_argument("--eval-new-tokens", type=int_arg(1, 4096), default=64,
+                   help="greedy tokens generated per prompt for tau (default 64)")
+
+
+def demo_target_spec(args):
+    """The `DemoTargetSpec` the demo's flags describe (--limit, --hidden, --target-layers, --seed,
+    --max-tokens, --target-train-steps; the demo target's init std is Qwen3's 0.02)."""
+    from .demo_target import DemoTargetSpec
+
+    return DemoTargetSpec(limit=args.limit, hidden=args.hidden, num_layers=args.target_layers,
+                          steps=args.target_train_steps, max_positions=max(4096, args.max_tokens), seed=args.seed)
+
+
+def prepare_target(args, log=print) -> None:
+    """Before the ranks start: unless --random-target or --target-hf-path, make (or reuse) the demo target
+    in OUT_DIR/target-hf and set `args.target_hf_path` to it; then check the target against the flags
+    (`map_corpus`, `check_hf_target`), so that a bad target fails here with its message."""
+    if args.random_target:
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the demo prints its own lines (weights loading / writing bars off)
+    if args.target_hf_path is None:
+        from .demo_target import ensure_demo_target
+
+        path = os.path.join(args.out_dir, "target-hf")
+        t0 = time.time()
+        meta, made = ensure_demo_target(demo_target_spec(args), path, threads=args.threads,
+                                        log=log)
+        what = f"made in {time.time() - t0:.0f} s" if made else "reused (fingerprint matches)"
+        log(f"demo target {path}: {what}; {meta['vocab_ids']} Qwen ids + MASK, training loss "
+            f"{meta['loss_first']:.2f} -> {meta['loss_last']:.2f}, greedy distinct tokens of 32: "
+            f"{meta['greedy_distinct_tokens_of_32']}")
+        args.target_hf_path = path
+    from .data.sharegpt import load_sharegpt
+
+    map_corpus(args, load_sharegpt(args.limit))
+    check_hf_target(args)
+
+
+def target_vocab(args):
+    """(`CompactVocab` of --target-hf-path's ``token_map.json``, MASK id = its MASK row), or (None,
+    --mask-token-id) for a target with Qwen's ids. Raises `HFCheckpointError` when neither names MASK."""
+    from .data.vocab import TOKEN_MAP_FILE, CompactVocab
+    from .megatron.hf import HFCheckpointError
+
+    vocab = CompactVocab.load(args.target_hf_path)
+    if vocab is not None:
+        return vocab, vocab.mask_token_id
+    if args.mask_token_id is None:
+        raise HFCheckpointError(f"{args.target_hf_path}: no {TOKEN_MAP_FILE}, so the target uses Qwen's ids: pass "
+                                "--mask-token-id (an unused row of its embedding)")
+    return None, args.mask_token_id
+
+
+def map_corpus(args, corpus):
+    """The corpus in the Hugging Face target's vocabulary (`target_vocab`). Returns (corpus, mask id, ids
+    used). Raises `HFCheckpointError` naming ``token_map.json`` for ids outside the map."""
+    from .data.vocab import TOKEN_MAP_FILE
+    from .megatron.hf import HFCheckpointError
+
+    vocab, mask_id = target_vocab(args)
+    if vocab is None:
+        return corpus, mask_id, int(corpus.tokens.max()) + 1
+    try:
+        tokens = vocab.encode(corpus.tokens, f"{os.path.join(args.target_hf_path, TOKEN_MAP_FILE)}: the --limit "
+                                             f"{args.limit} conversations")
+    except ValueError as exc:
+        raise HFCheckpointError(str(exc)) from None
+    return type(corpus)(tokens, corpus.loss_mask, corpus.offsets), mask_id, len(vocab)
+
+
+def check_hf_target(args):
+    """config.json of --target-hf-path against the flags (`megatron.hf.read_qwen3_config`: Qwen3, the
+    mask row, hidden size = --hidden) and num_hidden_layers = --target-layers. Raises `HFCheckpointError`."""
+    from .megatron.hf import HFCheckpointError, read_qwen3_config
+
+    _, mask_id = target_vocab(args)
+    hf = read_qwen3_config(args.target_hf_path, mask_token_id=mask_id, drafter_hidden_size=args.hidden)
+    if hf["num_hidden_layers"] != args.target_layers:
+        raise HFCheckpointError(f"{os.path.join(args.target_hf_path, 'config.json')}: field num_hidden_layers = "
+                                f"{hf['num_hidden_layers']}, but --target-layers {args.target_layers}; pass "
+                                f"--target-layers {hf['num_hidden_layers']}")
+    return hf
+
+
+def build_target_and_vocab(args, corpus, pgs):
+    """The frozen target and the data in its vocabulary. With `args.target_hf_path`: the Hugging Face
+    Qwen3 target through `megatron.hf.load_hf_target` and `map_corpus`; else a random `build_target_model`
+    (--target-init-std) over the compacted corpus. Returns (target GPTModel, corpus, mask id, ids used)."""
+    from .models import build_target_model, qwen3_config
+
+    if args.target_hf_path is None:
+        corpus, v_used = _compact_corpus(corpus)
+        H, heads = args.hidden, max(2, args.hidden // 16)
+        tcfg = qwen3_config(num_layers=args.target_layers, hidden_size=H, num_attention_heads=heads,
+                            num_query_groups=max(1, heads // 2), kv_channels=16, ffn_hidden_size=2 * H,
+                            init_method_std=args.target_init_std)
+        target = build_target_model(tcfg, vocab_size=(v_used + 1 + 63) // 64 * 64,
+                                    max_sequence_length=args.max_tokens, pg_collection=pgs, seed=args.seed)
+        return target, corpus, v_used, v_used
+    from .megatron.hf import load_hf_target
+
+    check_hf_target(args)
+    corpus, mask_id, used = map_corpus(args, corpus)
+    target = load_hf_target(args.target_hf_path, pg_collection=pgs, mask_token_id=mask_id,
+                            drafter_hidden_size=args.hidden, max_sequence_length=args.max_tokens)
+    return target, corpus, mask_id, used
+
+
+def export_round_trip(drafter, args, taps, name, rank):
+    """Write the drafter to OUT_DIR/`name` in the DFlash Hugging Face layout (`megatron.hf.export_drafter`;
+    collective over TP, rank 0 writes). Returns the directory, or None without a Hugging Face target."""
+    if args.target_hf_path is None:
+        return None
+    from .megatron.hf import export_drafter
+
+    d = os.path.join(args.out_dir, name)
+    export_drafter(drafter, d if rank == 0 else None, target_layer_ids=taps, num_target_layers=args.target_layers,
+                   max_position_embeddings=max(4096, args.max_tokens))
+    return d
+
+
+def report_round_trip(args, hist, t0, log=print):
+    """The closing lines of a run with a Hugging Face target: tau of the untrained vs the trained drafter
+    (`evaluate_round_trip`) and the directories the run leaves."""
+    if hist.get("drafter_hf") is None:
+        return
+    log("")
+    taus = evaluate_round_trip(args, log=log)
+    if taus:
+        log(f"held-out tau (B = {args.block_size}): untrained drafter {taus['untrained']:.3f} -> trained "
+            f"{taus['trained']:.3f} after {args.steps} steps at CP={args.cp}")
+    log(f"left: {args.target_hf_path} (Hugging Face Qwen3 target + token_map.json), {hist['drafter_hf']} (the "
+        f"trained DFlash drafter, Hugging Face layout); serve or evaluate them with tools/eval_acceptance.py")
+    log(f"wall time {time.time() - t0:.0f} s")
+
+
+def evaluate_round_trip(args, log=print):
+    """After training: tau of the untrained and the trained drafter (OUT_DIR/drafter-hf-init,
+    OUT_DIR/drafter-hf) on --eval-prompts held-out ShareGPT prompts; writes OUT_DIR/tau.json and tau.png.
+    Returns {label: mean tau} ({} with --eval-prompts 0 or without a Hugging Face target)."""
+    if args.target_hf_path is None or args.eval_prompts == 0:
+        return {}
+    import torch
+
+    from .acceptance import (HELDOUT_FIRST_RECORD, evaluate_acceptance, format_report, heldout_prompts, load_pair,
+                             write_report)
+
+    torch.set_num_threads(args.threads)
+    prompts = heldout_prompts(args.eval_prompts)
+    results = {}
+    for label, name in (("untrained", "drafter-hf-init"), ("trained", "drafter-hf")):
+        target, vocab, drafter = load_pair(args.target_hf_path, os.path.join(args.out_dir, name))
+        results[label] = evaluate_acceptance(target, vocab, drafter, prompts, max_new_tokens=args.eval_new_tokens,
+                                             desc=f"tau {label}", progress=sys.stdout.isatty())
+    meta = {"target": args.target_hf_path, "steps": args.steps, "cp": args.cp,
+            "prompts": f"ShareGPT V3 records >= {HELDOUT_FIRST_RECORD}, first {args.eval_prompts} usable"}
+    jpath, ppath = write_report(results, os.path.join(args.out_dir, "tau"), meta)
+    for label, r in results.items():
+        log(format_report(r, label))
+    log(f"wrote {jpath} and {ppath}")
+    return {label: r["mean_tau"] for label, r in results.items()}
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
@@ -284,26 +490,19 @@ def _train(rank, world, args):
     from megatron_splitkv import comm_stats
     from megatron_splitkv.data import ShareGPTLoader, load_sharegpt, shard_batch
     from megatron_splitkv.dflash import build_draft_blocks, target_layer_ids
-    from megatron_splitkv.models import DFlashDraftModel, TargetFeatureProvider, build_target_model, qwen3_config
+    from megatron_splitkv.models import DFlashDraftModel, TargetFeatureProvider, qwen3_config
     from megatron_splitkv.planning import plan_context_parallel
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     cp = pgs.cp
 
-    corpus, v_used = _compact_corpus(load_sharegpt(args.limit))
-    mask_id = v_used  # one extra row: the reserved MASK token
-    vocab = (v_used + 1 + 63) // 64 * 64
+    target, corpus, mask_id, v_used = build_target_and_vocab(args, load_sharegpt(args.limit), pgs)
     loader = ShareGPTLoader(max_tokens=args.max_tokens, num_anchors=args.num_anchors, seed=args.seed,
                             corpus=corpus)
     B = args.block_size
     H = args.hidden
     heads = max(2, H // 16)
-    tcfg = qwen3_config(num_layers=args.target_layers, hidden_size=H, num_attention_heads=heads,
-                        num_query_groups=max(1, heads // 2), kv_channels=16, ffn_hidden_size=2 * H,
-                        init_method_std=args.target_init_std)
-    target = build_target_model(tcfg, vocab_size=vocab, max_sequence_length=args.max_tokens,
-                                pg_collection=pgs, seed=args.seed)
     taps = target_layer_ids(args.target_layers, args.draft_layers)
     provider = TargetFeatureProvider(target, taps)
     dcfg = qwen3_config(num_layers=args.draft_layers, hidden_size=H, num_attention_heads=heads,
@@ -313,6 +512,7 @@ def _train(rank, world, args):
                                output_layer=provider.output_layer, mask_token_id=mask_id, block_size=B,
                                cp_impl=args.context_parallel_impl,
                                pg_collection=pgs)
+    export_round_trip(drafter, args, taps, "drafter-hf-init", rank)  # the untrained drafter, for tau
     named_params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -331,7 +531,7 @@ def _train(rank, world, args):
 
         print(f"DFlash drafter training demo: CP={world} ({args.context_parallel_impl}, {args.cp_balance} "
               f"planner), {len(corpus)} ShareGPT conversations, vocab {v_used} used ids + MASK, target "
-              f"{args.target_layers} layers (taps {taps}), drafter {args.draft_layers} layers, "
+              f"{args.target_hf_path or 'random'} ({args.target_layers} layers, taps {taps}), drafter {args.draft_layers} layers, "
               f"{n_train:,} trainable parameters, B={B}, {args.num_anchors} anchors/sequence", flush=True)
         if args.load and loaded_from is None:
             print(f"WARNING: --load {args.load}: no checkpoint ({TRACKER} missing), starting from step 0",
@@ -414,6 +614,7 @@ def _train(rank, world, args):
         _save()  # the final checkpoint, as Megatron at the end of training
     if pbar is not None:
         pbar.close()
+    hist["drafter_hf"] = export_round_trip(drafter, args, taps, "drafter-hf", rank)
     # per-rank byte totals summed over ranks
     tot = torch.tensor([hist["bytes_attn"], hist["bytes_target"]], dtype=torch.float64)
     dist.all_reduce(tot, group=cp)
@@ -466,6 +667,7 @@ def main(argv=None) -> int:
     resumed = False
     if args.load:  # a mismatched checkpoint fails here, before any rank starts; None: no checkpoint (fresh run)
         resumed = verify_load(args, world) is not None
+    prepare_target(args)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -491,12 +693,13 @@ def main(argv=None) -> int:
         return 0
     text, first, last = _summary(results[0], args, world, time.time() - t0, resumed=resumed)
     print(text, flush=True)
+    report_round_trip(args, results[0], t0)
     return _exit_status(first, last, resumed=resumed)
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (CheckpointMismatchError, FileNotFoundError) as exc:  # a bad --load: the message, no traceback
+    except (CheckpointMismatchError, FileNotFoundError, ValueError) as exc:  # a bad --load or target: the message
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
