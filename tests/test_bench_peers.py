@@ -114,3 +114,29 @@ def test_sharegpt_pack_workload():
     assert sum(a.shape[0] for a in anchors) <= 64 and sum(a.shape[0] for a in anchors) > 32
     for L, a in zip(lens, anchors):
         assert np.all(np.diff(a) > 0) and (a.shape[0] == 0 or a.max() < L - 1)
+
+
+def test_split_budget_water_fills():
+    from tools.bench_attention import split_budget
+
+    assert split_budget([100, 3, 100], 30).tolist() == [14, 3, 13]
+    assert split_budget([2, 1], 30).tolist() == [2, 1]  # fewer candidates than the budget: all of them
+    assert split_budget([5, 5, 5], 4).sum() == 4
+
+
+def test_cli_pack_rows_and_check_on_cpu(tmp_path):
+    """The --packs / --check path end to end on CPU (tiny shapes): ours is timed on a ShareGPT pack and a
+    one-sequence pack, the GPU-only peers are marked skipped, the check reports ours and flex's errors."""
+    import json
+
+    from tools.bench_attention import exit_code, main
+
+    rows = main(["--cpu-smoke", "--peers-only", "--check", "--packs", "1024", "--pack-limit", "40",
+                 "--pack-reps", "1", "--out", str(tmp_path)])
+    assert exit_code(rows) == 0
+    data = json.loads((tmp_path / "bench_attention.json").read_text())
+    ours = [r for r in data["pack_rows"] if r["method"] == "splitkv"]
+    assert sorted(r["kind"] for r in ours) == ["one", "sharegpt"] and all(r["op_ms"] > 0 for r in ours)
+    assert {r["method"] for r in data["pack_rows"] if "skipped" in r} == {"turbo", "flex"}
+    assert data["check"]["splitkv"] < 0.05 and data["check"]["flex (forward only: no CPU backward)"] < 0.05
+    assert "% of dense" in (tmp_path / "bench_attention.md").read_text()
