@@ -140,3 +140,25 @@ def test_cli_pack_rows_and_check_on_cpu(tmp_path):
     assert {r["method"] for r in data["pack_rows"] if "skipped" in r} == {"turbo", "flex"}
     assert data["check"]["splitkv"] < 0.05 and data["check"]["flex (forward only: no CPU backward)"] < 0.05
     assert "% of dense" in (tmp_path / "bench_attention.md").read_text()
+
+
+def test_plot_packs(tmp_path):
+    import json
+
+    from tools import plot_packs
+
+    rows = [dict(kind="sharegpt", tokens=16384, n_seqs=12, cp=1, method=m, pct_dense=p)
+            for m, p in (("splitkv", 21.0), ("turbo", 12.0), ("flex", 25.0))]
+    rows += [dict(kind="one", tokens=16384, n_seqs=1, cp=1, method="splitkv", pct_dense=83.0),
+             dict(kind="one", tokens=16384, n_seqs=1, cp=1, method="turbo", error="boom"),
+             dict(kind="one", tokens=16384, n_seqs=1, cp=2, method="splitkv", pct_dense=70.0)]
+    shapes, bars = plot_packs.pack_bars(rows, cp=1)
+    assert shapes == ["sharegpt 16K (12 seqs)", "one 16K (1 seq)"]
+    assert bars == {"splitkv": [21.0, 83.0], "turbo": [12.0, None], "flex": [25.0, None]}
+    src = tmp_path / "b.json"
+    src.write_text(json.dumps(dict(pack_rows=rows)))
+    plot_packs.main([str(src), "--out", str(tmp_path / "p.png")])
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as e:
+        plot_packs.main([str(src), "--cp", "4", "--out", str(tmp_path / "q.png")])
+    assert e.value.code == 2 and not (tmp_path / "q.png").exists()

@@ -177,7 +177,7 @@ def flex_peer(fi: FlexInputs, block_mask=None, *, scale=None):
     fn = flex_attention
     if fi.q.device.type == "cuda":
         if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+            _compiled_flex = torch.compile(flex_attention)  # a second shape compiles once more, dynamic
         fn = _compiled_flex
     out = fn(fi.q, fi.k, fi.v, block_mask=bm, scale=scale, enable_gqa=fi.k.shape[1] != fi.q.shape[1])
     return out.squeeze(0).transpose(0, 1)
