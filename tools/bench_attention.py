@@ -474,6 +474,8 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
                 Lq=args.anchors * B, useful_pairs=pairs)
     skipped = [dict(base, method=m, skipped="CUDA only (no CPU backward)") for m in methods
                if m != "splitkv" and dev.type != "cuda"]
+    skipped += [dict(base, method="flex", skipped="the peer runs at CP=1 only")
+                for m in methods if m == "flex" and cp > 1 and dev.type == "cuda"]
     methods = [m for m in methods if (m == "splitkv" or dev.type == "cuda") and (cp == 1 or m != "flex")]
     steps, prep = {}, {}
     for m in methods:
@@ -590,8 +592,8 @@ def pack_table(rows, cpu=False) -> str:
                     bench.gpu_cell(cpu, r.get("pct_dense"), "{:.0f}%"),
                     f"{r['op_ms'] / o:.2f}x" if o else "-"])
     note = (f"\nForward + backward of one attention layer on packs (sharegpt: our ShareGPT loader's first batch, "
-            f"the query budget shared by its conversations; one: one sequence); Lq = anchors x B, Hq {32}, Hkv 8, D 128, "
-            f"bf16. TF/s per GPU: useful FLOPs = {bench.FWD_BWD_FACTOR} x 4 x (context + own-block pairs) x Hq x D / "
+            f"the query budget shared by its conversations; one: one sequence); Lq = anchors x B, Hq 32, Hkv 8, D 128, "
+            f"bf16 (smoke: tiny). TF/s per GPU: useful FLOPs = {bench.FWD_BWD_FACTOR} x 4 x (context + own-block pairs) x Hq x D / "
             f"CP; % of dense: vs dense SDPA at the same useful FLOPs per GPU, same process. splitkv speedup: the "
             f"method's time over ours (> 1: ours faster). turbo: Turbo-dLLM 0.1.6 dflash_attention; flex: "
             f"FlexAttention mask_mod over [context | block keys] (SpecForge's formulation), compiled.")
