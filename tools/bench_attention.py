@@ -579,7 +579,8 @@ def pack_table(rows, cpu=False) -> str:
     """Markdown table of the pack rows (ms, useful TF/s per GPU, % of dense, speedups vs splitkv)."""
     hdr = ["pack", "tokens", "seqs", "CP", "method", "op ms (median)", "prep ms", "TF/s/GPU", "dense TF/s",
            "% of dense", "splitkv speedup"]
-    ours = {(r["kind"], r["tokens"], r["cp"]): r["op_ms"] for r in rows if r.get("method") == "splitkv" and "op_ms" in r}
+    ours = {(r["kind"], r["tokens"], r["cp"]): r["op_ms"] for r in rows
+            if r.get("method") == "splitkv" and "op_ms" in r}
     out = []
     for r in rows:
         if "error" in r or "skipped" in r:
@@ -587,16 +588,18 @@ def pack_table(rows, cpu=False) -> str:
             out.append([r["kind"], r["tokens"], r.get("n_seqs", ""), r["cp"], r.get("method", ""), what] + [""] * 5)
             continue
         o = ours.get((r["kind"], r["tokens"], r["cp"]))
-        out.append([r["kind"], r["tokens"], r["n_seqs"], r["cp"], r["method"], f"{r['op_ms']:.2f}", f"{r['prep_ms']:.1f}",
-                    bench.gpu_cell(cpu, r["tflops_per_gpu"], "{:.0f}"), bench.gpu_cell(cpu, r.get("dense_tflops"), "{:.0f}"),
+        out.append([r["kind"], r["tokens"], r["n_seqs"], r["cp"], r["method"], f"{r['op_ms']:.2f}",
+                    f"{r['prep_ms']:.1f}", bench.gpu_cell(cpu, r["tflops_per_gpu"], "{:.0f}"),
+                    bench.gpu_cell(cpu, r.get("dense_tflops"), "{:.0f}"),
                     bench.gpu_cell(cpu, r.get("pct_dense"), "{:.0f}%"),
                     f"{r['op_ms'] / o:.2f}x" if o else "-"])
-    note = (f"\nForward + backward of one attention layer on packs (sharegpt: our ShareGPT loader's first batch, "
-            f"the query budget shared by its conversations; one: one sequence); Lq = anchors x B, Hq 32, Hkv 8, D 128, "
-            f"bf16 (smoke: tiny). TF/s per GPU: useful FLOPs = {bench.FWD_BWD_FACTOR} x 4 x (context + own-block pairs) x Hq x D / "
-            f"CP; % of dense: vs dense SDPA at the same useful FLOPs per GPU, same process. splitkv speedup: the "
-            f"method's time over ours (> 1: ours faster). turbo: Turbo-dLLM 0.1.6 dflash_attention; flex: "
-            f"FlexAttention mask_mod over [context | block keys] (SpecForge's formulation), compiled.")
+    note = (f"\nForward + backward of one attention layer on packs (sharegpt: our ShareGPT loader's first "
+            f"batch, the query budget shared by its conversations; one: one sequence); Lq = anchors x B, Hq 32, "
+            f"Hkv 8, D 128, bf16 (smoke: tiny). TF/s per GPU: useful FLOPs = {bench.FWD_BWD_FACTOR} x 4 x "
+            f"(context + own-block pairs) x Hq x D / CP; % of dense: vs dense SDPA at the same useful FLOPs per "
+            f"GPU, same process. splitkv speedup: the method's time over ours (> 1: ours faster). turbo: "
+            f"Turbo-dLLM 0.1.6 dflash_attention; flex: FlexAttention mask_mod over [context | block keys] "
+            f"(SpecForge's formulation), compiled.")
     return bench.md_table(hdr, out) + note + ("\n\n" + CPU_NOTE if cpu else "")
 
 
@@ -902,7 +905,8 @@ def main(argv=None):
         md += "\n\n" + ab_table(ab_rows, args.slow_path, cpu=dev.type != "cuda")
     if rank == 0:
         with open(json_path, "w") as f:
-            json.dump(dict(env=env, check=check, rows=rows, ab_rows=ab_rows, pack_rows=pk_rows, wall_s=time.perf_counter() - t_start,
+            json.dump(dict(env=env, check=check, rows=rows, ab_rows=ab_rows, pack_rows=pk_rows,
+                           wall_s=time.perf_counter() - t_start,
                            stopped_by_budget=stopped), f, indent=1, default=str)
         with open(md_path, "w") as f:
             f.write(f"# bench_attention{tag} ({env['gpu']}, {env['date']})\n\n{md}\n")

@@ -31,7 +31,8 @@ try:  # Turbo-dLLM (PyPI turbo-dllm==0.1.6, the dev extra); only its rows need i
     from dllm_parallel.core.attention.masks import DFlashGlobalContextMask, DFlashLocalBlockMask
     from dllm_parallel.core.kernels.runtime import configure_kernel_runtime as _turbo_configure
 except ImportError as _e:  # pragma: no cover - reported when a turbo row runs
-    _turbo_dflash_attention = _turbo_clean_intervals = _turbo_configure = DFlashGlobalContextMask = DFlashLocalBlockMask = None
+    _turbo_dflash_attention = _turbo_clean_intervals = _turbo_configure = None
+    DFlashGlobalContextMask = DFlashLocalBlockMask = None
     _TURBO_IMPORT_ERROR = _e
 else:
     _TURBO_IMPORT_ERROR = None
