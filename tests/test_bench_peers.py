@@ -1,0 +1,164 @@
+"""The peers' input mappings (tools/peers.py) against our float64 reference, on CPU.
+
+FlexAttention's mask_mod peer runs eagerly on CPU in float64: its output and gradients are compared with
+`dflash_attention_reference`. Turbo-dLLM runs on CUDA only: its input mapping is checked instead, by
+rebuilding the visible sets from its per-anchor intervals and comparing them with `dflash_attention_mask`
+(computed independently, from the metadata, not from the intervals).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_splitkv.reference import dflash_attention_mask, dflash_attention_reference
+from tools import peers
+
+B = 4
+
+
+def _case(seed=0, n_seqs=3, Hq=4, Hkv=2, D=8, dtype=torch.float64):
+    """A packed batch of `n_seqs` sequences with shuffled context keys, a padding block, an anchor at 0."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [7, 12, 5][:n_seqs]
+    kv_seq = torch.cat([torch.full((L,), s, dtype=torch.int64) for s, L in enumerate(lens)])
+    kv_pos = torch.cat([torch.arange(L) for L in lens])
+    perm = torch.randperm(kv_seq.shape[0], generator=g)
+    kv_seq, kv_pos = kv_seq[perm], kv_pos[perm]
+    q_seq = torch.tensor([0, 0, 1, 1, 1, 2, 0])
+    q_anchor = torch.tensor([3, 6, 0, 5, 11, 4, -1])
+    nb, Tk = q_seq.shape[0], kv_seq.shape[0]
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=dtype).requires_grad_()
+
+    return dict(q=r(nb * B, Hq, D), k_ctx=r(Tk, Hkv, D), v_ctx=r(Tk, Hkv, D), k_blk=r(nb * B, Hkv, D),
+                v_blk=r(nb * B, Hkv, D), q_seq=q_seq, q_anchor=q_anchor, kv_seq=kv_seq, kv_pos=kv_pos)
+
+
+ARGS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_seq", "q_anchor", "kv_seq", "kv_pos")
+
+
+def test_flex_peer_matches_reference_forward():
+    """Forward only: FlexAttention has no CPU backward (torch 2.11); `bench_attention.py --check` compares
+    its gradients with the reference on the GPU."""
+    x = _case()
+    ref, _ = dflash_attention_reference(*[x[n] for n in ARGS], block_size=B)
+    with torch.no_grad():
+        out = peers.flex_peer(peers.flex_inputs(*[x[n].detach() for n in ARGS], block_size=B))
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-9, atol=1e-9)
+    assert float(out[-B:].abs().max()) == 0.0  # the padding block sees nothing
+
+
+def test_flex_mask_mod_equals_reference_mask():
+    x = _case(seed=1)
+    fi = peers.flex_inputs(*[x[n] for n in ARGS], block_size=B)
+    qi = torch.arange(fi.q_len)[:, None]
+    ki = torch.arange(fi.kv_len)[None, :]
+    dense = fi.mask_mod(0, 0, qi, ki)
+    want = dflash_attention_mask(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=B)
+    assert torch.equal(dense, want)
+
+
+def _mask_from_intervals(starts, stops, valid, order, Tk):
+    """[n_blocks * B, Tk] visible sets in OUR key order rebuilt from Turbo's packed intervals."""
+    packed = torch.zeros(starts.shape[0], Tk, dtype=torch.bool)
+    for b, (a, z, ok) in enumerate(zip(starts.tolist(), stops.tolist(), valid.tolist())):
+        if ok:
+            packed[b, a:z] = True
+    ours = torch.zeros_like(packed)
+    ours[:, order] = packed  # packed column j is our key order[j]
+    return ours.repeat_interleave(B, dim=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_turbo_intervals_equal_reference_visible_sets(seed):
+    x = _case(seed=seed)
+    t = peers.turbo_inputs(*[x[n] for n in ARGS], block_size=B)
+    assert t["context_starts"].dtype == torch.int32 and t["context_stops"].dtype == torch.int32
+    Tk = x["k_ctx"].shape[0]
+    got = _mask_from_intervals(t["context_starts"][0], t["context_stops"][0], t["anchor_valid"][0], t["order"], Tk)
+    want = dflash_attention_mask(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=B,
+                                 own_block=False)
+    assert torch.equal(got, want)
+    # the packed context is (sequence, position) order and carries our keys' values
+    s, p = x["kv_seq"][t["order"]], x["kv_pos"][t["order"]]
+    assert bool(((s[1:] > s[:-1]) | ((s[1:] == s[:-1]) & (p[1:] > p[:-1]))).all())
+    assert torch.equal(t["global_key"][0], x["k_ctx"][t["order"]])
+    assert t["query"].shape == (1,) + tuple(x["q"].shape) and t["local_key"].shape == (1,) + tuple(x["k_blk"].shape)
+    assert t["anchor_valid"][0].tolist() == (x["q_anchor"] >= 0).tolist()
+
+
+def test_turbo_masks_and_shard_layout():
+    x = _case()
+    t = peers.turbo_inputs(*[x[n] for n in ARGS], block_size=B)
+    local, glob = peers.turbo_masks(t, block_size=B, global_anchor_count=14)
+    assert glob.global_anchor_count == 14 and local.block_size == B
+    keys = [peers.turbo_shard(t, r, 2) for r in range(2)]
+    owners = keys[0][2]
+    assert [sum(b - a for a, b in o) for o in owners] == [k[0].shape[1] for k in keys]
+    assert torch.equal(torch.cat([k[0] for k in keys], 1), t["global_key"])  # contiguous halves, in order
+
+
+def test_turbo_inputs_rejects_bad_rows():
+    x = _case()
+    with pytest.raises(ValueError, match="n_blocks"):
+        peers.turbo_inputs(x["q"][:-1], *[x[n] for n in ARGS[1:]], block_size=B)
+
+
+def test_sharegpt_pack_workload():
+    from tools.bench_attention import pack_workload
+
+    lens, anchors = pack_workload("sharegpt", 4096, 64, seed=0, limit=200)
+    assert lens.sum() <= 4096 and len(lens) > 1
+    assert sum(a.shape[0] for a in anchors) <= 64 and sum(a.shape[0] for a in anchors) > 32
+    for L, a in zip(lens, anchors):
+        assert np.all(np.diff(a) > 0) and (a.shape[0] == 0 or a.max() < L - 1)
+
+
+def test_split_budget_water_fills():
+    from tools.bench_attention import split_budget
+
+    assert split_budget([100, 3, 100], 30).tolist() == [14, 3, 13]
+    assert split_budget([2, 1], 30).tolist() == [2, 1]  # fewer candidates than the budget: all of them
+    assert split_budget([5, 5, 5], 4).sum() == 4
+
+
+def test_cli_pack_rows_and_check_on_cpu(tmp_path):
+    """The --packs / --check path end to end on CPU (tiny shapes): ours is timed on a ShareGPT pack and a
+    one-sequence pack, the GPU-only peers are marked skipped, the check reports ours and flex's errors."""
+    import json
+
+    from tools.bench_attention import exit_code, main
+
+    rows = main(["--cpu-smoke", "--peers-only", "--check", "--packs", "1024", "--pack-limit", "40",
+                 "--pack-reps", "1", "--out", str(tmp_path)])
+    assert exit_code(rows) == 0
+    data = json.loads((tmp_path / "bench_attention.json").read_text())
+    ours = [r for r in data["pack_rows"] if r["method"] == "splitkv"]
+    assert sorted(r["kind"] for r in ours) == ["one", "sharegpt"] and all(r["op_ms"] > 0 for r in ours)
+    assert {r["method"] for r in data["pack_rows"] if "skipped" in r} == {"turbo", "flex"}
+    assert data["check"]["splitkv"] < 0.05 and data["check"]["flex (forward only: no CPU backward)"] < 0.05
+    assert "% of dense" in (tmp_path / "bench_attention.md").read_text()
+
+
+def test_plot_packs(tmp_path):
+    import json
+
+    from tools import plot_packs
+
+    rows = [dict(kind="sharegpt", tokens=16384, n_seqs=12, cp=1, method=m, pct_dense=p)
+            for m, p in (("splitkv", 21.0), ("turbo", 12.0), ("flex", 25.0))]
+    rows += [dict(kind="one", tokens=16384, n_seqs=1, cp=1, method="splitkv", pct_dense=83.0),
+             dict(kind="one", tokens=16384, n_seqs=1, cp=1, method="turbo", error="boom"),
+             dict(kind="one", tokens=16384, n_seqs=1, cp=2, method="splitkv", pct_dense=70.0)]
+    shapes, bars = plot_packs.pack_bars(rows, cp=1)
+    assert shapes == ["sharegpt 16K (12 seqs)", "one 16K (1 seq)"]
+    assert bars == {"splitkv": [21.0, 83.0], "turbo": [12.0, None], "flex": [25.0, None]}
+    src = tmp_path / "b.json"
+    src.write_text(json.dumps(dict(pack_rows=rows)))
+    plot_packs.main([str(src), "--out", str(tmp_path / "p.png")])
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit) as e:
+        plot_packs.main([str(src), "--cp", "4", "--out", str(tmp_path / "q.png")])
+    assert e.value.code == 2 and not (tmp_path / "q.png").exists()
