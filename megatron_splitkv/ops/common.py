@@ -374,17 +374,7 @@ class KernelLanes:
             yield c, box.pop()
 
 
-TWO_LEVEL_RELAY_ENV = "MEGATRON_SPLITKV_TWO_LEVEL_RELAY"
 _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per process
-
-
-def two_level_relay() -> bool:
-    """Whether the two-level all-to-all's stage 2 is relayed on a side stream (docs/perf-notes.md item 18):
-    MEGATRON_SPLITKV_TWO_LEVEL_RELAY "1" / unset / empty on (the default), "0" off (the schedule before item
-    18, for A/B runs). Local to a rank: no collective and no result depends on it (bit-identical either way),
-    only which CUDA stream waits for stage 1 and runs the node merge. Raises ValueError naming the variable
-    for any other value."""
-    return env_switch(TWO_LEVEL_RELAY_ENV, default=True)
 
 
 class RelayStream:
@@ -402,8 +392,7 @@ class RelayStream:
     fn() inside the relay stream's context; `taken(t)` marks a relay-allocated result (stage 2's receive
     buffer) as used by the stream consuming it. Memory safety follows `KernelLanes`: record_stream on every
     buffer crossing streams, so the caching allocator never hands out memory still read by another stream.
-    `RelayStream.get(device)` is None off CUDA or with MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0: the op then runs
-    everything on main, in the same host order (the schedule before item 18). Same kernels, same inputs,
+    `RelayStream.get(device)` is None off CUDA: the op then runs everything on main, in the same host order. Same kernels, same inputs,
     same order of every reduction: results are bit-identical with or without the relay."""
 
     __slots__ = ("stream",)
@@ -413,9 +402,9 @@ class RelayStream:
 
     @classmethod
     def get(cls, device):
-        """The relay for `device` (a CUDA device with the relay on), else None."""
+        """The relay for `device` (a CUDA device), else None."""
         dev = torch.device(device)
-        if dev.type != "cuda" or not two_level_relay():
+        if dev.type != "cuda":
             return None
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         s = _RELAY_STREAMS.get(idx)

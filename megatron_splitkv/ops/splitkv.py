@@ -102,8 +102,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    its stage 2 overlaps the caller's backward, e.g. the k/v projections with `query_gather`, whose
    gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
    shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
-   Relay (docs/perf-notes.md item 18; CUDA, `ops.common.RelayStream`, off with
-   MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0): the wait for stage 1, the node merge / node sum and the issue of
+   Relay (docs/perf-notes.md item 18; CUDA, `ops.common.RelayStream`): the
+   wait for stage 1, the node merge / node sum and the issue of
    stage 2 run on a relay stream (after an event recorded on the caller's stream when stage 1 was issued),
    in the same host order, so the caller's stream never waits for stage 1: chunk c's node merge and stage
    2 run during chunk c + 1's kernel, and after the last kernel the op's epilogue and (backward, with
