@@ -28,7 +28,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22): `--head-split 6,2` (several with ':';
     measured mode and `--replay`, not `--model-only`) adds rows whose per-chunk bytes (`head_split_records`) are
     proportional to its heads; measured mode times the split's head chunks at every P > 1 (first placement)
-    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`, kernel lanes as the op),
+    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`),
     and the even split of the same k likewise (the gain's reference, whatever --chunk-axis says); `--replay`
     recomputes a saved run's measured split rows from their saved per-chunk ms, and models a split the run
     did not measure (`head_split_compute`: the saved k-chunk total x the chunk's heads share).
@@ -1115,7 +1115,7 @@ def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, rep
         bench.run_op("splitkv", x, block_size=args.B, cp_group=group, backend=args.backend, meta=meta,
                      op_kwargs=op_kw)
     spec = bench.kernel_calls_timing(bench.kernel_calls("splitkv", plan1, 0, own_block=fused, **kc), dtype=dtype,
-                                     device=device, backend=args.backend, fresh_mask=args.no_metadata, lanes=None,
+                                     device=device, backend=args.backend, fresh_mask=args.no_metadata,
                                      Hq=args.Hq, Hkv=args.Hkv, D=args.D)
     steps = [b() for b in spec.steps]
 
@@ -1550,11 +1550,9 @@ def main(argv=None):
                 local[(j, r)] = None
                 continue
             try:
-                # splitkv's chunks run as the op runs them (kernel lanes on CUDA, `bench.chunk_loop`); the
-                # baselines' calls one by one (ring-kv's steps are separated by its exchanges)
+                # every call timed alone (ring-kv's steps are separated by its exchanges)
                 kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev, backend=args.backend,
-                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata,
-                                             lanes=None if jobs[j][1] == "splitkv" else 1, **shapes)
+                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]}"
                       f"{' split ' + '/'.join(map(str, jobs[j][4])) if jobs[j][4] else ''} rank {r}: "
@@ -1636,7 +1634,7 @@ def main(argv=None):
             try:
                 t_r = time.perf_counter()
                 specs = [bench.kernel_calls_timing(calls_of[t], dtype=dtype, device=dev, backend=args.backend,
-                                                   fresh_mask=args.no_metadata, lanes=None, **shapes) for t in rt]
+                                                   fresh_mask=args.no_metadata, **shapes) for t in rt]
                 got = bench.time_kernel_calls_rounds(specs, device=dev, rounds=args.paired_rounds, reps=args.reps,
                                                      warmup=1)
                 for t, per_round in zip(rt, got):

@@ -81,7 +81,6 @@ from .common import (
     exchange_pieces_env,
     fused_bwd_gather_min_p,
     intervals,
-    kernel_lanes,
     own_key_start,
     pad_rows,
     sort_keys,
@@ -650,7 +649,7 @@ class SplitKVMetadata:
         cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
         MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES / MEGATRON_SPLITKV_CHUNK_AXIS
         in the building process) the variables must resolve to the same
-        values here. The kernel lanes stay per call (`check_call`). Whether the variables agree ACROSS ranks
+        values here. Whether the variables agree ACROSS ranks
         is not checked here (no collective): `check_environment_agreement` once per process, or
         `group_check=True` at build time.
 
@@ -740,10 +739,6 @@ class Plan:
     scale: float
     kernel: object
     acc: torch.dtype
-    #: Split-KV's kernel lanes (`ops.common.kernel_lanes`), read once per call where the call is validated
-    #: (group-wide with `group_check` / without `metadata=`), so forward and backward never parse the
-    #: environment variable themselves (a malformed value set later on one rank cannot fail them there)
-    lanes: int = 1
 
     group = property(lambda self: self.meta.group)
     rank = property(lambda self: self.meta.group.rank)
@@ -1438,14 +1433,14 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
     return kernel
 
 
-def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend, lanes: int = 1) -> Plan:
+def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
     keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
     if keys is None:
         keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
     kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys)
-    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype), lanes=lanes)
+    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
@@ -1457,7 +1452,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads(), 1
+    err, row, ints, rng, reads = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads()
     try:
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
@@ -1470,7 +1465,6 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
             name, num_chunks, cp_ranks_per_node, None, group.size, chunk_axis)
         validate_kernel_env()
-        lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
                _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
@@ -1503,7 +1497,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         fused_bwd_gather_min_p=table[0][13], exchange_pieces_requested=table[0][14],
         chunk_axis=CHUNK_AXES[table[0][15]],
     )
-    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend, lanes)
+    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
@@ -1602,14 +1596,12 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (see `SplitKVQueryGather._check_consume`). With group_check its use is part of the exchanged row
     (call mode), so a group where only some ranks pass it raises on every rank.
     """
-    err, lanes = "", 1
+    err = ""
     grouped = isinstance(meta, SplitKVMetadata) and meta.bound and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
                           cp_ranks_per_node, chunk_axis)
-        # the kernel lanes: parsed here (part of the group verdict with group_check), not in forward / backward
-        lanes = kernel_lanes() if name == "splitkv" else 1
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
             _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
     except ImportError as exc:
@@ -1632,7 +1624,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                                  getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
-    return _call_plan(meta, name, softmax_scale, backend, lanes)
+    return _call_plan(meta, name, softmax_scale, backend)
 
 
 def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
