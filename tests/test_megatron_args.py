@@ -533,7 +533,6 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
 
 @pytest.mark.parametrize("var,value,pattern", [
     ("MEGATRON_SPLITKV_NUM_CHUNKS", "-1", "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
-    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "0", "MEGATRON_SPLITKV_EXCHANGE_PIECES must be"),
     ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "x", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
     ("MEGATRON_SPLITKV_CHUNK_AXIS", "cols", "MEGATRON_SPLITKV_CHUNK_AXIS must be one of rows, heads"),
     ("MEGATRON_SPLITKV_HEAD_SPLIT", "3,2", "MEGATRON_SPLITKV_HEAD_SPLIT must be positive kv-head counts summing to "

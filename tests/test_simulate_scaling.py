@@ -559,9 +559,7 @@ def test_two_level_stage_bytes_match_the_formula(P, L, k):
     Hq, D, B, nb = 32, 128, 16, 512 // P
     N = P // L
     lq = [(b1 - b0) * B * P for b0, b1 in bench.chunk_bounds(k, nb)]
-    # one exchange per chunk (the formula is per chunk; the row pieces of item 19: test_exchange_pieces_*)
-    kw = dict(P=P, rank=0, n_blocks=[nb] * P, n_ctx=[4096] * P, metadata=True, num_chunks=k, exchange_pieces=1,
-              **SHAPE)
+    kw = dict(P=P, rank=0, n_blocks=[nb] * P, n_ctx=[4096] * P, metadata=True, num_chunks=k, **SHAPE)
     sources = [bench.predicted_records("splitkv", cp_ranks_per_node=1, **kw)]
     two = bench.predicted_records("splitkv", cp_ranks_per_node=L, **kw)
     if any(r.op.endswith(".intra") for r in two):
@@ -835,7 +833,7 @@ def test_replay_reproduces_the_saved_run(tmp_path):
 
     old = {key(r): r for r in saved["rows"] if r["method"] == "splitkv"}
     res = ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--two-level-wait", "deferred",
-                   "--exchange-pieces", "1", "--out", str(tmp_path)])  # the saved run's schedule (before items 18, 19)
+                   "--out", str(tmp_path)])  # the saved run's schedule (before item 18)
     assert [v["label"] for v in res["variants"]] == ["fused/L=1", "auto/L=1", "fused/L=8", "auto/L=8"]
     for r in res["rows"]:
         if r["method"] != "splitkv":
@@ -964,76 +962,6 @@ def test_exchange_pieces_schedule_hand_computed():
     assert t == pytest.approx(16.5)
     with pytest.raises(ValueError, match="pieces"):
         ss.splitkv_forward_ms([1.0], [5.0], [[2.0]], A1=[[1.0, 1.0]], NM=[[0.5, 0.5]])
-
-
-@pytest.mark.parametrize("P,L,nb", [(64, 8, 8), (16, 2, 5), (4, 2, 3)])
-def test_exchange_pieces_records_and_collectives(P, L, nb):
-    """`bench.predicted_records` issues one (stage 1, stage 2) pair per piece (automatic: 2 at k = 1 with
-    1 < L < P, clamped to the blocks; 1 at k > 1 and on the flat path), each piece's messages its share of the
-    chunk's rows (`piece_bounds`), the same bytes per name as one exchange; `splitkv_collectives` pairs them."""
-    import simulate_scaling as ss
-    from megatron_splitkv.ops.metadata import piece_bounds
-
-    kw = dict(P=P, rank=0, n_blocks=[nb] * P, n_ctx=[4096] * P, metadata=True, **SHAPE)
-
-    def by_name(recs):
-        out = {}
-        for r in recs:
-            out[r.op] = out.get(r.op, 0) + r.bytes
-        return out
-
-    for k in (1, 2):
-        one = bench.predicted_records("splitkv", num_chunks=k, cp_ranks_per_node=L, exchange_pieces=1, **kw)
-        for pieces in (0, 2, 3):
-            recs = bench.predicted_records("splitkv", num_chunks=k, cp_ranks_per_node=L, exchange_pieces=pieces, **kw)
-            assert by_name(recs) == by_name(one)
-            p = max(1, min(pieces or (2 if k == 1 else 1), min(b1 - b0 for b0, b1 in bench.chunk_bounds(k, nb))))
-            bounds = piece_bounds(bench.chunk_bounds(k, nb), p)
-            cs = ss.splitkv_collectives(recs, P, k, cp_ranks_per_node=L, D=128)
-            for c in range(k):
-                pcs = cs["fwd.out.pieces"][c]
-                assert len(pcs) == p and all((x1.stream, x2.stream) == ("N1", "N2") for x1, x2 in pcs)
-                rows = [p1 - p0 for p0, p1 in bounds[c]]
-                tot1, tot2 = sum(x1.msg for x1, _ in pcs), sum(x2.msg for _, x2 in pcs)
-                for (x1, x2), r in zip(pcs, rows):
-                    assert x1.msg * sum(rows) == pytest.approx(tot1 * r)
-                    assert x2.msg * sum(rows) == pytest.approx(tot2 * r)
-    # the flat path ignores the setting
-    flat = bench.predicted_records("splitkv", num_chunks=1, cp_ranks_per_node=1, exchange_pieces=3, **kw)
-    assert [(r.op, r.bytes) for r in flat] == \
-           [(r.op, r.bytes) for r in bench.predicted_records("splitkv", num_chunks=1, cp_ranks_per_node=1, **kw)]
-
-
-def test_replay_exchange_pieces_changes_only_two_level_k1(tmp_path):
-    """`--replay` with the op's default (2 row pieces at k = 1 with 1 < L < P) against `--exchange-pieces 1`:
-    only the two-level rows at k = 1 change, with the same bytes; under the 'node' topology (the headline:
-    an all-to-all pays one base latency plus ~1 us per peer) each is faster (the forward's tail after the
-    kernel is shorter). Under 'flat' (every collective a ring of (group - 1) hop latencies) the extra
-    piece's latencies cost more than the overlap gains (docs/perf-notes.md item 19): changed, not asserted
-    faster. Every other row is equal."""
-    import simulate_scaling as ss
-
-    def key(r):
-        return (r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"], r["variant"])
-
-    base = {key(r): r for r in ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--exchange-pieces", "1",
-                                        "--out", str(tmp_path / "one")])["rows"] if r["method"] == "splitkv"}
-    new = ss.main(["--replay", SEVENTH, "--bwd-gather", "fused,auto", "--out", str(tmp_path / "auto")])
-    assert new["args"]["exchange_pieces"] == "auto"
-    n_changed = 0
-    for r in new["rows"]:
-        if r["method"] != "splitkv":
-            continue
-        b = base[key(r)]
-        assert r["bytes_per_rank"] == b["bytes_per_rank"]
-        if r["two_level"] and r["num_chunks"] == 1:
-            n_changed += 1
-            assert r["exchange_pieces"] == [2] and r["total_ms"] != b["total_ms"], key(r)
-            if r["topology"] == "node":
-                assert r["total_ms"] < b["total_ms"], key(r)
-        else:
-            assert r["total_ms"] == b["total_ms"], key(r)
-    assert n_changed > 0
 
 
 # ------------------------------------------------ head chunks (ops/splitkv.py item 3, --chunk-axis heads)

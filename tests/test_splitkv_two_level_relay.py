@@ -12,8 +12,7 @@ relay (`RelayStream.get` is None). The code path is exercised here on CPU / gloo
   without the early query gather, k_blk = v_blk = None;
 - bit-identical to the same call without the relay (the schedule before item 18);
 - the protocol: every stage-2 collective ("splitkv.fwd.out.inter", "splitkv.bwd.dq.inter") and only those
-  is issued inside `run`, once per exchange (per chunk and direction; in forward per exchange piece,
-  docs/perf-notes.md item 19), each after the `mark` made when its stage 1 was issued, and every stage-2
+  is issued inside `run`, once per exchange (per chunk and direction), each after the `mark` made when its stage 1 was issued, and every stage-2
   result the owner consumes passes through `taken`;
 - `RelayStream.get` is None on CPU.
 
@@ -65,7 +64,7 @@ def _run(c, rank, group, L, k, early, own, relay):
     finally:
         sk.all_to_all, sk.all_gather, sk.RelayStream.get = orig
     return h.raw_and_double_results(out, lse, x, log=log, k_used=md.num_chunks,
-                                    n_fwd=sum(len(p) for p in md.exchange_bounds))
+                                    n_fwd=md.num_chunks)
 
 
 def _worker(rank, world, jobs):
@@ -82,8 +81,8 @@ def _worker(rank, world, jobs):
 
 
 def _check_protocol(log, k, n_fwd):
-    """Per direction, one stage-1 all-to-all per exchange (backward: k, one per chunk; forward: n_fwd, one
-    per exchange piece, `SplitKVMetadata.exchange_bounds`) each followed (in issue order) by its mark; one
+    """Per direction, one stage-1 all-to-all per exchange (k in backward, n_fwd = k in forward: one per
+    chunk) each followed (in issue order) by its mark; one
     relay run per exchange, each issuing exactly one stage-2 all-to-all of its direction and nothing else;
     every collective outside the relay not a stage 2; a `taken` per consumed stage-2 result."""
     colls = [e for e in log if e[0] == "coll"]

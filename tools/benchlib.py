@@ -918,7 +918,7 @@ def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
 
 def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
                       D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False,
-                      num_chunks=None, cp_ranks_per_node=None, exchange_pieces=None):
+                      num_chunks=None, cp_ranks_per_node=None):
     """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
 
     Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
@@ -940,12 +940,6 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
             (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
             follow the ring convention with the sub-group's size (L or N) in place of P.
-        exchange_pieces: splitkv's row pieces of the two-level forward exchange (None: the op's default, the
-            environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES, else automatic; 0: automatic without the
-            variable; `ops.metadata.resolve_exchange_pieces`: 2 with 1 < L < P at k = 1, else 1): with p > 1
-            each chunk's "fwd.out.intra" / "fwd.out.inter" are p records each (record `step` = the chunk),
-            piece i's pair (intra, inter) in order, the piece's rows (`ops.metadata.piece_bounds`) in place
-            of the chunk's; the same bytes per op name.
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
@@ -976,12 +970,6 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             fused_gather = fuse_bwd_gather(P, two_level)
         except ImportError:  # a tree without the fused gather
             fused_gather = False
-        try:  # the op's row pieces of the two-level forward exchange (ops.metadata.resolve_exchange_pieces)
-            from megatron_splitkv.ops.metadata import _requested_pieces, piece_bounds, resolve_exchange_pieces
-            req = 0 if exchange_pieces is not None and int(exchange_pieces) == 0 else _requested_pieces(exchange_pieces)
-            pieces = piece_bounds(bounds, resolve_exchange_pieces(req, len(bounds), L, P, bounds))
-        except ImportError:  # a tree without them: one piece per chunk
-            pieces = tuple(((b0, b1),) for b0, b1 in bounds)
         pk = max(acc // elem, 1)  # elements of the inputs' dtype holding one acc value bit-exact
         if not metadata:
             add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
@@ -990,10 +978,8 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             add("fwd.q", "all_gather", rc * Hq * D * elem, c)
             # [O | lse] in the inputs' dtype, lse bit-packed as acc / elem elements (ops.common.pack_partial)
             if two_level:  # stage 1: the rows of the N owners with each local index; stage 2: fp32 [O | lse]
-                for p0, p1 in pieces[c]:  # one (stage 1, stage 2) pair per exchange piece
-                    rp = (p1 - p0) * B
-                    add("fwd.out.intra", "all_to_all", N * rp * Hq * (D + pk) * elem, c, L)
-                    add("fwd.out.inter", "all_to_all", rp * Hq * (D + 1) * acc, c, N)
+                add("fwd.out.intra", "all_to_all", N * rc * Hq * (D + pk) * elem, c, L)
+                add("fwd.out.inter", "all_to_all", rc * Hq * (D + 1) * acc, c, N)
             else:
                 add("fwd.out", "all_to_all", rc * Hq * (D + pk) * elem, c)
         if backward:

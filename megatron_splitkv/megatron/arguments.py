@@ -702,14 +702,14 @@ def _export_pipeline_flags(args) -> None:
 def _check_op_env(args, tp: int, cp: int) -> None:
     """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
     it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
-    _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
+    _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
     heads per tensor-parallel rank and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a
     malformed value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
     from ..ops.metadata import _requested_head_split, env_request_row  # noqa: PLC0415
     from .layers import resolve_overlap_query_gather  # noqa: PLC0415
 
     try:
-        axis = env_request_row(cp)[4]
+        axis = env_request_row(cp)[3]
         resolve_overlap_query_gather(None)
         if os.environ.get(HEAD_SPLIT_ENV, "").strip() and _kv_heads(args) is not None:
             _requested_head_split(None, int(_kv_heads(args)) // tp, axis)
@@ -740,7 +740,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     `--splitkv-chunk-axis` rows / heads, exported as MEGATRON_SPLITKV_NUM_CHUNKS,
     _CHUNK_AXIS (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
     exported, the choice and why in args.splitkv_pipeline_auto); the op's other environment variables
-    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
+    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
     _HEAD_SPLIT, _OVERLAP_Q_GATHER). Calling it again, on the same args or another namespace, gives
     what that namespace gets alone: every variable an earlier call exported (automatically or for a flag) is
     first put back to the user's value (`_undo_auto`), not taken for the user's.

@@ -173,34 +173,15 @@ def local_index_major(x: torch.Tensor, nodes: int, per_node: int, dtype: torch.d
     return out
 
 
-def pack_partial_local_major(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, nodes: int, per_node: int,
-                             pieces=None):
+def pack_partial_local_major(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, nodes: int, per_node: int):
     """`pack_partial(o, lse, dtype)` with the rows reordered as `local_index_major(., nodes, per_node)`, in
     the same single packing copy: o [P * T, H, D], lse [P * T, H] (owner order) -> [P * T, H, D + r] in
-    `dtype`, the send buffer of stage 1 of Split-KV's two-level forward all-to-all.
-
-    pieces: None, or the row pieces of Split-KV's exchange (docs/perf-notes.md item 19): [(r0, r1)] bounds
-    within every owner's T rows, in order, covering [0, T). The buffer then holds the pieces one after the
-    other: rows [P r0, P r1) = `local_index_major` of the owners' rows [r0, r1), so that each piece's
-    stage-1 send buffer is a contiguous slice of it (no copy per piece). Same bytes written, still one
-    buffer: one copy of o and one of lse when the pieces are equal, one of each per piece otherwise."""
+    `dtype`, the send buffer of stage 1 of Split-KV's two-level forward all-to-all."""
     t, (h, d) = o.shape[0] // (nodes * per_node), o.shape[1:]
     r = _bits_per(lse.dtype, dtype)
     out = torch.empty((o.shape[0], h, d + r), dtype=dtype, device=o.device)
     o4, l4 = o.reshape(nodes, per_node, t, h, d), lse.reshape(nodes, per_node, t, h)
-    if pieces is None or len(pieces) == 1:
-        pack_partial(o4, l4, dtype, out=out.view(per_node, nodes, t, h, d + r).transpose(0, 1))
-        return out
-    sizes = {r1 - r0 for r0, r1 in pieces}
-    if len(sizes) == 1:  # equal pieces: one copy, piece-major [p, L, N, s] from owner-major [N, L, p, s]
-        p, s = len(pieces), sizes.pop()
-        pack_partial(o4.view(nodes, per_node, p, s, h, d), l4.view(nodes, per_node, p, s, h), dtype,
-                     out=out.view(p, per_node, nodes, s, h, d + r).permute(2, 1, 0, 3, 4, 5))
-        return out
-    P = nodes * per_node
-    for r0, r1 in pieces:
-        pack_partial(o4[:, :, r0:r1], l4[:, :, r0:r1], dtype,
-                     out=out[P * r0:P * r1].view(per_node, nodes, r1 - r0, h, d + r).transpose(0, 1))
+    pack_partial(o4, l4, dtype, out=out.view(per_node, nodes, t, h, d + r).transpose(0, 1))
     return out
 
 
@@ -242,23 +223,6 @@ def fused_bwd_gather_min_p() -> int:
     same value or every rank raises. Raises ValueError naming the variable for a malformed value."""
     min_p = env_positive_int(FUSED_BWD_GATHER_MIN_P_ENV)
     return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
-
-
-#: Environment variable: the row pieces of Split-KV's two-level forward exchange (`exchange_pieces_env`).
-EXCHANGE_PIECES_ENV = "MEGATRON_SPLITKV_EXCHANGE_PIECES"
-#: largest exchange piece count (the agreement row carries it in 8 bits, `ops.metadata._request_code`; more
-#: pieces only add collective latencies: each piece pays its all-to-alls' latency again)
-MAX_EXCHANGE_PIECES = 64
-
-
-def exchange_pieces_env() -> int:
-    """The requested row pieces of Split-KV's two-level forward exchange from the environment:
-    MEGATRON_SPLITKV_EXCHANGE_PIECES (a positive int <= `MAX_EXCHANGE_PIECES` = 64); 0 when unset or empty
-    (automatic: `ops.metadata.resolve_exchange_pieces`). Read where the metadata's requests are read
-    (prepare / the call without `metadata=` / the host build and `bind`), agreed group-wide in the
-    agreement row. Raises ValueError naming the variable and the limit for anything else."""
-    value = env_positive_int(EXCHANGE_PIECES_ENV, maximum=MAX_EXCHANGE_PIECES)
-    return 0 if value is None else value
 
 
 DEBUG_CHECKS_ENV = "MEGATRON_SPLITKV_DEBUG_CHECKS"

@@ -105,28 +105,6 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    replay of the seventh run, P = 64, L = 8, 50 GB/s NICs, + projection overlap): -0.33 ms at k = 1
    (87.6% -> 89.6%), -0.24 ms at k = 2 (90.05% -> 91.6%). Bit-identical to no relay (same kernels and
    reductions on the same inputs); the node merge shares the GPU with the next kernel (not modelled).
-   Exchange pieces (docs/perf-notes.md item 19; `SplitKVMetadata.exchange_pieces` / `exchange_bounds`,
-   `ops.metadata.resolve_exchange_pieces`): the forward exchange of each chunk runs in p row pieces, piece i
-   = the i-th share of EVERY owner's blocks in the chunk (`ops.metadata.piece_bounds`: at k = 1 the split of
-   `chunk_bounds(p, nb_max)`, i.e. the chunks of k = p, so each piece's all-to-alls stay balanced). After the
-   chunk's ONE kernel call (no chunk loss) the packing copy writes the pieces one after the other into one
-   buffer (`pack_partial_local_major(..., pieces)`: each piece's stage-1 send buffer is a slice of it, no
-   copy per piece), then stage 1 of piece i + 1 is issued before piece i advances (its node merge and stage
-   2, on the relay on CUDA), as chunk c + 1's stage 1 is issued before chunk c advances: piece i's node merge
-   and stage 2 (the inter-node communicator's NCCL stream) overlap piece i + 1's stage 1 (the node's). The
-   owner merges each piece's N node partials into its rows (in place on CUDA, `merges_in_place`; else one
-   cat of the pieces, as for chunks). Default p = 2 with 1 < L < P at num_chunks 1 (all of the exchange is
-   exposed after the single kernel there), else 1 (chunk c's exchange already overlaps kernel c + 1);
-   `exchange_pieces=` of prepare or MEGATRON_SPLITKV_EXCHANGE_PIECES (<= 64) override it, clamped to the
-   smallest chunk's block count; the flat path (L = 1 or P) ignores it. Same bytes per collective name (p x
-   the stage-1 / stage-2 records per chunk, each 1 / p of the rows); the node merge and the owner's merge are
-   per row, so results are bit-identical to p = 1 (tests/test_splitkv_exchange_pieces.py). Model (replay of the
-   seventh run, topology 'node', P = 64, L = 8, k = 1, + projection overlap): the forward's tail after the
-   kernel 0.772 -> 0.672 ms, T 14.593 -> 14.493 ms (89.58% -> 90.21%): stage 2 over the NICs stays serial (p
-   latencies), stage 1 and the node merge of the later pieces hide behind it; with every collective a ring of
-   hop latencies (topology 'flat') the extra latencies make it a loss (+0.17 ms). Not measured yet. The dQ
-   exchange is not split: in the layer it already runs behind the k/v projection's backward (0 exposed in
-   the model at k = 1).
    Backward [dO | stats] gather: with the two-level all-to-all the packed segment of item 3 is always
    fused and gathered in one flat ring over the P ranks, as the forward's Q all-gather.
 
@@ -631,8 +609,8 @@ class _SplitKV(torch.autograd.Function):
             #    into the transport dtype below without an fp32 round trip (the same values).
             return (q_c,) + kernel_forward(plan, q_c, k_xs[c], v_xs[c], masks[c], native=True)
 
-        # pend_o: one exchange per chunk, or per exchange piece of a chunk (two-level, `meta.exchange_bounds`);
-        # rows_o: the owner's rows [r0, r1) and q heads [h0, h1) each one delivers, in issue order
+        # pend_o: one exchange per chunk; rows_o: the owner's rows [r0, r1) and q heads [h0, h1) each one
+        # delivers, in issue order
         q_chunks, states, pend_o, rows_o = [], [], [], []
         for c in range(n):
             q_c, o_r, lse_r, state = launch(c)
@@ -647,24 +625,20 @@ class _SplitKV(torch.autograd.Function):
                 rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz) + tuple(heads[c]))
             else:
                 # two-level: stage 1 sends local peer j' the rows of the owners (m, j') of every node m
-                # (rows reordered local-index-major in the packing copy), piece by piece (exchange pieces:
-                # the packed buffer holds them one after the other, each stage-1 send buffer a slice of it);
-                # after each stage 1 the exchange before it (piece or chunk) advances to stage 2
-                b0 = chunks[c][0]
-                pieces = [((p0 - b0) * bsz, (p1 - b0) * bsz) for p0, p1 in meta.exchange_bounds[c]]
-                packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size, pieces)
+                # (rows reordered local-index-major in the packing copy); after each stage 1 the chunk
+                # before advances to stage 2
+                b0, b1 = chunks[c]
+                packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size)
                 del o_r, lse_r
-                for r0, r1 in pieces:
-                    pend_o.append(_TwoStage(all_to_all(packed[P * r0:P * r1], hier[0], "splitkv.fwd.out.intra",
-                                                       async_op=True),
-                                            _out_stage2(meta, r1 - r0, d, plan.acc), relay))
-                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1) + tuple(heads[c]))
-                    if len(pend_o) > 1:
-                        pend_o[-2].advance()
+                pend_o.append(_TwoStage(all_to_all(packed, hier[0], "splitkv.fwd.out.intra", async_op=True),
+                                        _out_stage2(meta, (b1 - b0) * bsz, d, plan.acc), relay))
+                rows_o.append((b0 * bsz, b1 * bsz) + tuple(heads[c]))
+                if len(pend_o) > 1:
+                    pend_o[-2].advance()
             del packed, q_c
         if hier is not None:
             pend_o[-1].advance()  # the last exchange's stage 2 overlaps the merges of the others
-        # chunked (or pieces), with the Triton merge: every exchange merged straight into its rows of one output
+        # chunked, with the Triton merge: every exchange merged straight into its rows of one output
         # (no cat). Head chunks: always into one output, at [rows, h0:h1] (the Triton merge writes the strided
         # destination itself; the torch merge copies its result there, as a cat along the heads would)
         n_ex = len(pend_o)
@@ -954,10 +928,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             = CP ranks [n * L, (n + 1) * L), which must share a node for the traffic split to pay off
             (correct anyway). Must be the same on every rank (agreed group-wide like num_chunks). With
             `metadata=` it was fixed by `prepare_splitkv_metadata(..., cp_ranks_per_node=...)`: pass
-            None or that value. With 1 < L < P the forward exchange of each chunk runs in row pieces (module
-            docstring, item 5 "Exchange pieces": 2 at num_chunks 1 by default), fixed by
-            `prepare_splitkv_metadata(..., exchange_pieces=)` or, without `metadata=`, by the environment
-            variable MEGATRON_SPLITKV_EXCHANGE_PIECES; bit-identical results either way.
+            None or that value.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -973,7 +944,6 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             environment variable) not a positive int, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" /
             "heads", cp_ranks_per_node (or its environment variable)
             not a positive int or not dividing the CP group size P (the limit is named in the message),
-            MEGATRON_SPLITKV_EXCHANGE_PIECES not a positive int <= 64 or differing across ranks,
             or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks / chunk_axis /
             cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
             consistently (`comm.node_groups`). With `metadata=`: ValueError
