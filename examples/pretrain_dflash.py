@@ -17,8 +17,8 @@
 Standard Megatron flags describe the DRAFTER (its layers, parallelism, optimizer, checkpointing).
 Extra flags (`add_dflash_args`): `--context-parallel-impl {splitkv,allgather-kv,ring-kv}`, `--cp-balance`,
 `--cp-chunk-size`, `--splitkv-kernel {auto,math,flex,te,staircase,fa4}` (the op's local kernel),
-`--splitkv-no-overlap-q-gather`, `--splitkv-cp-ranks-per-node`, `--splitkv-num-chunks`, `--splitkv-chunk-axis`,
-`--splitkv-kernel-lanes` (the last four automatic when unset for a CP group across nodes; the start-up line says
+`--splitkv-no-overlap-q-gather`, `--splitkv-cp-ranks-per-node`, `--splitkv-num-chunks`, `--splitkv-chunk-axis`
+(the last three automatic when unset for a CP group across nodes; the start-up line says
 what was chosen) (from `megatron_splitkv.megatron.add_splitkv_args`); `--num-anchors` (query
 budget per sequence) and `--block-size` (B), other spellings of `--dflash-num-anchors` / `--dflash-block-size`,
 `--loss-decay-gamma`, `--mask-token-id`; target flags

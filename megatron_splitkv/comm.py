@@ -260,7 +260,7 @@ class Pending:
         the result. The input kept alive until now is marked used by the current stream before it is
         released, so that the caching allocator does not hand its memory out on the stream it was
         allocated on before the waiting stream (which now follows the collective) got there: waiting on
-        another stream than the issuing one (Split-KV's kernel lanes, `ops.common.KernelLanes`) stays safe."""
+        another stream than the issuing one (Split-KV's relay stream, `ops.common.RelayStream`) stays safe."""
         if self._work is not None:
             self._work.wait()
             keep = self._keep

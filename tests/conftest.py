@@ -23,7 +23,7 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _restore_splitkv_env():
     """Put this process's MEGATRON_SPLITKV_* variables back after every test: `validate_splitkv_args` exports
-    its automatic choices (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS, _KERNEL_LANES) into
+    its automatic choices (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS) into
     os.environ, which monkeypatch does not undo for a variable it did not set, so a later test's op would run
     with them (e.g. head chunks)."""
     before = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")}

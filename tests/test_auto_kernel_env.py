@@ -64,29 +64,3 @@ def test_malformed_auto_min_keys_on_one_rank_raises_everywhere(use_meta):
     res = run_distributed(_worker, 2, 1, use_meta, timeout=120)
     for r, (kind, msg) in enumerate(res):
         assert kind == "ValueError" and "AUTO_MIN_KEYS" in msg, (r, kind, msg)
-
-
-@pytest.mark.parametrize("value", ["lots", "0", "-2"])
-def test_malformed_kernel_lanes_on_one_rank_raises_everywhere(value):
-    """MEGATRON_SPLITKV_KERNEL_LANES (the chunked pipeline's side streams) is parsed with the kernel variables,
-    before any data collective: a bad value on one rank raises on every rank."""
-    from megatron_splitkv.ops.common import KERNEL_LANES_ENV
-
-    res = run_distributed(_worker, 2, 0, True, KERNEL_LANES_ENV, value, timeout=120)
-    for r, (kind, msg) in enumerate(res):
-        assert kind == "ValueError" and KERNEL_LANES_ENV in msg, (r, kind, msg)
-
-
-def test_kernel_lanes_values(monkeypatch):
-    from megatron_splitkv.ops.common import DEFAULT_KERNEL_LANES, KERNEL_LANES_ENV, KernelLanes, kernel_lanes
-
-    monkeypatch.setenv(KERNEL_LANES_ENV, "")
-    assert kernel_lanes() == DEFAULT_KERNEL_LANES == 1  # opt-in (docs/perf-notes.md item 12)
-    for value, want in (("1", 1), (" 3 ", 3), ("9", 4)):
-        monkeypatch.setenv(KERNEL_LANES_ENV, value)
-        assert kernel_lanes() == want
-    monkeypatch.setenv(KERNEL_LANES_ENV, "two")
-    with pytest.raises(ValueError, match=KERNEL_LANES_ENV):
-        kernel_lanes()
-    monkeypatch.setenv(KERNEL_LANES_ENV, "")
-    assert not KernelLanes(torch.device("cpu"), 4, 2).on  # CPU: one stream, the op's single-stream order

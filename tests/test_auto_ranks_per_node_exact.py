@@ -1,7 +1,7 @@
 """The automatic CP ranks per node (`megatron.arguments.auto_cp_ranks_per_node`, exported by
 `validate_splitkv_args` when neither --splitkv-cp-ranks-per-node nor MEGATRON_SPLITKV_RANKS_PER_NODE is set)
 and the automatic pipeline across nodes (`auto_pipeline`: MEGATRON_SPLITKV_NUM_CHUNKS=2,
-MEGATRON_SPLITKV_CHUNK_AXIS=heads, and MEGATRON_SPLITKV_KERNEL_LANES=2 where the kernel is fa4) reach the op
+MEGATRON_SPLITKV_CHUNK_AXIS=heads) reach the op
 through the Megatron path and the op is exact with them.
 
 CPU, gloo, one spawn of 8 ranks. Per job every rank of the CP group sets the launcher's variable
@@ -12,10 +12,8 @@ too (as before the automatic pipeline), the others neither, so that the op reads
 
 - the exported L is the documented one (launcher size / TP, 1 < L < P, L divides P);
 - the op ran the two-level all-to-all with it (".intra" records over L ranks, ".inter" over P / L);
-- the automatic pipeline is exported where the group spans nodes with >= 2 kv heads per TP rank (lanes when
-  validated as fa4: `have_fa4=True` with --splitkv-kernel auto; the op here runs the math kernel on CPU, where
-  lanes are CUDA-only and a no-op, so the exported MEGATRON_SPLITKV_KERNEL_LANES=2 is only checked to be
-  harmless), and the op then ran 2 head chunks (each data collective issued twice);
+- the automatic pipeline is exported where the group spans nodes with >= 2 kv heads per TP rank (validated as
+  fa4 or not: `have_fa4` with --splitkv-kernel auto; the same export either way), and the op then ran 2 head chunks (each data collective issued twice);
 - output, lse and all five gradients equal the single-process float64 reference (`_splitkv_helpers.check`).
 Source: DESIGN.md section 2 (exact CP); docs/perf-notes.md item 9 (two-level all-to-all).
 """
@@ -107,13 +105,13 @@ def run8():
 
 def test_auto_L_is_exported_and_used_and_exact(run8):
     jobs, want, results = run8
-    from megatron_splitkv.megatron.arguments import CHUNK_AXIS_ENV, KERNEL_LANES_ENV, NUM_CHUNKS_ENV
+    from megatron_splitkv.megatron.arguments import CHUNK_AXIS_ENV, NUM_CHUNKS_ENV
 
     for j, ((c, tp, env, k, fa4), L) in enumerate(zip(jobs, want)):
         P = c["P"]
         per_rank = [results[r][j] for r in range(P)]
         auto = c["Hkv"] >= 2  # every group here spans nodes: exported wherever there are 2 kv heads per TP rank
-        pipeline = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads", **({KERNEL_LANES_ENV: "2"} if fa4 else {})}
+        pipeline = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}
         for r, res in enumerate(per_rank):
             assert res["exported"] == str(L), (j, r, res["exported"], res["why"])
             assert res["why"].startswith(f"auto -> {L} ("), res["why"]

@@ -1,4 +1,4 @@
-"""`prepare_splitkv_metadata`'s Split-KV request arguments (num_chunks, exchange_pieces, cp_ranks_per_node) and
+"""`prepare_splitkv_metadata`'s Split-KV request arguments (num_chunks, cp_ranks_per_node) and
 their environment variables with the baseline impls ("allgather-kv", "ring-kv"): the baselines do not use
 them, but a malformed value is the same ValueError (naming the argument or the variable, and the limit) as
 with impl "splitkv", on every rank of the group; a valid value is ignored (docstring of
@@ -12,7 +12,6 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import small_inputs
-from megatron_splitkv.ops.common import EXCHANGE_PIECES_ENV
 from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV, RANKS_PER_NODE_ENV
 
 IMPLS = ("allgather-kv", "ring-kv", "allgather_kv", "ring_kv", "splitkv")
@@ -21,11 +20,6 @@ BAD_ARGS = [
     ("num_chunks", -1, "num_chunks must be None or a positive int, got -1"),
     ("num_chunks", "x", "num_chunks must be None or a positive int, got 'x'"),
     ("num_chunks", 2.5, "num_chunks must be None or a positive int, got 2.5"),
-    ("exchange_pieces", 0, "exchange_pieces must be None or a positive int <= 64, got 0"),
-    ("exchange_pieces", -1, "exchange_pieces must be None or a positive int <= 64, got -1"),
-    ("exchange_pieces", "x", "exchange_pieces must be None or a positive int <= 64, got 'x'"),
-    ("exchange_pieces", 2.5, "exchange_pieces must be None or a positive int <= 64, got 2.5"),
-    ("exchange_pieces", 65, "exchange_pieces must be None or a positive int <= 64, got 65"),
     ("cp_ranks_per_node", 0, "cp_ranks_per_node must be None or a positive int, got 0"),
     ("cp_ranks_per_node", "x", "cp_ranks_per_node must be None or a positive int, got 'x'"),
 ]
@@ -34,15 +28,13 @@ BAD_ENV = [  # (variable, value, message after "must be ")
     (NUM_CHUNKS_ENV, "0", "a positive int, got '0'"),
     (NUM_CHUNKS_ENV, "-1", "a positive int, got '-1'"),
     (NUM_CHUNKS_ENV, "2.5", "a positive int (decimal digits), got '2.5'"),
-    (EXCHANGE_PIECES_ENV, "x", "a positive int <= 64 (decimal digits), got 'x'"),
-    (EXCHANGE_PIECES_ENV, "65", "a positive int <= 64, got '65'"),
     (RANKS_PER_NODE_ENV, "two", "a positive int (decimal digits), got 'two'"),
 ]
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in (NUM_CHUNKS_ENV, EXCHANGE_PIECES_ENV, RANKS_PER_NODE_ENV):
+    for var in (NUM_CHUNKS_ENV, RANKS_PER_NODE_ENV):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -73,19 +65,18 @@ def test_bad_environment_variable_raises_for_every_impl(impl, var, value, msg, m
 def test_baselines_ignore_valid_values(impl, monkeypatch):
     """A valid request does not change a baseline's metadata (one chunk, L = 1), argument or variable."""
     _, m = small_inputs()
-    meta = _prep(m, impl, num_chunks=3, exchange_pieces=4, cp_ranks_per_node=2)  # 2 does not divide P=1: unused
-    assert (meta.num_chunks, meta.cp_ranks_per_node, meta.exchange_pieces_requested) == (1, 1, 0)
+    meta = _prep(m, impl, num_chunks=3, cp_ranks_per_node=2)  # 2 does not divide P=1: unused
+    assert (meta.num_chunks, meta.cp_ranks_per_node) == (1, 1)
     monkeypatch.setenv(NUM_CHUNKS_ENV, "2")
-    monkeypatch.setenv(EXCHANGE_PIECES_ENV, "4")
     assert _prep(m, impl).num_chunks == 1
 
 
 def _env_on_one_rank_worker(rank, world, impl):
-    """Rank 1 alone has a malformed MEGATRON_SPLITKV_EXCHANGE_PIECES: every rank must raise its message."""
+    """Rank 1 alone has a malformed MEGATRON_SPLITKV_NUM_CHUNKS: every rank must raise its message."""
     import os
 
     if rank == 1:
-        os.environ[EXCHANGE_PIECES_ENV] = "+x"
+        os.environ[NUM_CHUNKS_ENV] = "+x"
     _, m = small_inputs(rank)
     try:
         _prep(m, impl, cp_group=None)
@@ -98,7 +89,7 @@ def _env_on_one_rank_worker(rank, world, impl):
 def test_bad_environment_on_one_rank_raises_on_every_rank(impl):
     msgs = run_distributed(_env_on_one_rank_worker, 2, impl, timeout=300)
     assert msgs[0] == msgs[1], msgs
-    assert msgs[0] is not None and f"{EXCHANGE_PIECES_ENV} must be a positive int <= 64 (decimal digits), got '+x'" in msgs[0], msgs
+    assert msgs[0] is not None and f"{NUM_CHUNKS_ENV} must be a positive int (decimal digits), got '+x'" in msgs[0], msgs
     assert "rank 1" in msgs[0], msgs
 
 

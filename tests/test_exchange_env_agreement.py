@@ -1,10 +1,10 @@
 """Ranks disagreeing on the Split-KV environment with host-built metadata (adversarial finding, session 8).
 
 `prepare_splitkv_metadata` and the op without `metadata=` agree on MEGATRON_SPLITKV_NUM_CHUNKS /
-_RANKS_PER_NODE / _EXCHANGE_PIECES / _FUSED_BWD_GATHER_MIN_P in their agreement row. Host-built metadata
+_RANKS_PER_NODE / _FUSED_BWD_GATHER_MIN_P in their agreement row. Host-built metadata
 (`prepare_splitkv_metadata_from_plan` + `bind`, the data pipeline's default in examples/pretrain_dflash.py)
-read them per process with no collective: with MEGATRON_SPLITKV_EXCHANGE_PIECES=1 on CP rank 0 and 3 on the
-others (P = 4, L = 2), or MEGATRON_SPLITKV_NUM_CHUNKS differing, the ranks issued different collectives in the
+read them per process with no collective: with MEGATRON_SPLITKV_NUM_CHUNKS or
+MEGATRON_SPLITKV_RANKS_PER_NODE differing (P = 4), the ranks issued different collectives in the
 op and gloo aborted the processes (SIGABRT; NCCL would hang or mix data). Now
 `ops.check_environment_agreement(cp_group)` (collective, once per process; pretrain_dflash calls it at its
 first micro-batch) raises the same ValueError on every rank, naming the variable and the values by rank.
@@ -25,18 +25,15 @@ from _dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_VARS = ("MEGATRON_SPLITKV_NUM_CHUNKS", "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_EXCHANGE_PIECES",
-         "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")
+_VARS = ("MEGATRON_SPLITKV_NUM_CHUNKS", "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")
 
 # (variable, value on rank 0, value on the other ranks, what the message must say); None = unset
 CASES = [
-    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "1", "3", "MEGATRON_SPLITKV_EXCHANGE_PIECES (requested exchange pieces"),
-    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", None, "2", "got [0, 2, 2, 2] (by rank)"),
+    ("MEGATRON_SPLITKV_NUM_CHUNKS", None, "2", "got [0, 2, 2, 2] (by rank)"),
     ("MEGATRON_SPLITKV_NUM_CHUNKS", "2", "1", "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks"),
     ("MEGATRON_SPLITKV_RANKS_PER_NODE", "2", "4", "MEGATRON_SPLITKV_RANKS_PER_NODE (cp_ranks_per_node)"),
     ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "2", None, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
-    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "65", "2", "rank 0: MEGATRON_SPLITKV_EXCHANGE_PIECES must be a positive "
-                                                    "int <= 64, got '65'"),
+    ("MEGATRON_SPLITKV_NUM_CHUNKS", "x", "2", "rank 0: MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
 ]
 
 
@@ -70,7 +67,7 @@ def _check_worker(rank, world):
     # all equal (some set, identically): passes; then the host path it guards runs and is exact
     for v in _VARS:
         os.environ.pop(v, None)
-    os.environ["MEGATRON_SPLITKV_EXCHANGE_PIECES"] = "3"
+    os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = "3"
     os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] = "2"
     check_environment_agreement()
     from megatron_splitkv import dflash_attention_reference, splitkv_attention
@@ -95,7 +92,7 @@ def _check_worker(rank, world):
     idx = torch.from_numpy(starts[meta.kv_seq.numpy()] + meta.kv_pos.numpy())
     got = splitkv_attention(q_all[rows], k_all[idx], v_all[idx], kb_all[rows], vb_all[rows], metadata=meta,
                             backend="math")
-    return out, meta.exchange_pieces, float((got - ref[rows]).abs().max())
+    return out, meta.num_chunks_requested, float((got - ref[rows]).abs().max())
 
 
 def test_environment_agreement_raises_the_same_error_on_every_rank():
@@ -105,8 +102,8 @@ def test_environment_agreement_raises_the_same_error_on_every_rank():
         assert len(msgs) == 1, (var, msgs)  # the same on every rank
         msg = msgs.pop()
         assert msg is not None and msg.startswith("check_environment_agreement: ") and want in msg, (var, msg)
-    for out, pieces, err in res:
-        assert pieces == 3 and err < 1e-12, (pieces, err)
+    for out, chunks, err in res:
+        assert chunks == 3 and err < 1e-12, (chunks, err)
 
 
 def _pretrain_worker(rank, world):

@@ -533,7 +533,6 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
 
 @pytest.mark.parametrize("var,value,pattern", [
     ("MEGATRON_SPLITKV_NUM_CHUNKS", "-1", "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
-    ("MEGATRON_SPLITKV_EXCHANGE_PIECES", "0", "MEGATRON_SPLITKV_EXCHANGE_PIECES must be"),
     ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "x", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
     ("MEGATRON_SPLITKV_CHUNK_AXIS", "cols", "MEGATRON_SPLITKV_CHUNK_AXIS must be one of rows, heads"),
     ("MEGATRON_SPLITKV_HEAD_SPLIT", "3,2", "MEGATRON_SPLITKV_HEAD_SPLIT must be positive kv-head counts summing to "
@@ -609,7 +608,7 @@ def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypat
 
 
 _INT_FLAGS = ("--cp-chunk-size", "--dflash-block-size", "--dflash-num-anchors", "--splitkv-cp-ranks-per-node",
-              "--splitkv-num-chunks", "--splitkv-kernel-lanes",
+              "--splitkv-num-chunks",
               "--dflash-data-workers", "--dflash-data-prefetch")
 
 
@@ -632,34 +631,31 @@ def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
 from megatron_splitkv.megatron.arguments import PIPELINE_ENVS, auto_pipeline  # noqa: E402
 
 ON = {"MEGATRON_SPLITKV_NUM_CHUNKS": "2", "MEGATRON_SPLITKV_CHUNK_AXIS": "heads"}
-ON_LANES = {**ON, "MEGATRON_SPLITKV_KERNEL_LANES": "2"}
 
 
-@pytest.mark.parametrize("env,tp,cp,kv,kernel,want", [
-    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, 8, "fa4", ON_LANES),  # 2 nodes of 8: head chunks + lanes (fa4)
-    ({"LOCAL_WORLD_SIZE": "8"}, 1, 64, 8, "flex", ON),  # lanes with fa4 only
-    ({"LOCAL_WORLD_SIZE": "8"}, 1, 64, 8, "auto", ON),  # auto not resolving to fa4 (the caller says "fa4" when it does)
-    ({"LOCAL_WORLD_SIZE": "8"}, 2, 8, 4, "fa4", ON_LANES),  # TP 2: 4 CP ranks per node < 8
-    ({"LOCAL_WORLD_SIZE": "1"}, 1, 2, 8, "fa4", ON_LANES),  # one GPU per node: the socket stand-in's CP 2
-    ({"LOCAL_WORLD_SIZE": "6"}, 1, 8, 8, "fa4", ON_LANES),  # spans nodes though L = 6 does not divide 8 (L stays 1)
-    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 1, 8, 2, "fa4", ON_LANES),  # Slurm's count
-    ({"LOCAL_WORLD_SIZE": "8"}, 1, 8, 8, "fa4", {}),  # one node: NVLink, one call is best
-    ({"LOCAL_WORLD_SIZE": "8"}, 2, 4, 4, "fa4", {}),  # TP 2, one node
-    ({"LOCAL_WORLD_SIZE": "8"}, 3, 8, 8, "fa4", {}),  # TP 3 does not divide 8: unknown layout
-    ({}, 1, 64, 8, "fa4", {}),  # unknown launcher size
-    ({"LOCAL_WORLD_SIZE": "x"}, 1, 64, 8, "fa4", {}),  # malformed launcher size
-    ({"SLURM_NTASKS_PER_NODE": "8(x2),4"}, 1, 16, 8, "fa4", {}),  # heterogeneous nodes: layout unknown
-    ({"LOCAL_WORLD_SIZE": "8"}, 8, 16, 1, "fa4", {}),  # Hkv / TP = 1: no head chunks
-    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, None, "fa4", {}),  # kv heads unknown
-    *[({"LOCAL_WORLD_SIZE": "8", name: value}, 1, 16, 8, "fa4", {})  # the user's (or a flag's) variable: off
-      for name, value in zip(PIPELINE_ENVS, ("1", "rows", "6,2", "1"))],
-    ({"LOCAL_WORLD_SIZE": "8", "MEGATRON_SPLITKV_NUM_CHUNKS": " "}, 1, 16, 8, "fa4", ON_LANES),  # empty = unset
+@pytest.mark.parametrize("env,tp,cp,kv,want", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, 8, ON),  # 2 nodes of 8: head chunks
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 8, 4, ON),  # TP 2: 4 CP ranks per node < 8
+    ({"LOCAL_WORLD_SIZE": "1"}, 1, 2, 8, ON),  # one GPU per node: the socket stand-in's CP 2
+    ({"LOCAL_WORLD_SIZE": "6"}, 1, 8, 8, ON),  # spans nodes though L = 6 does not divide 8 (L stays 1)
+    ({"SLURM_NTASKS_PER_NODE": "4(x2)"}, 1, 8, 2, ON),  # Slurm's count
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 8, 8, {}),  # one node: NVLink, one call is best
+    ({"LOCAL_WORLD_SIZE": "8"}, 2, 4, 4, {}),  # TP 2, one node
+    ({"LOCAL_WORLD_SIZE": "8"}, 3, 8, 8, {}),  # TP 3 does not divide 8: unknown layout
+    ({}, 1, 64, 8, {}),  # unknown launcher size
+    ({"LOCAL_WORLD_SIZE": "x"}, 1, 64, 8, {}),  # malformed launcher size
+    ({"SLURM_NTASKS_PER_NODE": "8(x2),4"}, 1, 16, 8, {}),  # heterogeneous nodes: layout unknown
+    ({"LOCAL_WORLD_SIZE": "8"}, 8, 16, 1, {}),  # Hkv / TP = 1: no head chunks
+    ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, None, {}),  # kv heads unknown
+    *[({"LOCAL_WORLD_SIZE": "8", name: value}, 1, 16, 8, {})  # the user's (or a flag's) variable: off
+      for name, value in zip(PIPELINE_ENVS, ("1", "rows", "6,2"))],
+    ({"LOCAL_WORLD_SIZE": "8", "MEGATRON_SPLITKV_NUM_CHUNKS": " "}, 1, 16, 8, ON),  # empty = unset
 ])
-def test_auto_pipeline(env, tp, cp, kv, kernel, want):
-    """`auto_pipeline`: 2 head chunks (+ 2 kernel lanes with fa4) when the CP group spans nodes (launcher's
+def test_auto_pipeline(env, tp, cp, kv, want):
+    """`auto_pipeline`: 2 head chunks when the CP group spans nodes (launcher's
     processes per node / TP < CP), each TP rank holds >= 2 kv heads and none of the pipeline's variables is set;
     else no change; always a one-line reason."""
-    exports, why = auto_pipeline(tp, cp, kv, kernel, environ=env)
+    exports, why = auto_pipeline(tp, cp, kv, environ=env)
     assert exports == want, why
     assert isinstance(why, str) and why and "\n" not in why
 
@@ -682,13 +678,12 @@ def _spanning(**kw):  # with LOCAL_WORLD_SIZE=8: 2 nodes of 8 GPUs, TP 1, CP 16,
 
 def test_auto_pipeline_exported_by_validate(clean_env):
     """validate_splitkv_args exports the automatic pipeline (impl splitkv only) and records it for the start-up
-    line; lanes only where the local kernel is fa4: --splitkv-kernel fa4, or auto with FlashAttention-4, not
-    --deterministic-mode, bf16 / fp16, MEGATRON_SPLITKV_AUTO_FA4 not 0."""
+    line; the same 2 head chunks whatever the local kernel."""
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     a = _spanning()
     validate_splitkv_args(a, have_fa4=True)
-    assert _pipeline_env() == ON_LANES
-    assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks, 2 kernel lanes (LOCAL_WORLD_SIZE=8 / TP 1"), \
+    assert _pipeline_env() == ON
+    assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks (LOCAL_WORLD_SIZE=8 / TP 1"), \
         a.splitkv_pipeline_auto
     for kw, fa4 in ((dict(), False), (dict(deterministic_mode=True), True), (dict(bf16=False, fp16=False), True),
                     (dict(splitkv_kernel="flex"), True)):
@@ -700,8 +695,8 @@ def test_auto_pipeline_exported_by_validate(clean_env):
         assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks ("), (kw, a.splitkv_pipeline_auto)
     for name in PIPELINE_ENVS:
         clean_env.delenv(name, raising=False)
-    validate_splitkv_args(_spanning(splitkv_kernel="fa4", bf16=False), have_fa4=True)  # fa4 asked for: lanes
-    assert _pipeline_env() == ON_LANES
+    validate_splitkv_args(_spanning(splitkv_kernel="fa4", bf16=False), have_fa4=True)  # fa4 asked for
+    assert _pipeline_env() == ON
     for name in PIPELINE_ENVS:
         clean_env.delenv(name, raising=False)
     clean_env.setenv("MEGATRON_SPLITKV_AUTO_FA4", "0")
@@ -720,7 +715,6 @@ def test_auto_pipeline_exported_by_validate(clean_env):
 @pytest.mark.parametrize("flag,attr,name,value", [
     ("--splitkv-num-chunks", "splitkv_num_chunks", "MEGATRON_SPLITKV_NUM_CHUNKS", 4),
     ("--splitkv-chunk-axis", "splitkv_chunk_axis", "MEGATRON_SPLITKV_CHUNK_AXIS", "rows"),
-    ("--splitkv-kernel-lanes", "splitkv_kernel_lanes", "MEGATRON_SPLITKV_KERNEL_LANES", 1),
 ])
 def test_pipeline_flags_win_over_variable_and_automatic(clean_env, flag, attr, name, value):
     """Each pipeline flag parses (default None), is exported as its variable, wins over that variable, and
@@ -752,8 +746,6 @@ def test_pipeline_flags_win_over_variable_and_automatic(clean_env, flag, attr, n
     (dict(splitkv_num_chunks=-2), r"--splitkv-num-chunks must be >= 1, got -2"),
     (dict(splitkv_num_chunks="2"), r"--splitkv-num-chunks"),
     (dict(splitkv_num_chunks=True), r"--splitkv-num-chunks"),
-    (dict(splitkv_kernel_lanes=0), r"--splitkv-kernel-lanes must be >= 1, got 0"),
-    (dict(splitkv_kernel_lanes=5), r"--splitkv-kernel-lanes must be at most 4 .*got 5"),
     (dict(splitkv_chunk_axis="cols"), r"--splitkv-chunk-axis must be one of \('rows', 'heads'\), got 'cols'"),
 ])
 def test_pipeline_flags_bad_values(clean_env, kw, match):
@@ -761,25 +753,14 @@ def test_pipeline_flags_bad_values(clean_env, kw, match):
         validate_splitkv_args(_spanning(**kw))
 
 
-def test_kernel_lanes_variable_checked_at_start_up(clean_env):
-    """A malformed MEGATRON_SPLITKV_KERNEL_LANES is a SplitKVArgumentError naming it (it raised only in the
-    first attention call's validation); a value above the cap is the op's to clamp (ops.common.kernel_lanes)."""
-    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "two")
-    with pytest.raises(SplitKVArgumentError, match="MEGATRON_SPLITKV_KERNEL_LANES"):
-        validate_splitkv_args(_args())
-    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "8")
-    validate_splitkv_args(_args())
-
-
 def test_pipeline_literals_match_the_op():
     """arguments keeps the op's names literal (parsing imports no torch): they must stay the op's."""
     from megatron_splitkv.megatron import arguments as A
-    from megatron_splitkv.ops import common, metadata
+    from megatron_splitkv.ops import metadata
 
     assert (A.NUM_CHUNKS_ENV, A.CHUNK_AXIS_ENV, A.HEAD_SPLIT_ENV, A.CHUNK_AXES, A.RANKS_PER_NODE_ENV) == (
         metadata.NUM_CHUNKS_ENV, metadata.CHUNK_AXIS_ENV, metadata.HEAD_SPLIT_ENV, metadata.CHUNK_AXES,
         metadata.RANKS_PER_NODE_ENV)
-    assert (A.KERNEL_LANES_ENV, A.MAX_KERNEL_LANES) == (common.KERNEL_LANES_ENV, common.MAX_KERNEL_LANES)
 
 
 def test_validate_twice_gives_the_same_result(clean_env):
@@ -795,8 +776,8 @@ def test_validate_twice_gives_the_same_result(clean_env):
     first = (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a))
     validate_splitkv_args(a, have_fa4=True)
     assert (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a)) == first
-    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == ON_LANES
-    assert a.splitkv_auto_env == {"MEGATRON_SPLITKV_RANKS_PER_NODE": "8", **ON_LANES}
+    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == ON
+    assert a.splitkv_auto_env == {"MEGATRON_SPLITKV_RANKS_PER_NODE": "8", **ON}
     # the second call's inputs changed (one node now): its own earlier exports are gone, nothing stale remains
     clean_env.setenv("LOCAL_WORLD_SIZE", "16")
     validate_splitkv_args(a, have_fa4=True)
@@ -818,20 +799,17 @@ def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
 
     a = _spanning()
     shown = runtime_flag_values(a)  # before validate: what the run would do
-    assert shown["splitkv_num_chunks"].startswith("auto (") and shown["splitkv_kernel_lanes"].startswith("auto (")
+    assert shown["splitkv_num_chunks"].startswith("auto (") and shown["splitkv_chunk_axis"].startswith("auto (")
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     validate_splitkv_args(a, have_fa4=True)
     shown = runtime_flag_values(a)
-    assert (shown["splitkv_num_chunks"], shown["splitkv_chunk_axis"], shown["splitkv_kernel_lanes"]) == (
-        "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)", "auto -> 2 (splitkv_pipeline_auto)")
-    validate_splitkv_args(a, have_fa4=False)
-    assert runtime_flag_values(a)["splitkv_kernel_lanes"] == "auto -> 1 (splitkv_pipeline_auto)"
+    assert (shown["splitkv_num_chunks"], shown["splitkv_chunk_axis"]) == (
+        "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)")
 
 
 def test_validate_another_namespace_does_not_inherit_the_first_ones_exports(clean_env):
     """validate_splitkv_args on a second args namespace in the same process (a sweep, a notebook, --parse-only
-    twice) took the first namespace's exports for the user's: its automatic pipeline and L (2 head chunks and 2
-    lanes on a CP group inside one node, shown as '2 (MEGATRON_SPLITKV_NUM_CHUNKS)'), a flag of the first
+    twice) took the first namespace's exports for the user's: its automatic pipeline and L (2 head chunks on a CP group inside one node, shown as '2 (MEGATRON_SPLITKV_NUM_CHUNKS)'), a flag of the first
     namespace (--splitkv-num-chunks 4 without the flag), and the first one's clamp of the user's
     MEGATRON_SPLITKV_RANKS_PER_NODE (8 -> 4 at CP 4; then 4 at CP 16 instead of the user's 8). What validate
     exported is now undone process-wide first (the user's value put back), so each namespace gets what it
@@ -841,7 +819,7 @@ def test_validate_another_namespace_does_not_inherit_the_first_ones_exports(clea
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     user = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")}
     validate_splitkv_args(_spanning(), have_fa4=True)  # 2 nodes: automatic pipeline + L 8
-    assert _pipeline_env() == ON_LANES and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
+    assert _pipeline_env() == ON and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
     b = _spanning(context_parallel_size=4, dflash_num_anchors=4)  # inside one node
     validate_splitkv_args(b, have_fa4=True)
     assert _pipeline_env() == {} and "MEGATRON_SPLITKV_RANKS_PER_NODE" not in os.environ, _pipeline_env()
@@ -887,16 +865,6 @@ def test_num_chunks_flag_against_a_head_split_variable(clean_env):
     assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
 
 
-def test_runtime_flag_values_says_the_lanes_variable_is_capped(clean_env):
-    """MEGATRON_SPLITKV_KERNEL_LANES above the op's cap (4) was shown as is by --parse-only while the op ran 4."""
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
-    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "9")
-    assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "9 (MEGATRON_SPLITKV_KERNEL_LANES; the op caps it at 4)"
-    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", "3")
-    assert runtime_flag_values(_args())["splitkv_kernel_lanes"] == "3 (MEGATRON_SPLITKV_KERNEL_LANES)"
-
-
 def test_fresh_user_reasons(clean_env):
     """Reasons a fresh user found wrong or unhelpful: TP = processes per node gave '1 CP ranks per node do not
     divide CP 16' (1 divides it); MEGATRON_SPLITKV_HEAD_SPLIT without the head axis named only the op's keyword
@@ -916,7 +884,7 @@ def test_fresh_user_reasons(clean_env):
     assert "MEGATRON_SPLITKV_NUM_CHUNKS='1' (or --splitkv-num-chunks)" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto
 
 
-@pytest.mark.parametrize("kw", [dict(splitkv_num_chunks=2), dict(splitkv_chunk_axis="heads"), dict(splitkv_kernel_lanes=2)])
+@pytest.mark.parametrize("kw", [dict(splitkv_num_chunks=2), dict(splitkv_chunk_axis="heads")])
 def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
     """The merge pipeline is Split-KV's: its flags with --context-parallel-impl allgather-kv / ring-kv were accepted
     and ignored (fresh user, session 11)."""
@@ -926,12 +894,12 @@ def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
     validate_splitkv_args(_args(**kw))  # splitkv: fine
 
 
-@pytest.mark.parametrize("value,shown", [("8", "8 (MEGATRON_SPLITKV_KERNEL_LANES; the op caps it at 4)"),
-                                         ("\u00b2", "\u00b2 (MEGATRON_SPLITKV_KERNEL_LANES)")])
-def test_runtime_flag_values_does_not_parse_a_malformed_lanes_variable(clean_env, value, shown):
-    """runtime_flag_values is pure and validates nothing: a MEGATRON_SPLITKV_KERNEL_LANES that str.isdigit()
+@pytest.mark.parametrize("value,shown", [("8", "8 (MEGATRON_SPLITKV_NUM_CHUNKS)"),
+                                         ("\u00b2", "\u00b2 (MEGATRON_SPLITKV_NUM_CHUNKS)")])
+def test_runtime_flag_values_does_not_parse_a_malformed_pipeline_variable(clean_env, value, shown):
+    """runtime_flag_values is pure and validates nothing: a MEGATRON_SPLITKV_NUM_CHUNKS that str.isdigit()
     takes but int() refuses ('\u00b2') is shown as it is, not a ValueError (validate_splitkv_args names it)."""
     from megatron_splitkv.megatron.arguments import runtime_flag_values
 
-    clean_env.setenv("MEGATRON_SPLITKV_KERNEL_LANES", value)
-    assert runtime_flag_values(_args(context_parallel_impl=None))["splitkv_kernel_lanes"] == shown
+    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", value)
+    assert runtime_flag_values(_args(context_parallel_impl=None))["splitkv_num_chunks"] == shown

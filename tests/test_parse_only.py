@@ -34,7 +34,7 @@ def pre():
 def _parse(pre, capsys, monkeypatch, *extra):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     for var in ("MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "MEGATRON_SPLITKV_NUM_CHUNKS",
-                "MEGATRON_SPLITKV_CHUNK_AXIS", "MEGATRON_SPLITKV_HEAD_SPLIT", "MEGATRON_SPLITKV_KERNEL_LANES",
+                "MEGATRON_SPLITKV_CHUNK_AXIS", "MEGATRON_SPLITKV_HEAD_SPLIT",
                 "MEGATRON_SPLITKV_AUTO_FA4"):
         monkeypatch.delenv(var, raising=False)
     capsys.readouterr()
@@ -60,7 +60,7 @@ def test_parse_only_prints_resolved_values_not_none(pre, capsys, monkeypatch):
     for flag in ("dflash_data_workers", "dflash_data_prefetch", "dflash_host_metadata", "dflash_device_prefetch",
                  "loss_decay_gamma",
                  "splitkv_cp_ranks_per_node", "splitkv_no_overlap_q_gather", "cp_chunk_size", "target_ffn_hidden_size",
-                 "splitkv_num_chunks", "splitkv_chunk_axis", "splitkv_kernel_lanes"):
+                 "splitkv_num_chunks", "splitkv_chunk_axis"):
         assert f"{flag} = None" not in lines, flag
     # one node (no launcher size): the automatic pipeline is off, and says why
     assert any(ln.startswith("splitkv_pipeline_auto = 'auto -> off (no launcher size per node") for ln in lines)
@@ -162,11 +162,10 @@ def test_parse_only_command_line_prints_no_machine_warnings():
         "pretrain_dflash.py: error: --cp-chunk-size must be a positive number of tokens, got 0"], p.stderr
 
 
-@pytest.mark.parametrize("extra,lanes", [(("--bf16",), 2), ((), 1)])
-def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monkeypatch, extra, lanes):
+@pytest.mark.parametrize("extra", [("--bf16",), ()])
+def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monkeypatch, extra):
     """A CP group spanning nodes (LOCAL_WORLD_SIZE=8, CP 16): --parse-only shows the automatic pipeline (2 head
-    chunks; 2 kernel lanes where `auto` picks fa4: --parse-only assumes FlashAttention-4 present, and fa4 needs
-    bf16 / fp16 parameters, so not without --bf16 / --fp16) as the three flags' values and its reason; the
+    chunks, whatever the kernel) as the two flags' values and its reason; the
     record of the exported variables (splitkv_auto_env) is not shown."""
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
@@ -175,10 +174,9 @@ def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monke
     lines = out.splitlines()
     for want in ("splitkv_num_chunks = 'auto -> 2 (splitkv_pipeline_auto)'",
                  "splitkv_chunk_axis = 'auto -> heads (splitkv_pipeline_auto)'",
-                 f"splitkv_kernel_lanes = 'auto -> {lanes} (splitkv_pipeline_auto)'",
                  "splitkv_cp_ranks_per_node = 'auto -> 8 (LOCAL_WORLD_SIZE=8 / TP 1)'"):
         assert want in lines, (want, [ln for ln in lines if ln.startswith("splitkv")])
-    label = "2 head chunks, 2 kernel lanes" if lanes == 2 else "2 head chunks"
+    label = "2 head chunks"
     assert any(ln.startswith(f"splitkv_pipeline_auto = 'auto -> {label} (LOCAL_WORLD_SIZE=8 / TP 1 = 8 CP ranks per "
                              "node < CP 16: the group spans nodes; 4 kv heads per TP rank") for ln in lines), lines
     assert not any(ln.startswith("splitkv_auto_env") for ln in lines)

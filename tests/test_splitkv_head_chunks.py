@@ -7,7 +7,7 @@ Chunk c = kv heads `chunk_bounds(k, Hkv)[c]` (q heads G times them, GQA groups w
 - exactness: output, lse and all five gradients against the single-process float64 reference on fresh random
   inputs, P = 1, 2, 3, 4, uneven and empty shards (a rank with 0 blocks, a rank with 0 context tokens, NaN /
   inf in invalid blocks and unseen keys), k = 2, 3, 4 with Hkv 8 (uneven 2 / 3 / 3) and Hkv 2 (clamped),
-  k_blk = v_blk = None, the two-level all-to-all (P = 4, L = 2) with automatic and requested exchange pieces,
+  k_blk = v_blk = None, the two-level all-to-all (P = 4, L = 2),
   the early query gather (flat and two-level), `metadata=` reused by two calls, `group_check`, the chunk axis
   from the environment variable;
 - head chunks equal row chunks within float64 rounding, and comm_stats bytes per collective name are equal
@@ -43,8 +43,7 @@ KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 def _run(c, rank, group, axis, job):
     """This rank's results of case c with chunk axis `axis` and the job's options: k (num_chunks), mode ("call":
     no metadata=; "meta": prepare + metadata=, called twice; "early": + splitkv_start_query_gather; "env": the
-    axis from MEGATRON_SPLITKV_CHUNK_AXIS), own (k_blk / v_blk given), L (cp_ranks_per_node), pieces
-    (exchange_pieces), group_check."""
+    axis from MEGATRON_SPLITKV_CHUNK_AXIS), own (k_blk / v_blk given), L (cp_ranks_per_node), group_check."""
     t = build(c)
     x, meta, dout, dlse = local(t, c, rank)
     k, mode = job["k"], job["mode"]
@@ -58,7 +57,7 @@ def _run(c, rank, group, axis, job):
             md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                               block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                               head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, num_chunks=k,
-                                              cp_ranks_per_node=job.get("L"), exchange_pieces=job.get("pieces"),
+                                              cp_ranks_per_node=job.get("L"),
                                               group_check=job.get("group_check", False), **axis_kw)
         reps = 2 if mode in ("meta", "env") else 1  # metadata= reused: the second call must give the same
         outs = []
@@ -127,9 +126,9 @@ def _jobs(seed):
         (c2e, dict(k=4, mode="meta")), (c2e, dict(k=3, mode="env")),
         (c3, dict(k=3, mode="call")), (c3, dict(k=2, mode="meta", own=False)),
         (c4, dict(k=4, mode="call")), (c4, dict(k=3, mode="early", group_check=True)),
-        (c4, dict(k=2, mode="meta", L=2)), (c4, dict(k=3, mode="meta", L=2, pieces=2)),
-        (c4, dict(k=2, mode="early", L=2, pieces=3, own=False)), (c4b, dict(k=2, mode="call", L=2)),
-        (c4b, dict(k=3, mode="early", L=2, pieces=2)),
+        (c4, dict(k=2, mode="meta", L=2)), (c4, dict(k=3, mode="meta", L=2)),
+        (c4, dict(k=2, mode="early", L=2, own=False)), (c4b, dict(k=2, mode="call", L=2)),
+        (c4b, dict(k=3, mode="early", L=2)),
     ]
 
 

@@ -1,11 +1,10 @@
 """Split-KV's head chunks (`chunk_axis="heads"`, ops/splitkv.py item 3 "Head chunks") on CUDA, bf16, CP = 1
-(the pipeline runs at P = 1 too: size-1 collectives), kernel lanes on (MEGATRON_SPLITKV_KERNEL_LANES=2):
+(the pipeline runs at P = 1 too: size-1 collectives):
 backends flex and fa4 (skipped where FlashAttention-4 is not installed or the GPU is not Hopper / Blackwell).
 
 Head chunks and row chunks, each against the single-process float64 reference (output, lse and all five
 gradients within bf16 tolerance), and head chunks against row chunks within the same tolerance (the kernels
-run other tile shapes: not bit-identical). With the lanes off, flex's head chunks are bit-identical to the
-lanes on (deterministic kernels, the same calls). GPU-only (skipped without CUDA).
+run other tile shapes: not bit-identical). GPU-only (skipped without CUDA).
 """
 
 import pytest
@@ -22,8 +21,7 @@ def _case(seed, k, backend, axis, Hq=8, Hkv=4):
                 num_chunks=k, chunk_axis=axis, device="cuda", backend=backend, metadata=True)
 
 
-def _run(c, monkeypatch, lanes):
-    monkeypatch.setenv("MEGATRON_SPLITKV_KERNEL_LANES", str(lanes))
+def _run(c):
     res = run_local("splitkv", c, 0)
     torch.cuda.synchronize()
     return res
@@ -31,7 +29,7 @@ def _run(c, monkeypatch, lanes):
 
 @pytest.mark.parametrize("backend", ["flex", "fa4"])
 @pytest.mark.parametrize("k", [2, 3])
-def test_head_chunks_match_rows_on_cuda(monkeypatch, backend, k):
+def test_head_chunks_match_rows_on_cuda(backend, k):
     if backend == "fa4":
         from megatron_splitkv.kernels.fa4 import fa4_runs_on
 
@@ -40,16 +38,12 @@ def test_head_chunks_match_rows_on_cuda(monkeypatch, backend, k):
     seed = new_seed()
     heads = _case(seed, k, backend, "heads")
     rows = _case(seed, k, backend, "rows")
-    on = _run(heads, monkeypatch, 2)
+    on = _run(heads)
     check("splitkv", heads, [on])
-    by_rows = _run(rows, monkeypatch, 2)
+    by_rows = _run(rows)
     check("splitkv", rows, [by_rows])
     tol = TOL["bfloat16"]
     for key in on:
         fin = torch.isfinite(by_rows[key])
         assert torch.equal(fin, torch.isfinite(on[key])), key
         assert rel_err(on[key][fin], by_rows[key][fin]) <= tol, f"{key}: heads vs rows (seed {seed}, k={k})"
-    if backend == "flex":
-        off = _run(heads, monkeypatch, 1)
-        for key in on:
-            assert torch.equal(on[key], off[key]), f"{key}: lanes on vs off differ (seed {seed}, k={k})"

@@ -6,14 +6,12 @@ views for kernels with `strided_heads`.
 CPU, gloo, one spawn of 3 ranks (P = 1, 2, 3 on sub-groups), math kernel: for head chunks k = 2, 3 on Hkv = 8
 (even 4 / 4, uneven 2 / 3 / 3), k = 3 on Hkv = 4 (1 / 1 / 2), the splits (6, 2) and (1, 7), with and without the
 own block, uneven and empty shards (a rank without blocks, a rank without context), shuffled context (so the
-unsort runs), kernel lanes requested or not (MEGATRON_SPLITKV_KERNEL_LANES=2: CUDA only, the single-stream path
-on CPU), the local keys as views of one tensor (`strided_heads`, the math kernel's) or one copy per chunk (the
+unsort runs), the local keys as views of one tensor (`strided_heads`, the math kernel's) or one copy per chunk (the
 attribute off, as for flex / te / staircase), float64 and bfloat16: output, lse and every gradient are BIT-IDENTICAL to the one call (k = 1) on the
 same inputs (head chunks split heads only: every row / head sees the same kernel arithmetic, merge and dQ sum),
 and the float64 runs equal the float64 reference within its tolerance.
 """
 
-import os
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed
 from megatron_splitkv.kernels.math import MathAttentionKernel
-from megatron_splitkv.ops.common import KERNEL_LANES_ENV
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
@@ -34,8 +31,6 @@ def _run(c, rank, group, job, chunking):
     md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                       block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"], head_dim=c["D"],
                                       dtype=x["q"].dtype, cp_group=group, **chunking)
-    if job.get("lanes"):
-        os.environ[KERNEL_LANES_ENV] = "2"
     if job.get("copies"):  # a kernel without `strided_heads` (flex, te, staircase): one key copy per head chunk
         MathAttentionKernel.strided_heads = False
     try:
@@ -43,7 +38,6 @@ def _run(c, rank, group, job, chunking):
                                          x["v_blk"] if own else None, metadata=md, backend="math", return_lse=True)
         loss_of(out, lse, dout, dlse).backward()
     finally:
-        os.environ.pop(KERNEL_LANES_ENV, None)
         MathAttentionKernel.strided_heads = True
     res = dict(out=out.detach(), lse=lse.detach(), sorted=md.order is None, k=md.num_chunks,
                chunk_heads=list(md.chunk_heads or []))
@@ -81,11 +75,11 @@ def _jobs(seed):
         c3 = case(seed + 2, 3, blocks=[2, 0, 3], ctx=[10, 25, 5], poison=True, p_invalid=0.3, dtype=dtype, **h8)
         c3h4 = case(seed + 3, 3, blocks=[3, 1, 2], ctx=[12, 8, 20], dtype=dtype, **h4)
         jobs += [
-            (c1, dict(k=2)), (c1, dict(split=(6, 2), lanes=True)), (c1, dict(k=3, own=False)),
-            (c1, dict(k=2, copies=True)), (c2e, dict(k=2, lanes=True)), (c2e, dict(split=(1, 7))), (c2e, dict(k=3)),
-            (c3, dict(k=2)), (c3, dict(k=3, lanes=True)), (c3, dict(split=(6, 2))), (c3, dict(split=(1, 7), own=False)),
+            (c1, dict(k=2)), (c1, dict(split=(6, 2))), (c1, dict(k=3, own=False)),
+            (c1, dict(k=2, copies=True)), (c2e, dict(k=2)), (c2e, dict(split=(1, 7))), (c2e, dict(k=3)),
+            (c3, dict(k=2)), (c3, dict(k=3)), (c3, dict(split=(6, 2))), (c3, dict(split=(1, 7), own=False)),
             (c3, dict(k=3, copies=True)), (c3, dict(split=(6, 2), copies=True, own=False)),
-            (c3h4, dict(k=3)), (c3h4, dict(k=2, own=False, lanes=True)),
+            (c3h4, dict(k=3)), (c3h4, dict(k=2, own=False)),
         ]
     return jobs
 

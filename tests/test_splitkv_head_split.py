@@ -3,7 +3,7 @@
 
 CPU, gloo, one spawn of 4 ranks (P = 1, 2, 3 on sub-groups): output, lse and all five gradients against the
 float64 reference for splits 6/2, 1/7, 2/1/5 (Hkv 8), uneven and empty shards, the two-level all-to-all (P = 4,
-L = 2, with exchange pieces), the early query gather, `metadata=` reused, the split from the environment
+L = 2), the early query gather, `metadata=` reused, the split from the environment
 variable; the metadata's chunk heads; bytes per collective name equal to the even split's; errors (single
 process) and ranks disagreeing (the same ValueError on every rank); the host-built path (data pipeline) takes it too.
 """
@@ -38,7 +38,7 @@ def _run(c, rank, group, split, job):
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, chunk_axis="heads",
                                           num_chunks=None if split else job["k"], cp_ranks_per_node=job.get("L"),
-                                          exchange_pieces=job.get("pieces"), **kw)
+                                          **kw)
     finally:
         os.environ.pop(HEAD_SPLIT_ENV, None)
     outs = []
@@ -86,7 +86,7 @@ def _jobs(seed):
     return [
         (c1, dict(split=(6, 2), k=2)), (c2e, dict(split=(1, 7), k=2)), (c2e, dict(split=(6, 2), k=2, env=True)),
         (c3, dict(split=(2, 1, 5), k=3, early=True)), (c4, dict(split=(6, 2), k=2)),
-        (c4, dict(split=(2, 1, 5), k=3, L=2, pieces=2)), (c4, dict(split=(6, 2), k=2, L=2, early=True)),
+        (c4, dict(split=(2, 1, 5), k=3, L=2)), (c4, dict(split=(6, 2), k=2, L=2, early=True)),
     ]
 
 

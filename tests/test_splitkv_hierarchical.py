@@ -368,7 +368,7 @@ def test_local_index_major_and_prediction_formula():
     for d, L in ((one, 1), (two, 8)):  # summed per op name: at k = 1 the forward exchange runs in 2 row pieces
         for r in bench.predicted_records("splitkv", cp_ranks_per_node=L, **kw):
             d[r.op] = d.get(r.op, 0) + r.bytes
-    # 8 nodes: the [dO | stats] gather stays one ring (two stages from 16 nodes, ops.common.two_level_bwd_gather)
+    # the [dO | stats] gather stays one ring
     assert set(two) == {"splitkv.fwd.q", "splitkv.bwd.dout"} | set(TWO_LEVEL)
     rows = 8 * 16
     assert two["splitkv.fwd.out.intra"] == 2 * 7 * 8 * rows * 32 * (128 + 2) * 2

@@ -12,10 +12,9 @@ relay (`RelayStream.get` is None). The code path is exercised here on CPU / gloo
   without the early query gather, k_blk = v_blk = None;
 - bit-identical to the same call without the relay (the schedule before item 18);
 - the protocol: every stage-2 collective ("splitkv.fwd.out.inter", "splitkv.bwd.dq.inter") and only those
-  is issued inside `run`, once per exchange (per chunk and direction; in forward per exchange piece,
-  docs/perf-notes.md item 19), each after the `mark` made when its stage 1 was issued, and every stage-2
+  is issued inside `run`, once per exchange (per chunk and direction), each after the `mark` made when its stage 1 was issued, and every stage-2
   result the owner consumes passes through `taken`;
-- `two_level_relay()` parses MEGATRON_SPLITKV_TWO_LEVEL_RELAY; `RelayStream.get` is None on CPU.
+- `RelayStream.get` is None on CPU.
 
 The stream semantics themselves (the relay waiting for stage 1, the consumer for stage 2, record_stream)
 need CUDA and a CP group of >= 4 GPUs (1 < L < P): tests/nightly (tests/nightly/run.sh) on x4 / x8.
@@ -65,7 +64,7 @@ def _run(c, rank, group, L, k, early, own, relay):
     finally:
         sk.all_to_all, sk.all_gather, sk.RelayStream.get = orig
     return h.raw_and_double_results(out, lse, x, log=log, k_used=md.num_chunks,
-                                    n_fwd=sum(len(p) for p in md.exchange_bounds))
+                                    n_fwd=md.num_chunks)
 
 
 def _worker(rank, world, jobs):
@@ -82,8 +81,8 @@ def _worker(rank, world, jobs):
 
 
 def _check_protocol(log, k, n_fwd):
-    """Per direction, one stage-1 all-to-all per exchange (backward: k, one per chunk; forward: n_fwd, one
-    per exchange piece, `SplitKVMetadata.exchange_bounds`) each followed (in issue order) by its mark; one
+    """Per direction, one stage-1 all-to-all per exchange (k in backward, n_fwd = k in forward: one per
+    chunk) each followed (in issue order) by its mark; one
     relay run per exchange, each issuing exactly one stage-2 all-to-all of its direction and nothing else;
     every collective outside the relay not a stage 2; a `taken` per consumed stage-2 result."""
     colls = [e for e in log if e[0] == "coll"]
@@ -142,44 +141,30 @@ def test_relay_exact_bit_identical_and_protocol():
             _check_protocol(with_relay[r]["log"], with_relay[r]["k_used"], with_relay[r]["n_fwd"])
 
 
-def test_relay_env_and_cpu(monkeypatch):
-    from megatron_splitkv.ops.common import TWO_LEVEL_RELAY_ENV, RelayStream, two_level_relay
+def test_relay_is_none_on_cpu():
+    from megatron_splitkv.ops.common import RelayStream
 
-    for v, exp in (("", True), ("1", True), (" 1 ", True), ("0", False)):
-        monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, v)
-        assert two_level_relay() is exp
-    monkeypatch.delenv(TWO_LEVEL_RELAY_ENV)
-    assert two_level_relay() is True
-    for v in ("2", "yes", "on"):
-        monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, v)
-        with pytest.raises(ValueError, match=TWO_LEVEL_RELAY_ENV):
-            two_level_relay()
-    monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, "1")
     assert RelayStream.get("cpu") is None and RelayStream.get(torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_relay_stream_on_cuda(monkeypatch):
-    """One relay stream per device, reused; off with MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0."""
-    from megatron_splitkv.ops.common import TWO_LEVEL_RELAY_ENV, RelayStream
+def test_relay_stream_on_cuda():
+    """One relay stream per device, reused."""
+    from megatron_splitkv.ops.common import RelayStream
 
-    monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, "1")
     a, b = RelayStream.get("cuda"), RelayStream.get(torch.device("cuda", torch.cuda.current_device()))
     assert a is not None and a.stream == b.stream and a.stream != torch.cuda.current_stream()
-    monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, "0")
-    assert RelayStream.get("cuda") is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_two_stage_relay_waits_for_delayed_stages(monkeypatch):
+def test_two_stage_relay_waits_for_delayed_stages():
     """`_TwoStage` with the relay over DELAYED stages (each result NaN until a side stream writes it after a
     GPU sleep, `wait()` a stream wait, as NCCL's asynchronous work behaves): the relay's reduce must read
     stage 1 only after it landed, the consumer stage 2 only after it landed; the caller's stream issues
     nothing that waits for stage 1."""
-    from megatron_splitkv.ops.common import TWO_LEVEL_RELAY_ENV, RelayStream
+    from megatron_splitkv.ops.common import RelayStream
     from megatron_splitkv.ops.splitkv import _TwoStage
 
-    monkeypatch.setenv(TWO_LEVEL_RELAY_ENV, "1")
     side = torch.cuda.Stream()
 
     def delayed(x):

@@ -201,7 +201,7 @@ def test_parse_int_leading_zeros_and_the_digit_limit():
         parse_int("-" + "0" * 10 + "1", "X", minimum=0)
 
 
-@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_KERNEL_LANES", "MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS",
+@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS",
                                  "MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS"])
 def test_env_ints_longer_than_the_digit_limit_name_the_variable(monkeypatch, var):
     from megatron_splitkv.kernels import validate_kernel_env

@@ -1,10 +1,7 @@
 """Real numbers from flags and environment variables go through the package's strict parser
 (`_ints.parse_float` / `float_arg`): a finite plain decimal within its limits, else an error naming the flag or
 variable and the limit. Bare float() took "nan", "inf" and "1_0", so a NaN learning rate, bandwidth model or
-RoPE base only showed as NaN results (or as Python's own error deep inside a run). The 0 / 1 switches
-MEGATRON_SPLITKV_TRITON_MERGE / MEGATRON_SPLITKV_FLEX_TRITON_TANGENTS: "off" or "false" meant ON (only "0" was
-read); now `env_switch` (an error naming the variable), checked by `validate_kernel_env` before the ops'
-first collective. The tools' subprocess cases are in tests/test_cli_errors.py."""
+RoPE base only showed as NaN results (or as Python's own error deep inside a run). The tools' subprocess cases are in tests/test_cli_errors.py."""
 
 import importlib.util
 import math
@@ -103,33 +100,6 @@ def test_step_overhead_pg_timeout_env(monkeypatch):
         monkeypatch.setenv(mod.PG_TIMEOUT_ENV, bad)
         with pytest.raises(ValueError, match=rf"^STEP_OVERHEAD_PG_TIMEOUT_S must be a finite number > 0, got '{bad}'$"):
             mod.pg_timeout_s()
-
-
-@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_TRITON_MERGE", "MEGATRON_SPLITKV_FLEX_TRITON_TANGENTS"])
-def test_triton_switches_are_strict_and_checked_up_front(monkeypatch, var):
-    from megatron_splitkv.kernels import flex_bwd_prep, validate_kernel_env
-    from megatron_splitkv.ops import fused_merge
-
-    for ok in ("0", "1", " 1 ", ""):
-        monkeypatch.setenv(var, ok)
-        validate_kernel_env()
-    for bad in ("off", "false", "2", "no"):
-        monkeypatch.setenv(var, bad)
-        with pytest.raises(ValueError, match=rf"^{var} must be 0 or 1, got '{bad}'$"):
-            validate_kernel_env()
-    x = torch.zeros(2, 2)
-    with pytest.raises(ValueError, match=var):  # where it is read, too (not silently "on")
-        if var == "MEGATRON_SPLITKV_TRITON_MERGE":
-            fused_merge.use_triton(x, torch.float32)
-        else:
-            flex_bwd_prep.use_triton(x.cuda() if torch.cuda.is_available() else _FakeCuda(), _FakeCuda())
-    monkeypatch.setenv(var, "0")
-    assert not (fused_merge.use_triton(x, torch.float32) if var == "MEGATRON_SPLITKV_TRITON_MERGE"
-                else flex_bwd_prep.use_triton(_FakeCuda(), _FakeCuda()))
-
-
-class _FakeCuda:
-    is_cuda = True
 
 
 def test_loss_decay_gamma_flag_of_pretrain_dflash(monkeypatch, capsys):

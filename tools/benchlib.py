@@ -475,44 +475,37 @@ def adaptive_reps(max_reps: int, est_s: float, target_s: float, min_reps: int = 
     return int(max(min(min_reps, max_reps), min(max_reps, int(target_s / est_s))))
 
 
-def chunk_loop(kern, parts, k, v, scale, lanes: int, *, backward: bool = True):
+def chunk_loop(kern, parts, k, v, scale, *, backward: bool = True):
     """Split-KV's chunk loop of local-kernel calls as the op issues them (`ops.splitkv._SplitKV`): parts =
     [(q, dout, mask)] per chunk against the same k / v; every chunk's forward, then every chunk's backward
-    with delta = rowsum(dO * O) and its dK / dV summed in fp32 on the caller's stream in chunk order. With
-    `lanes` > 1 on CUDA, chunk c's kernel runs on lane c % lanes, issued one chunk ahead of the caller's
-    stream waiting for it (`ops.common.KernelLanes`); else all on the caller's stream. Returns the summed
+    with delta = rowsum(dO * O) and its dK / dV summed in fp32 in chunk order, all on the caller's stream. Returns the summed
     (dk, dv) (None without backward or without parts).
 
     Head chunks (the op's `chunk_axis="heads"`): k and v are lists, chunk c's keys / values [Tk, Hkv_c, D] (its
     kv heads; every part all rows with its q heads, the same mask); a chunk's dK / dV are final: written into
     their heads of one [Tk, Hkv, D] result each (no fp32 sums), which is returned."""
-    from megatron_splitkv.ops.common import KernelLanes
-
     if not parts:
         return None
     heads = isinstance(k, (list, tuple))
     kv_of = (lambda i: (k[i], v[i])) if heads else (lambda i: (k, v))
 
     def loop(fn, consume):
-        ln = KernelLanes(parts[0][0].device, len(parts), lanes)
-        for _, r in ln.pipeline(len(parts), lambda i: fn(ln, i)):
-            consume(r)
+        for i in range(len(parts)):
+            consume(fn(i))
 
-    def fwd(ln, i):
-        with ln.launch(i):
-            return kern.forward(parts[i][0], *kv_of(i), parts[i][2], scale)
+    def fwd(i):
+        return kern.forward(parts[i][0], *kv_of(i), parts[i][2], scale)
 
     states = []
     loop(fwd, states.append)
     if not backward:
         return None
 
-    def bwd(ln, i):
+    def bwd(i):
         q, do, m = parts[i]
         o, lse, st = states[i]
-        with ln.launch(i):
-            delta = (do.float() * o).sum(-1)
-            return kern.backward(q, *kv_of(i), m, scale, do, lse, delta, st)
+        delta = (do.float() * o).sum(-1)
+        return kern.backward(q, *kv_of(i), m, scale, do, lse, delta, st)
 
     acc = []
     if heads:  # the op's result buffers and each chunk's kv-head offset
@@ -578,15 +571,12 @@ def call_mask(call, device):
 class KernelCallsTiming:
     """What `kernel_calls_timing` builds for timing the local kernel over `calls`: `steps`, zero-argument
     builders, each returning one timed step (a callable: forward + backward of its calls, inputs and masks made
-    when the builder runs, reused by every call of the step); one step for the chunk loop on kernel lanes (all
-    calls), else one per live call (calls without rows or keys take no step). `result(step_ms)` turns the
-    steps' medians (ms, in `steps` order) into `time_kernel_calls`' result dict: ms = their sum, per_call_ms =
-    each call's median (the lanes' step apportioned to the live calls by their visible pairs: an uneven head
-    split's chunks by their heads; 0.0 for an empty call)."""
+    when the builder runs, reused by every call of the step), one per live call (calls without rows or keys take
+    no step). `result(step_ms)` turns the steps' medians (ms, in `steps` order) into `time_kernel_calls`' result
+    dict: ms = their sum, per_call_ms = each call's median (0.0 for an empty call)."""
 
     calls: list
     steps: list
-    lanes: int
     Hq: int
     D: int
     backward: bool
@@ -595,19 +585,13 @@ class KernelCallsTiming:
         step_ms = [float(x) for x in step_ms]
         if len(step_ms) != len(self.steps):
             raise ValueError(f"KernelCallsTiming.result: {len(step_ms)} step times for {len(self.steps)} steps")
-        live = [c for c in self.calls if c.rows and c.num_keys]
-        if self.lanes > 1:  # one step: the chunk loop over every live call, apportioned by their visible pairs
-            tot = float(sum(c.pairs for c in live))
-            per_call = [(step_ms[0] * (c.pairs / tot if tot > 0 else 1.0 / len(live)) if (c.rows and c.num_keys)
-                         else 0.0) for c in self.calls]
-            return _calls_result(self.calls, per_call, step_ms[0], self.Hq, self.D, self.backward, self.lanes)
         it = iter(step_ms)
         per_call = [next(it) if (c.rows and c.num_keys) else 0.0 for c in self.calls]
-        return _calls_result(self.calls, per_call, float(sum(per_call)), self.Hq, self.D, self.backward, 1)
+        return _calls_result(self.calls, per_call, float(sum(per_call)), self.Hq, self.D, self.backward)
 
 
 def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto", seed: int = 0,
-                        backward: bool = True, fresh_mask: bool = False, lanes=None) -> KernelCallsTiming:
+                        backward: bool = True, fresh_mask: bool = False) -> KernelCallsTiming:
     """The timed steps of the local kernel over `calls` (from `kernel_calls`) and how their medians become per-call
     ms (`KernelCallsTiming`); `time_kernel_calls` times them one after the other, `time_kernel_calls_rounds` in
     interleaved rounds. Random inputs (never zeros) from one generator seeded `seed`, drawn in the calls' order
@@ -615,29 +599,11 @@ def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda
     from megatron_splitkv.kernels import get_kernel
     from megatron_splitkv.kernels.base import IntervalMask
 
-    from megatron_splitkv.ops.common import kernel_lanes
-
     device = torch.device(device)
     kern = get_kernel(backend, device, dtype, head_dim=D)
     gen = torch.Generator(device=device).manual_seed(seed)
     scale = D ** -0.5
-    n_lanes = kernel_lanes() if lanes is None else int(lanes)
     live = [c for c in calls if c.rows and c.num_keys]
-    same_keys = len({c.num_keys for c in live}) == 1  # the chunk loop's contract: one k / v for every call
-    if device.type == "cuda" and n_lanes > 1 and len(live) > 1 and same_keys:
-        def build_lanes():
-            parts0, k, v = chunk_inputs(live, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, gen=gen)
-            heads = isinstance(k, list)
-
-            def lanes_step():
-                parts = parts0
-                if fresh_mask:  # new masks (head chunks: one, shared)
-                    ms = [call_mask(live[0], device)] * len(live) if heads else [call_mask(c, device) for c in live]
-                    parts = [(q, do, m) for (q, do, _), m in zip(parts0, ms)]
-                chunk_loop(kern, parts, k, v, scale, n_lanes, backward=backward)
-            return lanes_step
-
-        return KernelCallsTiming(list(calls), [build_lanes], n_lanes, Hq, D, backward)
 
     def build_one(c):
         hkv = Hkv if c.kv_heads is None else c.kv_heads[1] - c.kv_heads[0]  # a head chunk: its heads
@@ -667,36 +633,29 @@ def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda
                 kern.backward(q, k, v, m, scale, do, lse, delta, st)
         return step
 
-    return KernelCallsTiming(list(calls), [lambda c=c: build_one(c) for c in live], 1, Hq, D, backward)
+    return KernelCallsTiming(list(calls), [lambda c=c: build_one(c) for c in live], Hq, D, backward)
 
 
 def time_kernel_calls(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda", backend="auto",
                       reps: int = 5, warmup: int = 2, seed: int = 0, backward: bool = True,
-                      fresh_mask: bool = False, lanes=None):
+                      fresh_mask: bool = False):
     """Time the local kernel over `calls` (from `kernel_calls`): forward (+ backward with the global
     lse/delta taken from the forward, as in the op) through the kernel API. Random inputs (never zeros).
     fresh_mask=False (default): one IntervalMask per call reused across repeats, so the FlexAttention
     BlockMask is cached, as with per-step metadata (`metadata=`, every layer after the first);
     True: a new IntervalMask per repeat (BlockMask rebuilt, the path without metadata).
 
-    lanes: None (`ops.common.kernel_lanes()`, as the op) or an int. With more than one call, all with the
-    same key count (Split-KV's chunks: one k / v), CUDA and lanes > 1 the calls run as Split-KV's chunk
-    loop runs them (`ops.common.KernelLanes`): every call's
-    forward on lane c % lanes, then every call's backward likewise, each call one ahead of the caller's
-    stream waiting for it; timed together, per_call_ms = the total / k. Otherwise each call is timed alone.
-    Head chunks (calls of `kernel_calls(..., chunk_axis="heads")`, with `kv_heads`): each call gets its heads
-    (Hq_c = G * Hkv_c query heads, Hkv_c kv heads, all rows), the calls share one mask in the chunk loop, and
-    their dK / dV are written into their heads (`chunk_loop`), as the op runs them.
+    Each call is timed alone. Head chunks (calls of `kernel_calls(..., chunk_axis="heads")`, with `kv_heads`): each call gets its heads
+    (Hq_c = G * Hkv_c query heads, Hkv_c kv heads, all rows), the calls share one mask.
 
     The steps come from `kernel_calls_timing`; each is built, timed (`time_fn`, median of `reps` after `warmup`)
     and dropped before the next is built.
 
-    Returns dict: ms (median of the sum over calls, or of the lanes' step), per_call_ms (median each, or the
-    lanes' step apportioned by the calls' visible pairs), pairs, tile_pairs, fwd_flops (useful), tflops (useful,
-    FWD_BWD_FACTOR convention when backward), lanes (the lanes used: 1 = calls timed alone).
+    Returns dict: ms (median of the sum over calls), per_call_ms (median each), pairs, tile_pairs, fwd_flops
+    (useful), tflops (useful, FWD_BWD_FACTOR convention when backward).
     """
     spec = kernel_calls_timing(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=device, backend=backend, seed=seed,
-                               backward=backward, fresh_mask=fresh_mask, lanes=lanes)
+                               backward=backward, fresh_mask=fresh_mask)
     meds = []
     for build in spec.steps:
         step = build()
@@ -735,13 +694,13 @@ def time_kernel_calls_rounds(specs, *, device, rounds: int, reps: int = 5, warmu
     return out
 
 
-def _calls_result(calls, per_call, ms, Hq, D, backward, lanes):
+def _calls_result(calls, per_call, ms, Hq, D, backward):
     """`time_kernel_calls`' result dict from the measured per-call and total ms."""
     pairs = sum(c.pairs for c in calls)
     f = fwd_flops(pairs, Hq, D)
     fac = FWD_BWD_FACTOR if backward else 1.0
     return dict(ms=ms, per_call_ms=per_call, pairs=pairs, tile_pairs=sum(c.tile_pairs for c in calls),
-                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"), lanes=lanes)
+                fwd_flops=f, tflops=(fac * f / ms / 1e9) if ms > 0 else float("nan"))
 
 
 def dense_sdpa_rate(Lq: int, pairs: float, *, Hq: int, D: int, dtype=torch.bfloat16, device="cuda",
@@ -959,7 +918,7 @@ def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
 
 def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
                       D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False,
-                      num_chunks=None, cp_ranks_per_node=None, exchange_pieces=None):
+                      num_chunks=None, cp_ranks_per_node=None):
     """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
 
     Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
@@ -980,17 +939,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             the inputs' dtype) and "fwd.out.inter" (all_to_all over the N ranks of one local index:
             message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
             (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
-            follow the ring convention with the sub-group's size (L or N) in place of P. From N >= 8 nodes
-            (`ops.common.two_level_bwd_gather`) the backward's fused [dO | delta, lse] gather runs in two
-            stages too: "bwd.dout.inter" (all_gather over the N ranks of one local index, message the
-            rank's segment of rc rows) and "bwd.dout.intra" (all_gather over the L ranks of a node,
-            message N segments); the same total bytes as "bwd.dout".
-        exchange_pieces: splitkv's row pieces of the two-level forward exchange (None: the op's default, the
-            environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES, else automatic; 0: automatic without the
-            variable; `ops.metadata.resolve_exchange_pieces`: 2 with 1 < L < P at k = 1, else 1): with p > 1
-            each chunk's "fwd.out.intra" / "fwd.out.inter" are p records each (record `step` = the chunk),
-            piece i's pair (intra, inter) in order, the piece's rows (`ops.metadata.piece_bounds`) in place
-            of the chunk's; the same bytes per op name.
+            follow the ring convention with the sub-group's size (L or N) in place of P.
     Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
@@ -1021,17 +970,6 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             fused_gather = fuse_bwd_gather(P, two_level)
         except ImportError:  # a tree without the fused gather
             fused_gather = False
-        try:  # the op's rule for gathering it in two stages (ops.common.two_level_bwd_gather: N >= 8 nodes)
-            from megatron_splitkv.ops.common import two_level_bwd_gather
-            two_gather = fused_gather and two_level and two_level_bwd_gather(N)
-        except ImportError:  # a tree without the two-level gather
-            two_gather = False
-        try:  # the op's row pieces of the two-level forward exchange (ops.metadata.resolve_exchange_pieces)
-            from megatron_splitkv.ops.metadata import _requested_pieces, piece_bounds, resolve_exchange_pieces
-            req = 0 if exchange_pieces is not None and int(exchange_pieces) == 0 else _requested_pieces(exchange_pieces)
-            pieces = piece_bounds(bounds, resolve_exchange_pieces(req, len(bounds), L, P, bounds))
-        except ImportError:  # a tree without them: one piece per chunk
-            pieces = tuple(((b0, b1),) for b0, b1 in bounds)
         pk = max(acc // elem, 1)  # elements of the inputs' dtype holding one acc value bit-exact
         if not metadata:
             add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
@@ -1040,21 +978,14 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             add("fwd.q", "all_gather", rc * Hq * D * elem, c)
             # [O | lse] in the inputs' dtype, lse bit-packed as acc / elem elements (ops.common.pack_partial)
             if two_level:  # stage 1: the rows of the N owners with each local index; stage 2: fp32 [O | lse]
-                for p0, p1 in pieces[c]:  # one (stage 1, stage 2) pair per exchange piece
-                    rp = (p1 - p0) * B
-                    add("fwd.out.intra", "all_to_all", N * rp * Hq * (D + pk) * elem, c, L)
-                    add("fwd.out.inter", "all_to_all", rp * Hq * (D + 1) * acc, c, N)
+                add("fwd.out.intra", "all_to_all", N * rc * Hq * (D + pk) * elem, c, L)
+                add("fwd.out.inter", "all_to_all", rc * Hq * (D + 1) * acc, c, N)
             else:
                 add("fwd.out", "all_to_all", rc * Hq * (D + pk) * elem, c)
         if backward:
             for c, (b0, b1) in enumerate(bounds):
                 rc = (b1 - b0) * B
-                if two_gather:
-                    # the same packed segment in two stages (ops/splitkv.py `_gather_dout_stats`): between
-                    # nodes (N ranks, this rank's segment), then inside the node (L ranks, N segments)
-                    add("bwd.dout.inter", "all_gather", rc * Hq * (D + 2 * pk) * elem, c, N)
-                    add("bwd.dout.intra", "all_gather", N * rc * Hq * (D + 2 * pk) * elem, c, L)
-                elif fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
+                if fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
                     add("bwd.dout", "all_gather", rc * Hq * (D + 2 * pk) * elem, c)
                 else:
                     add("bwd.dout", "all_gather", rc * Hq * D * elem, c)

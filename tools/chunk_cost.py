@@ -10,14 +10,11 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
   one call      k = 1: every gathered query row against this rank's keys
   query k       the op's chunks (`bench.kernel_calls(num_chunks=k)`: chunk c = blocks [b0_c, b1_c) of
                 every rank's segment, one IntervalMask each), with dK / dV accumulated in fp32 across chunks
-                as `ops.splitkv._SplitKV.backward` does, all on one stream (the op's lanes off)
-  query k, n lanes   the same with the chunks' kernels on n alternating side streams, as the op runs them
-                with MEGATRON_SPLITKV_KERNEL_LANES=n (`ops.common.KernelLanes`; the op's default is 1 = off;
-                this tool's `--lanes` default 2 adds the variant)
+                as `ops.splitkv._SplitKV.backward` does, all on one stream
   head k        the op's head chunks (`chunk_axis="heads"`, `bench.kernel_calls(..., chunk_axis="heads")`): k
                 calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups stay
                 whole; k clamped to Hkv, uneven splits allowed), the one-call mask shared; dK / dV of a chunk
-                written into its heads: no accumulation (`bench.chunk_loop`, as the op); also with n lanes
+                written into its heads: no accumulation (`bench.chunk_loop`, as the op)
 
     python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase --reverse
 
@@ -57,13 +54,12 @@ def _reversed(call):
     return r
 
 
-def _variant(kern, calls, Hq, Hkv, D, dtype, dev, gen, lanes=1):
+def _variant(kern, calls, Hq, Hkv, D, dtype, dev, gen):
     """The op's chunks (`bench.kernel_calls`: query or head chunks) as the op's chunk loop runs them
-    (`bench.chunk_loop`: query chunks' dK / dV summed in fp32, head chunks' written into their heads; lanes > 1:
-    the chunks' kernels on alternating side streams, `ops.common.KernelLanes`)."""
+    (`bench.chunk_loop`: query chunks' dK / dV summed in fp32, head chunks' written into their heads)."""
     parts, k, v = bench.chunk_inputs(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, gen=gen)
     scale = D ** -0.5
-    return lambda: bench.chunk_loop(kern, parts, k, v, scale, lanes)
+    return lambda: bench.chunk_loop(kern, parts, k, v, scale)
 
 
 def _profile(fn, name, tag, iters=2, top=8):
@@ -111,10 +107,6 @@ def main(argv=None):
                          "(variant 'head 6/2')")
     ap.add_argument("--reverse", action="store_true",
                     help="also time each query variant with its blocks in reverse order (largest prefixes first)")
-    ap.add_argument("--lanes", type=int, default=2,
-                    help="also time the query and head chunks with their kernels on this many side streams, "
-                         "alternating (the op's kernel lanes, CUDA; <= 1: no such variant). The plain 'query k' / "
-                         "'head ...' rows run on one stream (the op with MEGATRON_SPLITKV_KERNEL_LANES=1)")
     ap.add_argument("--profile", action="store_true",
                     help="per variant: torch.profiler over 2 steps: wall vs GPU-busy ms and the top kernels")
     args = ap.parse_args(argv)
@@ -160,12 +152,9 @@ def main(argv=None):
             names, fns = ["one call"], [_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
 
             def add_heads(name, hc):
-                """A head-chunk variant on one stream, and with --lanes side streams (the op's kernel lanes)."""
+                """A head-chunk variant."""
                 names.append(name)
                 fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
-                if args.lanes > 1 and cuda and len(hc) > 1:
-                    names.append(f"{name}, {args.lanes} lanes")
-                    fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
 
             if args.reverse:
                 names.append("one call, reversed")
@@ -177,9 +166,6 @@ def main(argv=None):
                 if args.reverse:
                     names.append(f"query k={len(qc)}, reversed")
                     fns.append(_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
-                if args.lanes > 1 and cuda:
-                    names.append(f"query k={len(qc)}, {args.lanes} lanes")
-                    fns.append(_variant(kern, qc, Hq, Hkv, D, dtype, dev, gen, lanes=args.lanes))
                 if args.heads:
                     hc = bench.kernel_calls("splitkv", plan, r, num_chunks=k, chunk_axis="heads", num_heads_kv=Hkv)
                     add_heads(f"head k={len(hc)}", hc)

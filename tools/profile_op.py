@@ -2,7 +2,7 @@
 
 tools/chunk_cost.py times the local kernel's chunks alone; over NCCL the op's k = 2 cost more than that
 (docs/benchmarks.md, seventh run: CP=2 16K op 8.92 -> 10.73 ms at k = 1 -> 2). This tool runs the real op
-(per-step metadata, forward + backward, LPT placement, drafter shapes) for each (num_chunks, kernel lanes)
+(per-step metadata, forward + backward, LPT placement, drafter shapes) for each num_chunks
 variant and, on rank 0, times the host's issue of one step (no synchronize inside: close to the wall time when
 the host is the bottleneck) and profiles 3 steps with torch.profiler: wall ms per step, the top host ops, GPU-busy ms (union of all
 kernels' intervals on the device), the local kernels' summed time (flex / cuDNN / Triton templates / FlashAttention-4), the
@@ -12,13 +12,13 @@ With `--ab-rounds R` it first times the variants round-robin without the profile
 step a barrier and a synchronize, so no rank starts a step late; CUDA events; median per rank, then the
 MAX over ranks, since the slowest rank sets the step). `--all-ranks` profiles and reports every rank (the
 per-rank rows are gathered to rank 0), `--trace DIR` writes each rank's chrome trace per variant there
-(trace_k{k}_l{lanes}_r{rank}.json).
+(trace_k{k}_r{rank}.json).
 
-    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:2,2:1,2:2
-    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1:1,2:1 --ab-rounds 30 \
+    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1,2
+    torchrun --nproc-per-node 2 tools/profile_op.py --context 16384 --variants 1,2 --ab-rounds 30 \
         --all-ranks --trace out/trace
 
-A variant is `num_chunks:lanes`. Writes nothing but the traces; no thresholds.
+A variant is a num_chunks. Writes nothing but the traces; no thresholds.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _overlap(a, b):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--variants", default="1:2,2:1,2:2", help="comma list of num_chunks:lanes")
+    ap.add_argument("--variants", default="1,2", help="comma list of num_chunks")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
     ap.add_argument("--ab-rounds", type=int, default=0, help="round-robin timed steps per variant (0: none)")
@@ -97,13 +97,12 @@ def main():
     a = ap.parse_args()
     variants = []
     for v in a.variants.split(","):
-        k, _, ln = v.partition(":")
         try:
-            variants.append((int(k), int(ln or 2)))
+            variants.append((int(v),))
         except ValueError:
-            ap.error(f"--variants: expected a comma list of num_chunks:lanes (positive ints), got {a.variants!r}")
+            ap.error(f"--variants: expected a comma list of num_chunks (positive ints), got {a.variants!r}")
     if not variants or min(min(v) for v in variants) < 1:
-        ap.error(f"--variants: num_chunks and lanes must be >= 1, got {a.variants!r}")
+        ap.error(f"--variants: num_chunks must be >= 1, got {a.variants!r}")
     if a.context < 1 or a.steps < 1:
         ap.error("--context and --steps must be >= 1")
     if a.ab_rounds < 0:
@@ -126,13 +125,12 @@ def main():
     x = bench.rank_inputs(plan, rank, Hq=s["Hq"], Hkv=s["Hkv"], D=s["D"], dtype=s["dtype"], device=dev)
     g = dist.group.WORLD
     metas = {}
-    for k, lanes in variants:
+    for (k,) in variants:
         if k not in metas:
             metas[k] = bench.prepare_meta("splitkv", x, block_size=s["B"], cp_group=g, Hq=s["Hq"], Hkv=s["Hkv"],
                                           D=s["D"], num_chunks=k)
 
-    def step(k, lanes):
-        os.environ["MEGATRON_SPLITKV_KERNEL_LANES"] = str(lanes)  # read once per call
+    def step(k):
         bench.run_op("splitkv", x, block_size=s["B"], cp_group=g, backend=a.backend, meta=metas[k])
 
     for v in variants:
@@ -160,13 +158,13 @@ def main():
         for i, v in enumerate(variants):
             ab[v] = dict(max=float(allmed[:, i].max()), per_rank=[float(t) for t in allmed[:, i]])
     rows = []
-    for k, lanes in variants:
+    for (k,) in variants:
         dist.barrier()
         # host time to issue one step (no synchronize inside): ~wall when the host is the bottleneck
         issue = []
         for _ in range(a.steps):
             t1 = time.perf_counter()
-            step(k, lanes)
+            step(k)
             issue.append((time.perf_counter() - t1) * 1e3)
             torch.cuda.synchronize()
         dist.barrier()
@@ -174,13 +172,13 @@ def main():
         with torch.profiler.profile(activities=acts) as prof:
             t0 = time.perf_counter()
             for _ in range(a.steps):
-                step(k, lanes)
+                step(k)
             torch.cuda.synchronize()
             wall = (time.perf_counter() - t0) * 1e3 / a.steps
         dist.barrier()
         if a.trace:
             os.makedirs(a.trace, exist_ok=True)
-            prof.export_chrome_trace(os.path.join(a.trace, f"trace_k{k}_l{lanes}_r{rank}.json"))
+            prof.export_chrome_trace(os.path.join(a.trace, f"trace_k{k}_r{rank}.json"))
         row = None
         if rank == 0 or a.all_ranks:
             ev = prof.events()
@@ -189,14 +187,14 @@ def main():
             local = _intervals(ev, lambda n: any(t in n for t in ("flex_attention", "cudnn", "sdpa", "fmha", "flash_attncute")))
             other = [iv for iv in allk if iv not in set(nccl) | set(local)]
             n = a.steps * 1e3
-            row = dict(rank=rank, k=k, lanes=lanes, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n,
+            row = dict(rank=rank, k=k, wall=wall, issue=sorted(issue)[len(issue) // 2], busy=_union(allk) / n,
                        local=sum(b - x0 for x0, b in local) / n, local_union=_union(local) / n, nccl=_union(nccl) / n,
                        overlap=_overlap(local, nccl) / n, other=sum(b - x0 for x0, b in other) / n,
                        n_other=len(other) // a.steps)
         if rank == 0:
             ka = prof.key_averages()
             attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-            print(f"\n== k={k} lanes={lanes}: wall {wall:.2f} ms/step", flush=True)
+            print(f"\n== k={k}: wall {wall:.2f} ms/step", flush=True)
             kern = [e for e in ka if str(getattr(e, "device_type", "")).endswith("CUDA")]
             for e in sorted(kern, key=lambda e: -getattr(e, attr))[:12]:
                 print(f"    {getattr(e, attr) / 1e3 / a.steps:8.3f} ms  x{e.count // a.steps:<4d} {e.key[:90]}", flush=True)
@@ -211,20 +209,20 @@ def main():
         if ab:
             print(f"\nround-robin A/B (CP={world}, context {a.context}, {a.ab_rounds} rounds, barrier + synchronize "
                   "before each step; ms per step: median per rank, max over ranks)")
-            print("| num_chunks | lanes | max over ranks | per rank | vs first variant |")
-            print("|---|---|---|---|---|")
+            print("| num_chunks | max over ranks | per rank | vs first variant |")
+            print("|---|---|---|---|")
             base = ab[variants[0]]["max"]
             for v in variants:
                 pr = " / ".join(f"{t:.2f}" for t in ab[v]["per_rank"])
-                print(f"| {v[0]} | {v[1]} | {ab[v]['max']:.2f} | {pr} | {ab[v]['max'] / base:.3f}x |")
+                print(f"| {v[0]} | {ab[v]['max']:.2f} | {pr} | {ab[v]['max'] / base:.3f}x |")
         who = "every rank" if a.all_ranks else "rank 0"
         print(f"\nop profile (CP={world}, context {a.context}, {who}, {a.steps} steps, {torch.cuda.get_device_name(0)}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}); ms per step")
-        print("| rank | num_chunks | lanes | wall | host issue (no profiler) | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
+        print("| rank | num_chunks | wall | host issue (no profiler) | GPU busy (union) | local kernels (sum) | local kernels (union) | NCCL (union) "
               "| local x NCCL overlap | other kernels (sum, count) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['rank']} | {r['k']} | {r['lanes']} | {r['wall']:.2f} | {r['issue']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
+            print(f"| {r['rank']} | {r['k']} | {r['wall']:.2f} | {r['issue']:.2f} | {r['busy']:.2f} | {r['local']:.2f} | {r['local_union']:.2f} "
                   f"| {r['nccl']:.2f} | {r['overlap']:.2f} | {r['other']:.2f} ({r['n_other']}) |")
     dist.destroy_process_group()
 

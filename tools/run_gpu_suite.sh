@@ -47,8 +47,8 @@
 #   exact. torchrun 2 x tools/gpu_check.py dist --skip op: op exactness at CP=2 over NCCL (bf16 vs float64,
 #      out + five gradients) of this tree's ops
 #   not by default (name them in SUITE_STEPS; carry ".whl" / ".gpu" as noted): gputests (FIRST, alone: pytest
-#      of SUITE_GPU_TESTS, default the GPU test files of kernels, lanes, merges, staircase, env), chunkcost
-#      (after simulate: tools/chunk_cost.py, one stream vs the op's kernel lanes at 16K / 64K keys; SUITE_CHUNKCOST_CP /
+#      of SUITE_GPU_TESTS, default the GPU test files of kernels, merges, staircase, env), chunkcost
+#      (after simulate: tools/chunk_cost.py, query vs head chunks at 16K / 64K keys; SUITE_CHUNKCOST_CP /
 #      _CTX / _CHUNKS / _BACKENDS, _HEADS=1 adds the head-chunk variants, _SPLITS=6,2:5,3 uneven head splits), gpucheck (gpu_check dist
 #      exactness + timing table at 32K/128K), nightly (tests/nightly/run.sh, Megatron-Core from .whl),
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), stepcost (after pretrain:
@@ -262,7 +262,7 @@ echo "flash_attn.cute (fa4): $(fa4_ok && echo importable || echo 'not importable
 
 # g. the GPU tests, alone on the machine (a benchmark beside them spoils its rows): SUITE_GPU_TESTS
 if want gputests; then
-  GT=${SUITE_GPU_TESTS:-tests/test_fa4_kernel.py tests/test_kernel_lanes_gpu.py tests/test_splitkv_head_chunks_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
+  GT=${SUITE_GPU_TESTS:-tests/test_fa4_kernel.py tests/test_splitkv_head_chunks_gpu.py tests/test_fused_merge.py tests/test_gpu_kernels.py tests/test_staircase_kernel.py tests/test_auto_kernel_env_gpu.py}
   # shellcheck disable=SC2086
   step g_gputests "${SUITE_GPU_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $GT
 fi
@@ -379,7 +379,7 @@ if want exact && two_ranks x_exact; then
   done
 fi
 
-# k. what a chunk of the merge pipeline costs the local kernel, one stream vs the op's kernel lanes
+# k. what a chunk of the merge pipeline costs the local kernel
 if want chunkcost; then
   step k_chunkcost "${SUITE_CHUNKCOST_S:-120}" "$PY" tools/chunk_cost.py --cp "${SUITE_CHUNKCOST_CP:-2}" \
     --ctx-per-rank "$([[ $CPU == 1 ]] && echo 256 || echo "${SUITE_CHUNKCOST_CTX:-16384,65536}")" \

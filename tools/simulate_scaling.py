@@ -28,7 +28,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22): `--head-split 6,2` (several with ':';
     measured mode and `--replay`, not `--model-only`) adds rows whose per-chunk bytes (`head_split_records`) are
     proportional to its heads; measured mode times the split's head chunks at every P > 1 (first placement)
-    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`, kernel lanes as the op),
+    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`),
     and the even split of the same k likewise (the gain's reference, whatever --chunk-axis says); `--replay`
     recomputes a saved run's measured split rows from their saved per-chunk ms, and models a split the run
     did not measure (`head_split_compute`: the saved k-chunk total x the chunk's heads share).
@@ -321,7 +321,7 @@ def splitkv_forward_ms(G, K, A2A, M=None, pre=0.0, A1=None, NM=None, defer=False
     relay=True (the op on CUDA, perf-notes item 18; `_advance_two_level`): that wait and the node merge
     run on the relay stream "R" instead of the compute stream.
 
-    Exchange pieces (perf-notes item 19; `ops.metadata.resolve_exchange_pieces`): A1[c], A2A[c], NM[c] of the
+    Exchange pieces (records with several stage pairs per chunk): A1[c], A2A[c], NM[c] of the
     two-level all-to-all may each be a list, one value per row piece of chunk c. The op issues the pieces'
     stage 1 one after the other after kernel c (each on "N1", behind the one before) and, after each stage 1,
     advances the exchange before it (piece or chunk) as it advanced chunk c - 1 (defer: keep one held), so
@@ -574,7 +574,7 @@ def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs,
     both modes): `base` (a row: slowest_rank, overhead_ms, proj_fwd_ms / proj_bwd_ms, placement, the measured
     fields) updated with the variant's fields and `method_time` of this tree's `bench.predicted_records` for
     the base's slowest rank (`head_split_records` of them with a head `split`), the schedule `a` asks for (a run's
-    args: B, Hq, Hkv, D, no_metadata, fwd_fraction, two_level_wait, _exchange_pieces) and the backward chunk
+    args: B, Hq, Hkv, D, no_metadata, fwd_fraction, two_level_wait) and the backward chunk
     `order`. per_call: fwd+bwd ms per chunk, each x (1 + extra) (`break_even_extra`); per_call_rounds (the
     `--paired-rounds` values: one per-chunk list per round) adds "per_call_ms_rounds" and "total_ms_rounds" (T of
     each round's compute, the rest of the row alike). recs_memo: a dict the records are cached in."""
@@ -585,7 +585,7 @@ def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs,
         nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
         recs = bench.predicted_records("splitkv", P=P, rank=base["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
                                        Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
-                                       num_chunks=k, cp_ranks_per_node=min(L, P), **pieces_kw(a._exchange_pieces))
+                                       num_chunks=k, cp_ranks_per_node=min(L, P))
         recs_memo[rkey] = recs if split is None else head_split_records(recs, split, plan.blocks_per_rank)
     recs = recs_memo[rkey]
 
@@ -1052,28 +1052,6 @@ def sample_ranks(method, plan, k):
     return out, pairs
 
 
-def exchange_pieces_arg(ap, value):
-    """--exchange-pieces: "auto" -> 0 (the op's automatic choice, `bench.predicted_records`), else a positive
-    int <= 64 (argparse error otherwise)."""
-    v = str(value).strip()
-    if v == "auto":
-        return 0
-    try:
-        n = int(v)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 64:
-        ap.error(f"--exchange-pieces must be auto or a positive int <= 64, got {value!r}")
-    return n
-
-
-def pieces_kw(n):
-    """predicted_records' exchange_pieces keyword for a resolved --exchange-pieces (0 = auto), when this
-    tree's `bench.predicted_records` takes it (trees before item 19: one exchange per chunk anyway)."""
-    return {"exchange_pieces": n} if "exchange_pieces" in inspect.signature(bench.predicted_records).parameters \
-        else {}
-
-
 def job_chunking(k, split, axis, Hkv):
     """The op's chunking of a splitkv job, as a hashable key and a label: (("one",), "k=1") for one call,
     (("rows", k), "rows k=K") for query-row chunks, (("heads", split), "heads a/b") for head chunks (an even
@@ -1115,7 +1093,7 @@ def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, rep
         bench.run_op("splitkv", x, block_size=args.B, cp_group=group, backend=args.backend, meta=meta,
                      op_kwargs=op_kw)
     spec = bench.kernel_calls_timing(bench.kernel_calls("splitkv", plan1, 0, own_block=fused, **kc), dtype=dtype,
-                                     device=device, backend=args.backend, fresh_mask=args.no_metadata, lanes=None,
+                                     device=device, backend=args.backend, fresh_mask=args.no_metadata,
                                      Hq=args.Hq, Hkv=args.Hkv, D=args.D)
     steps = [b() for b in spec.steps]
 
@@ -1329,12 +1307,6 @@ def main(argv=None):
                          "16); deferred = the op before item 18 (the compute stream waits for stage 1 of chunk c "
                          "after chunk c + 1's kernel was issued, then merges and issues stage 2); inline = a "
                          "what-if: each chunk's stage 1 waited right after its own kernel")
-    ap.add_argument("--exchange-pieces", default="auto",
-                    help="splitkv's two-level forward exchange in row pieces (perf-notes item 19; also for --replay): "
-                         "auto = as the op (ops.metadata.resolve_exchange_pieces: 2 at k = 1 with 1 < L < P, else "
-                         "1; the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES is not read here), or a "
-                         "positive int (1 = one exchange per chunk, the schedule before item 19), clamped as the "
-                         "op clamps it")
     ap.add_argument("--sample-ranks", type=int, default=2)
     ap.add_argument("--topology", default="node,flat",
                     help="communication model(s), comma list, the first is the headline: node (P ranks on "
@@ -1379,7 +1351,6 @@ def main(argv=None):
                 setattr(args, name, tiny)
     if args.two_level_wait is None:
         args.two_level_wait = DEFAULT_TWO_LEVEL_WAIT
-    args._exchange_pieces = exchange_pieces_arg(ap, args.exchange_pieces)
     if args.replay:
         return replay_main(ap, args)
     cps, methods, placements = check_args(ap, args)
@@ -1550,11 +1521,9 @@ def main(argv=None):
                 local[(j, r)] = None
                 continue
             try:
-                # splitkv's chunks run as the op runs them (kernel lanes on CUDA, `bench.chunk_loop`); the
-                # baselines' calls one by one (ring-kv's steps are separated by its exchanges)
+                # every call timed alone (ring-kv's steps are separated by its exchanges)
                 kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev, backend=args.backend,
-                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata,
-                                             lanes=None if jobs[j][1] == "splitkv" else 1, **shapes)
+                                             reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]}"
                       f"{' split ' + '/'.join(map(str, jobs[j][4])) if jobs[j][4] else ''} rank {r}: "
@@ -1636,7 +1605,7 @@ def main(argv=None):
             try:
                 t_r = time.perf_counter()
                 specs = [bench.kernel_calls_timing(calls_of[t], dtype=dtype, device=dev, backend=args.backend,
-                                                   fresh_mask=args.no_metadata, lanes=None, **shapes) for t in rt]
+                                                   fresh_mask=args.no_metadata, **shapes) for t in rt]
                 got = bench.time_kernel_calls_rounds(specs, device=dev, rounds=args.paired_rounds, reps=args.reps,
                                                      warmup=1)
                 for t, per_round in zip(rt, got):
@@ -1766,7 +1735,6 @@ def main(argv=None):
                 recs_of[L] = bench.predicted_records(
                     m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq, Hkv=args.Hkv, D=args.D,
                     elem=elem, metadata=not args.no_metadata, num_chunks=k,
-                    **(pieces_kw(args._exchange_pieces) if m == "splitkv" else {}),
                     **({"cp_ranks_per_node": min(L, P)} if takes_l and m == "splitkv" else {}))  # clamped as the
                 # op clamps MEGATRON_SPLITKV_RANKS_PER_NODE: a CP group within one node gets one all-to-all
             recs = recs_of[L]
@@ -1875,7 +1843,7 @@ def replay_main(ap, args):
     split_cost = split_cost_ratios(ap, args.split_cost_json, splits)
     try:
         res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait,
-                     exchange_pieces=exchange_pieces_arg(ap, args.exchange_pieces), head_splits=splits,
+                     head_splits=splits,
                      bwd_orders=orders, split_cost=split_cost)
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
@@ -2031,7 +1999,7 @@ def saved_split_overhead(saved, split, Hkv):
                             (("heads", tuple(split)), ("heads", default_head_split(len(split), Hkv))))
 
 
-def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT, exchange_pieces=0,
+def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT,
            head_splits=None, bwd_orders=("forward",), split_cost=None):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
@@ -2044,9 +2012,7 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     "auto" meant its own tree's op); "fused" with L = 8 is the op before the two-level [dO | stats] gather.
     two_level_wait (`TWO_LEVEL_WAITS`): the two-level all-to-all's schedule; default this tree's op (relay),
     NOT the saved run's (its "deferred" was the op of its tree); args.two_level_wait of the result is the
-    one used. exchange_pieces: the two-level forward exchange's row pieces (0 = as this tree's op, its
-    automatic choice; 1 = one exchange per chunk, the op before perf-notes item 19); args.exchange_pieces of
-    the result is the one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
+    one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
     source and note); the same inputs with the saved run's variants, schedule and tree reproduce its rows.
 
     head_splits (`bench.parse_head_splits`; head chunks, docs/perf-notes.md item 22): besides the saved rows, one more
@@ -2072,8 +2038,6 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     if two_level_wait not in TWO_LEVEL_WAITS:
         raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
     a.two_level_wait = two_level_wait
-    a.exchange_pieces = "auto" if not exchange_pieces else int(exchange_pieces)
-    a._exchange_pieces = int(exchange_pieces or 0)
     variants = splitkv_variants(a)
     topologies = list(saved.get("topologies") or ["node"])
     links = {t: link_from_dict(saved["link"], t) for t in topologies}

@@ -158,22 +158,15 @@ def validate_kernel_env() -> None:
     the same ValueError on every rank at the first call / `prepare_splitkv_metadata`, not on one rank at
     the first step whose size makes "auto" pick the staircase kernel.
 
-    Also MEGATRON_SPLITKV_KERNEL_LANES (`ops.common.kernel_lanes`: the side streams of Split-KV's chunked
-    pipeline), MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`), MEGATRON_SPLITKV_AUTO_FA4
-    (`auto_fa4`) and the 0 / 1 switches MEGATRON_SPLITKV_TRITON_MERGE (`ops.fused_merge`) and
-    MEGATRON_SPLITKV_FLEX_TRITON_TANGENTS (`flex_bwd_prep`), read where they apply (after a collective).
+    Also MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`), MEGATRON_SPLITKV_AUTO_FA4
+    (`auto_fa4`), read where they apply (after a collective).
 
     Raises: ValueError naming the variable."""
-    from ..ops.common import debug_checks, kernel_lanes  # noqa: PLC0415 - ops import kernels at module level
-    from ..ops.fused_merge import TRITON_MERGE_ENV  # noqa: PLC0415
-    from .flex_bwd_prep import TRITON_TANGENTS_ENV  # noqa: PLC0415
+    from ..ops.common import debug_checks  # noqa: PLC0415 - ops import kernels at module level
 
-    kernel_lanes()
     debug_checks()
     staircase_auto_min_keys()
     auto_fa4()
-    env_switch(TRITON_MERGE_ENV, True)
-    env_switch(TRITON_TANGENTS_ENV, True)
     prefix = "MEGATRON_SPLITKV_STAIRCASE_"
     if any(k.startswith(prefix) and k != AUTO_MIN_KEYS_ENV and os.environ[k].strip() for k in os.environ):
         try:

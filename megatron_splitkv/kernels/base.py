@@ -236,8 +236,8 @@ def mask_cache(mask, attr: str, key, build):
     Stream-safe on CUDA: a build records an event on the current stream after build() (whose device work, e.g.
     FA4's block tables or FlexAttention's BlockMask, is issued on that stream), kept in the dict attribute
     `attr + "_ready"`; a use on ANOTHER stream waits for that event before returning the value. Without it,
-    Split-KV's head chunks on two kernel lanes (`ops.common.KernelLanes`: chunk 0 on one side stream, chunk 1
-    on the other, both with the same mask) read the tables chunk 0's stream was still writing: seen on the H200
+    two calls with the same mask on two CUDA streams (e.g. head chunks on side streams, as an earlier version of
+    the op ran them) read the tables chunk 0's stream was still writing: seen on the H200
     (2026-12-01) as an illegal memory access / cudaErrorInvalidAddressSpace in FA4, intermittently. A use on the
     building stream is ordered already (no wait). Returns build()'s value (or the cached one)."""
     cache = mask.__dict__.setdefault(attr, {})

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from .._ints import env_switch
 
 #: Row chunk (elements of [rows, Hq, D]) of the torch path: bounds its fp32 temporary (2**22 elements =
 #: 16 MiB) instead of three [Tq, Hq, D] fp32 ones.
@@ -72,15 +71,9 @@ def _triton_kernel():
     return _TRITON[0] if _TRITON else None
 
 
-#: env var: 0 turns the Triton tangents off (torch ops), 1 / unset on; anything else is an error (`env_switch`)
-TRITON_TANGENTS_ENV = "MEGATRON_SPLITKV_FLEX_TRITON_TANGENTS"
-
-
 def use_triton(dout: torch.Tensor, o_r: torch.Tensor) -> bool:
-    """Whether `grad_tangents` takes the Triton path: CUDA tensors, Triton importable, unit stride on D,
-    and not disabled by MEGATRON_SPLITKV_FLEX_TRITON_TANGENTS=0 (a 0 / 1 switch, `_ints.env_switch`; checked
-    by `kernels.validate_kernel_env` before the ops' first collective)."""
-    if not (dout.is_cuda and o_r.is_cuda) or not env_switch(TRITON_TANGENTS_ENV, True):
+    """Whether `grad_tangents` takes the Triton path: CUDA tensors, Triton importable, unit stride on D."""
+    if not (dout.is_cuda and o_r.is_cuda):
         return False
     if dout.stride(-1) != 1 or o_r.stride(-1) != 1:
         return False

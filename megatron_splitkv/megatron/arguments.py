@@ -29,9 +29,8 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              nodes (`auto_cp_ranks_per_node`), else 1)
     --splitkv-num-chunks N   query chunks of Split-KV's merge pipeline (exported as MEGATRON_SPLITKV_NUM_CHUNKS)
     --splitkv-chunk-axis {rows,heads}  what the chunks split (MEGATRON_SPLITKV_CHUNK_AXIS)
-    --splitkv-kernel-lanes N CUDA side streams of the chunks' kernels, 1-4 (MEGATRON_SPLITKV_KERNEL_LANES)
-                             (these three, and MEGATRON_SPLITKV_HEAD_SPLIT, all unset: 2 head chunks, with fa4 on
-                             2 lanes, when the CP group spans nodes, else the op's defaults: `auto_pipeline`)
+                             (these two, and MEGATRON_SPLITKV_HEAD_SPLIT, all unset: 2 head chunks when the CP
+                             group spans nodes, else the op's defaults: `auto_pipeline`)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
                              in forward_step; at most MAX_DATA_WORKERS = 32 per rank)
@@ -54,7 +53,7 @@ import os
 import re
 from typing import Optional
 
-from .._ints import _shown, as_int, int_arg, is_int_text, parse_int
+from .._ints import _shown, as_int, int_arg, parse_int
 
 __all__ = [
     "CP_IMPLS",
@@ -86,19 +85,16 @@ KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 # `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
 RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
 # the chunked pipeline's variables (literal for the same reason): `ops.metadata.NUM_CHUNKS_ENV`, `CHUNK_AXIS_ENV`,
-# `HEAD_SPLIT_ENV`, `CHUNK_AXES`; `ops.common.KERNEL_LANES_ENV` and `MAX_KERNEL_LANES`, where the op caps the lanes
+# `HEAD_SPLIT_ENV`, `CHUNK_AXES`
 NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
 CHUNK_AXIS_ENV = "MEGATRON_SPLITKV_CHUNK_AXIS"
 HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
-KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
 CHUNK_AXES = ("rows", "heads")
-MAX_KERNEL_LANES = 4
 #: the variables `auto_pipeline` chooses; any of them set by the user (or by a flag) turns it off
-PIPELINE_ENVS = (NUM_CHUNKS_ENV, CHUNK_AXIS_ENV, HEAD_SPLIT_ENV, KERNEL_LANES_ENV)
+PIPELINE_ENVS = (NUM_CHUNKS_ENV, CHUNK_AXIS_ENV, HEAD_SPLIT_ENV)
 #: the pipeline's flags: (args attribute, flag, the variable it is exported as, the op's default)
 _PIPELINE_FLAGS = (("splitkv_num_chunks", "--splitkv-num-chunks", NUM_CHUNKS_ENV, 1),
-                   ("splitkv_chunk_axis", "--splitkv-chunk-axis", CHUNK_AXIS_ENV, "rows"),
-                   ("splitkv_kernel_lanes", "--splitkv-kernel-lanes", KERNEL_LANES_ENV, 1))
+                   ("splitkv_chunk_axis", "--splitkv-chunk-axis", CHUNK_AXIS_ENV, "rows"))
 # upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
 # pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
 # per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
@@ -272,13 +268,6 @@ _FLAG_SPECS = (
         help="Split-KV: what the pipeline's chunks split: rows (query blocks of every rank) or heads (kv "
              "heads, whole GQA groups, of all rows). Exported as MEGATRON_SPLITKV_CHUNK_AXIS. Default: that "
              "variable, else automatic (heads with the automatic 2 chunks, else rows).")),
-    ("--splitkv-kernel-lanes", dict(
-        type=int_arg(),
-        default=None,
-        help="Split-KV: CUDA side streams the chunks' local kernels run on (1-%d; 1 = the caller's stream; "
-             "no effect on CPU or with one chunk). Exported as MEGATRON_SPLITKV_KERNEL_LANES. Default: that "
-             "variable, else automatic: 2 with the automatic head chunks when the local kernel is fa4, else 1. "
-             "docs/perf-notes.md item 12." % MAX_KERNEL_LANES)),
     ("--splitkv-kernel", dict(
         type=str,
         default="auto",
@@ -408,7 +397,7 @@ def runtime_flag_values(args) -> dict:
     are not listed, except `--dflash-host-metadata on` with `--dflash-data-workers 0`, shown as
     'on (synchronous: ...)' (the metadata is then built on the host in forward_step). Pure: reads the
     environment variables the run would read (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS,
-    _KERNEL_LANES, _OVERLAP_Q_GATHER) and `validate_splitkv_args`' records of its automatic choices, imports
+    _OVERLAP_Q_GATHER) and `validate_splitkv_args`' records of its automatic choices, imports
     nothing, never checks for CUDA. Values are not validated
     here (`validate_splitkv_args` does that)."""
     out = {}
@@ -450,8 +439,7 @@ def runtime_flag_values(args) -> dict:
         if name == NUM_CHUNKS_ENV and split_k is not None:  # the op's k then (the variable ignored)
             out[attr] = f"{split_k} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
         elif env and exported.get(name) != env:
-            capped = name == KERNEL_LANES_ENV and is_int_text(env) and int(env) > MAX_KERNEL_LANES
-            out[attr] = f"{env} ({name}" + (f"; the op caps it at {MAX_KERNEL_LANES})" if capped else ")")
+            out[attr] = f"{env} ({name})"
         elif auto:
             out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"
         else:
@@ -586,21 +574,17 @@ def _cp_ranks_per_node(tp: int, cp: int, environ=None):
     return n // tp, f"{src} / TP {tp}"
 
 
-def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
+def auto_pipeline(tp: int, cp: int, kv_heads, environ=None):
     """Split-KV's chunked merge pipeline when none of `PIPELINE_ENVS` (MEGATRON_SPLITKV_NUM_CHUNKS, _CHUNK_AXIS,
-    _HEAD_SPLIT, _KERNEL_LANES) is set (nor --splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-kernel-lanes,
-    which export them): (exports, why), exports = {variable: value} to set (empty: the op's defaults, one call).
+    _HEAD_SPLIT) is set (nor --splitkv-num-chunks / --splitkv-chunk-axis, which export them): (exports, why), exports = {variable: value} to set (empty: the op's defaults, one call).
 
     Rule: when the CP group spans nodes (the launcher's processes per node / tp < cp, as in
     `auto_cp_ranks_per_node`; an unknown launcher size or tp not dividing it: no change) and each TP rank holds
-    `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (NUM_CHUNKS=2, CHUNK_AXIS=heads), and
-    KERNEL_LANES=2 when the local `kernel` is "fa4". Why (docs/perf-notes.md item 25, docs/benchmarks.md twelfth
+    `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (NUM_CHUNKS=2, CHUNK_AXIS=heads). Why (docs/perf-notes.md item 25, docs/benchmarks.md twelfth
     run): over a slow link (2 x H200 over NCCL sockets, 128K per rank) 2 head chunks took 0.818x of one call; on
     NVLink one call stays best (k = 2 heads 1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU
-    nodes: 2 head chunks on 2 lanes 0 to +1 point over k = 1 within a run (thirteenth run: 92.7-93.8% vs
-    92.7-92.8%), so the CP 64 gain is small; the socket A/B is the evidence. Not measured across real nodes. Lanes were measured with fa4 head chunks only
-    (flex query chunks were slower with them over NCCL), hence fa4 only. Exact either way (head chunks sum
-    nothing across chunks; lanes issue the same kernels). `environ`: a mapping (default os.environ)."""
+    nodes: the CP 64 gain is small; the socket A/B is the evidence. Not measured across real nodes. Exact
+    either way (head chunks sum nothing across chunks). `environ`: a mapping (default os.environ)."""
     env = os.environ if environ is None else environ
     flags = {name: flag for _, flag, name, _ in _PIPELINE_FLAGS}
     mine = [f"{name}={_shown(str(env[name]).strip())}" + (f" (or {flags[name]})" if name in flags else "")
@@ -613,19 +597,12 @@ def auto_pipeline(tp: int, cp: int, kv_heads, kernel: str, environ=None):
     why = f"{why} = {L} CP ranks per node < CP {cp}: the group spans nodes"
     if kv_heads is None or kv_heads < 2:
         return {}, f"{why}, but {kv_heads} kv heads per TP rank: no head chunks"
-    out = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}
-    if kernel == "fa4":
-        out[KERNEL_LANES_ENV] = "2"
-        return out, f"{why}; {kv_heads} kv heads per TP rank; kernel fa4"
-    return out, f"{why}; {kv_heads} kv heads per TP rank; kernel {kernel}: no kernel lanes (measured with fa4 only)"
+    return {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}, f"{why}; {kv_heads} kv heads per TP rank"
 
 
 def _pipeline_label(exports) -> str:
-    """`auto_pipeline`'s exports in words: '2 head chunks, 2 kernel lanes', or 'off'."""
-    if not exports:
-        return "off"
-    lanes = exports.get(KERNEL_LANES_ENV)
-    return f"{exports[NUM_CHUNKS_ENV]} head chunks" + (f", {lanes} kernel lanes" if lanes else "")
+    """`auto_pipeline`'s exports in words: '2 head chunks', or 'off'."""
+    return f"{exports[NUM_CHUNKS_ENV]} head chunks" if exports else "off"
 
 
 def _kv_heads(args):
@@ -703,8 +680,7 @@ def _head_split_chunks():
 
 
 def _export_pipeline_flags(args) -> None:
-    """--splitkv-num-chunks (>= 1), --splitkv-chunk-axis (rows | heads), --splitkv-kernel-lanes (1 to
-    MAX_KERNEL_LANES = 4, where the op caps MEGATRON_SPLITKV_KERNEL_LANES) checked and exported as their
+    """--splitkv-num-chunks (>= 1), --splitkv-chunk-axis (rows | heads) checked and exported as their
     variables (the flag wins over the variable); SplitKVArgumentError naming the flag."""
     chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
     split_k = _head_split_chunks()
@@ -721,27 +697,19 @@ def _export_pipeline_flags(args) -> None:
         if axis not in CHUNK_AXES:
             raise SplitKVArgumentError(f"--splitkv-chunk-axis must be one of {CHUNK_AXES}, got {axis!r}")
         _set_env(CHUNK_AXIS_ENV, axis)
-    lanes = _int_arg(args, "splitkv_kernel_lanes", "--splitkv-kernel-lanes", None, 1)
-    if lanes is not None:
-        if lanes > MAX_KERNEL_LANES:
-            raise SplitKVArgumentError(f"--splitkv-kernel-lanes must be at most {MAX_KERNEL_LANES} (the op's cap "
-                                       f"on side streams), got {lanes}")
-        _set_env(KERNEL_LANES_ENV, lanes)
 
 
 def _check_op_env(args, tp: int, cp: int) -> None:
     """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
     it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
-    _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
-    heads per tensor-parallel rank, MEGATRON_SPLITKV_KERNEL_LANES and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a
+    _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
+    heads per tensor-parallel rank and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a
     malformed value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
-    from ..ops.common import kernel_lanes  # noqa: PLC0415
     from ..ops.metadata import _requested_head_split, env_request_row  # noqa: PLC0415
     from .layers import resolve_overlap_query_gather  # noqa: PLC0415
 
     try:
-        axis = env_request_row(cp)[4]
-        kernel_lanes()
+        axis = env_request_row(cp)[3]
         resolve_overlap_query_gather(None)
         if os.environ.get(HEAD_SPLIT_ENV, "").strip() and _kv_heads(args) is not None:
             _requested_head_split(None, int(_kv_heads(args)) // tp, axis)
@@ -769,11 +737,11 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
     which the op reads when it prepares a step (neither set, impl splitkv: `auto_cp_ranks_per_node`, exported
     when > 1, the choice and why in args.splitkv_cp_ranks_per_node_auto); `--splitkv-num-chunks` >= 1,
-    `--splitkv-chunk-axis` rows / heads, `--splitkv-kernel-lanes` 1-4, exported as MEGATRON_SPLITKV_NUM_CHUNKS,
-    _CHUNK_AXIS, _KERNEL_LANES (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
+    `--splitkv-chunk-axis` rows / heads, exported as MEGATRON_SPLITKV_NUM_CHUNKS,
+    _CHUNK_AXIS (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
     exported, the choice and why in args.splitkv_pipeline_auto); the op's other environment variables
-    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _EXCHANGE_PIECES, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
-    _HEAD_SPLIT, _KERNEL_LANES, _OVERLAP_Q_GATHER). Calling it again, on the same args or another namespace, gives
+    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
+    _HEAD_SPLIT, _OVERLAP_Q_GATHER). Calling it again, on the same args or another namespace, gives
     what that namespace gets alone: every variable an earlier call exported (automatically or for a flag) is
     first put back to the user's value (`_undo_auto`), not taken for the user's.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
@@ -871,10 +839,10 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     if impl == "splitkv":  # none of the pipeline's flags and variables: 2 head chunks when the group spans nodes
         kv = _kv_heads(args)
         try:
-            local = _local_kernel(args, kernel, have_fa4)
+            _local_kernel(args, kernel, have_fa4)
         except ValueError as exc:  # a malformed MEGATRON_SPLITKV_AUTO_FA4
             raise SplitKVArgumentError(str(exc)) from exc
-        exports, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp, local)
+        exports, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp)
         args.splitkv_pipeline_auto = f"auto -> {_pipeline_label(exports)} ({why})"
         _export_auto(args, exports)
     _check_op_env(args, tp, cp)

@@ -20,7 +20,6 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -174,34 +173,15 @@ def local_index_major(x: torch.Tensor, nodes: int, per_node: int, dtype: torch.d
     return out
 
 
-def pack_partial_local_major(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, nodes: int, per_node: int,
-                             pieces=None):
+def pack_partial_local_major(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, nodes: int, per_node: int):
     """`pack_partial(o, lse, dtype)` with the rows reordered as `local_index_major(., nodes, per_node)`, in
     the same single packing copy: o [P * T, H, D], lse [P * T, H] (owner order) -> [P * T, H, D + r] in
-    `dtype`, the send buffer of stage 1 of Split-KV's two-level forward all-to-all.
-
-    pieces: None, or the row pieces of Split-KV's exchange (docs/perf-notes.md item 19): [(r0, r1)] bounds
-    within every owner's T rows, in order, covering [0, T). The buffer then holds the pieces one after the
-    other: rows [P r0, P r1) = `local_index_major` of the owners' rows [r0, r1), so that each piece's
-    stage-1 send buffer is a contiguous slice of it (no copy per piece). Same bytes written, still one
-    buffer: one copy of o and one of lse when the pieces are equal, one of each per piece otherwise."""
+    `dtype`, the send buffer of stage 1 of Split-KV's two-level forward all-to-all."""
     t, (h, d) = o.shape[0] // (nodes * per_node), o.shape[1:]
     r = _bits_per(lse.dtype, dtype)
     out = torch.empty((o.shape[0], h, d + r), dtype=dtype, device=o.device)
     o4, l4 = o.reshape(nodes, per_node, t, h, d), lse.reshape(nodes, per_node, t, h)
-    if pieces is None or len(pieces) == 1:
-        pack_partial(o4, l4, dtype, out=out.view(per_node, nodes, t, h, d + r).transpose(0, 1))
-        return out
-    sizes = {r1 - r0 for r0, r1 in pieces}
-    if len(sizes) == 1:  # equal pieces: one copy, piece-major [p, L, N, s] from owner-major [N, L, p, s]
-        p, s = len(pieces), sizes.pop()
-        pack_partial(o4.view(nodes, per_node, p, s, h, d), l4.view(nodes, per_node, p, s, h), dtype,
-                     out=out.view(p, per_node, nodes, s, h, d + r).permute(2, 1, 0, 3, 4, 5))
-        return out
-    P = nodes * per_node
-    for r0, r1 in pieces:
-        pack_partial(o4[:, :, r0:r1], l4[:, :, r0:r1], dtype,
-                     out=out[P * r0:P * r1].view(per_node, nodes, r1 - r0, h, d + r).transpose(0, 1))
+    pack_partial(o4, l4, dtype, out=out.view(per_node, nodes, t, h, d + r).transpose(0, 1))
     return out
 
 
@@ -245,23 +225,6 @@ def fused_bwd_gather_min_p() -> int:
     return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
 
 
-#: Environment variable: the row pieces of Split-KV's two-level forward exchange (`exchange_pieces_env`).
-EXCHANGE_PIECES_ENV = "MEGATRON_SPLITKV_EXCHANGE_PIECES"
-#: largest exchange piece count (the agreement row carries it in 8 bits, `ops.metadata._request_code`; more
-#: pieces only add collective latencies: each piece pays its all-to-alls' latency again)
-MAX_EXCHANGE_PIECES = 64
-
-
-def exchange_pieces_env() -> int:
-    """The requested row pieces of Split-KV's two-level forward exchange from the environment:
-    MEGATRON_SPLITKV_EXCHANGE_PIECES (a positive int <= `MAX_EXCHANGE_PIECES` = 64); 0 when unset or empty
-    (automatic: `ops.metadata.resolve_exchange_pieces`). Read where the metadata's requests are read
-    (prepare / the call without `metadata=` / the host build and `bind`), agreed group-wide in the
-    agreement row. Raises ValueError naming the variable and the limit for anything else."""
-    value = env_positive_int(EXCHANGE_PIECES_ENV, maximum=MAX_EXCHANGE_PIECES)
-    return 0 if value is None else value
-
-
 DEBUG_CHECKS_ENV = "MEGATRON_SPLITKV_DEBUG_CHECKS"
 
 
@@ -278,113 +241,7 @@ def debug_checks() -> bool:
     return env_switch(DEBUG_CHECKS_ENV, default=False)
 
 
-KERNEL_LANES_ENV = "MEGATRON_SPLITKV_KERNEL_LANES"
-#: CUDA side streams Split-KV's chunked pipeline runs its chunks' local kernels on (docs/perf-notes.md item 12).
-#: 1 (off) by default: the lanes remove the chunks' kernel tails when the kernels run alone (chunk_cost: k = 2
-#: 1.07x -> 1.00x of one call), but over NCCL the op with k = 2 was not faster with them (CP=2 16K: 10.73 vs
-#: 10.51 ms without; 128K staircase: 43.65 vs 39.63 ms), so they stay opt-in (MEGATRON_SPLITKV_KERNEL_LANES=2)
-DEFAULT_KERNEL_LANES = 1
-#: the most side streams `kernel_lanes` gives (a larger MEGATRON_SPLITKV_KERNEL_LANES is capped to it)
-MAX_KERNEL_LANES = 4
-_LANE_STREAMS: dict = {}  # device index -> the side streams, created once per process
-
-
-def kernel_lanes() -> int:
-    """Side streams of the chunked pipeline's kernels: MEGATRON_SPLITKV_KERNEL_LANES (a positive int; 1 =
-    every kernel on the caller's stream; unset or empty: `DEFAULT_KERNEL_LANES` = 1), capped at `MAX_KERNEL_LANES` = 4.
-    Local to a rank (no collective depends on it). Raises ValueError naming the variable for a malformed
-    value (parsed by `kernels.validate_kernel_env` at prepare / call validation, on every rank). The op
-    reads it once per call where the call is validated (`ops.metadata.check_call` / the call without
-    `metadata=`) and keeps it in the call's `Plan.lanes`: its forward and backward never parse it."""
-    lanes = env_positive_int(KERNEL_LANES_ENV)
-    return DEFAULT_KERNEL_LANES if lanes is None else min(lanes, MAX_KERNEL_LANES)
-
-
-class KernelLanes:
-    """The local kernels of a chunked Split-KV pass on alternating CUDA side streams ("lanes").
-
-    Why (docs/perf-notes.md item 12, measured with tools/chunk_cost.py on the H200): a kernel call's last
-    wave runs a few long tiles (the query blocks with the longest prefixes) while most SMs idle, so k
-    chunks paid k such tails: +7% kernel time at k = 2 with FlexAttention (16K and 64K keys per rank). With
-    chunk c's kernel on lane c % n, chunk c + 1's kernel fills chunk c's tail: 1.00x / 1.01x of one call
-    when the kernels run alone. Over NCCL the op was not faster with them (docs/benchmarks.md, seventh run:
-    CP=2 16K k = 2 10.73 ms with, 10.51 without), hence off by default (`kernel_lanes`).
-
-    Contract (the op's loop, `pipeline`): `launch` context for chunk c (its inputs' waits, the kernel, anything derived
-    there lives on the lane); `done(c, *outputs)`: the caller's stream ("main") waits for chunk c's lane
-    and the outputs are marked as used by main; everything handed to a collective and every merge stays on
-    main. Tensors allocated elsewhere and read on a lane are passed to `use(c, ...)` (record_stream: the
-    caching allocator does not reuse their memory until the lane's work issued before they are freed is
-    done). Off (`on` False: not CUDA, one chunk, or `kernel_lanes()` == 1): every method is a no-op and
-    the op keeps its single-stream issue order. Results are bit-identical either way (same kernels, same
-    inputs; the fp32 dK / dV sums run on main in chunk order)."""
-
-    def __init__(self, device: torch.device, n_chunks: int, lanes: int | None = None):
-        lanes = kernel_lanes() if lanes is None else lanes
-        self.on = torch.device(device).type == "cuda" and n_chunks > 1 and lanes > 1
-        if not self.on:
-            return
-        dev = torch.device(device)
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
-        pool = _LANE_STREAMS.setdefault(idx, [])
-        while len(pool) < lanes:
-            pool.append(torch.cuda.Stream(device=idx))
-        self.side = pool[:lanes]
-        self.main = torch.cuda.current_stream(idx)
-        start = self.main.record_event()
-        for s in self.side:
-            s.wait_event(start)  # everything main issued so far (keys, masks, padded inputs) is ready
-
-    def stream(self, c: int):
-        return self.side[c % len(self.side)]
-
-    def launch(self, c: int):
-        """Context manager: chunk c's work on its lane (a no-op context when off)."""
-        return torch.cuda.stream(self.stream(c)) if self.on else contextlib.nullcontext()
-
-    def use(self, c: int, *tensors) -> None:
-        """Tensors not allocated on chunk c's lane that the lane reads (inputs, received buffers)."""
-        if self.on:
-            s = self.stream(c)
-            for t in tensors:
-                if t is not None and t.is_cuda:
-                    t.record_stream(s)
-
-    def done(self, c: int, *outputs) -> None:
-        """Main waits for chunk c's lane; its outputs (allocated on the lane) are marked used by main."""
-        if self.on:
-            self.main.wait_stream(self.stream(c))
-            for t in outputs:
-                if t is not None and t.is_cuda:
-                    t.record_stream(self.main)
-
-    def pipeline(self, n: int, launch):
-        """Chunks 0..n-1 in the op's issue order: yields (c, launch(c)) after `done(c, ...)` with the result's
-        top-level tensors. On: chunk c + 1 is launched BEFORE main waits for chunk c (so it fills c's tail);
-        off: launch(c) right before its own yield (the single-stream order)."""
-        ahead = {}
-        for c in range(n):
-            if self.on and c + 1 < n:
-                ahead[c + 1] = launch(c + 1)
-            box = [ahead.pop(c) if c in ahead else launch(c)]
-            self.done(c, *(t for t in (box[0] if isinstance(box[0], tuple) else box[:1])
-                           if isinstance(t, torch.Tensor)))
-            # handed over without a reference left in this frame: the caller frees what it drops (the op
-            # releases the fp32 partial before the all-to-all buffers are allocated)
-            yield c, box.pop()
-
-
-TWO_LEVEL_RELAY_ENV = "MEGATRON_SPLITKV_TWO_LEVEL_RELAY"
 _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per process
-
-
-def two_level_relay() -> bool:
-    """Whether the two-level all-to-all's stage 2 is relayed on a side stream (docs/perf-notes.md item 18):
-    MEGATRON_SPLITKV_TWO_LEVEL_RELAY "1" / unset / empty on (the default), "0" off (the schedule before item
-    18, for A/B runs). Local to a rank: no collective and no result depends on it (bit-identical either way),
-    only which CUDA stream waits for stage 1 and runs the node merge. Raises ValueError naming the variable
-    for any other value."""
-    return env_switch(TWO_LEVEL_RELAY_ENV, default=True)
 
 
 class RelayStream:
@@ -400,10 +257,9 @@ class RelayStream:
     issued before, i.e. the stage-1 inputs, happens before the relay's work); `run(pending, fn)` waits the
     mark on the relay, marks the stage-1 receive buffer (allocated on main) as used by the relay, and calls
     fn() inside the relay stream's context; `taken(t)` marks a relay-allocated result (stage 2's receive
-    buffer) as used by the stream consuming it. Memory safety follows `KernelLanes`: record_stream on every
+    buffer) as used by the stream consuming it. Memory safety: record_stream on every
     buffer crossing streams, so the caching allocator never hands out memory still read by another stream.
-    `RelayStream.get(device)` is None off CUDA or with MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0: the op then runs
-    everything on main, in the same host order (the schedule before item 18). Same kernels, same inputs,
+    `RelayStream.get(device)` is None off CUDA: the op then runs everything on main, in the same host order. Same kernels, same inputs,
     same order of every reduction: results are bit-identical with or without the relay."""
 
     __slots__ = ("stream",)
@@ -413,9 +269,9 @@ class RelayStream:
 
     @classmethod
     def get(cls, device):
-        """The relay for `device` (a CUDA device with the relay on), else None."""
+        """The relay for `device` (a CUDA device), else None."""
         dev = torch.device(device)
-        if dev.type != "cuda" or not two_level_relay():
+        if dev.type != "cuda":
             return None
         idx = dev.index if dev.index is not None else torch.cuda.current_device()
         s = _RELAY_STREAMS.get(idx)
@@ -449,8 +305,7 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
-    Fused when the two-level all-to-all is on (`two_level`: a multi-node group; from 8 nodes on the packed
-    gather then runs in two stages, `two_level_bwd_gather`) or when cp_size >= min_p
+    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
     (the metadata's agreed `fused_bwd_gather_min_p`; None: `fused_bwd_gather_min_p()`, the environment
     variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, default 9: larger than one 8-GPU node).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
@@ -462,31 +317,6 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     if min_p is None:
         min_p = fused_bwd_gather_min_p()
     return bool(two_level) or cp_size >= min_p
-
-
-#: smallest node count N = P / L from which Split-KV's backward gathers [dO | stats] in two stages with the
-#: two-level all-to-all (`two_level_bwd_gather`, docs/perf-notes.md item 14). A constant, not an environment
-#: variable: every rank derives the same decision from the agreed P and L (tests lower it in every process).
-TWO_LEVEL_GATHER_MIN_NODES = 16
-
-
-def two_level_bwd_gather(nodes: int) -> bool:
-    """Whether Split-KV's backward all-gathers each chunk's packed [dO | delta, lse] (`pack_dout_stats`) in
-    two stages, between the N = P / L nodes and then inside the node (`ops/splitkv.py`
-    `_gather_dout_stats`), instead of one ring over the P ranks. Asked only with the two-level all-to-all
-    on (`cp_ranks_per_node` L, 1 < L < P); True from `TWO_LEVEL_GATHER_MIN_NODES` (16) nodes on.
-
-    Why (docs/perf-notes.md item 14; `tools/simulate_scaling.py`, link of the sixth H200 run, 50 GB/s and
-    15 us per hop between nodes, 8 GPUs per node): the two stages pay (N - 1) network + (L - 1) NVLink
-    hops and two collective bases instead of the ring's (N - 1) network + (P - N) NVLink hops and one
-    base, but the NIC stage and the NVLink stage no longer pipeline. Per gather, two stages minus ring
-    ~ a0 - (N - 1) [(L - 1) h - s (1 / B_nic - 1 / B_nvl)] (a0 the per-collective base, h per NVLink hop,
-    s the per-rank segment): at Lq 8192, Hq 32, D 128, L = 8 and one chunk +0.10 / +0.08 / +0.01 / -0.17
-    ms at N = 2 / 4 / 8 / 16 (the whole gather is exposed at k = 1); with two chunks -0.06 ms per gather
-    at N = 8, of which the op's schedule keeps -0.008 ms per layer (before its first kernel it also waits
-    for chunk 1's stage 1). A break-even at N = 8 (P = 64, L = 8: +0.007 ms at the default k = 1), a gain
-    from N = 16 on, hence the threshold there. Same bytes and results either way (bit for bit)."""
-    return int(nodes) >= TWO_LEVEL_GATHER_MIN_NODES
 
 
 def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -505,40 +335,22 @@ def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype)
     return torch.cat([dout.to(dtype).reshape(-1), _as_bits(stats, dtype).reshape(-1)])
 
 
-def unpack_dout_stats(x: torch.Tensor, parts: int, heads: int, head_dim: int, acc: torch.dtype, k: int = 2,
-                      nodes: int = 1):
+def unpack_dout_stats(x: torch.Tensor, parts: int, heads: int, head_dim: int, acc: torch.dtype, k: int = 2):
     """Inverse of `pack_dout_stats` after an all-gather of `parts` equal segments: x 1-D [parts * seg] in
     the inputs' dtype -> (dout [parts * T, Hq, D] contiguous in x's dtype, stats [parts * T, Hq, k]
     contiguous in `acc`), rank r's rows at [r * T, (r + 1) * T): exactly the two former gathers' results,
     bit for bit (the caller can release x; the local kernel gets a contiguous dO). Each is ONE batched
     concatenation of `parts` contiguous runs (on an H200 at memcpy speed, where a 2-D strided copy_ ran
-    2.2x slower).
-
-    nodes: N > 1 when x came from Split-KV's two-level gather (`cp_ranks_per_node` L = parts / N): x then
-    holds the segments local-index-major (position j * N + n = rank n * L + j, the layout of
-    `local_index_major`), and the same two concatenations take them in rank order (the permutation costs
-    no copy of its own). 1 (default): segments in rank order. Raises ValueError when N does not divide
-    `parts`."""
+    2.2x slower)."""
     r = _bits_per(acc, x.dtype)
     row = heads * (head_dim + k * r)
     t = x.numel() // max(parts * row, 1)
     n_do = t * heads * head_dim
-    if nodes == 1:
-        segs = x.view(parts, t * row)
-        dout = torch.empty((parts * t, heads, head_dim), dtype=x.dtype, device=x.device)
-        torch.cat(segs[:, :n_do].unbind(0), out=dout.view(-1))
-        stats = torch.empty((parts * t, heads, k * r), dtype=x.dtype, device=x.device)
-        torch.cat(segs[:, n_do:].unbind(0), out=stats.view(-1))
-        return dout, stats.view(acc)
-    if nodes < 1 or parts % nodes:
-        raise ValueError(f"unpack_dout_stats: nodes={nodes} must divide parts={parts}")
-    # [L, N, seg] local-index-major -> rank n * L + j = segment (j, n): a list of views in rank order
-    segs = [s for per_node in x.view(parts // nodes, nodes, t * row).transpose(0, 1).unbind(0)
-            for s in per_node.unbind(0)]
+    segs = x.view(parts, t * row)
     dout = torch.empty((parts * t, heads, head_dim), dtype=x.dtype, device=x.device)
-    torch.cat([s[:n_do] for s in segs], out=dout.view(-1))
+    torch.cat(segs[:, :n_do].unbind(0), out=dout.view(-1))
     stats = torch.empty((parts * t, heads, k * r), dtype=x.dtype, device=x.device)
-    torch.cat([s[n_do:] for s in segs], out=stats.view(-1))
+    torch.cat(segs[:, n_do:].unbind(0), out=stats.view(-1))
     return dout, stats.view(acc)
 
 

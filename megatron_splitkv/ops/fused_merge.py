@@ -23,7 +23,6 @@ import warnings
 
 import torch
 
-from .._ints import env_switch
 
 _TRITON = None  # the Triton kernel once defined; False when Triton is unavailable
 _TRITON_FAILED = False  # set when the kernel failed to compile / launch: the torch path from then on
@@ -73,16 +72,10 @@ def _triton_kernel():
     return _TRITON[0] if _TRITON else None
 
 
-#: env var: 0 turns the Triton merge off (the torch path), 1 / unset on; anything else is an error (`env_switch`)
-TRITON_MERGE_ENV = "MEGATRON_SPLITKV_TRITON_MERGE"
-
-
 def use_triton(x: torch.Tensor, acc: torch.dtype) -> bool:
     """Whether `merge_packed` runs the Triton kernel: CUDA (or the Triton interpreter), fp32 accumulation,
-    Triton importable, not disabled by MEGATRON_SPLITKV_TRITON_MERGE=0 (a 0 / 1 switch, `_ints.env_switch`:
-    "off" or "false" raise ValueError naming it; `kernels.validate_kernel_env` checks it before the ops'
-    first collective)."""
-    if acc != torch.float32 or not env_switch(TRITON_MERGE_ENV, True):
+    Triton importable."""
+    if acc != torch.float32:
         return False
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
@@ -174,7 +167,7 @@ def merge_packed(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, a
         except Exception as exc:  # noqa: BLE001 - a compile / launch failure: the torch path, once warned
             _TRITON_FAILED = True
             warnings.warn(f"megatron_splitkv: the Triton merge kernel failed ({type(exc).__name__}: {exc}); "
-                          "using the torch merge from now on (MEGATRON_SPLITKV_TRITON_MERGE=0 silences this)",
+                          "using the torch merge from now on",
                           RuntimeWarning, stacklevel=2)
     o, lse = merge_packed_torch(x, num_partials, rows, head_dim, acc)
     if out is None:

@@ -36,13 +36,6 @@ checked group-wide like num_chunks) and, for 1 < L < P, holds the two cached sub
 (`SplitKVMetadata.node_groups`, `comm.node_groups`). The agreement rows carry it in column 10 next to the
 requested chunk count (`_request_code`: L = 1 leaves the rows exactly as before).
 
-Split-KV's exchange pieces (docs/perf-notes.md item 19; ops/splitkv.py item 5): with 1 < L < P the splitkv
-metadata also fixes in how many row pieces the forward's two-level exchange of each chunk runs
-(`exchange_pieces`, `resolve_exchange_pieces`: the argument, else MEGATRON_SPLITKV_EXCHANGE_PIECES, else 2 at
-num_chunks 1 and 1 otherwise; clamped to the smallest chunk's block count; 1 on the flat path) and their
-block bounds (`exchange_bounds`, `piece_bounds`). The request travels in column 10 too (8 bits; 0 =
-automatic), agreed group-wide.
-
 Cost of a prepare (docs/perf-notes.md "Prepare cost (item 13)", `tools/prepare_cost.py`): Split-KV's
 metadata takes ~50 small device ops whatever num_chunks (the intervals of every chunk at once, the mask
 contract checked once) and one host sync in a size-1 group.
@@ -69,19 +62,15 @@ from ..kernels import (BACKENDS, auto_backend_code, auto_backend_text, auto_keys
                        validate_kernel_env)
 from ..kernels.base import IntervalMask
 from .common import (
-    EXCHANGE_PIECES_ENV,
     FUSED_BWD_GATHER_MIN_P,
     FUSED_BWD_GATHER_MIN_P_ENV,
-    MAX_EXCHANGE_PIECES,
     SUPPORTED_DTYPES,
     acc_dtype,
     debug_checks,
     context_keys,
     env_positive_int,
-    exchange_pieces_env,
     fused_bwd_gather_min_p,
     intervals,
-    kernel_lanes,
     own_key_start,
     pad_rows,
     sort_keys,
@@ -90,8 +79,7 @@ from .common import (
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
-           "prepare_splitkv_metadata_from_plan", "resolve_exchange_pieces", "piece_bounds",
-           "EXCHANGE_PIECES_ENV", "check_environment_agreement", "CHUNK_AXIS_ENV", "CHUNK_AXES",
+           "prepare_splitkv_metadata_from_plan", "check_environment_agreement", "CHUNK_AXIS_ENV", "CHUNK_AXES",
            "resolve_chunk_axis", "env_request_row"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
@@ -135,8 +123,8 @@ DEFAULT_NUM_CHUNKS = 1
 
 
 #: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
-#: column 10 holds it in its low 23 bits, the chunk axis in bit 23, the requested exchange pieces in the next 8
-#: and cp_ranks_per_node - 1 above them (`_request_code`)
+#: column 10 holds it in its low 23 bits, the chunk axis in bit 23 and
+#: cp_ranks_per_node - 1 from bit 32 (`_request_code`)
 _MAX_REQUESTED_CHUNKS = (1 << 23) - 1
 
 #: environment variable giving Split-KV's chunk axis when `chunk_axis` is None: "rows" or "heads".
@@ -339,35 +327,34 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
 
 
 def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P,
-                  pieces_req: int = 0, axis: int = 0, head_split=None) -> int:
+                  axis: int = 0, head_split=None) -> int:
     """Column 10 of the agreement rows: the requested chunk count in the low 23 bits, the chunk axis code
-    (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, the requested exchange pieces (0 = automatic, <=
-    `MAX_EXCHANGE_PIECES`) in bits 24-31, L - 1 in bits 32-47, the fused backward gather's threshold
+    (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, L - 1 in bits 32-47, the fused backward gather's threshold
     (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before.
     head_split (a tuple, `_requested_head_split`): bit 31 set and the low 23 bits = `_head_split_code` instead
     of the requested chunk count (k = len(split)); None leaves the code as before."""
     if head_split is not None:
         chunks_req = _SPLIT_FLAG + _head_split_code(head_split)
-    return chunks_req + (axis << 23) + (pieces_req << 24) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
+    return chunks_req + (axis << 23) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
 
 
 def _decoded(table):
-    """The agreement table with six derived columns inserted after column 10 of every row: 11 = requested
+    """The agreement table with five derived columns inserted after column 10 of every row: 11 = requested
     num_chunks (a head split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the fused backward gather's
-    threshold, 14 = the requested exchange pieces, 15 = the chunk axis code, 16 = the head split's code + 1 (0:
-    none; decoded from column 10; not sent); the sent columns after 10 follow from 17 (17: `_AUTO_COL`)."""
+    threshold, 14 = the chunk axis code, 15 = the head split's code + 1 (0: none; decoded from column 10; not
+    sent); the sent columns after 10 follow from 16 (16: `_AUTO_COL`)."""
     def split(code):
         return bool(code & _SPLIT_FLAG) if code >= 0 else False
 
     return [list(row[:11]) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
-                         ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48, (row[10] >> 24) & 0x7F, (row[10] >> 23) & 1,
+                         ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48, (row[10] >> 23) & 1,
                          ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0] + list(row[11:])
             for row in table]
 
 
 #: the decoded agreement rows' column of `kernels.auto_backend_code` (what backend "auto" resolves to on the
 #: rank), sent by `prepare_splitkv_metadata` and the call without `metadata=`
-_AUTO_COL = 17
+_AUTO_COL = 16
 #: that column's entry of a rank whose call passes an explicit backend (the call without `metadata=`): not in
 #: "auto"'s agreement
 _NO_AUTO = -1
@@ -401,47 +388,6 @@ def _check_auto_agree(name, table, col=_AUTO_COL):
             f"it resolves to {got}. Make the same kernels available on every rank (FlashAttention-4 on a Hopper "
             "GPU, cuDNN), or set MEGATRON_SPLITKV_AUTO_FA4=0 (no fa4) and MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS=0 "
             "(no staircase) on every rank")
-
-
-def _requested_pieces(exchange_pieces) -> int:
-    """The requested exchange pieces as an int for the agreement rows: exchange_pieces (a positive int <=
-    `MAX_EXCHANGE_PIECES` = 64), else the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES, else 0
-    (automatic). Raises ValueError naming the argument or the variable and the limit otherwise."""
-    if exchange_pieces is None:
-        return exchange_pieces_env()
-    return as_int(exchange_pieces, "exchange_pieces", minimum=1, maximum=MAX_EXCHANGE_PIECES,
-                  what=f"None or a positive int <= {MAX_EXCHANGE_PIECES}")
-
-
-def resolve_exchange_pieces(requested: int, num_chunks: int, ranks_per_node: int, cp_size: int, chunks=None) -> int:
-    """The row pieces of Split-KV's two-level forward exchange per query chunk (docs/perf-notes.md item 19;
-    `ops.splitkv` item 5, "Exchange pieces").
-
-    Args:
-        requested: 0 (automatic) or the requested count (`exchange_pieces` / MEGATRON_SPLITKV_EXCHANGE_PIECES,
-            agreed group-wide).
-        num_chunks: the resolved chunk count k. ranks_per_node: L. cp_size: P.
-        chunks: the chunks' block bounds (`chunk_bounds`); the count is clamped to the smallest chunk's
-            block count (at least 1), so that every piece holds at least one block of every owner.
-
-    Returns: 1 on the flat path (L = 1 or L = P: one all-to-all, unchanged); with 1 < L < P the request,
-        automatic = 2 at k = 1 (the whole exchange is exposed after the single kernel there: stage 1 of
-        piece 1 then overlaps piece 0's node merge and stage 2) and 1 at k > 1 (chunk c's exchange already
-        overlaps kernel c + 1)."""
-    if not 1 < ranks_per_node < cp_size:
-        return 1
-    pieces = requested or (2 if num_chunks == 1 else 1)
-    if chunks:
-        pieces = min(pieces, min(b1 - b0 for b0, b1 in chunks))
-    return max(1, pieces)
-
-
-def piece_bounds(chunks, pieces: int) -> tuple:
-    """Per chunk, the block bounds of its exchange pieces: chunk (b0, b1) split as `chunk_bounds(pieces,
-    b1 - b0)` shifted by b0 (at k = 1 exactly the split of `chunk_bounds(pieces, nb_max)`, the chunks of
-    k = pieces), so that each piece's all-to-all holds the same rows of EVERY owner (balanced). A tuple of
-    tuples of (p0, p1)."""
-    return tuple(tuple((b0 + s, b0 + e) for s, e in chunk_bounds(pieces, b1 - b0)) for b0, b1 in chunks)
 
 
 def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
@@ -524,12 +470,6 @@ class SplitKVMetadata:
             whole). Other impls: None.
         cp_ranks_per_node: splitkv: L, the CP ranks per node of the two-level all-to-all
             (`resolve_ranks_per_node`, agreed across the group; other impls: 1).
-        exchange_pieces_requested: splitkv: the requested row pieces of the two-level forward exchange (0 =
-            automatic; `exchange_pieces` of prepare, else MEGATRON_SPLITKV_EXCHANGE_PIECES), agreed across
-            the group.
-        exchange_pieces, exchange_bounds: splitkv: the resolved pieces per chunk (`resolve_exchange_pieces`:
-            1 on the flat path; with 1 < L < P automatic 2 at k = 1, else 1) and, per chunk, the block
-            bounds (p0, p1) of each piece (`piece_bounds`; one piece = the chunk).
         node_groups: splitkv with 1 < L < P: (intra, inter) `comm.CommGroup`s, this rank's node (the L
             CP ranks [n * L, (n + 1) * L), rank j = rank % L) and the N = P / L ranks with its local
             index j (rank n); built once per (CP group, L) by `comm.node_groups`. None: the single
@@ -576,9 +516,6 @@ class SplitKVMetadata:
     head_split: tuple = None
     cp_ranks_per_node: int = 1
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
-    exchange_pieces_requested: int = 0
-    exchange_pieces: int = 1
-    exchange_bounds: tuple = None
     node_groups: tuple = None
     group_check: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
@@ -648,9 +585,9 @@ class SplitKVMetadata:
         Environment, resolved here as prepare resolves it on each rank: the kernel environment
         (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
         cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
-        MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_EXCHANGE_PIECES / MEGATRON_SPLITKV_CHUNK_AXIS
+        MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_CHUNK_AXIS
         in the building process) the variables must resolve to the same
-        values here. The kernel lanes stay per call (`check_call`). Whether the variables agree ACROSS ranks
+        values here. Whether the variables agree ACROSS ranks
         is not checked here (no collective): `check_environment_agreement` once per process, or
         `group_check=True` at build time.
 
@@ -692,9 +629,6 @@ class SplitKVMetadata:
                 raise ValueError(f"{RANKS_PER_NODE_ENV} resolves to cp_ranks_per_node="
                                  f"{resolve_ranks_per_node(None, rec.cp_size)} here but to {rec.ranks_env} where "
                                  "the metadata was built; pass cp_ranks_per_node")
-            if rec.pieces_env is not None and exchange_pieces_env() != rec.pieces_env:
-                raise ValueError(f"{EXCHANGE_PIECES_ENV} resolves to {exchange_pieces_env()} here but to "
-                                 f"{rec.pieces_env} where the metadata was built (0 = unset); pass exchange_pieces")
             if rec.axis_env is not None and _requested_axis(None) != rec.axis_env:
                 raise ValueError(f"{CHUNK_AXIS_ENV} resolves to {CHUNK_AXES[_requested_axis(None)]!r} here but to "
                                  f"{CHUNK_AXES[rec.axis_env]!r} where the metadata was built; pass chunk_axis")
@@ -740,10 +674,6 @@ class Plan:
     scale: float
     kernel: object
     acc: torch.dtype
-    #: Split-KV's kernel lanes (`ops.common.kernel_lanes`), read once per call where the call is validated
-    #: (group-wide with `group_check` / without `metadata=`), so forward and backward never parse the
-    #: environment variable themselves (a malformed value set later on one rank cannot fail them there)
-    lanes: int = 1
 
     group = property(lambda self: self.meta.group)
     rank = property(lambda self: self.meta.group.rank)
@@ -1179,9 +1109,6 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     else:
         meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
         meta.chunk_heads = [(0, hq)] * meta.num_chunks
-    meta.exchange_pieces = resolve_exchange_pieces(meta.exchange_pieces_requested, meta.num_chunks,
-                                                   meta.cp_ranks_per_node, P, meta.chunks)
-    meta.exchange_bounds = piece_bounds(meta.chunks, meta.exchange_pieces)
     dev = meta.q_seq.device
     table = torch.empty(4, P * nb_max, dtype=torch.int64, device=dev)
     # first intervals (`ops.common.intervals`): block b sees the keys of sequence seq[b] with position <
@@ -1228,33 +1155,32 @@ def _refuse_head_split_env(where: str) -> None:
                          "prepare_splitkv_metadata does); unset it or build the metadata with prepare_splitkv_metadata")
 
 
-def _checked_requests(impl, num_chunks, cp_ranks_per_node, exchange_pieces, cp_size, chunk_axis=None,
+def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
                       head_split_ok=False) -> tuple:
-    """(chunks, ranks per node, pieces, fused-gather min P, chunk-axis code) requested for the agreement row
+    """(chunks, ranks per node, fused-gather min P, chunk-axis code) requested for the agreement row
     of `impl`.
 
-    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / exchange_pieces / chunk_axis, or
+    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / chunk_axis, or
     environment variable (read here, so that a malformed value raises on every rank), is a ValueError
-    naming it and the limit whatever the impl. Used by splitkv only: the baselines get (0, 1, 0,
-    FUSED_BWD_GATHER_MIN_P, 0) (one chunk, L = 1, automatic pieces, rows); "must divide P" is about the
+    naming it and the limit whatever the impl. Used by splitkv only: the baselines get (0, 1,
+    FUSED_BWD_GATHER_MIN_P, 0) (one chunk, L = 1, rows); "must divide P" is about the
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     chunks_req = _requested_chunks(num_chunks)
-    pieces_req = _requested_pieces(exchange_pieces)
     fused_req = fused_bwd_gather_min_p()
     axis_req = _requested_axis(chunk_axis)
     if impl == "splitkv" and not head_split_ok:
         _refuse_head_split_env("a call without metadata=")
     if impl == "splitkv":
-        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), pieces_req, fused_req, axis_req
+        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), fused_req, axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
     env_positive_int(RANKS_PER_NODE_ENV)
-    return 0, 1, 0, FUSED_BWD_GATHER_MIN_P, 0
+    return 0, 1, FUSED_BWD_GATHER_MIN_P, 0
 
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=False, num_chunks=None, cp_ranks_per_node=None,
-                             exchange_pieces=None, chunk_axis=None, head_split=None,
+                             chunk_axis=None, head_split=None,
                              backend="auto") -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
@@ -1300,12 +1226,6 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             1 < L < P: node n = CP ranks [n * L, (n + 1) * L) (L consecutive CP ranks must share a node);
             its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
             L); a collective over the CP group). Must be the same on every rank.
-        exchange_pieces: used by impl "splitkv" only (the baselines check it, then ignore it): the row
-            pieces of the two-level forward exchange per chunk (docs/perf-notes.md item 19,
-            `resolve_exchange_pieces`): None = the environment variable MEGATRON_SPLITKV_EXCHANGE_PIECES,
-            else automatic (2 with 1 < L < P at num_chunks 1, else 1); a positive int <= 64, clamped to the
-            smallest chunk's block count; ignored (1) on the flat path (L = 1 or L = P). Must be the same on
-            every rank.
         chunk_axis: impl "splitkv" only: what the `num_chunks` chunks split (ops/splitkv.py item 3, "Head
             chunks"; docs/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
             (every chunk ALL rows with Hq / k query heads and Hkv / k kv heads, GQA groups whole; k clamped to
@@ -1348,10 +1268,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, num_chunks (or
         MEGATRON_SPLITKV_NUM_CHUNKS) not a positive int, cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE)
         not a positive int or (splitkv) not dividing the CP group size P ("cp_ranks_per_node=3 must divide
-        the CP group size P=4 ..."), exchange_pieces (or MEGATRON_SPLITKV_EXCHANGE_PIECES) not a positive
-        int <= 64, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads" (these for every impl:
+        the CP group size P=4 ..."), chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads" (these for every impl:
         the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
-        requested num_chunks, chunk_axis, cp_ranks_per_node or exchange_pieces differing across ranks; kernel
+        requested num_chunks, chunk_axis or cp_ranks_per_node differing across ranks; kernel
         backend "auto" resolving to different kernels across ranks (`kernels.auto_backend_code`: e.g. FA4 on a
         Hopper GPU on some ranks only; checked on the ranks that pass backend="auto", the default: a rank
         whose calls use an explicit backend passes it and sends no "auto" code); backend not a known kernel
@@ -1380,8 +1299,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         else:
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
-        chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
-            canon, num_chunks, cp_ranks_per_node, exchange_pieces, group.size, chunk_axis, head_split_ok=True)
+        chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
+            canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, head_split_ok=True)
         split = None
         if canon == "splitkv":
             split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
@@ -1389,7 +1308,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
         validate_kernel_env()
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req, split),
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, axis_req, split),
                _auto_entry(backend, device, dtype, head_dim)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
@@ -1401,9 +1320,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, device, err), tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (11, "num_chunks (requested)"), (15, "chunk_axis"), (16, "head_split"),
-                               (12, "cp_ranks_per_node"), (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"),
-                               (14, "exchange_pieces (requested)")))
+                               (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"),
+                               (12, "cp_ranks_per_node"), (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")))
     _check_auto_agree(name, table)
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
@@ -1411,7 +1329,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        exchange_pieces_requested=table[0][14], chunk_axis=CHUNK_AXES[table[0][15]], head_split=split,
+        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1438,14 +1356,14 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
     return kernel
 
 
-def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend, lanes: int = 1) -> Plan:
+def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     d = meta.head_dim
     scale = _resolved_scale(softmax_scale, d)
     keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
     if keys is None:
         keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
     kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys)
-    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype), lanes=lanes)
+    return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
@@ -1457,7 +1375,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints, rng, reads, lanes = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads(), 1
+    err, row, ints, rng, reads = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads()
     try:
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
@@ -1466,13 +1384,11 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.defer(reads, name)  # read with the metadata's other host values: one sync
         else:
             rng.check()
-        # exchange pieces: the environment variable only (the ops take no argument)
-        chunks_req, ranks_req, pieces_req, fused_req, axis_req = _checked_requests(
-            name, num_chunks, cp_ranks_per_node, None, group.size, chunk_axis)
+        chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
+            name, num_chunks, cp_ranks_per_node, group.size, chunk_axis)
         validate_kernel_env()
-        lanes = kernel_lanes() if name == "splitkv" else 1
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, pieces_req, axis_req),
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, axis_req),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
                # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
                _auto_entry(backend, q.device, q.dtype, d)]
@@ -1500,19 +1416,18 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13], exchange_pieces_requested=table[0][14],
-        chunk_axis=CHUNK_AXES[table[0][15]],
+        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]],
     )
-    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend, lanes)
+    return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
 #: all-gather the same [1, 12] int64 row (as their first collective), so a group mixing them is detected.
-#: 11-14 are decoded from column 10 (`_decoded`).
+#: 11-15 are decoded from column 10 (`_decoded`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (11, "num_chunks (requested)"), (15, "chunk_axis"), (16, "head_split"), (12, "cp_ranks_per_node"),
-               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"), (14, "exchange_pieces (requested)"))
+               (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"), (12, "cp_ranks_per_node"),
+               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"))
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
@@ -1602,14 +1517,12 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (see `SplitKVQueryGather._check_consume`). With group_check its use is part of the exchanged row
     (call mode), so a group where only some ranks pass it raises on every rank.
     """
-    err, lanes = "", 1
+    err = ""
     grouped = isinstance(meta, SplitKVMetadata) and meta.bound and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
                           cp_ranks_per_node, chunk_axis)
-        # the kernel lanes: parsed here (part of the group verdict with group_check), not in forward / backward
-        lanes = kernel_lanes() if name == "splitkv" else 1
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
             _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
     except ImportError as exc:
@@ -1628,11 +1541,11 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
+                                 CHUNK_AXES.index(meta.chunk_axis),
                                  getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
-    return _call_plan(meta, name, softmax_scale, backend, lanes)
+    return _call_plan(meta, name, softmax_scale, backend)
 
 
 def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
@@ -1664,7 +1577,7 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
             row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 meta.exchange_pieces_requested, CHUNK_AXES.index(meta.chunk_axis),
+                                 CHUNK_AXES.index(meta.chunk_axis),
                                  getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
         _check_agree(name, _decoded(table), _CALL_AGREE)
@@ -1708,7 +1621,7 @@ _UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound t
 class _HostBuild:
     """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
     this metadata's CP rank (checked against the group), the requested chunk count / ranks per node /
-    exchange pieces / chunk axis code when they were read from the environment at build time (None when given
+    chunk axis code when they were read from the environment at build time (None when given
     as arguments),
     and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
     `_unique_tensors` entry)."""
@@ -1717,7 +1630,6 @@ class _HostBuild:
     cp_rank: int
     chunks_env: int = None
     ranks_env: int = None
-    pieces_env: int = None
     buffer: torch.Tensor = None
     layout: list = None
     axis_env: int = None
@@ -1906,7 +1818,7 @@ def _pack_recipe(meta) -> tuple:
     offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
     hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
     list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env,
-    pieces_env, axis_env, split_env), the entries'
+    axis_env, split_env), the entries'
     `_compile_split` plan)."""
     import dataclasses  # noqa: PLC0415
 
@@ -1934,7 +1846,7 @@ def _pack_recipe(meta) -> tuple:
                     for n in _META_MASK_LISTS})
     values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
     return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
-            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.pieces_env, rec.axis_env, rec.split_env),
+            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.axis_env, rec.split_env),
             _compile_split(entries))
 
 
@@ -1963,7 +1875,7 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
             fields[n] = list(fields[n])
     fields["device"] = region.device
     fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
-                                      pieces_env=hb[4], axis_env=hb[5], split_env=hb[6], buffer=region,
+                                      axis_env=hb[4], split_env=hb[5], buffer=region,
                                       layout=[e[2] for e in entries])
     return SplitKVMetadata(**fields)
 
@@ -1994,13 +1906,13 @@ def env_request_row(cp_size: int) -> list:
     """The op's environment requests as THIS process resolves them, one int each (what
     `check_environment_agreement` compares across ranks; `megatron.arguments` checks them at start-up):
     MEGATRON_SPLITKV_NUM_CHUNKS (0 = unset), MEGATRON_SPLITKV_RANKS_PER_NODE (resolved for `cp_size`),
-    MEGATRON_SPLITKV_EXCHANGE_PIECES (0 = unset), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS
+    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS
     (code: 0 rows, 1 heads) and MEGATRON_SPLITKV_HEAD_SPLIT (a CRC of its normalised text + 1, 0 = unset; its
     sum is checked against Hkv where Hkv is known). Raises ValueError naming a malformed variable."""
     import zlib  # noqa: PLC0415
 
     split_env = _head_split_env_text()
-    return [_requested_chunks(None), resolve_ranks_per_node(None, cp_size), exchange_pieces_env(),
+    return [_requested_chunks(None), resolve_ranks_per_node(None, cp_size),
             fused_bwd_gather_min_p(), _requested_axis(None),
             (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
 
@@ -2020,7 +1932,7 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     `group_check=True` (a verdict exchange per call).
 
     Checked: MEGATRON_SPLITKV_NUM_CHUNKS, MEGATRON_SPLITKV_RANKS_PER_NODE (as resolved for this group's size),
-    MEGATRON_SPLITKV_EXCHANGE_PIECES, MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS (as
+    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS (as
     resolved: unset = rows), the kernel environment parsed (`kernels.validate_kernel_env`) and, with `dtype`,
     what kernel backend "auto" resolves to for calls of that dtype and head dim on `device`
     (`kernels.auto_backend_code`: FlashAttention-4, flex, staircase, math; as `prepare_splitkv_metadata` agrees
@@ -2043,7 +1955,7 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     """
     name = "check_environment_agreement"
     group = resolve_group(cp_group)
-    err, row = "", [-1] * 7
+    err, row = "", [-1] * 6
     try:
         requests = env_request_row(group.size)
         validate_kernel_env()
@@ -2055,17 +1967,16 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     # columns: 0 = the error length, then the row
     _check_agree(name, table, ((1, f"{NUM_CHUNKS_ENV} (requested num_chunks, 0 = unset)"),
                                (2, f"{RANKS_PER_NODE_ENV} (cp_ranks_per_node)"),
-                               (3, f"{EXCHANGE_PIECES_ENV} (requested exchange pieces, 0 = unset)"),
-                               (4, FUSED_BWD_GATHER_MIN_P_ENV),
-                               (5, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
-                               (6, f"{HEAD_SPLIT_ENV} (head_split, unset = even)")))
-    _check_auto_agree(name, table, col=7)
+                               (3, FUSED_BWD_GATHER_MIN_P_ENV),
+                               (4, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
+                               (5, f"{HEAD_SPLIT_ENV} (head_split, unset = even)")))
+    _check_auto_agree(name, table, col=6)
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
                                        kv_pos=None, group_check=False, device="cpu",
-                                       flex_block_masks=False, exchange_pieces=None,
+                                       flex_block_masks=False,
                                        chunk_axis=None, head_split=None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
@@ -2096,9 +2007,9 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             bf16 / fp16 / fp32 / fp64).
         impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
             `prepare_splitkv_metadata`).
-        num_chunks, cp_ranks_per_node, exchange_pieces, chunk_axis, head_split: as `prepare_splitkv_metadata`;
+        num_chunks, cp_ranks_per_node, chunk_axis, head_split: as `prepare_splitkv_metadata`;
             None reads MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE /
-            MEGATRON_SPLITKV_EXCHANGE_PIECES / MEGATRON_SPLITKV_CHUNK_AXIS / MEGATRON_SPLITKV_HEAD_SPLIT in
+            MEGATRON_SPLITKV_CHUNK_AXIS / MEGATRON_SPLITKV_HEAD_SPLIT in
             THIS process (a worker inherits the trainer's environment;
             `bind` checks that the variables resolve to the same values there).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
@@ -2164,7 +2075,6 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         device = _check_device(device)
         chunks_req = _requested_chunks(num_chunks)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
-        pieces_req = _requested_pieces(exchange_pieces)
         axis_req = _requested_axis(chunk_axis)
         split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
         fused_req = fused_bwd_gather_min_p()
@@ -2206,11 +2116,10 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         group_check=bool(group_check),
         # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
         num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
-        fused_bwd_gather_min_p=fused_req, exchange_pieces_requested=pieces_req, chunk_axis=CHUNK_AXES[axis_req],
+        fused_bwd_gather_min_p=fused_req, chunk_axis=CHUNK_AXES[axis_req],
         head_split=split,
         host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
                               ranks_env=ranks_req if cp_ranks_per_node is None else None,
-                              pieces_env=pieces_req if exchange_pieces is None else None,
                               axis_env=axis_req if chunk_axis is None else None,
                               split_env=_head_split_env_text() if head_split is None else None),
     )

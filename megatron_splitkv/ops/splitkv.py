@@ -28,13 +28,6 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    accumulated in fp32 across chunks), asynchronous all-to-all of dQ. Exposed on the GPU (NCCL streams,
    `async_op=True`, compute on the current stream): the first Q / dO gathers and the last all-to-alls.
    Bytes per collective name are unchanged by chunking (only the record count grows, k per name).
-   Kernel lanes (perf-notes item 12, `ops.common.KernelLanes`, opt-in: MEGATRON_SPLITKV_KERNEL_LANES=2,
-   CUDA with k > 1): chunk c's kernel (its inputs' waits included) runs on side stream c % 2 and is issued
-   BEFORE the caller's stream waits for chunk c - 1, so each kernel's last wave (a few long tiles) overlaps
-   the next chunk's kernel: +7% kernel time per extra chunk on one stream, +1% with the lanes when the
-   kernels run alone (tools/chunk_cost.py), but no gain for the op over NCCL (docs/benchmarks.md, seventh
-   run), hence off by default. Collectives, packs, merges and the fp32 dK / dV sums stay on the caller's
-   stream; results are bit-identical either way.
    The backward's dO and (delta, lse) travel in ONE all-gather per chunk ("splitkv.bwd.dout"): each
    rank's segment is its chunk rows of dO, then of (delta, lse) bit-packed in q's dtype like lse in item
    2 (fp32, fp64 for fp64 inputs; `ops.common.pack_dout_stats`; padding rows dO = 0, statistics -inf),
@@ -102,8 +95,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    its stage 2 overlaps the caller's backward, e.g. the k/v projections with `query_gather`, whose
    gradient placeholders are then zero-stride tensors: no receive buffer has the gathered chunk's
    shape). L = 1 or P: the single all-to-all of item 2, unchanged (default: L = 1).
-   Relay (docs/perf-notes.md item 18; CUDA, `ops.common.RelayStream`, off with
-   MEGATRON_SPLITKV_TWO_LEVEL_RELAY=0): the wait for stage 1, the node merge / node sum and the issue of
+   Relay (docs/perf-notes.md item 18; CUDA, `ops.common.RelayStream`): the
+   wait for stage 1, the node merge / node sum and the issue of
    stage 2 run on a relay stream (after an event recorded on the caller's stream when stage 1 was issued),
    in the same host order, so the caller's stream never waits for stage 1: chunk c's node merge and stage
    2 run during chunk c + 1's kernel, and after the last kernel the op's epilogue and (backward, with
@@ -112,46 +105,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    replay of the seventh run, P = 64, L = 8, 50 GB/s NICs, + projection overlap): -0.33 ms at k = 1
    (87.6% -> 89.6%), -0.24 ms at k = 2 (90.05% -> 91.6%). Bit-identical to no relay (same kernels and
    reductions on the same inputs); the node merge shares the GPU with the next kernel (not modelled).
-   Exchange pieces (docs/perf-notes.md item 19; `SplitKVMetadata.exchange_pieces` / `exchange_bounds`,
-   `ops.metadata.resolve_exchange_pieces`): the forward exchange of each chunk runs in p row pieces, piece i
-   = the i-th share of EVERY owner's blocks in the chunk (`ops.metadata.piece_bounds`: at k = 1 the split of
-   `chunk_bounds(p, nb_max)`, i.e. the chunks of k = p, so each piece's all-to-alls stay balanced). After the
-   chunk's ONE kernel call (no chunk loss) the packing copy writes the pieces one after the other into one
-   buffer (`pack_partial_local_major(..., pieces)`: each piece's stage-1 send buffer is a slice of it, no
-   copy per piece), then stage 1 of piece i + 1 is issued before piece i advances (its node merge and stage
-   2, on the relay on CUDA), as chunk c + 1's stage 1 is issued before chunk c advances: piece i's node merge
-   and stage 2 (the inter-node communicator's NCCL stream) overlap piece i + 1's stage 1 (the node's). The
-   owner merges each piece's N node partials into its rows (in place on CUDA, `merges_in_place`; else one
-   cat of the pieces, as for chunks). Default p = 2 with 1 < L < P at num_chunks 1 (all of the exchange is
-   exposed after the single kernel there), else 1 (chunk c's exchange already overlaps kernel c + 1);
-   `exchange_pieces=` of prepare or MEGATRON_SPLITKV_EXCHANGE_PIECES (<= 64) override it, clamped to the
-   smallest chunk's block count; the flat path (L = 1 or P) ignores it. Same bytes per collective name (p x
-   the stage-1 / stage-2 records per chunk, each 1 / p of the rows); the node merge and the owner's merge are
-   per row, so results are bit-identical to p = 1 (tests/test_splitkv_exchange_pieces.py). Model (replay of the
-   seventh run, topology 'node', P = 64, L = 8, k = 1, + projection overlap): the forward's tail after the
-   kernel 0.772 -> 0.672 ms, T 14.593 -> 14.493 ms (89.58% -> 90.21%): stage 2 over the NICs stays serial (p
-   latencies), stage 1 and the node merge of the later pieces hide behind it; with every collective a ring of
-   hop latencies (topology 'flat') the extra latencies make it a loss (+0.17 ms). Not measured yet. The dQ
-   exchange is not split: in the layer it already runs behind the k/v projection's backward (0 exposed in
-   the model at k = 1).
-   Backward [dO | stats] gather (docs/perf-notes.md item 14): with the two-level all-to-all the packed
-   segment of item 3 is always fused; from N >= 16 nodes (`ops.common.two_level_bwd_gather`) it is
-   all-gathered in two stages (`_gather_dout_stats`): "splitkv.bwd.dout.inter" among the N ranks with
-   local index j (each rank's segment over its own NIC), then "splitkv.bwd.dout.intra" among the node's L
-   ranks of the N-segment buffer (NVLink). The result holds the segments local-index-major (position
-   j * N + n = CP rank n * L + j); the unpack copy of item 3 takes them in rank order, so the unpacked dO
-   and statistics are the flat gather's bit for bit (all-gathers move bits; same comm_stats bytes). Two
-   ring latencies of N and L ranks replace one of P, but the NIC and NVLink stages no longer pipeline:
-   the model gives about nothing at P = 64 (L = 8, 50 GB/s NICs: +0.007 ms at k = 1, -0.008 ms at k = 2
-   per layer) and -0.17 ms at P = 128, and a loss at N = 2 or 4 (+0.08-0.10 ms), hence the node
-   threshold. Between nodes first: gathering the node first and then the L-segment buffer between nodes
-   would send every node's rows through each of its L NICs (L x the NIC bytes). Schedule: stage 1 two
-   chunks ahead of its kernel, stage 2 one ahead, issued before kernel c after the current stream waited
-   for chunk c + 1's stage 1 (a stream wait, no host block; issued a kernel earlier, so it is done but for
-   the first two chunks), so chunk c + 1's stage 2 runs while kernel c runs. The forward's Q all-gather
-   stays one flat ring: it is issued before the layer's k/v projections (item 4), and in the model two
-   stages would not shorten it (0.590 vs 0.586 ms at P = 64, k = 1) while stage 2 would have to wait on
-   the compute stream, before or after the projection, exposing more than the flat ring's 0.20 ms.
+   Backward [dO | stats] gather: with the two-level all-to-all the packed segment of item 3 is always
+   fused and gathered in one flat ring over the P ranks, as the forward's Q all-gather.
 
 Memory (tools/memory_breakdown.py measures it from this code at the real shapes): the fp32 partial O_r
 is released before the all-to-all buffers are allocated (a kernel with `native_dtype_results`, FlexAttention,
@@ -180,7 +135,6 @@ import torch
 
 from ..comm import all_gather, all_to_all
 from .common import (
-    KernelLanes,
     RelayStream,
     cast,
     delta_and_dout,
@@ -195,7 +149,6 @@ from .common import (
     pad_rows,
     unpack_dout_stats,
     split_own_grad,
-    two_level_bwd_gather,
     unsort,
     with_own_keys,
     zero_invalid_rows,
@@ -359,9 +312,7 @@ class _TwoStage:
     = the fp32 lse-merge or sum of the L partials received per row, stage 2 over the ranks with this
     local index (`meta.node_groups[1]`). The op advances chunk c - 1 right after issuing chunk c's stage
     1, so stage 1 overlaps the next chunk's kernel and stage 2 the one after (or the final merges); the
-    last chunk is advanced as soon as the loop ends. Backward [dO | stats] all-gather
-    (`_gather_dout_stats`): stage 1 between nodes, stage 2 inside the node, nothing in between
-    (no relay: stage 2 is issued from the caller's stream).
+    last chunk is advanced as soon as the loop ends.
 
     Relay (`relay`, an `ops.common.RelayStream`; the all-to-alls on CUDA, docs/perf-notes.md item 18): the
     current stream is marked when stage 1 is issued; `advance()` runs `reduce` (its wait for stage 1, the
@@ -426,37 +377,6 @@ def _dq_stage2(meta, rc, acc):
         return all_to_all(node_sum, inter, "splitkv.bwd.dq.inter", async_op=True)
 
     return reduce
-
-
-def _gather_dout_stats(seg, meta, two_level):
-    """Issue the asynchronous all-gather of one backward chunk's packed [dO | delta, lse] segment (this
-    rank's chunk rows, 1-D in q's dtype: `ops.common.pack_dout_stats`).
-
-    two_level False: ONE all-gather "splitkv.bwd.dout" over the P ranks of the CP group; returns a
-    `comm.Pending` of [P * seg], CP-rank order.
-
-    two_level True (the op's rule: the two-level all-to-all on, `cp_ranks_per_node` L with 1 < L < P, and
-    N = P / L >= 16 nodes, `ops.common.two_level_bwd_gather`; docs/perf-notes.md item 14): a `_TwoStage`.
-    Stage 1 "splitkv.bwd.dout.inter", issued now: all-gather of the segment over the N ranks with this
-    rank's local index j (one per node, each over its own NIC) -> [N * seg] in node order. Stage 2
-    "splitkv.bwd.dout.intra", issued by `advance()` after the current stream waited for stage 1 (a stream
-    wait on CUDA, no host block): all-gather of that buffer over the node's L ranks (NVLink) -> [L * N * seg],
-    local-index-major (position j * N + n holds CP rank n * L + j), which `unpack_dout_stats(...,
-    nodes=N)` reads in rank order within its usual copies. All-gathers move bits: the unpacked dO and
-    statistics are the flat gather's, bit for bit; comm_stats bytes 2 (N - 1) seg + 2 (L - 1) N seg =
-    2 (P - 1) seg, the flat gather's. Ring latency: (N - 1) network + (L - 1) NVLink hops and two bases
-    instead of (N - 1) network + (P - N) NVLink hops and one base. Between nodes first: node first and
-    then the L-segment buffer between nodes would carry every node's rows over each of its L NICs (L x the
-    NIC bytes of this order, (N - 1) seg per rank).
-    """
-    if not two_level:
-        return all_gather(seg, meta.group, "splitkv.bwd.dout", async_op=True)
-    intra, inter = meta.node_groups
-
-    def stage2(first):
-        return all_gather(first.take(), intra, "splitkv.bwd.dout.intra", async_op=True)
-
-    return _TwoStage(all_gather(seg, inter, "splitkv.bwd.dout.inter", async_op=True), stage2)
 
 
 class _GatherShared:
@@ -673,32 +593,27 @@ class _SplitKV(torch.autograd.Function):
             k_xs, v_xs, kv_saved = _key_views(k_x, meta), _key_views(v_x, meta), [k_x, v_x]
             del k_x, v_x
         dev = k_xs[0].device
-        # chunk c's kernel on lane c % 2 (CUDA, k > 1; `KernelLanes`): chunk c + 1's kernel is issued before
-        # the caller's stream waits for chunk c, so it fills chunk c's tail; collectives and merges stay on
-        # the caller's stream. Off: the single-stream order (chunk c + 1's kernel after chunk c's all-to-all).
-        lanes = KernelLanes(dev, n, plan.lanes)
         # two-level on CUDA: stage 1 waited, node-merged and stage 2 issued on the relay stream (item 18)
         relay = None if hier is None else RelayStream.get(dev)
 
         def launch(c):
             prefetch(c + 2)  # Q one chunk ahead of this kernel
-            with lanes.launch(c):
-                if gather is None:
-                    q_c = pend_q.pop(c).wait()
-                else:
-                    gather.wait_forward(c)
-                    q_c = q_gathered[c]
-                lanes.use(c, q_c, k_xs[c], v_xs[c])
-                # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
-                #    for this rank's own blocks, the own block); intervals precomputed per step. O_r in the
-                #    kernel's own dtype where it has one (flex: the input dtype, `native_results`): packed
-                #    into the transport dtype below without an fp32 round trip (the same values).
-                return (q_c,) + kernel_forward(plan, q_c, k_xs[c], v_xs[c], masks[c], native=True)
+            if gather is None:
+                q_c = pend_q.pop(c).wait()
+            else:
+                gather.wait_forward(c)
+                q_c = q_gathered[c]
+            # 2. local attention of the chunk's gathered queries against this rank's keys (context and,
+            #    for this rank's own blocks, the own block); intervals precomputed per step. O_r in the
+            #    kernel's own dtype where it has one (flex: the input dtype, `native_results`): packed
+            #    into the transport dtype below without an fp32 round trip (the same values).
+            return (q_c,) + kernel_forward(plan, q_c, k_xs[c], v_xs[c], masks[c], native=True)
 
-        # pend_o: one exchange per chunk, or per exchange piece of a chunk (two-level, `meta.exchange_bounds`);
-        # rows_o: the owner's rows [r0, r1) and q heads [h0, h1) each one delivers, in issue order
+        # pend_o: one exchange per chunk; rows_o: the owner's rows [r0, r1) and q heads [h0, h1) each one
+        # delivers, in issue order
         q_chunks, states, pend_o, rows_o = [], [], [], []
-        for c, (q_c, o_r, lse_r, state) in lanes.pipeline(n, launch):
+        for c in range(n):
+            q_c, o_r, lse_r, state = launch(c)
             q_chunks.append(q_c)
             states.append(state)
             # 3. send every owner the partial (O_r in q's dtype, lse_r bit-packed beside it) of its rows:
@@ -710,24 +625,20 @@ class _SplitKV(torch.autograd.Function):
                 rows_o.append((chunks[c][0] * bsz, chunks[c][1] * bsz) + tuple(heads[c]))
             else:
                 # two-level: stage 1 sends local peer j' the rows of the owners (m, j') of every node m
-                # (rows reordered local-index-major in the packing copy), piece by piece (exchange pieces:
-                # the packed buffer holds them one after the other, each stage-1 send buffer a slice of it);
-                # after each stage 1 the exchange before it (piece or chunk) advances to stage 2
-                b0 = chunks[c][0]
-                pieces = [((p0 - b0) * bsz, (p1 - b0) * bsz) for p0, p1 in meta.exchange_bounds[c]]
-                packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size, pieces)
+                # (rows reordered local-index-major in the packing copy); after each stage 1 the chunk
+                # before advances to stage 2
+                b0, b1 = chunks[c]
+                packed = pack_partial_local_major(o_r, lse_r, dtype, hier[1].size, hier[0].size)
                 del o_r, lse_r
-                for r0, r1 in pieces:
-                    pend_o.append(_TwoStage(all_to_all(packed[P * r0:P * r1], hier[0], "splitkv.fwd.out.intra",
-                                                       async_op=True),
-                                            _out_stage2(meta, r1 - r0, d, plan.acc), relay))
-                    rows_o.append((b0 * bsz + r0, b0 * bsz + r1) + tuple(heads[c]))
-                    if len(pend_o) > 1:
-                        pend_o[-2].advance()
+                pend_o.append(_TwoStage(all_to_all(packed, hier[0], "splitkv.fwd.out.intra", async_op=True),
+                                        _out_stage2(meta, (b1 - b0) * bsz, d, plan.acc), relay))
+                rows_o.append((b0 * bsz, b1 * bsz) + tuple(heads[c]))
+                if len(pend_o) > 1:
+                    pend_o[-2].advance()
             del packed, q_c
         if hier is not None:
             pend_o[-1].advance()  # the last exchange's stage 2 overlaps the merges of the others
-        # chunked (or pieces), with the Triton merge: every exchange merged straight into its rows of one output
+        # chunked, with the Triton merge: every exchange merged straight into its rows of one output
         # (no cat). Head chunks: always into one output, at [rows, h0:h1] (the Triton merge writes the strided
         # destination itself; the torch merge copies its result there, as a cat along the heads would)
         n_ex = len(pend_o)
@@ -801,14 +712,11 @@ class _SplitKV(torch.autograd.Function):
         # all-gather dO and the GLOBAL statistics (delta, lse) every rank's local backward needs, chunk by
         # chunk (one ahead). Fused (`fuse_bwd_gather`: groups larger than one node, or the two-level
         # all-to-all): ONE all-gather per chunk of this rank's chunk rows of dO then of (delta, lse)
-        # bit-packed, in q's dtype (`pack_dout_stats`); with the two-level all-to-all that gather runs in
-        # two stages, between nodes then inside the node (`_gather_dout_stats`); otherwise two
+        # bit-packed, in q's dtype (`pack_dout_stats`); otherwise two
         # back-to-back all-gathers (on one NVLink node the second one costs less than the fused path's
         # pack/unpack copies). Padding rows: dO = 0, statistics -inf. The padded tensors are dropped once
         # the last chunk is issued (each Pending keeps its segment).
         fused = fuse_bwd_gather(g.size, hier is not None, meta.fused_bwd_gather_min_p)
-        # N > 1: the packed gather in two stages (`_gather_dout_stats`), its segments local-index-major
-        nodes = hier[1].size if hier is not None and two_level_bwd_gather(hier[1].size) else 1
         # head chunks: each chunk's heads of every row padded into contiguous send tensors by the padding copy
         # itself (`_head_sends`: one chunk-major copy of dO and one of the statistics for equal chunks)
         stats = torch.stack([delta, lse], -1)
@@ -826,7 +734,7 @@ class _SplitKV(torch.autograd.Function):
                 sl = slice(b0 * bsz, b1 * bsz)
                 do_c, st_c = send[0][sl], send[1][sl]
             if fused:
-                pend_c = _gather_dout_stats(pack_dout_stats(do_c, st_c, dt), meta, nodes > 1)
+                pend_c = all_gather(pack_dout_stats(do_c, st_c, dt), g, "splitkv.bwd.dout", async_op=True)
             else:
                 pend_c = (all_gather(do_c, g, "splitkv.bwd.dout", async_op=True),
                           all_gather(st_c, g, "splitkv.bwd.stats", async_op=True))
@@ -838,52 +746,42 @@ class _SplitKV(torch.autograd.Function):
         # exchanges are issued in that order, the dQ pendings kept by chunk (the consumers read them by chunk)
         order = _bwd_order(meta)
         pend_g, pend_dq, dk_x, dv_x, rows_kv = {}, [None] * n, None, None, None
-        issued, advanced = [0], [0]  # positions whose (first-stage) gather / two-level stage 2 is issued
+        issued = [0]  # positions whose gather is issued
 
         def prefetch(i):
             """Before the kernel at position i: the [dO | stats] gathers of positions <= i + 1 issued, so the
-            next chunk's is in flight while this kernel runs. Two-level: stage 1 of positions <= i + 2 and
-            stage 2 of positions <= i + 1. The current stream waits for a chunk's stage 1 before its stage 2 is
-            issued (a stream wait, no host block), and that stage 1 was issued before the previous kernel, so
-            the wait finds it done (except for the first two chunks); stage 2 then runs during this kernel."""
-            while issued[0] < min(i + (2 if nodes == 1 else 3), n):
+            next chunk's is in flight while this kernel runs."""
+            while issued[0] < min(i + 2, n):
                 pend_g[order[issued[0]]] = gather_stats(order[issued[0]])
                 issued[0] += 1
-            while nodes > 1 and advanced[0] < min(i + 2, n):
-                pend_g[order[advanced[0]]].advance()
-                advanced[0] += 1
 
         dev = lse.device
-        lanes = KernelLanes(dev, n, plan.lanes)  # as in forward: chunk c's kernel on lane c % 2
         relay = None if hier is None else RelayStream.get(dev)  # as in forward (item 18)
 
-        def launch(i):  # position i (kernel lanes alternate by position): chunk c = order[i]
+        def launch(i):  # position i: chunk c = order[i]
             c = order[i]
             prefetch(i)  # one chunk ahead of this kernel
             pend = pend_g.pop(c)
-            with lanes.launch(i):
-                if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
-                    buf = pend.take()
-                    lanes.use(i, buf)
-                    hc = heads[c][1] - heads[c][0]
-                    do_all, stats_all = unpack_dout_stats(buf, g.size, hc, meta.head_dim, plan.acc, nodes=nodes)
-                    del buf
-                else:
-                    do_all, stats_all = pend[0].take(), pend[1].take()
-                    lanes.use(i, do_all, stats_all)
-                lanes.use(i, q_chunks[c], k_xs[c], v_xs[c])
-                # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
-                # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
-                # returned lse), as in the reference
-                delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
-                # gradients in the kernel's own dtype where it has one (`native_results`): dQ goes to the
-                # all-to-all in q's dtype anyway, dK / dV are summed in fp32 (k > 1) or cast once (k = 1)
-                grads = kernel_backward(plan, q_chunks[c], k_xs[c], v_xs[c], ctx.masks[c], do_all,
-                                        stats_all[..., 1], delta_all, ctx.states[c], native=True)
+            if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
+                buf = pend.take()
+                hc = heads[c][1] - heads[c][0]
+                do_all, stats_all = unpack_dout_stats(buf, g.size, hc, meta.head_dim, plan.acc)
+                del buf
+            else:
+                do_all, stats_all = pend[0].take(), pend[1].take()
+            # rows whose global lse is -inf (padding rows, rows that see no key: their P is 0) get delta 0;
+            # any other delta stays as it is, a non-finite one too (e.g. from a NaN / inf gradient of the
+            # returned lse), as in the reference
+            delta_all = stats_all[..., 0].masked_fill(torch.isneginf(stats_all[..., 1]), 0.0)
+            # gradients in the kernel's own dtype where it has one (`native_results`): dQ goes to the
+            # all-to-all in q's dtype anyway, dK / dV are summed in fp32 (k > 1) or cast once (k = 1)
+            grads = kernel_backward(plan, q_chunks[c], k_xs[c], v_xs[c], ctx.masks[c], do_all,
+                                    stats_all[..., 1], delta_all, ctx.states[c], native=True)
             ctx.states[c] = None
             return grads
 
-        for i, (dq_r, dk_c, dv_c) in lanes.pipeline(n, launch):
+        for i in range(n):
+            dq_r, dk_c, dv_c = launch(i)
             c = order[i]
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
             if hier is None:
@@ -961,8 +859,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     it; local kernel backward with the global statistics; all-to-all of the dQ partials (q's dtype),
     summed in fp32 by the owner; dK/dV of the context and of the own block stay local. With
     `cp_ranks_per_node` = L (1 < L < P) both all-to-alls run in two stages, inside each node of L ranks
-    and then between nodes in fp32, and from N = P / L >= 16 nodes the dO all-gather too, between nodes
-    and then inside each node (the same bytes; module docstring, item 5). Both passes run over
+    and then between nodes in fp32 (module docstring, item 5). Both passes run over
     `num_chunks` query chunks, overlapping each chunk's collectives with the next chunk's kernel. Every
     collective is query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
 
@@ -1031,10 +928,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             = CP ranks [n * L, (n + 1) * L), which must share a node for the traffic split to pay off
             (correct anyway). Must be the same on every rank (agreed group-wide like num_chunks). With
             `metadata=` it was fixed by `prepare_splitkv_metadata(..., cp_ranks_per_node=...)`: pass
-            None or that value. With 1 < L < P the forward exchange of each chunk runs in row pieces (module
-            docstring, item 5 "Exchange pieces": 2 at num_chunks 1 by default), fixed by
-            `prepare_splitkv_metadata(..., exchange_pieces=)` or, without `metadata=`, by the environment
-            variable MEGATRON_SPLITKV_EXCHANGE_PIECES; bit-identical results either way.
+            None or that value.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -1050,7 +944,6 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             environment variable) not a positive int, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" /
             "heads", cp_ranks_per_node (or its environment variable)
             not a positive int or not dividing the CP group size P (the limit is named in the message),
-            MEGATRON_SPLITKV_EXCHANGE_PIECES not a positive int <= 64 or differing across ranks,
             or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks / chunk_axis /
             cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
             consistently (`comm.node_groups`). With `metadata=`: ValueError
