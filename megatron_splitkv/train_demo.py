@@ -47,10 +47,10 @@ from .checkpoint import MANIFEST, TRACKER, CheckpointError, iteration_dir, resol
 def parse_args(argv=None):
     """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
     data loader accept): a bad flag is argparse's one error line naming it and its limit, exit status 2."""
-    from ._ints import float_arg, int_arg  # strict decimal ints; finite reals only (float() takes "nan")
+    from ._ints import DefaultsHelpFormatter, float_arg, int_arg  # strict ints; finite reals (float() takes "nan")
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--steps", type=int_arg(1), default=30, help="training steps (the last step's number)")
     p.add_argument("--cp", type=int_arg(1), default=2, help="context-parallel size = number of gloo processes")
     p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"),
@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--num-anchors", type=int_arg(1), default=32, help="anchors (query blocks) per sequence")
     p.add_argument("--block-size", type=int_arg(2), default=16, help="DFlash block size B (anchor + B-1 predicted)")
     p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
-                   help="loss weight exp(-(k-1)/gamma) per offset k; None: 7 for B=16, scaled with B")
+                   help="loss weight exp(-(k-1)/gamma) per offset k (default: 7 for B=16, scaled with B)")
     p.add_argument("--limit", type=int_arg(1), default=400, help="ShareGPT conversations to load")
     p.add_argument("--hidden", type=int_arg(16), default=128, help="hidden size (target and drafter)")
     p.add_argument("--target-layers", type=int_arg(1), default=6, help="layers of the random frozen target")
@@ -75,7 +75,7 @@ def parse_args(argv=None):
                    help="save every N steps (needs --save; a final checkpoint is always written)")
     p.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
     p.add_argument("--ckpt-step", type=int_arg(0), default=None,
-                   help="step of the checkpoint to load (None: the latest in --load)")
+                   help="step of the checkpoint to load (default: the latest in --load)")
     args = p.parse_args(argv)
     _check_flag_combinations(p, args)
     return args
