@@ -77,7 +77,7 @@ if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
 
-from megatron_splitkv._ints import DefaultsHelpFormatter, float_arg, int_arg  # noqa: E402
+from megatron_splitkv._ints import DefaultsHelpFormatter, existing_dir, existing_path, float_arg, int_arg  # noqa: E402,E501
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
@@ -97,20 +97,6 @@ def _short_errors(parser: argparse.ArgumentParser) -> None:
         parser.exit(2, f"{parser.prog}: error: {message}\n{parser.prog}: run with --help for every flag\n")
 
     parser.error = error
-
-
-def existing_path(text: str) -> str:
-    """argparse `type=` of a flag naming a file or directory that must exist."""
-    if not os.path.exists(text):
-        raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
-    return text
-
-
-def existing_dir(text: str) -> str:
-    """argparse `type=` of a flag naming a directory that must exist."""
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
-    return text
 
 
 def check_dflash_args(args) -> None:

@@ -337,25 +337,27 @@ def _run_rank(rank, world, args):
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--context", type=int, default=16384, help="total context tokens (one sequence)")
-    ap.add_argument("--cp", type=int, default=2, help="CP size = number of gloo processes")
+    ap.add_argument("--context", type=int_arg(1), default=16384, help="total context tokens (one sequence)")
+    ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size = number of gloo processes")
     ap.add_argument("--methods", default="splitkv,allgather-kv")
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--anchors", type=int_arg(1), default=512)
+    ap.add_argument("--block-size", type=int_arg(2), default=16)
+    ap.add_argument("--hq", type=int_arg(1), default=32)
+    ap.add_argument("--hkv", type=int_arg(1), default=8)
+    ap.add_argument("--d", type=int_arg(1), default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--placement", default="lpt")
-    ap.add_argument("--num-chunks", type=int, default=None, help="splitkv's chunk count (default: the op's)")
+    ap.add_argument("--num-chunks", type=int_arg(1), default=None, help="splitkv's chunk count (default: the op's)")
     ap.add_argument("--kernel", default="flex", choices=("flex", "none"),
                     help="flex: kernels/flex.py with a stand-in flex_attention; none: contract outputs only")
     ap.add_argument("--query-gather", action="store_true",
                     help="splitkv through splitkv_start_query_gather + query_gather= (layer-like call)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--top", type=int, default=10, help="allocation sites listed at the peak")
+    ap.add_argument("--seed", type=int_arg(0), default=0)
+    ap.add_argument("--top", type=int_arg(1), default=10, help="allocation sites listed at the peak")
     ap.add_argument("--phases", action="store_true", help="also list the sites at the forward / backward peaks")
     ap.add_argument("--class-sites", action="store_true",
                     help="also list the largest sites of each size class (context / query) at the peak")
