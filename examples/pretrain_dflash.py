@@ -45,7 +45,11 @@ states, the drafter computes the decayed DFlash loss normalised over the CP grou
 (Megatron's log line): the loss, `tokens-per-sec` (context tokens of the global batch per second) and
 `planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's `--save/--load` (drafter and optimizer;
 the frozen shared embedding/LM head travel with it); on resume the data pipeline skips the batches
-already consumed (without building them).
+already consumed (without building them). Each saved iteration gets a manifest (size + SHA-256 per file,
+`megatron_splitkv.megatron.checkpoint`), verified before `--load`: a damaged checkpoint is one error line
+naming the file and the last complete one. A NaN / inf loss stops the run (Megatron's
+--check-for-nan-in-loss-and-grad, on by default: the loss through its rerun state machine, the gradients
+in its DDP).
 
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
 (`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace: one
@@ -76,9 +80,11 @@ if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:
 
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
+from megatron.training import training as megatron_training  # noqa: E402
 
 from megatron_splitkv._ints import DefaultsHelpFormatter, existing_dir, existing_path, float_arg, int_arg  # noqa: E402,E501
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
+from megatron_splitkv.megatron.checkpoint import CheckpointError, install_checkpoint_manifest  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
@@ -569,6 +575,7 @@ def main(argv=None):
     validate_splitkv_args(args)
     check_dflash_args(args)
     _skip_helper_build_if_prebuilt()
+    install_checkpoint_manifest(megatron_training, args)  # manifest after each save, verified before the load
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     return args
@@ -579,6 +586,6 @@ if __name__ == "__main__":
 
     try:
         main()
-    except SplitKVArgumentError as exc:  # a bad flag: one line naming it, exit status 2 (as argparse's errors)
+    except (SplitKVArgumentError, CheckpointError) as exc:  # a bad flag or a damaged --load: one line, exit 2
         print(f"pretrain_dflash.py: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -220,3 +220,58 @@ def test_demo_resumes_from_the_last_complete_checkpoint(demo_copy):
     assert ck.complete_steps(demo_copy) == [2, 3]  # iter 4 stays incomplete, not offered
     with pytest.raises(ck.CheckpointError, match="manifest.json: missing.*last complete checkpoint is step 3"):
         train_demo.find_checkpoint(demo_copy, 4)
+
+
+# ------------------------------------------------------------------------------ Megatron-format checkpoints
+def test_megatron_save_gets_a_manifest_and_load_verifies_it(tmp_path):
+    """`install_checkpoint_manifest` around Megatron's save / load (examples/pretrain_dflash.py installs it on
+    megatron.training.training): here around stand-ins that write Megatron's layout (torch_dist files, the
+    tracker), so the wrappers' order and the refusal are checked without a GPU."""
+    import argparse
+    import types
+    import warnings
+
+    from megatron_splitkv.megatron.checkpoint import install_checkpoint_manifest
+
+    root = str(tmp_path / "mg")
+    loads = []
+
+    def save_checkpoint(iteration, model, optimizer, scheduler, flops, checkpointing_context=None,
+                        non_persistent_ckpt=False, **kw):
+        d = ck.iteration_dir(root, iteration)
+        os.makedirs(d, exist_ok=True)
+        for name, data in (("__0_0.distcp", b"w" * 4000), (".metadata", b"m" * 50), ("common.pt", b"c" * 300)):
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(data)
+        with open(os.path.join(root, ck.TRACKER), "w") as f:
+            f.write(str(iteration))
+
+    def load_checkpoint(model, optimizer, scheduler, load_arg="load", **kw):
+        loads.append(load_arg)
+        return 4, 0.0
+
+    training = types.SimpleNamespace(save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
+    args = argparse.Namespace(save=root, load=root, ckpt_step=None, async_save=False)
+    assert install_checkpoint_manifest(training, args)
+    training.save_checkpoint(2, None, None, None, 0.0)
+    training.save_checkpoint(4, None, None, None, 0.0, None, non_persistent_ckpt=False)
+    assert ck.complete_steps(root) == [2, 4]
+    with open(os.path.join(ck.iteration_dir(root, 4), ck.MANIFEST)) as f:
+        assert sorted(json.load(f)["files"]) == [".metadata", "__0_0.distcp", "common.pt"]
+    assert training.load_checkpoint(None, None, None) == (4, 0.0) and loads == ["load"]
+
+    _flip(os.path.join(ck.iteration_dir(root, 4), "__0_0.distcp"))
+    with pytest.raises(ck.CheckpointError) as info:
+        training.load_checkpoint(None, None, None)
+    msg = str(info.value)
+    assert msg.startswith(f"--load {root}: ") and "__0_0.distcp: damaged" in msg and "\n" not in msg
+    assert "last complete checkpoint is step 2" in msg and loads == ["load"]  # Megatron's load not reached
+    args.ckpt_step = 2
+    assert training.load_checkpoint(None, None, None) == (4, 0.0)
+
+    # --async-save: the files are finished later; no wrappers, a warning
+    training2 = types.SimpleNamespace(save_checkpoint=save_checkpoint, load_checkpoint=load_checkpoint)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not install_checkpoint_manifest(training2, argparse.Namespace(async_save=True))
+    assert training2.save_checkpoint is save_checkpoint and "--async-save" in str(seen[0].message)
