@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -303,10 +304,10 @@ def _rank_failure_text(message: str) -> str:
     of the demo's own (`_KNOWN_ERRORS`: their message is complete); anything else keeps the rank's traceback."""
     lines = message.rstrip().splitlines()
     last = lines[-1] if lines else ""
-    for cls in _KNOWN_ERRORS:
-        for prefix in (f"{cls.__module__}.{cls.__qualname__}: ", f"{cls.__qualname__}: "):
-            if last.startswith(prefix):
-                return f"{lines[0].split(' failed')[0]}: {last[len(prefix):]}"
+    for cls in _KNOWN_ERRORS:  # "module.Class: text"; the module is __mp_main__ when run with python -m
+        m = re.match(rf"(?:[\w.]+\.)?{cls.__qualname__}: (.*)", last)
+        if m:
+            return f"{lines[0].split(' failed')[0]}: {m.group(1)}"
     return message
 
 

@@ -143,3 +143,15 @@ def test_pretrain_dflash_checks_nan_in_loss_and_grad_by_default(monkeypatch, cap
     rejected = [c[0] for c in calls]
     assert rejected == [True, False, False, True, False, False], calls  # (isnan, isinf) per call
     assert all(fatal for _, _, fatal in calls) and "NaN" in calls[0][1] and "Inf" in calls[1][1]
+
+
+def test_rank_failure_text_is_one_line_for_the_demo_errors():
+    """The launcher's report shortened to the error line for the demo's own errors, whatever module name the
+    spawned rank gave the class (`__mp_main__` under `python -m`); other errors keep their traceback."""
+    tb = ("rank 1 of 2 failed (exit code 1):\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+          "{}: step 3: the loss is nan; training stopped")
+    for mod in ("megatron_splitkv.train_demo.", "__mp_main__.", ""):
+        text = train_demo._rank_failure_text(tb.format(mod + "NonFiniteLossError"))
+        assert text == "rank 1 of 2: step 3: the loss is nan; training stopped", text
+    other = tb.format("ValueError")
+    assert train_demo._rank_failure_text(other) == other
