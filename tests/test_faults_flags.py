@@ -61,7 +61,7 @@ CASES = [
     ("examples/op_demo.py", ["--ctx", "1"], "--ctx: must be an int >= 2"),
     ("tools.bench_attention", ["--kernel-reps", "0"], "--kernel-reps: must be a positive int"),
     ("tools.bench_attention", ["--anchors", "0"], "--anchors: must be a positive int"),
-    ("tools.bench_layer_overlap", ["--block-size", "1"], "--block-size: must be an int >= 2"),
+    ("tools.bench_layer_overlap", ["--block-size", "0"], "--block-size: must be a positive int"),
     ("tools.bench_lpt", ["--repeats", "0"], "--repeats: must be a positive int"),
     ("tools.calibrate_cost", ["--iters", "0"], "--iters: must be a positive int"),
     ("tools.chunk_cost", ["--lanes", "0"], "--lanes: must be a positive int"),
@@ -77,9 +77,9 @@ CASES = [
     ("tools.profile_op", ["--steps", "0"], "--steps: must be a positive int"),
     ("tools.simulate_scaling", ["--Hq", "0"], "--Hq: must be a positive int"),
     ("tools.simulate_scaling", ["--kernel-tflops", "0"], "--kernel-tflops: must be a finite number > 0"),
-    ("tools.simulate_scaling", ["--fwd-fraction", "1.5"], "--fwd-fraction: must be a finite number > 0 and <= 1"),
+    ("tools.simulate_scaling", ["--fwd-fraction", "1.5"], "--fwd-fraction: must be a finite number >= 0 and <= 1"),
     ("tools.staircase_shapes", ["--anchors", "0"], "--anchors: must be a positive int"),
-    ("tools.step_overhead", ["--data-workers", "-1"], "--data-workers: must be an int >= 0"),
+    ("tools.step_overhead", ["--data-workers", "0"], "--data-workers: must be a positive int"),
     ("tools.step_overhead", ["--hidden", "0"], "--hidden: must be a positive int"),
     ("tools.tune_flex", ["--reps", "0"], "--reps: must be a positive int"),
 ]
@@ -193,3 +193,13 @@ def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys):
     assert train_demo.main(["--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "rank 1 of 2 exited without reporting a result, exit code 7" in err, err
+
+
+@pytest.mark.parametrize("argv,text", [(["--tree", "/nonexistent", "--out", "/tmp/x"], "--tree: no such file"),
+                                       (["--compare", FILE, "/nonexistent"], "--compare: no such file")])
+def test_op_bits_paths_must_exist(argv, text, capsys):
+    from tools import op_bits
+
+    with pytest.raises(SystemExit) as info:
+        op_bits.main(argv)
+    assert info.value.code == 2 and text in capsys.readouterr().err

@@ -138,7 +138,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
     ap.add_argument("--anchors", type=int_arg(1), default=512)
-    ap.add_argument("--block-size", type=int_arg(2), default=16)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
     ap.add_argument("--hidden", type=int_arg(1), default=4096)
     ap.add_argument("--hq", type=int_arg(1), default=32)
     ap.add_argument("--hkv", type=int_arg(1), default=8)

@@ -67,9 +67,9 @@ def main(argv=None):
                                                   "lpt_bench"),
                     help="output directory (default out/lpt_bench; `--out docs` rewrites the committed results)")
     ap.add_argument("--batches", type=int_arg(1), default=8, help="ShareGPT 32K batches")
-    ap.add_argument("--long-batches", type=int_arg(0), default=4, help="synthetic 128K batches")
+    ap.add_argument("--long-batches", type=int_arg(1), default=4, help="synthetic 128K batches")
     ap.add_argument("--repeats", type=int_arg(1), default=21, help="timing repeats (lpt/contiguous/zigzag)")
-    ap.add_argument("--hg-repeats", type=int_arg(0), default=3, help="timing repeats (hypergraph)")
+    ap.add_argument("--hg-repeats", type=int_arg(1), default=3, help="timing repeats (hypergraph)")
     ap.add_argument("--strategies", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--quick", action="store_true", help="small-data mode (first 300 conversations)")
     args = ap.parse_args(argv)

@@ -104,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int_arg(1), default=128)
     ap.add_argument("--layers", type=int_arg(1), default=5)
     ap.add_argument("--taps", type=int_arg(1), default=5, help="target layers concatenated into fc")
-    ap.add_argument("--block", type=int_arg(2), default=16)
+    ap.add_argument("--block", type=int_arg(1), default=16)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--ctx-lens", default="4096,16384,65536")
     ap.add_argument("--anchor-counts", default="128,512")

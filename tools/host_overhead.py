@@ -452,7 +452,7 @@ def main(argv=None):
                     "kernel's arithmetic small, the op's structure does not depend on it)")
     ap.add_argument("--staircase", default="small", choices=["small", "default"],
                     help="staircase options: scaled to the shapes (STAIRCASE_SMALL) or the kernel's defaults")
-    ap.add_argument("--block-size", type=int_arg(2), default=16)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
     ap.add_argument("--heads", type=int_arg(1), default=1, help="Hq (= Hkv unless --heads-kv)")
     ap.add_argument("--heads-kv", type=int_arg(1), default=None, help="Hkv (dividing --heads; default: --heads)")
     ap.add_argument("--chunk-axis", default=None, choices=["rows", "heads"],
@@ -465,7 +465,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
     ap.add_argument("--steps", type=int_arg(1), default=20, help="timed steps per row (median)")
     ap.add_argument("--warmup", type=int_arg(0), default=3)
-    ap.add_argument("--profile-steps", type=int_arg(0), default=5, help="steps under cProfile")
+    ap.add_argument("--profile-steps", type=int_arg(1), default=5, help="steps under cProfile")
     ap.add_argument("--top", type=int_arg(1), default=15, help="functions listed per row")
     ap.add_argument("--breakdown", action="store_true", help="also list the aten ops by name")
     ap.add_argument("--digest", action="store_true", help="sha256 of outputs and gradients per row")

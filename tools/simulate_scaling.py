@@ -1224,7 +1224,7 @@ def main(argv=None):
     ap.add_argument("--placements", default="lpt,zigzag", help="splitkv placements (others: first one)")
     ap.add_argument("--ctx-per-rank", type=int_arg(1), default=16384)
     bench.add_workload_args(ap, reps=5)
-    ap.add_argument("--B", type=int_arg(2), default=16)
+    ap.add_argument("--B", type=int_arg(1), default=16)
     ap.add_argument("--Hq", type=int_arg(1), default=32)
     ap.add_argument("--Hkv", type=int_arg(1), default=8)
     ap.add_argument("--D", type=int_arg(1), default=128)
@@ -1247,7 +1247,7 @@ def main(argv=None):
                     help="model: op ms beyond the kernel WITH a separate own-block pass (a fused model takes "
                          "--own-block-ms off): 3.4 = 1.41 ms measured for the fused op (CP=1 op - kernel, third "
                          "H200 run, docs/benchmarks.md) + the 2.0 ms stated own block; measured mode measures it")
-    ap.add_argument("--fwd-fraction", type=float_arg(0, 1, above=True), default=0.29)
+    ap.add_argument("--fwd-fraction", type=float_arg(0, 1), default=0.29)
     ap.add_argument("--num-chunks", default="auto",
                     help="splitkv chunk counts to model, comma list (one splitkv row per value and P; the table "
                          "reports k = 1 and the best k per P), or 'auto': 1,2,3,4,6,8 (model-only) / 1,2,4 "

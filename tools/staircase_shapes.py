@@ -318,7 +318,7 @@ def main(argv=None):
     ap.add_argument("--max-seqs", type=int_arg(0), default=0, help="most sequences per batch (0: no limit)")
     ap.add_argument("--anchors", type=int_arg(1), default=512)
     ap.add_argument("--anchors-per", default="seq", choices=("seq", "batch"))
-    ap.add_argument("--block-size", type=int_arg(2), default=16)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
     ap.add_argument("--hq", type=int_arg(1), default=32)
     ap.add_argument("--hkv", type=int_arg(1), default=8)
     ap.add_argument("--head-dim", type=int_arg(1), default=128)

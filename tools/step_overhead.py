@@ -186,7 +186,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-heads", type=int_arg(1), default=None, help="kv heads (default 8)")
     ap.add_argument("--head-dim", type=int_arg(1), default=None, help="head dim (default 128)")
     ap.add_argument("--ffn", type=int_arg(1), default=None, help="FFN hidden size (default 12288)")
-    ap.add_argument("--vocab", type=int_arg(1), default=None, help="vocabulary (default 151936)")
+    ap.add_argument("--vocab", type=int_arg(2), default=None, help="vocabulary (default 151936)")
     ap.add_argument("--target-layers", type=int_arg(1), default=None,
                     help="layers of the (virtual) target: sets the taps, target_layer_ids(n, layers) (default 36)")
     ap.add_argument("--kernel", default="auto", help="the op's local kernel (--splitkv-kernel; default auto)")
@@ -200,7 +200,7 @@ def parse_args(argv=None):
     ap.add_argument("--profile-data", action="store_true",
                     help="also break the prefetched+meta step's data part down on the host: next() alone (and "
                          "whether the worker's item was ready), the pinned upload's issue, the bind; a second table")
-    ap.add_argument("--data-workers", type=int_arg(0), default=1,
+    ap.add_argument("--data-workers", type=int_arg(1), default=1,
                     help="DataLoader worker processes of the ONE data pipeline per process that serves both "
                          "prefetched arms (pretrain_dflash.py --dflash-data-workers; default 1)")
     ap.add_argument("--data-prefetch", type=int_arg(1), default=2,
