@@ -76,12 +76,14 @@ def _rel(a, b):
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cp", type=int, default=2)
-    ap.add_argument("--ctx", type=int, default=1024, help="tokens per sequence (2 packed sequences)")
-    ap.add_argument("--blocks", type=int, default=8, help="query blocks of 16 per rank")
+    ap.add_argument("--cp", type=int_arg(1), default=2)
+    ap.add_argument("--ctx", type=int_arg(2), default=1024, help="tokens per sequence (2 packed sequences)")
+    ap.add_argument("--blocks", type=int_arg(1), default=8, help="query blocks of 16 per rank")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     a = ap.parse_args(argv)
     dtype = getattr(torch, a.dtype)
     problems = [make_problem(a.seed, a.cp, c, a.blocks, dtype=dtype) for c in (a.ctx, 4 * a.ctx)]

@@ -46,7 +46,11 @@ states, the drafter computes the decayed DFlash loss normalised over the CP grou
 (Megatron's log line): the loss, `tokens-per-sec` (context tokens of the global batch per second) and
 `planner-imbalance` (max/mean load - 1). Checkpoints: Megatron's `--save/--load` (drafter and optimizer;
 the frozen shared embedding/LM head travel with it); on resume the data pipeline skips the batches
-already consumed (without building them).
+already consumed (without building them). Each saved iteration gets a manifest (size + SHA-256 per file,
+`megatron_splitkv.megatron.checkpoint`), verified before `--load`: a damaged checkpoint is one error line
+naming the file and the last complete one. A NaN / inf loss stops the run (Megatron's
+--check-for-nan-in-loss-and-grad, on by default: the loss through its rerun state machine, the gradients
+in its DDP).
 
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
 (`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace: one
@@ -77,9 +81,11 @@ if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:
 
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, get_timers, pretrain, print_rank_0  # noqa: E402
+from megatron.training import training as megatron_training  # noqa: E402
 
-from megatron_splitkv._ints import float_arg  # noqa: E402
+from megatron_splitkv._ints import DefaultsHelpFormatter, existing_dir, existing_path, float_arg, int_arg  # noqa: E402,E501
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
+from megatron_splitkv.megatron.checkpoint import CheckpointError, install_checkpoint_manifest  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
 
@@ -100,6 +106,31 @@ def _short_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error
 
 
+def check_dflash_args(args) -> None:
+    """Limits of this script's flags that involve Megatron's (argparse's `type=` sees one flag): the MASK id
+    inside the padded vocabulary (Megatron pads --vocab-size to a multiple of --make-vocab-size-divisible-by
+    times the TP size), --target-num-layers enough for the drafter's taps. Raises SplitKVArgumentError naming
+    the flags (exit status 2 from the command line)."""
+    from megatron_splitkv.dflash import target_layer_ids
+    from megatron_splitkv.megatron.arguments import SplitKVArgumentError
+
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is not None and getattr(args, "mask_token_id", None) is not None:
+        multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 1) * (args.tensor_model_parallel_size or 1)
+        padded = -(-vocab // multiple) * multiple
+        if args.mask_token_id >= padded:
+            raise SplitKVArgumentError(f"--mask-token-id {args.mask_token_id} must be < {padded} (--vocab-size {vocab} "
+                                       f"padded to a multiple of {multiple}): the MASK token is a row of the vocabulary")
+    layers = getattr(args, "num_layers", None)
+    if layers is not None and args.target_num_layers is not None:
+        try:
+            target_layer_ids(args.target_num_layers, layers)
+        except ValueError:
+            raise SplitKVArgumentError(f"--target-num-layers {args.target_num_layers} must be >= 4 for a drafter of "
+                                       f"--num-layers {layers} (one tapped target layer per drafter layer, spread "
+                                       f"over layers 1..n-3)") from None
+
+
 def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron `extra_args_provider`: Split-KV flags plus the DFlash, target and data flags; the parser's
     errors become two lines without the full usage (`_short_errors`)."""
@@ -110,25 +141,26 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group(title="dflash drafter")
     g.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
                    help="Loss weight exp(-(k-1)/gamma) per offset k (default 7 for B=16, scaled with B).")
-    g.add_argument("--mask-token-id", type=int, default=QWEN3_FIRST_UNUSED_ID,
+    g.add_argument("--mask-token-id", type=int_arg(0), default=QWEN3_FIRST_UNUSED_ID,
                    help="Reserved MASK token: an unused row of the target vocabulary.")
     t = parser.add_argument_group(title="dflash target (frozen, Qwen3-style; hidden size = --hidden-size)")
-    t.add_argument("--target-num-layers", type=int, default=36)
-    t.add_argument("--target-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
-    t.add_argument("--target-num-attention-heads", type=int, default=None, help="default: --num-attention-heads")
-    t.add_argument("--target-num-query-groups", type=int, default=None, help="default: --num-query-groups")
-    t.add_argument("--target-kv-channels", type=int, default=None, help="default: --kv-channels")
-    t.add_argument("--target-load", type=str, default=None,
+    t.add_argument("--target-num-layers", type=int_arg(1), default=36, help="decoder layers of the target")
+    t.add_argument("--target-ffn-hidden-size", type=int_arg(1), default=None, help="default: --ffn-hidden-size")
+    t.add_argument("--target-num-attention-heads", type=int_arg(1), default=None, help="default: --num-attention-heads")
+    t.add_argument("--target-num-query-groups", type=int_arg(1), default=None, help="default: --num-query-groups")
+    t.add_argument("--target-kv-channels", type=int_arg(1), default=None, help="default: --kv-channels")
+    t.add_argument("--target-load", type=existing_path, default=None,
                    help="Target weights (torch state dict file or Megatron torch_dist dir); random init if unset.")
-    t.add_argument("--target-seed", type=int, default=1234)
-    t.add_argument("--target-hf-path", type=str, default=None,
+    t.add_argument("--target-seed", type=int_arg(0), default=1234, help="the random target's init seed")
+    t.add_argument("--target-hf-path", type=existing_dir, default=None,
                    help="Hugging Face Qwen3 checkpoint directory (config.json + *.safetensors) of the target: its "
                    "config replaces the --target-* sizes and the weights are loaded TP-sharded "
                    "(megatron_splitkv.megatron.hf.load_hf_target); not with --target-load.")
     d = parser.add_argument_group(title="dflash data")
-    d.add_argument("--sharegpt-limit", type=int, default=None, help="first N ShareGPT conversations only")
-    d.add_argument("--data-seed", type=int, default=0)
-    d.add_argument("--features-path", type=str, default=None,
+    d.add_argument("--sharegpt-limit", type=int_arg(1), default=None,
+                   help="first N ShareGPT conversations only (default: all)")
+    d.add_argument("--data-seed", type=int_arg(0), default=0, help="anchor sampling and batch order seed")
+    d.add_argument("--features-path", type=existing_dir, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
     s = parser.add_argument_group(title="this script")
     # handled by main() before Megatron parses (removed from the command line there); declared here so that
@@ -429,6 +461,19 @@ def forward_step(data_iterator, model):
     return out.loss, partial(loss_func, out)
 
 
+def _validate_loss(total):
+    """Megatron's --check-for-nan-in-loss-and-grad (on by default) for the loss, as its pretrain_gpt.py does:
+    the rerun state machine rejects a NaN or an inf loss (a RuntimeError naming the iteration when reruns are
+    disabled; a re-run to attribute the fault otherwise). Gradients: Megatron's DDP checks them (the same flag)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    sm = get_rerun_state_machine()
+    sm.validate_result(result=total, rejection_func=torch.isnan, message="found NaN in the DFlash loss",
+                       tolerance=0.0, fatal=True)
+    sm.validate_result(result=total, rejection_func=torch.isinf, message="found Inf in the DFlash loss",
+                       tolerance=0.0, fatal=True)
+
+
 def loss_func(out, output_tensor):
     """Megatron's legacy 2-output loss contract: the schedule multiplies by the CP size and DDP averages
     over the DP x CP group, so the CP-summed gradient of `out.loss` (this rank's share of the
@@ -437,6 +482,8 @@ def loss_func(out, output_tensor):
     micro-batch times DP over the wall time since the previous micro-batch ended, i.e. including
     backward and the optimizer step) and `planner-imbalance` (max/mean load - 1 of this micro-batch)."""
     args = get_args()
+    if getattr(args, "check_for_nan_in_loss_and_grad", True):
+        _validate_loss(out.total)
     st = _STATE["stats"]
     dev = output_tensor.device
     now = time.perf_counter()
@@ -484,13 +531,25 @@ def _skip_helper_build_if_prebuilt():
     dsu.compile_helpers = lambda: None
 
 
+def parse_only_verdict(args) -> str:
+    """The last line of --parse-only: the verdict on the command line, one line."""
+    return (f"pretrain_dflash.py --parse-only: OK, {len(vars(args))} flags parsed and validated (Megatron's parser, "
+            f"validate_splitkv_args, check_dflash_args); a run needs CUDA")
+
+
 def _print_help():
-    """Megatron's parser plus ours; help strings that argparse cannot format (megatron-core 0.19.2 has
-    one with a bare '%') are escaped so that --help works."""
+    """Megatron's parser plus ours, our groups (`add_dflash_args`: Split-KV, drafter, target, data, this
+    script) listed first and every flag with its default; help strings that argparse cannot format
+    (megatron-core 0.19.2 has one with a bare '%') are escaped so that --help works."""
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = add_dflash_args(add_megatron_arguments(argparse.ArgumentParser(
-        description="DFlash drafter training (Megatron-LM pretrain, Split-KV CP)", allow_abbrev=False)))
+    parser = add_megatron_arguments(argparse.ArgumentParser(
+        description="DFlash drafter training (Megatron-LM pretrain, Split-KV CP); this script's flags first, then "
+        "Megatron's", allow_abbrev=False, formatter_class=DefaultsHelpFormatter))
+    megatron_groups = len(parser._action_groups)
+    add_dflash_args(parser)
+    groups = parser._action_groups  # [positionals, options, Megatron's..., ours...]
+    groups[2:] = groups[megatron_groups:] + groups[2:megatron_groups]
     fmt = parser._get_formatter()
     for action in parser._actions:
         try:
@@ -518,7 +577,9 @@ def main(argv=None):
         # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine or
         # FlashAttention-4 is installed is a property of the training machine, not of the flags: not checked here
         validate_splitkv_args(args, have_te=True, have_fa4=True)
+        check_dflash_args(args)
         print(format_parsed_args(_shown_args(args)))
+        print(parse_only_verdict(args))
         return args
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -531,7 +592,9 @@ def main(argv=None):
     )
     _defaults(args)
     validate_splitkv_args(args)
+    check_dflash_args(args)
     _skip_helper_build_if_prebuilt()
+    install_checkpoint_manifest(megatron_training, args)  # manifest after each save, verified before the load
     pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
              ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     return args
@@ -542,6 +605,6 @@ if __name__ == "__main__":
 
     try:
         main()
-    except SplitKVArgumentError as exc:  # a bad flag: one line naming it, exit status 2 (as argparse's errors)
+    except (SplitKVArgumentError, CheckpointError) as exc:  # a bad flag or a damaged --load: one line, exit 2
         print(f"pretrain_dflash.py: error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -21,10 +21,12 @@ them, and a NaN bandwidth or learning rate then only shows as NaN results).
 Pure Python (no torch / numpy import) so that argument parsing can use it.
 """
 
+import argparse
 import operator
 import re
 
-__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg", "int_arg"]
+__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg", "int_arg",
+           "DefaultsHelpFormatter", "existing_path", "existing_dir"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
 # a plain decimal real number: float() would also take "nan", "inf", "1_0" and non-ASCII digits
@@ -235,3 +237,32 @@ def int_arg(minimum=None, maximum=None, *, what: str | None = None):
     "+64" and "1_000"): a bad value is argparse's one error line naming the flag ("argument --cp-chunk-size:
     must be an int (decimal digits), got '+64'"), exit status 2."""
     return _arg_type(parse_int, "int", minimum=minimum, maximum=maximum, what=what)
+
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """The `formatter_class` of the package's command lines: argparse's ArgumentDefaultsHelpFormatter ("(default:
+    X)" after each flag's help), except where the help text already states its default (contains "default")."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "default" in text.lower() else super()._get_help_string(action)
+
+
+def existing_path(text: str) -> str:
+    """An argparse `type=` for a flag naming a file or directory that must exist: otherwise argparse's one error
+    line naming the flag ("argument --target-load: no such file or directory: '/x'"), exit status 2."""
+    import os  # noqa: PLC0415
+
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """An argparse `type=` for a flag naming a directory that must exist (argparse's error line otherwise)."""
+    import os  # noqa: PLC0415
+
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text

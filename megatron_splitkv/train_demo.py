@@ -36,7 +36,11 @@ steps and at the end, then ``DIR/latest_checkpointed_iteration.txt``; `--load DI
 latest one (or `--ckpt-step N`) and continues the same loss curve: rank 0 writes ``common.pt`` (the
 drafter's trainable parameters, AdamW state, step, data position = epoch + next batch index, the
 checked config), every rank ``rng_rank{r}.pt`` (torch / numpy / python RNG states); each file is written
-to a temporary name and renamed. A checkpoint whose config differs (`--cp`, model sizes, data, seed,
+to a temporary name and renamed; ``manifest.json`` (size and SHA-256 of each file,
+`megatron_splitkv.checkpoint`) is written last, before the tracker. `--load` verifies it first: a damaged,
+truncated, empty or missing file, or a garbage tracker, is one error line naming the file and the last
+complete checkpoint (exit status 2). A non-finite loss or gradient stops the run before the optimizer step
+(`NonFiniteLossError`, exit status 2). A checkpoint whose config differs (`--cp`, model sizes, data, seed,
 lr, loss decay) raises `CheckpointMismatchError` naming the flag; a `--load` directory without a checkpoint starts
 from scratch with a warning, as in Megatron.
 """
@@ -45,44 +49,48 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
-import tempfile
 import time
+
+from .checkpoint import MANIFEST, TRACKER, CheckpointError, iteration_dir, resolve_checkpoint, write_manifest
 
 
 def parse_args(argv=None):
-    from ._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+    """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
+    data loader accept): a bad flag is argparse's one error line naming it and its limit, exit status 2."""
+    from ._ints import DefaultsHelpFormatter, float_arg, int_arg  # strict ints; finite reals (float() takes "nan")
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=DefaultsHelpFormatter)
     add_round_trip_args(p)
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    p.add_argument("--cp", type=int, default=2, help="context-parallel size = number of gloo processes")
-    p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"))
+    p.add_argument("--steps", type=int_arg(1), default=30, help="training steps (the last step's number)")
+    p.add_argument("--cp", type=int_arg(1), default=2, help="context-parallel size = number of gloo processes")
+    p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"),
+                   help="the drafter's context-parallel attention")
     p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),
-                   help="planner strategy (default lpt)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed batch")
-    p.add_argument("--num-anchors", type=int, default=32, help="anchors (query blocks) per sequence")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None, help="default 7 for B=16")
-    p.add_argument("--limit", type=int, default=400, help="ShareGPT conversations to load")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--target-layers", type=int, default=6)
-    p.add_argument("--draft-layers", type=int, default=2)
+                   help="planner strategy")
+    p.add_argument("--max-tokens", type=int_arg(2), default=4096, help="tokens per packed batch")
+    p.add_argument("--num-anchors", type=int_arg(1), default=32, help="anchors (query blocks) per sequence")
+    p.add_argument("--block-size", type=int_arg(2), default=16, help="DFlash block size B (anchor + B-1 predicted)")
+    p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
+                   help="loss weight exp(-(k-1)/gamma) per offset k (default: 7 for B=16, scaled with B)")
+    p.add_argument("--limit", type=int_arg(1), default=400, help="ShareGPT conversations to load")
+    p.add_argument("--hidden", type=int_arg(16), default=128, help="hidden size (target and drafter)")
+    p.add_argument("--target-layers", type=int_arg(1), default=6, help="layers of the random frozen target")
+    p.add_argument("--draft-layers", type=int_arg(1), default=2, help="drafter layers")
     p.add_argument("--target-init-std", type=float_arg(0), default=0.1, help="random target's init std")
-    p.add_argument("--lr", type=float_arg(0), default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--lr", type=float_arg(0), default=1e-2, help="AdamW learning rate")
+    p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="data, target and drafter seed")
+    p.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per process")
     p.add_argument("--save", type=str, default=None, help="checkpoint directory to write")
-    p.add_argument("--save-interval", type=int, default=None,
+    p.add_argument("--save-interval", type=int_arg(1), default=None,
                    help="save every N steps (needs --save; a final checkpoint is always written)")
     p.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")
-    p.add_argument("--ckpt-step", type=int, default=None,
+    p.add_argument("--ckpt-step", type=int_arg(0), default=None,
                    help="step of the checkpoint to load (default: the latest in --load)")
     args = p.parse_args(argv)
-    if args.save_interval is not None and (args.save is None or args.save_interval <= 0):
-        p.error("--save-interval needs --save and a value > 0")
-    if args.ckpt_step is not None and args.load is None:
-        p.error("--ckpt-step needs --load")
+    _check_flag_combinations(p, args)
     return args
 
 
@@ -280,8 +288,28 @@ def evaluate_round_trip(args, log=print):
     return {label: r["mean_tau"] for label, r in results.items()}
 
 
+def _check_flag_combinations(p, args):
+    """Limits that involve two flags (argparse's `type=` sees one): p.error naming both, exit status 2."""
+    from .dflash import target_layer_ids
+
+    if args.save_interval is not None and args.save is None:
+        p.error("--save-interval needs --save")
+    if args.ckpt_step is not None and args.load is None:
+        p.error("--ckpt-step needs --load")
+    try:
+        target_layer_ids(args.target_layers, args.draft_layers)
+    except ValueError:
+        p.error(f"--draft-layers {args.draft_layers} needs --target-layers >= 4 (the drafter taps one target layer "
+                f"per drafter layer, spread over layers 1..n-3), got --target-layers {args.target_layers}")
+    if args.block_size > args.max_tokens:
+        p.error(f"--block-size {args.block_size} must be <= --max-tokens {args.max_tokens}")
+    if args.save is not None and os.path.exists(args.save) and not os.path.isdir(args.save):
+        p.error(f"--save {args.save}: exists and is not a directory")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        p.error(f"--load {args.load}: not a directory")
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
-TRACKER = "latest_checkpointed_iteration.txt"
 CKPT_FORMAT = 1
 # args attribute -> flag: must equal the checkpoint's to resume (model shapes, CP size, data and seed
 # that define the data position and the frozen random target, lr as Megatron's scheduler check)
@@ -304,23 +332,18 @@ def checkpoint_config(args, world=None):
     return cfg
 
 
-def _iter_dir(root, step):
-    return os.path.join(root, f"iter_{int(step):07d}")
-
-
 def find_checkpoint(load_dir, step=None):
-    """The iteration directory to resume from: ``iter_{step}`` or the one named by the tracker file;
-    None when `load_dir` holds no checkpoint (and no `step` is asked for)."""
-    if step is not None:
-        d = _iter_dir(load_dir, step)
-        if not os.path.exists(os.path.join(d, "common.pt")):
-            raise FileNotFoundError(f"--ckpt-step {step}: no checkpoint {d}")
-        return d
-    tracker = os.path.join(load_dir, TRACKER)
-    if not os.path.exists(tracker):
-        return None
-    with open(tracker) as f:
-        return _iter_dir(load_dir, int(f.read().strip()))
+    """The iteration directory to resume from, verified against its manifest
+    (`megatron_splitkv.checkpoint.resolve_checkpoint`): ``iter_{step}`` or the one named by the tracker file;
+    None when `load_dir` holds no checkpoint (and no `step` is asked for). Raises FileNotFoundError for a
+    `--ckpt-step` without its directory, `CheckpointError` (one line naming the damaged file and the last
+    complete checkpoint) for a damaged or incomplete one."""
+    if step is not None and not os.path.isdir(iteration_dir(load_dir, step)):
+        raise FileNotFoundError(f"--ckpt-step {step}: no checkpoint {iteration_dir(load_dir, step)}")
+    try:
+        return resolve_checkpoint(load_dir, step)
+    except CheckpointError as exc:
+        raise CheckpointError(f"--load {load_dir}: {exc}") from None
 
 
 def _torch_load(path):
@@ -391,11 +414,15 @@ def _set_rng_state(st):
 
 def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, opt, group):
     """Write ``root/iter_{step}``: rank 0 the shared state (replicated over CP), every rank its RNG
-    states; the tracker file after all ranks are done. Returns the iteration directory."""
+    states; once all ranks are done rank 0 writes the manifest (`megatron_splitkv.checkpoint.write_manifest`),
+    then the tracker file. Returns the iteration directory."""
     import torch.distributed as dist
 
-    d = _iter_dir(root, step)
+    d = iteration_dir(root, step)
     os.makedirs(d, exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(d, MANIFEST)):
+        os.remove(os.path.join(d, MANIFEST))  # a save over an older one: complete again only when this one is
+    dist.barrier(group=group)
     if rank == 0:
         _atomic_save({"format": CKPT_FORMAT, "step": int(step),
                       "data": {"epoch": int(data_pos[0]), "batch": int(data_pos[1])},
@@ -406,6 +433,7 @@ def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, op
                  os.path.join(d, f"rng_rank{rank}.pt"))
     dist.barrier(group=group)
     if rank == 0:
+        write_manifest(d)  # every file is on disk: the checkpoint is complete; then the tracker names it
         tmp = os.path.join(root, f"{TRACKER}.tmp{os.getpid()}")
         with open(tmp, "w") as f:
             f.write(f"{int(step)}\n")
@@ -456,21 +484,51 @@ def _compact_corpus(corpus):
     return TokenizedCorpus(inv.astype(np.int64), corpus.loss_mask, corpus.offsets), int(uniq.shape[0])
 
 
-def _worker(rank, world, init_file, args, queue):
+class NonFiniteLossError(RuntimeError):
+    """A non-finite loss or gradient: training stops before the optimizer step (Megatron's
+    --check-for-nan-in-loss-and-grad)."""
+
+
+class RankFailedError(RuntimeError):
+    """A rank of the demo failed (raised by `megatron_splitkv.launch.run_gloo`, which kills the others)."""
+
+
+# the demo's own errors: the parent prints their one line, not the rank's traceback
+_KNOWN_ERRORS = (NonFiniteLossError, CheckpointError, CheckpointMismatchError)
+
+
+def _rank_main(rank, world, args):
+    """One rank of `main` (run by `run_gloo`, which set up the gloo group): `--threads` torch threads, train."""
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        queue.put((rank, _train(rank, world, args)))
-    except BaseException as exc:  # report, then re-raise so the process exits non-zero
-        import traceback
+    return _train(rank, world, args)
 
-        queue.put((rank, {"error": traceback.format_exc()}))
-        raise exc
-    finally:
-        dist.destroy_process_group()
+
+def _rank_failure_text(message: str) -> str:
+    """The launcher's report of a failed rank, shortened to "rank r of w: <error line>" when the error is one
+    of the demo's own (`_KNOWN_ERRORS`: their message is complete); anything else keeps the rank's traceback."""
+    lines = message.rstrip().splitlines()
+    last = lines[-1] if lines else ""
+    for cls in _KNOWN_ERRORS:  # "module.Class: text"; the module is __mp_main__ when run with python -m
+        m = re.match(rf"(?:[\w.]+\.)?{cls.__qualname__}: (.*)", last)
+        if m:
+            return f"{lines[0].split(' failed')[0]}: {m.group(1)}"
+    return message
+
+
+def _check_finite(loss, grad, step):
+    """Raise `NonFiniteLossError` when the loss or the (CP-summed) gradient holds a NaN or an inf; the same
+    values on every CP rank (the loss is the group's, the gradient all-reduced), so every rank raises."""
+    import torch
+
+    if not torch.isfinite(loss).all():
+        raise NonFiniteLossError(f"step {step}: the loss is {float(loss)}; training stopped before the optimizer "
+                                 f"step (non-finite loss; resume from the last checkpoint, e.g. with a lower --lr)")
+    if not torch.isfinite(grad).all():
+        bad = int((~torch.isfinite(grad)).sum())
+        raise NonFiniteLossError(f"step {step}: {bad} gradient entries are NaN or inf (loss {float(loss):.4f}); "
+                                 f"training stopped before the optimizer step (non-finite gradient)")
 
 
 def _train(rank, world, args):
@@ -580,6 +638,7 @@ def _train(rank, world, args):
                 out.loss.backward()
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             dist.all_reduce(flat, group=cp)  # replicated parameters: exact gradient = sum over CP ranks
+            _check_finite(out.total.detach(), flat, step + 1)
             o = 0
             for p in params:
                 p.grad.copy_(flat[o:o + p.numel()].view_as(p))
@@ -635,7 +694,8 @@ def _summary(h, args, world, wall, resumed=False):
         f"  steps              {n} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})",
         f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
         f"{last:.4f}, {'falling' if last < first else 'NOT falling'}"
-        + ("; resumed run: these steps only, not judged by the exit status)" if resumed else ")"),
+        + ("; resumed run: these steps only, not judged by the exit status)" if resumed
+           else "; one step: no trend, not judged by the exit status)" if n < 2 else ")"),
         f"  tokens/s           {h['tokens'] / h['time']:,.0f} context tokens/s, "
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
         f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up)",
@@ -648,19 +708,20 @@ def _summary(h, args, world, wall, resumed=False):
     return "\n".join(lines), first, last
 
 
-def _exit_status(first, last, resumed) -> int:
-    """0 when the loss fell over the run (mean of its first vs last steps), else 1. A resumed run (--load)
+def _exit_status(first, last, resumed, steps=None) -> int:
+    """0 when the loss fell over the run (mean of its first vs last steps), else 1; 0 for a run of one step
+    (`steps` < 2: first and last are the same step, there is no trend to judge). A resumed run (--load)
     continues a curve for a few steps (the README's resume command runs steps 21-30), where the noise of the
     per-batch loss decides the sign: its trend is printed, not judged (0), so that a correct resume does not
     exit with a failure."""
-    return 0 if (resumed or last < first) else 1
+    return 0 if (resumed or last < first or (steps is not None and steps < 2)) else 1
 
 
 def main(argv=None) -> int:
     """Spawn `--cp` gloo processes, train, print the summary. Returns 0 on success (loss falling; any
     trend after --load), 1 if the loss of a run from step 1 did not fall, 2 if a rank failed."""
     args = parse_args(argv)
-    import torch.multiprocessing as mp
+    from .launch import run_gloo
 
     t0 = time.time()
     world = args.cp
@@ -668,38 +729,23 @@ def main(argv=None) -> int:
     if args.load:  # a mismatched checkpoint fails here, before any rank starts; None: no checkpoint (fresh run)
         resumed = verify_load(args, world) is not None
     prepare_target(args)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, init_file, args, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        results = {}
-        try:
-            while len(results) < world:
-                rank, res = queue.get(timeout=1800)
-                results[rank] = res
-                if "error" in res:
-                    print(f"rank {rank} failed:\n{res['error']}", file=sys.stderr)
-                    return 2
-        finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
+    try:  # a rank that raises or dies: the others are killed, its message printed (no wait)
+        results = run_gloo(_rank_main, world, args, timeout=600 + 120 * args.steps, error=RankFailedError)
+    except RankFailedError as exc:
+        print(f"error: {_rank_failure_text(str(exc))}", file=sys.stderr)
+        return 2
     if not results[0]["loss"]:
         print(f"no steps to run: the checkpoint is at step >= --steps {args.steps}", flush=True)
         return 0
     text, first, last = _summary(results[0], args, world, time.time() - t0, resumed=resumed)
     print(text, flush=True)
     report_round_trip(args, results[0], t0)
-    return _exit_status(first, last, resumed=resumed)
+    return _exit_status(first, last, resumed=resumed, steps=len(results[0]["loss"]))
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (CheckpointMismatchError, FileNotFoundError, ValueError) as exc:  # a bad --load or target: the message
+    except (CheckpointMismatchError, CheckpointError, FileNotFoundError, ValueError) as exc:  # bad --load / target
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -207,8 +207,9 @@ def test_drafter_loss_and_grads_cp_equal_single(cp_impl, tmp_path):
                 torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-6, msg=f"{n} at CP={P}, rank {r}")
 
 
-def test_pretrain_script_and_tool_parse_on_cpu():
-    """examples/pretrain_dflash.py needs CUDA to train; on CPU it must import and parse its flags."""
+def test_pretrain_script_and_tool_parse_on_cpu(tmp_path):
+    """examples/pretrain_dflash.py needs CUDA to train; on CPU it must import and parse its flags
+    (--features-path must name an existing directory: tests/test_faults_flags.py)."""
     import importlib.util
     import sys
 
@@ -226,12 +227,12 @@ def test_pretrain_script_and_tool_parse_on_cpu():
         args = pre.main(["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                          "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
                          "--context-parallel-impl", "allgather-kv", "--num-anchors", "8", "--block-size", "4",
-                         "--loss-decay-gamma", "1.75", "--target-num-layers", "6", "--features-path", "/x",
+                         "--loss-decay-gamma", "1.75", "--target-num-layers", "6", "--features-path", str(tmp_path),
                          "--attention-dropout", "0", "--transformer-impl", "local"])
     finally:
         sys.argv = argv
     assert (args.dflash_num_anchors, args.dflash_block_size, args.loss_decay_gamma) == (8, 4, 1.75)
-    assert args.context_parallel_impl == "allgather-kv" and args.features_path == "/x"
+    assert args.context_parallel_impl == "allgather-kv" and args.features_path == str(tmp_path)
     assert args.target_num_layers == 6 and args.mask_token_id == pre.QWEN3_FIRST_UNUSED_ID
     tool = load("tools/extract_features.py", "extract_features")
     targs = tool.parse_args(["--out", "/tmp/f", "--tap-layers", "1", "3", "--dtype", "float16"])

@@ -77,6 +77,9 @@ def test_parse_only_prints_one_sorted_name_value_line_per_flag(pre, capsys, monk
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--block-size", "4")
     lines = out.splitlines()
     assert len(lines) > 100 and not out.startswith("Namespace(")
+    # the last line: the one-line verdict (issue 21 item 5)
+    assert lines[-1] == pre.parse_only_verdict(args) and lines[-1].startswith("pretrain_dflash.py --parse-only: OK, ")
+    lines = lines[:-1]
     names = []
     for line in lines:
         m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*) = (.+)", line)

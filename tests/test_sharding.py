@@ -47,7 +47,9 @@ def make_batch(lens, n_anchors, seed=0, H=6, torch_tensors=False):
 
 def test_c8_rope_with_out_of_order_chunks():
     lens = [37, 91]
-    batch = make_batch(lens, 6, seed=1, torch_tensors=True)
+    # seed 2: a batch where LPT's chunks beat the zigzag layout (with seed 1 the planner now returns zigzag,
+    # whose ranks hold their pieces in order)
+    batch = make_batch(lens, 6, seed=2, torch_tensors=True)
     P = 2
     plan = plan_context_parallel(lens, batch["anchors"], block_size=B, cp_size=P, chunk_size=16)
     # the planner placed chunks out of order: some rank holds non-adjacent chunks, and the placement

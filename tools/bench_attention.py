@@ -105,7 +105,7 @@ from tools import peers  # noqa: E402
 from megatron_splitkv.data.anchors import anchor_candidates, sample_anchors  # noqa: E402
 from megatron_splitkv.data.sharegpt import ShareGPTLoader, load_sharegpt  # noqa: E402
 from megatron_splitkv.reference import dflash_attention_reference  # noqa: E402
-from megatron_splitkv._ints import float_arg  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg  # noqa: E402
 from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402
 from megatron_splitkv.planning import STRATEGIES  # noqa: E402
@@ -713,7 +713,7 @@ def main(argv=None):
                     help="methods that also run the placements after the first (default: --methods; "
                          "allgather-kv's compute does not depend on the context placement)")
     bench.add_workload_args(ap, reps=10)
-    ap.add_argument("--kernel-reps", type=int, default=5)
+    ap.add_argument("--kernel-reps", type=int_arg(1), default=5)
     ap.add_argument("--backend", default="auto", help="local kernel backend (auto: fa4 where installed, else flex on CUDA)")
     ap.add_argument("--slow-path", action="store_true",
                     help="label rows link=socket; launch with NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1")
@@ -721,13 +721,13 @@ def main(argv=None):
                     help="call the ops without per-step metadata (validation, metadata gathers and the "
                          "BlockMask build in every call); default: prepare_splitkv_metadata once, reuse it")
     ap.add_argument("--no-sdpa", action="store_true", help="skip the dense SDPA reference")
-    ap.add_argument("--sdpa-max-lk", type=int, default=0,
+    ap.add_argument("--sdpa-max-lk", type=int_arg(0), default=0,
                     help="cap the dense SDPA reference at this many keys per query row (its rate is flat in Lk "
                          "beyond a few K; saves time at 256K+ contexts); 0 = no cap")
-    ap.add_argument("--row-target-s", type=float, default=0.0,
+    ap.add_argument("--row-target-s", type=float_arg(0), default=0.0,
                     help="time each row's op (and kernel) loop for about this many seconds: repeats = "
                          "clip(target / one step, 3, --reps); 0 = always --reps")
-    ap.add_argument("--num-chunks", type=int, default=None,
+    ap.add_argument("--num-chunks", type=int_arg(1), default=None,
                     help="splitkv: chunk count of the merge pipeline (prepare_splitkv_metadata(num_chunks=)); "
                          "default: the op's own default")
     ap.add_argument("--chunk-axis", default=None, choices=("rows", "heads"),
@@ -752,15 +752,15 @@ def main(argv=None):
     ap.add_argument("--pack-methods", default="splitkv,turbo,flex",
                     help="methods of the pack rows: splitkv (ours), turbo (Turbo-dLLM 0.1.6 dflash_attention), "
                          "flex (FlexAttention mask_mod peer, CP=1 only)")
-    ap.add_argument("--pack-reps", type=int, default=5, help="timed forward + backward calls per pack method")
-    ap.add_argument("--pack-limit", type=int, default=None,
+    ap.add_argument("--pack-reps", type=int_arg(1), default=5, help="timed forward + backward calls per pack method")
+    ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
     ap.add_argument("--peers-only", action="store_true",
                     help="skip the --contexts rows (only --check and the --packs rows)")
     ap.add_argument("--check", action="store_true",
                     help="before timing: max abs error of each --pack-methods method (out and gradients) vs the "
                          "float64 reference on a small pack, printed and stored as check in the JSON")
-    ap.add_argument("--budget-s", type=float, default=0.0, help="start no new row after this many seconds")
+    ap.add_argument("--budget-s", type=float_arg(0), default=0.0, help="start no new row after this many seconds")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo (tests)")

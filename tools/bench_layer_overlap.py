@@ -133,17 +133,19 @@ def run_context(attn, ctx_len, args, device, dtype, rank, cp):
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--anchors", type=int_arg(1), default=512)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
+    ap.add_argument("--hidden", type=int_arg(1), default=4096)
+    ap.add_argument("--hq", type=int_arg(1), default=32)
+    ap.add_argument("--hkv", type=int_arg(1), default=8)
+    ap.add_argument("--d", type=int_arg(1), default=128)
+    ap.add_argument("--reps", type=int_arg(1), default=10)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo")

@@ -59,18 +59,20 @@ def time_plan(batch, P, variant, repeats):
     return plan, statistics.median(cpu), statistics.median(wall)
 
 
-def main():
+def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
                                                   "lpt_bench"),
                     help="output directory (default out/lpt_bench; `--out docs` rewrites the committed results)")
-    ap.add_argument("--batches", type=int, default=8, help="ShareGPT 32K batches")
-    ap.add_argument("--long-batches", type=int, default=4, help="synthetic 128K batches")
-    ap.add_argument("--repeats", type=int, default=21, help="timing repeats (lpt/contiguous/zigzag)")
-    ap.add_argument("--hg-repeats", type=int, default=3, help="timing repeats (hypergraph)")
+    ap.add_argument("--batches", type=int_arg(1), default=8, help="ShareGPT 32K batches")
+    ap.add_argument("--long-batches", type=int_arg(1), default=4, help="synthetic 128K batches")
+    ap.add_argument("--repeats", type=int_arg(1), default=21, help="timing repeats (lpt/contiguous/zigzag)")
+    ap.add_argument("--hg-repeats", type=int_arg(1), default=3, help="timing repeats (hypergraph)")
     ap.add_argument("--strategies", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--quick", action="store_true", help="small-data mode (first 300 conversations)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in VARIANTS]
     if bad or not strategies:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_splitkv._ints import as_int, parse_int
+from megatron_splitkv._ints import as_int, int_arg, parse_int
 from megatron_splitkv.ops.common import own_key_start
 from megatron_splitkv.ops.metadata import check_head_split, head_split_from_text, resolve_num_chunks
 
@@ -1331,12 +1331,12 @@ def gpu_cell(cpu: bool, value, fmt="{:.2f}") -> str:
 def add_workload_args(ap, *, reps: int) -> None:
     """The workload flags shared by tools/bench_attention.py and tools/simulate_scaling.py (the batch that
     `make_workload` builds): --anchors, --n-seqs, --loss-mask, --seed, --reps."""
-    ap.add_argument("--anchors", type=int, default=512, help="query budget N (anchors per batch)")
-    ap.add_argument("--n-seqs", type=int, default=1, help="sequences in the batch (context split evenly)")
+    ap.add_argument("--anchors", type=int_arg(1), default=512, help="query budget N (anchors per batch)")
+    ap.add_argument("--n-seqs", type=int_arg(1), default=1, help="sequences in the batch (context split evenly)")
     ap.add_argument("--loss-mask", default="all", choices=["all", "doc"],
                     help="all: anchors uniform over the sequence; doc: only in the last 25%% (long-document QA)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
+    ap.add_argument("--reps", type=int_arg(1), default=reps)
 
 
 def csv_arg(value: str) -> list:

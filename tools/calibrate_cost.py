@@ -28,6 +28,8 @@ import sys
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs without PYTHONPATH
+
 
 def timed(fn, warmup, iters):
     for _ in range(warmup):
@@ -92,23 +94,25 @@ def time_linear(args, dtype, tokens):
     return timed(fc_step, args.warmup, args.iters), timed(kv_step, args.warmup, args.iters)
 
 
-def main():
+def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=5)
-    ap.add_argument("--taps", type=int, default=5, help="target layers concatenated into fc")
-    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--hidden", type=int_arg(1), default=4096)
+    ap.add_argument("--heads", type=int_arg(1), default=32)
+    ap.add_argument("--kv-heads", type=int_arg(1), default=8)
+    ap.add_argument("--head-dim", type=int_arg(1), default=128)
+    ap.add_argument("--layers", type=int_arg(1), default=5)
+    ap.add_argument("--taps", type=int_arg(1), default=5, help="target layers concatenated into fc")
+    ap.add_argument("--block", type=int_arg(1), default=16)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--ctx-lens", default="4096,16384,65536")
     ap.add_argument("--anchor-counts", default="128,512")
     ap.add_argument("--token-counts", default="4096,16384,65536")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--warmup", type=int_arg(0), default=3)
+    ap.add_argument("--iters", type=int_arg(1), default=10)
     ap.add_argument("--out", default="cost_calibration.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("calibrate_cost.py needs a CUDA GPU")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention

@@ -88,16 +88,18 @@ def _tokens(n: int) -> str:
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cp", type=int, default=2, help="CP size of the placed batch (one rank's shard is timed)")
+    ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size of the placed batch (one rank's shard is timed)")
     ap.add_argument("--ctx-per-rank", default=None,
                     help="comma list of context tokens per rank (default 16384,65536; with --cpu 256)")
     ap.add_argument("--chunks", default="2,4", help="comma list of chunk counts k > 1")
     ap.add_argument("--backends", default="flex,staircase", help="comma list of local kernels")
-    ap.add_argument("--anchors", type=int, default=None, help="anchors (query blocks) of the batch (default 512; "
+    ap.add_argument("--anchors", type=int_arg(1), default=None, help="anchors (query blocks) of the batch (default 512; "
                                                                  "with --cpu 8)")
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int_arg(1), default=7)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
     ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")

@@ -30,29 +30,29 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def parse_args(argv=None):
-    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+    from megatron_splitkv._ints import existing_dir, existing_path, float_arg, int_arg  # finite reals only
 
     p = argparse.ArgumentParser(description="Extract DFlash target features to a memory-mapped file.")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--sharegpt-limit", type=int, default=None, help="first N conversations (default all)")
-    p.add_argument("--max-tokens", type=int, default=32768, help="truncate conversations to this length")
-    p.add_argument("--target-num-layers", type=int, default=36)
-    p.add_argument("--draft-num-layers", type=int, default=5, help="determines the tap layers")
+    p.add_argument("--sharegpt-limit", type=int_arg(1), default=None, help="first N conversations (default all)")
+    p.add_argument("--max-tokens", type=int_arg(2), default=32768, help="truncate conversations to this length")
+    p.add_argument("--target-num-layers", type=int_arg(1), default=36)
+    p.add_argument("--draft-num-layers", type=int_arg(1), default=5, help="determines the tap layers")
     p.add_argument("--tap-layers", type=int, nargs="*", default=None, help="override the tap layer ids")
-    p.add_argument("--hidden-size", type=int, default=4096)
-    p.add_argument("--num-attention-heads", type=int, default=32)
-    p.add_argument("--num-query-groups", type=int, default=8)
-    p.add_argument("--kv-channels", type=int, default=128)
-    p.add_argument("--ffn-hidden-size", type=int, default=12288)
-    p.add_argument("--vocab-size", type=int, default=151936)
+    p.add_argument("--hidden-size", type=int_arg(1), default=4096)
+    p.add_argument("--num-attention-heads", type=int_arg(1), default=32)
+    p.add_argument("--num-query-groups", type=int_arg(1), default=8)
+    p.add_argument("--kv-channels", type=int_arg(1), default=128)
+    p.add_argument("--ffn-hidden-size", type=int_arg(1), default=12288)
+    p.add_argument("--vocab-size", type=int_arg(1), default=151936)
     p.add_argument("--rotary-base", type=float_arg(0, above=True), default=1e6)
-    p.add_argument("--target-load", default=None, help="target weights (random init when unset)")
-    p.add_argument("--target-hf-path", default=None,
+    p.add_argument("--target-load", type=existing_path, default=None, help="target weights (random init when unset)")
+    p.add_argument("--target-hf-path", type=existing_dir, default=None,
                    help="Hugging Face Qwen3 checkpoint directory (config.json + *.safetensors): the target's sizes, "
                    "vocabulary, rope theta and weights (replaces --target-num-layers, --hidden-size, "
                    "--num-attention-heads, --num-query-groups, --kv-channels, --ffn-hidden-size, --vocab-size, "
                    "--rotary-base; not with --target-load)")
-    p.add_argument("--target-seed", type=int, default=1234)
+    p.add_argument("--target-seed", type=int_arg(0), default=1234)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="stored dtype; the target runs in bf16 on GPU, fp32 on CPU")
     args = p.parse_args(argv)

@@ -1333,7 +1333,7 @@ def table_ops(res, world):
     return lines
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kernel", "dist", "compare"])
     ap.add_argument("--cpu", action="store_true", help="tiny CPU dry run (flex emulated, gloo)")
@@ -1350,7 +1350,7 @@ def main():
                          "the kernel's defaults; 'none' skips the sweep. Default: %(default)s")
     ap.add_argument("--te-emulator", action="store_true",
                     help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     os.makedirs(args.out, exist_ok=True)
     LOGFILE[0] = os.path.join(args.out, f"progress_{args.mode}.log")

@@ -440,31 +440,33 @@ def report(rows, a) -> None:
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nproc", default="1,2", help="CP sizes P (processes), comma list")
     ap.add_argument("--num-chunks", default="1,2,4", help="Split-KV query chunks k, comma list")
     ap.add_argument("--backends", default="math", help="local kernels: math, staircase, flex (comma list)")
-    ap.add_argument("--context", type=int, default=1024, help="context tokens (one sequence)")
-    ap.add_argument("--anchors", type=int, default=64, help="query blocks (the drafter: 512; fewer keep the CPU "
+    ap.add_argument("--context", type=int_arg(1), default=1024, help="context tokens (one sequence)")
+    ap.add_argument("--anchors", type=int_arg(1), default=64, help="query blocks (the drafter: 512; fewer keep the CPU "
                     "kernel's arithmetic small, the op's structure does not depend on it)")
     ap.add_argument("--staircase", default="small", choices=["small", "default"],
                     help="staircase options: scaled to the shapes (STAIRCASE_SMALL) or the kernel's defaults")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=1, help="Hq (= Hkv unless --heads-kv)")
-    ap.add_argument("--heads-kv", type=int, default=None, help="Hkv (dividing --heads; default: --heads)")
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
+    ap.add_argument("--heads", type=int_arg(1), default=1, help="Hq (= Hkv unless --heads-kv)")
+    ap.add_argument("--heads-kv", type=int_arg(1), default=None, help="Hkv (dividing --heads; default: --heads)")
     ap.add_argument("--chunk-axis", default=None, choices=["rows", "heads"],
                     help="what the --num-chunks chunks split (docs/perf-notes.md item 21; default: the op's default)")
     ap.add_argument("--head-split", default=None,
                     help="kv heads per chunk with --chunk-axis heads, e.g. 6,2 (item 22; replaces --num-chunks)")
-    ap.add_argument("--head-dim", type=int, default=8)
+    ap.add_argument("--head-dim", type=int_arg(1), default=8)
     ap.add_argument("--shuffle-context", action="store_true",
                     help="each rank's context tokens in a random order (the planner gives them sorted: no unsort)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "float64"])
-    ap.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--profile-steps", type=int, default=5, help="steps under cProfile")
-    ap.add_argument("--top", type=int, default=15, help="functions listed per row")
+    ap.add_argument("--steps", type=int_arg(1), default=20, help="timed steps per row (median)")
+    ap.add_argument("--warmup", type=int_arg(0), default=3)
+    ap.add_argument("--profile-steps", type=int_arg(1), default=5, help="steps under cProfile")
+    ap.add_argument("--top", type=int_arg(1), default=15, help="functions listed per row")
     ap.add_argument("--breakdown", action="store_true", help="also list the aten ops by name")
     ap.add_argument("--digest", action="store_true", help="sha256 of outputs and gradients per row")
     ap.add_argument("--json", default=None, help="write the rows here")

@@ -54,7 +54,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import traceback
 import weakref
 from collections import defaultdict
@@ -64,6 +63,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_splitkv.launch import run_gloo  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
@@ -194,17 +194,14 @@ def _install_flex_standin(kind):
         kernels._CACHE[("flex", "cpu", dt)] = kern  # noqa: SLF001 - the ops resolve backend "flex" here
 
 
-def _rank_worker(rank, world, init_file, args, queue):
-    import torch.distributed as dist
-
+def _rank_main(rank, world, args):
+    """One rank of `_spawn` (run by `launch.run_gloo`, which set up the gloo group)."""
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        out = _run_rank(rank, world, args)
-        dist.destroy_process_group()
-        queue.put((rank, out, None))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, None, traceback.format_exc()))
+    return _run_rank(rank, world, args)
+
+
+class _RankFailed(RuntimeError):
+    """A rank of `_spawn` raised or died (`launch.run_gloo`'s report: the rank and its traceback or exit code)."""
 
 
 def _nbytes(t):
@@ -337,25 +334,27 @@ def _run_rank(rank, world, args):
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--context", type=int, default=16384, help="total context tokens (one sequence)")
-    ap.add_argument("--cp", type=int, default=2, help="CP size = number of gloo processes")
+    ap.add_argument("--context", type=int_arg(1), default=16384, help="total context tokens (one sequence)")
+    ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size = number of gloo processes")
     ap.add_argument("--methods", default="splitkv,allgather-kv")
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--anchors", type=int_arg(1), default=512)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
+    ap.add_argument("--hq", type=int_arg(1), default=32)
+    ap.add_argument("--hkv", type=int_arg(1), default=8)
+    ap.add_argument("--d", type=int_arg(1), default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--placement", default="lpt")
-    ap.add_argument("--num-chunks", type=int, default=None, help="splitkv's chunk count (default: the op's)")
+    ap.add_argument("--num-chunks", type=int_arg(1), default=None, help="splitkv's chunk count (default: the op's)")
     ap.add_argument("--kernel", default="flex", choices=("flex", "none"),
                     help="flex: kernels/flex.py with a stand-in flex_attention; none: contract outputs only")
     ap.add_argument("--query-gather", action="store_true",
                     help="splitkv through splitkv_start_query_gather + query_gather= (layer-like call)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--top", type=int, default=10, help="allocation sites listed at the peak")
+    ap.add_argument("--seed", type=int_arg(0), default=0)
+    ap.add_argument("--top", type=int_arg(0), default=10, help="allocation sites listed at the peak")
     ap.add_argument("--phases", action="store_true", help="also list the sites at the forward / backward peaks")
     ap.add_argument("--class-sites", action="store_true",
                     help="also list the largest sites of each size class (context / query) at the peak")
@@ -400,31 +399,16 @@ def main(argv=None):
 
 
 def _spawn(args, cp):
-    """Run the step on `cp` gloo processes; {rank: _run_rank's results}."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_rank_worker, args=(r, cp, init, args, queue), daemon=True)
-                 for r in range(cp)]
-        for p in procs:
-            p.start()
-        per_rank = {}
-        for _ in range(cp):
-            rank, res, err = queue.get(timeout=3600)
-            if err:
-                for p in procs:
-                    p.kill()
-                hint = ("\n(a peer's 'Connection closed' usually means that rank was killed, e.g. by the host's "
-                        "out-of-memory killer: each of the P processes holds tensors of the real shapes; use fewer "
-                        "ranks or a smaller --context)") if "Connection closed" in err or "closed by peer" in err else ""
-                sys.exit(f"rank {rank} failed:\n{err}{hint}")
-            per_rank[rank] = res
-        for p in procs:
-            p.join(timeout=10)
-    return per_rank
+    """Run the step on `cp` gloo processes; {rank: _run_rank's results}. A rank that raises or dies (e.g. killed by
+    the host's out-of-memory killer) ends the run at once with its message (`launch.run_gloo`), exit status 1."""
+    try:
+        return dict(enumerate(run_gloo(_rank_main, cp, args, timeout=3600, error=_RankFailed)))
+    except _RankFailed as exc:
+        err = str(exc)
+        hint = ("\n(a peer's 'Connection closed' or a rank killed by a signal usually means the host's out-of-memory "
+                "killer: each of the P processes holds tensors of the real shapes; use fewer ranks or a smaller "
+                "--context)") if ("Connection closed" in err or "closed by peer" in err or "SIGKILL" in err) else ""
+        sys.exit(f"{err}{hint}")
 
 
 def _report(args, cp, per_rank):

@@ -151,6 +151,10 @@ def main(argv=None):
     ap.add_argument("--out", help="save the results here")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saved files")
     a = ap.parse_args(argv)
+    # checked here, not with megatron_splitkv._ints' argparse types: this tool also runs against older trees
+    for flag, path in [("--tree", a.tree)] + [("--compare", p) for p in a.compare or ()]:
+        if path is not None and not os.path.exists(path):
+            ap.error(f"{flag}: no such file or directory: {path!r}")
     if a.compare:
         return compare(*a.compare)
     if not (a.tree and a.out):

@@ -202,29 +202,29 @@ COLS = ["context", "P", "rank", "worker ms", "tensors", "segments", "pickled KiB
         "pin-rebuild ms", "to ms", "bind ms", "main ms", "next cpu ms", "main cpu ms"]
 
 
-def main():
-    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+def main(argv=None):
+    from megatron_splitkv._ints import float_arg, int_arg  # finite reals only: float() takes "nan" / "inf"
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
     ap.add_argument("--cp-sizes", default="1,2")
-    ap.add_argument("--cp-rank", type=int, default=0, help="the simulated CP rank (default 0; clipped to P - 1)")
-    ap.add_argument("--anchors", type=int, default=512)
-    ap.add_argument("--chunk-size", type=int, default=2048)
-    ap.add_argument("--num-chunks", type=int, default=1)
+    ap.add_argument("--cp-rank", type=int_arg(0), default=0, help="the simulated CP rank (default 0; clipped to P - 1)")
+    ap.add_argument("--anchors", type=int_arg(1), default=512)
+    ap.add_argument("--chunk-size", type=int_arg(1), default=2048)
+    ap.add_argument("--num-chunks", type=int_arg(1), default=1)
     ap.add_argument("--no-flex", dest="flex", action="store_false",
                     help="without the host-built FlexAttention tables (default: with, as on CUDA)")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int_arg(1), default=30)
+    ap.add_argument("--warmup", type=int_arg(0), default=3)
     ap.add_argument("--gap", type=float_arg(0), default=0.0, help="seconds to sleep after each item")
-    ap.add_argument("--ready", type=int, default=1,
+    ap.add_argument("--ready", type=int_arg(0), default=1,
                     help="items received before next is timed (default 1; 2 = the worker idle, prefetch 2)")
     ap.add_argument("--switch-interval", type=float_arg(0, above=True), default=None,
                     help="sys.setswitchinterval (s, > 0), inherited by forked workers")
     ap.add_argument("--sharing-strategy", default=None, help="torch.multiprocessing sharing strategy")
     ap.add_argument("--profile", action="store_true", help="cProfile of next + to + bind, printed per row")
-    ap.add_argument("--top", type=int, default=20)
-    args = ap.parse_args()
+    ap.add_argument("--top", type=int_arg(1), default=20)
+    args = ap.parse_args(argv)
     sizes = [int(x) for x in args.cp_sizes.split(",")]
     if len(sizes) > 1 and os.environ.get("PIPELINE_COST_CHILD") is None:
         # one process per CP size (bind's fake group is the default group of the process)

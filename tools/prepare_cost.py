@@ -278,12 +278,14 @@ def measure(context: int, k: int, device, group, reps: int, breakdown: bool):
 
 
 def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="16384,131072", help="context tokens (one sequence), comma list")
     ap.add_argument("--num-chunks", default="1,2", help="Split-KV query chunks k, comma list")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per row (median)")
+    ap.add_argument("--reps", type=int_arg(1), default=10, help="timed calls per row (median)")
     ap.add_argument("--breakdown", action="store_true", help="also print the ops by name")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)

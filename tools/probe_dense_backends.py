@@ -65,15 +65,17 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def main():
+def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=8192, help="query rows (tokens) before GQA folding")
+    ap.add_argument("--rows", type=int_arg(1), default=8192, help="query rows (tokens) before GQA folding")
     ap.add_argument("--keys", default="8192,16384", help="comma list of key lengths")
-    ap.add_argument("--heads-q", type=int, default=32)
-    ap.add_argument("--heads-kv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=10)
-    a = ap.parse_args()
+    ap.add_argument("--heads-q", type=int_arg(1), default=32)
+    ap.add_argument("--heads-kv", type=int_arg(1), default=8)
+    ap.add_argument("--head-dim", type=int_arg(1), default=128)
+    ap.add_argument("--repeats", type=int_arg(1), default=10)
+    a = ap.parse_args(argv)
     from tools.benchlib import int_list_arg  # noqa: PLC0415
 
     keys = int_list_arg(ap, "--keys", a.keys, 2)

@@ -65,13 +65,15 @@ def _kernel(name: str, kw: dict, dev, dtype):
     return StaircaseAttentionKernel(**kw)
 
 
-def main():
+def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="flex;staircase", help="';'-separated backend specs")
     ap.add_argument("--keys", default="16384,65536")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--top", type=int, default=15)
-    a = ap.parse_args()
+    ap.add_argument("--iters", type=int_arg(1), default=3)
+    ap.add_argument("--top", type=int_arg(1), default=15)
+    a = ap.parse_args(argv)
     specs = [(spec, *_spec(ap, spec)) for spec in a.backends.split(";") if spec.strip()]
     if not specs:
         ap.error(f"--backends must name at least one backend, got {a.backends!r}")

@@ -85,16 +85,18 @@ def _overlap(a, b):
     return tot
 
 
-def main():
+def main(argv=None):
+    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--context", type=int_arg(1), default=16384)
     ap.add_argument("--variants", default="1,2", help="comma list of num_chunks")
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--steps", type=int, default=3, help="profiled steps per variant")
-    ap.add_argument("--ab-rounds", type=int, default=0, help="round-robin timed steps per variant (0: none)")
+    ap.add_argument("--steps", type=int_arg(1), default=3, help="profiled steps per variant")
+    ap.add_argument("--ab-rounds", type=int_arg(0), default=0, help="round-robin timed steps per variant (0: none)")
     ap.add_argument("--all-ranks", action="store_true", help="profile rows of every rank (default rank 0)")
     ap.add_argument("--trace", default=None, help="directory for per-rank chrome traces")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     variants = []
     for v in a.variants.split(","):
         try:

@@ -1194,36 +1194,38 @@ CPU_SHAPES = dict(cps="1,2,4", ctx_per_rank=256, anchors=8, B=4, Hq=4, Hkv=2, D=
 
 def main(argv=None):
     """CLI (see the module docstring). Returns the result dict (also written as JSON on rank 0)."""
+    from megatron_splitkv._ints import float_arg, int_arg  # strict decimal numbers within their limits
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cps", default="1,2,8,16,32,64")
     ap.add_argument("--methods", default="splitkv,allgather-kv,ring-kv")
     ap.add_argument("--placements", default="lpt,zigzag", help="splitkv placements (others: first one)")
-    ap.add_argument("--ctx-per-rank", type=int, default=16384)
+    ap.add_argument("--ctx-per-rank", type=int_arg(1), default=16384)
     bench.add_workload_args(ap, reps=5)
-    ap.add_argument("--B", type=int, default=16)
-    ap.add_argument("--Hq", type=int, default=32)
-    ap.add_argument("--Hkv", type=int, default=8)
-    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--B", type=int_arg(1), default=16)
+    ap.add_argument("--Hq", type=int_arg(1), default=32)
+    ap.add_argument("--Hkv", type=int_arg(1), default=8)
+    ap.add_argument("--D", type=int_arg(1), default=128)
     ap.add_argument("--model-only", action="store_true", help="no GPU: FLOP model for the compute")
     ap.add_argument("--backend", default="auto",
                     help="measured mode: local kernel backend the shards are timed with (megatron_splitkv.kernels."
                          "BACKENDS: auto = fa4 where installed, else flex on CUDA, math on CPU; flex, te, math, and any backend this tree "
                          "registers, e.g. staircase)")
-    ap.add_argument("--kernel-tflops", type=float, default=320.0,
+    ap.add_argument("--kernel-tflops", type=float_arg(0, above=True), default=320.0,
                     help="model: useful fwd+bwd TF/s of the local kernel through the kernel API (3.5x "
                          "convention; H200 flex 11.97 ms at 16K with a cached mask = 322, docs/benchmarks.md; "
                          "a dense-call kernel at 80-90%% of dense SDPA's ~575-600 would be ~460-540)")
-    ap.add_argument("--call-overhead-ms", type=float, default=0.3,
+    ap.add_argument("--call-overhead-ms", type=float_arg(0), default=0.3,
                     help="model: fixed ms per kernel call (launches, padding; the BlockMask is cached "
                          "with per-step metadata; without it add ~2 ms, docs/benchmarks.md)")
     ap.add_argument("--no-metadata", action="store_true",
                     help="model the self-contained op calls (masks rebuilt, ring keys travel) instead of "
                          "calls with per-step metadata")
-    ap.add_argument("--op-overhead-ms", type=float, default=3.4,
+    ap.add_argument("--op-overhead-ms", type=float_arg(0), default=3.4,
                     help="model: op ms beyond the kernel WITH a separate own-block pass (a fused model takes "
                          "--own-block-ms off): 3.4 = 1.41 ms measured for the fused op (CP=1 op - kernel, third "
                          "H200 run, docs/benchmarks.md) + the 2.0 ms stated own block; measured mode measures it")
-    ap.add_argument("--fwd-fraction", type=float, default=0.29)
+    ap.add_argument("--fwd-fraction", type=float_arg(0, 1), default=0.29)
     ap.add_argument("--num-chunks", default="auto",
                     help="splitkv chunk counts to model, comma list (one splitkv row per value and P; the table "
                          "reports k = 1 and the best k per P), or 'auto': 1,2,3,4,6,8 (model-only) / 1,2,4 "
@@ -1250,7 +1252,7 @@ def main(argv=None):
                     help="comma list of forward / reverse: the order the backward processes the chunks of the "
                          "--head-split rows in (reverse = k-1..0: the forward's small last chunk becomes the "
                          "backward's first); one row per value")
-    ap.add_argument("--paired-rounds", type=int, default=0,
+    ap.add_argument("--paired-rounds", type=int_arg(0), default=0,
                     help="measured mode, one process: after the measuring phase re-time, in R interleaved rounds, the "
                          "P = min(--cps) reference shard (splitkv k = 1: what T(P0) is built from) and every measured "
                          "splitkv shard of the first placement (every sampled rank, k and --head-split), each task once "
@@ -1278,9 +1280,9 @@ def main(argv=None):
                     help="splitkv's headline variant: the layer overlaps the first Q all-gather with the k/v "
                          "projections and the last dQ all-to-all with their backward (on), or not (off). "
                          "Both are always computed and tabulated")
-    ap.add_argument("--hidden", type=int, default=4096,
+    ap.add_argument("--hidden", type=int_arg(1), default=4096,
                     help="drafter hidden size: the k/v projection is hidden -> 2 * Hkv * D per token")
-    ap.add_argument("--matmul-tflops", type=float, default=790.0,
+    ap.add_argument("--matmul-tflops", type=float_arg(0, above=True), default=790.0,
                     help="model: bf16 matmul TF/s of the k/v projection (DESIGN.md section 5: ~790 on H200); "
                          "measured mode times the projection on the GPU instead")
     ap.add_argument("--bwd-gather", default="auto",
@@ -1296,7 +1298,7 @@ def main(argv=None):
                          "(NVLink, inputs' dtype), node merge in fp32, stage 2 among the N = P / L ranks of one "
                          "local index (NICs, fp32) for the [O | lse] merge and the dQ sums; clamped to P (L >= P: "
                          "one all-to-all); must divide every P of --cps that exceeds it")
-    ap.add_argument("--merge-gbs", type=float, default=MERGE_GBS,
+    ap.add_argument("--merge-gbs", type=float_arg(0, above=True), default=MERGE_GBS,
                     help=f"model: GB/s of received stage-1 bytes of the two-level all-to-all's node merge / node sum "
                          f"on the compute stream (stated {MERGE_GBS:.0f}: ~10 HBM bytes per received bf16 element at "
                          f"~4 TB/s); measured mode times the merge on the device")
@@ -1307,34 +1309,34 @@ def main(argv=None):
                          "16); deferred = the op before item 18 (the compute stream waits for stage 1 of chunk c "
                          "after chunk c + 1's kernel was issued, then merges and issues stage 2); inline = a "
                          "what-if: each chunk's stage 1 waited right after its own kernel")
-    ap.add_argument("--sample-ranks", type=int, default=2)
+    ap.add_argument("--sample-ranks", type=int_arg(1), default=2)
     ap.add_argument("--topology", default="node,flat",
                     help="communication model(s), comma list, the first is the headline: node (P ranks on "
                          "ceil(P / gpus-per-node) nodes: NVLink inside, NIC per GPU between; "
                          "bench.LinkModel) and/or flat (every collective a flat ring of P ranks, all hops "
                          "inter-node beyond one node: the first model)")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--intra-alpha-us", type=float, default=8.0,
+    ap.add_argument("--gpus-per-node", type=int_arg(1), default=8)
+    ap.add_argument("--intra-alpha-us", type=float_arg(0), default=8.0,
                     help="stated NVLink latency per collective step at P = 2 (measured mode fits it)")
-    ap.add_argument("--intra-bw-gbs", type=float, default=225.0,
+    ap.add_argument("--intra-bw-gbs", type=float_arg(0, above=True), default=225.0,
                     help="stated NVLink bus bandwidth GB/s (measured mode fits it)")
-    ap.add_argument("--intra-hop-us", type=float, default=3.4,
+    ap.add_argument("--intra-hop-us", type=float_arg(0), default=3.4,
                     help="node topology: NVLink latency per extra ring hop (NCCL tuning.cc, ring Simple); the "
                          "rest of the P = 2 latency is a per-collective base")
-    ap.add_argument("--a2a-peer-us", type=float, default=1.0,
+    ap.add_argument("--a2a-peer-us", type=float_arg(0), default=1.0,
                     help="node topology: all-to-all issue cost per extra peer (stated assumption)")
     ap.add_argument("--no-pxn", action="store_true",
                     help="node topology: off-node all-to-all bytes leave over this GPU's NIC without the PXN "
                          "NVLink relay")
-    ap.add_argument("--inter-alpha-us", type=float, default=15.0, help="inter-node latency per hop (us)")
-    ap.add_argument("--inter-bw-gbs", "--inter-node-gbps", dest="inter_bw_gbs", type=float, default=50.0,
+    ap.add_argument("--inter-alpha-us", type=float_arg(0), default=15.0, help="inter-node latency per hop (us)")
+    ap.add_argument("--inter-bw-gbs", "--inter-node-gbps", dest="inter_bw_gbs", type=float_arg(0, above=True), default=50.0,
                     help="inter-node bandwidth per GPU in GB/s (bytes; 50 = a 400 Gb/s NIC per GPU)")
     ap.add_argument("--link-json", default="",
                     help="use a fitted intra link from this JSON (a simulate_scaling.json, or {'link': {'intra': "
                          "{kind: {alpha_us, bw_GBs}}}})")
     ap.add_argument("--no-measure-collectives", action="store_true")
     ap.add_argument("--bench-json", default="", help="bench_attention.json: show measured CP=2 next to model")
-    ap.add_argument("--budget-s", type=float, default=0.0, help="measured mode: stop measuring after this")
+    ap.add_argument("--budget-s", type=float_arg(0), default=0.0, help="measured mode: stop measuring after this")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
     ap.add_argument("--cpu", action="store_true",
                     help="measured mode on CPU, a dry run: the shape flags left at their defaults take tiny values "

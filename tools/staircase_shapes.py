@@ -303,7 +303,7 @@ def render(res, args) -> str:
 
 
 def main(argv=None):
-    from megatron_splitkv._ints import float_arg  # finite reals only: float() takes "nan" / "inf"
+    from megatron_splitkv._ints import float_arg, int_arg  # finite reals only: float() takes "nan" / "inf"
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -312,16 +312,16 @@ def main(argv=None):
     ap.add_argument("--impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"))
     ap.add_argument("--strategy", default="lpt", help="planner strategy (bench.place)")
     ap.add_argument("--dist", default="loguniform", choices=("loguniform", "uniform"))
-    ap.add_argument("--min-len", type=int, default=4096)
-    ap.add_argument("--max-len", type=int, default=131072)
-    ap.add_argument("--max-tokens", type=int, default=131072, help="packed batch budget (tokens per step)")
-    ap.add_argument("--max-seqs", type=int, default=0, help="most sequences per batch (0: no limit)")
-    ap.add_argument("--anchors", type=int, default=512)
+    ap.add_argument("--min-len", type=int_arg(1), default=4096)
+    ap.add_argument("--max-len", type=int_arg(1), default=131072)
+    ap.add_argument("--max-tokens", type=int_arg(1), default=131072, help="packed batch budget (tokens per step)")
+    ap.add_argument("--max-seqs", type=int_arg(0), default=0, help="most sequences per batch (0: no limit)")
+    ap.add_argument("--anchors", type=int_arg(1), default=512)
     ap.add_argument("--anchors-per", default="seq", choices=("seq", "batch"))
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--hq", type=int, default=32)
-    ap.add_argument("--hkv", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-size", type=int_arg(1), default=16)
+    ap.add_argument("--hq", type=int_arg(1), default=32)
+    ap.add_argument("--hkv", type=int_arg(1), default=8)
+    ap.add_argument("--head-dim", type=int_arg(1), default=128)
     ap.add_argument("--dtype", default="bfloat16", choices=FLOAT_DTYPES)
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--sizes", default="8192,16384,32768,65536,131072", help="one-sequence context sizes")
@@ -330,7 +330,7 @@ def main(argv=None):
                     help="extra fwd+bwd ns per visible pair moved from the dense part to flex (H200 fit)")
     ap.add_argument("--call-us", type=float_arg(0), default=200.0,
                     help="extra fwd+bwd us per additional dense call (H200 fit, incl. the merge/accumulation)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--out", default=None, help="write the markdown tables here")
     ap.add_argument("--json", default=None, help="write the raw results here")
     ap.add_argument("--quiet", action="store_true")

@@ -117,7 +117,7 @@ if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
 from tools import benchlib as bench  # noqa: E402
-from megatron_splitkv._ints import float_arg, parse_float  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg, parse_float  # noqa: E402
 
 PREPARES = None  # PrepareCounter, set in main
 BLOCK_MASKS = None  # BlockMaskTimer, set in main
@@ -176,22 +176,22 @@ def parse_args(argv=None):
     ap.add_argument("--contexts", default=None,
                     help=f"context lengths, one sequence each, comma list (default {REAL['contexts']}; "
                          f"--cpu-smoke {SMOKE['contexts']})")
-    ap.add_argument("--reps", type=int, default=None, help="timed repeats (median; default 20, smoke 3)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed rounds per context (default 2, smoke 1)")
-    ap.add_argument("--anchors", type=int, default=None, help="query budget N per sequence (default 512)")
-    ap.add_argument("--block-size", type=int, default=None, help="draft block B (default 16)")
-    ap.add_argument("--hidden", type=int, default=None, help="hidden size (default 4096)")
-    ap.add_argument("--layers", type=int, default=None, help="drafter layers (default 5)")
-    ap.add_argument("--heads", type=int, default=None, help="query heads (default 32)")
-    ap.add_argument("--kv-heads", type=int, default=None, help="kv heads (default 8)")
-    ap.add_argument("--head-dim", type=int, default=None, help="head dim (default 128)")
-    ap.add_argument("--ffn", type=int, default=None, help="FFN hidden size (default 12288)")
-    ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 151936)")
-    ap.add_argument("--target-layers", type=int, default=None,
+    ap.add_argument("--reps", type=int_arg(1), default=None, help="timed repeats (median; default 20, smoke 3)")
+    ap.add_argument("--warmup", type=int_arg(0), default=None, help="untimed rounds per context (default 2, smoke 1)")
+    ap.add_argument("--anchors", type=int_arg(1), default=None, help="query budget N per sequence (default 512)")
+    ap.add_argument("--block-size", type=int_arg(2), default=None, help="draft block B (default 16)")
+    ap.add_argument("--hidden", type=int_arg(1), default=None, help="hidden size (default 4096)")
+    ap.add_argument("--layers", type=int_arg(1), default=None, help="drafter layers (default 5)")
+    ap.add_argument("--heads", type=int_arg(1), default=None, help="query heads (default 32)")
+    ap.add_argument("--kv-heads", type=int_arg(1), default=None, help="kv heads (default 8)")
+    ap.add_argument("--head-dim", type=int_arg(1), default=None, help="head dim (default 128)")
+    ap.add_argument("--ffn", type=int_arg(1), default=None, help="FFN hidden size (default 12288)")
+    ap.add_argument("--vocab", type=int_arg(2), default=None, help="vocabulary (default 151936)")
+    ap.add_argument("--target-layers", type=int_arg(1), default=None,
                     help="layers of the (virtual) target: sets the taps, target_layer_ids(n, layers) (default 36)")
     ap.add_argument("--kernel", default="auto", help="the op's local kernel (--splitkv-kernel; default auto)")
     ap.add_argument("--balance", default="lpt", help="planner strategy (--cp-balance; default lpt)")
-    ap.add_argument("--chunk-size", type=int, default=None, help="planner chunk (--cp-chunk-size; default auto)")
+    ap.add_argument("--chunk-size", type=int_arg(1), default=None, help="planner chunk (--cp-chunk-size; default auto)")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "none"),
                     help="optimizer step in the step: torch AdamW with lr 0 (default) or none")
     ap.add_argument("--arms", default=",".join(ARMS),
@@ -200,14 +200,14 @@ def parse_args(argv=None):
     ap.add_argument("--profile-data", action="store_true",
                     help="also break the prefetched+meta step's data part down on the host: next() alone (and "
                          "whether the worker's item was ready), the pinned upload's issue, the bind; a second table")
-    ap.add_argument("--data-workers", type=int, default=1,
+    ap.add_argument("--data-workers", type=int_arg(1), default=1,
                     help="DataLoader worker processes of the ONE data pipeline per process that serves both "
                          "prefetched arms (pretrain_dflash.py --dflash-data-workers; default 1)")
-    ap.add_argument("--data-prefetch", type=int, default=2,
+    ap.add_argument("--data-prefetch", type=int_arg(1), default=2,
                     help="batches each worker prepares ahead (--dflash-data-prefetch; default 2)")
     ap.add_argument("--budget-s", type=float_arg(0), default=480.0,
                     help="start no new context after this many seconds (default 480; 0: no limit)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "step_overhead"), help="output folder")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on CPU with gloo (a plumbing test; the timings mean nothing)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 from megatron.core import parallel_state
@@ -140,6 +141,8 @@ class DFlashAttention(Attention):
         hidden_states: [sq, b, hidden] normed block-token states (sbhd; for thd params use b = 1).
         key_value_states: [sk, b, hidden] context features of this CP rank (b*sk = params.num_ctx_tokens).
         packed_seq_params: `DFlashPackedSeqParams` (required).
+    Selective recompute (`config.recompute_granularity == "selective"` with "core_attn" in
+    `config.recompute_modules`): the core attention is recomputed in backward (`_core_attention`).
     Returns (output [sq, b, hidden], bias or None), as Megatron's Attention.
 
     Errors: ValueError for a missing ctx/metadata; NotImplementedError for inference contexts.
@@ -297,10 +300,12 @@ class DFlashAttention(Attention):
             q = apply_rope(q, q_pos, base=self.rotary_base, rotary_percent=self.rotary_percent)
         if thd:
             q = q.squeeze(1)
-        # 2. ... so that Split-KV's query all-gather runs while k/v are computed (perf-notes item 3)
+        # 2. ... so that Split-KV's query all-gather runs while k/v are computed (perf-notes item 3); not
+        #    under selective recompute of the core attention, whose forward is then run twice (`_core_attention`)
         gather = None
+        recompute = self.checkpoint_core_attention and self.training
         start = getattr(self.core_attention, "start_query_gather", None)
-        if self.overlap_query_gather and start is not None:
+        if self.overlap_query_gather and start is not None and not recompute:
             gather = start(q, params, num_heads_kv=self.num_query_groups_per_partition)
         try:
             k, v = self._key_value_tensors(hidden_states, key_value_states)
@@ -316,17 +321,35 @@ class DFlashAttention(Attention):
             raise
         # 3. core attention (consumes the gather: query_gather= only when one was started, so a core
         #    attention without that keyword keeps Megatron's plain contract)
+        core_out = self._core_attention(q, k, v, attention_mask, attention_bias, params, gather, recompute)
+        core_out = core_out.reshape(sq, b, -1)
+        output, bias = apply_module(self.linear_proj)(core_out)
+        return output, bias
+
+
+    def _core_attention(self, q, k, v, attention_mask, attention_bias, params, gather, recompute):
+        """The core attention on (q, k, v). With Megatron's selective recompute of the core attention
+        (`--recompute-granularity selective --recompute-modules core_attn`, i.e. `checkpoint_core_attention`)
+        in training: under `torch.utils.checkpoint` (non-reentrant), so only its inputs are kept and the core
+        attention, its collectives included, runs again in backward (every CP rank recomputes in the same
+        order); the query gather is then not started early (`gather` is None). Megatron's own
+        `_checkpointed_attention_forward` is not used: its RNG bookkeeping needs CUDA, and this attention has
+        no dropout (validate_splitkv_args). Gradients equal the non-recompute ones bitwise
+        (tests/test_faults_recompute.py)."""
+        if recompute:
+            return torch.utils.checkpoint.checkpoint(self._run_core, q, k, v, attention_mask, attention_bias, params,
+                                                     None, use_reentrant=False)
+        return self._run_core(q, k, v, attention_mask, attention_bias, params, gather)
+
+    def _run_core(self, q, k, v, attention_mask, attention_bias, params, gather):
         extra = {} if gather is None else {"query_gather": gather}
-        core_out = apply_module(self.core_attention)(
+        return apply_module(self.core_attention)(
             q, k, v, attention_mask,
             attn_mask_type=self.attn_mask_type,
             attention_bias=attention_bias,
             packed_seq_params=params,
             **extra,
         )
-        core_out = core_out.reshape(sq, b, -1)
-        output, bias = apply_module(self.linear_proj)(core_out)
-        return output, bias
 
 
 class DFlashTransformerLayer(TransformerLayer):

@@ -517,6 +517,20 @@ def _zigzag_chunks(lens, cp_size):
     return seq, b[:, :-1][keep], b[:, 1:][keep], np.broadcast_to(piece_rank, keep.shape)[keep]
 
 
+def _fixed_layout(strategy, lens, offsets, anchors_flat, anchor_ptr, cm, block_size, cp_size):
+    """The "contiguous" or "zigzag" layout and its chunk costs (consumes `anchors_flat`). Returns (seq, start,
+    end, rank, costs)."""
+    chunks = _contiguous_chunks(lens, offsets, cp_size) if strategy == "contiguous" else _zigzag_chunks(lens, cp_size)
+    seq, start, end, rank = chunks
+    _, _, _, costs = _chunk_costs(None, lens, offsets, anchors_flat, anchor_ptr, cm, block_size,
+                                  chunks=(seq, start, end))
+    return seq, start, end, rank, costs
+
+
+def _max_load(rank, costs, cp_size) -> float:
+    return float(np.bincount(rank, weights=costs, minlength=cp_size).max()) if costs.size else 0.0
+
+
 # ----------------------------------------------------------------------------------------------
 
 
@@ -547,7 +561,11 @@ def plan_context_parallel(seq_lens, anchors, *, block_size, cp_size, chunk_size=
                 max load <= mean + (1 - 1/P) * max chunk cost. With `refine` (default) LPT is followed
                 by a pairwise-exchange refinement (move/swap chunks between heavily and lightly loaded
                 ranks, see `_refine`) until imbalance <= `refine_tol` (default 0.2%) or no exchange
-                helps; it never increases the max load, so the bounds hold either way.
+                helps; it never increases the max load, so the bounds hold either way. Finally the
+                "contiguous" and "zigzag" layouts of the same batch are costed with the same model and the
+                one with the lowest max load is returned (ties: LPT's), so an "lpt" plan is never worse
+                than either (e.g. one dense sequence, whose 64-token chunk floor limits LPT); such a plan
+                keeps strategy "lpt" with chunk_size None and that layout's chunks.
             "contiguous": rank r holds packed tokens [r*T/P, (r+1)*T/P) (no balancing).
             "zigzag": per sequence 2P pieces, rank r holds pieces r and 2P-1-r (Megatron-Core's
                 `get_batch_on_this_cp_rank` layout).
@@ -634,13 +652,18 @@ def plan_context_parallel(seq_lens, anchors, *, block_size, cp_size, chunk_size=
             anchors_flat = np.repeat(offsets[:-1], n_anc)
             anchors_flat += anc_cat
     else:
-        if strategy == "contiguous":
-            seq, start, end, rank = _contiguous_chunks(lens, offsets, cp_size)
-        else:
-            seq, start, end, rank = _zigzag_chunks(lens, cp_size)
-        _, _, _, costs = _chunk_costs(None, lens, offsets, anchors_flat, anchor_ptr, cm, block_size,
-                                      chunks=(seq, start, end))
+        seq, start, end, rank, costs = _fixed_layout(strategy, lens, offsets, anchors_flat, anchor_ptr, cm,
+                                                     block_size, cp_size)
         order = np.arange(seq.shape[0], dtype=np.int64)
+    if strategy == "lpt":  # never worse than the fixed layouts under the same cost model
+        for alt in ("contiguous", "zigzag"):
+            anchors_flat = np.repeat(offsets[:-1], n_anc)
+            anchors_flat += anc_cat
+            a_seq, a_start, a_end, a_rank, a_costs = _fixed_layout(alt, lens, offsets, anchors_flat, anchor_ptr, cm,
+                                                                   block_size, cp_size)
+            if _max_load(a_rank, a_costs, cp_size) < _max_load(rank, costs, cp_size):
+                seq, start, end, rank, costs = a_seq, a_start, a_end, a_rank, a_costs
+                order, used_chunk = np.arange(seq.shape[0], dtype=np.int64), None
 
     anchors_flat = None  # free the temporary before allocating q_seq (the allocator can reuse it)
     q_seq = _query_seq(n_anc, q_anchor.shape[0])

@@ -1,0 +1,205 @@
+"""Bad flags of every command-line entry point fail at parse time (issue 24): argparse's error naming the flag
+and its limit, exit status 2, no traceback, before any data, model or process is set up; a rank that dies
+makes the demo's launcher exit with its message instead of waiting.
+
+The table runs each entry point's `main(argv)` (train_demo, examples/*.py, tools/*.py) in-process and asserts
+SystemExit(2) with the flag in stderr; two cases also run as commands to check the whole path (one line, no
+traceback). Issue 24's cases: train_demo `--cp 0/-2` (KeyError), `--target-layers 0` (ZeroDivisionError),
+`--num-anchors 0` (reshape error in three tracebacks), `--hidden 0` (trained a 64-parameter model), `--steps -1`,
+`--threads 0` (hang), `--block-size` named as `block_size`; pretrain_dflash.py --parse-only accepting
+`--features-path /nonexistent`, `--mask-token-id -1`, `--target-num-layers -1`, `--sharegpt-limit -3`.
+"""
+
+import importlib
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN_BASE = ["--parse-only", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+                 "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1",
+                 "--transformer-impl", "local", "--ffn-hidden-size", "128"]
+FILE = os.path.abspath(__file__)  # an existing file that is not a directory
+
+# (entry point, argv, text the error must contain)
+CASES = [
+    ("train_demo", ["--cp", "0"], "--cp: must be a positive int"),
+    ("train_demo", ["--cp", "-2"], "--cp: must be a positive int"),
+    ("train_demo", ["--target-layers", "0"], "--target-layers: must be a positive int"),
+    ("train_demo", ["--draft-layers", "0"], "--draft-layers: must be a positive int"),
+    ("train_demo", ["--target-layers", "2", "--draft-layers", "2"], "--target-layers >= 4"),
+    ("train_demo", ["--num-anchors", "0"], "--num-anchors: must be a positive int"),
+    ("train_demo", ["--hidden", "0"], "--hidden: must be an int >= 16"),
+    ("train_demo", ["--steps", "-1"], "--steps: must be a positive int"),
+    ("train_demo", ["--steps", "0"], "--steps: must be a positive int"),
+    ("train_demo", ["--threads", "0"], "--threads: must be a positive int"),
+    ("train_demo", ["--block-size", "1"], "--block-size: must be an int >= 2"),
+    ("train_demo", ["--block-size", "8192"], "--block-size 8192 must be <= --max-tokens 4096"),
+    ("train_demo", ["--max-tokens", "1"], "--max-tokens: must be an int >= 2"),
+    ("train_demo", ["--limit", "0"], "--limit: must be a positive int"),
+    ("train_demo", ["--seed", "-1"], "--seed: must be an int in [0, 4294967295]"),
+    ("train_demo", ["--lr", "nan"], "--lr: must be a finite number >= 0"),
+    ("train_demo", ["--save", "/tmp/x", "--save-interval", "0"], "--save-interval: must be a positive int"),
+    ("train_demo", ["--save-interval", "2"], "--save-interval needs --save"),
+    ("train_demo", ["--load", "/tmp/x", "--ckpt-step", "-1"], "--ckpt-step: must be an int >= 0"),
+    ("train_demo", ["--load", FILE], "--load"),
+    ("train_demo", ["--save", FILE], "--save"),
+    ("train_demo", ["--cp-balance", "best"], "--cp-balance: invalid choice"),
+    ("pretrain_dflash", ["--features-path", "/nonexistent"], "--features-path: no such directory"),
+    ("pretrain_dflash", ["--features-path", FILE], "--features-path: no such directory"),
+    ("pretrain_dflash", ["--mask-token-id", "-1"], "--mask-token-id: must be an int >= 0"),
+    ("pretrain_dflash", ["--target-num-layers", "-1"], "--target-num-layers: must be a positive int"),
+    ("pretrain_dflash", ["--sharegpt-limit", "-3"], "--sharegpt-limit: must be a positive int"),
+    ("pretrain_dflash", ["--target-load", "/nonexistent"], "--target-load: no such file or directory"),
+    ("pretrain_dflash", ["--target-kv-channels", "0"], "--target-kv-channels: must be a positive int"),
+    ("pretrain_dflash", ["--data-seed", "-1"], "--data-seed: must be an int >= 0"),
+    ("pretrain_dflash", ["--target-seed", "+3"], "--target-seed: must be an int >= 0"),
+    ("examples/op_demo.py", ["--cp", "0"], "--cp: must be a positive int"),
+    ("examples/op_demo.py", ["--ctx", "1"], "--ctx: must be an int >= 2"),
+    ("tools.bench_attention", ["--kernel-reps", "0"], "--kernel-reps: must be a positive int"),
+    ("tools.bench_attention", ["--anchors", "0"], "--anchors: must be a positive int"),
+    ("tools.bench_layer_overlap", ["--block-size", "0"], "--block-size: must be a positive int"),
+    ("tools.bench_lpt", ["--repeats", "0"], "--repeats: must be a positive int"),
+    ("tools.calibrate_cost", ["--iters", "0"], "--iters: must be a positive int"),
+    ("tools.chunk_cost", ["--lanes", "0"], "--lanes: must be a positive int"),
+    ("tools.extract_features", ["--out", "/tmp/x", "--max-tokens", "1"], "--max-tokens: must be an int >= 2"),
+    ("tools.extract_features", ["--out", "/tmp/x", "--target-load", "/nonexistent"], "--target-load: no such file"),
+    ("tools.extract_features", ["--out", "/tmp/x", "--sharegpt-limit", "0"], "--sharegpt-limit: must be a positive"),
+    ("tools.host_overhead", ["--context", "0"], "--context: must be a positive int"),
+    ("tools.memory_breakdown", ["--cp", "0"], "--cp: must be a positive int"),
+    ("tools.pipeline_cost", ["--cp-rank", "-1"], "--cp-rank: must be an int >= 0"),
+    ("tools.prepare_cost", ["--reps", "0"], "--reps: must be a positive int"),
+    ("tools.probe_dense_backends", ["--rows", "0"], "--rows: must be a positive int"),
+    ("tools.profile_kernel", ["--iters", "0"], "--iters: must be a positive int"),
+    ("tools.profile_op", ["--steps", "0"], "--steps: must be a positive int"),
+    ("tools.simulate_scaling", ["--Hq", "0"], "--Hq: must be a positive int"),
+    ("tools.simulate_scaling", ["--kernel-tflops", "0"], "--kernel-tflops: must be a finite number > 0"),
+    ("tools.simulate_scaling", ["--fwd-fraction", "1.5"], "--fwd-fraction: must be a finite number >= 0 and <= 1"),
+    ("tools.staircase_shapes", ["--anchors", "0"], "--anchors: must be a positive int"),
+    ("tools.step_overhead", ["--data-workers", "0"], "--data-workers: must be a positive int"),
+    ("tools.step_overhead", ["--hidden", "0"], "--hidden: must be a positive int"),
+    ("tools.tune_flex", ["--reps", "0"], "--reps: must be a positive int"),
+]
+
+
+def _load(entry):
+    if entry == "train_demo":
+        from megatron_splitkv import train_demo
+
+        return train_demo.main
+    if entry == "pretrain_dflash" or entry.startswith("examples/"):
+        path = os.path.join(ROOT, "examples", "pretrain_dflash.py" if entry == "pretrain_dflash" else entry[9:])
+        name = "faults_" + os.path.basename(path)[:-3]
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            sys.modules[name] = mod
+        return sys.modules[name].main
+    return importlib.import_module(entry).main
+
+
+@pytest.mark.parametrize("entry,argv,text", CASES, ids=[f"{e}{' '.join(a)}" for e, a, _ in CASES])
+def test_bad_flag_exits_2_naming_it(entry, argv, text, capsys, monkeypatch):
+    if entry == "pretrain_dflash":
+        pytest.importorskip("megatron.training")
+        argv = PRETRAIN_BASE + argv
+    monkeypatch.setattr(sys, "argv", [entry, *argv])  # pretrain_dflash's main parses sys.argv
+    main = _load(entry)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2, err
+    assert text in err, err
+    assert "Traceback" not in err
+
+
+def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
+    """Limits between this script's and Megatron's flags (`check_dflash_args`): a SplitKVArgumentError naming
+    both flags (the command line prints it as one line, exit 2: test below)."""
+    pytest.importorskip("megatron.training")
+    from megatron_splitkv.megatron.arguments import SplitKVArgumentError
+
+    main = _load("pretrain_dflash")
+    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py"])
+    with pytest.raises(SplitKVArgumentError, match=r"--mask-token-id 2000 must be < 1024 \(--vocab-size 1000 padded"):
+        main(PRETRAIN_BASE + ["--vocab-size", "1000", "--mask-token-id", "2000"])
+    with pytest.raises(SplitKVArgumentError, match="--target-num-layers 2 must be >= 4 for a drafter of --num-layers 2"):
+        main(PRETRAIN_BASE[:2] + ["2"] + PRETRAIN_BASE[3:] + ["--target-num-layers", "2"])
+    # inside the padded vocabulary (Qwen3's MASK id 151669 in the padding rows of --vocab-size 151669) is fine
+    main(PRETRAIN_BASE + ["--vocab-size", "151669", "--mask-token-id", "151669"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("pretrain_dflash.py --parse-only: OK")
+
+
+@pytest.mark.parametrize("cmd,text", [
+    (["-m", "megatron_splitkv.train_demo", "--threads", "0"], "--threads: must be a positive int"),
+    (["examples/pretrain_dflash.py", *PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"],
+     "--mask-token-id 2000 must be < 1024"),
+])
+def test_command_line_prints_one_error_line(cmd, text):
+    r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and text in r.stderr, r.stderr
+
+
+def test_pretrain_dflash_help_our_groups_first(capsys, monkeypatch):
+    pytest.importorskip("megatron.training")
+    main = _load("pretrain_dflash")
+    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", "--help"])
+    main(["--help"])
+    out = capsys.readouterr().out
+    titles = [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
+    ours = ["split-kv context parallelism", "dflash drafter", "dflash data", "this script"]
+    for t in ours:
+        assert t in titles, titles
+    first_megatron = min(i for i, t in enumerate(titles) if t not in ours and not t.startswith("dflash")
+                         and t not in ("options", "usage"))
+    assert max(titles.index(t) for t in ours) < first_megatron, titles
+    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
+
+
+def test_demo_help_shows_every_default(capsys):
+    from megatron_splitkv import train_demo
+
+    with pytest.raises(SystemExit) as info:
+        train_demo.parse_args(["--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--steps", "30"), ("--cp", "2"), ("--block-size", "16"), ("--threads", "1"),
+                          ("--cp-balance", "lpt"), ("--lr", "0.01")):
+        assert flag in out and f"(default: {default})" in out, (flag, out)
+
+
+def _dies(rank, world, args):
+    if rank == 1:
+        os._exit(7)
+    import time
+
+    time.sleep(600)  # rank 0 would wait for rank 1 in a collective forever
+
+
+def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys):
+    """train_demo's parent waited on its queue for a rank that had died (`--threads 0` made both ranks die
+    before reporting: a hang). The ranks now run through `launch.run_gloo`: a rank that dies ends the run at
+    once, the others killed, exit status 2 with the rank and its exit code."""
+    from megatron_splitkv import launch, train_demo
+
+    real = launch.run_gloo
+    monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: real(_dies, world, *a, **kw))
+    assert train_demo.main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "rank 1 of 2 exited without reporting a result, exit code 7" in err, err
+
+
+@pytest.mark.parametrize("argv,text", [(["--tree", "/nonexistent", "--out", "/tmp/x"], "--tree: no such file"),
+                                       (["--compare", FILE, "/nonexistent"], "--compare: no such file")])
+def test_op_bits_paths_must_exist(argv, text, capsys):
+    from tools import op_bits
+
+    with pytest.raises(SystemExit) as info:
+        op_bits.main(argv)
+    assert info.value.code == 2 and text in capsys.readouterr().err
