@@ -172,7 +172,7 @@ def regenerate_responses(args, log=print):
     spec = RegenerateSpec(limit=args.limit, max_new_tokens=args.regen_new_tokens,
                           max_prompt_tokens=args.regen_prompt_tokens)
     t0 = time.time()
-    _, meta, made = ensure_regenerated(args.target_hf_path, spec, path, log=log)
+    _, meta, made = ensure_regenerated(args.target_hf_path, spec, path, threads=args.threads, log=log)
     what = f"made in {time.time() - t0:.0f} s" if made else "reused (fingerprint matches)"
     log(f"regenerated responses {path}: {what}; {meta['conversations']} conversations, mean response "
         f"{meta['mean_response_tokens']:.1f} tokens ({meta['stopped_share']:.0%} stopped), "

@@ -18,8 +18,8 @@ attention mask) with the model's KV cache (`transformers` ``generate``, greedy);
 list of prompt id arrays to their continuations can stand in for the model.
 
 Cache: `ensure_regenerated` stores the corpus as one ``.npz`` with a JSON fingerprint of the target
-directory (sha256 of its config.json, weights and token_map.json) and of the `RegenerateSpec`; a matching
-file is reused.
+directory (sha256 of its config.json, weights and token_map.json) and of the `RegenerateSpec` (but its
+batch size); a matching file is reused.
 """
 
 from __future__ import annotations
@@ -78,18 +78,18 @@ def chat_prompts(count: int, *, first_record: int = 0, max_prompt_tokens: int = 
 
 @dataclasses.dataclass(frozen=True)
 class RegenerateSpec:
-    """How the responses are made (every field enters the cache fingerprint).
+    """How the responses are made (all but `batch_size` enter the cache fingerprint).
 
     limit: ShareGPT records read from `first_record` on (the demo trains on the first 400). max_new_tokens:
     response length cap. max_prompt_tokens: prompts keep their last tokens. batch_size: prompts per
-    ``generate`` call.
+    ``generate`` call (not in the fingerprint).
     """
 
     limit: int = 400
     first_record: int = 0
     max_new_tokens: int = 64
     max_prompt_tokens: int = 256
-    batch_size: int = 32
+    batch_size: int = 64
 
     def __post_init__(self):
         for name, lo in (("limit", 1), ("first_record", 0), ("max_new_tokens", 1), ("max_prompt_tokens", 1),
@@ -99,7 +99,10 @@ class RegenerateSpec:
                 raise ValueError(f"RegenerateSpec.{name} = {v!r}: an integer >= {lo} is needed")
 
     def fingerprint(self, target: str) -> str:
-        text = json.dumps({"format": FORMAT, "target": target, **dataclasses.asdict(self)}, sort_keys=True)
+        """sha256 (16 hex digits) of `target` (a target fingerprint) and the fields but `batch_size` (how
+        many prompts share a ``generate`` call: speed, not data)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "batch_size"}
+        text = json.dumps({"format": FORMAT, "target": target, **fields}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -201,13 +204,16 @@ def target_fingerprint(target_dir: str) -> str:
     return h.hexdigest()[:16]
 
 
-def ensure_regenerated(target_dir: str, spec: RegenerateSpec, cache_path: str, *, device="cpu", log=print) -> tuple:
+def ensure_regenerated(target_dir: str, spec: RegenerateSpec, cache_path: str, *, device="cpu", threads=None,
+                       log=print) -> tuple:
     """The regenerated corpus of the Hugging Face target in `target_dir` (`Qwen3ForCausalLM`-compatible,
     loaded with ``AutoModelForCausalLM`` in float32 on `device`; its ``token_map.json`` when present), cached
     at `cache_path` (``.npz`` + ``.json`` next to it): reused when the fingerprint (target files + `spec`)
     matches, else made. Returns (corpus, metadata dict: fingerprint, spec, conversations, response tokens,
-    mean response length, share of responses that stopped, seconds; made: bool). Raises ValueError when
-    the records give no prompt."""
+    mean response length, share of responses that stopped, seconds; made: bool). `threads`: torch threads
+    while generating (restored after; None: unchanged). Raises ValueError when the records give no prompt."""
+    import torch
+
     from transformers import AutoModelForCausalLM
 
     from .vocab import CompactVocab
@@ -233,7 +239,12 @@ def ensure_regenerated(target_dir: str, spec: RegenerateSpec, cache_path: str, *
     if log:
         log(f"regenerating {len(prompts)} responses with {target_dir} (greedy, <= {spec.max_new_tokens} tokens, "
             f"batches of {spec.batch_size}, {device})")
-    corpus = regenerate_corpus(model, prompts, spec, vocab=vocab)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads or saved)
+    try:
+        corpus = regenerate_corpus(model, prompts, spec, vocab=vocab)
+    finally:
+        torch.set_num_threads(saved)
     lens = [int(corpus.loss_mask[a:b].sum()) for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])]
     ends = [int(corpus.tokens[b - 1]) in (IM_END, ENDOFTEXT) for b in corpus.offsets[1:]]
     meta = {"fingerprint": fp, "spec": dataclasses.asdict(spec), "target": os.path.abspath(target_dir),
