@@ -44,7 +44,8 @@ def test_demo_round_trip_tiny(tmp_path, capsys):
     assert 1 <= int(corpus.conversation(0)[1].sum()) <= 64 and not corpus.conversation(0)[1][:prompt_len].any()
     args = train_demo.parse_args(TINY + ["--out-dir", out, "--no-regenerate"])
     train_demo.prepare_target(args, log=lambda s: None)
-    assert getattr(args, "train_corpus_path", None) is None and len(train_demo.training_corpus(args)) == 4
+    assert getattr(args, "train_corpus_path", None) is None
+    assert train_demo.training_corpus(args).tokens.tolist() != corpus.tokens.tolist()  # ShareGPT's own text
 
 
 def test_bad_target_flags_fail_before_the_ranks(tmp_path, capsys):

@@ -3,7 +3,7 @@
 
     PYTHONPATH=/tmp/site:$PWD python tools/gpu_round_trip.py --out $OUT          # defaults: about 8 min
 
-1. target: a Qwen3 of a few hundred million parameters (defaults: hidden 768, 24 layers, head dim 16, compact
+1. target: a Qwen3 of a few hundred million parameters (defaults: hidden 1024, 12 layers, head dim 16, compact
    vocabulary of the --limit ShareGPT conversations; `megatron_splitkv.demo_target.make_demo_target`, the
    demo's maker with a larger `DemoTargetSpec`) trained briefly with transformers on --device, capped at
    --target-seconds, saved in Hugging Face format to WORK/target-hf;
@@ -43,23 +43,23 @@ def parse_args(argv=None):
     p.add_argument("--work", default="/tmp/gpu_round_trip", help="directory for the model directories")
     p.add_argument("--device", default="cuda", help="device for target training, regeneration and tau")
     p.add_argument("--limit", type=int_arg(1, 17000), default=2000, help="ShareGPT conversations (default 2000)")
-    p.add_argument("--hidden", type=int_arg(16, 8192), default=768, help="target and drafter hidden size")
-    p.add_argument("--target-layers", type=int_arg(2, 128), default=24)
+    p.add_argument("--hidden", type=int_arg(16, 8192), default=1024, help="target and drafter hidden size")
+    p.add_argument("--target-layers", type=int_arg(2, 128), default=12)
     p.add_argument("--target-steps", type=int_arg(1, 10 ** 6), default=1500)
     p.add_argument("--target-seq-len", type=int_arg(8, 8192), default=256)
     p.add_argument("--target-batch", type=int_arg(1, 4096), default=32)
     p.add_argument("--target-lr", type=float_arg(0, above=True), default=1e-3)
-    p.add_argument("--target-seconds", type=float_arg(1), default=150, help="target training budget (default 150)")
+    p.add_argument("--target-seconds", type=float_arg(1), default=120, help="target training budget (default 120)")
     p.add_argument("--regen-new-tokens", type=int_arg(1, 4096), default=64)
     p.add_argument("--regen-batch", type=int_arg(1, 4096), default=128)
     p.add_argument("--draft-layers", type=int_arg(1, 16), default=2)
-    p.add_argument("--drafter-steps", type=int_arg(1, 10 ** 6), default=40)
+    p.add_argument("--drafter-steps", type=int_arg(1, 10 ** 6), default=30)
     p.add_argument("--drafter-lr", type=float_arg(0, above=True), default=3e-3)
     p.add_argument("--cp", type=int_arg(1, 16), default=2)
     p.add_argument("--threads", type=int_arg(1, 256), default=7, help="torch threads per CP process")
     p.add_argument("--max-tokens", type=int_arg(64, 1 << 20), default=2048, help="tokens per drafter batch")
     p.add_argument("--num-anchors", type=int_arg(1, 4096), default=16)
-    p.add_argument("--drafter-seconds", type=int_arg(10, 3600), default=240, help="drafter stage budget")
+    p.add_argument("--drafter-seconds", type=int_arg(10, 3600), default=210, help="drafter stage budget (default 210)")
     p.add_argument("--eval-prompts", type=int_arg(1, 600), default=32)
     p.add_argument("--eval-new-tokens", type=int_arg(1, 4096), default=64)
     args = p.parse_args(argv)
