@@ -61,7 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),
                    help="planner strategy (default lpt)")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens per packed batch")
-    p.add_argument("--num-anchors", type=int, default=32, help="anchors (query blocks) per sequence")
+    p.add_argument("--num-anchors", type=int, default=16, help="anchors (query blocks) per sequence (default 16)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None, help="default 7 for B=16")
     p.add_argument("--limit", type=int, default=400, help="ShareGPT conversations to load")
