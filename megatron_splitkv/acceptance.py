@@ -21,15 +21,14 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from dflash import model as dflash_model
 from transformers import Qwen3ForCausalLM
 
-from .data.sharegpt import ENDOFTEXT, IM_END, IM_START, _encode, get_qwen_tokenizer, iter_sharegpt_records
-from .data.sharegpt import normalize_turns, tokenize_chat
+from .data.regenerate import ChatPrompt, chat_prompts
+from .data.sharegpt import ENDOFTEXT, IM_END
 from .data.vocab import CompactVocab
 
 __all__ = ["HELDOUT_FIRST_RECORD", "HeldOutPrompt", "heldout_prompts", "load_pair", "acceptance_lengths",
@@ -39,34 +38,16 @@ __all__ = ["HELDOUT_FIRST_RECORD", "HeldOutPrompt", "heldout_prompts", "load_pai
 HELDOUT_FIRST_RECORD = 17000
 
 
-@dataclass
-class HeldOutPrompt:
-    """One held-out prompt: its ShareGPT record index and id, and its tokenizer ids [S] int64."""
-
-    record: int
-    id: str
-    tokens: np.ndarray
+#: one held-out prompt (record index, id, tokenizer ids [S] int64)
+HeldOutPrompt = ChatPrompt
 
 
 def heldout_prompts(num_prompts: int, *, max_prompt_tokens: int = 256,
                     first_record: int = HELDOUT_FIRST_RECORD) -> list:
     """The first `num_prompts` usable prompts of ShareGPT records ``[first_record, end)`` (see the module
-    docstring), as `HeldOutPrompt`s. Deterministic. Raises ValueError when fewer exist."""
-    tok = get_qwen_tokenizer()
-    header = np.asarray([IM_START] + _encode(tok, "assistant\n"), dtype=np.int64)
-    out = []
-    for i, rec in enumerate(iter_sharegpt_records()):
-        if len(out) == num_prompts:
-            break
-        if i < first_record:
-            continue
-        turns = normalize_turns(rec.get("conversations") or [])
-        users = [k for k, (role, content) in enumerate(turns) if role == "user" and content]
-        if not users or not any(r == "assistant" for r, _ in turns[users[0]:]):
-            continue
-        ids, _ = tokenize_chat(turns[:users[0] + 1], tok)
-        ids = np.concatenate([ids.astype(np.int64), header])[-max_prompt_tokens:]
-        out.append(HeldOutPrompt(i, str(rec.get("id", i)), ids))
+    docstring; `megatron_splitkv.data.regenerate.chat_prompts`), as `HeldOutPrompt`s. Deterministic. Raises
+    ValueError when fewer exist."""
+    out = chat_prompts(num_prompts, first_record=first_record, max_prompt_tokens=max_prompt_tokens)
     if len(out) < num_prompts:
         raise ValueError(f"only {len(out)} held-out ShareGPT prompts from record {first_record} on, "
                          f"{num_prompts} asked for")

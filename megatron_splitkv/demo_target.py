@@ -79,11 +79,14 @@ def _windows(stream: np.ndarray, n: int, seq_len: int, rng) -> torch.Tensor:
     return torch.as_tensor(np.stack([stream[s:s + seq_len] for s in starts]))
 
 
-def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, log=print) -> dict:
+def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, device="cpu", max_seconds=None,
+                     log=print) -> dict:
     """Make the demo target (see the module docstring) and save it to `out_dir` (`save_pretrained`,
-    ``token_map.json``, ``demo_target.json``). Returns the metadata written to ``demo_target.json``:
-    fingerprint, spec, vocabulary size, first/last training loss, seconds, and for 3 held-out prompts the
-    number of distinct tokens among 32 greedy new tokens."""
+    ``token_map.json``, ``demo_target.json``), training in float32 on `device` (TF32 matmuls on CUDA);
+    `max_seconds` (None: no limit) ends training early after the step that passes it. Returns the metadata
+    written to ``demo_target.json``: fingerprint, spec, parameters, steps run, vocabulary size, first/last
+    training loss, seconds, and for 3 held-out prompts the number of distinct tokens among 32 greedy new
+    tokens."""
     if spec.limit > HELDOUT_FIRST_RECORD:
         raise ValueError(f"--limit {spec.limit}: the demo target would train on the held-out ShareGPT records "
                          f"(from {HELDOUT_FIRST_RECORD} on); use --limit <= {HELDOUT_FIRST_RECORD}")
@@ -96,7 +99,8 @@ def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, lo
         vocab = CompactVocab.from_tokens(corpus.tokens, *[p.tokens for p in prompts], [IM_START, IM_END, ENDOFTEXT])
         rows = -(-vocab.num_rows // 64) * 64
         torch.manual_seed(spec.seed)
-        model = Qwen3ForCausalLM(spec.hf_config(rows))
+        model = Qwen3ForCausalLM(spec.hf_config(rows)).to(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
         stream = vocab.encode(corpus.tokens, "training conversations")
         rng = np.random.default_rng([spec.seed, 11])
         opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -106,7 +110,7 @@ def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, lo
         model.train()
         losses = []
         for step in range(spec.steps):
-            x = _windows(stream, spec.batch, spec.seq_len, rng)
+            x = _windows(stream, spec.batch, spec.seq_len, rng).to(device)
             loss = model(input_ids=x, labels=x).loss  # shifted inside: position t predicts t + 1
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -116,11 +120,15 @@ def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, lo
             losses.append(loss.item())
             if log and (step + 1) % max(1, spec.steps // 6) == 0:
                 log(f"  demo target step {step + 1}/{spec.steps}  loss {losses[-1]:.3f}")
+            if max_seconds is not None and time.time() - t0 > max_seconds:
+                if log:
+                    log(f"  demo target: time budget {max_seconds} s reached after {step + 1} steps")
+                break
         model.eval()
         distinct = []
         with torch.no_grad():
             for p in prompts[:3]:
-                x = torch.as_tensor(vocab.encode(p.tokens[-spec.seq_len:]))[None]
+                x = torch.as_tensor(vocab.encode(p.tokens[-spec.seq_len:]))[None].to(device)
                 y = model.generate(x, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, x.shape[1]:]
                 distinct.append(int(torch.unique(y).numel()))
     finally:
@@ -130,7 +138,8 @@ def make_demo_target(spec: DemoTargetSpec, out_dir: str, *, threads: int = 1, lo
     model.save_pretrained(tmp)
     vocab.save(tmp)
     k = max(1, min(10, len(losses) // 5))
-    meta = {"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec), "vocab_ids": len(vocab),
+    meta = {"fingerprint": spec.fingerprint(), "spec": dataclasses.asdict(spec), "steps_run": len(losses),
+            "parameters": sum(p.numel() for p in model.parameters()), "vocab_ids": len(vocab),
             "vocab_rows": rows, "mask_token_id": vocab.mask_token_id,
             "loss_first": float(np.mean(losses[:k])) if losses else None,
             "loss_last": float(np.mean(losses[-k:])) if losses else None,

@@ -71,7 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),
                    help="planner strategy")
     p.add_argument("--max-tokens", type=int_arg(2), default=4096, help="tokens per packed batch")
-    p.add_argument("--num-anchors", type=int_arg(1), default=32, help="anchors (query blocks) per sequence")
+    p.add_argument("--num-anchors", type=int_arg(1), default=16, help="anchors (query blocks) per sequence")
     p.add_argument("--block-size", type=int_arg(2), default=16, help="DFlash block size B (anchor + B-1 predicted)")
     p.add_argument("--loss-decay-gamma", type=float_arg(0, above=True), default=None,
                    help="loss weight exp(-(k-1)/gamma) per offset k (default: 7 for B=16, scaled with B)")
@@ -125,6 +125,13 @@ def add_round_trip_args(p):
                    help="held-out ShareGPT prompts for tau (default 16; 0: no evaluation)")
     g.add_argument("--eval-new-tokens", type=int_arg(1, 4096), default=64,
                    help="greedy tokens generated per prompt for tau (default 64)")
+    g.add_argument("--no-regenerate", dest="regenerate", action="store_false",
+                   help="train the drafter on ShareGPT's own assistant text instead of the target's regenerated "
+                        "responses (default: regenerate, megatron_splitkv.data.regenerate)")
+    g.add_argument("--regen-new-tokens", type=int_arg(1, 4096), default=64,
+                   help="greedy response tokens the target writes per training conversation (default 64)")
+    g.add_argument("--regen-prompt-tokens", type=int_arg(1, 1 << 20), default=256,
+                   help="prompt tokens kept (the last ones) when regenerating (default 256)")
 
 
 def demo_target_spec(args):
@@ -157,10 +164,43 @@ def prepare_target(args, log=print) -> None:
             f"{meta['loss_first']:.2f} -> {meta['loss_last']:.2f}, greedy distinct tokens of 32: "
             f"{meta['greedy_distinct_tokens_of_32']}")
         args.target_hf_path = path
-    from .data.sharegpt import load_sharegpt
-
-    map_corpus(args, load_sharegpt(args.limit))
+    if args.regenerate:
+        regenerate_responses(args, log=log)
+    map_corpus(args, training_corpus(args))
     check_hf_target(args)
+
+
+def regenerate_responses(args, log=print):
+    """The target's greedy responses to the --limit conversations' prompts (`data.regenerate`, at most
+    --regen-new-tokens each), made once into OUT_DIR/regenerated.npz and reused while the target and the
+    settings match; sets `args.train_corpus_path` to it."""
+    from .data.regenerate import RegenerateSpec, ensure_regenerated
+
+    path = os.path.join(args.out_dir, "regenerated.npz")
+    spec = RegenerateSpec(limit=args.limit, max_new_tokens=args.regen_new_tokens,
+                          max_prompt_tokens=args.regen_prompt_tokens)
+    t0 = time.time()
+    _, meta, made = ensure_regenerated(args.target_hf_path, spec, path, threads=args.threads, log=log)
+    what = f"made in {time.time() - t0:.0f} s" if made else "reused (fingerprint matches)"
+    log(f"regenerated responses {path}: {what}; {meta['conversations']} conversations, mean response "
+        f"{meta['mean_response_tokens']:.1f} tokens ({meta['stopped_share']:.0%} stopped), "
+        f"{meta['distinct_response_tokens']} distinct response tokens")
+    args.train_corpus_path = path
+
+
+def training_corpus(args):
+    """The drafter's training conversations (tokenizer ids): the regenerated corpus at
+    `args.train_corpus_path` when set (`regenerate_responses`), else the first --limit ShareGPT
+    conversations with their own assistant text (`load_sharegpt`)."""
+    import numpy as np
+
+    from .data.sharegpt import TokenizedCorpus, load_sharegpt
+
+    path = getattr(args, "train_corpus_path", None)
+    if path is None:
+        return load_sharegpt(args.limit)
+    with np.load(path) as z:
+        return TokenizedCorpus(z["tokens"], z["loss_mask"], z["offsets"])
 
 
 def target_vocab(args):
@@ -546,7 +586,7 @@ def _train(rank, world, args):
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from megatron_splitkv import comm_stats
-    from megatron_splitkv.data import ShareGPTLoader, load_sharegpt, shard_batch
+    from megatron_splitkv.data import ShareGPTLoader, shard_batch
     from megatron_splitkv.dflash import build_draft_blocks, target_layer_ids
     from megatron_splitkv.models import DFlashDraftModel, TargetFeatureProvider, qwen3_config
     from megatron_splitkv.planning import plan_context_parallel
@@ -555,7 +595,7 @@ def _train(rank, world, args):
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     cp = pgs.cp
 
-    target, corpus, mask_id, v_used = build_target_and_vocab(args, load_sharegpt(args.limit), pgs)
+    target, corpus, mask_id, v_used = build_target_and_vocab(args, training_corpus(args), pgs)
     loader = ShareGPTLoader(max_tokens=args.max_tokens, num_anchors=args.num_anchors, seed=args.seed,
                             corpus=corpus)
     B = args.block_size

@@ -23,6 +23,7 @@ def test_demo_round_trip_tiny(tmp_path, capsys):
     assert train_demo.main(TINY + ["--out-dir", out]) in (0, 1)  # 1: two steps need not lower the loss
     text = capsys.readouterr().out
     assert "made in" in text and "held-out tau (B = 16): untrained drafter" in text
+    assert "regenerated responses" in text and os.path.isfile(os.path.join(out, "regenerated.npz"))
     for d in ("target-hf", "drafter-hf", "drafter-hf-init"):
         assert os.path.isfile(os.path.join(out, d, "config.json")), d
     assert os.path.isfile(os.path.join(out, "target-hf", "token_map.json"))
@@ -34,8 +35,17 @@ def test_demo_round_trip_tiny(tmp_path, capsys):
     # the second run reuses the target (same fingerprint); a changed flag rebuilds it
     args = train_demo.parse_args(TINY + ["--out-dir", out])
     train_demo.prepare_target(args, log=lambda s: print(s))
-    assert "reused (fingerprint matches)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert text.count("reused (fingerprint matches)") == 2  # the target and the regenerated responses
     assert args.target_hf_path == os.path.join(out, "target-hf")
+    assert args.train_corpus_path == os.path.join(out, "regenerated.npz")
+    corpus = train_demo.training_corpus(args)  # prompt + the target's response, loss on the response only
+    prompt_len = corpus.lengths[0] - int(corpus.conversation(0)[1].sum())
+    assert 1 <= int(corpus.conversation(0)[1].sum()) <= 64 and not corpus.conversation(0)[1][:prompt_len].any()
+    args = train_demo.parse_args(TINY + ["--out-dir", out, "--no-regenerate"])
+    train_demo.prepare_target(args, log=lambda s: None)
+    assert getattr(args, "train_corpus_path", None) is None
+    assert train_demo.training_corpus(args).tokens.tolist() != corpus.tokens.tolist()  # ShareGPT's own text
 
 
 def test_bad_target_flags_fail_before_the_ranks(tmp_path, capsys):
