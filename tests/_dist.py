@@ -10,8 +10,12 @@ they are forked from one "forkserver" process per test session that imported tor
 megatron-core and this package once (`_PRELOAD`): a spawned worker spends 3 s (torch) to 8 s (megatron.core)
 of CPU importing them, P times per test, which was most of the suite's time on 2 cores. The worker's
 environment is the caller's `os.environ` at the call (a forked worker would otherwise see the server's, taken
-when it started). `fresh=True` spawns a bare interpreter per rank as before (a test of start-up itself, or one
-that needs the workers to inherit the caller's file descriptors, e.g. capfd).
+when it started); its sys.path and working directory are the caller's (multiprocessing's preparation data).
+`fresh=True` spawns a bare interpreter per rank as before: for a test of start-up or interpreter finalisation
+(atexit handlers do not run in a forked worker, which ends with os._exit), or one that needs the workers to
+inherit the caller's file descriptors (capfd). Since megatron-core is imported in every worker, a tensor a
+worker returns is pickled through megatron-core's `torch.storage._load_from_bytes` override: unpickling it
+imports megatron.core in the test process (as the Megatron test modules do at collection).
 """
 
 import gc
