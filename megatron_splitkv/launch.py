@@ -80,16 +80,18 @@ def _describe_exit(code):
     return f"exit code {code}"
 
 
-def run_gloo(fn, world_size, *args, timeout=300, error=RuntimeError):
+def run_gloo(fn, world_size, *args, timeout=300, error=RuntimeError, context=None):
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks (spawned processes, CPU).
 
-    `fn` must be importable by the spawned processes (a module-level function). Returns the list of
+    `fn` must be importable by the spawned processes (a module-level function). `context` is the
+    multiprocessing context that starts them (default: `torch.multiprocessing.get_context("spawn")`; the
+    tests pass a "forkserver" one whose server has torch and Megatron imported once). Returns the list of
     per-rank return values, index = rank. `timeout` (seconds) bounds the whole call up to the last rank's
     result; the workers then have `TEARDOWN_TIMEOUT` seconds to exit. Raises `error` (an exception class;
     RuntimeError by default, AssertionError in the tests) naming the rank as soon as a rank raises (its
     traceback), dies or exits non-zero (its exit code, before or after reporting), or times out; the
     other ranks are killed then."""
-    ctx = mp.get_context("spawn")
+    ctx = context if context is not None else mp.get_context("spawn")
     queue = ctx.Queue()
     deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,6 +19,7 @@ A case is a plain dict (picklable, rebuilt identically on every rank from its se
     ctx_idx: optional explicit list (len P) of global context token index lists.
 """
 
+import hashlib
 import os
 import random
 
@@ -233,9 +234,38 @@ def aggregate_records(recs):
     return out
 
 
+#: the last few float64 reference results, keyed by the global problem's inputs (`_problem_key`): a case is
+#: checked once per op and norm, the cases of a P sweep share their global inputs (C10: P = 2, 4, 8), and the
+#: reference of a long case (C10: 32K keys) is most of its test's time
+_REFERENCES: dict = {}
+_REFERENCES_KEPT = 4
+_REFERENCE_INPUTS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_seq", "q_anchor", "kv_seq", "kv_pos", "dout", "dlse")
+
+
+def _problem_key(c, t):
+    """Digest of everything the reference reads: the block size and the global inputs' dtypes, shapes and bytes."""
+    h = hashlib.sha1(repr(c["B"]).encode())
+    for name in _REFERENCE_INPUTS:
+        x = t[name]
+        h.update(f"{name} {x.dtype} {tuple(x.shape)}".encode())
+        h.update(x.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def reference(c):
-    """Global float64 reference results of case c (same loss as `run_local`)."""
+    """Global float64 reference results of case c (same loss as `run_local`): (build(c), results). The results
+    are the same objects for cases with equal global inputs (the last `_REFERENCES_KEPT` kept): read them,
+    never write them."""
     t = build(c)
+    key = _problem_key(c, t)
+    if key not in _REFERENCES:
+        if len(_REFERENCES) >= _REFERENCES_KEPT:
+            del _REFERENCES[next(iter(_REFERENCES))]
+        _REFERENCES[key] = _reference(c, t)
+    return t, _REFERENCES[key]
+
+
+def _reference(c, t):
     x = {k: t[k].double().clone().requires_grad_(True) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")}
     out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], t["q_seq"],
                                           t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"])
@@ -243,7 +273,7 @@ def reference(c):
     ref = dict(out=out.detach(), lse=lse.detach())
     for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
         ref[name] = x[key].grad
-    return t, ref
+    return ref
 
 
 def assemble(t, c, per_rank):

@@ -34,6 +34,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
+from _tool_runs import run_tools
 from _splitkv_helpers import (GRAD_NAMES, OPS, TOL, build, case, check, job_results, jobs_worker, local, loss_of,
                               new_seed, rel_err, small_inputs)
 from megatron_splitkv import dflash_attention_reference
@@ -363,47 +364,27 @@ def _env(**extra):
     return env
 
 
-def _run_many(cmds, timeout=240):
-    """Run [(argv, env)] a few at a time; [(returncode, stdout, stderr)] in order."""
-    out, running, pending = {}, [], list(enumerate(cmds))
-    while pending or running:
-        while pending and len(running) < 3:
-            i, (argv, env) = pending.pop(0)
-            running.append((i, subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                                stderr=subprocess.PIPE, text=True)))
-        i, p = running.pop(0)
-        try:
-            so, se = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            so, se = p.communicate()
-            pytest.fail(f"{cmds[i][0]} did not fail fast")
-        out[i] = (p.returncode, so, se)
-    return [out[i] for i in range(len(cmds))]
-
-
 def _flag_cases(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    py = [sys.executable]
     return [
-        (py + ["tools/profile_op.py", "--variants", "1,x"], "--variants"),
-        (py + ["tools/profile_op.py", "--variants", "0,2"], "--variants"),
-        (py + ["tools/profile_op.py", "--steps", "0"], "--steps"),
-        (py + ["tools/profile_op.py", "--context", "0"], "--context"),
-        (py + ["tools/profile_op.py", "--backend", "nope"], "--backend"),
-        (py + ["tools/prepare_cost.py", "--reps", "0"], "--reps"),
-        (py + ["tools/prepare_cost.py", "--device", "foo"], "--device"),
-        (py + ["tools/prepare_cost.py", "--device", "cuda:99"], "--device"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--context", "0"], "--context"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--placement", "nope"], "--placement"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--hq", "3", "--hkv", "2"], "--hq"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--block-size", "0"], "--block-size"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--anchors", "0"], "--anchors"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--num-chunks", "-1"], "--num-chunks"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--d", "0"], "--d"),
-        (py + ["tools/memory_breakdown.py", "--cp-sweep", "2", "--top", "-1"], "--top"),
-        (py + ["tools/chunk_cost.py", "--cpu", "--out", str(a_file / "sub")], "--out"),
+        (("tools/profile_op.py", ["--variants", "1,x"]), "--variants"),
+        (("tools/profile_op.py", ["--variants", "0,2"]), "--variants"),
+        (("tools/profile_op.py", ["--steps", "0"]), "--steps"),
+        (("tools/profile_op.py", ["--context", "0"]), "--context"),
+        (("tools/profile_op.py", ["--backend", "nope"]), "--backend"),
+        (("tools/prepare_cost.py", ["--reps", "0"]), "--reps"),
+        (("tools/prepare_cost.py", ["--device", "foo"]), "--device"),
+        (("tools/prepare_cost.py", ["--device", "cuda:99"]), "--device"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--context", "0"]), "--context"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--placement", "nope"]), "--placement"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--hq", "3", "--hkv", "2"]), "--hq"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--block-size", "0"]), "--block-size"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--anchors", "0"]), "--anchors"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--num-chunks", "-1"]), "--num-chunks"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--d", "0"]), "--d"),
+        (("tools/memory_breakdown.py", ["--cp-sweep", "2", "--top", "-1"]), "--top"),
+        (("tools/chunk_cost.py", ["--cpu", "--out", str(a_file / "sub")]), "--out"),
     ]
 
 
@@ -411,10 +392,10 @@ def test_tool_bad_flags_exit_2_naming_the_flag(tmp_path):
     cases = _flag_cases(tmp_path)
     problems = []
     env = _env(CUDA_VISIBLE_DEVICES="")
-    for (argv, want), (rc, so, se) in zip(cases, _run_many([(argv, env) for argv, _ in cases])):
+    for (argv, want), (rc, so, se) in zip(cases, run_tools([argv for argv, _ in cases], env)):
         err = [ln for ln in se.splitlines() if ": error: " in ln]
         if rc != 2 or "Traceback" in se or not err or want not in err[-1]:
-            problems.append(f"{argv[1:]}: rc {rc}, want 2 and an error naming {want}:\n{se[-600:]}")
+            problems.append(f"{argv}: rc {rc}, want 2 and an error naming {want}:\n{se[-600:]}")
     assert not problems, "\n\n".join(problems)
 
 

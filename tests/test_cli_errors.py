@@ -1,13 +1,14 @@
 """The tools/*.py CLIs reject bad flags up front: a one-line argparse error naming the flag, exit status 2
 (never 0, never a traceback); the GPU-only tools exit with one line when there is no CUDA GPU. All cases fail during argument validation, before any data, model or
-process group is set up, so each takes about the interpreter + import time; they run concurrently."""
+process group is set up, so each took about the interpreter + import time as a process of its own: the bad-flag
+cases run in one interpreter, each as its command line would (`_tool_runs.run_tools`)."""
 
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+from _tool_runs import run_tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,31 +51,17 @@ CASES = [
 ]
 
 
-def _run_all(cases, tmp_path, parallel=4):
-    """Run every case (at most `parallel` at once); returns [(case, returncode, stdout, stderr)]."""
+def _run_all(cases, tmp_path):
+    """Run every case (in one interpreter, `_tool_runs.run_tools`); returns [(case, returncode, stdout, stderr)]."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     (tmp_path / "empty.log").write_text("no iteration lines here\n")
-    pending, running, done = list(enumerate(cases)), [], []
-    deadline = time.monotonic() + 240
-    while pending or running:
-        while pending and len(running) < parallel:
-            i, (tool, argv, want) = pending.pop(0)
-            out = tmp_path / f"out{i}"
-            argv = [a.replace("{empty_log}", str(tmp_path / "empty.log")) for a in argv]
-            cmd = [sys.executable, _tool(tool), *argv, "--out", str(out)]
-            running.append(((tool, argv, want), subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
-        case, proc = running.pop(0)
-        try:
-            so, se = proc.communicate(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            so, se = proc.communicate()
-            pytest.fail(f"{case} did not fail fast (timed out)")
-        done.append((case, proc.returncode, so, se))
-    return done
+    runs = []
+    for i, (tool, argv, want) in enumerate(cases):
+        argv = [a.replace("{empty_log}", str(tmp_path / "empty.log")) for a in argv]
+        runs.append((os.path.join("tools", tool), [*argv, "--out", str(tmp_path / f"out{i}")]))
+    return [((tool, argv, want), *result) for (tool, argv, want), result in zip(cases, run_tools(runs, env))]
 
 
 def test_bad_flags_fail_with_a_clear_error(tmp_path):

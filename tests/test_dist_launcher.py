@@ -1,7 +1,8 @@
 """The gloo test launcher (tests/_dist.py) itself: a worker that dies, exits non-zero, hangs or raises
 fails `run_distributed` with the rank and what happened (exit code, traceback, timeout), never a pass.
 
-The worker functions are module-level so that the spawn start method can import them."""
+The worker functions are module-level so that the workers (forked from the session's fork server, or spawned
+with fresh=True) can import them."""
 
 import os
 import time
@@ -60,8 +61,10 @@ def _segfault_on_rank1_while_rank0_waits(rank, world_size):
     return rank
 
 
-def test_all_ranks_ok():
-    assert run_distributed(_ok, 3, timeout=120) == [0, 10, 20]
+@pytest.mark.parametrize("fresh", [False, True])
+def test_all_ranks_ok(fresh):
+    """Forked from the fork server (the tests' default) and spawned (`run_gloo`'s default, the demo's)."""
+    assert run_distributed(_ok, 3, timeout=120, fresh=fresh) == [0, 10, 20]
 
 
 def test_worker_exit_code_before_result_fails():
@@ -71,16 +74,17 @@ def test_worker_exit_code_before_result_fails():
     assert "rank 1" in msg and "exit code 3" in msg, msg
 
 
-@pytest.mark.parametrize("worker, needles", [
-    (_exit3_after_result, ("exit code 3",)),
-    (_exit0_without_result, ("exit code 0", "without reporting")),
-    (_raise_on_rank1, ("boom on rank 1",)),
+@pytest.mark.parametrize("worker, needles, fresh", [
+    # an atexit handler runs only in a spawned interpreter's finalisation (a forked worker ends with os._exit)
+    (_exit3_after_result, ("exit code 3",), True),
+    (_exit0_without_result, ("exit code 0", "without reporting"), False),
+    (_raise_on_rank1, ("boom on rank 1",), False),
 ])
-def test_worker_failure_after_or_instead_of_result_fails(worker, needles):
+def test_worker_failure_after_or_instead_of_result_fails(worker, needles, fresh):
     """exit 3 after reporting (passed before), exit 0 without reporting, an exception on rank 1: the launcher
     fails naming rank 1 and what happened."""
     with pytest.raises(AssertionError) as e:
-        run_distributed(worker, 2, timeout=120)
+        run_distributed(worker, 2, timeout=120, fresh=fresh)
     msg = str(e.value)
     assert "rank 1" in msg and all(n in msg for n in needles), msg
 

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from _dist import run_distributed
+from _tool_runs import run_tools
 
 pytest.importorskip("megatron.core")
 
@@ -129,7 +130,7 @@ def test_step_overhead_blockmask_measured_directly(tmp_path):
                         rel_tol=1e-9, abs_tol=1e-9), r
 
 
-@pytest.mark.parametrize("argv, flag", [
+BAD_FLAGS = [
     (["--cpu-smoke", "--reps", "0"], "--reps"),
     (["--cpu-smoke", "--contexts", "256,x"], "--contexts"),
     (["--cpu-smoke", "--contexts", "1"], "--contexts"),
@@ -145,11 +146,21 @@ def test_step_overhead_blockmask_measured_directly(tmp_path):
     (["--cpu-smoke", "--arms", ","], "--arms"),
     (["--cpu-smoke", "--arms", "fresh,fresh"], "--arms"),
     (["--cpu-smoke", "--arms", "fresh", "--profile-data"], "--profile-data"),
-])
-def test_step_overhead_bad_flags_exit_2(argv, flag):
-    p = subprocess.run([sys.executable, TOOL] + argv, env=_env(), cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """{argv: (returncode, stdout, stderr)} of `step_overhead.py ARGV` for every BAD_FLAGS case, all run in one
+    interpreter (`_tool_runs.run_tools`: each case as its command line would, without a process each)."""
+    argvs = [argv for argv, _ in BAD_FLAGS]
+    return dict(zip(map(tuple, argvs), run_tools([("tools/step_overhead.py", argv) for argv in argvs], _env())))
+
+
+@pytest.mark.parametrize("argv, flag", BAD_FLAGS)
+def test_step_overhead_bad_flags_exit_2(argv, flag, bad_flag_runs):
+    returncode, _, stderr = bad_flag_runs[tuple(argv)]
+    assert returncode == 2 and flag in stderr and "Traceback" not in stderr, (returncode, stderr[-2000:])
 
 
 @pytest.mark.parametrize("arms, run, pipelines", [
