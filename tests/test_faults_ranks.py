@@ -130,7 +130,8 @@ def _layer_worker(rank, world_size):
 
     core = _core()
     x, m = _inputs(rank, tk=5 + rank)
-    q, k, v = x["q"][:, None], torch.cat([x["k_ctx"], x["k_blk"]])[:, None], torch.cat([x["v_ctx"], x["v_blk"]])[:, None]
+    q = x["q"][:, None]  # thd [t, 1, H, D]; keys [context | block tokens]
+    k, v = (torch.cat([x[f"{n}_ctx"], x[f"{n}_blk"]])[:, None] for n in ("k", "v"))
 
     def params():
         return DFlashPackedSeqParams(qkv_format="thd", block_size=B, **m)

@@ -849,7 +849,8 @@ def _check_agree(name, table, cols):
         vals = [row[col] for row in table]
         if len(set(vals)) > 1:
             odd = [r for r, v in enumerate(vals) if v != vals[0]]
-            ranks = f"; CP rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} differ{'s' * (len(odd) == 1)} from rank 0"
+            ranks = (f"; CP rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} "
+                     f"differ{'s' * (len(odd) == 1)} from rank 0")
             if what == "dtype":
                 vals = [str(SUPPORTED_DTYPES[v]) for v in vals]
             if what == "impl":
