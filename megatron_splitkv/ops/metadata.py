@@ -1439,16 +1439,20 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
-_DIGEST_FIELD = ("metadata (its impl and per-rank size table n_blocks / n_ctx: metadata of another step, "
-                 "micro-batch or CP group?)")
+_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx and config digest: metadata of "
+                 "another step, micro-batch or CP group?)")
 
 
 def metadata_digest(meta: SplitKVMetadata) -> int:
     """A 56-bit digest (a non-negative int) of what a `metadata=` call's collectives depend on beyond the
     verdict row's own columns: the impl and the per-rank size table (n_blocks, n_ctx). Equal on every rank
     of a group whose ranks hold metadata of the same prepare; compared by `check_call` so that metadata of
-    a different step on one rank raises on every rank instead of mismatching the collectives' sizes."""
-    text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx)))
+    a different step on one rank raises on every rank instead of mismatching the collectives' sizes. Metadata
+    that carries a configuration object (a `config` attribute with `digest()`, e.g. `SplitKVConfig`) adds its
+    digest: the one place where the call's agreement takes in the configuration as data."""
+    config = getattr(meta, "config", None)
+    text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx),
+                 None if config is None else config.digest()))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
