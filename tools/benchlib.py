@@ -159,9 +159,11 @@ def prepare_meta(method, x, *, block_size, cp_group, Hq, Hkv, D, dtype=torch.bfl
     """`ops.prepare_splitkv_metadata` for `method` on inputs from `rank_inputs` (collective: every rank of
     the group calls it). The training configuration: prepared once per step, reused by every layer.
     `options`: extra keywords of prepare_splitkv_metadata (e.g. num_chunks, where it takes them: see
-    `op_option`)."""
+    `op_option`). group_check defaults to False here: the benchmark times and predicts the op's data
+    collectives; the per-call verdict row of the library's default is measured in docs/usage.md."""
     from megatron_splitkv.ops import prepare_splitkv_metadata
 
+    options.setdefault("group_check", False)
     return prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
                                     num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=cp_group,
                                     impl=method, device=x["q"].device, **options)

@@ -42,7 +42,7 @@ from ..ops import (
     splitkv_attention,
     splitkv_start_query_gather,
 )
-from ..ops.metadata import SplitKVMetadata
+from ..ops.metadata import SplitKVMetadata, raise_on_every_rank
 from .arguments import CP_IMPLS
 
 __all__ = [
@@ -451,6 +451,29 @@ class SplitKVCoreAttention(MegatronModule):
         return self._cross(query, key, value, attention_mask, attn_mask_type or self.attn_mask_type)
 
     def _dflash(self, query, key, value, params: DFlashPackedSeqParams, query_gather=None) -> Tensor:
+        try:
+            q, k_ctx, v_ctx, k_blk, v_blk, sbhd = self._dflash_inputs(query, key, value, params, query_gather)
+        except ValueError as exc:  # the other ranks are in the op's first collective: join it with the error
+            raise_on_every_rank("SplitKVCoreAttention", self.cp_group, exc,
+                                query.device if isinstance(query, Tensor) else None)
+        fn = resolve_cp_attention_fn(self.cp_impl)
+        # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
+        meta = params.op_metadata(
+            self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
+            dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
+        )
+        extra = {} if query_gather is None else {"query_gather": query_gather.gather}
+        out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
+                 backend=self.kernel_backend, metadata=meta, **extra)
+        if sbhd is not None:
+            out = out.reshape(*sbhd, -1).transpose(0, 1).contiguous()
+        else:
+            out = out.reshape(out.shape[0], -1)
+        return out
+
+    def _dflash_inputs(self, query, key, value, params: DFlashPackedSeqParams, query_gather=None) -> tuple:
+        """(q, k_ctx, v_ctx, k_blk, v_blk, sbhd) of a DFlash call: the op's tensors and (b, sq) for sbhd (None:
+        thd), after this rank's checks of the layouts against `params` (ValueError naming the mismatch)."""
         params.validate()
         fmt = params.qkv_format
         if query_gather is not None:
@@ -501,20 +524,7 @@ class SplitKVCoreAttention(MegatronModule):
                 f"query heads per TP rank ({q.shape[1]}) must be a multiple of kv heads per TP rank "
                 f"({k_ctx.shape[1]}): check --num-query-groups vs --tensor-model-parallel-size"
             )
-        fn = resolve_cp_attention_fn(self.cp_impl)
-        # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
-        meta = params.op_metadata(
-            self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
-            dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
-        )
-        extra = {} if query_gather is None else {"query_gather": query_gather.gather}
-        out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
-                 backend=self.kernel_backend, metadata=meta, **extra)
-        if fmt == "sbhd":
-            out = out.reshape(b, sq, -1).transpose(0, 1).contiguous()
-        else:
-            out = out.reshape(out.shape[0], -1)
-        return out
+        return q, k_ctx, v_ctx, k_blk, v_blk, (b, sq) if fmt == "sbhd" else None
 
     def _cross(self, query, key, value, attention_mask, mask_type) -> Tensor:
         """Plain cross-attention through the CP op without own-block part (k_blk = v_blk = None), as

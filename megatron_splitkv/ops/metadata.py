@@ -50,6 +50,7 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
@@ -474,8 +475,9 @@ class SplitKVMetadata:
             CP ranks [n * L, (n + 1) * L), rank j = rank % L) and the N = P / L ranks with its local
             index j (rank n); built once per (CP group, L) by `comm.node_groups`. None: the single
             all-to-all over the CP group.
-        group_check: when True every call with this metadata exchanges its local verdict (one tiny
-            all-gather and a host sync) so that a mismatched tensor raises on EVERY rank; default False.
+        group_check: when True (the default of the builders) every call with this metadata exchanges its
+            verdict row (one [1, 12] int64 all-gather and a host sync: `check_call`) so that a mismatched
+            tensor, call mode, softmax_scale or metadata on one rank raises on EVERY rank.
 
     The FlexAttention kernel caches its `BlockMask` on the masks (attribute
     `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
@@ -846,6 +848,9 @@ def _check_agree(name, table, cols):
     for col, what in cols:
         vals = [row[col] for row in table]
         if len(set(vals)) > 1:
+            odd = [r for r, v in enumerate(vals) if v != vals[0]]
+            ranks = (f"; CP rank{'s' * (len(odd) > 1)} {', '.join(map(str, odd))} "
+                     f"differ{'s' * (len(odd) == 1)} from rank 0")
             if what == "dtype":
                 vals = [str(SUPPORTED_DTYPES[v]) for v in vals]
             if what == "impl":
@@ -863,12 +868,12 @@ def _check_agree(name, table, cols):
                 if modes <= {_MODE_PLAIN, _MODE_METADATA}:
                     raise ValueError(
                         f"{name}: every rank of the CP group must call the op the same way, all with "
-                        f"metadata= or all without; got {vals} (by rank)")
+                        f"metadata= or all without; got {vals} (by rank){ranks}")
                 raise ValueError(
                     f"{name}: every rank of the CP group must call the op the same way: all with "
                     "splitkv_start_query_gather + splitkv_attention(..., query_gather=) or all without "
-                    f"(and all with metadata= or all without); got {vals} (by rank)")
-            raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank)"
+                    f"(and all with metadata= or all without); got {vals} (by rank){ranks}")
+            raise ValueError(f"{name}: {what} must be the same on every CP rank; got {vals} (by rank){ranks}"
                              + (_AUTO_PIPELINE_HINT if any(w in what for w in _PIPELINE_WORDS) else ""))
 
 
@@ -1179,7 +1184,7 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=N
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
-                             group_check=False, num_chunks=None, cp_ranks_per_node=None,
+                             group_check=True, num_chunks=None, cp_ranks_per_node=None,
                              chunk_axis=None, head_split=None,
                              backend="auto") -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
@@ -1188,10 +1193,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     data sharding and before the first drafter layer; pass the result as `metadata=` to
     `splitkv_attention` / `allgather_kv_attention` / `ring_kv_attention` (the one named by `impl`) in
     every layer. Every rank must then call each layer's op the same way: all ranks with `metadata=` or
-    all without, with the same softmax_scale. With `group_check=True` a violation (some ranks without
-    `metadata=`, or a different softmax_scale) raises the same ValueError on every rank; without it the
-    ranks' collectives do not match and the call fails or hangs (there is no per-call collective to
-    detect it). Example (5 drafter layers, one step):
+    all without, with the same softmax_scale. With `group_check=True` (the default) a violation on one rank
+    (a tensor that does not fit the metadata, some ranks without `metadata=`, a different softmax_scale,
+    metadata of another step) raises the same ValueError on every rank, naming the rank and the field;
+    with `group_check=False` the call has no verdict exchange and such a violation fails on one rank while
+    the others hang or abort in the data collectives. Example (5 drafter layers, one step):
 
         meta = prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=16,
                                         num_heads_q=32, num_heads_kv=8, head_dim=128,
@@ -1211,8 +1217,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         cp_group: the CP ProcessGroup (None = default group if initialised, else single process).
         impl: which op will use it: "splitkv", "allgather_kv" / "allgather-kv", "ring_kv" / "ring-kv".
         device: device of the calls' tensors; default q_seq's device. The metadata is moved there.
-        group_check: make every call exchange its shape verdict group-wide (one tiny all-gather and a
-            host sync per call) so that a mismatch on one rank raises on all ranks; default False.
+        group_check: make every call exchange its verdict row group-wide (one [1, 12] int64 all-gather
+            and a host sync per call, docs/usage.md "One wrong rank") so that a mismatch on one rank
+            raises on all ranks; default True. False: no per-call exchange, a mismatch on one rank hangs
+            the others.
         num_chunks: used by impl "splitkv" only (the baselines check it, then ignore it): how many query
             chunks the op pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None =
             the environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
@@ -1430,6 +1438,24 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
                (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"))
 
 
+#: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
+_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx and config digest: metadata of "
+                 "another step, micro-batch or CP group?)")
+
+
+def metadata_digest(meta: SplitKVMetadata) -> int:
+    """A 56-bit digest (a non-negative int) of what a `metadata=` call's collectives depend on beyond the
+    verdict row's own columns: the impl and the per-rank size table (n_blocks, n_ctx). Equal on every rank
+    of a group whose ranks hold metadata of the same prepare; compared by `check_call` so that metadata of
+    a different step on one rank raises on every rank instead of mismatching the collectives' sizes. Metadata
+    that carries a configuration object (a `config` attribute with `digest()`, e.g. `SplitKVConfig`) adds its
+    digest: the one place where the call's agreement takes in the configuration as data."""
+    config = getattr(meta, "config", None)
+    text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx),
+                 None if config is None else config.digest()))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
                       cp_ranks_per_node=None, chunk_axis=None):
@@ -1500,17 +1526,20 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
                cp_ranks_per_node=None, chunk_axis=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
-    devices against the metadata (no host sync, no collective), before any collective of the call.
+    devices against the metadata, then (group_check, the default, at P > 1) the verdict row's all-gather,
+    before any data collective of the call.
 
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
     [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
     dtype and device as prepared; num_chunks None or a positive int that clamps to the metadata's
     (e.g. the value given to prepare); cp_ranks_per_node None or the metadata's. Every rank checks
-    against the same agreed size table, so a mismatch is a programming error on the rank that raises. Without `group_check` the ValueError is
-    raised on that rank only, and the other ranks then block in the call's first collective (until the
-    process group's timeout), as Megatron-Core does on shape mismatches; with
-    `group_check=True` the verdict (and whether this rank's kernel backend imports) is all-gathered and
-    every rank raises the same ValueError (ImportError when the backend is missing).
+    against the same agreed size table. With `group_check=True` (the default) the verdict row (this
+    rank's error, sizes, B, Hq, Hkv, D, dtype, resolved softmax_scale, call mode, the chunking requests and
+    `metadata_digest`; the same [1, 12] int64 shape as the first collective of a call without `metadata=`,
+    of `prepare_splitkv_metadata` and of `raise_on_every_rank`) is all-gathered and every rank raises the
+    same ValueError naming the rank and the field (ImportError when a kernel backend is missing there).
+    Without it the ValueError is raised on that rank only, and the other ranks block in the call's first
+    data collective (until the process group's timeout).
 
     `query_gather` (splitkv only): the `SplitKVQueryGather` of `splitkv_start_query_gather`; q must be
     the very tensor given to it, unmodified, with the same metadata, and the gather not consumed yet
@@ -1542,9 +1571,10 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
                    _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
                                  CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
+                                 getattr(meta, "head_split", None)),
+                   metadata_digest(meta)]  # "auto" was agreed at prepare: this column holds the size digest
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
-        _check_agree(name, _decoded(table), _CALL_AGREE)
+        _check_agree(name, _decoded(table), _CALL_AGREE + ((_AUTO_COL, _DIGEST_FIELD),))
     return _call_plan(meta, name, softmax_scale, backend)
 
 
@@ -1578,9 +1608,24 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
                    meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
                    _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
                                  CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None)), -1]  # "auto": agreed at prepare
+                                 getattr(meta, "head_split", None)), metadata_digest(meta)]
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
-        _check_agree(name, _decoded(table), _CALL_AGREE)
+        _check_agree(name, _decoded(table), _CALL_AGREE + ((_AUTO_COL, _DIGEST_FIELD),))
+
+
+def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None):
+    """Raise `exc`, found on this rank before an op call, on EVERY rank of the CP group instead of this rank
+    alone: join the other ranks' first collective of the call (every calling mode's first collective is the
+    same [1, 12] int64 verdict row: "<op>.meta" of a call without `metadata=` or of `prepare_splitkv_metadata`,
+    "<op>.check" of a `metadata=` call or of `splitkv_start_query_gather`) with this error, so every rank raises
+    ValueError("<name>: invalid input on CP rank(s) [r]: rank r: <message>") (ImportError for an ImportError).
+    One process: `exc` itself. Never returns."""
+    group = resolve_group(cp_group)
+    if group.size == 1:
+        raise exc
+    err = _local_error(exc)
+    _raise_if_any(name, group, err, [-1] * 11, _verdict_device(group, device, err), f"{name}.check")
+    raise AssertionError("unreachable: the verdict row carried an error")
 
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
@@ -1975,7 +2020,7 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
-                                       kv_pos=None, group_check=False, device="cpu",
+                                       kv_pos=None, group_check=True, device="cpu",
                                        flex_block_masks=False,
                                        chunk_axis=None, head_split=None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:

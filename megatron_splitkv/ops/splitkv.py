@@ -894,7 +894,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             Every rank of the CP group must call the same way in a given layer: all with `metadata=`
             (prepared together, the same `group_check`) or all without, and with the same
             softmax_scale. A group mixing the two is detected (the same ValueError on every rank) only
-            when the metadata has `group_check=True`; without it the ranks' first collectives do not
+            when the metadata has `group_check=True` (the default); without it the ranks' first collectives do not
             match and the call fails or hangs until the process group's timeout. softmax_scale is
             compared across ranks by calls without `metadata=` and by `group_check` calls.
         num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None = the
@@ -951,7 +951,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             from what the metadata implies, when num_chunks, chunk_axis or cp_ranks_per_node differs from the
             metadata's, or when the metadata is for another impl; other ranks may then block in the call's
             first collective (as in Megatron-Core) unless the metadata was prepared with
-            `group_check=True`, in which case every rank raises the same ValueError. A dtype the
+            `group_check=True` (the default), in which case every rank raises the same ValueError. A dtype the
             backend cannot run (backend "te": bf16/fp16 only; "flex": no float64 on CUDA) raises on every
             rank that uses that backend, before any data collective. With `query_gather=`: no
             `metadata=`, a handle already consumed or discarded, started with another metadata, or a q
