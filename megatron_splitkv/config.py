@@ -198,9 +198,9 @@ class SplitKVConfig(_Digest):
         head_split: kv heads per head chunk (positive ints summing to Hkv, checked per call), e.g. (6, 2);
             None: an even split. Only with chunk_axis "heads"; fixes the chunk count (num_chunks None or
             len(head_split)).
-        cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all: None or a positive int that
-            divides the CP size P (L = 1 or P: one all-to-all over the CP group; 1 < L < P: two stages).
-            None: 1.
+        cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all: None (1) or a positive int
+            describing the machine, clamped to the CP size P, then a divisor of P (L = 1 or P: one all-to-all
+            over the CP group; 1 < L < P: two stages). The op's `cp_ranks_per_node=` argument is not clamped.
         fused_bwd_gather_min_p: the smallest CP size whose backward gathers dO and (delta, lse) in one
             all-gather per chunk (the two-level all-to-all always does); a positive int, default 9.
         overlap_q_gather: the Megatron layer starts the query gather before the kv projection (early
