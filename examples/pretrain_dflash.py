@@ -263,7 +263,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
-    from megatron_splitkv.megatron.arguments import kernel_backend_from_args, overlap_query_gather_from_args
+    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, overlap_query_gather_from_args,
+                                                     splitkv_config_from_args)
     from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
 
     args = get_args()
@@ -303,6 +304,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
         kernel_backend=kernel_backend_from_args(args), overlap_query_gather=overlap_query_gather_from_args(args),
+        splitkv_config=splitkv_config_from_args(args),
     )
 
 
@@ -342,6 +344,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         device_prefetch_from_args,
         host_metadata_from_args,
         kernel_backend_from_args,
+        splitkv_config_from_args,
     )
 
     skip = int(args.iteration) * get_num_microbatches()
@@ -353,7 +356,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         # the core attention's shapes: heads split over TP as Megatron's Attention splits them
         spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
                                      kernel_backend=kernel_backend_from_args(args),
-                                     cuda=_device().type == "cuda")
+                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args))
         # before any metadata is built (here or in the workers): the build reads the Split-KV environment per
         # process, so a variable malformed on one rank raised there alone while the others waited in the
         # agreement's all-gather of the first micro-batch (hang); the same ValueError on every rank instead
@@ -398,11 +401,12 @@ def _check_environment():
     axis, exchange pieces, ...) per process; ranks that differ would issue different collectives in the op
     (abort / hang), a value malformed on one rank would raise there alone: the same ValueError on every rank
     instead (`ops.check_environment_agreement`, collective)."""
+    from megatron_splitkv.megatron.arguments import splitkv_config_from_args
     from megatron_splitkv.ops import check_environment_agreement
 
     dcfg = _STATE["config"]  # and, with --splitkv-kernel auto, what it resolves to on each rank (mixed hardware)
     check_environment_agreement(_cp_group(), _device(), dtype=dcfg.params_dtype, head_dim=_head_dim(dcfg),
-                                backend=_STATE["kernel"])
+                                backend=_STATE["kernel"], config=splitkv_config_from_args(get_args()))
     _STATE["env_agreed"] = True
 
 
@@ -508,7 +512,7 @@ def _shown_args(args) -> argparse.Namespace:
     for k, v in runtime_flag_values(args).items():
         setattr(shown, k, v)
     vars(shown).pop("splitkv_cp_ranks_per_node_auto", None)  # shown as splitkv_cp_ranks_per_node's value
-    vars(shown).pop("splitkv_auto_env", None)  # validate's record of what it exported: shown as the flags' values
+    vars(shown).pop("splitkv_auto_fields", None)  # validate's automatic config fields: shown as the flags' values
     if getattr(args, "loss_decay_gamma", None) is None:
         shown.loss_decay_gamma = default_gamma(args.dflash_block_size)
     for t, d in (("target_ffn_hidden_size", "ffn_hidden_size"), ("target_num_attention_heads", "num_attention_heads"),

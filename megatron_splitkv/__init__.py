@@ -17,6 +17,7 @@ Public API:
 """
 
 from .comm import CommRecord, CommStats, comm_stats
+from .config import FlexOptions, SplitKVConfig, StaircaseOptions
 from .ops import (
     allgather_kv_attention,
     prepare_splitkv_metadata,
@@ -34,6 +35,9 @@ __all__ = [
     "prepare_splitkv_metadata",
     "prepare_splitkv_metadata_from_plan",
     "splitkv_start_query_gather",
+    "SplitKVConfig",
+    "FlexOptions",
+    "StaircaseOptions",
     "comm_stats",
     "CommStats",
     "CommRecord",

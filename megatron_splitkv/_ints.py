@@ -10,7 +10,7 @@ usually means a computation went through float. The planner alone keeps acceptin
 Text (environment variables, a tool's `name=value` options): `parse_int`, the one strict parser: a plain
 ASCII decimal integer ("64", "-1") of at most `MAX_DIGITS` significant digits, nothing else ("+64", "64.0",
 "1e2", "1_000", "0x40", non-ASCII digits);
-`env_switch` for the 0 / 1 environment switches; `int_arg`, the argparse `type=` of the package's own integer
+`int_arg`, the argparse `type=` of the package's own integer
 flags (argparse's `type=int` takes "+64" and "1_000").
 
 Real numbers as text (a tool's or the demo's float flags, float environment variables): `parse_float` and, for
@@ -25,7 +25,7 @@ import argparse
 import operator
 import re
 
-__all__ = ["as_int", "parse_int", "is_int_text", "env_switch", "parse_float", "float_arg", "int_arg",
+__all__ = ["as_int", "parse_int", "is_int_text", "parse_float", "float_arg", "int_arg",
            "DefaultsHelpFormatter", "existing_path", "existing_dir"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
@@ -154,19 +154,6 @@ def parse_int(text, name: str, *, minimum=None, maximum=None, what: str | None =
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         raise error(f"{name} must be {req}, got {_shown(text)}")
     return value
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """A 0 / 1 environment switch: "1" on, "0" off, unset or empty `default` (surrounding whitespace
-    ignored). Raises ValueError naming the variable for any other value ("false", "no", "2")."""
-    import os  # noqa: PLC0415
-
-    v = os.environ.get(name, "").strip()
-    if v == "":
-        return default
-    if v in ("0", "1"):
-        return v == "1"
-    raise ValueError(f"{name} must be 0 or 1, got {v!r}")
 
 
 def _real_limit(minimum, maximum, above) -> str:

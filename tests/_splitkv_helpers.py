@@ -15,6 +15,7 @@ A case is a plain dict (picklable, rebuilt identically on every rank from its se
     full: optional, every block's anchor beyond its sequence end (sees the whole sequence),
     num_chunks: optional, Split-KV's chunk count (passed to the call, or to prepare with metadata),
     chunk_axis: optional, Split-KV's chunk axis ("rows" | "heads"; passed like num_chunks),
+    config: optional `SplitKVConfig` (passed to the call, or to prepare with metadata),
     anchors: optional explicit list of anchors (global block order), q_seqs likewise,
     ctx_idx: optional explicit list (len P) of global context token index lists.
 """
@@ -152,7 +153,7 @@ def run_local(op, c, rank, cp_group=None):
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
                                           device=dev, num_chunks=c.get("num_chunks"),
-                                          group_check=c.get("group_check", False),
+                                          group_check=c.get("group_check", False), config=c.get("config"),
                                           **({"chunk_axis": c["chunk_axis"]} if c.get("chunk_axis") else {}))
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
                            backend=backend, return_lse=True)
@@ -160,7 +161,7 @@ def run_local(op, c, rank, cp_group=None):
         extra = {n: c[n] for n in ("num_chunks", "chunk_axis") if c.get(n) is not None}  # splitkv only
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                           cp_group=cp_group, backend=backend, return_lse=True, **extra)
+                           cp_group=cp_group, backend=backend, return_lse=True, config=c.get("config"), **extra)
     assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
     loss_of(out, lse, dout, dlse).backward()
     res = dict(out=out.detach().double().cpu(), lse=lse.detach().double().cpu())

@@ -19,7 +19,7 @@ Coverage tests (passed before): odd shapes through the rewritten prepare for all
 1-5 (empty contexts and zero blocks on some ranks, Lk < P, P = 3 / 5 / 6, num_chunks above the block count,
 extreme and duplicate sequence ids, positions at both int32 ends, anchors beyond the ends and beyond int32,
 sorted / reverse-sorted / shuffled contexts, lse-only losses, the query gather, retain_graph, the two-level
-all-to-all through MEGATRON_SPLITKV_RANKS_PER_NODE), and the shared cases C1-C3, C5, C6 through `metadata=`
+all-to-all through SplitKVConfig.cp_ranks_per_node), and the shared cases C1-C3, C5, C6 through `metadata=`
 for the baselines and for Split-KV with group_check at num_chunks 2. Expected values: the single-process
 float64 reference (`_splitkv_helpers`), never the implementation.
 """
@@ -167,15 +167,14 @@ def _run_x(op, c, rank, group):
     x, meta, dout, dlse = local(t, c, rank)
     own = not c.get("no_own")
     kb, vb = (x["k_blk"], x["v_blk"]) if own else (None, None)
-    rpn = c.get("rpn_env")
-    if rpn:
-        os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] = str(rpn)
-    try:
+    config = msk.SplitKVConfig(cp_ranks_per_node=c.get("rpn_env"))
+    if True:
         if c.get("metadata"):
             md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                               block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                               head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, impl=op,
-                                              num_chunks=c.get("num_chunks"), group_check=c.get("group_check", False))
+                                              num_chunks=c.get("num_chunks"), group_check=c.get("group_check", False),
+                                              config=config)
             q = x["q"] * 1.0
             qg = msk.splitkv_start_query_gather(q, metadata=md) if c.get("qg") else None
             out, lse = OPS[op](q, x["k_ctx"], x["v_ctx"], kb, vb, metadata=md, backend="math", return_lse=True,
@@ -184,9 +183,7 @@ def _run_x(op, c, rank, group):
             extra = {"num_chunks": c.get("num_chunks")} if op == "splitkv" else {}
             out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], kb, vb, meta["q_seq"], meta["q_anchor"], meta["kv_seq"],
                                meta["kv_pos"], block_size=c["B"], cp_group=group, backend="math", return_lse=True,
-                               **extra)
-    finally:
-        os.environ.pop("MEGATRON_SPLITKV_RANKS_PER_NODE", None)
+                               config=config, **extra)
     loss = _loss(c, out, lse, dout, dlse)
     reps = 2 if c.get("retain") else 1  # fp32 / fp64: a retained graph's second backward adds the same grads
     for i in range(reps):

@@ -1,19 +1,19 @@
-"""The automatic CP ranks per node (`megatron.arguments.auto_cp_ranks_per_node`, exported by
-`validate_splitkv_args` when neither --splitkv-cp-ranks-per-node nor MEGATRON_SPLITKV_RANKS_PER_NODE is set)
-and the automatic pipeline across nodes (`auto_pipeline`: MEGATRON_SPLITKV_NUM_CHUNKS=2,
-MEGATRON_SPLITKV_CHUNK_AXIS=heads) reach the op
-through the Megatron path and the op is exact with them.
+"""The automatic CP ranks per node (`megatron.arguments.auto_cp_ranks_per_node`, chosen by
+`validate_splitkv_args` when --splitkv-cp-ranks-per-node is unset) and the automatic pipeline across nodes
+(`auto_pipeline`: num_chunks=2, chunk_axis="heads") reach the op through the Megatron path's `SplitKVConfig`
+(args.splitkv_config) and the op is exact with them.
 
 CPU, gloo, one spawn of 8 ranks. Per job every rank of the CP group sets the launcher's variable
-(LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE), clears MEGATRON_SPLITKV_RANKS_PER_NODE, validates the flags
-(TP and CP as given; the CP group of the op is the P gloo ranks), and calls the op WITHOUT
-cp_ranks_per_node, so that it reads the exported variable; the jobs with num_chunks given pass chunk_axis="rows"
-too (as before the automatic pipeline), the others neither, so that the op reads the exported pipeline:
+(LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE), validates the flags (TP and CP as given; the CP group of the op is
+the P gloo ranks), and calls the op with the config WITHOUT cp_ranks_per_node; the jobs with num_chunks given
+pass chunk_axis="rows" too (as before the automatic pipeline), the others neither, so that the op takes the
+config's pipeline:
 
-- the exported L is the documented one (launcher size / TP, 1 < L < P, L divides P);
+- the chosen L is the documented one (launcher size / TP, 1 < L < P, L divides P);
 - the op ran the two-level all-to-all with it (".intra" records over L ranks, ".inter" over P / L);
-- the automatic pipeline is exported where the group spans nodes with >= 2 kv heads per TP rank (validated as
-  fa4 or not: `have_fa4` with --splitkv-kernel auto; the same export either way), and the op then ran 2 head chunks (each data collective issued twice);
+- the automatic pipeline is chosen where the group spans nodes with >= 2 kv heads per TP rank (validated as
+  fa4 or not: `have_fa4` with --splitkv-kernel auto; the same choice either way), and the op then ran 2 head
+  chunks (each data collective issued twice);
 - output, lse and all five gradients equal the single-process float64 reference (`_splitkv_helpers.check`).
 Source: DESIGN.md section 2 (exact CP); docs/perf-notes.md item 9 (two-level all-to-all).
 """
@@ -33,16 +33,15 @@ from megatron_splitkv import comm_stats  # noqa: E402
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 WORLD = 8
-RPN = "MEGATRON_SPLITKV_RANKS_PER_NODE"
 
 
 def _validated_L(c, tp, env, fa4):
-    """What validate_splitkv_args exports for case c's CP size and heads (per TP rank) and TP tp under the launcher
-    variables `env`, FlashAttention-4 taken as installed or not: (L, its record, the pipeline's variables, its
-    record)."""
-    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, PIPELINE_ENVS, validate_splitkv_args
+    """What validate_splitkv_args chooses for case c's CP size and heads (per TP rank) and TP tp under the launcher
+    variables `env`, FlashAttention-4 taken as installed or not: (the config, L, its record, the pipeline's
+    fields, its record)."""
+    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, validate_splitkv_args
 
-    for name in (RPN, *LOCAL_SIZE_ENVS, *PIPELINE_ENVS):
+    for name in LOCAL_SIZE_ENVS:
         os.environ.pop(name, None)
     os.environ.update(env)
     args = argparse.Namespace(
@@ -51,8 +50,9 @@ def _validated_L(c, tp, env, fa4):
         micro_batch_size=1, dflash_num_anchors=c["P"], dflash_block_size=4, cp_chunk_size=None, cp_balance="lpt",
         transformer_impl="local", attention_dropout=0.0, sequence_parallel=False, bf16=True)
     validate_splitkv_args(args, have_te=False, have_fa4=fa4)
-    pipeline = {name: os.environ[name] for name in PIPELINE_ENVS if name in os.environ}
-    return os.environ.get(RPN), args.splitkv_cp_ranks_per_node_auto, pipeline, args.splitkv_pipeline_auto
+    cfg = args.splitkv_config
+    pipeline = {k: v for k, v in (("num_chunks", cfg.num_chunks), ("chunk_axis", cfg.chunk_axis)) if v not in (None, "rows")}
+    return cfg, cfg.cp_ranks_per_node, args.splitkv_cp_ranks_per_node_auto, pipeline, args.splitkv_pipeline_auto
 
 
 def _worker(rank, world, jobs):
@@ -63,14 +63,15 @@ def _worker(rank, world, jobs):
     for j, (c, tp, env, k, fa4) in enumerate(jobs):
         if rank >= c["P"]:
             continue
-        exported, why, pipeline, pipeline_why = _validated_L(c, tp, env, fa4)
+        config, exported, why, pipeline, pipeline_why = _validated_L(c, tp, env, fa4)
         t = build(c)
         x, meta, dout, dlse = local(t, c, rank)
-        chunking = {} if k is None else dict(num_chunks=k, chunk_axis="rows")  # None: the exported pipeline
+        chunking = {} if k is None else dict(num_chunks=k, chunk_axis="rows")  # None: the config's pipeline
         with comm_stats() as st:
             o, lse = msk.splitkv_attention(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                                           cp_group=groups.get(c["P"]), backend="math", return_lse=True, **chunking)
+                                           cp_group=groups.get(c["P"]), backend="math", return_lse=True, config=config,
+                                           **chunking)
             loss_of(o, lse, dout, dlse).backward()
         res = dict(out=o.detach().double(), lse=lse.detach().double(), exported=exported, why=why,
                    pipeline=pipeline, pipeline_why=pipeline_why, sizes={(r.op, r.group_size) for r in st.records},
@@ -78,9 +79,9 @@ def _worker(rank, world, jobs):
         for name, key in zip(GRAD_NAMES, KEYS):
             res[name] = x[key].grad.double()
         out[j] = res
-    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, PIPELINE_ENVS
+    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS
 
-    for name in (RPN, *LOCAL_SIZE_ENVS, *PIPELINE_ENVS):
+    for name in LOCAL_SIZE_ENVS:
         os.environ.pop(name, None)
     return out
 
@@ -103,17 +104,16 @@ def run8():
     return jobs, want, run_distributed(_worker, WORLD, jobs, timeout=500)
 
 
-def test_auto_L_is_exported_and_used_and_exact(run8):
+def test_auto_L_is_chosen_and_used_and_exact(run8):
     jobs, want, results = run8
-    from megatron_splitkv.megatron.arguments import CHUNK_AXIS_ENV, NUM_CHUNKS_ENV
 
     for j, ((c, tp, env, k, fa4), L) in enumerate(zip(jobs, want)):
         P = c["P"]
         per_rank = [results[r][j] for r in range(P)]
         auto = c["Hkv"] >= 2  # every group here spans nodes: exported wherever there are 2 kv heads per TP rank
-        pipeline = {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}
+        pipeline = {"num_chunks": 2, "chunk_axis": "heads"}
         for r, res in enumerate(per_rank):
-            assert res["exported"] == str(L), (j, r, res["exported"], res["why"])
+            assert res["exported"] == L, (j, r, res["exported"], res["why"])
             assert res["why"].startswith(f"auto -> {L} ("), res["why"]
             assert res["pipeline"] == (pipeline if auto else {}), (j, res["pipeline"], res["pipeline_why"])
             assert res["pipeline_why"].startswith("auto -> 2 head chunks" if auto else "auto -> off ("), res["pipeline_why"]

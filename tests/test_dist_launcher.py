@@ -107,20 +107,25 @@ def test_worker_hang_fails_with_timeout():
     assert "rank 1" in msg and "30" in msg and "did not finish" in msg, msg
 
 
-def test_demo_fails_fast_with_the_rank_error():
+def test_demo_fails_fast_with_the_rank_error(tmp_path):
     """`examples/op_demo.py` uses the same launcher (`megatron_splitkv.launch.run_gloo`):
     a rank that raises ends the demo at once, exit status 1, with that rank's error (it waited 600 s on its
-    result queue). Here every rank raises (a malformed MEGATRON_SPLITKV_NUM_CHUNKS is refused group-wide)."""
+    result queue). Here every rank raises: a `sitecustomize` on the path (imported by every process, the spawned
+    ranks too) makes the op's input check fail with a ValueError of its own."""
     import subprocess
     import sys
 
+    (tmp_path / "sitecustomize.py").write_text(
+        "import megatron_splitkv.ops.metadata as m\n"
+        "def _bad(*a, **k):\n"
+        "    raise ValueError('injected: num_chunks must be a positive int')\n"
+        "m._check_tensors = _bad\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MEGATRON_SPLITKV_NUM_CHUNKS="x",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, os.path.join(root, "examples", "op_demo.py"), "--ctx", "64", "--blocks", "2"],
                        env=env,
                        cwd=root, capture_output=True, text=True, timeout=240)
     assert p.returncode == 1, (p.returncode, p.stderr[-3000:])
     assert "op_demo: error: rank 0 of 2 failed" in p.stderr, p.stderr[-3000:]
-    assert "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int" in p.stderr, p.stderr[-3000:]
+    assert "injected: num_chunks must be a positive int" in p.stderr, p.stderr[-3000:]
     assert "DFlash attention" not in p.stdout

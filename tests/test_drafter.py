@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from megatron_splitkv import SplitKVConfig
 from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV
@@ -34,7 +35,7 @@ def _batch():
     return {"input_ids": ids, "loss_mask": loss_mask}
 
 
-def _models(pgs, cp_impl):
+def _models(pgs, cp_impl, config=None):
     from megatron_splitkv.dflash import target_layer_ids
     from megatron_splitkv.megatron.models import (
         DFlashDraftModel,
@@ -53,11 +54,11 @@ def _models(pgs, cp_impl):
     torch.manual_seed(1)
     drafter = DFlashDraftModel(dcfg, num_taps=len(taps), word_embeddings=provider.word_embeddings,
                                output_layer=provider.output_layer, mask_token_id=MASK_ID, block_size=B,
-                               cp_impl=cp_impl, pg_collection=pgs)
+                               cp_impl=cp_impl, pg_collection=pgs, splitkv_config=config)
     return provider, drafter
 
 
-def _step(pgs, cp_rank, cp_size, cp_impl):
+def _step(pgs, cp_rank, cp_size, cp_impl, config=None):
     from megatron_splitkv.data.sharding import shard_batch
     from megatron_splitkv.dflash import build_draft_blocks
     from megatron_splitkv.planning import plan_context_parallel
@@ -69,7 +70,7 @@ def _step(pgs, cp_rank, cp_size, cp_impl):
     sl = plan.query_slice(cp_rank)
     blocks = build_draft_blocks(batch["input_ids"], SEQ_LENS, plan.q_seq[sl], plan.q_anchor[sl],
                                 block_size=B, mask_token_id=MASK_ID, loss_mask=batch["loss_mask"])
-    provider, drafter = _models(pgs, cp_impl)
+    provider, drafter = _models(pgs, cp_impl, config)
     feats = provider(shard["input_ids"], shard["kv_seq"], shard["kv_pos"])
     out = drafter(feats, blocks, shard["kv_seq"], shard["kv_pos"])
     out.loss.backward()
@@ -143,8 +144,9 @@ def _worker(rank, world, cp_impl, tmp):
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if cp_impl == "splitkv-heads":  # Split-KV's head chunks from the environment (2 kv heads: k = 2 splits them)
-        os.environ.update(MEGATRON_SPLITKV_CHUNK_AXIS="heads", MEGATRON_SPLITKV_NUM_CHUNKS="2")
+    config = None
+    if cp_impl == "splitkv-heads":  # Split-KV's head chunks from the config (2 kv heads: k = 2 splits them)
+        config = SplitKVConfig(chunk_axis="heads", num_chunks=2)
         cp_impl = "splitkv"
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=1)
     base = ProcessGroupCollection.use_mpu_process_groups()
@@ -156,7 +158,7 @@ def _worker(rank, world, cp_impl, tmp):
         g = groups[P][rank // P]
         pgs = ProcessGroupCollection.use_mpu_process_groups()
         pgs.cp = g
-        out, grads, frozen, wsum, provider, shard, feats = _step(pgs, rank % P, P, cp_impl)
+        out, grads, frozen, wsum, provider, shard, feats = _step(pgs, rank % P, P, cp_impl, config)
         if P == 1 and rank == 0:
             res["target"] = _target_checks(provider, shard, feats)
         if P == 1 and rank == 1:

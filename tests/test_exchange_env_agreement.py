@@ -1,17 +1,11 @@
-"""Ranks disagreeing on the Split-KV environment with host-built metadata (adversarial finding, session 8).
+"""Ranks disagreeing on the Split-KV config with host-built metadata (adversarial finding, session 8).
 
-`prepare_splitkv_metadata` and the op without `metadata=` agree on MEGATRON_SPLITKV_NUM_CHUNKS /
-_RANKS_PER_NODE / _FUSED_BWD_GATHER_MIN_P in their agreement row. Host-built metadata
-(`prepare_splitkv_metadata_from_plan` + `bind`, the data pipeline's default in examples/pretrain_dflash.py)
-read them per process with no collective: with MEGATRON_SPLITKV_NUM_CHUNKS or
-MEGATRON_SPLITKV_RANKS_PER_NODE differing (P = 4), the ranks issued different collectives in the
-op and gloo aborted the processes (SIGABRT; NCCL would hang or mix data). Now
-`ops.check_environment_agreement(cp_group)` (collective, once per process; pretrain_dflash calls it at its
-first micro-batch) raises the same ValueError on every rank, naming the variable and the values by rank.
-
-CPU, gloo: the library check at P = 4 (each variable differing, a malformed value on one rank, all equal),
-then the host path it guards (the op after the check passes equals the float64 reference); pretrain_dflash's
-forward_step at CP = 2 with the chunk count differing across ranks.
+`prepare_splitkv_metadata` and the op without `metadata=` agree on the config's requests in their agreement
+row; host-built metadata (`prepare_splitkv_metadata_from_plan` in a data worker, `bind` in the step) is built
+per process with no collective: with num_chunks or cp_ranks_per_node differing (P = 4), the ranks would issue
+different collectives. `ops.check_environment_agreement(cp_group, config=)` (collective, once per process;
+pretrain_dflash calls it when its data pipeline is created) raises the same ValueError on every rank, naming
+the field and the values by rank.
 """
 
 import os
@@ -25,23 +19,13 @@ from _dist import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_VARS = ("MEGATRON_SPLITKV_NUM_CHUNKS", "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")
-
-# (variable, value on rank 0, value on the other ranks, what the message must say); None = unset
+# (config fields on rank 0, on the other ranks, what the message must say)
 CASES = [
-    ("MEGATRON_SPLITKV_NUM_CHUNKS", None, "2", "got [0, 2, 2, 2] (by rank)"),
-    ("MEGATRON_SPLITKV_NUM_CHUNKS", "2", "1", "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks"),
-    ("MEGATRON_SPLITKV_RANKS_PER_NODE", "2", "4", "MEGATRON_SPLITKV_RANKS_PER_NODE (cp_ranks_per_node)"),
-    ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "2", None, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
-    ("MEGATRON_SPLITKV_NUM_CHUNKS", "x", "2", "rank 0: MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
+    (dict(), dict(num_chunks=2), "got [0, 2, 2, 2] (by rank)"),
+    (dict(num_chunks=2), dict(num_chunks=1), "SplitKVConfig.num_chunks (requested num_chunks"),
+    (dict(cp_ranks_per_node=2), dict(cp_ranks_per_node=4), "SplitKVConfig.cp_ranks_per_node (cp_ranks_per_node)"),
+    (dict(fused_bwd_gather_min_p=2), dict(), "SplitKVConfig.fused_bwd_gather_min_p must be"),
 ]
-
-
-def _set(var, value):
-    if value is None:
-        os.environ.pop(var, None)
-    else:
-        os.environ[var] = value
 
 
 def _plan():
@@ -52,30 +36,25 @@ def _plan():
 
 
 def _check_worker(rank, world):
+    from megatron_splitkv import SplitKVConfig
     from megatron_splitkv.ops import check_environment_agreement
 
     out = []
-    for var, v0, v1, _ in CASES:
-        for v in _VARS:
-            os.environ.pop(v, None)
-        _set(var, v0 if rank == 0 else v1)
+    for f0, f1, _ in CASES:
         try:
-            check_environment_agreement()
+            check_environment_agreement(config=SplitKVConfig(**(f0 if rank == 0 else f1)))
             out.append(None)
         except ValueError as exc:
             out.append(str(exc))
-    # all equal (some set, identically): passes; then the host path it guards runs and is exact
-    for v in _VARS:
-        os.environ.pop(v, None)
-    os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = "3"
-    os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] = "2"
-    check_environment_agreement()
+    # all equal: passes; then the host path it guards runs and is exact
+    config = SplitKVConfig(num_chunks=3, cp_ranks_per_node=2)
+    check_environment_agreement(config=config)
     from megatron_splitkv import dflash_attention_reference, splitkv_attention
     from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
 
     plan = _plan()
     host = prepare_splitkv_metadata_from_plan(plan, rank, block_size=4, num_heads_q=2, num_heads_kv=1, head_dim=8,
-                                              dtype=torch.float64)
+                                              dtype=torch.float64, config=config)
     meta = host.bind(None, "cpu")
     gen = torch.Generator().manual_seed(11)
     nq, nk = plan.q_seq.shape[0] * 4, int(sum(plan.seq_lens))
@@ -97,27 +76,32 @@ def _check_worker(rank, world):
 
 def test_environment_agreement_raises_the_same_error_on_every_rank():
     res = run_distributed(_check_worker, 4, timeout=300)
-    for j, (var, v0, v1, want) in enumerate(CASES):
+    for j, (f0, f1, want) in enumerate(CASES):
         msgs = {r[0][j] for r in res}
-        assert len(msgs) == 1, (var, msgs)  # the same on every rank
+        assert len(msgs) == 1, (f0, f1, msgs)  # the same on every rank
         msg = msgs.pop()
-        assert msg is not None and msg.startswith("check_environment_agreement: ") and want in msg, (var, msg)
+        assert msg is not None and msg.startswith("check_environment_agreement: ") and want in msg, (f0, msg)
     for out, chunks, err in res:
         assert chunks == 3 and err < 1e-12, (chunks, err)
 
 
-def _pretrain_worker(rank, world):
-    """examples/pretrain_dflash.py's forward_step (CP = 2, host-built metadata, as tests/test_rerun_checkpoint.py
-    drives it) with MEGATRON_SPLITKV_NUM_CHUNKS 1 on rank 0 and 2 on rank 1."""
+def _pretrain_worker(rank, world, fields):
+    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers; tests/test_data_pipeline.py
+    drives it) with the job's SplitKVConfig `fields` (args.splitkv_config, what validate_splitkv_args builds from
+    the flags): fields[rank] on each rank. Returns the bound metadata's (chunk_axis, num_chunks, chunk_heads) or the
+    ValueError message."""
+    from megatron_splitkv import SplitKVConfig
     from test_data_pipeline import _Model, pretrain_in_worker
 
-    os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] = str(1 + rank)
-    mod = pretrain_in_worker("pretrain_dflash_env", rank, world)
+    mod = pretrain_in_worker("pretrain_dflash_config", rank, world)
+    mod.get_args().splitkv_config = SplitKVConfig(**fields[rank])
     it = None
     try:  # raised when the data pipeline is created (before any metadata is built)
         it, _, _ = mod.train_valid_test_datasets_provider(None)
-        mod.forward_step(it, _Model())
-        return None
+        model = _Model()
+        mod.forward_step(it, model)
+        m = model.metadata[-1]  # the bound metadata the drafter got
+        return (m.chunk_axis, m.num_chunks, m.chunk_heads)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -125,61 +109,22 @@ def _pretrain_worker(rank, world):
             it.close()
 
 
-def test_pretrain_dflash_ranks_with_different_chunk_env_raise_on_every_rank():
+def test_pretrain_dflash_config_reaches_the_host_metadata():
+    """Head chunks on both ranks: the metadata built in the pipeline splits the drafter's 2 kv heads (4 q heads)."""
     pytest.importorskip("megatron.core")
-    msgs = run_distributed(_pretrain_worker, 2, timeout=300)
-    assert len(set(msgs)) == 1 and msgs[0] is not None, msgs
-    assert "MEGATRON_SPLITKV_NUM_CHUNKS (requested num_chunks, 0 = unset) must be the same on every CP rank; " \
+    fields = [dict(chunk_axis="heads", num_chunks=2)] * 2
+    res = run_distributed(_pretrain_worker, 2, fields, timeout=240)
+    assert res == [("heads", 2, [(0, 2), (2, 4)])] * 2, res
+
+
+def test_pretrain_dflash_ranks_with_different_configs_raise_on_every_rank():
+    """Ranks whose configs differ (num_chunks 1 on rank 0, 2 on rank 1): the check runs when the pipeline is created
+    (train_valid_test_datasets_provider, before any metadata is built): the same ValueError on every rank."""
+    pytest.importorskip("megatron.core")
+    msgs = run_distributed(_pretrain_worker, 2, [dict(num_chunks=1), dict(num_chunks=2)], timeout=300)
+    assert len(set(msgs)) == 1 and isinstance(msgs[0], str), msgs
+    assert "SplitKVConfig.num_chunks (requested num_chunks, 0 = None) must be the same on every CP rank; " \
            "got [1, 2] (by rank)" in msgs[0], msgs[0]
-
-
-def _pretrain_malformed_worker(rank, world):
-    """examples/pretrain_dflash.py (CP = 2, host-built metadata, 0 data workers): first with head chunks on both
-    ranks (MEGATRON_SPLITKV_CHUNK_AXIS heads, NUM_CHUNKS 2), then with a Split-KV variable malformed on rank 1 only:
-    MEGATRON_SPLITKV_CHUNK_AXIS 'Heads' (rank 0: 'heads'), MEGATRON_SPLITKV_NUM_CHUNKS '+2' (rank 0: '2'). Returns
-    per scenario the bound metadata's (chunk_axis, num_chunks, chunk_heads) or the ValueError message."""
-    from test_data_pipeline import _Model, pretrain_in_worker
-
-    out = []
-    for i, env in enumerate(({"MEGATRON_SPLITKV_CHUNK_AXIS": "heads", "MEGATRON_SPLITKV_NUM_CHUNKS": "2"},
-                             {"MEGATRON_SPLITKV_CHUNK_AXIS": "Heads" if rank == 1 else "heads"},
-                             {"MEGATRON_SPLITKV_NUM_CHUNKS": "+2" if rank == 1 else "2"})):
-        for v in _VARS + ("MEGATRON_SPLITKV_CHUNK_AXIS",):
-            os.environ.pop(v, None)
-        os.environ.update(env)
-        it = None
-        try:
-            mod = pretrain_in_worker(f"pretrain_dflash_malformed{i}", rank, world)
-            it, _, _ = mod.train_valid_test_datasets_provider(None)
-            model = _Model()
-            mod.forward_step(it, model)
-            m = model.metadata[-1]  # the bound metadata the drafter got
-            out.append((m.chunk_axis, m.num_chunks, m.chunk_heads))
-        except ValueError as exc:
-            out.append(str(exc))
-        finally:
-            if it is not None:
-                it.close()
-    return out
-
-
-def test_pretrain_dflash_variable_malformed_on_one_rank_raises_on_every_rank():
-    """A Split-KV variable malformed on ONE rank (adversarial finding, session 9): the data pipeline built the
-    host metadata before `check_environment_agreement` ran, so that rank raised alone (in the metadata build)
-    and the other rank waited in the agreement's all-gather forever. Now the check runs when the pipeline is
-    created (train_valid_test_datasets_provider, before any metadata is built): the same ValueError on every
-    rank, naming the rank and the variable."""
-    pytest.importorskip("megatron.core")
-    res = run_distributed(_pretrain_malformed_worker, 2, timeout=240)
-    # both ranks heads, 2 chunks: the metadata built in the pipeline splits the drafter's 2 kv heads (4 q heads)
-    assert [r[0] for r in res] == [("heads", 2, [(0, 2), (2, 4)])] * 2, res
-    for j, (var, bad) in enumerate((("MEGATRON_SPLITKV_CHUNK_AXIS", "'Heads'"),
-                                    ("MEGATRON_SPLITKV_NUM_CHUNKS", "'+2'")), start=1):
-        msgs = {r[j] for r in res}
-        assert len(msgs) == 1, (var, msgs)  # the same on every rank
-        msg = msgs.pop()
-        assert msg is not None and msg.startswith("check_environment_agreement: ") and "rank 1" in msg \
-            and var in msg and bad in msg, (var, msg)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -92,27 +92,21 @@ def test_tables_match_brute_force(n_blocks, B, tk, union):
 
 
 def test_auto_picks_fa4_where_it_runs(monkeypatch):
-    """"auto" -> "fa4" when FA4 runs there (dtype known), unless MEGATRON_SPLITKV_AUTO_FA4=0; a bad value
-    raises naming the variable; float64 / unknown dtype / CPU never pick it."""
+    """"auto" -> "fa4" when FA4 runs there (dtype known), unless SplitKVConfig(auto_fa4=False); float64 /
+    unknown dtype / CPU never pick it."""
+    from megatron_splitkv import SplitKVConfig
+
     monkeypatch.setattr(fa4, "fa4_runs_on", lambda device, dtype, head_dim=None: dtype == torch.bfloat16)
-    monkeypatch.delenv("MEGATRON_SPLITKV_AUTO_FA4", raising=False)
     assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128) == "fa4"
     assert kernels.resolve_auto_backend(1 << 20, "cuda", torch.bfloat16, 128) == "fa4"  # over staircase too
     assert kernels.resolve_auto_backend(None, "cuda", None, 128) == "flex"
     assert kernels.resolve_auto_backend(None, "cuda", torch.float64, 128) == "math"
     assert kernels.resolve_auto_backend(None, "cpu", torch.bfloat16, 128) == "math"
-    monkeypatch.setenv("MEGATRON_SPLITKV_AUTO_FA4", "0")
-    assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128) == "flex"
-    monkeypatch.setenv("MEGATRON_SPLITKV_AUTO_FA4", "yes")
-    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_AUTO_FA4"):
-        kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128)
-    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_AUTO_FA4"):
-        kernels.validate_kernel_env()
+    assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128, SplitKVConfig(auto_fa4=False)) == "flex"
 
 
 def test_auto_avoids_fa4_in_deterministic_mode(monkeypatch):
     monkeypatch.setattr(fa4, "fa4_runs_on", lambda device, dtype, head_dim=None: True)
-    monkeypatch.delenv("MEGATRON_SPLITKV_AUTO_FA4", raising=False)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -243,7 +237,6 @@ def test_broken_fa4_install_auto_falls_back_explicit_names_the_cause(tmp_path, b
     (fa / "cute" / "block_sparsity.py").write_text("BlockSparseTensorsTorch = tuple\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root]))
-    env.pop("MEGATRON_SPLITKV_AUTO_FA4", None)
     r = subprocess.run([sys.executable, "-c", _BROKEN_PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -254,7 +247,7 @@ def test_broken_fa4_install_auto_falls_back_explicit_names_the_cause(tmp_path, b
     assert cause in out["explicit"], out
     # found but broken: one warning (the import is tried once per process) naming the cause and the switch
     assert len(out["warnings"]) == (0 if broken == "parent_oserror" else 1), out
-    assert all(cause in m and "MEGATRON_SPLITKV_AUTO_FA4=0" in m for m in out["warnings"]), out
+    assert all(cause in m and "SplitKVConfig(auto_fa4=False)" in m for m in out["warnings"]), out
 
 
 # ---------------------------------------------------------------------------------------------- GPU

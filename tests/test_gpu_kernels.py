@@ -93,8 +93,7 @@ def test_bucket_length_properties(steps):
 
 
 def test_default_buckets():
-    if not any(v in os.environ for v in ("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS", "MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS")):
-        assert flex.DEFAULT_Q_BUCKET_STEPS == 2 and flex.DEFAULT_BUCKET_STEPS == 2
+    assert flex.DEFAULT_Q_BUCKET_STEPS == 2 and flex.DEFAULT_BUCKET_STEPS == 2
     # steps 1: powers of two x 128; steps 2: {2, 3} x 2**e x 128
     assert [flex.bucket_length(n, 1) for n in (100, 129, 5000, 8192, 8193, 20000)] == [
         128, 256, 8192, 8192, 16384, 32768]

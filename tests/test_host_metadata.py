@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
+from megatron_splitkv import SplitKVConfig
 from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV
@@ -215,20 +216,21 @@ def test_block_size_mismatch_and_spec_from_config():
     with pytest.raises(SplitKVArgumentError, match="--num-query-groups"):
         splitkv_metadata_spec(_config(num_attention_heads=8, num_query_groups=2), tp_size=4)
     del ps, ProcessGroupCollection
-    spec = splitkv_metadata_spec(_config(), tp_size=1, cuda=False)
+    checked = SplitKVConfig(debug_checks=True)  # the metadata's config: the layer compares the index values
+    spec = splitkv_metadata_spec(_config(), tp_size=1, cuda=False, splitkv_config=checked)
     item = plan_batch(_batch(), cp_size=1, cp_rank=0, block_size=B, mask_token_id=MASK_ID, chunk_size=8,
                       metadata=spec)
     bound = item.metadata.bind(None, "cpu")
     params = DFlashPackedSeqParams(q_seq=item.blocks.q_seq, q_anchor=item.blocks.q_anchor, kv_seq=item.kv_seq,
                                    kv_pos=item.kv_pos, block_size=B + 1, metadata=bound)
-    kw = dict(num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, device="cpu")
+    kw = dict(num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, device="cpu", config=checked)
     with pytest.raises(ValueError, match=r"block_size 4 \(layer: 5\)"):
         params.op_metadata("splitkv", **kw)
     params.block_size = B
     assert params.op_metadata("splitkv", **kw) is bound
     with pytest.raises(ValueError, match="--context-parallel-impl ring-kv"):
         params.op_metadata("ring-kv", **kw)
-    # another micro-batch's metadata with the same counts: caught by MEGATRON_SPLITKV_DEBUG_CHECKS (tests: on)
+    # another micro-batch's metadata with the same counts: caught with SplitKVConfig.debug_checks
     params2 = DFlashPackedSeqParams(q_seq=item.blocks.q_seq, q_anchor=item.blocks.q_anchor, kv_seq=item.kv_seq,
                                     kv_pos=item.kv_pos.flip(0), block_size=B, metadata=bound)
     with pytest.raises(ValueError, match="describes another micro-batch"):

@@ -11,13 +11,14 @@ scaler) then never sees the fault. The float64 reference, `allgather_kv_attentio
 Correct behaviour: the row's dq (and the dk of the keys it sees) are not finite, as in the reference.
 """
 
+import functools
+
 import pytest
 import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import build, case, local
-from megatron_splitkv.ops.common import FUSED_BWD_GATHER_MIN_P_ENV
 
 
 def _case(P):
@@ -63,11 +64,8 @@ def test_splitkv_single_process_propagates(val):
 
 
 def _worker(rank, world, val, fused):
-    import os
-
-    if fused:
-        os.environ[FUSED_BWD_GATHER_MIN_P_ENV] = "1"
-    dq, dk = _grads(msk.splitkv_attention, _case(world), rank, val)
+    op = functools.partial(msk.splitkv_attention, config=msk.SplitKVConfig(fused_bwd_gather_min_p=1 if fused else 9))
+    dq, dk = _grads(op, _case(world), rank, val)
     return bool(torch.isfinite(dq[:4]).all()), bool(torch.isfinite(dk).all())
 
 

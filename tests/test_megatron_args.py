@@ -18,7 +18,9 @@ from megatron_splitkv.megatron import (  # noqa: E402
     get_dflash_layer_spec,
     validate_splitkv_args,
 )
-from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, auto_cp_ranks_per_node  # noqa: E402
+from megatron_splitkv import SplitKVConfig  # noqa: E402
+from megatron_splitkv.megatron.arguments import (LOCAL_SIZE_ENVS, auto_cp_ranks_per_node,  # noqa: E402
+                                                 splitkv_config_from_args)
 from _warning_marks import MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV
@@ -316,35 +318,30 @@ def test_pretrain_parse_only_threads_splitkv_kernel():
 
 def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
     """--splitkv-cp-ranks-per-node parses (default None: the op's default), must divide the CP size (the
-    error names the flag and the CP size), and a valid value is exported as the environment variable the
-    op resolves when it prepares a step (ops.metadata.resolve_ranks_per_node)."""
-    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
+    error names the flag and the CP size), and a valid value reaches the op through the config
+    (args.splitkv_config.cp_ranks_per_node, resolved by ops.metadata.resolve_ranks_per_node)."""
+    from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
-    # setenv first so that monkeypatch restores the variable's original state at teardown, also after
-    # validate_splitkv_args wrote it through os.environ (it must not leak into later tests)
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     for name in LOCAL_SIZE_ENVS:  # no launcher size per node: the automatic choice is 1
         monkeypatch.delenv(name, raising=False)
     p = add_splitkv_args(argparse.ArgumentParser())
     assert p.parse_args([]).splitkv_cp_ranks_per_node is None
-    validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
-    assert RANKS_PER_NODE_ENV not in os.environ  # unset flag: nothing exported
+    a = _args(context_parallel_size=8, dflash_num_anchors=8)
+    validate_splitkv_args(a)
+    assert a.splitkv_config.cp_ranks_per_node is None  # unset flag: the op's default
     for bad in (3, 0, -2):
         with pytest.raises(SplitKVArgumentError, match=r"--splitkv-cp-ranks-per-node"):
             validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=bad))
-    # >= the CP size: clamped (one all-to-all), as the op clamps the environment variable
-    validate_splitkv_args(_args(context_parallel_size=4, dflash_num_anchors=8, splitkv_cp_ranks_per_node=8))
-    assert os.environ[RANKS_PER_NODE_ENV] == "4"
-    # without the flag, a malformed environment variable fails at start-up, naming it
-    for bad in ("3", "x", "0", "+2"):  # "+2": not a plain decimal integer (`_ints.parse_int`)
-        monkeypatch.setenv(RANKS_PER_NODE_ENV, bad)
-        with pytest.raises(SplitKVArgumentError, match=RANKS_PER_NODE_ENV):
-            validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8))
+    # >= the CP size: clamped (one all-to-all), as the op clamps the config field
+    a = _args(context_parallel_size=4, dflash_num_anchors=8, splitkv_cp_ranks_per_node=8)
+    validate_splitkv_args(a)
+    assert a.splitkv_config.cp_ranks_per_node == 4
     a = p.parse_args(["--context-parallel-impl", "splitkv", "--splitkv-cp-ranks-per-node", "4"])
     assert a.splitkv_cp_ranks_per_node == 4
-    validate_splitkv_args(_args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4))
-    assert os.environ[RANKS_PER_NODE_ENV] == "4" and resolve_ranks_per_node(None, 8) == 4
+    a = _args(context_parallel_size=8, dflash_num_anchors=8, splitkv_cp_ranks_per_node=4)
+    validate_splitkv_args(a)
+    assert splitkv_config_from_args(a).cp_ranks_per_node == 4
+    assert resolve_ranks_per_node(None, 8, splitkv_config_from_args(a)) == 4
 
 
 @pytest.mark.parametrize("env,tp,cp,want", [
@@ -382,33 +379,30 @@ def test_auto_cp_ranks_per_node_heterogeneous_slurm_is_one(name):
         assert L == 1 and "not a positive int" in why, (bad, why)
 
 
-def test_auto_cp_ranks_per_node_exported_by_validate(monkeypatch):
-    """Neither --splitkv-cp-ranks-per-node nor MEGATRON_SPLITKV_RANKS_PER_NODE: validate exports the automatic L (>
-    1 only; impl splitkv only) and records the choice for the start-up line; the flag and the variable win over it;
-    the op then resolves it (ops.metadata.resolve_ranks_per_node)."""
-    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
+def test_auto_cp_ranks_per_node_chosen_by_validate(monkeypatch):
+    """No --splitkv-cp-ranks-per-node: validate puts the automatic L (> 1 only; impl splitkv only) in the config
+    and records the choice for the start-up line; the flag wins over it; the op then resolves it
+    (ops.metadata.resolve_ranks_per_node). Nothing is written to the process environment."""
+    from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     for name in LOCAL_SIZE_ENVS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    before = dict(os.environ)
     a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
     validate_splitkv_args(a)
-    assert os.environ[RANKS_PER_NODE_ENV] == "8" and resolve_ranks_per_node(None, 32) == 8
+    assert a.splitkv_config.cp_ranks_per_node == 8 and resolve_ranks_per_node(None, 32, a.splitkv_config) == 8
     assert a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 8 (LOCAL_WORLD_SIZE=8")
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
-    a = _args(tensor_model_parallel_size=1, context_parallel_size=4, dflash_num_anchors=8)  # one node: nothing exported
+    assert dict(os.environ) == before
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=4, dflash_num_anchors=8)  # one node: none
     validate_splitkv_args(a)
-    assert RANKS_PER_NODE_ENV not in os.environ and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 ")
+    assert a.splitkv_config.cp_ranks_per_node is None and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 ")
     a = _args(context_parallel_impl="allgather-kv", tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
-    validate_splitkv_args(a)  # the baselines run no two-level exchange: nothing exported
-    assert RANKS_PER_NODE_ENV not in os.environ
-    validate_splitkv_args(_args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32, splitkv_cp_ranks_per_node=1))
-    assert os.environ[RANKS_PER_NODE_ENV] == "1"  # the flag wins (1 = one all-to-all)
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
-    validate_splitkv_args(_args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32))
-    assert os.environ[RANKS_PER_NODE_ENV] == "2"  # the variable wins
+    validate_splitkv_args(a)  # the baselines run no two-level exchange: none
+    assert a.splitkv_config.cp_ranks_per_node is None
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32, splitkv_cp_ranks_per_node=1)
+    validate_splitkv_args(a)
+    assert a.splitkv_config.cp_ranks_per_node == 1  # the flag wins (1 = one all-to-all)
 
 
 def _dest_clashes(parser, actions):
@@ -514,12 +508,11 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
     dcfg = argparse.Namespace(kv_channels=None, hidden_size=64, num_attention_heads=4, params_dtype=None)
     seen = []
 
-    def fake(keys, device, dtype, head_dim):
+    def fake(keys, device, dtype, head_dim, config=None):
         seen.append((keys, torch.device(device).type, head_dim))
         return fake.answer
 
     monkeypatch.setattr(kernels, "resolve_auto_backend", fake)
-    monkeypatch.setattr(kernels, "staircase_auto_min_keys", lambda: 32768)
     monkeypatch.setattr(kernels, "staircase_runs_on", lambda *a: True)
     fake.answer = "fa4"
     assert mod._kernel_label(argparse.Namespace(splitkv_kernel=None), dcfg) == "auto -> fa4"
@@ -529,42 +522,6 @@ def test_pretrain_start_line_names_what_auto_resolves_to(monkeypatch):
     assert seen[0][0] is None and seen[0][2] == 16  # no key count; head dim = hidden / heads
     assert mod._kernel_label(argparse.Namespace(splitkv_kernel="te"), dcfg) == "te"
     assert len(seen) == 2  # an explicit kernel is named as given, nothing resolved
-
-
-@pytest.mark.parametrize("var,value,pattern", [
-    ("MEGATRON_SPLITKV_NUM_CHUNKS", "-1", "MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"),
-    ("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "x", "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P must be"),
-    ("MEGATRON_SPLITKV_CHUNK_AXIS", "cols", "MEGATRON_SPLITKV_CHUNK_AXIS must be one of rows, heads"),
-    ("MEGATRON_SPLITKV_HEAD_SPLIT", "3,2", "MEGATRON_SPLITKV_HEAD_SPLIT must be positive kv-head counts summing to "
-                                          "Hkv = 2"),
-    ("MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "maybe", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER must be one of"),
-])
-def test_op_environment_checked_at_start_up(monkeypatch, var, value, pattern):
-    """The op's environment variables are checked by validate_splitkv_args (start-up and --parse-only), not only
-    in the first attention call (fresh-user finding, session 9: CHUNK_AXIS=cols and NUM_CHUNKS=-1 passed
-    --parse-only). Hkv for the head split is per tensor-parallel rank (num_query_groups 4 / tp 2 = 2)."""
-    monkeypatch.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "heads")  # a head split needs the head axis
-    validate_splitkv_args(_args())  # valid environment passes
-    monkeypatch.setenv(var, value)
-    with pytest.raises(SplitKVArgumentError, match=pattern):
-        validate_splitkv_args(_args())
-    if var == "MEGATRON_SPLITKV_HEAD_SPLIT":
-        monkeypatch.setenv(var, "1,1")
-        validate_splitkv_args(_args())
-
-
-def test_parse_only_refuses_a_bad_op_variable(monkeypatch, capsys):
-    """examples/pretrain_dflash.py --parse-only exits 2 naming a malformed op variable (it printed the namespace)."""
-    mod, base = _pretrain_parse_only("pretrain_dflash_env")
-    argv = sys.argv
-    monkeypatch.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "cols")
-    try:
-        with pytest.raises((SplitKVArgumentError, SystemExit)) as exc:
-            mod.main(base)
-    finally:
-        sys.argv = argv
-    text = str(exc.value) + capsys.readouterr().err
-    assert "MEGATRON_SPLITKV_CHUNK_AXIS" in text
 
 
 @pytest.mark.parametrize("raw", ["\u00b2", "9" * 5000, "\u0668", "+8", "8.0", "1_6"])
@@ -582,29 +539,19 @@ def test_auto_cp_ranks_per_node_malformed_launcher_size_is_no_size(raw):
 
 
 def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypatch):
-    """--parse-only prints runtime_flag_values after validate_splitkv_args, which exports the automatic L as
-    MEGATRON_SPLITKV_RANKS_PER_NODE; the line then read '4 (MEGATRON_SPLITKV_RANKS_PER_NODE, clamped to the
-    CP size)', as if the user had set the variable. It must show the automatic choice and its reason."""
+    """--parse-only prints runtime_flag_values after validate_splitkv_args: the automatic L is shown as the
+    automatic choice with its reason."""
     from megatron_splitkv.megatron.arguments import runtime_flag_values
-    from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV
 
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "")
-    monkeypatch.delenv(RANKS_PER_NODE_ENV)
     for name in LOCAL_SIZE_ENVS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     a = _args(tensor_model_parallel_size=1, context_parallel_size=8, dflash_num_anchors=8,
               splitkv_cp_ranks_per_node=None)
     validate_splitkv_args(a)
-    assert os.environ[RANKS_PER_NODE_ENV] == "4"
+    assert a.splitkv_config.cp_ranks_per_node == 4
     shown = runtime_flag_values(a)["splitkv_cp_ranks_per_node"]
     assert shown.startswith("auto -> 4 (LOCAL_WORLD_SIZE=4"), shown
-    # a variable the user set is still shown as theirs
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "2")
-    a = _args(tensor_model_parallel_size=1, context_parallel_size=8, dflash_num_anchors=8,
-              splitkv_cp_ranks_per_node=None)
-    validate_splitkv_args(a)
-    assert runtime_flag_values(a)["splitkv_cp_ranks_per_node"].startswith("2 (MEGATRON_SPLITKV_RANKS_PER_NODE")
 
 
 _INT_FLAGS = ("--cp-chunk-size", "--dflash-block-size", "--dflash-num-anchors", "--splitkv-cp-ranks-per-node",
@@ -628,9 +575,9 @@ def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
 
 
 # ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/perf-notes.md item 25) ----
-from megatron_splitkv.megatron.arguments import PIPELINE_ENVS, auto_pipeline  # noqa: E402
+from megatron_splitkv.megatron.arguments import auto_pipeline, runtime_flag_values  # noqa: E402
 
-ON = {"MEGATRON_SPLITKV_NUM_CHUNKS": "2", "MEGATRON_SPLITKV_CHUNK_AXIS": "heads"}
+ON = {"num_chunks": 2, "chunk_axis": "heads"}
 
 
 @pytest.mark.parametrize("env,tp,cp,kv,want", [
@@ -647,98 +594,75 @@ ON = {"MEGATRON_SPLITKV_NUM_CHUNKS": "2", "MEGATRON_SPLITKV_CHUNK_AXIS": "heads"
     ({"SLURM_NTASKS_PER_NODE": "8(x2),4"}, 1, 16, 8, {}),  # heterogeneous nodes: layout unknown
     ({"LOCAL_WORLD_SIZE": "8"}, 8, 16, 1, {}),  # Hkv / TP = 1: no head chunks
     ({"LOCAL_WORLD_SIZE": "8"}, 1, 16, None, {}),  # kv heads unknown
-    *[({"LOCAL_WORLD_SIZE": "8", name: value}, 1, 16, 8, {})  # the user's (or a flag's) variable: off
-      for name, value in zip(PIPELINE_ENVS, ("1", "rows", "6,2"))],
-    ({"LOCAL_WORLD_SIZE": "8", "MEGATRON_SPLITKV_NUM_CHUNKS": " "}, 1, 16, 8, ON),  # empty = unset
 ])
 def test_auto_pipeline(env, tp, cp, kv, want):
-    """`auto_pipeline`: 2 head chunks when the CP group spans nodes (launcher's
-    processes per node / TP < CP), each TP rank holds >= 2 kv heads and none of the pipeline's variables is set;
-    else no change; always a one-line reason."""
-    exports, why = auto_pipeline(tp, cp, kv, environ=env)
-    assert exports == want, why
+    """`auto_pipeline`: 2 head chunks when the CP group spans nodes (launcher's processes per node / TP < CP) and
+    each TP rank holds >= 2 kv heads; else no change; always a one-line reason."""
+    fields, why = auto_pipeline(tp, cp, kv, environ=env)
+    assert fields == want, why
     assert isinstance(why, str) and why and "\n" not in why
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No launcher size, none of the op's pipeline variables, no automatic L; MEGATRON_SPLITKV_AUTO_FA4 unset."""
-    for name in (*LOCAL_SIZE_ENVS, *PIPELINE_ENVS, "MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_AUTO_FA4"):
+    """No launcher size per node."""
+    for name in LOCAL_SIZE_ENVS:
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
 
-def _pipeline_env():
-    return {name: os.environ[name] for name in PIPELINE_ENVS if name in os.environ}
+def _pipeline(a):
+    c = a.splitkv_config
+    return {k: v for k, v in (("num_chunks", c.num_chunks), ("chunk_axis", c.chunk_axis)) if v not in (None, "rows")}
 
 
 def _spanning(**kw):  # with LOCAL_WORLD_SIZE=8: 2 nodes of 8 GPUs, TP 1, CP 16, 4 kv heads
     return _args(**{"tensor_model_parallel_size": 1, "context_parallel_size": 16, "dflash_num_anchors": 16, **kw})
 
 
-def test_auto_pipeline_exported_by_validate(clean_env):
-    """validate_splitkv_args exports the automatic pipeline (impl splitkv only) and records it for the start-up
-    line; the same 2 head chunks whatever the local kernel."""
+def test_auto_pipeline_chosen_by_validate(clean_env):
+    """validate_splitkv_args puts the automatic pipeline in the config (impl splitkv only) and records it for the
+    start-up line; the same 2 head chunks whatever the local kernel; nothing is written to the environment."""
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    before = dict(os.environ)
     a = _spanning()
     validate_splitkv_args(a, have_fa4=True)
-    assert _pipeline_env() == ON
+    assert _pipeline(a) == ON and dict(os.environ) == before
     assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks (LOCAL_WORLD_SIZE=8 / TP 1"), \
         a.splitkv_pipeline_auto
     for kw, fa4 in ((dict(), False), (dict(deterministic_mode=True), True), (dict(bf16=False, fp16=False), True),
-                    (dict(splitkv_kernel="flex"), True)):
-        for name in PIPELINE_ENVS:
-            clean_env.delenv(name, raising=False)
+                    (dict(splitkv_kernel="flex"), True), (dict(splitkv_kernel="fa4", bf16=False), True)):
         a = _spanning(**kw)
         validate_splitkv_args(a, have_fa4=fa4)
-        assert _pipeline_env() == ON, kw
+        assert _pipeline(a) == ON, kw
         assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks ("), (kw, a.splitkv_pipeline_auto)
-    for name in PIPELINE_ENVS:
-        clean_env.delenv(name, raising=False)
-    validate_splitkv_args(_spanning(splitkv_kernel="fa4", bf16=False), have_fa4=True)  # fa4 asked for
-    assert _pipeline_env() == ON
-    for name in PIPELINE_ENVS:
-        clean_env.delenv(name, raising=False)
-    clean_env.setenv("MEGATRON_SPLITKV_AUTO_FA4", "0")
-    validate_splitkv_args(_spanning(), have_fa4=True)
-    assert _pipeline_env() == ON
-    for name in PIPELINE_ENVS:
-        clean_env.delenv(name, raising=False)
     for kw in (dict(context_parallel_impl="allgather-kv"), dict(context_parallel_size=8, dflash_num_anchors=8),
                dict(num_query_groups=1)):
         a = _spanning(**kw)
-        validate_splitkv_args(a, have_fa4=True)  # a baseline, one node, one kv head: nothing exported
-        assert _pipeline_env() == {}, kw
+        validate_splitkv_args(a, have_fa4=True)  # a baseline, one node, one kv head: the op's defaults
+        assert _pipeline(a) == {}, kw
     assert a.splitkv_pipeline_auto.startswith("auto -> off ("), a.splitkv_pipeline_auto
 
 
-@pytest.mark.parametrize("flag,attr,name,value", [
-    ("--splitkv-num-chunks", "splitkv_num_chunks", "MEGATRON_SPLITKV_NUM_CHUNKS", 4),
-    ("--splitkv-chunk-axis", "splitkv_chunk_axis", "MEGATRON_SPLITKV_CHUNK_AXIS", "rows"),
+@pytest.mark.parametrize("flag,attr,field,value", [
+    ("--splitkv-num-chunks", "splitkv_num_chunks", "num_chunks", 4),
+    ("--splitkv-chunk-axis", "splitkv_chunk_axis", "chunk_axis", "rows"),
 ])
-def test_pipeline_flags_win_over_variable_and_automatic(clean_env, flag, attr, name, value):
-    """Each pipeline flag parses (default None), is exported as its variable, wins over that variable, and
-    turns the automatic pipeline off (the other variables keep the op's defaults); the variable alone does too."""
+def test_pipeline_flags_win_over_automatic(clean_env, flag, attr, field, value):
+    """Each pipeline flag parses (default None), sets its config field and turns the automatic pipeline off (the
+    other field keeps the op's default)."""
     p = add_splitkv_args(argparse.ArgumentParser())
     assert getattr(p.parse_args([]), attr) is None
     assert getattr(p.parse_args([flag, str(value)]), attr) == value
     with pytest.raises(SystemExit):  # argparse: an int / one of rows, heads
         p.parse_args([flag, "cols"])
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
-    clean_env.setenv(name, "3" if name != "MEGATRON_SPLITKV_CHUNK_AXIS" else "heads")
     a = _spanning(**{attr: value})
     validate_splitkv_args(a, have_fa4=True)
-    assert _pipeline_env() == {name: str(value)}  # the flag's value; nothing automatic
-    assert a.splitkv_pipeline_auto.startswith("auto -> off (set by a flag or the environment: " + name), \
-        a.splitkv_pipeline_auto
-    clean_env.setenv(name, "2" if name != "MEGATRON_SPLITKV_CHUNK_AXIS" else "rows")
-    a = _spanning()
-    validate_splitkv_args(a, have_fa4=True)
-    assert _pipeline_env() == {name: os.environ[name]}  # the variable alone: kept, nothing automatic
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
-    shown = runtime_flag_values(a)
-    assert shown[attr] == f"{os.environ[name]} ({name})"  # shown as the user's
+    assert getattr(a.splitkv_config, field) == value and splitkv_config_from_args(a) is a.splitkv_config
+    other = "chunk_axis" if field == "num_chunks" else "num_chunks"
+    assert getattr(a.splitkv_config, other) == getattr(SplitKVConfig(), other)  # nothing automatic
+    assert a.splitkv_pipeline_auto == f"auto -> off (set by a flag: {flag})", a.splitkv_pipeline_auto
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -753,50 +677,29 @@ def test_pipeline_flags_bad_values(clean_env, kw, match):
         validate_splitkv_args(_spanning(**kw))
 
 
-def test_pipeline_literals_match_the_op():
-    """arguments keeps the op's names literal (parsing imports no torch): they must stay the op's."""
-    from megatron_splitkv.megatron import arguments as A
-    from megatron_splitkv.ops import metadata
-
-    assert (A.NUM_CHUNKS_ENV, A.CHUNK_AXIS_ENV, A.HEAD_SPLIT_ENV, A.CHUNK_AXES, A.RANKS_PER_NODE_ENV) == (
-        metadata.NUM_CHUNKS_ENV, metadata.CHUNK_AXIS_ENV, metadata.HEAD_SPLIT_ENV, metadata.CHUNK_AXES,
-        metadata.RANKS_PER_NODE_ENV)
-
-
 def test_validate_twice_gives_the_same_result(clean_env):
-    """A second validate_splitkv_args on the same args took the first call's exported variables for the user's:
-    the pipeline then read 'off (set by ... MEGATRON_SPLITKV_NUM_CHUNKS)' and L 'clamped ... variable'. The
-    automatic exports are remembered (args.splitkv_auto_env) and undone first; a variable the user set is never
-    removed."""
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
+    """validate_splitkv_args on the same args twice, or on another namespace, gives what each gets alone (no
+    state in the process: the config lives on the namespace)."""
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     a = _spanning()
     validate_splitkv_args(a, have_fa4=True)
-    first = (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a))
+    first = (a.splitkv_config, a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a))
     validate_splitkv_args(a, have_fa4=True)
-    assert (dict(os.environ), a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a)) == first
-    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == ON
-    assert a.splitkv_auto_env == {"MEGATRON_SPLITKV_RANKS_PER_NODE": "8", **ON}
-    # the second call's inputs changed (one node now): its own earlier exports are gone, nothing stale remains
-    clean_env.setenv("LOCAL_WORLD_SIZE", "16")
+    assert (a.splitkv_config, a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a)) == first
+    assert a.splitkv_config.cp_ranks_per_node == 8 and _pipeline(a) == ON
+    b = _spanning(context_parallel_size=4, dflash_num_anchors=4)  # inside one node
+    validate_splitkv_args(b, have_fa4=True)
+    assert _pipeline(b) == {} and b.splitkv_config.cp_ranks_per_node is None
+    assert b.splitkv_pipeline_auto.startswith("auto -> off (LOCAL_WORLD_SIZE=8, TP 1: the CP group of 4 fits"), \
+        b.splitkv_pipeline_auto
+    assert runtime_flag_values(b)["splitkv_num_chunks"] == "auto -> 1 (splitkv_pipeline_auto)"
+    clean_env.setenv("LOCAL_WORLD_SIZE", "16")  # the inputs changed (one node now): nothing stale remains
     validate_splitkv_args(a, have_fa4=True)
-    assert _pipeline_env() == {} and "MEGATRON_SPLITKV_RANKS_PER_NODE" not in os.environ
+    assert _pipeline(a) == {} and a.splitkv_config.cp_ranks_per_node is None
     assert a.splitkv_pipeline_auto.startswith("auto -> off (") and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 (")
-    # the user's own variables, even with the automatic values, are theirs on every call
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
-    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "2")
-    clean_env.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
-    a = _spanning()
-    for _ in range(2):
-        validate_splitkv_args(a, have_fa4=True)
-        assert _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "2"} and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
-        assert not a.splitkv_auto_env and not hasattr(a, "splitkv_cp_ranks_per_node_auto")
 
 
 def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
     a = _spanning()
     shown = runtime_flag_values(a)  # before validate: what the run would do
     assert shown["splitkv_num_chunks"].startswith("auto (") and shown["splitkv_chunk_axis"].startswith("auto (")
@@ -807,81 +710,15 @@ def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
         "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)")
 
 
-def test_validate_another_namespace_does_not_inherit_the_first_ones_exports(clean_env):
-    """validate_splitkv_args on a second args namespace in the same process (a sweep, a notebook, --parse-only
-    twice) took the first namespace's exports for the user's: its automatic pipeline and L (2 head chunks on a CP group inside one node, shown as '2 (MEGATRON_SPLITKV_NUM_CHUNKS)'), a flag of the first
-    namespace (--splitkv-num-chunks 4 without the flag), and the first one's clamp of the user's
-    MEGATRON_SPLITKV_RANKS_PER_NODE (8 -> 4 at CP 4; then 4 at CP 16 instead of the user's 8). What validate
-    exported is now undone process-wide first (the user's value put back), so each namespace gets what it
-    would get alone."""
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
-    user = {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")}
-    validate_splitkv_args(_spanning(), have_fa4=True)  # 2 nodes: automatic pipeline + L 8
-    assert _pipeline_env() == ON and os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8"
-    b = _spanning(context_parallel_size=4, dflash_num_anchors=4)  # inside one node
-    validate_splitkv_args(b, have_fa4=True)
-    assert _pipeline_env() == {} and "MEGATRON_SPLITKV_RANKS_PER_NODE" not in os.environ, _pipeline_env()
-    assert b.splitkv_pipeline_auto.startswith("auto -> off (LOCAL_WORLD_SIZE=8, TP 1: the CP group of 4 fits"), \
-        b.splitkv_pipeline_auto
-    assert runtime_flag_values(b)["splitkv_num_chunks"] == "auto -> 1 (splitkv_pipeline_auto)"
-    # a flag of one namespace is not another's
-    validate_splitkv_args(_spanning(splitkv_num_chunks=4), have_fa4=True)
-    assert _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "4"}
-    validate_splitkv_args(_spanning(context_parallel_size=4, dflash_num_anchors=4), have_fa4=True)
-    assert _pipeline_env() == {}
-    assert {k: v for k, v in os.environ.items() if k.startswith("MEGATRON_SPLITKV_")} == user
-    # the user's variable, clamped for one namespace, is the user's again for the next
-    clean_env.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
-    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")
-    validate_splitkv_args(_spanning(context_parallel_size=4, dflash_num_anchors=4, splitkv_num_chunks=2),
-                          have_fa4=True)
-    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "4" and os.environ["MEGATRON_SPLITKV_NUM_CHUNKS"] == "2"
-    validate_splitkv_args(_spanning(), have_fa4=True)
-    assert os.environ["MEGATRON_SPLITKV_RANKS_PER_NODE"] == "8" and _pipeline_env() == {"MEGATRON_SPLITKV_NUM_CHUNKS": "3"}
-
-
-def test_num_chunks_flag_against_a_head_split_variable(clean_env):
-    """MEGATRON_SPLITKV_HEAD_SPLIT fixes the op's chunk count (k = its entries; the op ignores
-    MEGATRON_SPLITKV_NUM_CHUNKS then): --splitkv-num-chunks 3 with HEAD_SPLIT=6,2 was exported and silently
-    dropped (the op ran 2 chunks). A different count is now an error naming both; an equal one is fine. And
-    --parse-only showed the ignored variable ('3 (MEGATRON_SPLITKV_NUM_CHUNKS)') or 'auto -> 1' as the chunk
-    count; it shows the split's."""
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
-    clean_env.setenv("MEGATRON_SPLITKV_CHUNK_AXIS", "heads")
-    clean_env.setenv("MEGATRON_SPLITKV_HEAD_SPLIT", "6, 2")
-    with pytest.raises(SplitKVArgumentError, match=r"--splitkv-num-chunks 3 differs from the 2 chunks of "
-                                                   r"MEGATRON_SPLITKV_HEAD_SPLIT='6, 2'"):
-        validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=3))
-    validate_splitkv_args(_spanning(num_attention_heads=16, num_query_groups=8, splitkv_num_chunks=2))
-    a = _spanning(num_attention_heads=16, num_query_groups=8)
-    validate_splitkv_args(a)
-    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
-    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")  # ignored by the op under a head split
-    validate_splitkv_args(a)
-    assert runtime_flag_values(a)["splitkv_num_chunks"] == "2 (MEGATRON_SPLITKV_HEAD_SPLIT='6, 2')"
-
-
 def test_fresh_user_reasons(clean_env):
     """Reasons a fresh user found wrong or unhelpful: TP = processes per node gave '1 CP ranks per node do not
-    divide CP 16' (1 divides it); MEGATRON_SPLITKV_HEAD_SPLIT without the head axis named only the op's keyword
-    and variable, not the Megatron flag; the automatic pipeline's 'off' reason named only the variable a flag
-    exported."""
-    from megatron_splitkv.megatron.arguments import auto_cp_ranks_per_node
-
+    divide CP 16' (1 divides it); the automatic pipeline's 'off' reason names the flag that set it."""
     L, why = auto_cp_ranks_per_node(8, 16, environ={"LOCAL_WORLD_SIZE": "8"})
     assert L == 1 and why.endswith("1 CP rank per node (one all-to-all)") and "divide" not in why, why
-    clean_env.setenv("MEGATRON_SPLITKV_HEAD_SPLIT", "1,1")  # _args: 2 kv heads per TP rank
-    with pytest.raises(SplitKVArgumentError, match=r"needs chunk_axis 'heads'.*\(with Megatron: --splitkv-chunk-axis heads\)"):
-        validate_splitkv_args(_args())
-    clean_env.delenv("MEGATRON_SPLITKV_HEAD_SPLIT")
     clean_env.setenv("LOCAL_WORLD_SIZE", "8")
     a = _spanning(splitkv_num_chunks=1)
     validate_splitkv_args(a, have_fa4=True)
-    assert "MEGATRON_SPLITKV_NUM_CHUNKS='1' (or --splitkv-num-chunks)" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto
+    assert "--splitkv-num-chunks" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto
 
 
 @pytest.mark.parametrize("kw", [dict(splitkv_num_chunks=2), dict(splitkv_chunk_axis="heads")])
@@ -892,14 +729,3 @@ def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
         with pytest.raises(SplitKVArgumentError, match=r"applies to --context-parallel-impl splitkv only .*" + impl):
             validate_splitkv_args(_args(context_parallel_impl=impl, **kw))
     validate_splitkv_args(_args(**kw))  # splitkv: fine
-
-
-@pytest.mark.parametrize("value,shown", [("8", "8 (MEGATRON_SPLITKV_NUM_CHUNKS)"),
-                                         ("\u00b2", "\u00b2 (MEGATRON_SPLITKV_NUM_CHUNKS)")])
-def test_runtime_flag_values_does_not_parse_a_malformed_pipeline_variable(clean_env, value, shown):
-    """runtime_flag_values is pure and validates nothing: a MEGATRON_SPLITKV_NUM_CHUNKS that str.isdigit()
-    takes but int() refuses ('\u00b2') is shown as it is, not a ValueError (validate_splitkv_args names it)."""
-    from megatron_splitkv.megatron.arguments import runtime_flag_values
-
-    clean_env.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", value)
-    assert runtime_flag_values(_args(context_parallel_impl=None))["splitkv_num_chunks"] == shown

@@ -147,9 +147,10 @@ def block_worker(rank, world, tp, cp, pp, cfg, state, data, cp_impls=("splitkv",
         ps.destroy_model_parallel()
 
 
-def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, device="cpu"):
+def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, device="cpu", splitkv_config=None):
     """One forward/backward of this rank's shard of the block (in `dtype` on `device`; the returned
-    tensors are float64 on the CPU). Also used by tests/nightly/test_megatron_nccl.py (bf16, NCCL)."""
+    tensors are float64 on the CPU; `splitkv_config`: the layer spec's). Also used by
+    tests/nightly/test_megatron_nccl.py (bf16, NCCL)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -161,7 +162,8 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, 
         cp_r = ps.get_context_parallel_rank()
         pp_r = ps.get_pipeline_model_parallel_rank()
         config = _config(cfg, tp, cp, pp)
-        spec = get_dflash_layer_spec(cp_impl=cp_impl, use_te=False, rotary_base=10000.0)
+        spec = get_dflash_layer_spec(cp_impl=cp_impl, use_te=False, rotary_base=10000.0,
+                                     splitkv_config=splitkv_config)
         last = pp_r == pp - 1
         block = TransformerBlock(config, spec, post_layer_norm=last, pre_process=True, post_process=last)
         # mcore's torch norms ignore params_dtype (Megatron's Float16Module casts in training)

@@ -1,8 +1,8 @@
 """The DFlash block with Split-KV's early query all-gather (perf-notes item 3) on vs off: bit-identical.
 
 `DFlashAttention` computes q first, starts the gather (`SplitKVCoreAttention.start_query_gather`), then
-k/v, then the core attention with `query_gather=`. Turning it off (`overlap_query_gather=False`, the
-environment variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0 or `--splitkv-no-overlap-q-gather`) must give
+k/v, then the core attention with `query_gather=`. Turning it off (`overlap_query_gather=False`,
+`SplitKVConfig(overlap_q_gather=False)` or `--splitkv-no-overlap-q-gather`) must give
 the same bits: outputs, input gradients and every parameter gradient, at TP=2 x CP=2 (sbhd) and CP=2
 (thd), and the same collectives. CPU, gloo. Source: DESIGN.md sections 2 and 4.
 """
@@ -20,15 +20,10 @@ pytest.importorskip("megatron.core")
 
 from test_megatron_block import SMALL, _run_block, assemble, functional_reference, make_problem, compare  # noqa: E402
 
-ENV = "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"
-
-
 def _worker(rank, world, tp, cp, cfg, state, data, fmt, impls):
-    import os
-
     from megatron.core import parallel_state as ps
 
-    from megatron_splitkv import comm_stats
+    from megatron_splitkv import SplitKVConfig, comm_stats
     from megatron_splitkv.megatron.attention import SplitKVCoreAttention
 
     calls = {"started": 0, "none": 0}
@@ -47,15 +42,14 @@ def _worker(rank, world, tp, cp, cfg, state, data, fmt, impls):
     try:
         for impl in impls:
             for overlap in ("1", "0"):
-                os.environ[ENV] = overlap
                 before = dict(calls)
                 with comm_stats() as st:
-                    res = _run_block(tp, cp, 1, cfg, state, data, impl, fmt)
+                    res = _run_block(tp, cp, 1, cfg, state, data, impl, fmt,
+                                     splitkv_config=SplitKVConfig(overlap_q_gather=overlap == "1"))
                 res["records"] = sorted((r.op, r.kind, r.bytes) for r in st.records)
                 res["calls"] = {k: calls[k] - before[k] for k in calls}
                 out[(impl, overlap)] = res
     finally:
-        os.environ.pop(ENV, None)
         SplitKVCoreAttention.start_query_gather = orig
         ps.destroy_model_parallel()
     return out
@@ -104,30 +98,25 @@ def test_overlap_on_off_bit_identical(problem, tp, cp, fmt):
         compare(functional_reference(cfg, state, data), got, cfg)
 
 
-def test_flag_and_env_resolution(monkeypatch):
+def test_flag_and_config_resolution():
+    from megatron_splitkv import SplitKVConfig
     from megatron_splitkv.megatron import add_splitkv_args, get_dflash_layer_spec
-    from megatron_splitkv.megatron.arguments import overlap_query_gather_from_args
+    from megatron_splitkv.megatron.arguments import overlap_query_gather_from_args, splitkv_config_from_args
     from megatron_splitkv.megatron.layers import resolve_overlap_query_gather
 
     p = add_splitkv_args(argparse.ArgumentParser())
     assert overlap_query_gather_from_args(p.parse_args([])) is None
     assert overlap_query_gather_from_args(p.parse_args(["--splitkv-no-overlap-q-gather"])) is False
-    monkeypatch.delenv(ENV, raising=False)
+    assert splitkv_config_from_args(p.parse_args([])).overlap_q_gather is True
+    assert splitkv_config_from_args(p.parse_args(["--splitkv-no-overlap-q-gather"])).overlap_q_gather is False
+    off = SplitKVConfig(overlap_q_gather=False)
     assert resolve_overlap_query_gather(None) is True
-    for off in ("0", "false", "OFF", "no"):
-        monkeypatch.setenv(ENV, off)
-        assert resolve_overlap_query_gather(None) is False
-        assert resolve_overlap_query_gather(True) is True
-    for on in ("1", "true", "On", "yes", ""):
-        monkeypatch.setenv(ENV, on)
-        assert resolve_overlap_query_gather(None) is True and resolve_overlap_query_gather(False) is False
-    for bad in ("maybe", "2", "offf"):  # were taken as on
-        monkeypatch.setenv(ENV, bad)
-        with pytest.raises(ValueError, match=f"{ENV} must be one of 0/false/off/no or 1/true/on/yes"):
-            resolve_overlap_query_gather(None)
-        assert resolve_overlap_query_gather(False) is False  # given explicitly: the variable is not read
-    spec = get_dflash_layer_spec("splitkv", use_te=False, overlap_query_gather=False)
+    assert resolve_overlap_query_gather(None, off) is False
+    assert resolve_overlap_query_gather(True, off) is True  # given explicitly: the config is not read
+    assert resolve_overlap_query_gather(False, SplitKVConfig()) is False
+    spec = get_dflash_layer_spec("splitkv", use_te=False, overlap_query_gather=False, splitkv_config=off)
     assert spec.submodules.self_attention.params["overlap_query_gather"] is False
+    assert spec.submodules.self_attention.params["splitkv_config"] is off
 
 
 def _start_none_worker(rank, world):
@@ -247,14 +236,12 @@ def _order_worker(rank, world, cfg, state, data):
     sk._QueryGather.backward = staticmethod(gather_bwd)
     sk._SplitKV.backward = staticmethod(op_bwd)
     sk.all_to_all = a2a
-    os.environ[ENV] = "1"
     ps.initialize_model_parallel(context_parallel_size=world, create_gloo_process_groups=False)
     try:
         _run_block(1, world, 1, cfg, state, data, "splitkv", "sbhd")
     finally:
         Lin.backward, sk.all_to_all = staticmethod(orig[0]), orig[3]
         sk._QueryGather.backward, sk._SplitKV.backward = staticmethod(orig[1]), staticmethod(orig[2])
-        os.environ.pop(ENV, None)
         ps.destroy_model_parallel()
     return log
 

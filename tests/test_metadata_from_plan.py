@@ -20,7 +20,7 @@ import torch
 
 from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, TOL, loss_of, new_seed, rel_err
-from megatron_splitkv import comm_stats, dflash_attention_reference, splitkv_attention
+from megatron_splitkv import SplitKVConfig, comm_stats, dflash_attention_reference, splitkv_attention
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata, prepare_splitkv_metadata_from_plan
 from megatron_splitkv.planning import plan_context_parallel
@@ -444,35 +444,21 @@ def test_bad_arguments_raise_naming_the_argument(kw, pattern):
         _build(plan, rank, **kw)
 
 
-def test_range_check_and_env(monkeypatch):
+def test_range_check_and_config():
     plan = _plan(P=1)
     n = plan.num_tokens
     big = np.full(n, 1 << 31, dtype=np.int64)
     with pytest.raises(ValueError, match=r"kv_pos values must lie in \[-2\*\*31, 2\*\*31\)"):
         _build(plan, kv_seq=plan.token_seq_ids(0), kv_pos=big)
-    # num_chunks / cp_ranks_per_node from the environment: resolved at build time, re-checked at bind
-    monkeypatch.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "2")
-    host = _build(plan)
-    assert host.num_chunks == 2 and host.num_chunks_requested == 2
-    monkeypatch.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "3")
-    with pytest.raises(ValueError,
-                       match="SplitKVMetadata.bind: MEGATRON_SPLITKV_NUM_CHUNKS resolves to 3 here but to 2"):
-        host.bind(None, "cpu")
-    assert _build(plan, num_chunks=2).bind(None, "cpu").num_chunks == 2  # an explicit value is not re-checked
-    monkeypatch.setenv("MEGATRON_SPLITKV_NUM_CHUNKS", "x")
-    with pytest.raises(ValueError, match="from_plan: MEGATRON_SPLITKV_NUM_CHUNKS must be a positive int"):
-        _build(plan)
-    monkeypatch.delenv("MEGATRON_SPLITKV_NUM_CHUNKS")
-    monkeypatch.setenv("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "-1")
-    with pytest.raises(ValueError, match="from_plan: MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"):
-        _build(plan, num_chunks=1)  # a malformed variable raises at build already
-    monkeypatch.delenv("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")
-    host = _build(plan, num_chunks=1)
-    monkeypatch.setenv("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "-1")
-    with pytest.raises(ValueError, match="SplitKVMetadata.bind: MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"):
-        host.bind(None, "cpu")
-    monkeypatch.setenv("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", "4")
-    assert host.bind(None, "cpu").fused_bwd_gather_min_p == 4  # resolved at bind, as prepare does per rank
+    # num_chunks / the fused-gather threshold from the config: fixed at build time, carried to bind
+    config = SplitKVConfig(num_chunks=2, fused_bwd_gather_min_p=4)
+    host = _build(plan, config=config)
+    assert host.num_chunks == 2 and host.num_chunks_requested == 2 and host.config == config
+    bound = host.bind(None, "cpu")
+    assert bound.num_chunks == 2 and bound.fused_bwd_gather_min_p == 4 and bound.config == config
+    assert _build(plan, num_chunks=3, config=config).config.num_chunks == 3  # the argument overrides the field
+    with pytest.raises(ValueError, match="from_plan: config must be None or a SplitKVConfig, got dict"):
+        _build(plan, config={"num_chunks": 2})
 
 
 def _bind_errors_worker(rank, world_size):

@@ -33,10 +33,6 @@ def pre():
 
 def _parse(pre, capsys, monkeypatch, *extra):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    for var in ("MEGATRON_SPLITKV_RANKS_PER_NODE", "MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "MEGATRON_SPLITKV_NUM_CHUNKS",
-                "MEGATRON_SPLITKV_CHUNK_AXIS", "MEGATRON_SPLITKV_HEAD_SPLIT",
-                "MEGATRON_SPLITKV_AUTO_FA4"):
-        monkeypatch.delenv(var, raising=False)
     capsys.readouterr()
     args = pre.main([*BASE, *extra])
     printed = capsys.readouterr().out
@@ -104,16 +100,15 @@ def test_parse_only_host_metadata_follows_workers(pre, capsys, monkeypatch, extr
     assert f"dflash_data_workers = {workers}" in lines and f"dflash_host_metadata = {host}" in lines
 
 
-def test_ranks_per_node_from_environment(pre, capsys, monkeypatch):
+def test_ranks_per_node_from_the_flag(pre, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setenv("MEGATRON_SPLITKV_RANKS_PER_NODE", "8")
     capsys.readouterr()
     pre.main([*BASE, "--context-parallel-impl", "splitkv", "--context-parallel-size", "16",
-              "--dflash-num-anchors", "16"])
+              "--dflash-num-anchors", "16", "--splitkv-cp-ranks-per-node", "8"])
     out = capsys.readouterr().out
-    assert ("splitkv_cp_ranks_per_node = 8" in out.splitlines()
-            or "splitkv_cp_ranks_per_node = '8 (MEGATRON_SPLITKV_RANKS_PER_NODE, clamped to the CP size)'"
-            in out.splitlines()), out
+    assert "splitkv_cp_ranks_per_node = 8" in out.splitlines(), out
+    assert any(line.startswith("splitkv_config = SplitKVConfig(") and "cp_ranks_per_node=8" in line
+               for line in out.splitlines()), out
 
 
 def test_synchronous_host_metadata_is_documented(pre, capsys, monkeypatch):
@@ -169,7 +164,7 @@ def test_parse_only_command_line_prints_no_machine_warnings():
 def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monkeypatch, extra):
     """A CP group spanning nodes (LOCAL_WORLD_SIZE=8, CP 16): --parse-only shows the automatic pipeline (2 head
     chunks, whatever the kernel) as the two flags' values and its reason; the
-    record of the exported variables (splitkv_auto_env) is not shown."""
+    record of the automatic config fields (splitkv_auto_fields) is not shown; the config carries them."""
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args, out = _parse(pre, capsys, monkeypatch, "--context-parallel-impl", "splitkv", "--context-parallel-size", "16",
@@ -182,4 +177,5 @@ def test_parse_only_shows_the_automatic_pipeline_across_nodes(pre, capsys, monke
     label = "2 head chunks"
     assert any(ln.startswith(f"splitkv_pipeline_auto = 'auto -> {label} (LOCAL_WORLD_SIZE=8 / TP 1 = 8 CP ranks per "
                              "node < CP 16: the group spans nodes; 4 kv heads per TP rank") for ln in lines), lines
-    assert not any(ln.startswith("splitkv_auto_env") for ln in lines)
+    assert not any(ln.startswith("splitkv_auto_fields") for ln in lines)
+    assert any(ln.startswith("splitkv_config = SplitKVConfig(num_chunks=2, chunk_axis='heads'") for ln in lines), lines

@@ -1175,7 +1175,7 @@ def test_head_split_flag_errors(argv, flag, tmp_path, capsys):
         ss.main(["--replay", HEADS, "--out", str(tmp_path)] + argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and flag in err, err
-    if argv[1] == "5,2":  # the op's message for MEGATRON_SPLITKV_HEAD_SPLIT, with the flag's name
+    if argv[1] == "5,2":  # the op's message for a head split given as text, with the flag's name
         assert "--head-split must be positive kv-head counts summing to Hkv = 8, got 5,2" in err, err
     if argv[1] == "8,0":
         assert "--head-split must be positive kv-head counts summing to Hkv = 8, got 8,0" in err, err

@@ -17,7 +17,6 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import case, check, errors, errors_of_every_op, job_results, jobs_worker, new_seed, run_local
-from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV
 
 import test_cases_op as C
 
@@ -90,8 +89,8 @@ def _num_chunks_worker(rank, world):
     args = (x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"], meta["q_anchor"],
             meta["kv_seq"], meta["kv_pos"])
 
-    def call(k):
-        return msk.splitkv_attention(*args, block_size=c["B"], num_chunks=k)
+    def call(k, config=None):
+        return msk.splitkv_attention(*args, block_size=c["B"], num_chunks=k, config=config)
 
     def prepare(k):
         return msk.prepare_splitkv_metadata(*args[5:], block_size=c["B"], num_heads_q=c["Hq"],
@@ -115,20 +114,16 @@ def _num_chunks_worker(rank, world):
             seen.append((name, str(exc)))
         else:
             raise AssertionError(f"{name}: no ValueError on rank {rank}")
-    # the environment variable, bad or different on one rank
-    for name, env, expect in (("env bad", "two" if rank == 1 else "2", f"{NUM_CHUNKS_ENV} must be a positive int"),
-                              ("env differs", "3" if rank == 1 else "2", "num_chunks (requested) must be the same"),
-                              ("env huge", str(10**30) if rank == 0 else "1", "num_chunks (requested) must be the same")):
-        os.environ[NUM_CHUNKS_ENV] = env
+    # the config's num_chunks different on one rank (a malformed one cannot be built: tests/test_config.py)
+    for name, k, expect in (("config differs", 3 if rank == 1 else 2, "num_chunks (requested) must be the same"),
+                            ("config huge", 10**30 if rank == 0 else 1, "num_chunks (requested) must be the same")):
         try:
-            call(None)
+            call(None, msk.SplitKVConfig(num_chunks=k))
         except ValueError as exc:
             assert expect in str(exc), (name, str(exc))
             seen.append((name, str(exc)))
         else:
             raise AssertionError(f"{name}: no ValueError on rank {rank}")
-        finally:
-            del os.environ[NUM_CHUNKS_ENV]
     # a huge value on every rank is clamped to the block count (3), with and without metadata
     ref = call(1).detach()
     outs = [call(2**64).detach(), msk.splitkv_attention(*args[:5], metadata=prepare(10**30)).detach()]
@@ -149,7 +144,7 @@ def _num_chunks_worker(rank, world):
 
 def test_num_chunks_bad_or_huge_on_one_rank_raises_everywhere():
     (s0, d0), (s1, d1) = run_distributed(_num_chunks_worker, 2, timeout=120)
-    assert [n for n, _ in s0] == [n for n, _ in s1] and len(s0) == 8
+    assert [n for n, _ in s0] == [n for n, _ in s1] and len(s0) == 7
     for (n, m0), (_, m1) in zip(s0, s1):
         assert m0 == m1, (n, m0, m1)
     assert max(d0 + d1) < 1e-12

@@ -16,7 +16,7 @@ import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed, small_inputs
 from megatron_splitkv import comm_stats
-from megatron_splitkv.ops.metadata import NUM_CHUNKS_ENV, chunk_bounds, resolve_num_chunks
+from megatron_splitkv.ops.metadata import chunk_bounds, resolve_num_chunks
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 DATA_OPS = ("splitkv.fwd.q", "splitkv.fwd.out", "splitkv.bwd.dout",
@@ -156,19 +156,15 @@ def test_chunking_keeps_bytes_per_collective(chunk_run):
 # ------------------------------------------------------------------------------- resolution and errors
 
 
-def test_resolve_num_chunks_and_bounds(monkeypatch):
-    monkeypatch.delenv(NUM_CHUNKS_ENV, raising=False)
+def test_resolve_num_chunks_and_bounds():
     assert resolve_num_chunks(None, 1, 512) == 1  # CP=1: no communication to hide
     assert resolve_num_chunks(None, 2, 512) == 1 and resolve_num_chunks(None, 8, 3) == 1  # measured best
     assert resolve_num_chunks(None, 2, 0) == 1 and resolve_num_chunks(2, 1, 512) == 2
     assert resolve_num_chunks(8, 2, 5) == 5 and resolve_num_chunks(0, 2, 16) == 1
     assert resolve_num_chunks(4, 2, 3) == 3  # clamped to the largest rank's block count
-    monkeypatch.setenv(NUM_CHUNKS_ENV, "2")
-    assert resolve_num_chunks(None, 1, 512) == 2 and resolve_num_chunks(None, 4, 512) == 2
-    assert resolve_num_chunks(3, 4, 512) == 3  # an explicit value wins over the environment
-    monkeypatch.setenv(NUM_CHUNKS_ENV, "zero")
-    with pytest.raises(ValueError, match=NUM_CHUNKS_ENV):
-        resolve_num_chunks(None, 2, 8)
+    two = msk.SplitKVConfig(num_chunks=2)
+    assert resolve_num_chunks(None, 1, 512, two) == 2 and resolve_num_chunks(None, 4, 512, two) == 2
+    assert resolve_num_chunks(3, 4, 512, two) == 3  # an explicit value wins over the config
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="num_chunks must be None or a positive int"):
             resolve_num_chunks(bad, 2, 8)
@@ -177,8 +173,7 @@ def test_resolve_num_chunks_and_bounds(monkeypatch):
     assert chunk_bounds(1, 0) == [(0, 0)]
 
 
-def test_single_process_chunks_and_errors(monkeypatch):
-    monkeypatch.delenv(NUM_CHUNKS_ENV, raising=False)
+def test_single_process_chunks_and_errors():
     x, m = small_inputs()
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     for k in (1, 2, 3, 4, 9):
@@ -195,11 +190,10 @@ def test_single_process_chunks_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="num_chunks must be None or a positive int"):
         msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
                                      dtype=torch.float32, num_chunks="2")
-    monkeypatch.setenv(NUM_CHUNKS_ENV, "2")
     meta = msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
-                                        dtype=torch.float32)
-    assert meta.num_chunks == 2 and meta.chunks == [(0, 2), (2, 4)]
-    # the baselines ignore the chunk count (and the variable)
+                                        dtype=torch.float32, config=msk.SplitKVConfig(num_chunks=2))
+    assert meta.num_chunks == 2 and meta.chunks == [(0, 2), (2, 4)] and meta.config.num_chunks == 2
+    # the baselines ignore the chunk count
     assert msk.prepare_splitkv_metadata(*m.values(), block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
                                         dtype=torch.float32, impl="ring_kv").num_chunks == 1
 

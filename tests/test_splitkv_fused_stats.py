@@ -6,7 +6,7 @@
   bit what the two former gathers delivered (dO padded with zeros, (delta, lse) padded with -inf; NaN /
   inf / subnormal statistics kept), for bf16 / fp16 / fp32 / fp64, a single head, an expanded
   (zero-stride) dO, zero rows; the unpacked dO and statistics are contiguous;
-- the op (fused path forced with MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P=1; by default only groups
+- the op (fused path forced with SplitKVConfig(fused_bwd_gather_min_p=1); by default only groups
   larger than one node fuse, `fuse_bwd_gather`): exactly one "splitkv.bwd.dout" all-gather per chunk and no "splitkv.bwd.stats", with the
   documented bytes (D + 2 * acc / elem elements per row and head), results equal to the float64
   reference (P = 3, uneven and empty shards, num_chunks 1 and 2, bf16 / fp32 / fp64).
@@ -16,9 +16,10 @@ Source: DESIGN.md section 2 (backward step 1), perf-notes (one collective latenc
 import pytest
 import torch
 
+import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import case, check, job_results, jobs_worker, new_seed
-from megatron_splitkv.ops.common import (FUSED_BWD_GATHER_MIN_P_ENV, fuse_bwd_gather, pack_dout_stats, pad_rows,
+from megatron_splitkv.ops.common import (fuse_bwd_gather, pack_dout_stats, pad_rows,
                                          unpack_dout_stats)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -80,12 +81,11 @@ def fused_run():
     for i, dt in enumerate(("bfloat16", "float32", "float64")):
         for k in (1, 2):
             c = case(seed + i, P, dtype=dt, blocks=[3, 0, 4], ctx=[tk - 12, 12, 0], poison=dt == "float64",
-                     p_invalid=0.3, num_chunks=k, metadata=k == 2)
+                     p_invalid=0.3, num_chunks=k, metadata=k == 2,
+                     config=msk.SplitKVConfig(fused_bwd_gather_min_p=1))
             jobs.append(("splitkv", c))
     # P = 3 is one node: the op fuses from P = 9 by default (`fuse_bwd_gather`); force the fused path here
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(FUSED_BWD_GATHER_MIN_P_ENV, "1")
-        return jobs, run_distributed(jobs_worker, P, jobs, timeout=240)
+    return jobs, run_distributed(jobs_worker, P, jobs, timeout=240)
 
 
 def test_exact_vs_reference(fused_run):
@@ -109,15 +109,9 @@ def test_one_gather_per_chunk_with_the_documented_bytes(fused_run):
             assert r["bytes_by_op"]["splitkv.bwd.dout"] == 2 * (P - 1) * rows_max * row_bytes
 
 
-def test_fusion_rule(monkeypatch):
-    """Fused for groups larger than one 8-GPU node or with the two-level all-to-all; the environment
-    variable moves the threshold; a bad value is a ValueError naming it."""
-    monkeypatch.delenv(FUSED_BWD_GATHER_MIN_P_ENV, raising=False)
+def test_fusion_rule():
+    """Fused for groups larger than one 8-GPU node or with the two-level all-to-all; the threshold moves it
+    (`SplitKVConfig.fused_bwd_gather_min_p`, validated in tests/test_config.py)."""
     assert [fuse_bwd_gather(p, False) for p in (1, 2, 8, 9, 64)] == [False, False, False, True, True]
     assert fuse_bwd_gather(4, True)
-    monkeypatch.setenv(FUSED_BWD_GATHER_MIN_P_ENV, "2")
-    assert fuse_bwd_gather(2, False) and not fuse_bwd_gather(1, False)
-    for bad in ("0", "-3", "x", "1.5"):
-        monkeypatch.setenv(FUSED_BWD_GATHER_MIN_P_ENV, bad)
-        with pytest.raises(ValueError, match=FUSED_BWD_GATHER_MIN_P_ENV):
-            fuse_bwd_gather(4, False)
+    assert fuse_bwd_gather(2, False, 2) and not fuse_bwd_gather(1, False, 2)

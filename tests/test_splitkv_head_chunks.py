@@ -9,14 +9,14 @@ Chunk c = kv heads `chunk_bounds(k, Hkv)[c]` (q heads G times them, GQA groups w
   inf in invalid blocks and unseen keys), k = 2, 3, 4 with Hkv 8 (uneven 2 / 3 / 3) and Hkv 2 (clamped),
   k_blk = v_blk = None, the two-level all-to-all (P = 4, L = 2),
   the early query gather (flat and two-level), `metadata=` reused by two calls, `group_check`, the chunk axis
-  from the environment variable;
+  from the config;
 - head chunks equal row chunks within float64 rounding, and comm_stats bytes per collective name are equal
   (exactly); each data collective is issued k times;
 - the metadata: chunks, chunk_heads, the one-call masks repeated (the same objects), clamping, copy / pickle;
-- errors: a bad chunk_axis / MEGATRON_SPLITKV_CHUNK_AXIS (ValueError naming it and the allowed values), a call
-  whose chunk_axis differs from its metadata's, and ranks disagreeing (argument or environment: prepare, the
-  call without metadata=, `check_environment_agreement`) raise the same ValueError on every rank; `bind`
-  re-checks the variable.
+- errors: a bad chunk_axis / SplitKVConfig.chunk_axis (ValueError naming it and the allowed values), a call
+  whose chunk_axis differs from its metadata's, and ranks disagreeing (argument or config: prepare, the
+  call without metadata=, `check_environment_agreement`) raise the same ValueError on every rank; host-built
+  metadata carries the axis to `bind`.
 
 The host-built metadata (`prepare_splitkv_metadata_from_plan(..., chunk_axis="heads")`, pickled, bound) is
 compared with prepare's field for field and run against the reference in tests/test_metadata_from_plan.py.
@@ -35,7 +35,7 @@ from _dist import run_distributed
 from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, check_no_own, local, loss_of,
                               new_seed, prepare_small, small_inputs)
 from megatron_splitkv import comm_stats
-from megatron_splitkv.ops.metadata import CHUNK_AXIS_ENV, chunk_bounds, resolve_chunk_axis
+from megatron_splitkv.ops.metadata import chunk_bounds, resolve_chunk_axis
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
@@ -43,15 +43,13 @@ KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 def _run(c, rank, group, axis, job):
     """This rank's results of case c with chunk axis `axis` and the job's options: k (num_chunks), mode ("call":
     no metadata=; "meta": prepare + metadata=, called twice; "early": + splitkv_start_query_gather; "env": the
-    axis from MEGATRON_SPLITKV_CHUNK_AXIS), own (k_blk / v_blk given), L (cp_ranks_per_node), group_check."""
+    axis from the config, SplitKVConfig.chunk_axis), own (k_blk / v_blk given), L (cp_ranks_per_node), group_check."""
     t = build(c)
     x, meta, dout, dlse = local(t, c, rank)
     k, mode = job["k"], job["mode"]
     kb, vb = (x["k_blk"], x["v_blk"]) if job.get("own", True) else (None, None)
-    axis_kw = {} if mode == "env" else {"chunk_axis": axis}
-    if mode == "env":
-        os.environ[CHUNK_AXIS_ENV] = axis
-    try:
+    axis_kw = {"config": msk.SplitKVConfig(chunk_axis=axis)} if mode == "env" else {"chunk_axis": axis}
+    if True:
         md = None
         if mode != "call":
             md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
@@ -84,9 +82,6 @@ def _run(c, rank, group, axis, job):
                 g = xi[key].grad
                 res[name] = None if g is None else g.double()
             outs.append(res)
-    finally:
-        if mode == "env":
-            os.environ.pop(CHUNK_AXIS_ENV, None)
     res = outs[0]
     res["repeat_equal"] = all(
         all((a is None and b is None) or torch.equal(a, b) for a, b in ((o[n], outs[0][n]) for n in
@@ -201,37 +196,26 @@ def test_head_chunks_keep_bytes_per_collective(head_run):
 # ------------------------------------------------------------------------------- resolution and errors
 
 
-def test_resolve_chunk_axis(monkeypatch):
-    monkeypatch.delenv(CHUNK_AXIS_ENV, raising=False)
+def test_resolve_chunk_axis():
     assert resolve_chunk_axis() == "rows" and resolve_chunk_axis("heads") == "heads"
-    monkeypatch.setenv(CHUNK_AXIS_ENV, "heads")
-    assert resolve_chunk_axis() == "heads" and resolve_chunk_axis("rows") == "rows"  # the argument wins
+    heads = msk.SplitKVConfig(chunk_axis="heads")
+    assert resolve_chunk_axis(None, heads) == "heads" and resolve_chunk_axis("rows", heads) == "rows"  # the argument wins
     for bad in ("cols", "Heads", "1"):
-        monkeypatch.setenv(CHUNK_AXIS_ENV, bad)
-        with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} must be one of rows, heads"):
-            resolve_chunk_axis()
-    monkeypatch.delenv(CHUNK_AXIS_ENV)
+        with pytest.raises(ValueError, match="SplitKVConfig.chunk_axis must be one of rows, heads"):
+            msk.SplitKVConfig(chunk_axis=bad)
     for bad in ("cols", 1, True, ("heads",)):
         with pytest.raises(ValueError, match="chunk_axis must be None, 'rows' or 'heads'"):
             resolve_chunk_axis(bad)
 
 
-def test_single_process_errors_and_copies(monkeypatch):
-    monkeypatch.delenv(CHUNK_AXIS_ENV, raising=False)
+def test_single_process_errors_and_copies():
     x, m = small_inputs()
     with pytest.raises(ValueError, match="chunk_axis must be None, 'rows' or 'heads', got 'cols'"):
         prepare_small(m, chunk_axis="cols")
     with pytest.raises(ValueError, match="chunk_axis must be None, 'rows' or 'heads'"):
         msk.splitkv_attention(*x.values(), *m.values(), block_size=4, chunk_axis="cols")
-    monkeypatch.setenv(CHUNK_AXIS_ENV, "columns")
-    with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} must be one of rows, heads"):
-        prepare_small(m)
-    with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} must be one of rows, heads"):
-        msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
-    monkeypatch.setenv(CHUNK_AXIS_ENV, "heads")
-    meta = prepare_small(m, num_chunks=5)  # Hkv = 2: clamped
+    meta = prepare_small(m, num_chunks=5, config=msk.SplitKVConfig(chunk_axis="heads"))  # Hkv = 2: clamped
     assert meta.chunk_axis == "heads" and meta.num_chunks == 2 and meta.chunk_heads == [(0, 2), (2, 4)]
-    monkeypatch.delenv(CHUNK_AXIS_ENV)
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     assert torch.allclose(msk.splitkv_attention(*x.values(), metadata=meta, chunk_axis="heads", num_chunks=9), ref,
                           atol=1e-6, rtol=1e-6)
@@ -247,7 +231,7 @@ def test_single_process_errors_and_copies(monkeypatch):
     assert prepare_small(m, impl="ring_kv", chunk_axis="heads").chunk_axis == "rows"
 
 
-def test_bind_rechecks_the_environment(monkeypatch):
+def test_host_built_metadata_carries_the_axis():
     import numpy as np
 
     from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
@@ -255,19 +239,15 @@ def test_bind_rechecks_the_environment(monkeypatch):
 
     plan = plan_context_parallel([13, 7], [np.array([0, 3, 9]), np.array([2])], block_size=4, cp_size=1,
                                  chunk_size=4)
-    monkeypatch.setenv(CHUNK_AXIS_ENV, "heads")
     host = prepare_splitkv_metadata_from_plan(plan, 0, block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
-                                              dtype=torch.float32, num_chunks=2)
+                                              dtype=torch.float32, num_chunks=2,
+                                              config=msk.SplitKVConfig(chunk_axis="heads"))
     assert host.chunk_axis == "heads" and host.num_chunks == 2
     bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
     assert bound.chunk_axis == "heads" and all(mm is bound.chunk_masks_own[0] for mm in bound.chunk_masks_own)
-    monkeypatch.setenv(CHUNK_AXIS_ENV, "rows")
-    with pytest.raises(ValueError, match=f"{CHUNK_AXIS_ENV} resolves to 'rows' here but to 'heads'"):
-        host.bind(None, "cpu")
-    monkeypatch.delenv(CHUNK_AXIS_ENV)
     explicit = prepare_splitkv_metadata_from_plan(plan, 0, block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
                                                   dtype=torch.float32, num_chunks=2, chunk_axis="heads")
-    assert explicit.bind(None, "cpu").chunk_axis == "heads"  # an explicit value is not re-checked
+    assert explicit.bind(None, "cpu").chunk_axis == "heads"
 
 
 def _disagree_worker(rank, world_size):
@@ -277,23 +257,17 @@ def _disagree_worker(rank, world_size):
     axis = "heads" if rank == 0 else "rows"
     seen = []
 
-    def env_then(fn):
-        def run():
-            os.environ[CHUNK_AXIS_ENV] = axis
-            try:
-                return fn()
-            finally:
-                os.environ.pop(CHUNK_AXIS_ENV, None)
-        return run
-
+    config = msk.SplitKVConfig(chunk_axis=axis)
     for what, fn, want in (
         ("prepare", lambda: prepare_small(m, num_chunks=2, chunk_axis=axis), "chunk_axis must be the same on every CP rank"),
         ("call", lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=2, chunk_axis=axis),
          "chunk_axis must be the same on every CP rank"),
-        ("prepare env", env_then(lambda: prepare_small(m, num_chunks=2)), "chunk_axis must be the same on every CP rank"),
-        ("call env", env_then(lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=2)),
+        ("prepare config", lambda: prepare_small(m, num_chunks=2, config=config),
          "chunk_axis must be the same on every CP rank"),
-        ("check env", env_then(lambda: check_environment_agreement()), f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
+        ("call config", lambda: msk.splitkv_attention(*x.values(), *m.values(), block_size=4, num_chunks=2,
+                                                      config=config), "chunk_axis must be the same on every CP rank"),
+        ("check config", lambda: check_environment_agreement(config=config),
+         "SplitKVConfig.chunk_axis (chunk_axis)"),
     ):
         try:
             fn()

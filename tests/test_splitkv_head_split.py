@@ -1,9 +1,9 @@
 """Split-KV's uneven head split with the backward's chunks in reverse order (`head_split` of
-`prepare_splitkv_metadata`, env MEGATRON_SPLITKV_HEAD_SPLIT; docs/perf-notes.md item 22).
+`prepare_splitkv_metadata`, SplitKVConfig.head_split; docs/perf-notes.md item 22).
 
 CPU, gloo, one spawn of 4 ranks (P = 1, 2, 3 on sub-groups): output, lse and all five gradients against the
 float64 reference for splits 6/2, 1/7, 2/1/5 (Hkv 8), uneven and empty shards, the two-level all-to-all (P = 4,
-L = 2), the early query gather, `metadata=` reused, the split from the environment
+L = 2), the early query gather, `metadata=` reused, the split from the config
 variable; the metadata's chunk heads; bytes per collective name equal to the even split's; errors (single
 process) and ranks disagreeing (the same ValueError on every rank); the host-built path (data pipeline) takes it too.
 """
@@ -20,7 +20,6 @@ from _dist import run_distributed
 from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, local, loss_of, new_seed,
                               prepare_small, small_inputs)
 from megatron_splitkv import comm_stats
-from megatron_splitkv.ops.metadata import HEAD_SPLIT_ENV
 from megatron_splitkv.ops.splitkv import _bwd_order
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
@@ -29,18 +28,14 @@ KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 def _run(c, rank, group, split, job):
     t = build(c)
     x, meta, dout, dlse = local(t, c, rank)
-    env = job.get("env") and split is not None
-    kw = {} if env else {"head_split": split}
-    if env:
-        os.environ[HEAD_SPLIT_ENV] = ",".join(map(str, split))
-    try:
+    env = job.get("env") and split is not None  # the split from the config instead of the argument
+    kw = {"config": msk.SplitKVConfig(chunk_axis="heads", head_split=split)} if env else {"head_split": split}
+    if True:
         md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                           block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, chunk_axis="heads",
                                           num_chunks=None if split else job["k"], cp_ranks_per_node=job.get("L"),
                                           **kw)
-    finally:
-        os.environ.pop(HEAD_SPLIT_ENV, None)
     outs = []
     for _ in range(2):  # metadata= reused
         xi = {n: v.detach().clone().requires_grad_(True) for n, v in x.items()}
@@ -133,8 +128,7 @@ def test_head_split_keeps_bytes_per_collective(split_run):
 # ------------------------------------------------------------------------------- errors, copies, agreement
 
 
-def test_head_split_errors_and_copies(monkeypatch):
-    monkeypatch.delenv(HEAD_SPLIT_ENV, raising=False)
+def test_head_split_errors_and_copies():
     x, m = small_inputs()
     for bad, msg in (((1, 2), "head_split must be positive kv-head counts summing to Hkv = 2, got 1,2"),
                      ((2, 0), "head_split must be positive kv-head counts summing to Hkv = 2, got 2,0"),
@@ -149,16 +143,14 @@ def test_head_split_errors_and_copies(monkeypatch):
         prepare_small(m, chunk_axis="heads", head_split=(1, 1), num_chunks=1)
     with pytest.raises(ValueError, match="head_split is for impl 'splitkv' only"):
         prepare_small(m, impl="ring_kv", head_split=(1, 1))
-    for bad in ("1,x", "3", "1,1,0"):
-        monkeypatch.setenv(HEAD_SPLIT_ENV, bad)
-        with pytest.raises(ValueError, match=HEAD_SPLIT_ENV):
-            prepare_small(m, chunk_axis="heads")
-    monkeypatch.setenv(HEAD_SPLIT_ENV, "1,1")
-    with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is set, but a call without metadata="):
-        msk.splitkv_attention(*x.values(), *m.values(), block_size=4, chunk_axis="heads")
-    meta = prepare_small(m, chunk_axis="heads")
+    for bad in ((3,), (1, 1, 1)):  # the config's split against this Hkv = 2
+        with pytest.raises(ValueError, match="SplitKVConfig.head_split must be positive kv-head counts summing"):
+            prepare_small(m, config=msk.SplitKVConfig(chunk_axis="heads", head_split=bad))
+    split_config = msk.SplitKVConfig(chunk_axis="heads", head_split=(1, 1))
+    with pytest.raises(ValueError, match="SplitKVConfig.head_split is set, but a call without metadata="):
+        msk.splitkv_attention(*x.values(), *m.values(), block_size=4, config=split_config)
+    meta = prepare_small(m, config=split_config)
     assert meta.head_split == (1, 1) and meta.num_chunks == 2
-    monkeypatch.delenv(HEAD_SPLIT_ENV)
     ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
     assert torch.allclose(msk.splitkv_attention(*x.values(), metadata=meta), ref, atol=1e-6, rtol=1e-6)
     for other in (copy.copy(meta), pickle.loads(pickle.dumps(meta))):
@@ -167,11 +159,10 @@ def test_head_split_errors_and_copies(monkeypatch):
                            msk.splitkv_attention(*x.values(), metadata=meta))
 
 
-def test_host_built_metadata_takes_the_split(monkeypatch):
+def test_host_built_metadata_takes_the_split():
     """prepare_splitkv_metadata_from_plan (the data pipeline's worker build) takes head_split as an argument
-    or from the variable, like prepare: bound, it equals prepare's metadata field for field (tests/
-    test_metadata_from_plan.py's comparison) and survives the data pipeline's packed recipe; bind refuses a
-    variable that changed since the build (the worker inherits the trainer's environment)."""
+    or from the config, like prepare: bound, it equals prepare's metadata field for field (tests/
+    test_metadata_from_plan.py's comparison) and survives the data pipeline's packed recipe."""
     import numpy as np
 
     from megatron_splitkv.ops import metadata as md
@@ -189,19 +180,12 @@ def test_host_built_metadata_takes_the_split(monkeypatch):
     assert ref.head_split == (2, 1) and ref.chunk_heads == [(0, 4), (4, 6)]
     by_arg = prepare_splitkv_metadata_from_plan(plan, 0, head_split=(2, 1), **kw)
     assert meta_diff(by_arg.bind(None, "cpu"), ref) == []
-    monkeypatch.setenv(HEAD_SPLIT_ENV, " 2, 1")
-    by_env = prepare_splitkv_metadata_from_plan(plan, 0, **kw)
+    by_env = prepare_splitkv_metadata_from_plan(plan, 0, config=msk.SplitKVConfig(chunk_axis="heads",
+                                                                                  head_split=(2, 1)), **kw)
     assert by_env.head_split == (2, 1) and meta_diff(by_env.bind(None, "cpu"), ref) == []
     packed = md._from_recipe(md._pack(md._unique_tensors(by_env), pin=False)[0], md._pack_recipe(by_env))
     assert packed.head_split == (2, 1) and meta_diff(packed.bind(None, "cpu"), ref) == []
-    for changed in ("1,2", ""):
-        monkeypatch.setenv(HEAD_SPLIT_ENV, changed)
-        with pytest.raises(ValueError, match=f"{HEAD_SPLIT_ENV} is '{changed}' here but was '2,1' where"):
-            by_env.bind(None, "cpu")
-        by_arg.bind(None, "cpu")  # given as an argument: the variable is not consulted
-    monkeypatch.setenv(HEAD_SPLIT_ENV, "+2,1")
-    with pytest.raises(ValueError, match=HEAD_SPLIT_ENV):
-        prepare_splitkv_metadata_from_plan(plan, 0, **kw)
+
 
 
 def _disagree_worker(rank, world_size):
@@ -211,23 +195,14 @@ def _disagree_worker(rank, world_size):
     split = (1, 1) if rank == 0 else None  # the same k = 2, the split requested on rank 0 only
     seen = []
 
-    def env_then(fn, value):
-        def run():
-            if value:
-                os.environ[HEAD_SPLIT_ENV] = value
-            try:
-                return fn()
-            finally:
-                os.environ.pop(HEAD_SPLIT_ENV, None)
-        return run
-
+    config = msk.SplitKVConfig(chunk_axis="heads", head_split=(1, 1) if rank == 0 else None)
     for what, fn, want in (
         ("prepare", lambda: prepare_small(m, chunk_axis="heads", num_chunks=2, head_split=split),
          "head_split must be the same"),
-        ("prepare env", env_then(lambda: prepare_small(m, chunk_axis="heads", num_chunks=2), "1,1" if rank == 0 else ""),
+        ("prepare config", lambda: prepare_small(m, chunk_axis="heads", num_chunks=2, config=config),
          "head_split must be the same"),
-        ("check env", env_then(check_environment_agreement, "1,1" if rank == 0 else ""),
-         f"{HEAD_SPLIT_ENV} (head_split, unset = even)"),
+        ("check config", lambda: check_environment_agreement(config=config),
+         "SplitKVConfig.head_split (head_split, None = even)"),
     ):
         try:
             fn()
@@ -253,19 +228,15 @@ def test_head_split_must_agree_across_ranks():
     ("2,x", "{n} must be a comma list of positive ints (kv heads per chunk, summing to Hkv = 4), got '2,x'"),
     ("2,+2", "{n} must be a comma list of positive ints (kv heads per chunk, summing to Hkv = 4), got '2,+2'"),
 ])
-def test_one_head_split_validator_for_the_op_env_and_the_tools(monkeypatch, text, want):
-    """The op's MEGATRON_SPLITKV_HEAD_SPLIT, the tools' --head-split(s) (`bench.parse_head_splits`) and the op's
+def test_one_head_split_validator_for_the_op_and_the_tools(text, want):
+    """The tools' --head-split(s) (`bench.parse_head_splits`) and the op's
     / `bench.kernel_calls`' head_split value go through one validator (`ops.metadata.check_head_split` /
     `head_split_from_text`) with one message; each only names its own argument."""
     from tools import benchlib as bench
     from megatron_splitkv.ops import metadata as md
 
-    monkeypatch.setenv(HEAD_SPLIT_ENV, text)
-    with pytest.raises(ValueError) as env_err:
-        md._requested_head_split(None, 4, 1)
     with pytest.raises(ValueError) as flag_err:
         bench.parse_head_splits("2,2:" + text, 4, "--head-split")
-    assert str(env_err.value) == want.format(n=HEAD_SPLIT_ENV)
     assert str(flag_err.value) == want.format(n="--head-split")
     if "x" not in text and "+" not in text:
         value = tuple(int(h) for h in text.split(","))

@@ -22,7 +22,7 @@ from _dist import run_distributed
 from _splitkv_helpers import GRAD_NAMES, TOL, build, case, check, local, loss_of, new_seed, rel_err, small_inputs
 from megatron_splitkv import comm_stats
 from tools import benchlib as bench
-from megatron_splitkv.ops.metadata import RANKS_PER_NODE_ENV, resolve_ranks_per_node
+from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 TWO_LEVEL = ("splitkv.fwd.out.intra", "splitkv.fwd.out.inter", "splitkv.bwd.dq.intra", "splitkv.bwd.dq.inter")
@@ -275,9 +275,8 @@ def _errors_worker(rank, world):
             seen.append((what, str(exc)))
         else:
             raise AssertionError(f"{what}: no ValueError on rank {rank}")
-    # the environment variable: the default of both, clamped to P; invalid -> ValueError on every rank
-    os.environ[RANKS_PER_NODE_ENV] = "2"
-    meta = _prep(m)
+    # the config field: the default of both, clamped to P; not dividing P -> ValueError on every rank
+    meta = _prep(m, config=msk.SplitKVConfig(cp_ranks_per_node=2))
     assert meta.cp_ranks_per_node == 2 and meta.node_groups is not None
     assert [gg.size for gg in meta.node_groups] == [2, 2]
     assert [gg.rank for gg in meta.node_groups] == [rank % 2, rank // 2]
@@ -287,18 +286,15 @@ def _errors_worker(rank, world):
     assert torch.allclose(out, ref, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="cp_ranks_per_node=1 differs from the metadata's cp_ranks_per_node=2"):
         msk.splitkv_attention(*x.values(), metadata=meta, cp_ranks_per_node=1)
-    os.environ[RANKS_PER_NODE_ENV] = "8"  # a whole node for a CP group of 4: the single all-to-all
-    meta = _prep(m)
-    assert meta.cp_ranks_per_node == 4 and meta.node_groups is None
-    os.environ[RANKS_PER_NODE_ENV] = "3"
+    meta = _prep(m, config=msk.SplitKVConfig(cp_ranks_per_node=8))  # a whole node for a CP group of 4
+    assert meta.cp_ranks_per_node == 4 and meta.node_groups is None  # the single all-to-all
     try:
-        _prep(m)
+        _prep(m, config=msk.SplitKVConfig(cp_ranks_per_node=3))
     except ValueError as exc:
-        assert f"{RANKS_PER_NODE_ENV}=3 must divide the CP group size P=4" in str(exc), str(exc)
-        seen.append(("env", str(exc)))
+        assert "SplitKVConfig.cp_ranks_per_node=3 must divide the CP group size P=4" in str(exc), str(exc)
+        seen.append(("config", str(exc)))
     else:
-        raise AssertionError("env 3: no ValueError")
-    del os.environ[RANKS_PER_NODE_ENV]
+        raise AssertionError("config 3: no ValueError")
     # still in step afterwards
     out = msk.splitkv_attention(*x.values(), *m.values(), block_size=4, cp_ranks_per_node=2)
     assert torch.isfinite(out).all()
@@ -310,8 +306,7 @@ def test_errors_on_every_rank():
     assert all(s == seen[0] for s in seen) and len(seen[0]) == 7
 
 
-def test_resolve_ranks_per_node(monkeypatch):
-    monkeypatch.delenv(RANKS_PER_NODE_ENV, raising=False)
+def test_resolve_ranks_per_node():
     assert resolve_ranks_per_node(None, 8) == 1 and resolve_ranks_per_node(None, 1) == 1
     assert resolve_ranks_per_node(4, 8) == 4 and resolve_ranks_per_node(8, 8) == 8 and resolve_ranks_per_node(1, 1) == 1
     for bad, msg in ((3, "cp_ranks_per_node=3 must divide the CP group size P=8"),
@@ -321,22 +316,17 @@ def test_resolve_ranks_per_node(monkeypatch):
                      ("2", "cp_ranks_per_node must be None or a positive int")):
         with pytest.raises(ValueError, match=msg):
             resolve_ranks_per_node(bad, 8)
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "8")
-    assert resolve_ranks_per_node(None, 64) == 8 and resolve_ranks_per_node(None, 4) == 4
-    assert resolve_ranks_per_node(None, 1) == 1 and resolve_ranks_per_node(2, 64) == 2  # explicit wins
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "8")
-    with pytest.raises(ValueError, match=f"{RANKS_PER_NODE_ENV}=8 must divide the CP group size P=12"):
-        resolve_ranks_per_node(None, 12)
-    for bad in ("x", "0", "-2"):
-        monkeypatch.setenv(RANKS_PER_NODE_ENV, bad)
-        with pytest.raises(ValueError, match=f"{RANKS_PER_NODE_ENV} must be a positive int"):
-            resolve_ranks_per_node(None, 8)
+    eight = msk.SplitKVConfig(cp_ranks_per_node=8)
+    assert resolve_ranks_per_node(None, 64, eight) == 8 and resolve_ranks_per_node(None, 4, eight) == 4
+    assert resolve_ranks_per_node(None, 1, eight) == 1 and resolve_ranks_per_node(2, 64, eight) == 2  # explicit wins
+    with pytest.raises(ValueError, match="SplitKVConfig.cp_ranks_per_node=8 must divide the CP group size P=12"):
+        resolve_ranks_per_node(None, 12, eight)
 
 
-def test_single_process(monkeypatch):
-    monkeypatch.setenv(RANKS_PER_NODE_ENV, "8")  # clamped to P = 1
+def test_single_process():
     x, m = small_inputs()
-    ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
+    ref = msk.splitkv_attention(*x.values(), *m.values(), block_size=4,
+                                config=msk.SplitKVConfig(cp_ranks_per_node=8))  # clamped to P = 1
     assert torch.equal(msk.splitkv_attention(*x.values(), *m.values(), block_size=4, cp_ranks_per_node=1), ref)
     with pytest.raises(ValueError, match="cp_ranks_per_node=2 must divide the CP group size P=1"):
         msk.splitkv_attention(*x.values(), *m.values(), block_size=4, cp_ranks_per_node=2)

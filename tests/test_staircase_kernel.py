@@ -333,9 +333,9 @@ def test_inner_auto_is_resolved_with_the_head_dim(monkeypatch):
     seen = []
     real = kernels_mod.get_kernel
 
-    def recording(backend="auto", device=None, dtype=None, head_dim=None, keys_per_call=None):
+    def recording(backend="auto", device=None, dtype=None, head_dim=None, keys_per_call=None, config=None):
         seen.append((backend, head_dim))
-        return real(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
+        return real(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
 
     monkeypatch.setattr(kernels_mod, "get_kernel", recording)
     kern = StaircaseAttentionKernel(inner="auto")
@@ -481,10 +481,10 @@ def test_plan_is_cached_on_the_mask(monkeypatch):
     assert len(calls) == 2 and len(mask._staircase_plans) == 2
 
 
-def test_options_env_dtypes_and_registry(monkeypatch):
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS", "48")
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_BWD_MODE", "key")
-    kern = StaircaseAttentionKernel(key_grain=64)
+def test_options_dtypes_and_registry():
+    from megatron_splitkv.config import StaircaseOptions
+
+    kern = StaircaseAttentionKernel(StaircaseOptions(group_blocks=48, bwd_mode="key"), key_grain=64)
     assert kern.group_blocks == 48 and kern.bwd_mode == "key" and kern.key_grain == 64
     assert kern.options()["group_blocks"] == 48
     with pytest.raises(ValueError, match="bwd_mode"):

@@ -10,17 +10,16 @@ import sys
 import pytest
 import torch
 
-from megatron_splitkv import kernels
+from megatron_splitkv import SplitKVConfig, StaircaseOptions, kernels
 from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("val", ["bogus", "0", "-1", "1.5", "staircase"])
-def test_inner_env_bad_value_raises_at_construction(monkeypatch, val):
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_INNER", val)
-    with pytest.raises(ValueError, match="inner"):
-        StaircaseAttentionKernel()
+def test_inner_option_bad_value_raises_at_construction(val):
+    with pytest.raises(ValueError, match="StaircaseOptions.inner must be one of"):
+        StaircaseOptions(inner=val)
 
 
 @pytest.mark.parametrize("val", [5, "staircase", object()])
@@ -32,22 +31,20 @@ def test_inner_not_a_kernel_raises(val):
 def test_inner_staircase_kernel_object_rejected_and_registry_does_not_recurse(monkeypatch):
     with pytest.raises(ValueError, match="inner"):
         StaircaseAttentionKernel(inner=StaircaseAttentionKernel())
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_INNER", "staircase")
     monkeypatch.setattr(kernels, "_CACHE", {})
     with pytest.raises(ValueError, match="inner"):
-        kernels.get_kernel("staircase", "cpu", torch.float64)
+        kernels.get_kernel("staircase", "cpu", torch.float64,
+                           config=SplitKVConfig(staircase=StaircaseOptions(inner="staircase")))
 
 
-def test_inner_names_every_backend_but_staircase(monkeypatch):
+def test_inner_names_every_backend_but_staircase():
     """The remainder kernel takes every registered backend name except staircase: "auto" resolves to "fa4"
     where FlashAttention-4 is installed, so "fa4" is accepted by name too (was refused as a bad value)."""
     from megatron_splitkv.kernels import staircase
 
     assert set(staircase._INNER_CHOICES) == set(kernels.BACKENDS) - {"staircase"}
     for name in staircase._INNER_CHOICES:
-        monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_INNER", name)
-        assert StaircaseAttentionKernel().options()["inner"] == name
-        kernels.validate_kernel_env()
+        assert StaircaseAttentionKernel(StaircaseOptions(inner=name)).options()["inner"] == name
         assert StaircaseAttentionKernel(inner=name).options()["inner"] == name
 
 
@@ -68,67 +65,10 @@ def test_numeric_option_non_integer_is_valueerror(val):
 def test_numeric_option_float_or_string_rejected(val):
     """An integer option takes ints only (the package's integer policy, `_ints.as_int`): 64.0 and "64" were
     accepted silently (int() of them); an int and any `__index__` integer still are."""
-    with pytest.raises(ValueError, match=r"staircase group_blocks must be a positive int, got (64\.0|'64')"):
+    with pytest.raises(ValueError, match=r"StaircaseOptions.group_blocks must be a positive int, got (64\.0|'64')"):
         StaircaseAttentionKernel(group_blocks=val)
     assert StaircaseAttentionKernel(group_blocks=64).group_blocks == 64
     assert StaircaseAttentionKernel(group_blocks=torch.tensor(64)).group_blocks == 64
-
-
-@pytest.mark.parametrize("name,val,want", [
-    ("GROUP_BLOCKS", "64.0", "a positive int (decimal digits), got '64.0'"),
-    ("GROUP_BLOCKS", "1e2", "a positive int (decimal digits), got '1e2'"),
-    ("GROUP_BLOCKS", "1_000", "a positive int (decimal digits), got '1_000'"),
-    ("GROUP_BLOCKS", "\u0663", "a positive int (decimal digits), got '\u0663'"),  # ARABIC-INDIC DIGIT THREE: int() takes it
-    ("GROUP_BLOCKS", "0", "a positive int, got '0'"),
-    ("GROUP_BLOCKS", "+64", "a positive int (decimal digits), got '+64'"),  # the one strict parser (_ints.parse_int)
-    ("MIN_PAIRS", "+0", "a non-negative int (decimal digits), got '+0'"),
-    ("STREAMS", "2.0", "a positive int (decimal digits), got '2.0'"),
-    ("MIN_PAIRS", "1048576.0", "a non-negative int (decimal digits), got '1048576.0'"),
-    ("PIECE_MIN_PAIRS", "none", "a non-negative int (decimal digits), got 'none'"),
-    ("KEY_BUCKETS", "off", "a non-negative int (decimal digits), got 'off'"),
-    ("BWD_MODE", "Query", "one of auto, query, key, got 'Query'"),
-    ("BWD_MODE", "2", "one of auto, query, key, got '2'"),
-    ("GQA", "FOLD", "one of fold, native, got 'FOLD'"),
-    ("KV_LAYOUT", "views", "one of auto, view, copy, got 'views'"),
-    ("INNER", "Flex", "one of auto, math, flex, te, fa4 (the remainder kernel; never staircase), got 'Flex'"),
-])
-def test_env_option_bad_value_names_variable_and_allowed_values(monkeypatch, name, val, want):
-    """MEGATRON_SPLITKV_STAIRCASE_<NAME>: ints are plain ASCII decimal integers ("1_000" and non-ASCII digits
-    were taken by int()), choices exact; the error names the variable, the option and the allowed values."""
-    var = "MEGATRON_SPLITKV_STAIRCASE_" + name
-    monkeypatch.setenv(var, val)
-    with pytest.raises(ValueError) as e:
-        StaircaseAttentionKernel()
-    assert str(e.value) == f"{var} (staircase option {name.lower()}) must be {want}", str(e.value)
-
-
-@pytest.mark.parametrize("name,val,attr,want", [("GROUP_BLOCKS", " 64 ", "group_blocks", 64),
-                                                ("KEY_BUCKETS", "0", "key_buckets", 0),
-                                                ("BWD_MODE", "key", "bwd_mode", "key"), ("INNER", "math", "inner", "math")])
-def test_env_option_good_value(monkeypatch, name, val, attr, want):
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_" + name, val)
-    assert getattr(StaircaseAttentionKernel(), attr) == want
-
-
-@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCK", "MEGATRON_SPLITKV_STAIRCASE_NOSUCH"])
-def test_env_unknown_option_name_rejected(monkeypatch, var):
-    """A misspelled variable (..._GROUP_BLOCK for ..._GROUP_BLOCKS) was ignored without a word: now a
-    ValueError naming it and listing the variables, from the kernel and from the group-wide check."""
-    monkeypatch.setenv(var, "64")
-    for make in (StaircaseAttentionKernel, kernels.validate_kernel_env):
-        with pytest.raises(ValueError, match=f"{var} is not a staircase kernel option; the variables are: "
-                                             "MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS, .*_AUTO_MIN_KEYS"):
-            make()
-    monkeypatch.setenv(var, "")  # empty = unset, as for every option
-    StaircaseAttentionKernel()
-
-
-@pytest.mark.parametrize("val", ["32768.0", "32_768", "1e5", "-1", "\u0663", "+5"])
-def test_env_auto_min_keys_bad_value(monkeypatch, val):
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS", val)
-    with pytest.raises(ValueError, match="MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS must be a non-negative int .* "
-                                         "or one of 0, off, never, none, false, no"):
-        kernels.staircase_auto_min_keys()
 
 
 def _run(args, code=None):
@@ -199,17 +139,6 @@ def test_parse_int_leading_zeros_and_the_digit_limit():
     assert parse_int("9" * MAX_DIGITS, "X") == int("9" * MAX_DIGITS)
     with pytest.raises(ValueError, match=r"^X must be an int >= 0, got '-00000000001'$"):
         parse_int("-" + "0" * 10 + "1", "X", minimum=0)
-
-
-@pytest.mark.parametrize("var", ["MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS",
-                                 "MEGATRON_SPLITKV_STAIRCASE_GROUP_BLOCKS"])
-def test_env_ints_longer_than_the_digit_limit_name_the_variable(monkeypatch, var):
-    from megatron_splitkv.kernels import validate_kernel_env
-
-    monkeypatch.setenv(var, "8" * 4301)
-    with pytest.raises(ValueError) as exc:
-        validate_kernel_env()
-    assert str(exc.value).startswith(var) and "(at most 4300 digits), got a 4301-digit number" in str(exc.value)
 
 
 def _tool(name):

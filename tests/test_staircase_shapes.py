@@ -12,8 +12,8 @@ Checked on CPU, nothing needs a GPU:
   * the distinct dense shapes over random simulated training steps (tools/staircase_shapes.py's
     sampler, CP 1/2/8, the real defaults) stay inside `shape_bound` (35 (rows, keys) for the drafter:
     70 cuDNN graphs, the documented number), while the legacy rounding exceeds it;
-  * options / env (MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS=0 = the legacy plan) and the auto rule (env
-    MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS semantics, group-wide keys, fallbacks).
+  * options (StaircaseOptions(key_buckets=0) = the legacy plan) and the auto rule
+    (SplitKVConfig.staircase_auto_min_keys semantics, group-wide keys, fallbacks).
 Expected values never come from the code under test.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_splitkv import kernels
+from megatron_splitkv import SplitKVConfig, StaircaseOptions, kernels
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.kernels.staircase import (
     StaircaseAttentionKernel,
@@ -148,11 +148,10 @@ def test_piece_min_pairs_covers_exactly(min_pairs, piece_min_pairs):
         assert torch.equal(_coverage(mask, plan, rects), want.long())
 
 
-def test_piece_min_pairs_defaults_to_min_pairs(monkeypatch):
+def test_piece_min_pairs_defaults_to_min_pairs():
     assert StaircaseAttentionKernel(min_pairs=77).piece_min_pairs == 77
     assert StaircaseAttentionKernel(min_pairs=77, piece_min_pairs=5).piece_min_pairs == 5
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_PIECE_MIN_PAIRS", "9")
-    assert StaircaseAttentionKernel(min_pairs=77).piece_min_pairs == 9
+    assert StaircaseAttentionKernel(StaircaseOptions(piece_min_pairs=9), min_pairs=77).piece_min_pairs == 9
 
 
 def test_bucketed_pieces_by_hand():
@@ -183,14 +182,13 @@ def test_key_major_falls_back_when_not_chained():
     assert got == [(0, 4, 0, 8), (2, 4, 8, 9), (4, 6, 10, 14)]
 
 
-def test_legacy_rounding_is_the_old_plan(monkeypatch):
-    """key_buckets=0 (env MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS=0): one call per rectangle, key counts
+def test_legacy_rounding_is_the_old_plan():
+    """key_buckets=0 (StaircaseOptions(key_buckets=0)): one call per rectangle, key counts
     rounded down to key_grain: the plan of staircase_plan's legacy defaults."""
     gen = torch.Generator().manual_seed(seed_of("legacy"))
     mask = dflash_mask(gen, 40, 2, [300, 120], p_empty=0.1)
     opts = dict(group_blocks=8, sub_group_blocks=2, min_group_blocks=1, key_grain=8, min_keys=8, min_pairs=1)
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS", "0")
-    kern = StaircaseAttentionKernel(**opts)
+    kern = StaircaseAttentionKernel(StaircaseOptions(key_buckets=0), **opts)
     assert kern.key_buckets == 0 and kern.options()["key_buckets"] == 0
     want = staircase_plan(mask, 8, 1, 8, 8, 1, 2)
     got = kern.plan(mask)
@@ -198,19 +196,17 @@ def test_legacy_rounding_is_the_old_plan(monkeypatch):
     assert all((k1 - k0) % 8 == 0 for *_, k0, k1 in got.groups)
     with pytest.raises(ValueError, match="bounded"):
         kern.shape_bound(2, 4, 2)
-    monkeypatch.delenv("MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS")
     new = StaircaseAttentionKernel(**opts).plan(mask)
     assert new.groups != want.groups  # the defaults bucket
 
 
 @pytest.mark.parametrize("name,val", [("key_buckets", -1), ("key_pieces", 0), ("max_tile_keys", -5),
                                       ("key_buckets", 1.5), ("key_pieces", "x")])
-def test_bucket_options_validated(monkeypatch, name, val):
+def test_bucket_options_validated(name, val):
     with pytest.raises(ValueError, match=name):
         StaircaseAttentionKernel(**{name: val})
-    monkeypatch.setenv("MEGATRON_SPLITKV_STAIRCASE_" + name.upper(), str(val))
-    with pytest.raises(ValueError, match=name):
-        StaircaseAttentionKernel()
+    with pytest.raises(ValueError, match=f"StaircaseOptions.{name}"):
+        StaircaseOptions(**{name: val})
 
 
 def test_tile_below_min_keys_means_no_dense_call():
@@ -337,10 +333,9 @@ def cuda_like(monkeypatch):
     """Pretend flex imports and cuDNN SDPA can run (no GPU needed: only the decision is tested)."""
     monkeypatch.setattr(kernels, "_flex_importable", lambda: True)
     monkeypatch.setattr(kernels, "staircase_runs_on", lambda d, dt, hd=None: dt in (torch.bfloat16, torch.float16))
-    monkeypatch.delenv(kernels.AUTO_MIN_KEYS_ENV, raising=False)
 
 
-def test_auto_picks_staircase_from_the_threshold(cuda_like, monkeypatch):
+def test_auto_picks_staircase_from_the_threshold(cuda_like):
     r = kernels.resolve_auto_backend
     assert r(32768, "cuda", torch.bfloat16, 128) == "staircase"
     assert r(32767, "cuda", torch.bfloat16, 128) == "flex"
@@ -349,18 +344,13 @@ def test_auto_picks_staircase_from_the_threshold(cuda_like, monkeypatch):
     assert r(10 ** 6, "cuda", torch.float64, 128) == "math"
     assert r(10 ** 6, "cpu", torch.bfloat16, 128) == "math"
     assert r(10 ** 6, "cuda", torch.bfloat16, 8) == "math"
-    monkeypatch.setenv(kernels.AUTO_MIN_KEYS_ENV, "off")
-    assert r(10 ** 6, "cuda", torch.bfloat16, 128) == "flex"
-    monkeypatch.setenv(kernels.AUTO_MIN_KEYS_ENV, "0")
-    assert r(10 ** 6, "cuda", torch.bfloat16, 128) == "flex"
-    monkeypatch.setenv(kernels.AUTO_MIN_KEYS_ENV, "1")
-    assert r(1, "cuda", torch.bfloat16, 128) == "staircase"
-    monkeypatch.setenv(kernels.AUTO_MIN_KEYS_ENV, "65536")
-    assert r(65535, "cuda", torch.bfloat16, 128) == "flex" and r(65536, "cuda", torch.bfloat16, 128) == "staircase"
-    for bad in ("-1", "1.5", "lots"):
-        monkeypatch.setenv(kernels.AUTO_MIN_KEYS_ENV, bad)
-        with pytest.raises(ValueError, match="AUTO_MIN_KEYS"):
-            r(10 ** 6, "cuda", torch.bfloat16, 128)
+    def keys(n):
+        return SplitKVConfig(staircase_auto_min_keys=n)
+
+    assert r(10 ** 6, "cuda", torch.bfloat16, 128, keys(0)) == "flex"  # 0: never staircase
+    assert r(1, "cuda", torch.bfloat16, 128, keys(1)) == "staircase"
+    assert r(65535, "cuda", torch.bfloat16, 128, keys(65536)) == "flex"
+    assert r(65536, "cuda", torch.bfloat16, 128, keys(65536)) == "staircase"
 
 
 def test_get_kernel_auto_with_keys(cuda_like, monkeypatch):

@@ -272,8 +272,8 @@ def _label(r):
 
 
 def _chunk_axis(requested):
-    """The chunk axis the op uses for --chunk-axis `requested` (None: its default, MEGATRON_SPLITKV_CHUNK_AXIS
-    else rows); "rows" in a tree without head chunks."""
+    """The chunk axis the op uses for --chunk-axis `requested` (None: its default, SplitKVConfig.chunk_axis,
+    rows); "rows" in a tree without head chunks."""
     try:
         from megatron_splitkv.ops.metadata import resolve_chunk_axis
     except ImportError:
@@ -733,7 +733,7 @@ def main(argv=None):
     ap.add_argument("--chunk-axis", default=None, choices=("rows", "heads"),
                     help="splitkv: what the chunks split (prepare_splitkv_metadata(chunk_axis=)): rows (query blocks) "
                          "or heads (all rows, Hq / k and Hkv / k heads per chunk); default: the op's own "
-                         "(MEGATRON_SPLITKV_CHUNK_AXIS, else rows)")
+                         "(SplitKVConfig.chunk_axis, rows)")
     ap.add_argument("--chunk-axis-ab", default="",
                     help="with --chunks-ab: chunk axes to compare side by side, comma list (e.g. rows,heads: every "
                          "chunk count with each axis); default: --chunk-axis")

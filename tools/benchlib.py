@@ -246,8 +246,8 @@ def _own_key_start(n: int) -> int:
 
 
 def resolve_chunks(num_chunks, P: int, max_blocks: int) -> int:
-    """The chunk count Split-KV uses for `num_chunks` (None: its default, the environment variable
-    MEGATRON_SPLITKV_NUM_CHUNKS included) at CP size P with `max_blocks` blocks per rank: the op's own
+    """The chunk count Split-KV uses for `num_chunks` (None: its default,
+    SplitKVConfig.num_chunks) at CP size P with `max_blocks` blocks per rank: the op's own
     `ops.metadata.resolve_num_chunks`."""
     return int(resolve_num_chunks(num_chunks, P, max(int(max_blocks), 1)))
 
@@ -935,7 +935,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             "bwd.dq" is issued once per chunk (record `step` = the chunk index, message = the
             chunk's share); the bytes per op name do not depend on it.
         cp_ranks_per_node: splitkv's L, CP ranks per node of the two-level all-to-all (None: the op's
-            default, the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE clamped to P, else 1;
+            default, SplitKVConfig.cp_ranks_per_node clamped to P, else 1;
             `ops.metadata.resolve_ranks_per_node`). With 1 < L < P (N = P / L nodes) "fwd.out" becomes
             "fwd.out.intra" (all_to_all over the L ranks of a node: message N * rc rows of [O | lse] in
             the inputs' dtype) and "fwd.out.inter" (all_to_all over the N ranks of one local index:
@@ -1349,7 +1349,7 @@ def csv_arg(value: str) -> list:
 def parse_head_splits(value, Hkv: int, flag: str) -> list:
     """A tool flag's head splits (the op's `head_split`, docs/perf-notes.md item 22): one or more splits
     separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of kv heads per chunk, positive decimal ints
-    summing to Hkv (`ops.metadata.head_split_from_text`, the op's parser of MEGATRON_SPLITKV_HEAD_SPLIT).
+    summing to Hkv (`ops.metadata.head_split_from_text`, the op's parser of a head split as text).
     Returns a list of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise (tools
     pass it to `ap.error`)."""
     out = []

@@ -30,7 +30,7 @@ Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a ma
           section, so a timeout keeps what finished.
   dist    under torchrun (2+ processes, NCCL; gloo with --cpu): op exactness at CP=P (bf16 vs float64,
           output + all five grads) for the three ops and for splitkv through per-step metadata (the
-          training path; the one that takes MEGATRON_SPLITKV_HEAD_SPLIT), then the timing table: Lq 512 x 16, context 32K and
+          training path; the one that takes --head-split), then the timing table: Lq 512 x 16, context 32K and
           128K total, Hq 32, Hkv 8, D 128, bf16, median fwd+bwd with CUDA events, comm bytes per
           collective (comm_stats) and peak memory.
 
@@ -64,6 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from tools.benchlib import NA_CPU, finite, gpu_cell  # noqa: E402
+from megatron_splitkv._ints import int_arg  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 from megatron_splitkv.kernels.base import IntervalMask  # noqa: E402
 
@@ -486,8 +487,9 @@ VARIANTS = [
 GRAD_NAMES = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
 
-def op_exactness(dev, cpu, world, rank, group, res, backend):
-    """Each op at CP=world vs float64 reference: out and the five grads (errors gathered to rank 0)."""
+def op_exactness(dev, cpu, world, rank, group, res, backend, config=None):
+    """Each op at CP=world vs float64 reference: out and the five grads (errors gathered to rank 0). `config`: the
+    ops' SplitKVConfig (--chunk-axis / --num-chunks / --head-split; None: the defaults)."""
     import torch.distributed as dist
 
     from megatron_splitkv.reference import dflash_attention_reference
@@ -518,7 +520,7 @@ def op_exactness(dev, cpu, world, rank, group, res, backend):
     idx = idx.to(dev)
     rows = []
     # splitkv also through per-step metadata (prepare_splitkv_metadata, then metadata=): the training path, and the
-    # only one that takes MEGATRON_SPLITKV_HEAD_SPLIT
+    # only one that takes a head split (SplitKVConfig.head_split)
     runs = [(name, fn, False) for name, fn in ops.items()]
     if "splitkv" in ops:
         runs.insert(1, ("splitkv (metadata)", ops["splitkv"], True))
@@ -532,12 +534,14 @@ def op_exactness(dev, cpu, world, rank, group, res, backend):
 
                 pm = prepare_splitkv_metadata(mm["q_seq"], mm["q_anchor"], mm["kv_seq"], mm["kv_pos"], block_size=B,
                                               num_heads_q=shp["Hq"], num_heads_kv=shp["Hkv"], head_dim=shp["D"],
-                                              dtype=x["q"].dtype, cp_group=group, impl="splitkv", device=dev)
+                                              dtype=x["q"].dtype, cp_group=group, impl="splitkv", device=dev,
+                                              config=config)
                 out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], None, None, None, None,
                          metadata=pm, backend=backend)
             else:
                 out = fn(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], mm["q_seq"], mm["q_anchor"],
-                         mm["kv_seq"], mm["kv_pos"], block_size=B, cp_group=group, backend=backend)
+                         mm["kv_seq"], mm["kv_pos"], block_size=B, cp_group=group, backend=backend,
+                         **({"config": config} if name == "splitkv" else {}))
             out.backward(dout[b0 * B:b1 * B].to(dev, out.dtype))
             # squared-error sums, reduced over ranks -> global relative errors
             pieces = {"out": (out.detach(), ref_out.detach()[b0 * B:b1 * B]), "q": (x["q"].grad, ref_grads["q"][b0 * B:b1 * B]),
@@ -1333,6 +1337,23 @@ def table_ops(res, world):
     return lines
 
 
+def _op_config(args):
+    """The ops' SplitKVConfig from --chunk-axis / --num-chunks / --head-split (an error line naming the flag)."""
+    from megatron_splitkv import SplitKVConfig
+
+    split = None
+    if args.head_split:
+        try:
+            split = tuple(int_arg(1)(h) for h in args.head_split.split(","))
+        except (ValueError, argparse.ArgumentTypeError):
+            raise SystemExit(f"gpu_check.py: error: --head-split must be a comma list of positive ints, got "
+                             f"{args.head_split!r}") from None
+    try:
+        return SplitKVConfig(chunk_axis=args.chunk_axis or "rows", num_chunks=args.num_chunks, head_split=split)
+    except ValueError as exc:
+        raise SystemExit(f"gpu_check.py: error: {exc}") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kernel", "dist", "compare"])
@@ -1348,6 +1369,13 @@ def main(argv=None):
                          "name=value (StaircaseAttentionKernel options: group_blocks, min_group_blocks, key_grain, "
                          "min_keys, min_pairs, bwd_mode, kmajor_min_keys, gqa, kv_layout, streams); 'default' = "
                          "the kernel's defaults; 'none' skips the sweep. Default: %(default)s")
+    ap.add_argument("--chunk-axis", choices=("rows", "heads"), default=None,
+                    help="dist: SplitKVConfig.chunk_axis of the op exactness rows (default: the op's, rows)")
+    ap.add_argument("--num-chunks", type=int_arg(1), default=None,
+                    help="dist: SplitKVConfig.num_chunks of the op exactness rows (default: the op's)")
+    ap.add_argument("--head-split", default=None,
+                    help="dist: SplitKVConfig.head_split of the op exactness rows, kv heads per chunk, e.g. 1,1 (needs "
+                         "--chunk-axis heads; only the per-step metadata path takes it)")
     ap.add_argument("--te-emulator", action="store_true",
                     help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
     args = ap.parse_args(argv)
@@ -1428,7 +1456,7 @@ def main(argv=None):
         group = dist.group.WORLD
         contexts = [int(x) for x in (args.contexts or ("1024,2048" if args.cpu else "32768,131072")).split(",")]
         if "exact" not in skip:
-            op_exactness(dev, args.cpu, world, rank, group, res, args.backend)
+            op_exactness(dev, args.cpu, world, rank, group, res, args.backend, _op_config(args))
         if "op" not in skip:
             op_timing(dev, args.cpu, world, rank, group, res, args.backend, contexts)
         lines = table_ops(res, world) + cpu_note(res)

@@ -293,11 +293,10 @@ def worker(a) -> None:
     import torch.distributed as dist
 
     from tools import benchlib as bench
+    from megatron_splitkv import SplitKVConfig
     from megatron_splitkv.kernels import get_kernel
     torch.set_num_threads(1)
-    if "staircase" in a.backends and a.staircase == "small":
-        for name, value in STAIRCASE_SMALL.items():
-            os.environ.setdefault("MEGATRON_SPLITKV_STAIRCASE_" + name, str(value))
+    config = SplitKVConfig(staircase=_staircase_options(a))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = dist.group.WORLD
@@ -312,7 +311,7 @@ def worker(a) -> None:
             x[name] = x[name].detach()[perm].requires_grad_()
         for name in ("kv_seq", "kv_pos"):
             x[name] = x[name][perm]
-    chunking = {} if a.chunk_axis is None else {"chunk_axis": a.chunk_axis}
+    chunking = {"config": config} if a.chunk_axis is None else {"chunk_axis": a.chunk_axis, "config": config}
     if a.head_split:
         chunking["head_split"] = a.head_split
     rows = []
@@ -324,7 +323,7 @@ def worker(a) -> None:
             def step():
                 return bench.run_op("splitkv", x, block_size=a.block_size, cp_group=g, backend=backend, meta=meta)
 
-            kern = get_kernel(backend, "cpu", dtype, head_dim=a.head_dim)
+            kern = get_kernel(backend, "cpu", dtype, head_dim=a.head_dim, config=config)
             counts = getattr(kern, "counts", None)
             for _ in range(a.warmup):  # builds the masks' caches (math groups, staircase plans, BlockMasks)
                 step()
@@ -387,8 +386,16 @@ def worker(a) -> None:
 #: staircase options scaled down with the shapes (`--staircase small`, the default): at the drafter's 16K-128K
 #: keys per rank the kernel makes ~10-40 dense calls per layer; at this tool's few hundred keys the defaults
 #: would make none. Environment variables already set win.
-STAIRCASE_SMALL = dict(GROUP_BLOCKS=16, SUB_GROUP_BLOCKS=4, MIN_GROUP_BLOCKS=2, KEY_GRAIN=32, MIN_KEYS=32,
-                       MIN_PAIRS=2048, MAX_TILE_KEYS=256)
+STAIRCASE_SMALL = dict(group_blocks=16, sub_group_blocks=4, min_group_blocks=2, key_grain=32, min_keys=32,
+                       min_pairs=2048, max_tile_keys=256)
+
+
+def _staircase_options(a):
+    """The staircase kernel's options of this run: STAIRCASE_SMALL with --staircase small, else the defaults."""
+    from megatron_splitkv import StaircaseOptions
+
+    return StaircaseOptions(**STAIRCASE_SMALL) if "staircase" in a.backends and a.staircase == "small" \
+        else StaircaseOptions()
 
 
 def _fmt_row(r) -> list:
@@ -408,15 +415,13 @@ def _fmt_row(r) -> list:
 def report(rows, a) -> None:
     from tools import benchlib as bench
 
-    dc = os.environ.get("MEGATRON_SPLITKV_DEBUG_CHECKS", "") or "unset"
     if "staircase" in a.backends:
-        opts = {n: os.environ.get("MEGATRON_SPLITKV_STAIRCASE_" + n, v if a.staircase == "small" else "default")
-                for n, v in STAIRCASE_SMALL.items()}
-        print("staircase options: " + ", ".join(f"{n.lower()}={v}" for n, v in opts.items()))
+        opts = _staircase_options(a)
+        print("staircase options: " + ", ".join(f"{n}={getattr(opts, n)}" for n in STAIRCASE_SMALL))
     print(f"\nSplit-KV op host overhead per step (forward + backward, metadata reused; CPU, gloo, 1 thread per "
           f"rank; context {a.context}, {a.anchors} anchors x B {a.block_size}, Hq {a.heads}, Hkv {a.heads_kv or a.heads}, "
           f"D {a.head_dim}, "
-          f"{a.dtype}; MEGATRON_SPLITKV_DEBUG_CHECKS={dc}; torch {torch.__version__}; "
+          f"{a.dtype}; debug checks off; torch {torch.__version__}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
     print("wall ms: median of --steps, max over ranks, no profiler. op py ... autograd: cProfile ms per step "
           "(inflated by the profiler), 'profiled ms' their wall total.")

@@ -11,8 +11,9 @@ baselines allgather-kv and ring-kv. Run it once per tree (PYTHONPATH selects the
     PYTHONPATH=. python tools/op_bits.py --tree . --out /tmp/bits_after.pt
     python tools/op_bits.py --compare /tmp/bits_before.pt /tmp/bits_after.pt     # exit 1 on any difference
 
-With TRITON_INTERPRET=1 the Triton merge runs in Triton's CPU interpreter (slower: ~1.5 min). The test suite
-sets MEGATRON_SPLITKV_DEBUG_CHECKS=1; set it identically for both runs. Not a test: a before / after check of
+With TRITON_INTERPRET=1 the Triton merge runs in Triton's CPU interpreter (slower: ~1.5 min). The options
+(staircase scaled down, the fused gather's threshold) are `SplitKVConfig` fields; a tree from before the
+config reads them from MEGATRON_SPLITKV_* variables: run that tree's own op_bits on it. Not a test: a before / after check of
 a refactoring (tests/test_host_identity.py keeps the permanent checks).
 """
 import argparse
@@ -22,8 +23,8 @@ import sys
 import torch
 
 #: staircase options scaled down to these shapes (B 4, ~30-60 keys per rank) so that it makes dense calls
-STAIR = dict(GROUP_BLOCKS=4, SUB_GROUP_BLOCKS=2, MIN_GROUP_BLOCKS=1, KEY_GRAIN=4, MIN_KEYS=4, MIN_PAIRS=16,
-             MAX_TILE_KEYS=16)
+STAIR = dict(group_blocks=4, sub_group_blocks=2, min_group_blocks=1, key_grain=4, min_keys=4, min_pairs=16,
+             max_tile_keys=16)
 
 
 def configs() -> list:
@@ -64,8 +65,7 @@ def worker(rank, world, cfgs):
     import megatron_splitkv as msk
     from _splitkv_helpers import build, case, local
 
-    for n, v in STAIR.items():
-        os.environ["MEGATRON_SPLITKV_STAIRCASE_" + n] = str(v)
+    base = msk.SplitKVConfig(staircase=msk.StaircaseOptions(**STAIR))
     groups = {P: dist.new_group(list(range(P))) for P in (1, 2)}
     ops = {"splitkv": msk.splitkv_attention, "allgather_kv": msk.allgather_kv_attention,
            "ring_kv": msk.ring_kv_attention}
@@ -80,15 +80,13 @@ def worker(rank, world, cfgs):
         t = build(c)
         x, meta, dout, dlse = local(t, c, rank)
         kb, vb = (x["k_blk"], x["v_blk"]) if cf["own"] else (None, None)
-        if cf.get("fused"):
-            os.environ["MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"] = "2"
+        config = base.replace(fused_bwd_gather_min_p=2) if cf.get("fused") else base
         kw = dict(num_chunks=cf["k"], cp_ranks_per_node=cf.get("L")) if cf["op"] == "splitkv" else {}
         md = None
         if cf["meta"]:
             md = msk.prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
                                               block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=16,
-                                              dtype=x["q"].dtype, cp_group=g, impl=cf["op"], **kw)
-        os.environ.pop("MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P", None)
+                                              dtype=x["q"].dtype, cp_group=g, impl=cf["op"], config=config, **kw)
         fn = ops[cf["op"]]
         if md is not None:
             extra = {"query_gather": msk.splitkv_start_query_gather(x["q"], metadata=md)} if cf.get("qg") else {}
@@ -96,7 +94,8 @@ def worker(rank, world, cfgs):
                           return_lse=True, **extra)
         else:
             out, lse = fn(x["q"], x["k_ctx"], x["v_ctx"], kb, vb, meta["q_seq"], meta["q_anchor"], meta["kv_seq"],
-                          meta["kv_pos"], block_size=4, cp_group=g, backend=cf["backend"], return_lse=True, **kw)
+                          meta["kv_pos"], block_size=4, cp_group=g, backend=cf["backend"], return_lse=True,
+                          config=config, **kw)
         d = dout.to(out.dtype)
         lse_f = lse.masked_fill(~torch.isfinite(lse), 0.0)
         if cf["loss"] == "both":

@@ -1738,7 +1738,7 @@ def main(argv=None):
                     m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq, Hkv=args.Hkv, D=args.D,
                     elem=elem, metadata=not args.no_metadata, num_chunks=k,
                     **({"cp_ranks_per_node": min(L, P)} if takes_l and m == "splitkv" else {}))  # clamped as the
-                # op clamps MEGATRON_SPLITKV_RANKS_PER_NODE: a CP group within one node gets one all-to-all
+                # op clamps SplitKVConfig.cp_ranks_per_node: a CP group within one node gets one all-to-all
             recs = recs_of[L]
             opts = {} if v is None else dict(bwd_gather=v["bwd_gather"], cp_ranks_per_node=L, D=args.D, elem=elem,
                                              acc=4, merge_gbs=merge_rate, two_level_wait=args.two_level_wait)

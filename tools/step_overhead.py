@@ -998,7 +998,7 @@ def header(args, device, world, num_params) -> str:
             f"order){'' if 'fresh' in args.arm_list else '; % of step: of the REUSED step (no fresh arm run)'}; "
             f"{_pipeline_note(args)}; torch "
             f"{torch.__version__}, megatron-core {mcore}, git {git}, "
-            f"MEGATRON_SPLITKV_DEBUG_CHECKS={os.environ.get('MEGATRON_SPLITKV_DEBUG_CHECKS', 'unset')}")
+            "debug checks off (SplitKVConfig default)")
 
 
 def _pipeline_note(args) -> str:

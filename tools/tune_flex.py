@@ -124,7 +124,7 @@ def table(res) -> str:
     else:
         best = (f"best: **{b['name']}** {json.dumps(b['options'])}, fwd+bwd {b['speedup']:.3f}x default "
                 f"(geometric mean over Tk {', '.join(str(k) for k in b['per_tk'])}); to use it: "
-                f"MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS='{json.dumps(b['options'])}'") if b else "best: -"
+                f"SplitKVConfig(flex=FlexOptions(kernel_options={json.dumps(b['options'])}))") if b else "best: -"
     note = (f"FlexAttention kernel_options through FlexAttentionKernel (cached mask), DFlash interval mask "
             f"{res['shapes']['n_anchors']} x {res['shapes']['B']}, Hq {res['shapes']['Hq']}, Hkv "
             f"{res['shapes']['Hkv']}, D {res['shapes']['D']}, bf16. TF/s on useful FLOPs "

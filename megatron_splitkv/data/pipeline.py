@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .._ints import as_int
+from ..config import SplitKVConfig
 
 __all__ = ["MetadataSpec", "PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches",
            "data_parallel_batches"]
@@ -173,9 +174,8 @@ class MetadataSpec:
         num_heads_q, num_heads_kv: query / key-value heads PER TENSOR-PARALLEL RANK (what the core attention
             sees: `num_attention_heads // tp`, `num_query_groups // tp`).
         head_dim: D (`kv_channels`). dtype: the attention's activations' dtype (the model's params_dtype).
-        num_chunks, cp_ranks_per_node, chunk_axis, head_split: as `prepare_splitkv_metadata` (None: the environment
-            variables, read where the metadata is built; `bind` checks that they resolve the same in the
-            training process).
+        num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata` (None:
+            the config's fields; config None: `SplitKVConfig()`); the metadata carries the config.
         flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
             then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
     The block size is `plan_batch`'s. Picklable (a DataLoader worker gets it with the dataset).
@@ -190,6 +190,7 @@ class MetadataSpec:
     flex_block_masks: bool = False
     chunk_axis: Optional[str] = None
     head_split: Optional[tuple] = None
+    config: Optional[SplitKVConfig] = None
 
     def build(self, plan, cp_rank: int, block_size: int):
         """`prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)` with these shapes: unbound, CPU."""
@@ -199,7 +200,7 @@ class MetadataSpec:
             plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
             head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
             cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks,
-            chunk_axis=self.chunk_axis, head_split=self.head_split)
+            chunk_axis=self.chunk_axis, head_split=self.head_split, config=self.config)
 
 
 def _meta_on(recipe, upload: torch.Tensor, layout):

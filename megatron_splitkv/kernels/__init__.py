@@ -7,18 +7,18 @@ Backends:
             lazily; ImportError with an install hint when Transformer Engine is missing).
     "staircase": `StaircaseAttentionKernel` from `kernels/staircase.py` (dense cuDNN rectangles for most
             of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
-            float dtype on CPU; options from MEGATRON_SPLITKV_STAIRCASE_* env vars).
+            float dtype on CPU; options: `config.StaircaseOptions`, `SplitKVConfig.staircase`).
     "fa4":  `FA4AttentionKernel` from `kernels/fa4.py` (FlashAttention-4 CuTe DSL kernels with block
             sparsity and an interval mask_mod; optional extra `fa4`; Hopper (sm90), bf16 / fp16;
             ImportError with an install hint when flash_attn.cute is missing).
     "auto": `resolve_auto_backend`: "fa4" when FlashAttention-4 is installed, imports and runs there (CUDA
             sm90 (Hopper: the verified architecture), bf16 / fp16, dtype known; an install that fails to import is skipped with a warning;
-            env MEGATRON_SPLITKV_AUTO_FA4=0 turns this off); otherwise "flex" on
+            `SplitKVConfig.auto_fa4=False` turns this off); otherwise "flex" on
             CUDA devices when it imports, the dtype is not float64 and the head dim is at least 16
             (FlexAttention's minimum in torch 2.11), else "math"; and
             "staircase" instead of "flex" when the caller passes the keys per kernel call
-            (`get_kernel(..., keys_per_call=)`) and they reach `staircase_auto_min_keys()` (env
-            MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS, default 32768) on a CUDA device where cuDNN SDPA can
+            (`get_kernel(..., keys_per_call=)`) and they reach `SplitKVConfig.staircase_auto_min_keys` (default
+            32768) on a CUDA device where cuDNN SDPA can
             run the call (bf16/fp16, head dim a multiple of 8 and <= 256). Without keys_per_call "auto"
             never picks staircase.
 
@@ -26,18 +26,14 @@ Source: DESIGN.md sections 2 and 5 (arXiv 2611.05926, Split-KV); the staircase t
 ("Staircase kernel", "auto"), measured on the H200 (staircase wins from ~32K context keys per rank).
 """
 
-import os
-
 import torch
 
-from .._ints import env_switch
+from ..config import SplitKVConfig, resolve_config
 from .base import IntervalMask, half_precision_cuda_index
 from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
-           "staircase_auto_min_keys", "staircase_runs_on", "validate_kernel_env", "auto_keys_per_call",
-           "AUTO_MIN_KEYS_ENV", "STAIRCASE_AUTO_MIN_KEYS", "AUTO_FA4_ENV", "auto_fa4", "auto_backend_code",
-           "auto_backend_text"]
+           "staircase_runs_on", "auto_keys_per_call", "auto_backend_code", "auto_backend_text"]
 
 BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 _CACHE: dict = {}
@@ -68,39 +64,6 @@ def _load(backend: str):
 
         return FA4AttentionKernel
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
-#: env var: context keys per kernel call from which "auto" picks staircase (see `staircase_auto_min_keys`)
-AUTO_MIN_KEYS_ENV = "MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS"
-#: its default: the H200 crossover (staircase 1.21x flex at 64K keys per call, 0.92-1.13x at 16K; at the op
-#: level it wins from ~32K context keys per rank and loses at 8-16K; docs/kernels.md)
-STAIRCASE_AUTO_MIN_KEYS = 32768
-_OFF = ("0", "off", "never", "none", "false", "no")
-
-
-def staircase_auto_min_keys() -> int:
-    """The threshold of "auto" -> "staircase": context keys per kernel call, read from the environment on
-    every call (set it identically on every rank).
-
-    MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS: unset or empty -> 32768 (`STAIRCASE_AUTO_MIN_KEYS`);
-    "0" / "off" / "never" / "none" / "false" / "no" -> 0 = "auto" never picks staircase; a positive int N
-    -> staircase for calls with >= N keys (1: whenever it can run).
-
-    Returns: int >= 0 (keys; 0 = disabled). Raises: ValueError naming the variable and the allowed values for
-    anything else (negative, not a plain decimal integer: "32768.0", "32_768", "1e5").
-    """
-    import os  # noqa: PLC0415
-
-    raw = os.environ.get(AUTO_MIN_KEYS_ENV, "").strip()
-    if not raw:
-        return STAIRCASE_AUTO_MIN_KEYS
-    if raw.lower() in _OFF:
-        return 0
-    from .._ints import parse_int  # noqa: PLC0415
-
-    # ASCII decimal digits only (int() would also take "1_000", "+5" or non-ASCII digits)
-    return parse_int(raw, AUTO_MIN_KEYS_ENV, minimum=0, what=f"a non-negative int (keys per call) or one of "
-                     f"{', '.join(_OFF)} (never staircase)")
 
 
 _CUDNN_OK: dict = {}  # device index -> bool (capability and cuDNN version checked once per device)
@@ -150,53 +113,17 @@ def _flex_importable() -> bool:
     return True
 
 
-def validate_kernel_env() -> None:
-    """Parse every environment variable that decides or configures a kernel later in a run:
-    MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS (`staircase_auto_min_keys`) and, when any is set, the staircase
-    kernel's MEGATRON_SPLITKV_STAIRCASE_<NAME> options (by constructing the kernel, which reads them). The
-    ops call it where they validate group-wide, before any data collective, so a malformed value raises
-    the same ValueError on every rank at the first call / `prepare_splitkv_metadata`, not on one rank at
-    the first step whose size makes "auto" pick the staircase kernel.
-
-    Also MEGATRON_SPLITKV_DEBUG_CHECKS (`ops.common.debug_checks`), MEGATRON_SPLITKV_AUTO_FA4
-    (`auto_fa4`), read where they apply (after a collective).
-
-    Raises: ValueError naming the variable."""
-    from ..ops.common import debug_checks  # noqa: PLC0415 - ops import kernels at module level
-
-    debug_checks()
-    staircase_auto_min_keys()
-    auto_fa4()
-    prefix = "MEGATRON_SPLITKV_STAIRCASE_"
-    if any(k.startswith(prefix) and k != AUTO_MIN_KEYS_ENV and os.environ[k].strip() for k in os.environ):
-        try:
-            cls = _load("staircase")
-        except ImportError:  # no FlexAttention: the staircase kernel can never be picked
-            return
-        cls()
-
-
-#: env var: 0 stops "auto" from picking the FlashAttention-4 kernel when it is installed (`auto_fa4`)
-AUTO_FA4_ENV = "MEGATRON_SPLITKV_AUTO_FA4"
-
-
-def auto_fa4() -> bool:
-    """Whether "auto" may pick "fa4": MEGATRON_SPLITKV_AUTO_FA4 "1" / unset (default: yes) or "0".
-    Raises ValueError naming the variable for any other value. Set it identically on every rank."""
-    return env_switch(AUTO_FA4_ENV, True)
-
-
-def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> str:
+def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, config: SplitKVConfig | None = None) -> str:
     """What backend="auto" means for one call: "math", "fa4", "flex" or "staircase".
 
     Rule (docs/kernels.md, "FA4 kernel", "Staircase kernel", "auto"): "math" unless the device is CUDA,
     the dtype is not float64, the head dim is None or >= 16 and flex imports; then "fa4" when
-    `auto_fa4()`, torch's deterministic algorithms are off (`fa4.deterministic_requested`: FA4's
+    `config.auto_fa4`, torch's deterministic algorithms are off (`fa4.deterministic_requested`: FA4's
     block-sparse backward is not deterministic) and `fa4.fa4_runs_on(device, dtype, head_dim)`
     (flash_attn.cute installed, sm90 (`fa4.VERIFIED_MAJORS`),
     bf16 / fp16: 90-97% of dense attention per useful FLOP on the H200 at 16K-64K keys, flex 66%,
     staircase 80% at 64K); else "staircase" when keys_per_call is not None,
-    `staircase_auto_min_keys()` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
+    `config.staircase_auto_min_keys` > 0, keys_per_call >= it and `staircase_runs_on(device, dtype,
     head_dim)`; else "flex".
 
     Args:
@@ -205,14 +132,16 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
             table), not this rank's count: the choice is then the same on every rank of the CP group
             and for every layer of a step (same metadata).
         device: torch.device or str; dtype: q/k/v dtype (None: unknown); head_dim: D (None: unknown).
-    Returns: backend name. Raises: ValueError from `staircase_auto_min_keys` (a malformed env value).
+        config: the rule's inputs (`SplitKVConfig.auto_fa4`, `.staircase_auto_min_keys`); None: the defaults.
+    Returns: backend name.
     """
+    config = resolve_config(config)
     dev_type = torch.device(device).type if device is not None else "cpu"
     if dev_type != "cuda" or dtype == torch.float64 or (head_dim is not None and head_dim < 16):
         return "math"
     if not _flex_importable():
         return "math"
-    if dtype is not None and auto_fa4():
+    if dtype is not None and config.auto_fa4:
         # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
         from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415
 
@@ -220,7 +149,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None) -> st
             return "fa4"
     if keys_per_call is None:
         return "flex"
-    threshold = staircase_auto_min_keys()
+    threshold = config.staircase_auto_min_keys
     if threshold > 0 and int(keys_per_call) >= threshold and staircase_runs_on(device, dtype, head_dim):
         return "staircase"
     return "flex"
@@ -230,16 +159,17 @@ _AUTO_BASES = ("math", "flex", "fa4")  # what "auto" picks without keys_per_call
 _MAX_CODE_KEYS = 1 << 55  # a staircase threshold saturates here (beyond any key count; fits an int64 row)
 
 
-def auto_backend_code(device, dtype, head_dim=None) -> int:
+def auto_backend_code(device, dtype, head_dim=None, config: SplitKVConfig | None = None) -> int:
     """What backend "auto" means on THIS process for calls of (device, dtype, head_dim), as one int for the ops'
     group-wide agreement rows: the index in ("math", "flex", "fa4") of `resolve_auto_backend(None, ...)`, plus 4
-    x the staircase threshold (`staircase_auto_min_keys`, saturated at 2**55) when that is "flex" and the
+    x the staircase threshold (`SplitKVConfig.staircase_auto_min_keys`, saturated at 2**55) when that is "flex" and the
     staircase kernel runs here (`staircase_runs_on`), else plus 0. Equal codes resolve "auto" to the same kernel
     for every group-wide keys_per_call; codes differ where the facts differ (e.g. FlashAttention-4 installed or
-    a Hopper GPU on some ranks only, MEGATRON_SPLITKV_AUTO_FA4, the deterministic mode). `auto_backend_text`
-    decodes it. Raises ValueError for a malformed MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS."""
-    base = resolve_auto_backend(None, device, dtype, head_dim)
-    threshold = staircase_auto_min_keys() if base == "flex" else 0
+    a Hopper GPU on some ranks only, `SplitKVConfig.auto_fa4`, the deterministic mode). `auto_backend_text`
+    decodes it. config: None = `SplitKVConfig()`."""
+    config = resolve_config(config)
+    base = resolve_auto_backend(None, device, dtype, head_dim, config)
+    threshold = config.staircase_auto_min_keys if base == "flex" else 0
     if threshold and not staircase_runs_on(device, dtype, head_dim):
         threshold = 0
     return _AUTO_BASES.index(base) + 4 * min(threshold, _MAX_CODE_KEYS)
@@ -251,8 +181,9 @@ def auto_backend_text(code: int) -> str:
     return f"{base}, staircase from {threshold} keys per call" if threshold else base
 
 
-def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, keys_per_call=None):
-    """Return a (cached) local kernel instance.
+def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, keys_per_call=None,
+               config: SplitKVConfig | None = None):
+    """Return a (cached) local kernel instance: one per (backend, device type, dtype, kernel options).
 
     Args:
         backend: one of "auto", "math", "flex", "te", "staircase", "fa4".
@@ -261,20 +192,28 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
         head_dim: D; "auto" uses "math" when D < 16.
         keys_per_call: "auto" only: the group-wide context keys per call (`auto_keys_per_call`); with it
             "auto" may pick "staircase" (`resolve_auto_backend`); None: flex / math only.
+        config: `SplitKVConfig` (None: the defaults): the "auto" rule's inputs and the kernels' options
+            (`config.flex` for "flex", `config.staircase` (and the config, for its remainder kernel) for
+            "staircase").
 
     Raises:
         ValueError: unknown backend. ImportError: "flex" / "te" / "fa4" requested but not importable.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    config = resolve_config(config)
     dev_type = torch.device(device).type if device is not None else "cpu"
     if backend == "auto":
-        backend = resolve_auto_backend(keys_per_call, device, dtype, head_dim)
-    key = (backend, dev_type, dtype)  # head_dim only picks the backend
+        backend = resolve_auto_backend(keys_per_call, device, dtype, head_dim, config)
+    kwargs = {"flex": dict(options=config.flex), "staircase": dict(options=config.staircase, config=config)}
+    kwargs = kwargs.get(backend, {})
+    key = (backend, dev_type, dtype)  # head_dim only picks the backend; non-default options are part of the key
+    if any(v != type(v)() for v in kwargs.values()):
+        key += (tuple(kwargs.values()),)
     if key not in _CACHE:
         cls = _load(backend)
         try:
-            _CACHE[key] = cls()
+            _CACHE[key] = cls(**kwargs)
         except ImportError as exc:  # e.g. "te": the module imports, Transformer Engine itself is missing
             if backend != "te":
                 raise

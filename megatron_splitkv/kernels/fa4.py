@@ -76,7 +76,7 @@ def fa4_importable() -> bool:
         import warnings  # noqa: PLC0415
 
         warnings.warn(f"FlashAttention-4 (flash_attn.cute) is installed but does not import, so backend 'auto' "
-                      f"does not pick 'fa4' ({exc}); repair the install or set MEGATRON_SPLITKV_AUTO_FA4=0",
+                      f"does not pick 'fa4' ({exc}); repair the install or pass SplitKVConfig(auto_fa4=False)",
                       RuntimeWarning, stacklevel=2)
         return False
 

@@ -71,12 +71,12 @@ block tables are checked on CPU separately against a brute-force tile classifica
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 
 import torch
 
-from .._ints import env_switch
+from ..config import FlexOptions
 from .base import IntervalMask, check_call, mask_cache
 from .flex_bwd_prep import grad_tangents
 
@@ -96,25 +96,14 @@ except ImportError as _e:  # pragma: no cover - depends on the torch build
 TILE = 128
 
 
-def _env_steps(name: str, default: int = 2) -> int:
-    """Bucket steps from environment variable `name` (unset or empty: `default`): a positive decimal int
-    (`_ints.parse_int`: "+3", "1_0" are errors); ValueError naming the variable otherwise."""
-    from .._ints import parse_int  # noqa: PLC0415
-
-    value = os.environ.get(name, "").strip()
-    return default if not value else parse_int(value, name, minimum=1)
-
-#: Bucket steps per octave for padded KEY lengths (env MEGATRON_SPLITKV_FLEX_BUCKET_STEPS overrides):
+#: Bucket steps per octave for padded KEY lengths (`FlexOptions.bucket_steps`):
 #: 2 -> {2, 3} x 2**e x 128, at most 50% padded keys, two compiled shapes per octave of Tk.
-DEFAULT_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_BUCKET_STEPS")
-#: Bucket steps per octave for padded QUERY lengths (env MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS overrides):
+DEFAULT_BUCKET_STEPS = FlexOptions.bucket_steps
+#: Bucket steps per octave for padded QUERY lengths (`FlexOptions.q_bucket_steps`):
 #: 2 -> {2, 3} x 2**e x 128 (<= 1.5x rows). Not 1 (powers of two): the gathered query count of a packed
 #: 128K-token ShareGPT batch is 0.6M-0.77M rows, where padded q and out (Hq heads, kept for backward)
 #: cost GBs per layer; 2 already puts all of them in one bucket (786432).
-DEFAULT_Q_BUCKET_STEPS = _env_steps("MEGATRON_SPLITKV_FLEX_Q_BUCKET_STEPS")
-#: Reuse an already-compiled key bucket one step above the own one (env MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0
-#: turns it off).
-DEFAULT_REUSE_KV_BUCKET = env_switch("MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET", True)
+DEFAULT_Q_BUCKET_STEPS = FlexOptions.q_bucket_steps
 
 _COMPILED = None
 
@@ -333,16 +322,15 @@ class FlexAttentionKernel:
     Args:
         save_graph: keep flex's autograd graph from forward to backward (no recompute; holds the padded
             q/k/v, out and lse until backward). False: forward runs without graph, backward recomputes.
+        compile: use the module-level compiled flex (default on CUDA). Off on CPU: `dense_flex_emulation`
+            (tests only; CPU flex has no backward in torch 2.11).
+        options: `FlexOptions` (None: the defaults); the keyword arguments below override its fields:
         bucket_steps: bucket granularity of padded KEY lengths (see `bucket_length`; default
             `DEFAULT_BUCKET_STEPS`).
         q_bucket_steps: bucket granularity of padded QUERY lengths (default `DEFAULT_Q_BUCKET_STEPS`).
         reuse_larger_kv_bucket: with the compiled flex, run at the next key bucket up when that one has
-            been compiled in this process and the own one has not (no new graph; default on, env
-            MEGATRON_SPLITKV_FLEX_REUSE_KV_BUCKET=0 turns it off).
-        compile: use the module-level compiled flex (default on CUDA). Off on CPU: `dense_flex_emulation`
-            (tests only; CPU flex has no backward in torch 2.11).
-        kernel_options: FlexAttention `kernel_options` (e.g. {"fwd_num_stages": 2}); default from the env
-            var MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS (JSON), else flex's defaults for sm90.
+            been compiled in this process and the own one has not (no new graph; default on).
+        kernel_options: FlexAttention `kernel_options` (e.g. {"fwd_num_stages": 2}); default: flex's own.
         cache_block_mask: keep the BlockMask on the IntervalMask object (see `block_mask`).
 
     Raises:
@@ -354,20 +342,26 @@ class FlexAttentionKernel:
     #: results are their exact fp32 upcast), lse as a view (kernels/base.py, "native_dtype_results")
     native_dtype_results = True
 
-    def __init__(self, save_graph: bool = True, bucket_steps: int = DEFAULT_BUCKET_STEPS,
-                 compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool = True,
-                 q_bucket_steps: int = DEFAULT_Q_BUCKET_STEPS,
-                 reuse_larger_kv_bucket: bool = DEFAULT_REUSE_KV_BUCKET):
+    def __init__(self, save_graph: bool = True, bucket_steps: int | None = None,
+                 compile: bool | None = None, kernel_options: dict | None = None, cache_block_mask: bool | None = None,
+                 q_bucket_steps: int | None = None, reuse_larger_kv_bucket: bool | None = None,
+                 options: FlexOptions | None = None):
         if _FLEX_IMPORT_ERROR is not None:
             raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
+        options = FlexOptions() if options is None else options
+        if not isinstance(options, FlexOptions):
+            raise ValueError(f"options must be None or a FlexOptions, got {type(options).__name__}")
+        overrides = dict(bucket_steps=bucket_steps, q_bucket_steps=q_bucket_steps, kernel_options=kernel_options,
+                         reuse_larger_kv_bucket=reuse_larger_kv_bucket, cache_block_mask=cache_block_mask)
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        self.options = dataclasses.replace(options, **overrides) if overrides else options
         self.save_graph = save_graph
-        self.bucket_steps = bucket_steps
-        self.q_bucket_steps = q_bucket_steps
-        self.reuse_larger_kv_bucket = reuse_larger_kv_bucket
+        self.bucket_steps = self.options.bucket_steps
+        self.q_bucket_steps = self.options.q_bucket_steps
+        self.reuse_larger_kv_bucket = self.options.reuse_larger_kv_bucket
         self.compile = compile
-        env = os.environ.get("MEGATRON_SPLITKV_FLEX_KERNEL_OPTIONS")
-        self.kernel_options = dict(kernel_options) if kernel_options is not None else (json.loads(env) if env else None)
-        self.cache_block_mask = cache_block_mask
+        self.kernel_options = self.options.kernel_options_dict()
+        self.cache_block_mask = self.options.cache_block_mask
 
     def block_mask(self, mask: IntervalMask, q_len: int, kv_len: int):
         """BlockMask for `mask` at padded lengths; cached on the mask object (`mask._flex_block_masks`).

@@ -81,7 +81,7 @@ a run meets at most `shape_bound(...)` shapes (103 (rows, keys) for the drafter,
 graphs forward + backward with bwd_mode "query"; tools/staircase_shapes.py counts 112 per rank over 1000
 simulated steps at CP 1, vs 958 and still growing with the legacy rounding). Cost (H200): ~1% of the
 visible pairs move from the dense part to flex and 1-4 more dense calls: +1.5% / +3.8% / +6.1% kernel time
-at 32K / 64K / 128K keys. `key_buckets=0` (env MEGATRON_SPLITKV_STAIRCASE_KEY_BUCKETS=0) is the legacy
+at 32K / 64K / 128K keys. `key_buckets=0` (`StaircaseOptions(key_buckets=0)`) is the legacy
 rounding: one piece per rectangle, its key count rounded DOWN to a multiple of `key_grain` (unbounded: up
 to Tk / key_grain lengths). The backward "key" mode makes chunks [m_{c-1}, m_c) that are differences of
 bucketed ends: not in the bounded set.
@@ -124,17 +124,19 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
-from .._ints import as_int, parse_int
+from .._ints import parse_int
+from ..config import _STAIRCASE_CHOICES, _STAIRCASE_ZERO_OK as _ZERO_OK, STAIRCASE_INNER_CHOICES, SplitKVConfig, \
+    StaircaseOptions
 from .base import IntervalMask, check_call, check_cuda_head_dim, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 
-__all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "ENV_PREFIX",
+__all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "StaircaseOptions",
            "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys", "option_from_text"]
 
 A = torch.ops.aten
@@ -146,75 +148,10 @@ KEY_BUCKETS, KEY_PIECES, MAX_TILE_KEYS = 4, 1, 65536
 #: options that may be 0
 _ZERO_OK = ("min_pairs", "sub_group_blocks", "key_buckets", "max_tile_keys", "piece_min_pairs")
 
-#: environment variables MEGATRON_SPLITKV_STAIRCASE_<NAME> override the constructor defaults
-ENV_PREFIX = "MEGATRON_SPLITKV_STAIRCASE_"
-_DEFAULTS = dict(group_blocks=128, sub_group_blocks=32, min_group_blocks=8, key_grain=256, min_keys=512,
-                 min_pairs=1 << 20, kmajor_min_keys=2048, streams=2, bwd_mode="query", gqa="fold", kv_layout="auto",
-                 inner="auto", key_buckets=KEY_BUCKETS, key_pieces=KEY_PIECES, max_tile_keys=MAX_TILE_KEYS,
-                 piece_min_pairs=None)
-_CHOICES = dict(bwd_mode=("auto", "query", "key"), gqa=("fold", "native"), kv_layout=("auto", "view", "copy"))
-#: the remainder kernel's backend names: every backend but "staircase" (it would be its own remainder kernel);
-#: "auto" may itself resolve to "fa4", so "fa4" is a choice too
-_INNER_CHOICES = ("auto", "math", "flex", "te", "fa4")
-
-
-#: MEGATRON_SPLITKV_STAIRCASE_* variables that are not constructor options (read by `kernels.staircase_auto_min_keys`)
-_OTHER_ENV = ("AUTO_MIN_KEYS",)
-
-
-def env_option_names() -> tuple:
-    """Every MEGATRON_SPLITKV_STAIRCASE_<NAME> variable this package reads (the options, and AUTO_MIN_KEYS)."""
-    return tuple(ENV_PREFIX + n.upper() for n in _DEFAULTS) + tuple(ENV_PREFIX + n for n in _OTHER_ENV)
-
-
-def check_env_names() -> None:
-    """ValueError naming a set (non-empty) MEGATRON_SPLITKV_STAIRCASE_<NAME> variable that is no option (a
-    misspelling such as ..._GROUP_BLOCK would otherwise be ignored without a word), with the list of names."""
-    known = env_option_names()
-    for var in sorted(os.environ):
-        if var.startswith(ENV_PREFIX) and var not in known and os.environ[var].strip():
-            raise ValueError(f"{var} is not a staircase kernel option; the variables are: {', '.join(known)}")
-
-
-def _option(name, value):
-    """Constructor value, else env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default; validated. A
-    default of None (piece_min_pairs: "the same as min_pairs") stays None when nothing is given.
-
-    Integer options: a constructor value must be an int (anything with `__index__`; bool, float and str are
-    errors, `_ints.as_int`); an environment value must be a plain ASCII decimal integer ("64", not "+64",
-    "64.0", "1e2", "1_000" or "two": `_ints.parse_int`). Choice options (bwd_mode, gqa, kv_layout, inner): one of the listed strings,
-    exactly. Raises ValueError naming the environment variable (for a value from there) or the constructor
-    argument `staircase <name>`, with the allowed values / limit and the value given."""
-    var = ENV_PREFIX + name.upper()
-    where, from_env = f"staircase {name}", False
-    if value is None:
-        env = os.environ.get(var, "").strip()
-        if env:
-            value, where, from_env = env, f"{var} (staircase option {name})", True
-        else:
-            value = _DEFAULTS[name]
-        if value is None:
-            return None
-    if name in _CHOICES:
-        if not isinstance(value, str) or value not in _CHOICES[name]:
-            raise ValueError(f"{where} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
-        return value
-    if name == "inner":  # the kernel of the ragged remainder: a backend name (not staircase) or a kernel
-        if isinstance(value, str):
-            if value not in _INNER_CHOICES:
-                raise ValueError(f"{where} must be one of {', '.join(_INNER_CHOICES)} (the remainder kernel; "
-                                 f"never staircase), got {value!r}")
-            return value
-        if not (callable(getattr(value, "forward", None)) and callable(getattr(value, "backward", None))) \
-                or getattr(value, "name", None) == "staircase":
-            raise ValueError(f"{where} must be a backend name ({', '.join(_INNER_CHOICES)}) or a local kernel "
-                             f"object with forward/backward (not a staircase kernel), got {value!r}")
-        return value
-    minimum = 0 if name in _ZERO_OK else 1
-    what = "a non-negative int" if minimum == 0 else "a positive int"
-    if from_env:
-        return parse_int(value, where, minimum=minimum, what=what)
-    return as_int(value, where, minimum=minimum, what=what)
+#: the options and their defaults (`config.StaircaseOptions`), the choice options' values, the remainder kernels
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(StaircaseOptions)}
+_CHOICES = {k: v for k, v in _STAIRCASE_CHOICES.items() if k != "inner"}
+_INNER_CHOICES = STAIRCASE_INNER_CHOICES
 
 
 def option_from_text(name: str, text: str, where: str | None = None):
@@ -682,7 +619,7 @@ class StaircaseAttentionKernel:
         with the GLOBAL lse and delta [Tq, Hq]; float32 (float64 for float64). One host sync (whether any
         entry needs the math fix-up, see the module docstring).
 
-    Args (None: env MEGATRON_SPLITKV_STAIRCASE_<NAME>, else the default in brackets):
+    Options (`StaircaseOptions` fields, or keyword overrides of the constructor; the default in brackets):
         group_blocks: n, blocks per group [128] (dense rows per call: n * B, x G when folded).
         sub_group_blocks: s, blocks per second-level group [32]; 0 or >= group_blocks: one level only.
             Each group's ragged part [m_g, hi) is cut into sub-groups of s blocks, each with its own
@@ -718,27 +655,25 @@ class StaircaseAttentionKernel:
 
     name = "staircase"
 
-    def __init__(self, group_blocks=None, min_group_blocks=None, key_grain=None, min_keys=None, min_pairs=None,
-                 bwd_mode=None, kmajor_min_keys=None, gqa=None, kv_layout=None, streams=None, inner=None,
-                 sub_group_blocks=None, key_buckets=None, key_pieces=None, max_tile_keys=None, piece_min_pairs=None):
-        check_env_names()
-        self.group_blocks = _option("group_blocks", group_blocks)
-        self.sub_group_blocks = _option("sub_group_blocks", sub_group_blocks)
-        self.min_group_blocks = min(_option("min_group_blocks", min_group_blocks), self.group_blocks)
-        self.key_grain = _option("key_grain", key_grain)
-        self.min_keys = _option("min_keys", min_keys)
-        self.min_pairs = _option("min_pairs", min_pairs)
-        self.bwd_mode = _option("bwd_mode", bwd_mode)
-        self.kmajor_min_keys = _option("kmajor_min_keys", kmajor_min_keys)
-        self.gqa = _option("gqa", gqa)
-        self.kv_layout = _option("kv_layout", kv_layout)
-        self.streams = _option("streams", streams)
-        self.inner = _option("inner", inner)
-        self.key_buckets = _option("key_buckets", key_buckets)
-        self.key_pieces = _option("key_pieces", key_pieces)
-        self.max_tile_keys = _option("max_tile_keys", max_tile_keys)
-        pmp = _option("piece_min_pairs", piece_min_pairs)
-        self.piece_min_pairs = self.min_pairs if pmp is None else pmp
+    def __init__(self, options: StaircaseOptions | None = None, config: SplitKVConfig | None = None, **overrides):
+        """options: `StaircaseOptions` (None: the defaults), with `overrides` (option names, e.g.
+        group_blocks=64) applied; config: the `SplitKVConfig` whose "auto" rule and flex options pick the
+        remainder kernel (inner="auto"; None: the defaults). Raises ValueError naming an unknown or invalid
+        option (`StaircaseOptions.<name>`)."""
+        options = StaircaseOptions() if options is None else options
+        if not isinstance(options, StaircaseOptions):
+            raise ValueError(f"options must be None or a StaircaseOptions, got {type(options).__name__}")
+        unknown = sorted(set(overrides) - set(_DEFAULTS))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not a staircase kernel option (one of {', '.join(_DEFAULTS)})")
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        options = dataclasses.replace(options, **overrides) if overrides else options
+        self.config = SplitKVConfig() if config is None else config
+        for name in _DEFAULTS:
+            setattr(self, name, getattr(options, name))
+        self.min_group_blocks = min(self.min_group_blocks, self.group_blocks)
+        if self.piece_min_pairs is None:
+            self.piece_min_pairs = self.min_pairs
         self.paths: dict = {}
         self.counts = dict(dense_fwd=0, dense_bwd=0, inner_fwd=0, inner_bwd=0, fixup=0)
         self._dense: dict = {}
@@ -803,7 +738,7 @@ class StaircaseAttentionKernel:
             return self.inner
         from . import get_kernel  # noqa: PLC0415 - the registry imports this module lazily
 
-        return get_kernel(self.inner, device, dtype, head_dim=head_dim)
+        return get_kernel(self.inner, device, dtype, head_dim=head_dim, config=self.config)
 
     def _dense_ops(self, device) -> DenseOps:
         key = (device.type, device.index)

@@ -5,7 +5,8 @@ Use `add_splitkv_args` as (or inside) Megatron's `extra_args_provider`:
     from megatron.training import pretrain
     from megatron_splitkv.megatron import add_splitkv_args, validate_splitkv_args
     pretrain(..., extra_args_provider=add_splitkv_args)
-    # after parse: validate_splitkv_args(get_args())
+    # after parse: validate_splitkv_args(get_args()); splitkv_config_from_args(get_args()) is the op's
+    # SplitKVConfig, for get_dflash_layer_spec(splitkv_config=...) and the host-built metadata
 
 Flags (skipped when the parser already defines them, e.g. after applying `patches/`):
     --context-parallel-impl {splitkv,allgather-kv,ring-kv}  CP algorithm of the DFlash attention
@@ -18,18 +19,17 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     --num-anchors / --block-size: one option, one help text, one default)
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
                              k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
-                             default: overlapped, or as MEGATRON_SPLITKV_OVERLAP_Q_GATHER says)
+                             default: overlapped; SplitKVConfig.overlap_q_gather)
     --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
                              the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
                              is installed (Hopper, bf16 / fp16), else staircase on CUDA from
                              32K context keys per call, else flex on CUDA; see docs/kernels.md)
     --splitkv-cp-ranks-per-node L  CP ranks per node of the two-level all-to-all (divides the CP size;
-                             exported as MEGATRON_SPLITKV_RANKS_PER_NODE; default: that variable, else
-                             automatic from the launcher's processes per node / TP when the CP group spans
+                             SplitKVConfig.cp_ranks_per_node; default: automatic from the launcher's processes per node / TP when the CP group spans
                              nodes (`auto_cp_ranks_per_node`), else 1)
-    --splitkv-num-chunks N   query chunks of Split-KV's merge pipeline (exported as MEGATRON_SPLITKV_NUM_CHUNKS)
-    --splitkv-chunk-axis {rows,heads}  what the chunks split (MEGATRON_SPLITKV_CHUNK_AXIS)
-                             (these two, and MEGATRON_SPLITKV_HEAD_SPLIT, all unset: 2 head chunks when the CP
+    --splitkv-num-chunks N   query chunks of Split-KV's merge pipeline (SplitKVConfig.num_chunks)
+    --splitkv-chunk-axis {rows,heads}  what the chunks split (SplitKVConfig.chunk_axis)
+                             (these two unset: 2 head chunks when the CP
                              group spans nodes, else the op's defaults: `auto_pipeline`)
     --dflash-data-workers N  worker processes of the data pipeline that plan and shard each batch ahead of
                              the step (torch DataLoader; default 1 on CUDA, 0 without; 0 = synchronous,
@@ -54,6 +54,7 @@ import re
 from typing import Optional
 
 from .._ints import _shown, as_int, int_arg, parse_int
+from ..config import CHUNK_AXES, SplitKVConfig
 
 __all__ = [
     "CP_IMPLS",
@@ -82,19 +83,9 @@ CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
 CP_BALANCE = ("lpt", "contiguous", "zigzag", "hypergraph")
 # the op's local kernels (`megatron_splitkv.kernels.BACKENDS`; kept literal so parsing imports no torch)
 KERNEL_BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
-# `megatron_splitkv.ops.metadata.RANKS_PER_NODE_ENV` (literal for the same reason)
-RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
-# the chunked pipeline's variables (literal for the same reason): `ops.metadata.NUM_CHUNKS_ENV`, `CHUNK_AXIS_ENV`,
-# `HEAD_SPLIT_ENV`, `CHUNK_AXES`
-NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
-CHUNK_AXIS_ENV = "MEGATRON_SPLITKV_CHUNK_AXIS"
-HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
-CHUNK_AXES = ("rows", "heads")
-#: the variables `auto_pipeline` chooses; any of them set by the user (or by a flag) turns it off
-PIPELINE_ENVS = (NUM_CHUNKS_ENV, CHUNK_AXIS_ENV, HEAD_SPLIT_ENV)
-#: the pipeline's flags: (args attribute, flag, the variable it is exported as, the op's default)
-_PIPELINE_FLAGS = (("splitkv_num_chunks", "--splitkv-num-chunks", NUM_CHUNKS_ENV, 1),
-                   ("splitkv_chunk_axis", "--splitkv-chunk-axis", CHUNK_AXIS_ENV, "rows"))
+#: the pipeline's flags: (args attribute, flag, the `SplitKVConfig` field it sets, the op's default)
+_PIPELINE_FLAGS = (("splitkv_num_chunks", "--splitkv-num-chunks", "num_chunks", 1),
+                   ("splitkv_chunk_axis", "--splitkv-chunk-axis", "chunk_axis", "rows"))
 # upper bound of --dflash-data-workers, per rank: every worker is a process holding `prefetch` batches in
 # pinned host memory, and one keeps the step fed (docs/benchmarks.md "Training-step overhead"); with 8 ranks
 # per node 32 is already 256 processes. A fixed number, not os.cpu_count(): --parse-only checks a command
@@ -239,8 +230,8 @@ _FLAG_SPECS = (
         action="store_true",
         default=None,
         help="Split-KV: do not start the query all-gather before the key/value projections (it then "
-             "runs inside the attention op, exposed). Default: overlapped, unless the environment variable "
-             "MEGATRON_SPLITKV_OVERLAP_Q_GATHER=0. For A/B measurements; results are identical.")),
+             "runs inside the attention op, exposed; SplitKVConfig.overlap_q_gather=False). Default: overlapped. "
+             "For A/B measurements; results are identical.")),
     ("--splitkv-cp-ranks-per-node", dict(
         type=int_arg(),
         default=None,
@@ -248,8 +239,8 @@ _FLAG_SPECS = (
              "exchange (within a node over NVLink, then fp32 node partials between nodes: ~4x fewer NIC bytes "
              "at L=8). Must divide --context-parallel-size (values >= it are clamped to it); 1 or the CP size = "
              "one all-to-all. Usually the "
-             "GPUs per node / --tensor-model-parallel-size. Default: the environment variable "
-             "MEGATRON_SPLITKV_RANKS_PER_NODE, else automatic: the launcher's processes per node (LOCAL_WORLD_SIZE, "
+             "GPUs per node / --tensor-model-parallel-size (SplitKVConfig.cp_ranks_per_node). Default: automatic: "
+             "the launcher's processes per node (LOCAL_WORLD_SIZE, "
              "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
              "docs/perf-notes.md item 9.")),
     ("--splitkv-num-chunks", dict(
@@ -257,17 +248,16 @@ _FLAG_SPECS = (
         default=None,
         help="Split-KV: chunks of the merge pipeline (a positive int; chunk c's [O | lse] and dQ exchanges "
              "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
-             "--splitkv-chunk-axis heads to the kv heads per TP rank; with MEGATRON_SPLITKV_HEAD_SPLIT set it must equal "
-             "that split's chunk count (the split fixes it). Exported as MEGATRON_SPLITKV_NUM_CHUNKS. "
-             "Default: that variable, else automatic (auto_pipeline): 2 head chunks when the CP group spans "
+             "--splitkv-chunk-axis heads to the kv heads per TP rank (SplitKVConfig.num_chunks). "
+             "Default: automatic (auto_pipeline): 2 head chunks when the CP group spans "
              "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.")),
     ("--splitkv-chunk-axis", dict(
         type=str,
         default=None,
         choices=CHUNK_AXES,
         help="Split-KV: what the pipeline's chunks split: rows (query blocks of every rank) or heads (kv "
-             "heads, whole GQA groups, of all rows). Exported as MEGATRON_SPLITKV_CHUNK_AXIS. Default: that "
-             "variable, else automatic (heads with the automatic 2 chunks, else rows).")),
+             "heads, whole GQA groups, of all rows; SplitKVConfig.chunk_axis). Default: automatic (heads with "
+             "the automatic 2 chunks, else rows).")),
     ("--splitkv-kernel", dict(
         type=str,
         default="auto",
@@ -395,11 +385,9 @@ def runtime_flag_values(args) -> dict:
     `--parse-only` and logs: {args attribute: value}. A value that depends on the training machine is a
     string 'auto (-> X on CUDA, Y on CPU)'; the others are the value itself. Flags set on the command line
     are not listed, except `--dflash-host-metadata on` with `--dflash-data-workers 0`, shown as
-    'on (synchronous: ...)' (the metadata is then built on the host in forward_step). Pure: reads the
-    environment variables the run would read (MEGATRON_SPLITKV_RANKS_PER_NODE, _NUM_CHUNKS, _CHUNK_AXIS,
-    _OVERLAP_Q_GATHER) and `validate_splitkv_args`' records of its automatic choices, imports
-    nothing, never checks for CUDA. Values are not validated
-    here (`validate_splitkv_args` does that)."""
+    'on (synchronous: ...)' (the metadata is then built on the host in forward_step). Pure: reads
+    `validate_splitkv_args`' records of its automatic choices, imports nothing, never checks for CUDA.
+    Values are not validated here (`validate_splitkv_args` does that)."""
     out = {}
     impl = getattr(args, "context_parallel_impl", None)
     workers = getattr(args, "dflash_data_workers", None)
@@ -420,28 +408,17 @@ def runtime_flag_values(args) -> dict:
     if getattr(args, "dflash_device_prefetch", None) is None:
         out["dflash_device_prefetch"] = "on"
     if getattr(args, "splitkv_no_overlap_q_gather", None) is None:
-        env = os.environ.get("MEGATRON_SPLITKV_OVERLAP_Q_GATHER", "1").strip().lower()
-        out["splitkv_no_overlap_q_gather"] = env in ("0", "false", "off", "no")
+        out["splitkv_no_overlap_q_gather"] = False
     if getattr(args, "splitkv_cp_ranks_per_node", None) is None:
-        env = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-        # validate_splitkv_args records its automatic choice and exports it as the variable: shown as automatic
         auto = getattr(args, "splitkv_cp_ranks_per_node_auto", None)
-        out["splitkv_cp_ranks_per_node"] = (auto if auto else f"{env} ({RANKS_PER_NODE_ENV}, clamped to the CP size)"
-                                            if env else "auto (launcher's processes per node / TP when the CP "
-                                                        "group spans nodes, else 1)")
-    # the chunked pipeline, as splitkv_cp_ranks_per_node: the user's variable, else validate's automatic choice
-    auto, exported = getattr(args, "splitkv_pipeline_auto", None), getattr(args, "splitkv_auto_env", None) or {}
-    split_k = _head_split_chunks()
+        out["splitkv_cp_ranks_per_node"] = auto or ("auto (launcher's processes per node / TP when the CP group "
+                                                    "spans nodes, else 1)")
+    auto, chosen = getattr(args, "splitkv_pipeline_auto", None), getattr(args, "splitkv_auto_fields", None) or {}
     for attr, _, name, default in _PIPELINE_FLAGS:
         if getattr(args, attr, None) is not None:
             continue
-        env = os.environ.get(name, "").strip()
-        if name == NUM_CHUNKS_ENV and split_k is not None:  # the op's k then (the variable ignored)
-            out[attr] = f"{split_k} ({HEAD_SPLIT_ENV}={_shown(os.environ[HEAD_SPLIT_ENV].strip())})"
-        elif env and exported.get(name) != env:
-            out[attr] = f"{env} ({name})"
-        elif auto:
-            out[attr] = f"auto -> {exported.get(name, default)} (splitkv_pipeline_auto)"
+        if auto:
+            out[attr] = f"auto -> {chosen.get(name, default)} (splitkv_pipeline_auto)"
         else:
             out[attr] = f"auto (automatic pipeline across nodes, else {default})"
     if getattr(args, "cp_chunk_size", None) is None:
@@ -478,8 +455,35 @@ def kernel_backend_from_args(args) -> str:
 
 def overlap_query_gather_from_args(args):
     """`overlap_query_gather` for `get_dflash_layer_spec` / `DFlashDraftModel` from parsed args: False
-    with `--splitkv-no-overlap-q-gather`, else None (the environment variable decides, default on)."""
+    with `--splitkv-no-overlap-q-gather`, else None (the layer's `SplitKVConfig` decides, default on)."""
     return False if getattr(args, "splitkv_no_overlap_q_gather", None) else None
+
+
+def splitkv_config_from_args(args) -> SplitKVConfig:
+    """The op's `SplitKVConfig` of a Megatron job: the one `validate_splitkv_args` built from the flags and its
+    automatic choices (args.splitkv_config), else one built from the flags alone (no automatic choice).
+    It goes to the layer spec (`get_dflash_layer_spec(splitkv_config=)`), the host-built metadata
+    (`splitkv_metadata_spec`) and `check_environment_agreement`. SplitKVArgumentError naming a bad flag."""
+    config = getattr(args, "splitkv_config", None)
+    if isinstance(config, SplitKVConfig):
+        return config
+    return _config_from_flags(args, None, {})
+
+
+def _config_from_flags(args, ranks_per_node, auto_fields: dict) -> SplitKVConfig:
+    """SplitKVConfig of the flags (--splitkv-num-chunks, --splitkv-chunk-axis, --splitkv-no-overlap-q-gather),
+    `ranks_per_node` (L, None: unset) and the automatic choices `auto_fields` (for unset flags only)."""
+    chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
+    axis = getattr(args, "splitkv_chunk_axis", None)
+    if axis is not None and axis not in CHUNK_AXES:
+        raise SplitKVArgumentError(f"--splitkv-chunk-axis must be one of {CHUNK_AXES}, got {axis!r}")
+    fields = dict(auto_fields)
+    fields.update({k: v for k, v in (("num_chunks", chunks), ("chunk_axis", axis)) if v is not None})
+    try:
+        return SplitKVConfig(cp_ranks_per_node=ranks_per_node,
+                             overlap_q_gather=not getattr(args, "splitkv_no_overlap_q_gather", None), **fields)
+    except ValueError as exc:
+        raise SplitKVArgumentError(str(exc)) from exc
 
 
 def _te_available() -> bool:
@@ -520,8 +524,8 @@ def _per_node_counts(raw: str, name: str) -> tuple:
 
 
 def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
-    """The CP ranks per node L of Split-KV's two-level all-to-all when `--splitkv-cp-ranks-per-node` and
-    MEGATRON_SPLITKV_RANKS_PER_NODE are unset: (L, why), L = 1 when the two-level path does not apply.
+    """The CP ranks per node L of Split-KV's two-level all-to-all when `--splitkv-cp-ranks-per-node` is
+    unset: (L, why), L = 1 when the two-level path does not apply.
 
     Megatron's rank order puts the CP dimension right after TP (tp-cp-ep-dp-pp, and tp-cp-ep-pp-dp), and
     launchers give each node a contiguous block of global ranks, so with n processes per node (the first of
@@ -533,8 +537,9 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     malformed launcher size, a heterogeneous one (Slurm's "8(x2),4": nodes of different sizes), tp not
     dividing n, or L not dividing cp: L = 1 (one all-to-all, as before).
     Exact either way (the same sums in fp32); only the schedule changes. `environ`: a mapping (default
-    os.environ). Every rank of a homogeneous job computes the same L; should ranks differ, the op's
-    per-step agreement check raises naming MEGATRON_SPLITKV_RANKS_PER_NODE (no hang)."""
+    os.environ: the launcher's variables, read at flag-validation time only). Every rank of a homogeneous job
+    computes the same L; should ranks differ, the op's per-step agreement check raises naming
+    cp_ranks_per_node (no hang)."""
     L, why = _cp_ranks_per_node(tp, cp, environ)
     if L is None:
         return 1, why
@@ -575,34 +580,29 @@ def _cp_ranks_per_node(tp: int, cp: int, environ=None):
 
 
 def auto_pipeline(tp: int, cp: int, kv_heads, environ=None):
-    """Split-KV's chunked merge pipeline when none of `PIPELINE_ENVS` (MEGATRON_SPLITKV_NUM_CHUNKS, _CHUNK_AXIS,
-    _HEAD_SPLIT) is set (nor --splitkv-num-chunks / --splitkv-chunk-axis, which export them): (exports, why), exports = {variable: value} to set (empty: the op's defaults, one call).
+    """Split-KV's chunked merge pipeline when neither --splitkv-num-chunks nor --splitkv-chunk-axis is given:
+    (fields, why), fields = the `SplitKVConfig` fields to set (empty: the op's defaults, one call).
 
     Rule: when the CP group spans nodes (the launcher's processes per node / tp < cp, as in
     `auto_cp_ranks_per_node`; an unknown launcher size or tp not dividing it: no change) and each TP rank holds
-    `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (NUM_CHUNKS=2, CHUNK_AXIS=heads). Why (docs/perf-notes.md item 25, docs/benchmarks.md twelfth
-    run): over a slow link (2 x H200 over NCCL sockets, 128K per rank) 2 head chunks took 0.818x of one call; on
-    NVLink one call stays best (k = 2 heads 1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU
-    nodes: the CP 64 gain is small; the socket A/B is the evidence. Not measured across real nodes. Exact
-    either way (head chunks sum nothing across chunks). `environ`: a mapping (default os.environ)."""
-    env = os.environ if environ is None else environ
-    flags = {name: flag for _, flag, name, _ in _PIPELINE_FLAGS}
-    mine = [f"{name}={_shown(str(env[name]).strip())}" + (f" (or {flags[name]})" if name in flags else "")
-            for name in PIPELINE_ENVS if str(env.get(name, "") or "").strip()]
-    if mine:
-        return {}, f"set by a flag or the environment: {', '.join(mine)}"
-    L, why = _cp_ranks_per_node(tp, cp, env)
+    `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (num_chunks=2, chunk_axis="heads"). Why
+    (docs/perf-notes.md item 25, docs/benchmarks.md twelfth run): over a slow link (2 x H200 over NCCL sockets,
+    128K per rank) 2 head chunks took 0.818x of one call; on NVLink one call stays best (k = 2 heads
+    1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU nodes: the CP 64 gain is small; the socket
+    A/B is the evidence. Not measured across real nodes. Exact either way (head chunks sum nothing across
+    chunks). `environ`: the launcher's variables, a mapping (default os.environ)."""
+    L, why = _cp_ranks_per_node(tp, cp, environ)
     if L is None:
         return {}, why
     why = f"{why} = {L} CP ranks per node < CP {cp}: the group spans nodes"
     if kv_heads is None or kv_heads < 2:
         return {}, f"{why}, but {kv_heads} kv heads per TP rank: no head chunks"
-    return {NUM_CHUNKS_ENV: "2", CHUNK_AXIS_ENV: "heads"}, f"{why}; {kv_heads} kv heads per TP rank"
+    return {"num_chunks": 2, "chunk_axis": "heads"}, f"{why}; {kv_heads} kv heads per TP rank"
 
 
-def _pipeline_label(exports) -> str:
-    """`auto_pipeline`'s exports in words: '2 head chunks', or 'off'."""
-    return f"{exports[NUM_CHUNKS_ENV]} head chunks" if exports else "off"
+def _pipeline_label(fields) -> str:
+    """`auto_pipeline`'s fields in words: '2 head chunks', or 'off'."""
+    return f"{fields['num_chunks']} head chunks" if fields else "off"
 
 
 def _kv_heads(args):
@@ -617,105 +617,18 @@ def _kv_heads(args):
 
 def _local_kernel(args, kernel: str, have_fa4) -> str:
     """The local kernel as far as start-up knows it, for `auto_pipeline`: "fa4" for --splitkv-kernel fa4, and for
-    auto where it will pick fa4 (FlashAttention-4 installed or `have_fa4`, MEGATRON_SPLITKV_AUTO_FA4 not 0, not
-    --deterministic-mode, bf16 / fp16 parameters); else the flag's value ("auto" = not fa4 here)."""
+    auto where it will pick fa4 (FlashAttention-4 installed or `have_fa4`, not --deterministic-mode, bf16 / fp16
+    parameters); else the flag's value ("auto" = not fa4 here)."""
     if kernel != "auto" or getattr(args, "deterministic_mode", False):
         return kernel
     if not (getattr(args, "bf16", True) or getattr(args, "fp16", False)):  # fa4 runs bf16 / fp16 only
         return kernel
-    from ..kernels import auto_fa4  # noqa: PLC0415
-
-    return "fa4" if auto_fa4() and (_fa4_available() if have_fa4 is None else have_fa4) else kernel
+    return "fa4" if (_fa4_available() if have_fa4 is None else have_fa4) else kernel
 
 
-#: args attributes of `validate_splitkv_args`' automatic choices (shown by the start-up line and --parse-only)
-#: and of the variables it exported for them ({name: value}; `runtime_flag_values` tells them from the user's)
-_AUTO_ATTRS = ("splitkv_cp_ranks_per_node_auto", "splitkv_pipeline_auto", "splitkv_auto_env")
-#: every variable `validate_splitkv_args` set in os.environ in THIS process, whatever the args namespace (its
-#: automatic choices, its flags' values, the clamped MEGATRON_SPLITKV_RANKS_PER_NODE): {name: (the value it
-#: set, the value before it or None)}. The environment is the process's, not a namespace's: a second call,
-#: on any namespace, undoes them first (`_undo_auto`), so that it sees the user's environment again
-_EXPORTED: dict = {}
-
-
-def _set_env(name: str, value) -> None:
-    """os.environ[name] = value, recorded in `_EXPORTED` with the value it replaces (the first one this call
-    replaced, when set twice)."""
-    value = str(value)
-    before = _EXPORTED[name][1] if name in _EXPORTED else os.environ.get(name)
-    _EXPORTED[name] = (value, before)
-    os.environ[name] = value
-
-
-def _undo_auto(args) -> None:
-    """Forget the previous `validate_splitkv_args` call's exports (this namespace's or another's, `_EXPORTED`):
-    each variable still holding the value it set gets its earlier value back (removed when it had none); one
-    changed since is the user's and kept. Then drop args' records of automatic choices, so that this call
-    sees the user's environment (a second call took the first call's exports for the user's and named them
-    so; another namespace inherited them: head chunks on a CP group inside one node)."""
-    for name, (value, before) in list(_EXPORTED.items()):
-        if os.environ.get(name) == value:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
-    _EXPORTED.clear()
-    for attr in _AUTO_ATTRS:
-        vars(args).pop(attr, None)
-
-
-def _export_auto(args, exports: dict) -> None:
-    """Set the variables `exports` ({name: value}) chosen automatically (`_set_env`), and remember them in
-    args.splitkv_auto_env (what `runtime_flag_values` shows as automatic)."""
-    for name, value in exports.items():
-        _set_env(name, value)
-    args.splitkv_auto_env = {**(getattr(args, "splitkv_auto_env", None) or {}), **exports}
-
-
-def _head_split_chunks():
-    """The chunk count MEGATRON_SPLITKV_HEAD_SPLIT fixes (its comma-separated entries), None when it is unset or
-    empty (its values are checked by `_check_op_env`)."""
-    text = os.environ.get(HEAD_SPLIT_ENV, "").strip()
-    return len(text.split(",")) if text else None
-
-
-def _export_pipeline_flags(args) -> None:
-    """--splitkv-num-chunks (>= 1), --splitkv-chunk-axis (rows | heads) checked and exported as their
-    variables (the flag wins over the variable); SplitKVArgumentError naming the flag."""
-    chunks = _int_arg(args, "splitkv_num_chunks", "--splitkv-num-chunks", None, 1)
-    split_k = _head_split_chunks()
-    if chunks is not None and split_k is not None and chunks != split_k:
-        # the op ignores MEGATRON_SPLITKV_NUM_CHUNKS under a head split: the flag would be dropped silently
-        raise SplitKVArgumentError(
-            f"--splitkv-num-chunks {chunks} differs from the {split_k} chunks of {HEAD_SPLIT_ENV}="
-            f"{_shown(os.environ[HEAD_SPLIT_ENV].strip())} (the split fixes the chunk count: drop the flag or "
-            "the variable)")
-    if chunks is not None:
-        _set_env(NUM_CHUNKS_ENV, chunks)
-    axis = getattr(args, "splitkv_chunk_axis", None)
-    if axis is not None:
-        if axis not in CHUNK_AXES:
-            raise SplitKVArgumentError(f"--splitkv-chunk-axis must be one of {CHUNK_AXES}, got {axis!r}")
-        _set_env(CHUNK_AXIS_ENV, axis)
-
-
-def _check_op_env(args, tp: int, cp: int) -> None:
-    """The op's environment variables, checked at start-up (and by --parse-only) as the op resolves them when
-    it prepares a step (`ops.metadata.env_request_row`: MEGATRON_SPLITKV_NUM_CHUNKS, _RANKS_PER_NODE,
-    _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS, _HEAD_SPLIT), the head split also against the kv
-    heads per tensor-parallel rank and MEGATRON_SPLITKV_OVERLAP_Q_GATHER; a
-    malformed value is a SplitKVArgumentError naming the variable (it raised only in the first attention call)."""
-    from ..ops.metadata import _requested_head_split, env_request_row  # noqa: PLC0415
-    from .layers import resolve_overlap_query_gather  # noqa: PLC0415
-
-    try:
-        axis = env_request_row(cp)[3]
-        resolve_overlap_query_gather(None)
-        if os.environ.get(HEAD_SPLIT_ENV, "").strip() and _kv_heads(args) is not None:
-            _requested_head_split(None, int(_kv_heads(args)) // tp, axis)
-    except ValueError as exc:
-        hint = " (with Megatron: --splitkv-chunk-axis heads)" if "needs chunk_axis 'heads'" in str(exc) else ""
-        raise SplitKVArgumentError(str(exc) + hint) from exc
+#: args attributes of `validate_splitkv_args`' automatic choices (shown by the start-up line and --parse-only),
+#: of the config fields it chose ({field: value}) and of the config it built
+_AUTO_ATTRS = ("splitkv_cp_ranks_per_node_auto", "splitkv_pipeline_auto", "splitkv_auto_fields", "splitkv_config")
 
 
 def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
@@ -733,22 +646,18 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     KERNEL_BACKENDS; `--attention-dropout` must be 0; the local spec cannot run `--sequence-parallel`;
     `--dflash-data-workers` in 0..MAX_DATA_WORKERS (32), `--dflash-data-prefetch` >= 1; `--dflash-host-metadata on` only with
     `--context-parallel-impl splitkv`; `--dflash-device-prefetch` on / off;
-    `--splitkv-cp-ranks-per-node` (else the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE) a
-    positive int, clamped to the CP size, then a divisor of it; exported as that environment variable,
-    which the op reads when it prepares a step (neither set, impl splitkv: `auto_cp_ranks_per_node`, exported
-    when > 1, the choice and why in args.splitkv_cp_ranks_per_node_auto); `--splitkv-num-chunks` >= 1,
-    `--splitkv-chunk-axis` rows / heads, exported as MEGATRON_SPLITKV_NUM_CHUNKS,
-    _CHUNK_AXIS (none of them nor MEGATRON_SPLITKV_HEAD_SPLIT set, impl splitkv: `auto_pipeline`,
-    exported, the choice and why in args.splitkv_pipeline_auto); the op's other environment variables
-    (`_check_op_env`: MEGATRON_SPLITKV_NUM_CHUNKS, _FUSED_BWD_GATHER_MIN_P, _CHUNK_AXIS,
-    _HEAD_SPLIT, _OVERLAP_Q_GATHER). Calling it again, on the same args or another namespace, gives
-    what that namespace gets alone: every variable an earlier call exported (automatically or for a flag) is
-    first put back to the user's value (`_undo_auto`), not taken for the user's.
+    `--splitkv-cp-ranks-per-node` a positive int, clamped to the CP size, then a divisor of it (unset, impl
+    splitkv: `auto_cp_ranks_per_node` from the launcher's processes per node, the choice and why in
+    args.splitkv_cp_ranks_per_node_auto); `--splitkv-num-chunks` >= 1, `--splitkv-chunk-axis` rows / heads
+    (neither set, impl splitkv: `auto_pipeline`, the choice and why in args.splitkv_pipeline_auto).
+    Builds the op's `SplitKVConfig` from them (args.splitkv_config, `splitkv_config_from_args`); nothing is
+    written to the process environment, and calling it again on any namespace gives what it gets alone.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
-    _undo_auto(args)  # an earlier call's exports (any namespace's): this call sees the user's environment
+    for attr in _AUTO_ATTRS:  # an earlier call's choices on this namespace
+        vars(args).pop(attr, None)
     if getattr(args, "dflash_data_workers", None) is not None:  # None: resolved at run time (CUDA or not)
         data_workers_from_args(args)
     data_prefetch_from_args(args)
@@ -812,40 +721,33 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         )
     rpn = getattr(args, "splitkv_cp_ranks_per_node", None)
     flag = "--splitkv-cp-ranks-per-node"
-    if rpn is None and os.environ.get(RANKS_PER_NODE_ENV, "").strip():  # checked here too: fail at start-up
-        raw, flag = os.environ[RANKS_PER_NODE_ENV].strip(), RANKS_PER_NODE_ENV
-        rpn = parse_int(raw, flag, minimum=1, what="a positive int", error=SplitKVArgumentError)
     if rpn is not None:
         rpn = _as_int(rpn, flag)
         if rpn < 1:
             raise SplitKVArgumentError(f"{flag} must be a positive int, got {rpn}")
-        rpn = min(rpn, cp)  # as the op clamps the environment variable: L >= CP = one all-to-all
+        rpn = min(rpn, cp)  # as the op clamps SplitKVConfig.cp_ranks_per_node: L >= CP = one all-to-all
         if cp % rpn:
             raise SplitKVArgumentError(
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
-        # the op reads it when the step's metadata is prepared, identically on every rank
-        _set_env(RANKS_PER_NODE_ENV, rpn)
-    elif impl == "splitkv":  # neither the flag nor the variable: from the launcher's processes per node
+    elif impl == "splitkv":  # no flag: from the launcher's processes per node
         auto, why = auto_cp_ranks_per_node(tp, cp)
         args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"
-        if auto > 1:
-            _export_auto(args, {RANKS_PER_NODE_ENV: str(auto)})
+        rpn = auto if auto > 1 else None
     if impl != "splitkv":  # the baselines have no merge pipeline: a flag given for it would be ignored silently
         for attr, flag, _, _ in _PIPELINE_FLAGS:
             if getattr(args, attr, None) is not None:
                 raise SplitKVArgumentError(f"{flag} applies to --context-parallel-impl splitkv only (the merge "
                                            f"pipeline), got --context-parallel-impl {impl}")
-    _export_pipeline_flags(args)
-    if impl == "splitkv":  # none of the pipeline's flags and variables: 2 head chunks when the group spans nodes
+    auto_fields = {}
+    flags_set = [flag for attr, flag, _, _ in _PIPELINE_FLAGS if getattr(args, attr, None) is not None]
+    if impl == "splitkv" and flags_set:
+        args.splitkv_pipeline_auto = f"auto -> off (set by a flag: {', '.join(flags_set)})"
+    elif impl == "splitkv":  # none of the pipeline's flags: 2 head chunks when the group spans nodes
         kv = _kv_heads(args)
-        try:
-            _local_kernel(args, kernel, have_fa4)
-        except ValueError as exc:  # a malformed MEGATRON_SPLITKV_AUTO_FA4
-            raise SplitKVArgumentError(str(exc)) from exc
-        exports, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp)
-        args.splitkv_pipeline_auto = f"auto -> {_pipeline_label(exports)} ({why})"
-        _export_auto(args, exports)
-    _check_op_env(args, tp, cp)
+        auto_fields, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp)
+        args.splitkv_pipeline_auto = f"auto -> {_pipeline_label(auto_fields)} ({why})"
+        args.splitkv_auto_fields = auto_fields
+    args.splitkv_config = _config_from_flags(args, rpn, auto_fields)
     if getattr(args, "transformer_impl", None) == "local" and getattr(args, "sequence_parallel", False):
         raise SplitKVArgumentError(
             "--sequence-parallel is not supported by the local spec (torch norms); use "

@@ -34,6 +34,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .._ints import as_int
+from ..config import SplitKVConfig, resolve_config
 from ..ops import (
     SplitKVQueryGather,
     allgather_kv_attention,
@@ -42,7 +43,7 @@ from ..ops import (
     splitkv_attention,
     splitkv_start_query_gather,
 )
-from ..ops.metadata import SplitKVMetadata, raise_on_every_rank
+from ..ops.metadata import SplitKVMetadata, check_prepared_config, raise_on_every_rank
 from .arguments import CP_IMPLS
 
 __all__ = [
@@ -114,7 +115,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
     layer (and the early query gather) then uses it instead of preparing (no collective, no host sync);
     `op_metadata` checks that it matches the layer (impl, CP group, block size, Hq / Hkv per TP rank, head
     dim, dtype, device, local block and context counts; ValueError naming what differs). The caller
-    guarantees that it describes THIS micro-batch (with MEGATRON_SPLITKV_DEBUG_CHECKS=1 its q_anchor /
+    guarantees that it describes THIS micro-batch (with the metadata's config.debug_checks its q_anchor /
     kv_seq / kv_pos and q_seq on valid blocks are compared with this object's, one host sync per layer).
 
     Errors: `validate()` raises ValueError on shape/dtype mismatches.
@@ -159,7 +160,8 @@ class DFlashPackedSeqParams(PackedSeqParams):
         return (anchor[:, None] + offs[None, :]).reshape(-1)
 
     def op_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                    dtype: torch.dtype, device, cp_group=None, backend: str = "auto") -> SplitKVMetadata:
+                    dtype: torch.dtype, device, cp_group=None, backend: str = "auto",
+                    config: Optional[SplitKVConfig] = None) -> SplitKVMetadata:
         """The CP op's `SplitKVMetadata` for this micro-batch, prepared on the first call (collective:
         every rank of `cp_group` calls it, as every rank runs the same layers) with
         `prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=..., impl=cp_impl, ...)`
@@ -167,7 +169,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
         num_heads_q, num_heads_kv, head_dim, dtype, device, id(cp_group)). Pass it to the op as
         `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None). `backend`: the
         kernel the calls pass (prepare's `backend`: only "auto" takes part in the group-wide check of what
-        "auto" resolves to).
+        "auto" resolves to). `config`: the layer's `SplitKVConfig` (prepare's `config`; None: the defaults).
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
@@ -177,31 +179,33 @@ class DFlashPackedSeqParams(PackedSeqParams):
         call (ValueError "DFlashPackedSeqParams.metadata ... : <field> ..." naming what differs; the same
         on every rank, before any collective); nothing is prepared."""
         device = torch.device(device)
-        key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group))
+        config = resolve_config(config)
+        key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
+               config.digest())
         meta = self._op_metadata.get(key)
         if meta is None and self.metadata is not None:
             self.check_metadata(cp_impl, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                                dtype=dtype, device=device, cp_group=cp_group)
+                                dtype=dtype, device=device, cp_group=cp_group, config=config)
             meta = self._op_metadata[key] = self.metadata
         if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
             meta = prepare_splitkv_metadata(
                 self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
                 num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
-                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend,
+                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
             )
             self._op_metadata[key] = meta
         return meta
 
     def check_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                       dtype: torch.dtype, device, cp_group=None) -> None:
+                       dtype: torch.dtype, device, cp_group=None, config: Optional[SplitKVConfig] = None) -> None:
         """Raise ValueError unless `self.metadata` (bound metadata built ahead) fits a layer call with
         these arguments: a bound `SplitKVMetadata` of impl `cp_impl` (splitkv), bound to `cp_group` (the
         same process group object; None: the default group / one process), with this block size, Hq, Hkv
-        (per TP rank), head dim, dtype, device, and this rank's query block / context token counts. Local
-        checks only (no collective, no host sync; with MEGATRON_SPLITKV_DEBUG_CHECKS=1 also the index
+        (per TP rank), head dim, dtype, device, this rank's query block / context token counts, and the
+        layer's `config` (None: the defaults; fields set by the build's keyword arguments excepted). Local
+        checks only (no collective, no host sync; with the metadata's `config.debug_checks` also the index
         values, one host sync)."""
         from ..comm import resolve_group
-        from ..ops.common import debug_checks
 
         meta, where = self.metadata, "DFlashPackedSeqParams.metadata"
         if not isinstance(meta, SplitKVMetadata):
@@ -230,6 +234,10 @@ class DFlashPackedSeqParams(PackedSeqParams):
                                 ("device", torch.device(meta.device), torch.device(device))):
             if got != want:
                 diffs.append(f"{name} {got} (layer: {want})")
+        try:
+            check_prepared_config(resolve_config(config), meta.config)
+        except ValueError as exc:
+            diffs.append(str(exc))
         if not diffs:
             r = meta.group.rank
             for name, got, want in (("query blocks of this rank", meta.n_blocks[r], self.num_blocks),
@@ -239,14 +247,14 @@ class DFlashPackedSeqParams(PackedSeqParams):
         if diffs:
             raise ValueError(f"{where} does not match this layer / micro-batch: " + "; ".join(diffs)
                              + " (build it with the layer's shapes: MetadataSpec / splitkv_metadata_spec)")
-        if debug_checks():
+        if meta.config.debug_checks:
             valid = self.q_anchor >= 0
             same = (torch.equal(meta.q_anchor, self.q_anchor) and torch.equal(meta.kv_seq, self.kv_seq)
                     and torch.equal(meta.kv_pos, self.kv_pos)
                     and torch.equal(meta.q_seq[valid], self.q_seq[valid]))
             if not same:
                 raise ValueError(f"{where} describes another micro-batch: its q_seq / q_anchor / kv_seq / kv_pos "
-                                 "differ from this DFlashPackedSeqParams' (MEGATRON_SPLITKV_DEBUG_CHECKS)")
+                                 "differ from this DFlashPackedSeqParams' (SplitKVConfig.debug_checks)")
 
     def validate(self) -> None:
         """Raise ValueError when the metadata is inconsistent."""
@@ -309,7 +317,8 @@ class SplitKVCoreAttention(MegatronModule):
     attention_type, cp_comm_type, softmax_scale, pg_collection`, plus `cp_impl` (bind it with
     `functools.partial` in a spec; see `megatron_splitkv.megatron.specs.splitkv_core_attention`).
     The CP group is `pg_collection.cp`, else `parallel_state.get_context_parallel_group()`.
-    `cp_comm_type` is ignored (the implementation is chosen by `cp_impl`).
+    `cp_comm_type` is ignored (the implementation is chosen by `cp_impl`). `splitkv_config`: the op's
+    `SplitKVConfig` (None: the defaults), given to every op call and metadata prepare of the layer.
 
     Call: `forward(query, key, value, attention_mask, *, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None, query_gather=None)` with heads already split by TP:
@@ -353,6 +362,7 @@ class SplitKVCoreAttention(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
         cp_impl: str = "splitkv",
         kernel_backend: str = "auto",
+        splitkv_config: Optional[SplitKVConfig] = None,
         **unused,
     ):
         super().__init__(config=config)
@@ -369,6 +379,7 @@ class SplitKVCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.cp_impl = cp_impl
         self.kernel_backend = kernel_backend
+        self.splitkv_config = resolve_config(splitkv_config)
         cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
         if cp is None and parallel_state.model_parallel_is_initialized():
             cp = parallel_state.get_context_parallel_group(check_initialized=False)
@@ -405,6 +416,7 @@ class SplitKVCoreAttention(MegatronModule):
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=num_heads_kv, head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
+            config=self.splitkv_config,
         )
         return DFlashQueryGather(query=query, q=q, gather=splitkv_start_query_gather(q, metadata=meta),
                                  params=params)
@@ -461,6 +473,7 @@ class SplitKVCoreAttention(MegatronModule):
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
+            config=self.splitkv_config,
         )
         extra = {} if query_gather is None else {"query_gather": query_gather.gather}
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
@@ -571,5 +584,5 @@ class SplitKVCoreAttention(MegatronModule):
         fn = resolve_cp_attention_fn(self.cp_impl)
         out = fn(flat(query), flat(key), flat(value), None, None, q_seq, q_anchor, kv_seq, kv_pos,
                  block_size=1, cp_group=self.cp_group, softmax_scale=self._scale(query.shape[-1]),
-                 backend=self.kernel_backend)  # [b*sq, H, D]
+                 backend=self.kernel_backend, config=self.splitkv_config)  # [b*sq, H, D]
         return out.reshape(b, sq, -1).transpose(0, 1).contiguous()

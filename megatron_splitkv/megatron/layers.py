@@ -25,7 +25,6 @@ state dict are inherited unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,6 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.typed_torch import apply_module
 from megatron.core.utils import get_pg_size
 
+from ..config import SplitKVConfig, resolve_config
 from .arguments import check_attention_heads
 from .attention import DFlashPackedSeqParams
 
@@ -51,28 +51,15 @@ __all__ = [
     "DFlashAttention",
     "DFlashTransformerLayer",
     "apply_rope",
-    "OVERLAP_Q_GATHER_ENV",
     "resolve_overlap_query_gather",
 ]
 
-#: environment variable read when `overlap_query_gather` is None: "0" / "false" / "off" / "no" turn the
-#: early Split-KV query all-gather off (A/B measurements), "1" / "true" / "on" / "yes" (or unset) leave it on.
-OVERLAP_Q_GATHER_ENV = "MEGATRON_SPLITKV_OVERLAP_Q_GATHER"
-_OFF, _ON = ("0", "false", "off", "no"), ("1", "true", "on", "yes", "")
-
-
-def resolve_overlap_query_gather(value: Optional[bool]) -> bool:
-    """`overlap_query_gather` of `DFlashAttention`: True / False as given; None = the environment
-    variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0", "false", "off", "no": off; "1", "true", "on", "yes" or
-    unset: on; case-insensitive). Raises ValueError naming the variable for any other value ("maybe" was
-    taken as on)."""
+def resolve_overlap_query_gather(value: Optional[bool], config: Optional[SplitKVConfig] = None) -> bool:
+    """`overlap_query_gather` of `DFlashAttention`: True / False as given; None = `config.overlap_q_gather`
+    (None: the default, on)."""
     if value is not None:
         return bool(value)
-    env = os.environ.get(OVERLAP_Q_GATHER_ENV, "").strip().lower()
-    if env not in _OFF + _ON:
-        raise ValueError(f"{OVERLAP_Q_GATHER_ENV} must be one of 0/false/off/no or 1/true/on/yes (or unset), "
-                         f"got {os.environ[OVERLAP_Q_GATHER_ENV]!r}")
-    return env not in _OFF
+    return resolve_config(config).overlap_q_gather
 
 
 def apply_rope(x: Tensor, positions: Tensor, *, base: float, rotary_percent: float = 1.0) -> Tensor:
@@ -120,11 +107,11 @@ class DFlashAttention(Attention):
 
     Built by `build_module` from a spec (see `megatron_splitkv.megatron.specs.get_dflash_layer_spec`)
     with `config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection`, plus spec
-    params `rotary_base` (None = no RoPE), `rotary_percent` and `overlap_query_gather`.
+    params `rotary_base` (None = no RoPE), `rotary_percent`, `overlap_query_gather` and `splitkv_config`.
 
     Order of the forward (docs/perf-notes.md item 3): q (projection, q-norm, RoPE) first; then, with
-    `overlap_query_gather` (default: on unless the environment variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER
-    is "0"; `--splitkv-no-overlap-q-gather` turns it off in the training scripts), the core attention
+    `overlap_query_gather` (default: `splitkv_config.overlap_q_gather`, on; `--splitkv-no-overlap-q-gather`
+    turns it off in the training scripts), the core attention
     starts Split-KV's query all-gather (`SplitKVCoreAttention.start_query_gather`; a no-op for the
     baselines and at CP size 1); then k/v of [context | block tokens] (projection, k-norm, RoPE), which
     overlap the gather; then the core attention consumes it (`query_gather=`). In backward the k/v
@@ -162,6 +149,7 @@ class DFlashAttention(Attention):
         pp_layer_offset: Optional[int] = None,
         name: Optional[str] = None,
         overlap_query_gather: Optional[bool] = None,
+        splitkv_config: Optional[SplitKVConfig] = None,
     ):
         if pg_collection is not None and getattr(pg_collection, "tp", None) is not None:
             tp_size = get_pg_size(pg_collection.tp)
@@ -185,7 +173,7 @@ class DFlashAttention(Attention):
         )
         self.rotary_base = rotary_base
         self.rotary_percent = rotary_percent
-        self.overlap_query_gather = resolve_overlap_query_gather(overlap_query_gather)
+        self.overlap_query_gather = resolve_overlap_query_gather(overlap_query_gather, splitkv_config)
         bias = config.add_bias_linear or config.add_qkv_bias
         self.linear_q = submodules.linear_q(
             config.hidden_size,

@@ -29,7 +29,7 @@ __all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "pre
 
 def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backend: str = "auto",
                           cuda: Optional[bool] = None, num_chunks: Optional[int] = None,
-                          cp_ranks_per_node: Optional[int] = None):
+                          cp_ranks_per_node: Optional[int] = None, splitkv_config=None):
     """The `data.pipeline.MetadataSpec` of the drafter's Split-KV core attention, derived from its
     `TransformerConfig` exactly as Megatron's `Attention` splits the heads over tensor parallelism: Hq =
     num_attention_heads / TP, Hkv = num_query_groups (None: num_attention_heads) / TP, head_dim =
@@ -41,7 +41,8 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
         kernel_backend: `--splitkv-kernel`; the FlexAttention block tables are built on the host (the first
             layer's flex call then builds no BlockMask) for auto / flex / staircase on CUDA.
         cuda: whether the model runs on CUDA (default: torch.cuda.is_available()).
-        num_chunks, cp_ranks_per_node: as the core attention's prepare (None: the environment variables).
+        num_chunks, cp_ranks_per_node: as the core attention's prepare (None: splitkv_config's fields).
+        splitkv_config: the core attention's `SplitKVConfig` (None: the defaults), carried by the metadata.
     Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
     """
     from megatron_splitkv.data.pipeline import MetadataSpec
@@ -56,7 +57,8 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
     cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
     return MetadataSpec(num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
                         dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                        flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"))
+                        flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"),
+                        config=splitkv_config)
 
 
 def planner_kwargs_from_args(args) -> dict:

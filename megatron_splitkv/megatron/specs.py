@@ -29,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from ..config import SplitKVConfig
 from .arguments import CP_IMPLS, SplitKVArgumentError
 from .attention import SplitKVCoreAttention
 from .layers import DFlashAttention, DFlashAttentionSubmodules, DFlashTransformerLayer
@@ -49,17 +50,19 @@ def have_te() -> bool:
     return bool(HAVE_TE)
 
 
-def splitkv_core_attention(cp_impl: str = "splitkv", kernel_backend: str = "auto"):
+def splitkv_core_attention(cp_impl: str = "splitkv", kernel_backend: str = "auto",
+                           splitkv_config: Optional[SplitKVConfig] = None):
     """Core-attention builder (Megatron-Core 0.19 `CoreAttentionBuilder`) bound to a CP implementation
-    (`splitkv`, `allgather-kv`, `ring-kv`). Raises SplitKVArgumentError naming
+    (`splitkv`, `allgather-kv`, `ring-kv`), a kernel backend and the op's `SplitKVConfig` (None: defaults). Raises SplitKVArgumentError naming
     `--context-parallel-impl` for anything else."""
     if cp_impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {cp_impl!r}")
-    return functools.partial(SplitKVCoreAttention, cp_impl=cp_impl, kernel_backend=kernel_backend)
+    return functools.partial(SplitKVCoreAttention, cp_impl=cp_impl, kernel_backend=kernel_backend,
+                             splitkv_config=splitkv_config)
 
 
 def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_backend, qk_layernorm,
-                 rotary_base, rotary_percent, fused_pre_mlp_norm, overlap_query_gather=None):
+                 rotary_base, rotary_percent, fused_pre_mlp_norm, overlap_query_gather=None, splitkv_config=None):
     attn = ModuleSpec(
         module=DFlashAttention,
         params={
@@ -67,11 +70,12 @@ def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_bac
             "rotary_base": rotary_base,
             "rotary_percent": rotary_percent,
             "overlap_query_gather": overlap_query_gather,
+            "splitkv_config": splitkv_config,
         },
         submodules=DFlashAttentionSubmodules(
             linear_q=linear_col,
             linear_kv=linear_col,
-            core_attention=splitkv_core_attention(cp_impl, kernel_backend),
+            core_attention=splitkv_core_attention(cp_impl, kernel_backend, splitkv_config),
             linear_proj=linear_row,
             q_layernorm=qk_norm if qk_layernorm else None,
             k_layernorm=qk_norm if qk_layernorm else None,
@@ -93,20 +97,22 @@ def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_bac
 def get_dflash_layer_local_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = True,
                                 rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
                                 kernel_backend: str = "auto",
-                                overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
+                                overlap_query_gather: Optional[bool] = None,
+                                splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
     """DFlash drafter layer with Megatron-Core's own modules (ColumnParallelLinear/RowParallelLinear,
     torch norms following `config.normalization`, e.g. RMSNorm; MLP from the local backend, gated if
     `config.gated_linear_unit`). Runs on CPU. See `get_dflash_layer_spec` for the arguments."""
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
     return _dflash_spec(ColumnParallelLinear, RowParallelLinear, WrappedTorchNorm, WrappedTorchNorm, mlp,
                         cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent, False,
-                        overlap_query_gather)
+                        overlap_query_gather, splitkv_config)
 
 
 def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = True,
                              rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
                              kernel_backend: str = "auto",
-                             overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
+                             overlap_query_gather: Optional[bool] = None,
+                             splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
     """DFlash drafter layer with Transformer Engine linears and norms (TEColumnParallelLinear,
     TERowParallelLinear, TENorm; the MLP's pre-norm fused into TELayerNormColumnParallelLinear).
     The input norm stays a separate TENorm because its output feeds both q and k/v projections.
@@ -123,13 +129,14 @@ def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = T
     mlp = get_mlp_module_spec_for_backend(backend=backend)
     return _dflash_spec(TEColumnParallelLinear, TERowParallelLinear, TENorm, backend.layer_norm(for_qk=True),
                         mlp, cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent,
-                        backend.fuse_layernorm_and_linear(), overlap_query_gather)
+                        backend.fuse_layernorm_and_linear(), overlap_query_gather, splitkv_config)
 
 
 def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[bool] = None, *,
                           qk_layernorm: bool = True, rotary_base: Optional[float] = 1_000_000.0,
                           rotary_percent: float = 1.0, kernel_backend: str = "auto",
-                          overlap_query_gather: Optional[bool] = None) -> ModuleSpec:
+                          overlap_query_gather: Optional[bool] = None,
+                          splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
     """ModuleSpec of one DFlash drafter layer (`DFlashTransformerLayer`), fanned out by
     `TransformerBlock` to `config.num_layers` (per pipeline stage).
 
@@ -140,8 +147,10 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
         rotary_base: RoPE theta (Qwen3: 1e6); None disables RoPE. rotary_percent: rotated fraction.
         kernel_backend: local attention kernel passed to the op (`backend=`), default "auto".
         overlap_query_gather: start Split-KV's query all-gather before the k/v projections
-            (`DFlashAttention`; docs/perf-notes.md item 3); None = the environment variable
-            MEGATRON_SPLITKV_OVERLAP_Q_GATHER ("0" = off), default on. No effect for the baselines.
+            (`DFlashAttention`; docs/perf-notes.md item 3); None = `splitkv_config.overlap_q_gather`
+            (default on). No effect for the baselines.
+        splitkv_config: the op's `SplitKVConfig` (None: the defaults), in the attention's and the core
+            attention's params (`megatron.arguments.splitkv_config_from_args` builds it from the flags).
     Config requirements: `attention_dropout == 0`; num_attention_heads and num_query_groups divisible
     by TP (checked at construction); `add_bias_linear=False` matches Qwen3.
     Raises SplitKVArgumentError for an unknown cp_impl or use_te=True without TE."""
@@ -152,4 +161,5 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
         use_te = have_te()
     fn = get_dflash_layer_te_spec if use_te else get_dflash_layer_local_spec
     return fn(cp_impl, qk_layernorm=qk_layernorm, rotary_base=rotary_base, rotary_percent=rotary_percent,
-              kernel_backend=kernel_backend, overlap_query_gather=overlap_query_gather)
+              kernel_backend=kernel_backend, overlap_query_gather=overlap_query_gather,
+              splitkv_config=splitkv_config)

@@ -20,11 +20,9 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .._ints import env_switch, parse_int
+from ..config import FUSED_BWD_GATHER_MIN_P
 from ..kernels.base import IntervalMask
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -193,52 +191,8 @@ def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
     return o, lse
 
 
-#: Environment variable: the smallest CP group size whose backward gathers dO and (delta, lse) in ONE
-#: all-gather per chunk (`fuse_bwd_gather`); default 9, i.e. groups larger than an 8-GPU node.
-FUSED_BWD_GATHER_MIN_P_ENV = "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"
-
-
-#: default of FUSED_BWD_GATHER_MIN_P_ENV: groups larger than one 8-GPU node
-FUSED_BWD_GATHER_MIN_P = 9
 #: largest threshold the agreement row carries (`ops.metadata._request_code`); larger values mean the same
 _MAX_FUSED_MIN_P = 1 << 14
-
-
-def env_positive_int(name: str, maximum: int | None = None):
-    """The positive int in environment variable `name`, or None when it is unset or empty (whitespace
-    stripped). Raises ValueError naming the variable for anything else (not a plain decimal integer
-    (`_ints.parse_int`: "+2", "2.0", "1_0" are errors), < 1, or > `maximum` when given: the message then
-    names the limit, "a positive int <= maximum")."""
-    env = os.environ.get(name, "").strip()
-    if not env:
-        return None
-    limit = "a positive int" if maximum is None else f"a positive int <= {maximum}"
-    return parse_int(env, name, minimum=1, maximum=maximum, what=limit)
-
-
-def fused_bwd_gather_min_p() -> int:
-    """The fused-gather threshold from the environment: MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P (a positive
-    int; unset or empty: `FUSED_BWD_GATHER_MIN_P` = 9), saturated at 2**14 (no CP group is that large).
-    Read where the ops validate group-wide (prepare / per-call agreement rows), so every rank uses the
-    same value or every rank raises. Raises ValueError naming the variable for a malformed value."""
-    min_p = env_positive_int(FUSED_BWD_GATHER_MIN_P_ENV)
-    return FUSED_BWD_GATHER_MIN_P if min_p is None else min(min_p, _MAX_FUSED_MIN_P)
-
-
-DEBUG_CHECKS_ENV = "MEGATRON_SPLITKV_DEBUG_CHECKS"
-
-
-def debug_checks() -> bool:
-    """Whether the ops re-check the interval masks they build themselves against the union contract of
-    `kernels/base.py` (`IntervalMask.validate` / `validate_flags`): MEGATRON_SPLITKV_DEBUG_CHECKS "1" on,
-    "0" / unset / empty off (the default). The masks come from validated inputs by construction (first
-    intervals from a searchsorted over the sorted keys, second intervals B-long and disjoint by layout), so
-    the check cannot fail for any input; off it saves ~25 small device ops of every prepare
-    (docs/perf-notes.md item 13, launch-bound on the GPU). The test suite runs with it on (tests/conftest.py)
-    and checks that both settings give identical results. Input validation is NOT affected.
-
-    Raises: ValueError naming the variable for any other value."""
-    return env_switch(DEBUG_CHECKS_ENV, default=False)
 
 
 _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per process
@@ -306,16 +260,15 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
     Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
-    (the metadata's agreed `fused_bwd_gather_min_p`; None: `fused_bwd_gather_min_p()`, the environment
-    variable MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, default 9: larger than one 8-GPU node).
+    (the metadata's agreed `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
+    node; `SplitKVConfig.fused_bwd_gather_min_p`).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
     one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
     fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
     results either way (bit for bit).
-
-    Raises ValueError (min_p None) when the environment variable is malformed."""
+"""
     if min_p is None:
-        min_p = fused_bwd_gather_min_p()
+        min_p = FUSED_BWD_GATHER_MIN_P
     return bool(two_level) or cp_size >= min_p
 
 
@@ -388,13 +341,14 @@ def own_key_start(num_ctx: int) -> int:
 
 
 def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int, *, first_block: int = 0,
-                    first_key_block: int = 0) -> IntervalMask:
+                    first_key_block: int = 0, debug: bool = False) -> IntervalMask:
     """`mask` (context intervals over mask.num_keys sorted keys) extended by own-block second intervals.
 
     Keys of the result: [context (mask.num_keys) ; zeros up to C = own_key_start(mask.num_keys) ; own keys
     of `num_own_blocks` blocks (B each)] (what `with_own_keys` builds). Block first_block + i, for
     i < len(valid), sees own keys [C + (first_key_block + i) * B, + B) when valid[i] (bool); every other
-    block gets an empty second interval. With `debug_checks()` on, validated against the union contract
+    block gets an empty second interval. With `debug` (`SplitKVConfig.debug_checks`), validated against the
+    union contract
     (one host sync: call at metadata time; ValueError when it is violated: a bug of the caller's layout);
     off (the default) the result is correct by construction for any first_block / valid in range.
     """
@@ -407,7 +361,7 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     lo2[first_block:first_block + n] = torch.where(valid, start, c0)
     hi2[first_block:first_block + n] = torch.where(valid, start + bsz, c0)
     out = IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0)
-    return out.validate() if debug_checks() else out
+    return out.validate() if debug else out
 
 
 _ZEROS: dict = {}  # (dtype, device) -> a 0-dim zero, made once per process (read-only)

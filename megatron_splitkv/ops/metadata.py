@@ -22,16 +22,16 @@ are built and let the core attention pass it on.
 Split-KV pipelining (perf-notes item 2): the splitkv metadata also fixes `num_chunks`, the number of query
 chunks the op pipelines its merge over (chunk c = blocks [c * nb_max // k, (c + 1) * nb_max // k) of every
 rank's padded block segment, nb_max = max(n_blocks)), with one precomputed `IntervalMask` per chunk
-(context only, and with the own-block intervals). Default (`num_chunks=None`): the environment variable
-MEGATRON_SPLITKV_NUM_CHUNKS when set, else 1 (measured best over NVLink; 2 is best over a slow link,
+(context only, and with the own-block intervals). Default (`num_chunks=None`): `SplitKVConfig.num_chunks`
+when set, else 1 (measured best over NVLink; 2 is best over a slow link,
 see DEFAULT_NUM_CHUNKS); an explicit value is clamped to [1, max(nb_max, 1)]. It must be the same on every rank (checked group-wide).
-With `chunk_axis="heads"` (or MEGATRON_SPLITKV_CHUNK_AXIS=heads; `resolve_chunk_axis`, agreed group-wide in bit
+With `chunk_axis="heads"` (or `SplitKVConfig(chunk_axis="heads")`; `resolve_chunk_axis`, agreed group-wide in bit
 23 of the request code) the chunks split the heads of all rows instead (ops/splitkv.py item 3 "Head chunks"):
 k clamped to [1, Hkv], `chunk_heads` per chunk, chunks = [(0, nb_max)] * k and the k = 1 masks repeated.
 
 Split-KV's two-level all-to-all (ops/splitkv.py item 5): the splitkv metadata also fixes
-`cp_ranks_per_node` (L, `resolve_ranks_per_node`: the argument, else the environment variable
-MEGATRON_SPLITKV_RANKS_PER_NODE clamped to P, else 1; it must divide P and be the same on every rank,
+`cp_ranks_per_node` (L, `resolve_ranks_per_node`: the argument, else `SplitKVConfig.cp_ranks_per_node`
+clamped to P, else 1; it must divide P and be the same on every rank,
 checked group-wide like num_chunks) and, for 1 < L < P, holds the two cached sub-groups
 (`SplitKVMetadata.node_groups`, `comm.node_groups`). The agreement rows carry it in column 10 next to the
 requested chunk count (`_request_code`: L = 1 leaves the rows exactly as before).
@@ -50,6 +50,7 @@ Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorith
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
@@ -59,18 +60,15 @@ import torch
 
 from .._ints import _shown, as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
-from ..kernels import (BACKENDS, auto_backend_code, auto_backend_text, auto_keys_per_call, get_kernel,
-                       validate_kernel_env)
+from ..config import CHUNK_AXES, DEFAULT_NUM_CHUNKS, FlexOptions, SplitKVConfig, resolve_config
+from ..kernels import BACKENDS, auto_backend_code, auto_backend_text, auto_keys_per_call, get_kernel
 from ..kernels.base import IntervalMask
 from .common import (
+    _MAX_FUSED_MIN_P,
     FUSED_BWD_GATHER_MIN_P,
-    FUSED_BWD_GATHER_MIN_P_ENV,
     SUPPORTED_DTYPES,
     acc_dtype,
-    debug_checks,
     context_keys,
-    env_positive_int,
-    fused_bwd_gather_min_p,
     intervals,
     own_key_start,
     pad_rows,
@@ -79,9 +77,9 @@ from .common import (
 )
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
-           "NUM_CHUNKS_ENV", "check_query_gather_start", "RANKS_PER_NODE_ENV", "resolve_ranks_per_node",
-           "prepare_splitkv_metadata_from_plan", "check_environment_agreement", "CHUNK_AXIS_ENV", "CHUNK_AXES",
-           "resolve_chunk_axis", "env_request_row"]
+           "check_query_gather_start", "resolve_ranks_per_node", "prepare_splitkv_metadata_from_plan",
+           "check_environment_agreement", "CHUNK_AXES", "resolve_chunk_axis", "env_request_row",
+           "check_prepared_config"]
 
 #: accepted `impl` spellings -> canonical op name (the Megatron spellings use dashes).
 IMPLS = {
@@ -115,12 +113,6 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-#: environment variable giving the Split-KV chunk count when `num_chunks` is None (a positive int).
-NUM_CHUNKS_ENV = "MEGATRON_SPLITKV_NUM_CHUNKS"
-#: automatic chunk count (clamped to the largest per-rank block count): 1 (no pipelining). Measured on 2 x H200, CP=2, 128K (docs/perf-notes.md item 2):
-#: k = 1 / 2 / 4 took 44.7 / 47.9 / 55.0 ms over NVLink (chunking costs kernel efficiency and launches) but
-#: 110.5 / 83.1 / 85.7 ms over sockets: set k = 2 for CP groups that cross a slow (inter-node) link.
-DEFAULT_NUM_CHUNKS = 1
 
 
 #: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
@@ -128,33 +120,16 @@ DEFAULT_NUM_CHUNKS = 1
 #: cp_ranks_per_node - 1 from bit 32 (`_request_code`)
 _MAX_REQUESTED_CHUNKS = (1 << 23) - 1
 
-#: environment variable giving Split-KV's chunk axis when `chunk_axis` is None: "rows" or "heads".
-CHUNK_AXIS_ENV = "MEGATRON_SPLITKV_CHUNK_AXIS"
-#: the chunk axes, in the order of their code in the agreement rows (0 = rows, the default)
-CHUNK_AXES = ("rows", "heads")
-
-
-def _requested_axis(chunk_axis) -> int:
-    """The chunk axis as its code for the agreement rows (0 = "rows", 1 = "heads"): chunk_axis, else the
-    environment variable CHUNK_AXIS_ENV (unset or empty: "rows"). Raises ValueError naming the argument or
-    the variable and the allowed values otherwise."""
+def _requested_axis(chunk_axis, config: SplitKVConfig | None = None) -> int:
+    """The chunk axis as its code for the agreement rows (0 = "rows", 1 = "heads"): chunk_axis, else
+    `config.chunk_axis` (None: "rows"). Raises ValueError naming the argument and the allowed values."""
     if chunk_axis is None:
-        import os  # noqa: PLC0415
-
-        value = os.environ.get(CHUNK_AXIS_ENV, "")
-        if value.strip() == "":
-            return 0
-        if value.strip() not in CHUNK_AXES:
-            raise ValueError(f"{CHUNK_AXIS_ENV} must be one of {', '.join(CHUNK_AXES)} (or unset), got {value!r}")
-        return CHUNK_AXES.index(value.strip())
+        return CHUNK_AXES.index(resolve_config(config).chunk_axis)
     if not isinstance(chunk_axis, str) or chunk_axis not in CHUNK_AXES:
         raise ValueError(f"chunk_axis must be None, 'rows' or 'heads', got {chunk_axis!r}")
     return CHUNK_AXES.index(chunk_axis)
 
 
-#: environment variable giving Split-KV's uneven head split when `head_split` is None (docs/perf-notes.md item
-#: 22): a comma list of kv heads per chunk, e.g. "6,2"; only with chunk_axis "heads"
-HEAD_SPLIT_ENV = "MEGATRON_SPLITKV_HEAD_SPLIT"
 #: bit 31 of the agreement rows' request code: set when a head split is requested (the low 23 bits then hold
 #: k + (split code << 5), `_head_split_code`)
 _SPLIT_FLAG = 1 << 31
@@ -187,7 +162,7 @@ def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") ->
 
 
 def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
-    """THE parser of a head split given as text (MEGATRON_SPLITKV_HEAD_SPLIT, the tools' --head-split(s) via
+    """THE parser of a head split given as text (the flag --splitkv-head-split, the tools' --head-split(s) via
     `bench.parse_head_splits`): a comma list of plain decimal ints (`_ints.parse_int`), each positive, summing
     to Hkv = `num_heads_kv`, e.g. "6,2". Returns a tuple of ints. Raises ValueError starting with `what` (the
     variable or flag): the same message as `check_head_split` for a bad sum or count."""
@@ -199,43 +174,27 @@ def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
     return _checked_split_sum(split, num_heads_kv, what)
 
 
-def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None):
-    """The requested head split (kv heads per chunk, a tuple) or None: head_split (`check_head_split`), else the
-    environment variable MEGATRON_SPLITKV_HEAD_SPLIT (`head_split_from_text`; unset or empty: None). Positive
-    ints summing to Hkv = num_heads_kv, only with the chunk axis "heads" (axis code 1), and num_chunks None or
-    len(split) (the split fixes k; the variable MEGATRON_SPLITKV_NUM_CHUNKS does not apply then). Raises
-    ValueError naming the argument or the variable."""
-    import os  # noqa: PLC0415
-
+def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None,
+                          config: SplitKVConfig | None = None):
+    """The requested head split (kv heads per chunk, a tuple) or None: head_split (`check_head_split`), else
+    `config.head_split` (None: the even split). Positive ints summing to Hkv = num_heads_kv, only with the
+    chunk axis "heads" (axis code 1), and num_chunks None or len(split) (the split fixes k). Raises
+    ValueError naming the argument or the config field."""
     what = "head_split"
     if head_split is None:
-        value = os.environ.get(HEAD_SPLIT_ENV, "").strip()
-        if not value:
+        split = resolve_config(config).head_split
+        if split is None:
             return None
-        what = HEAD_SPLIT_ENV
-        split = head_split_from_text(value, num_heads_kv, HEAD_SPLIT_ENV)
+        what = "SplitKVConfig.head_split"
+        split = _checked_split_sum(split, num_heads_kv, what)
     else:
         split = check_head_split(head_split, num_heads_kv)
     if axis != 1:
-        raise ValueError(f"{what} needs chunk_axis 'heads' (or {CHUNK_AXIS_ENV}=heads): it splits the kv heads")
+        raise ValueError(f"{what} needs chunk_axis 'heads': it splits the kv heads")
     if num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=1) != len(split):
         raise ValueError(f"num_chunks={num_chunks} differs from the {len(split)} chunks of {what}="
                          f"{','.join(map(str, split))} (the split fixes the chunk count: pass num_chunks=None)")
     return split
-
-
-def _head_split_env_text() -> str:
-    """MEGATRON_SPLITKV_HEAD_SPLIT as the split it names, normalised ("6,2"; "" when unset or empty), for the
-    comparison of a host build's environment with the training process's (`SplitKVMetadata.bind`)."""
-    import os  # noqa: PLC0415
-
-    value = os.environ.get(HEAD_SPLIT_ENV, "").strip()
-    if not value:
-        return ""
-    try:
-        return ",".join(str(parse_int(x, HEAD_SPLIT_ENV)) for x in value.split(","))
-    except ValueError:
-        return value
 
 
 def _head_split_code(split) -> int:
@@ -264,60 +223,53 @@ def _heads_of_split(split, grp: int) -> list:
     return out
 
 
-def resolve_chunk_axis(chunk_axis=None) -> str:
-    """Split-KV's chunk axis (ops/splitkv.py item 3, "Head chunks"): chunk_axis ("rows" | "heads"), else the
-    environment variable MEGATRON_SPLITKV_CHUNK_AXIS, else "rows". Raises ValueError (naming the argument or
-    the variable and the allowed values) for anything else."""
-    return CHUNK_AXES[_requested_axis(chunk_axis)]
+def resolve_chunk_axis(chunk_axis=None, config: SplitKVConfig | None = None) -> str:
+    """Split-KV's chunk axis (ops/splitkv.py item 3, "Head chunks"): chunk_axis ("rows" | "heads"), else
+    `config.chunk_axis` (None: "rows"). Raises ValueError (naming the argument and the allowed values) for
+    anything else."""
+    return CHUNK_AXES[_requested_axis(chunk_axis, config)]
 
 
-def _requested_chunks(num_chunks) -> int:
-    """The requested chunk count as an int for the agreement rows: num_chunks, else the environment
-    variable NUM_CHUNKS_ENV, else 0 (automatic); saturated at 2**23 - 1 (a larger request clamps to the
-    block count anyway). Raises ValueError for a non-positive / non-int value."""
+def _requested_chunks(num_chunks, config: SplitKVConfig | None = None) -> int:
+    """The requested chunk count as an int for the agreement rows: num_chunks, else `config.num_chunks`,
+    else 0 (automatic); saturated at 2**23 - 1 (a larger request clamps to the block count anyway). Raises
+    ValueError for a non-positive / non-int value."""
     if num_chunks is None:
-        num_chunks = env_positive_int(NUM_CHUNKS_ENV)
+        num_chunks = resolve_config(config).num_chunks
         if num_chunks is None:
             return 0
-        what = NUM_CHUNKS_ENV
-    else:
-        what = "num_chunks"
-    none_or = "None or " if what == "num_chunks" else ""
-    num_chunks = as_int(num_chunks, what, minimum=1, what=f"{none_or}a positive int")
+    num_chunks = as_int(num_chunks, "num_chunks", minimum=1, what="None or a positive int")
     # saturated so that it fits the agreement row's column (a larger value is clamped to the block count
     # anyway); an int beyond int64 would otherwise fail on its own rank only, outside the group verdict
     return min(num_chunks, _MAX_REQUESTED_CHUNKS)
 
 
-#: environment variable giving Split-KV's CP ranks per node when `cp_ranks_per_node` is None.
-RANKS_PER_NODE_ENV = "MEGATRON_SPLITKV_RANKS_PER_NODE"
-
-
-def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int) -> int:
+def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int, config: SplitKVConfig | None = None) -> int:
     """L, the CP ranks per node of Split-KV's two-level all-to-all (the forward merge and the dQ
     exchange; see `ops.splitkv`), for a CP group of size P = cp_size.
 
     Args:
-        cp_ranks_per_node: None (the environment variable MEGATRON_SPLITKV_RANKS_PER_NODE when set, a
-            positive int describing the machine: clamped to P, so a CP group that fits in one node gets
-            the single all-to-all; else 1) or a positive int that divides P. L = 1 or L = P: the single
+        cp_ranks_per_node: None (`config.cp_ranks_per_node` when set, a positive int describing the
+            machine: clamped to P, so a CP group that fits in one node gets the single all-to-all; else
+            1) or a positive int that divides P. L = 1 or L = P: the single
             all-to-all over the whole CP group (today's path, bit-identical); 1 < L < P: two stages.
         cp_size: P.
+        config: `SplitKVConfig` (None: the defaults).
 
     Returns: L, 1 <= L <= P with P % L == 0.
 
     Raises:
-        ValueError: cp_ranks_per_node (or the environment variable) not a positive int, or not dividing
-            P (the message names the argument or the variable, and P).
+        ValueError: cp_ranks_per_node not a positive int, or L not dividing P (the message names the
+            argument or the config field, and P).
     """
     if cp_ranks_per_node is None:
-        env = env_positive_int(RANKS_PER_NODE_ENV)
-        if env is None:
+        given = resolve_config(config).cp_ranks_per_node
+        if given is None:
             return 1
-        value = min(env, cp_size)
+        value = min(given, cp_size)
         if cp_size % value:
-            raise ValueError(f"{RANKS_PER_NODE_ENV}={env} must divide the CP group size P={cp_size} (CP ranks "
-                             "per node: the CP group must cover whole nodes)")
+            raise ValueError(f"SplitKVConfig.cp_ranks_per_node={given} must divide the CP group size P={cp_size} "
+                             "(CP ranks per node: the CP group must cover whole nodes)")
         return value
     cp_ranks_per_node = as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1,
                                what="None or a positive int")
@@ -331,7 +283,7 @@ def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED
                   axis: int = 0, head_split=None) -> int:
     """Column 10 of the agreement rows: the requested chunk count in the low 23 bits, the chunk axis code
     (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, L - 1 in bits 32-47, the fused backward gather's threshold
-    (`ops.common.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before.
+    (`SplitKVConfig.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before.
     head_split (a tuple, `_requested_head_split`): bit 31 set and the low 23 bits = `_head_split_code` instead
     of the requested chunk count (k = len(split)); None leaves the code as before."""
     if head_split is not None:
@@ -361,14 +313,14 @@ _AUTO_COL = 16
 _NO_AUTO = -1
 
 
-def _auto_entry(backend, device, dtype, head_dim) -> int:
+def _auto_entry(backend, device, dtype, head_dim, config: SplitKVConfig | None = None) -> int:
     """This rank's entry of the agreement rows' "auto" column (`_check_auto_agree`): `kernels.auto_backend_code`
     for (device, dtype, head_dim) when its calls pass backend "auto" (and dtype is known), else `_NO_AUTO` (an
     explicit kernel takes no part in the check). ValueError naming backend unless it is "auto" or a name of
     `kernels.BACKENDS`."""
     if backend != "auto" and backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    return auto_backend_code(device, dtype, head_dim) if backend == "auto" and dtype is not None else _NO_AUTO
+    return auto_backend_code(device, dtype, head_dim, config) if backend == "auto" and dtype is not None else _NO_AUTO
 
 
 def _check_auto_agree(name, table, col=_AUTO_COL):
@@ -387,30 +339,29 @@ def _check_auto_agree(name, table, col=_AUTO_COL):
         raise ValueError(
             f"{name}: kernel backend 'auto' must resolve to the same kernel on every CP rank (same dtype and head dim); "
             f"it resolves to {got}. Make the same kernels available on every rank (FlashAttention-4 on a Hopper "
-            "GPU, cuDNN), or set MEGATRON_SPLITKV_AUTO_FA4=0 (no fa4) and MEGATRON_SPLITKV_STAIRCASE_AUTO_MIN_KEYS=0 "
+            "GPU, cuDNN), or pass SplitKVConfig(auto_fa4=False) (no fa4) and staircase_auto_min_keys=0 "
             "(no staircase) on every rank")
 
 
-def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int) -> int:
+def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int, config: SplitKVConfig | None = None) -> int:
     """The number of query chunks Split-KV pipelines over (perf-notes item 2).
 
     Args:
-        num_chunks: None (automatic: the environment variable MEGATRON_SPLITKV_NUM_CHUNKS when set,
-            else DEFAULT_NUM_CHUNKS = 1), 0 (automatic without looking at the
-            environment), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
+        num_chunks: None (automatic: `config.num_chunks` when set, else DEFAULT_NUM_CHUNKS = 1), 0
+            (automatic without looking at the config), or a positive int (clamped to [1, max(max_blocks, 1)] so every chunk holds at
             least one block of the largest rank). Any `__index__` integer (np.int64 too); bool and
             float are rejected.
         cp_size: P. max_blocks: max(n_blocks), the per-rank padded block count (head chunks: Hkv, the
-            limit of `chunk_axis="heads"`).
+            limit of `chunk_axis="heads"`). config: `SplitKVConfig` (None: the defaults).
 
     Raises:
-        ValueError: num_chunks (or the environment variable) not a positive int.
+        ValueError: num_chunks not a positive int.
     """
     try:  # 0 (any integer type): automatic; everything else is checked by _requested_chunks
         zero = num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=0) == 0
     except ValueError:
         zero = False
-    req = 0 if zero else _requested_chunks(num_chunks)
+    req = 0 if zero else _requested_chunks(num_chunks, config)
     if req == 0:
         req = DEFAULT_NUM_CHUNKS
     return max(1, min(req, max_blocks))
@@ -478,6 +429,8 @@ class SplitKVMetadata:
         group_check: when True (the default of the builders) every call with this metadata exchanges its
             verdict row (one [1, 12] int64 all-gather and a host sync: `check_call`) so that a mismatched
             tensor, call mode, softmax_scale or metadata on one rank raises on EVERY rank.
+        config: the `SplitKVConfig` of the calls (with the keyword arguments of the prepare applied): the
+            kernels' options and the "auto" rule's inputs come from it.
 
     The FlexAttention kernel caches its `BlockMask` on the masks (attribute
     `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
@@ -520,9 +473,10 @@ class SplitKVMetadata:
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     node_groups: tuple = None
     group_check: bool = False
+    config: SplitKVConfig = field(default_factory=SplitKVConfig, repr=False)
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
     #: `prepare_splitkv_metadata_from_plan` only: the host-side build record (`_HostBuild`: CP size and
-    #: rank of the plan, environment-derived requests, packed pinned buffer) until `bind` attaches the CP
+    #: rank of the plan, packed pinned buffer) until `bind` attaches the CP
     #: group; None for bound metadata (every metadata from `prepare_splitkv_metadata`).
     host_build: object = field(default=None, repr=False)
 
@@ -584,20 +538,14 @@ class SplitKVMetadata:
         assembled from the uploaded tables (Python objects, no device op) and cached on the bound masks.
         A CPU target keeps the host tensors (no copy).
 
-        Environment, resolved here as prepare resolves it on each rank: the kernel environment
-        (`kernels.validate_kernel_env`), MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; and when num_chunks /
-        cp_ranks_per_node were None at build time (read from MEGATRON_SPLITKV_NUM_CHUNKS /
-        MEGATRON_SPLITKV_RANKS_PER_NODE / MEGATRON_SPLITKV_CHUNK_AXIS
-        in the building process) the variables must resolve to the same
-        values here. Whether the variables agree ACROSS ranks
-        is not checked here (no collective): `check_environment_agreement` once per process, or
+        The options are the metadata's `config` (fixed at build time). Whether the configs agree ACROSS
+        ranks is not checked here (no collective): `check_environment_agreement` once per process, or
         `group_check=True` at build time.
 
         Raises:
             ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; a
             cp_group that is not a ProcessGroup (or None); the group's size or this rank's rank in it differ from the plan's cp_size / cp_rank; a device that
-            is not usable here or not CUDA with NCCL; a malformed environment variable, or one that
-            resolves differently from the building process.
+            is not usable here or not CUDA with NCCL.
         """
         name = "SplitKVMetadata.bind"
         rec = self.host_build
@@ -619,21 +567,6 @@ class SplitKVMetadata:
             device = _check_device(_comm_device(group, None) if device is None else device)
             if _comm_device(group, device).type != device.type:
                 raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
-            validate_kernel_env()
-            if rec.split_env is not None and _head_split_env_text() != rec.split_env:
-                raise ValueError(f"{HEAD_SPLIT_ENV} is {_head_split_env_text()!r} here but was "
-                                 f"{rec.split_env!r} where the metadata was built; pass head_split")
-            fused = fused_bwd_gather_min_p() if self.impl == "splitkv" else FUSED_BWD_GATHER_MIN_P
-            if rec.chunks_env is not None and _requested_chunks(None) != rec.chunks_env:
-                raise ValueError(f"{NUM_CHUNKS_ENV} resolves to {_requested_chunks(None)} here but to "
-                                 f"{rec.chunks_env} where the metadata was built (0 = unset); pass num_chunks")
-            if rec.ranks_env is not None and resolve_ranks_per_node(None, rec.cp_size) != rec.ranks_env:
-                raise ValueError(f"{RANKS_PER_NODE_ENV} resolves to cp_ranks_per_node="
-                                 f"{resolve_ranks_per_node(None, rec.cp_size)} here but to {rec.ranks_env} where "
-                                 "the metadata was built; pass cp_ranks_per_node")
-            if rec.axis_env is not None and _requested_axis(None) != rec.axis_env:
-                raise ValueError(f"{CHUNK_AXIS_ENV} resolves to {CHUNK_AXES[_requested_axis(None)]!r} here but to "
-                                 f"{CHUNK_AXES[rec.axis_env]!r} where the metadata was built; pass chunk_axis")
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from exc
         tensors = _unique_tensors(self)
@@ -646,7 +579,7 @@ class SplitKVMetadata:
         if 1 < self.cp_ranks_per_node < group.size:  # the two-level all-to-all's sub-groups (cached)
             ngroups = node_groups(group, self.cp_ranks_per_node, _comm_device(group, device))
         return _remapped(self, new, block_masks=True, group=group, device=device, node_groups=ngroups,
-                         fused_bwd_gather_min_p=fused, host_build=None)
+                         host_build=None)
 
     @property
     def rank(self) -> int:
@@ -860,7 +793,7 @@ def _check_agree(name, table, cols):
                 vals = [struct.unpack("<d", struct.pack("<q", v))[0] for v in vals]
             if what == "group_check":
                 vals = [bool(v) for v in vals]
-            if what.startswith(("chunk_axis", CHUNK_AXIS_ENV)):
+            if what.startswith(("chunk_axis", "SplitKVConfig.chunk_axis")):
                 vals = [CHUNK_AXES[v] if 0 <= v < len(CHUNK_AXES) else v for v in vals]
             if what.startswith("metadata="):
                 modes = set(vals)
@@ -879,8 +812,7 @@ def _check_agree(name, table, cols):
 
 #: the agreement names the Megatron integration may have set automatically (megatron.arguments.auto_pipeline /
 #: auto_cp_ranks_per_node), and what to check then
-_PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split", NUM_CHUNKS_ENV, CHUNK_AXIS_ENV,
-                   RANKS_PER_NODE_ENV)
+_PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split")
 _AUTO_PIPELINE_HINT = (" (under Megatron, unset ones are chosen from the launcher's processes per node: check that "
                        "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE are the same on every node, or set "
                        "--splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-cp-ranks-per-node)")
@@ -1033,11 +965,11 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
         meta.keys, order = sort_keys(keys_all[real])
         meta.gather_index = real if order is None else real[order]
         meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local)
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
     else:  # ring_kv
         meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
         meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)  # step 0: the own shard
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local)
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
         if gather_ctx:
             tk_max = max(meta.n_ctx)
             keys_all = all_gather(pad_rows(meta.keys, tk_max), g, "ring_kv.ctx_meta")
@@ -1053,7 +985,7 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
 def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
     """Split-KV's part of `_finish`: context keys and their sort, the gathered block metadata and the
     chunks' interval masks (`_splitkv_chunk_masks`: the same values as the per-chunk `ops.common.intervals`
-    and `with_own_blocks`, tests/test_prepare_cost.py), with ONE host sync (`reads`). With `debug_checks()`
+    and `with_own_blocks`, tests/test_prepare_cost.py), with ONE host sync (`reads`). With `config.debug_checks`
     (tests; off by default: the masks are correct by construction) the union contract is checked once on
     the whole table (`IntervalMask.validate_flags`: a chunk's blocks are a subset, so every chunk passes
     when the table does); only if the table fails are the chunks validated one by one, raising as before."""
@@ -1084,7 +1016,7 @@ def _finish_splitkv(meta: SplitKVMetadata, reads: _HostReads) -> None:
             for m in meta.chunk_masks_own:
                 m.validate()
 
-    if whole is not None:  # debug_checks(): the masks are correct by construction; re-checked (and by the tests)
+    if whole is not None:  # config.debug_checks: the masks are correct by construction; re-checked (and by the tests)
         reads.add(whole.validate_flags(), check_masks)
     reads.read()
 
@@ -1097,7 +1029,7 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     The intervals of every gathered block are computed at once into a [4, P, nb_max] table (rows lo, hi,
     lo2, hi2; block j of rank r in column (r, j)); chunk c's masks are its columns [b0, b1) of every rank
     (a view of the table where the columns are contiguous, else one copy; `copies`: always a copy of their
-    own). Returns the whole table as one own-block IntervalMask when `debug_checks()` (for the union
+    own). Returns the whole table as one own-block IntervalMask when `config.debug_checks` (for the union
     contract check), else None."""
     g, bsz = meta.group, meta.block_size
     P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
@@ -1145,40 +1077,32 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     if heads:  # the one-call masks, the SAME objects for every head chunk (a kernel's cached tables built once)
         meta.chunk_masks *= meta.num_chunks
         meta.chunk_masks_own *= meta.num_chunks
-    if not debug_checks():
+    if not meta.config.debug_checks:
         return None
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
 
 
-def _refuse_head_split_env(where: str) -> None:
-    """ValueError when MEGATRON_SPLITKV_HEAD_SPLIT is set: `where` does not take a head split yet (only
-    `prepare_splitkv_metadata` does), so the variable must not be silently ignored there."""
-    import os  # noqa: PLC0415
-
-    if os.environ.get(HEAD_SPLIT_ENV, "").strip():
-        raise ValueError(f"{HEAD_SPLIT_ENV} is set, but {where} does not support a head split yet (only "
-                         "prepare_splitkv_metadata does); unset it or build the metadata with prepare_splitkv_metadata")
-
-
 def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
-                      head_split_ok=False) -> tuple:
+                      head_split_ok=False, config: SplitKVConfig | None = None) -> tuple:
     """(chunks, ranks per node, fused-gather min P, chunk-axis code) requested for the agreement row
     of `impl`.
 
-    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / chunk_axis, or
-    environment variable (read here, so that a malformed value raises on every rank), is a ValueError
-    naming it and the limit whatever the impl. Used by splitkv only: the baselines get (0, 1,
+    Checked for every impl: a malformed num_chunks / cp_ranks_per_node / chunk_axis is a ValueError
+    naming it and the limit whatever the impl. `config.head_split` raises where a head split is not
+    supported (`head_split_ok` False: the call without metadata=). Used by splitkv only: the baselines get (0, 1,
     FUSED_BWD_GATHER_MIN_P, 0) (one chunk, L = 1, rows); "must divide P" is about the
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
-    chunks_req = _requested_chunks(num_chunks)
-    fused_req = fused_bwd_gather_min_p()
-    axis_req = _requested_axis(chunk_axis)
-    if impl == "splitkv" and not head_split_ok:
-        _refuse_head_split_env("a call without metadata=")
+    config = resolve_config(config)
+    chunks_req = _requested_chunks(num_chunks, config)
+    fused_req = min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+    axis_req = _requested_axis(chunk_axis, config)
+    if impl == "splitkv" and not head_split_ok and config.head_split is not None:
+        raise ValueError("SplitKVConfig.head_split is set, but a call without metadata= does not support a head "
+                         "split yet (only prepare_splitkv_metadata does): build the metadata with "
+                         "prepare_splitkv_metadata")
     if impl == "splitkv":
-        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size), fused_req, axis_req
+        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size, config), fused_req, axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
-    env_positive_int(RANKS_PER_NODE_ENV)
     return 0, 1, FUSED_BWD_GATHER_MIN_P, 0
 
 
@@ -1186,7 +1110,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=True, num_chunks=None, cp_ranks_per_node=None,
                              chunk_axis=None, head_split=None,
-                             backend="auto") -> SplitKVMetadata:
+                             backend="auto", config: SplitKVConfig | None = None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1223,13 +1147,13 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             the others.
         num_chunks: used by impl "splitkv" only (the baselines check it, then ignore it): how many query
             chunks the op pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None =
-            the environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
+            `config.num_chunks`, else 1 (2 pays off on slow
             inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
             Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
-        cp_ranks_per_node: used by impl "splitkv" only (the baselines check that it and the variable are
-            None or positive ints, then ignore them): L, the CP ranks per node of the two-level
-            all-to-all of the forward merge and the dQ exchange (`resolve_ranks_per_node`): None = the
-            environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; a positive int
+        cp_ranks_per_node: used by impl "splitkv" only (the baselines check that it is None or a positive
+            int, then ignore it): L, the CP ranks per node of the two-level
+            all-to-all of the forward merge and the dQ exchange (`resolve_ranks_per_node`): None =
+            `config.cp_ranks_per_node` (clamped to P), else 1; a positive int
             dividing P. 1 or P: the single all-to-all (bit-identical to before the option);
             1 < L < P: node n = CP ranks [n * L, (n + 1) * L) (L consecutive CP ranks must share a node);
             its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
@@ -1237,13 +1161,13 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         chunk_axis: impl "splitkv" only: what the `num_chunks` chunks split (ops/splitkv.py item 3, "Head
             chunks"; docs/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
             (every chunk ALL rows with Hq / k query heads and Hkv / k kv heads, GQA groups whole; k clamped to
-            [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = the environment
-            variable MEGATRON_SPLITKV_CHUNK_AXIS ("rows" | "heads"), else "rows". Must be the same on every
+            [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = `config.chunk_axis`
+            (default "rows"). Must be the same on every
             rank (agreed like num_chunks). Same results up to fp rounding, same bytes per collective name.
         head_split: impl "splitkv" with chunk_axis "heads" only (docs/perf-notes.md item 22): the kv heads of
             each chunk, positive ints summing to Hkv, e.g. (6, 2); it fixes k = len(head_split) (num_chunks
-            must be None or equal; MEGATRON_SPLITKV_NUM_CHUNKS does not apply). None = the environment
-            variable MEGATRON_SPLITKV_HEAD_SPLIT (a comma list, e.g. "6,2"), else the even split
+            must be None or equal; `config.num_chunks` does not apply). None = `config.head_split`, else the
+            even split
             (`chunk_bounds`). An uneven split runs the backward's chunks in reverse order (k-1..0: the forward's
             small last chunk is the backward's small first one); results are bit-identical to that split in
             forward order (head chunks' dK / dV and dQ are written per chunk, nothing is summed across
@@ -1252,6 +1176,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             "auto" this rank's resolution (`kernels.auto_backend_code`) is compared with the other "auto"
             ranks' (mixed hardware: FA4 on some ranks only raises the same ValueError everywhere); an explicit
             kernel takes no part in that check. The metadata does not depend on it.
+        config: `SplitKVConfig` (None: `SplitKVConfig()`): the options of the op and its kernels; the keyword
+            arguments above override its fields. The metadata carries the result (`SplitKVMetadata.config`).
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1273,10 +1199,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
         values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
         missing or an index beyond its GPUs),
-        bad block_size / head counts / head_dim / dtype / impl, Hq % Hkv != 0, num_chunks (or
-        MEGATRON_SPLITKV_NUM_CHUNKS) not a positive int, cp_ranks_per_node (or MEGATRON_SPLITKV_RANKS_PER_NODE)
-        not a positive int or (splitkv) not dividing the CP group size P ("cp_ranks_per_node=3 must divide
-        the CP group size P=4 ..."), chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" / "heads" (these for every impl:
+        bad block_size / head counts / head_dim / dtype / impl, config not a SplitKVConfig, Hq % Hkv != 0,
+        num_chunks not a positive int, cp_ranks_per_node (or the config's) not a positive int or (splitkv) not
+        dividing the CP group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."),
+        chunk_axis not "rows" / "heads" (these for every impl:
         the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
         requested num_chunks, chunk_axis or cp_ranks_per_node differing across ranks; kernel
         backend "auto" resolving to different kernels across ranks (`kernels.auto_backend_code`: e.g. FA4 on a
@@ -1292,8 +1218,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     name = "prepare_splitkv_metadata"  # the same on every rank, even if impl differs
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
-    err, row, ints, rng, reads = "", [-1] * 11, None, None, _HostReads()
+    err, row, ints, rng, reads, cfg = "", [-1] * 11, None, None, _HostReads(), None
     try:
+        cfg = resolve_config(config)
         device = _check_device(device)  # a bad device on one rank raises on every rank (not only there)
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
@@ -1308,16 +1235,16 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
-            canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, head_split_ok=True)
+            canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, head_split_ok=True, config=cfg)
         split = None
         if canon == "splitkv":
-            split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
+            split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
         elif head_split is not None:
             raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
-        validate_kernel_env()
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
                int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, axis_req, split),
-               _auto_entry(backend, device, dtype, head_dim)]
+               _auto_entry(backend, device, dtype, head_dim, cfg)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1329,7 +1256,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
                                (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"),
-                               (12, "cp_ranks_per_node"), (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P")))
+                               (12, "cp_ranks_per_node"), (13, "SplitKVConfig.fused_bwd_gather_min_p")))
     _check_auto_agree(name, table)
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
@@ -1337,15 +1264,22 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split,
+        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
+
+
+def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node, head_split) -> SplitKVConfig:
+    """`config` with the op's keyword arguments that were given (validated before) applied: what the
+    metadata carries."""
+    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node,
+                          head_split=None if head_split is None else tuple(head_split))
 
 
 # ----------------------------------------------------------------------------- per call
 
 
-def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
+def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None):
     """The local kernel for this call, its dtype and head dim checked (`check_dtype`, when the kernel has
     one: the same rule as the kernel's forward / backward, so a refusal happens here, on every rank).
     keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
@@ -1354,7 +1288,7 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None):
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
             this dtype / head dim on this device."""
-    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call)
+    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
@@ -1370,21 +1304,22 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
     if keys is None:
         keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
-    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys, config=meta.config)
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
-                          cp_ranks_per_node=None, chunk_axis=None) -> Plan:
+                          cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
     count and cp_ranks_per_node), raise the same ValueError on every rank when any rank is invalid or
     block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
     build the metadata internally."""
     group = resolve_group(cp_group)
-    err, row, ints, rng, reads = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads()
+    err, row, ints, rng, reads, cfg = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads(), None
     try:
+        cfg = resolve_config(config)
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
         check_scale_backend(softmax_scale, backend)
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
@@ -1393,16 +1328,16 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         else:
             rng.check()
         chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
-            name, num_chunks, cp_ranks_per_node, group.size, chunk_axis)
-        validate_kernel_env()
+            name, num_chunks, cp_ranks_per_node, group.size, chunk_axis, config=cfg)
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, None)
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
                _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, axis_req),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
                # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
-               _auto_entry(backend, q.device, q.dtype, d)]
+               _auto_entry(backend, q.device, q.dtype, d, cfg)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
-        _resolve_kernel(name, backend, q.device, q.dtype, d)
+        _resolve_kernel(name, backend, q.device, q.dtype, d, config=cfg)
     except ImportError as exc:  # kept an ImportError on every rank (`_raise_if_any`)
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1424,7 +1359,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]],
+        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg,
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
@@ -1435,7 +1370,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
                (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"), (12, "cp_ranks_per_node"),
-               (13, "MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P"))
+               (13, "SplitKVConfig.fused_bwd_gather_min_p"))
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
@@ -1458,7 +1393,7 @@ def metadata_digest(meta: SplitKVMetadata) -> int:
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-                      cp_ranks_per_node=None, chunk_axis=None):
+                      cp_ranks_per_node=None, chunk_axis=None, config=None):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -1498,6 +1433,7 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError(f"cp_ranks_per_node={cp_ranks_per_node!r} differs from the metadata's cp_ranks_per_node="
                          f"{meta.cp_ranks_per_node} (fixed at prepare time: pass cp_ranks_per_node to "
                          "prepare_splitkv_metadata)")
+    check_prepared_config(config, meta.config)
     check_scale_backend(softmax_scale, backend)
     tq, tk, hq, hkv, d = meta.tq_local, meta.tk_local, meta.num_heads_q, meta.num_heads_kv, meta.head_dim
     expect = (("q", q, (tq, hq, d)), ("k_ctx", k_ctx, (tk, hkv, d)), ("v_ctx", v_ctx, (tk, hkv, d)))
@@ -1505,6 +1441,24 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         expect += (("k_blk", k_blk, (tq, hkv, d)), ("v_blk", v_blk, (tq, hkv, d)))
     for n, t, shape in expect:
         _check_tensor_against(meta, n, t, shape)
+
+
+#: the config fields a prepare's keyword arguments may have set: None in a call's config matches any value
+_REQUEST_FIELDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split")
+
+
+def check_prepared_config(config, prepared: SplitKVConfig) -> None:
+    """ValueError unless a call's `config` (with metadata=) is None or equals the metadata's `prepared` config
+    (fields the prepare's keyword arguments set may be None in `config`), naming the first field that differs."""
+    if config is None:
+        return
+    if not isinstance(config, SplitKVConfig):
+        raise ValueError(f"config must be None or a SplitKVConfig, got {type(config).__name__}")
+    for f in dataclasses.fields(SplitKVConfig):
+        given, have = getattr(config, f.name), getattr(prepared, f.name)
+        if given != have and not (f.name in _REQUEST_FIELDS and given is None):
+            raise ValueError(f"config.{f.name}={given!r} differs from the metadata's {have!r} (the config is "
+                             "fixed at prepare time: pass config=None or the config given to the prepare)")
 
 
 def _check_tensor_against(meta, n, t, shape):
@@ -1524,7 +1478,7 @@ def _check_tensor_against(meta, n, t, shape):
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-               cp_ranks_per_node=None, chunk_axis=None) -> Plan:
+               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata, then (group_check, the default, at P > 1) the verdict row's all-gather,
     before any data collective of the call.
@@ -1532,14 +1486,15 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     Expected on CP rank r: q [n_blocks[r] * B, Hq, D]; k_ctx, v_ctx [n_ctx[r], Hkv, D]; k_blk, v_blk
     [n_blocks[r] * B, Hkv, D] or both None (no own-block part; the metadata does not depend on it);
     dtype and device as prepared; num_chunks None or a positive int that clamps to the metadata's
-    (e.g. the value given to prepare); cp_ranks_per_node None or the metadata's. Every rank checks
-    against the same agreed size table. With `group_check=True` (the default) the verdict row (this
-    rank's error, sizes, B, Hq, Hkv, D, dtype, resolved softmax_scale, call mode, the chunking requests and
-    `metadata_digest`; the same [1, 12] int64 shape as the first collective of a call without `metadata=`,
-    of `prepare_splitkv_metadata` and of `raise_on_every_rank`) is all-gathered and every rank raises the
-    same ValueError naming the rank and the field (ImportError when a kernel backend is missing there).
-    Without it the ValueError is raised on that rank only, and the other ranks block in the call's first
-    data collective (until the process group's timeout).
+    (e.g. the value given to prepare); cp_ranks_per_node None or the metadata's; config None or the
+    metadata's (`_check_config`: the metadata's config applies). Every rank checks against the same agreed
+    size table. With `group_check=True` (the default) the verdict row (this rank's error, sizes, B, Hq, Hkv,
+    D, dtype, resolved softmax_scale, call mode, the chunking requests and `metadata_digest`; the same
+    [1, 12] int64 shape as the first collective of a call without `metadata=`, of `prepare_splitkv_metadata`
+    and of `raise_on_every_rank`) is all-gathered and every rank raises the same ValueError naming the rank
+    and the field (ImportError when a kernel backend is missing there). Without it the ValueError is raised
+    on that rank only, and the other ranks block in the call's first data collective (until the process
+    group's timeout).
 
     `query_gather` (splitkv only): the `SplitKVQueryGather` of `splitkv_start_query_gather`; q must be
     the very tensor given to it, unmodified, with the same metadata, and the gather not consumed yet
@@ -1551,9 +1506,9 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
-                          cp_ranks_per_node, chunk_axis)
+                          cp_ranks_per_node, chunk_axis, config)
         if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
-            _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim)
+            _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim, config=meta.config)
     except ImportError as exc:
         err = _local_error(exc)
     except ValueError as exc:
@@ -1630,9 +1585,10 @@ def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None):
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
            cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
-           cp_ranks_per_node=None, chunk_axis=None):
+           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
     autograd Function. `num_chunks`, `cp_ranks_per_node`, `chunk_axis`: splitkv only (the baselines pass None).
+    `config`: the `SplitKVConfig` (None: the defaults; with metadata=, None or the metadata's).
     `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
     chunks of the handle (`ops.splitkv.SplitKVQueryGather`) instead of q."""
     if query_gather is not None and metadata is None:
@@ -1642,12 +1598,12 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                                      backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                                     chunk_axis=chunk_axis)
+                                     chunk_axis=chunk_axis, config=config)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                           backend=backend, num_chunks=num_chunks, query_gather=query_gather,
-                          cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis)
+                          cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function
@@ -1665,20 +1621,13 @@ _UNBOUND_MSG = ("metadata from prepare_splitkv_metadata_from_plan is not bound t
 @dataclass
 class _HostBuild:
     """What a host-built `SplitKVMetadata` carries until `SplitKVMetadata.bind`: the plan's CP size and
-    this metadata's CP rank (checked against the group), the requested chunk count / ranks per node /
-    chunk axis code when they were read from the environment at build time (None when given
-    as arguments),
-    and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
+    this metadata's CP rank (checked against the group) and the packed host buffer of `pin_memory` (buffer: uint8, layout: the byte offset of every
     `_unique_tensors` entry)."""
 
     cp_size: int
     cp_rank: int
-    chunks_env: int = None
-    ranks_env: int = None
     buffer: torch.Tensor = None
     layout: list = None
-    axis_env: int = None
-    split_env: str = None  # MEGATRON_SPLITKV_HEAD_SPLIT's text at build time ("" = unset), when it was read
 
 
 def _replace(obj, **changes):
@@ -1862,9 +1811,7 @@ def _pack_recipe(meta) -> tuple:
     data-loader item instead of the metadata object and its tensors). Returns (entries [(dtype, shape, byte
     offset)], region bytes, {tensor field: entry index or None}, masks [(block_size, lo, hi, num_keys, lo2,
     hi2, num_ctx_keys, flex tables ((key, rows, tables), ...))] with entry indices, {mask field: mask index,
-    list of them, or None}, the other fields' values, (cp_size, cp_rank, chunks_env, ranks_env,
-    axis_env, split_env), the entries'
-    `_compile_split` plan)."""
+    list of them, or None}, the other fields' values, (cp_size, cp_rank), the entries' `_compile_split` plan)."""
     import dataclasses  # noqa: PLC0415
 
     rec = meta.host_build
@@ -1891,7 +1838,7 @@ def _pack_recipe(meta) -> tuple:
                     for n in _META_MASK_LISTS})
     values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta) if f.name not in _RECIPE_SKIP}
     return (entries, total, {n: ti(getattr(meta, n)) for n in _META_TENSORS}, mspecs, mfields, values,
-            (rec.cp_size, rec.cp_rank, rec.chunks_env, rec.ranks_env, rec.axis_env, rec.split_env),
+            (rec.cp_size, rec.cp_rank),
             _compile_split(entries))
 
 
@@ -1919,9 +1866,7 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
         if fields.get(n) is not None:
             fields[n] = list(fields[n])
     fields["device"] = region.device
-    fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], chunks_env=hb[2], ranks_env=hb[3],
-                                      axis_env=hb[4], split_env=hb[5], buffer=region,
-                                      layout=[e[2] for e in entries])
+    fields["host_build"] = _HostBuild(cp_size=hb[0], cp_rank=hb[1], buffer=region, layout=[e[2] for e in entries])
     return SplitKVMetadata(**fields)
 
 
@@ -1947,22 +1892,23 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
     return x.to(device="cpu", dtype=torch.int64)
 
 
-def env_request_row(cp_size: int) -> list:
-    """The op's environment requests as THIS process resolves them, one int each (what
-    `check_environment_agreement` compares across ranks; `megatron.arguments` checks them at start-up):
-    MEGATRON_SPLITKV_NUM_CHUNKS (0 = unset), MEGATRON_SPLITKV_RANKS_PER_NODE (resolved for `cp_size`),
-    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS
-    (code: 0 rows, 1 heads) and MEGATRON_SPLITKV_HEAD_SPLIT (a CRC of its normalised text + 1, 0 = unset; its
-    sum is checked against Hkv where Hkv is known). Raises ValueError naming a malformed variable."""
+def env_request_row(cp_size: int, config: SplitKVConfig | None = None) -> list:
+    """The op's requests of `config` (None: the defaults) as THIS process resolves them, one int each (what
+    `check_environment_agreement` compares across ranks): num_chunks (0 = None), cp_ranks_per_node (resolved
+    for `cp_size`), fused_bwd_gather_min_p, chunk_axis (code: 0 rows, 1 heads) and head_split (a CRC of its
+    text + 1, 0 = None; its sum is checked against Hkv where Hkv is known). Raises ValueError naming a field
+    that does not fit `cp_size`."""
     import zlib  # noqa: PLC0415
 
-    split_env = _head_split_env_text()
-    return [_requested_chunks(None), resolve_ranks_per_node(None, cp_size),
-            fused_bwd_gather_min_p(), _requested_axis(None),
-            (zlib.crc32(split_env.encode()) & 0x7FFFFFFF) + 1 if split_env else 0]
+    config = resolve_config(config)
+    split = "" if config.head_split is None else ",".join(map(str, config.head_split))
+    return [_requested_chunks(None, config), resolve_ranks_per_node(None, cp_size, config),
+            min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P), _requested_axis(None, config),
+            (zlib.crc32(split.encode()) & 0x7FFFFFFF) + 1 if split else 0]
 
 
-def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None, backend="auto") -> None:
+def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None, backend="auto",
+                                config: SplitKVConfig | None = None) -> None:
     """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
     resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
     (or when one is malformed on some rank).
@@ -1976,9 +1922,8 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     does, at its first micro-batch), on every rank of the group; or build the metadata with
     `group_check=True` (a verdict exchange per call).
 
-    Checked: MEGATRON_SPLITKV_NUM_CHUNKS, MEGATRON_SPLITKV_RANKS_PER_NODE (as resolved for this group's size),
-    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P, MEGATRON_SPLITKV_CHUNK_AXIS (as
-    resolved: unset = rows), the kernel environment parsed (`kernels.validate_kernel_env`) and, with `dtype`,
+    Checked (`config`, None: the defaults): num_chunks, cp_ranks_per_node (as resolved for this group's
+    size), fused_bwd_gather_min_p, chunk_axis, head_split and, with `dtype`,
     what kernel backend "auto" resolves to for calls of that dtype and head dim on `device`
     (`kernels.auto_backend_code`: FlashAttention-4, flex, staircase, math; as `prepare_splitkv_metadata` agrees
     it).
@@ -2002,19 +1947,18 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     group = resolve_group(cp_group)
     err, row = "", [-1] * 6
     try:
-        requests = env_request_row(group.size)
-        validate_kernel_env()
+        requests = env_request_row(group.size, config)
         op_device = _comm_device(group, None) if device is None else torch.device(device)
-        row = requests + [_auto_entry(backend, op_device, dtype, head_dim)]
+        row = requests + [_auto_entry(backend, op_device, dtype, head_dim, config)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         err = _local_error(exc)
     table = _raise_if_any(name, group, err, row, _comm_device(group, device), "splitkv.check")
     # columns: 0 = the error length, then the row
-    _check_agree(name, table, ((1, f"{NUM_CHUNKS_ENV} (requested num_chunks, 0 = unset)"),
-                               (2, f"{RANKS_PER_NODE_ENV} (cp_ranks_per_node)"),
-                               (3, FUSED_BWD_GATHER_MIN_P_ENV),
-                               (4, f"{CHUNK_AXIS_ENV} (chunk_axis, unset = rows)"),
-                               (5, f"{HEAD_SPLIT_ENV} (head_split, unset = even)")))
+    _check_agree(name, table, ((1, "SplitKVConfig.num_chunks (requested num_chunks, 0 = None)"),
+                               (2, "SplitKVConfig.cp_ranks_per_node (cp_ranks_per_node)"),
+                               (3, "SplitKVConfig.fused_bwd_gather_min_p"),
+                               (4, "SplitKVConfig.chunk_axis (chunk_axis)"),
+                               (5, "SplitKVConfig.head_split (head_split, None = even)")))
     _check_auto_agree(name, table, col=6)
 
 
@@ -2022,7 +1966,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
                                        impl="splitkv", num_chunks=None, cp_ranks_per_node=None, kv_seq=None,
                                        kv_pos=None, group_check=True, device="cpu",
                                        flex_block_masks=False,
-                                       chunk_axis=None, head_split=None) -> SplitKVMetadata:
+                                       chunk_axis=None, head_split=None,
+                                       config: SplitKVConfig | None = None) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -2052,11 +1997,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             bf16 / fp16 / fp32 / fp64).
         impl: "splitkv" only (the baselines' metadata needs the other ranks' context order: use
             `prepare_splitkv_metadata`).
-        num_chunks, cp_ranks_per_node, chunk_axis, head_split: as `prepare_splitkv_metadata`;
-            None reads MEGATRON_SPLITKV_NUM_CHUNKS / MEGATRON_SPLITKV_RANKS_PER_NODE /
-            MEGATRON_SPLITKV_CHUNK_AXIS / MEGATRON_SPLITKV_HEAD_SPLIT in
-            THIS process (a worker inherits the trainer's environment;
-            `bind` checks that the variables resolve to the same values there).
+        num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata`
+            (None: the config's fields); the metadata carries the config to `bind` and the calls.
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
             order than the plan's (its values are not compared with the plan; only the length is).
         group_check: as `prepare_splitkv_metadata` (per-call group-wide shape verdicts).
@@ -2064,8 +2006,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             tensors uploaded once, as `bind` does).
         flex_block_masks: also build the FlexAttention block tables of every chunk's own-block mask
             (`chunk_masks_own`, the masks of calls WITH k_blk / v_blk) on the host, at the padded lengths
-            the flex kernel runs them (`kernels.flex.padded_lengths` with the default bucket steps of this
-            process's environment); `bind` uploads them with the rest and caches the BlockMasks on the
+            the flex kernel runs them (`kernels.flex.padded_lengths` with the config's flex bucket steps);
+            `bind` uploads them with the rest and caches the BlockMasks on the
             bound masks, so the first layer's flex call does not build them (~23 device ops per mask,
             0.5-1 ms on the H200). Bit-identical to the device-built tables (the same integer ops). A call
             at other lengths (the kernel reusing a compiled key bucket one step larger, custom bucket steps)
@@ -2082,13 +2024,12 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
     not a positive int or != plan.block_size; head counts / head_dim not positive ints, Hq % Hkv != 0;
     dtype; impl; num_chunks / cp_ranks_per_node / chunk_axis (and their variables) as prepare; kv_seq / kv_pos not 1-D
     signed integer of this rank's context length, only one of them given; values outside [-2**31, 2**31)
-    (q_seq, kv_seq, kv_pos: prepare's range check); a bad device; malformed kernel environment variables.
+    (q_seq, kv_seq, kv_pos: prepare's range check); a bad device; config not a SplitKVConfig.
     Every rank validates the same plan with the same arguments, so a bad plan or argument raises the same
     ValueError on every rank, without communicating.
 
     NOT checked group-wide, unlike prepare (there is no collective): that every rank passes the same plan,
-    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, chunk_axis, cp_ranks_per_node and sees the same
-    MEGATRON_SPLITKV_FUSED_BWD_GATHER_MIN_P; that each rank's cp_rank is its rank in the group (checked
+    block_size, Hq, Hkv, D, dtype, impl, group_check, num_chunks, chunk_axis, cp_ranks_per_node and config; that each rank's cp_rank is its rank in the group (checked
     locally by `bind`); that kv_seq / kv_pos hold the tokens the plan gives this rank. A rank that differs
     makes the ops' collectives mismatch (wrong results, an error or a hang), as a rank passing different
     tensors to prepare would for the values prepare does not gather. `group_check=True` (one tiny
@@ -2118,12 +2059,13 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
         num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         device = _check_device(device)
-        chunks_req = _requested_chunks(num_chunks)
-        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P)
-        axis_req = _requested_axis(chunk_axis)
-        split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks)
-        fused_req = fused_bwd_gather_min_p()
-        validate_kernel_env()
+        cfg = resolve_config(config)
+        chunks_req = _requested_chunks(num_chunks, cfg)
+        ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P, cfg)
+        axis_req = _requested_axis(chunk_axis, cfg)
+        split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
+        fused_req = min(cfg.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         # the size table every rank would all-gather: equal block counts, the plan's context counts
         nb = int(plan.blocks_per_rank)
         n_ctx = np.zeros(P, dtype=np.int64)
@@ -2162,16 +2104,12 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
         num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
         fused_bwd_gather_min_p=fused_req, chunk_axis=CHUNK_AXES[axis_req],
-        head_split=split,
-        host_build=_HostBuild(cp_size=P, cp_rank=rank, chunks_env=chunks_req if num_chunks is None else None,
-                              ranks_env=ranks_req if cp_ranks_per_node is None else None,
-                              axis_env=axis_req if chunk_axis is None else None,
-                              split_env=_head_split_env_text() if head_split is None else None),
+        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank),
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
     if flex_block_masks:
-        _host_flex_tables(meta.chunk_masks_own)
+        _host_flex_tables(meta.chunk_masks_own, cfg.flex)
     if device.type != "cpu":
         meta = _remapped(meta, _uploaded(_unique_tensors(meta), device, device.type == "cuda"), device=device)
     return meta
@@ -2183,7 +2121,7 @@ def _host_finish_splitkv(meta: SplitKVMetadata, block_meta: torch.Tensor) -> Non
     `_splitkv_chunk_masks` on CPU (so the same values, bit for bit; tests/test_metadata_from_plan.py
     compares them), the "already sorted" test read directly (`ops.common.sort_keys`: the sort is skipped
     when sorted), each chunk's lo / hi / lo2 / hi2 a copy of their own (views of one table would pack and
-    upload the table once per chunk) and, with `debug_checks()`, the union contract validated on the host."""
+    upload the table once per chunk) and, with `config.debug_checks`, the union contract validated on the host."""
     meta.keys, meta.order = sort_keys(torch.add(meta.kv_pos + _INT32, meta.kv_seq, alpha=1 << 32))
     meta.block_meta = block_meta
     whole = _splitkv_chunk_masks(meta, meta.keys, int(meta.keys.shape[0]), copies=True)
@@ -2195,8 +2133,9 @@ def _host_finish_splitkv(meta: SplitKVMetadata, block_meta: torch.Tensor) -> Non
 _FLEX_HOST = "_flex_host_tables"
 
 
-def _host_flex_tables(masks) -> None:
-    """The FlexAttention block tables of `masks` at the flex kernel's default padded lengths, built on the
+def _host_flex_tables(masks, options=None) -> None:
+    """The FlexAttention block tables of `masks` at the padded lengths of `options` (FlexOptions; None: the
+    defaults), built on the
     host with the kernel's own functions (`kernels.flex._rows_table` / `_block_tables`, what
     `build_block_mask` runs on the device) and stored on each mask (`_FLEX_HOST`; tensors only, so the
     mask stays picklable). Masks without query rows or keys are skipped (the ops never call the kernel)."""
@@ -2204,11 +2143,12 @@ def _host_flex_tables(masks) -> None:
 
     if flex.BlockMask is None:
         raise RuntimeError(f"FlexAttention is not available in this torch build: {flex._FLEX_IMPORT_ERROR}")
+    options = FlexOptions() if options is None else options
     for m in masks:
         rows_n = m.num_blocks * m.block_size
         if rows_n == 0 or m.num_keys == 0:
             continue
-        q_len, kv_len = flex.padded_lengths(rows_n, m.num_keys)
+        q_len, kv_len = flex.padded_lengths(rows_n, m.num_keys, options.q_bucket_steps, options.bucket_steps)
         rows = flex._rows_table(m, q_len)
         tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=m.block_size, q_tables=True)
         m.__dict__[_FLEX_HOST] = {(q_len, kv_len): (rows, tuple(t.contiguous() for t in tables))}

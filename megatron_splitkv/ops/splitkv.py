@@ -37,7 +37,7 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    collective's latency is large (many ranks, inter-node rings), a loss on a small NVLink group. Measured
    on 2 x H200 (P = 2, Hq = 32, D = 128, bf16, GPU time of pack + gather + unpack vs the two gathers):
    37 vs 31 us (256 gathered rows), 84 vs 68 us (2048), 227 vs 182 us (8192; unpack 39 us, pack 20 us).
-   Head chunks (docs/perf-notes.md item 21; opt-in: `chunk_axis="heads"` or MEGATRON_SPLITKV_CHUNK_AXIS=heads,
+   Head chunks (docs/perf-notes.md item 21; opt-in: `chunk_axis="heads"` or SplitKVConfig(chunk_axis="heads"),
    agreed group-wide like num_chunks): chunk c = the kv heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and the q
    heads [g0 G, g1 G) (G = Hq / Hkv, GQA groups whole) of ALL rows (`SplitKVMetadata.chunk_heads`; chunks =
    [(0, nb_max)] * k, k clamped to [1, Hkv], uneven splits allowed), the one-call masks shared (the same
@@ -61,7 +61,7 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    chunks up to fp rounding (tests/test_splitkv_head_chunks.py). Measured (docs/perf-notes.md item 21): k = 2
    at CP = 2, 128K: NVLink 0.956x of k = 1 (rows 0.914x), sockets 1.233x (rows 1.211x).
    Uneven head split (docs/perf-notes.md item 22; opt-in: `prepare_splitkv_metadata(..., head_split=(6, 2))`
-   or MEGATRON_SPLITKV_HEAD_SPLIT=6,2 with the head axis; prepare and the host-built metadata alike): chunk c
+   or SplitKVConfig(head_split=(6, 2)) with the head axis; prepare and the host-built metadata alike): chunk c
    = the kv heads of the c-th part of the split; the backward then runs the chunks in REVERSE order
    (`_bwd_order`), so the forward ends with the small chunk (its [O | lse] exchange is the exposed tail) and
    the backward starts with it (its [dO | stats] gather is the exposed head). Bit-identical to the forward
@@ -846,7 +846,8 @@ class _SplitKV(torch.autograd.Function):
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None):
+                      metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None,
+                      config=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -897,8 +898,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             when the metadata has `group_check=True` (the default); without it the ranks' first collectives do not
             match and the call fails or hangs until the process group's timeout. softmax_scale is
             compared across ranks by calls without `metadata=` and by `group_check` calls.
-        num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None = the
-            environment variable MEGATRON_SPLITKV_NUM_CHUNKS, else 1 (2 pays off on slow
+        num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None =
+            `config.num_chunks`, else 1 (2 pays off on slow
             inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)]
             (see `ops.metadata.resolve_num_chunks`). Chunk c = blocks [c * nb // k, (c + 1) * nb // k)
             of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
@@ -908,8 +909,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         chunk_axis: what the `num_chunks` chunks split (module docstring, item 3 "Head chunks";
             docs/perf-notes.md item 21): "rows" (the query blocks above, all heads) or "heads" (chunk c = kv
             heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and q heads [g0 * G, g1 * G), G = Hq // Hkv, of ALL
-            rows; k clamped to [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads). None = the
-            environment variable MEGATRON_SPLITKV_CHUNK_AXIS ("rows" | "heads"), else "rows". Must be the same
+            rows; k clamped to [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads). None =
+            `config.chunk_axis` (default "rows"). Must be the same
             on every rank (agreed group-wide like num_chunks). With `metadata=` it was fixed by
             `prepare_splitkv_metadata(..., chunk_axis=...)`: pass None or that value. The same results up
             to fp rounding, the same bytes per collective name.
@@ -921,14 +922,17 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             all-gather of its own, and its results are bit-identical to the call without it. Every rank
             of the CP group must pass one, or none (a mixed group is detected with `group_check`).
         cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all (module docstring, item 5; our
-            extension of DESIGN.md section 2's merge for CP groups spanning several nodes): None = the
-            environment variable MEGATRON_SPLITKV_RANKS_PER_NODE (clamped to P), else 1; otherwise a
+            extension of DESIGN.md section 2's merge for CP groups spanning several nodes): None =
+            `config.cp_ranks_per_node` (clamped to P), else 1; otherwise a
             positive int dividing P (`ops.metadata.resolve_ranks_per_node`). 1 or P: the single
             all-to-all over the CP group (bit-identical to the op without this option); 1 < L < P: node n
             = CP ranks [n * L, (n + 1) * L), which must share a node for the traffic split to pay off
             (correct anyway). Must be the same on every rank (agreed group-wide like num_chunks). With
             `metadata=` it was fixed by `prepare_splitkv_metadata(..., cp_ranks_per_node=...)`: pass
             None or that value.
+        config: `megatron_splitkv.SplitKVConfig`, the options of the op and its kernels (None: the
+            defaults); the keyword arguments above override its fields. With `metadata=` the metadata's
+            config applies: pass None or the config given to the prepare.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -940,9 +944,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Raises:
         ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
-            block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks (or the
-            environment variable) not a positive int, chunk_axis (or MEGATRON_SPLITKV_CHUNK_AXIS) not "rows" /
-            "heads", cp_ranks_per_node (or its environment variable)
+            block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks not a
+            positive int, chunk_axis not "rows" / "heads", cp_ranks_per_node (or the config's)
             not a positive int or not dividing the CP group size P (the limit is named in the message),
             or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks / chunk_axis /
             cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
@@ -961,4 +964,4 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config)

@@ -56,8 +56,10 @@ class DFlashDraftModel(MegatronModule):
             available (None).
         freeze_shared: set requires_grad False on the shared embedding and LM head (default True).
         overlap_query_gather: Split-KV's query all-gather before the k/v projections
-            (`get_dflash_layer_spec`; None = environment variable MEGATRON_SPLITKV_OVERLAP_Q_GATHER,
-            default on); ignored with `layer_spec`.
+            (`get_dflash_layer_spec`; None = splitkv_config.overlap_q_gather, default on); ignored with
+            `layer_spec`.
+        splitkv_config: the op's `SplitKVConfig` (None: the defaults; `get_dflash_layer_spec`); ignored with
+            `layer_spec`.
 
     Forward: see `forward`. Errors: ValueError for mismatched inputs (see `forward`).
     """
@@ -68,7 +70,8 @@ class DFlashDraftModel(MegatronModule):
                  layer_spec: Optional[ModuleSpec] = None,
                  pg_collection: Optional[ProcessGroupCollection] = None, loss_group=None,
                  rotary_base: float = 1e6, kernel_backend: str = "auto", use_te: Optional[bool] = None,
-                 freeze_shared: bool = True, overlap_query_gather: Optional[bool] = None):
+                 freeze_shared: bool = True, overlap_query_gather: Optional[bool] = None,
+                 splitkv_config=None):
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -86,7 +89,8 @@ class DFlashDraftModel(MegatronModule):
             use_te = False
         spec = layer_spec or get_dflash_layer_spec(cp_impl, use_te=use_te, rotary_base=rotary_base,
                                                    kernel_backend=kernel_backend,
-                                                   overlap_query_gather=overlap_query_gather)
+                                                   overlap_query_gather=overlap_query_gather,
+                                                   splitkv_config=splitkv_config)
         self.decoder = TransformerBlock(config=config, spec=spec, post_layer_norm=True, pre_process=True,
                                         post_process=True, pg_collection=pg_collection)
         self.word_embeddings = word_embeddings
