@@ -779,13 +779,13 @@ def test_pretrain_prefetcher_unwraps_megatron_iterators():
 
 def _random_batch(rng, tiny=False):
     """A random packed batch: 1-4 sequences of 1-160 tokens, some without any anchor candidate (loss mask
-    off), up to 6 anchors each; `tiny`: one sequence of 3-8 tokens (one chunk: the other ranks get no
-    context at all)."""
+    off), up to 6 anchors each; `tiny`: one sequence of one token (fewer context tokens than ranks: whatever
+    the planner chooses, the other ranks get no context at all)."""
     from megatron_splitkv.data.sharegpt import make_packed_batch
 
     pieces = []
     for _ in range(1 if tiny else int(rng.integers(1, 5))):
-        n = int(rng.integers(3, 9)) if tiny else int(rng.integers(1, 160))
+        n = 1 if tiny else int(rng.integers(1, 160))
         mask = rng.random(n) < 0.8 if rng.random() < 0.8 else np.zeros(n, dtype=bool)
         pieces.append((rng.integers(0, MASK_ID, size=n), mask))
     return make_packed_batch(pieces, num_anchors=int(rng.integers(1, 7)), rng=rng,

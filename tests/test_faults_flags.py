@@ -64,7 +64,7 @@ CASES = [
     ("tools.bench_layer_overlap", ["--block-size", "0"], "--block-size: must be a positive int"),
     ("tools.bench_lpt", ["--repeats", "0"], "--repeats: must be a positive int"),
     ("tools.calibrate_cost", ["--iters", "0"], "--iters: must be a positive int"),
-    ("tools.chunk_cost", ["--lanes", "0"], "--lanes: must be a positive int"),
+    ("tools.chunk_cost", ["--reps", "0"], "--reps: must be a positive int"),
     ("tools.extract_features", ["--out", "/tmp/x", "--max-tokens", "1"], "--max-tokens: must be an int >= 2"),
     ("tools.extract_features", ["--out", "/tmp/x", "--target-load", "/nonexistent"], "--target-load: no such file"),
     ("tools.extract_features", ["--out", "/tmp/x", "--sharegpt-limit", "0"], "--sharegpt-limit: must be a positive"),
