@@ -63,10 +63,11 @@ def load_pair(target_dir: str, drafter_dir: str, *, device="cpu", dtype=torch.fl
     `target_layer_ids` entry outside the target's layers, a mask token outside the target's vocabulary,
     a drafter `fc` input that is not len(target_layer_ids) x hidden.
     """
+    tcfg, dcfg = os.path.join(target_dir, "config.json"), os.path.join(drafter_dir, "config.json")
+    _check_pair_configs(tcfg, dcfg)
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     drafter = dflash_model.DFlashDraftModel.from_pretrained(drafter_dir, dtype=dtype).to(device).eval()
     vocab = CompactVocab.load(target_dir)
-    tcfg, dcfg = os.path.join(target_dir, "config.json"), os.path.join(drafter_dir, "config.json")
     th, dh = target.config.hidden_size, drafter.config.hidden_size
     if th != dh:
         raise ValueError(f"{dcfg}: hidden_size {dh} differs from the target's ({tcfg}: hidden_size {th})")
@@ -82,6 +83,37 @@ def load_pair(target_dir: str, drafter_dir: str, *, device="cpu", dtype=torch.fl
         raise ValueError(f"{dcfg}: dflash_config.mask_token_id {mask} is a text token of the target's "
                          f"token_map.json (its MASK row is {vocab.mask_token_id})")
     return target, vocab, drafter
+
+
+#: the largest drafter block size evaluated (DFlash drafters use 8-16; the verification step is B tokens)
+MAX_BLOCK_SIZE = 1024
+
+
+def _read_config(path: str) -> dict:
+    """config.json as a dict; ValueError naming the file when it is unreadable or not a JSON object."""
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return cfg
+
+
+def _check_pair_configs(target_config: str, drafter_config: str) -> None:
+    """Before loading any weights: the target's config.json is not a DFlash drafter's, the drafter's names
+    DFlashDraftModel and a block_size in [2, MAX_BLOCK_SIZE]. Raises ValueError naming the file and field."""
+    t, d = _read_config(target_config), _read_config(drafter_config)
+    if "DFlashDraftModel" in (t.get("architectures") or []):
+        raise ValueError(f"{target_config}: architectures {t['architectures']} is a DFlash drafter, not a "
+                         "Qwen3ForCausalLM target (are --target-hf-path and --drafter swapped?)")
+    if "DFlashDraftModel" not in (d.get("architectures") or []):
+        raise ValueError(f"{drafter_config}: architectures {d.get('architectures')} does not name "
+                         "DFlashDraftModel (an exported drafter: python -m megatron_splitkv.export)")
+    b = d.get("block_size")
+    if type(b) is not int or not 2 <= b <= MAX_BLOCK_SIZE:
+        raise ValueError(f"{drafter_config}: block_size {b!r} must be an int in [2, {MAX_BLOCK_SIZE}]")
 
 
 @contextlib.contextmanager

@@ -127,6 +127,30 @@ def test_mismatched_drafter_exits_2_naming_file_and_field(pair, tmp_path, capsys
     assert str(bad / "config.json") in err and "target_layer_ids" in err and "num_hidden_layers 4" in err
 
 
+def test_swapped_dirs_and_huge_block_size_exit_2_before_loading(pair, tmp_path, capsys):
+    """A drafter passed as the target (and the reverse), and a drafter block_size beyond MAX_BLOCK_SIZE (it hung
+    in dflash_generate), are refused from the config files alone, naming the file and the field."""
+    from megatron_splitkv.acceptance import MAX_BLOCK_SIZE
+
+    root = pair[0]
+    out = ["--out", str(tmp_path / "x"), "--no-progress"]
+    rc = eval_acceptance.main(["--target-hf-path", str(root / "drafter"), "--drafter", str(root / "target")] + out)
+    err = capsys.readouterr().err
+    assert rc == 2 and str(root / "drafter" / "config.json") in err and "not a Qwen3ForCausalLM target" in err
+    for value in (10 ** 12, 1, "16", MAX_BLOCK_SIZE + 1):
+        bad = tmp_path / f"drafter_{value}"
+        bad.mkdir()
+        for f in os.listdir(root / "drafter"):
+            (bad / f).write_bytes((root / "drafter" / f).read_bytes())
+        cfg = json.load(open(bad / "config.json"))
+        cfg["block_size"] = value
+        json.dump(cfg, open(bad / "config.json", "w"))
+        rc = eval_acceptance.main(["--target-hf-path", str(root / "target"), "--drafter", str(bad),
+                                   "--threads", "1"] + out)
+        err = capsys.readouterr().err
+        assert rc == 2 and str(bad / "config.json") in err and "block_size" in err, (value, err)
+
+
 def test_compact_vocab_round_trip_and_errors(tmp_path):
     v = CompactVocab.from_tokens([7, 3, 151645], [3, 9])
     assert v.token_ids.tolist() == [3, 7, 9, 151645] and v.mask_token_id == 4 and v.num_rows == 5
