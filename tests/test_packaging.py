@@ -45,4 +45,7 @@ def test_readme_install_section_names_every_extra():
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
     for name in _setup_kwargs()["extras_require"]:
-        assert re.search(rf"^- `{re.escape(name)}`: ", section, re.M), f"README install section: extra {name!r}"
+        assert re.search(rf"`{re.escape(name)}`\s*\(", section), f"README install section: extra {name!r}"
+    usage = open(os.path.join(ROOT, "docs", "usage.md")).read()
+    for name in _setup_kwargs()["extras_require"]:  # and what each is for, one line each in docs/usage.md
+        assert re.search(rf"^- `{re.escape(name)}`: ", usage, re.M), f"docs/usage.md extras: extra {name!r}"

@@ -23,6 +23,7 @@ import torch
 
 from _splitkv_helpers import new_seed, small_inputs, with_random_own_slots
 
+from megatron_splitkv.config import SplitKVConfig  # noqa: E402
 from megatron_splitkv import prepare_splitkv_metadata, splitkv_attention
 from megatron_splitkv.comm import CommGroup
 from megatron_splitkv.kernels.base import IntervalMask
@@ -299,7 +300,8 @@ def _captured_check(meta):
     fresh = md.SplitKVMetadata(
         impl="splitkv", group=meta.group, block_size=meta.block_size, num_heads_q=2, num_heads_kv=1, head_dim=4,
         dtype=torch.float32, device=meta.device, n_blocks=meta.n_blocks, n_ctx=meta.n_ctx, q_seq=meta.q_seq,
-        q_anchor=meta.q_anchor, kv_seq=meta.kv_seq, kv_pos=meta.kv_pos, num_chunks_requested=2)
+        q_anchor=meta.q_anchor, kv_seq=meta.kv_seq, kv_pos=meta.kv_pos, num_chunks_requested=2,
+        config=SplitKVConfig(debug_checks=True))  # the check is registered only with debug checks on
     md._finish(fresh, gather_ctx=True, reads=Reads())
     check = captured[-1]
     fresh.chunk_masks_own[:] = meta.chunk_masks_own
