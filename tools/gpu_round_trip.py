@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One larger round trip on a GPU machine, in one command with a time budget per stage:
 
-    PYTHONPATH=/tmp/site:$PWD python tools/gpu_round_trip.py --out $OUT          # defaults: about 8 min
+    python tools/gpu_round_trip.py --out out/gpu_round_trip          # defaults: about 6 min on one H100
 
 1. target: a Qwen3 of a few hundred million parameters (defaults: hidden 1024, 12 layers, head dim 16, compact
    vocabulary of the --limit ShareGPT conversations; `megatron_splitkv.demo_target.make_demo_target`, the
