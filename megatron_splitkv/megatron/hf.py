@@ -59,6 +59,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from ..checkpoint import CheckpointError, iteration_dir, read_tracker, resolve_checkpoint, verify_manifest
 from ..dflash import target_layer_ids
 from .models.target import _TE_TO_LOCAL, build_target_model, qwen3_config
 
@@ -706,23 +707,28 @@ def export_drafter(model, out_dir: Optional[str], *, target_layer_ids: Sequence[
 
 
 # --------------------------------------------------------------------------------------- from checkpoints
-_TRACKER = "latest_checkpointed_iteration.txt"
+def _is_torch_dist(d: str) -> bool:
+    return os.path.exists(os.path.join(d, ".metadata")) or os.path.exists(os.path.join(d, "metadata.json"))
 
 
 def _iteration_dir(load: str, step: Optional[int]) -> str:
+    """The iteration directory to export, verified against its manifest (`megatron_splitkv.checkpoint`):
+    ``iter_{step}``, the one the tracker names, or `load` itself when it has no tracker. Raises
+    `HFCheckpointError` (one line naming the file: garbage tracker, missing manifest, damaged file)."""
     if not os.path.isdir(load):
         raise HFCheckpointError(f"--load {load}: no such directory")
-    if step is not None:
-        d = os.path.join(load, f"iter_{int(step):07d}")
-        if not os.path.isdir(d):
-            raise HFCheckpointError(f"--load {load}: no checkpoint of step {step} ({d} missing)")
-        return d
-    tracker = os.path.join(load, _TRACKER)
-    if os.path.exists(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
-        return os.path.join(load, "release" if it == "release" else f"iter_{int(it):07d}")
-    return load  # an iteration directory itself
+    try:
+        it = read_tracker(load) if step is None else int(step)
+        d = load if it is None else os.path.join(load, "release") if it == "release" else iteration_dir(load, it)
+        if _is_torch_dist(d):
+            raise HFCheckpointError(f"{d}: a Megatron torch_dist checkpoint, which this export does not read; "
+                                    "save with --ckpt-format torch, or export the in-memory model (export_drafter)")
+        if it is None:
+            verify_manifest(d)
+            return d
+        return resolve_checkpoint(load, it)
+    except CheckpointError as exc:
+        raise HFCheckpointError(f"--load {load}: {exc}") from None
 
 
 def _torch_load(path: str):
@@ -771,15 +777,14 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
         `mp_rank_{tp:02d}/model_optim_rng.pt` per TP rank, gathered here; the metadata from its "args"
         (--mask-token-id, --target-num-layers, --num-layers, --dflash-block-size, --rotary-base, ...).
     Megatron's `torch_dist` format is refused (re-save with `--ckpt-format torch`, or export the in-memory
-    model with `export_drafter`).
+    model with `export_drafter`). The iteration directory is first verified against its manifest
+    (`megatron_splitkv.checkpoint.verify_manifest`: written by the demo's and by Megatron's saves with this
+    package's manifest hook); a missing manifest, a damaged file or a garbage tracker is refused.
     Args: meta: values that replace / complete the checkpoint's metadata (same keys). dtype: written dtype.
     Returns the config.json dict. Errors: `HFCheckpointError` naming the file and the missing field.
     """
     d = _iteration_dir(load, step)
     common_path = os.path.join(d, "common.pt")
-    if os.path.exists(os.path.join(d, ".metadata")) or os.path.exists(os.path.join(d, "metadata.json")):
-        raise HFCheckpointError(f"{d}: a Megatron torch_dist checkpoint, which this export does not read; save "
-                                "with --ckpt-format torch, or export the in-memory model (export_drafter)")
     if os.path.exists(common_path):
         common = _torch_load(common_path)
         if not isinstance(common, dict) or "model" not in common:
