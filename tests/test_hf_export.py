@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_splitkv import export as export_cli  # noqa: E402
 from megatron_splitkv.checkpoint import write_manifest  # noqa: E402
+from megatron_splitkv.megatron.hf import HFCheckpointError, export_checkpoint  # noqa: E402
 
 pytestmark = MEGATRON_ENV
 
@@ -345,6 +346,9 @@ def test_export_flag_limits(exported, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     err = _flag_error(["--load", exported["ckpt"], "--out", str(tmp_path / "file")], capsys)
     assert "argument --out" in err and "existing file" in err, err
+    with pytest.raises(HFCheckpointError, match="file") as exc:  # the Python API too
+        export_checkpoint(exported["ckpt"], str(tmp_path / "file"))
+    assert str(tmp_path / "file") in str(exc.value)
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "notes.txt").write_text("keep me")
     err = _flag_error(["--load", exported["ckpt"], "--out", str(tmp_path / "foreign")], capsys)

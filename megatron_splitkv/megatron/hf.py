@@ -658,9 +658,11 @@ def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int,
 
 def save_dflash_hf(out_dir: str, config: dict, tensors: Dict[str, Tensor]) -> str:
     """Write `out_dir/config.json` and `out_dir/model.safetensors` (metadata {"format": "pt"}). Returns
-    out_dir."""
+    out_dir. Raises `HFCheckpointError` when out_dir is an existing file."""
     from safetensors.torch import save_file  # the optional extra "hf"
 
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise HFCheckpointError(f"{out_dir}: an existing file, not a directory (the export writes a directory)")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
