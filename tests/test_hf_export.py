@@ -9,6 +9,7 @@ dflash's own save_pretrained of the same weights), and its refusals.
 
 import json
 import os
+import shutil
 from argparse import Namespace
 
 import pytest
@@ -293,7 +294,6 @@ def test_export_refusals(exported, tmp_path, capsys):
 
 
 def _copy_ckpt(exported, tmp_path):
-    import shutil
     ckpt = tmp_path / "ckpt"
     shutil.copytree(exported["ckpt"], ckpt)
     return ckpt
