@@ -13,9 +13,16 @@ error line naming it, exit status 2. From Python: `megatron_splitkv.megatron.hf.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 
 from ._ints import float_arg, int_arg
+
+MAX_BLOCK_SIZE = 1024  # --block-size: tokens of one draft block
+MAX_LAYERS = 1024  # --num-target-layers
+MAX_VOCAB = 1 << 24  # --vocab-size (16.7M rows; the largest vocabularies in use have ~260K)
+MAX_ROPE_THETA = 1e12  # --rope-theta (Qwen3 uses 1e6)
 
 
 def _ids(text: str):
@@ -28,21 +35,45 @@ def _ids(text: str):
     return ids
 
 
+def _previous_export(out: str) -> bool:
+    try:
+        with open(os.path.join(out, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("architectures") == ["DFlashDraftModel"]
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_splitkv.export", description=__doc__.split("\n")[0])
     p.add_argument("--load", required=True, help="checkpoint directory (or one iteration directory of it)")
-    p.add_argument("--out", required=True, help="output directory (config.json, model.safetensors)")
+    p.add_argument("--out", required=True,
+                   help="output directory (config.json, model.safetensors); it must be new, empty, or hold a "
+                        "previous export (config.json of a DFlashDraftModel), which is overwritten")
     p.add_argument("--step", type=int_arg(0), default=None, help="iteration to export (default: the latest)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="tensor dtype written (default: the checkpoint's)")
     m = p.add_argument_group("metadata (default: what the checkpoint carries)")
-    m.add_argument("--mask-token-id", type=int_arg(0), default=None)
+    m.add_argument("--mask-token-id", type=int_arg(0, MAX_VOCAB - 1), default=None, help="< the vocabulary size")
     m.add_argument("--target-layer-ids", type=_ids, default=None, help="comma-separated 0-based target layer ids")
-    m.add_argument("--num-target-layers", type=int_arg(1), default=None)
-    m.add_argument("--block-size", type=int_arg(2), default=None)
-    m.add_argument("--vocab-size", type=int_arg(1), default=None)
-    m.add_argument("--rope-theta", type=float_arg(0, above=True), default=None)
-    return p.parse_args(argv)
+    m.add_argument("--num-target-layers", type=int_arg(1, MAX_LAYERS), default=None)
+    m.add_argument("--block-size", type=int_arg(2, MAX_BLOCK_SIZE), default=None)
+    m.add_argument("--vocab-size", type=int_arg(1, MAX_VOCAB), default=None)
+    m.add_argument("--rope-theta", type=float_arg(0, MAX_ROPE_THETA, above=True), default=None)
+    args = p.parse_args(argv)
+    if args.mask_token_id is not None and args.vocab_size is not None and args.mask_token_id >= args.vocab_size:
+        p.error(f"argument --mask-token-id: must be < --vocab-size {args.vocab_size}, got {args.mask_token_id}")
+    if args.target_layer_ids is not None and args.num_target_layers is not None \
+            and max(args.target_layer_ids) >= args.num_target_layers:
+        p.error(f"argument --target-layer-ids: must be < --num-target-layers {args.num_target_layers}, "
+                f"got {args.target_layer_ids}")
+    if os.path.exists(args.out):
+        if not os.path.isdir(args.out):
+            p.error(f"argument --out: {args.out} is an existing file, not a directory")
+        if os.listdir(args.out) and not _previous_export(args.out):
+            p.error(f"argument --out: {args.out} is not empty and holds no previous export (config.json of a "
+                    "DFlashDraftModel); choose a new directory")
+    return args
 
 
 def main(argv=None) -> int:

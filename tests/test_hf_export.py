@@ -9,6 +9,7 @@ dflash's own save_pretrained of the same weights), and its refusals.
 
 import json
 import os
+import shutil
 from argparse import Namespace
 
 import pytest
@@ -23,6 +24,8 @@ dflash_model = pytest.importorskip("dflash.model")
 transformers = pytest.importorskip("transformers")
 
 from megatron_splitkv import export as export_cli  # noqa: E402
+from megatron_splitkv.checkpoint import write_manifest  # noqa: E402
+from megatron_splitkv.megatron.hf import HFCheckpointError, export_checkpoint  # noqa: E402
 
 pytestmark = MEGATRON_ENV
 
@@ -114,6 +117,7 @@ def _worker(rank, world, out_dir, ckpt_dir):
         torch.save({"model": model.state_dict(), "args": args, "iteration": 3}, os.path.join(d, "model_optim_rng.pt"))
     dist.barrier()
     if rank == 0:
+        write_manifest(os.path.join(ckpt_dir, "iter_0000003"))  # as the manifest hook of Megatron's save does
         with open(os.path.join(ckpt_dir, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write("3")
     ps.destroy_model_parallel()
@@ -232,6 +236,7 @@ def exported(tmp_path_factory):
     torch.save({"format": 1, "step": 5, "model": model, "dflash_export": meta,
                 "args": {"target_layers": TARGET_LAYERS, "draft_layers": 1, "block_size": B}},
                str(it / "common.pt"))
+    write_manifest(str(it))
     (root / "ckpt" / "latest_checkpointed_iteration.txt").write_text("5\n")
     return dict(root=root, ckpt=str(root / "ckpt"), ref=ref_dir, common=str(it / "common.pt"))
 
@@ -269,6 +274,7 @@ def test_export_refusals(exported, tmp_path, capsys):
         c = dict(common, model=dict(common["model"]))
         change(c)
         torch.save(c, str(d / "common.pt"))
+        write_manifest(str(d))
         return _refusal(["--load", str(d), "--out", out], capsys)
 
     code, err = variant("bias", lambda c: c["model"].update({"decoder.layers.0.mlp.linear_fc2.bias": torch.zeros(4)}))
@@ -285,3 +291,70 @@ def test_export_refusals(exported, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         export_cli.parse_args(["--load", exported["ckpt"], "--out", out, "--target-layer-ids", "1,x"])
     assert exc.value.code == 2 and "--target-layer-ids" in capsys.readouterr().err
+
+
+def _copy_ckpt(exported, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(exported["ckpt"], ckpt)
+    return ckpt
+
+
+def test_export_verifies_the_checkpoint(exported, tmp_path, capsys):
+    """A flipped byte inside common.pt's tensors, a garbage tracker, a missing manifest: one line naming the
+    file, exit status 2, nothing written."""
+    ckpt = _copy_ckpt(exported, tmp_path)
+    common = ckpt / "iter_0000005" / "common.pt"
+    data = bytearray(common.read_bytes())
+    fc = torch.load(exported["common"], weights_only=False)["model"]["fc.weight"]
+    at = bytes(data).find(fc.numpy().tobytes()[:16])  # the first bytes of fc.weight's storage
+    assert at > 0
+    data[at + 3] ^= 0x40
+    common.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    code, err = _refusal(["--load", str(ckpt), "--out", str(out)], capsys)
+    assert code == 2 and "common.pt" in err and "damaged" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("five\n")
+    code, err = _refusal(["--load", str(ckpt), "--out", str(out)], capsys)
+    assert code == 2 and "latest_checkpointed_iteration.txt" in err and "not an iteration number" in err, err
+    (ckpt / "iter_0000005" / "manifest.json").unlink()
+    code, err = _refusal(["--load", str(ckpt / "iter_0000005"), "--out", str(out)], capsys)
+    assert code == 2 and "manifest.json" in err and "missing" in err, err
+
+
+def _flag_error(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        export_cli.parse_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_export_flag_limits(exported, tmp_path, capsys):
+    """Out-of-range metadata flags and an --out that is a file or a foreign non-empty directory: argparse's
+    error naming the flag, exit status 2; a previous export is overwritten."""
+    base = ["--load", exported["ckpt"], "--out", str(tmp_path / "out")]
+    for flag, value in (("--block-size", "1025"), ("--block-size", "1"), ("--num-target-layers", "1025"),
+                        ("--num-target-layers", "0"), ("--vocab-size", "0"), ("--vocab-size", str(1 << 30)),
+                        ("--mask-token-id", "-1"), ("--rope-theta", "0"), ("--rope-theta", "nan"),
+                        ("--rope-theta", "1e300")):
+        err = _flag_error(base + [flag, value], capsys)
+        assert f"argument {flag}" in err, (flag, value, err)
+    err = _flag_error(base + ["--vocab-size", "10", "--mask-token-id", "10"], capsys)
+    assert "--mask-token-id" in err and "--vocab-size 10" in err, err
+    err = _flag_error(base + ["--num-target-layers", "4", "--target-layer-ids", "1,4"], capsys)
+    assert "--target-layer-ids" in err and "--num-target-layers 4" in err, err
+    (tmp_path / "file").write_text("x")
+    err = _flag_error(["--load", exported["ckpt"], "--out", str(tmp_path / "file")], capsys)
+    assert "argument --out" in err and "existing file" in err, err
+    with pytest.raises(HFCheckpointError, match="file") as exc:  # the Python API too
+        export_checkpoint(exported["ckpt"], str(tmp_path / "file"))
+    assert str(tmp_path / "file") in str(exc.value)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("keep me")
+    err = _flag_error(["--load", exported["ckpt"], "--out", str(tmp_path / "foreign")], capsys)
+    assert "argument --out" in err and "not empty" in err, err
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "keep me"
+    out = str(tmp_path / "again")
+    assert export_cli.main(["--load", exported["ckpt"], "--out", out]) == 0
+    assert export_cli.main(["--load", exported["ckpt"], "--out", out, "--block-size", "8"]) == 0
+    assert json.load(open(os.path.join(out, "config.json")))["block_size"] == 8

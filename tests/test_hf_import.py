@@ -232,3 +232,87 @@ def test_extract_features_flag(checkpoints, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         tool.parse_args(["--out", str(tmp_path / "f"), "--target-hf-path", str(bad), "--target-load", str(bad)])
     assert exc.value.code == 2 and "--target-load" in capsys.readouterr().err
+
+
+def _variant(src, dst, change=None, files=None):
+    """A copy of checkpoint directory `src` with config.json changed by `change(cfg)` (a returned value
+    replaces the whole config) and files replaced by `files` {name: bytes}."""
+    shutil.copytree(src, dst)
+    if change is not None:
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        new = change(cfg)
+        json.dump(cfg if new is None else new, open(os.path.join(dst, "config.json"), "w"))
+    for name, data in (files or {}).items():
+        with open(os.path.join(dst, name), "wb") as f:
+            f.write(data)
+    return dst
+
+
+CONFIG_REFUSALS = [  # (case, change of config.json, words the message must hold besides config.json)
+    ("rope_scaling_linear", lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+     ["rope_scaling", "linear"]),
+    ("rope_parameters_yarn", lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                 "rope_theta": 5e5}), ["rope_parameters", "yarn"]),
+    ("rope_scaling_type", lambda c: c.update(rope_scaling={"type": "dynamic", "factor": 2.0}), ["rope_scaling"]),
+    ("rope_theta_zero", lambda c: c.update(rope_parameters=None, rope_theta=0), ["rope_theta"]),
+    ("rope_theta_nan", lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": float("nan")}),
+     ["rope_theta"]),
+    ("eps_negative", lambda c: c.update(rms_norm_eps=-1e-6), ["rms_norm_eps"]),
+    ("eps_inf", lambda c: c.update(rms_norm_eps=float("inf")), ["rms_norm_eps"]),
+    ("max_pos_zero", lambda c: c.update(max_position_embeddings=0), ["max_position_embeddings"]),
+    ("layers_bool", lambda c: c.update(num_hidden_layers=True), ["num_hidden_layers"]),
+    ("layers_float", lambda c: c.update(num_hidden_layers=3.0), ["num_hidden_layers"]),
+    ("kv_heads_zero", lambda c: c.update(num_key_value_heads=0), ["num_key_value_heads"]),
+    ("head_dim_str", lambda c: c.update(head_dim="8"), ["head_dim"]),
+    ("arch_other", lambda c: c.update(architectures=["Qwen3ForSequenceClassification"]), ["architectures"]),
+    ("arch_drafter", lambda c: c.update(architectures=["DFlashDraftModel"]), ["architectures", "DFlash drafter"]),
+    ("dtype_int8", lambda c: c.update(dtype="int8"), ["dtype", "int8"]),
+    ("not_object", lambda c: [c], ["not a JSON object"]),
+]
+
+
+def test_import_config_refusals(checkpoints, tmp_path):
+    """Every unsupported or out-of-range config.json value: HFCheckpointError naming config.json and the
+    field (transformers would load a scaled RoPE with other logits; a bool / zero size is no model)."""
+    from megatron_splitkv.megatron.hf import HFCheckpointError, read_qwen3_config
+
+    tied = checkpoints["tied"]["path"]
+    read_qwen3_config(_variant(tied, str(tmp_path / "ok"), lambda c: c.pop("architectures") and None))  # absent: fine
+    for case, change, words in CONFIG_REFUSALS:
+        d = _variant(tied, str(tmp_path / case), change)
+        with pytest.raises(HFCheckpointError) as exc:
+            read_qwen3_config(d)
+        msg = str(exc.value)
+        assert os.path.join(d, "config.json") in msg and all(w in msg for w in words), (case, msg)
+
+
+def test_import_tensor_refusals(checkpoints, tmp_path):
+    """vocab_size that differs from the embedding's / LM head's rows, and damaged safetensors files (empty,
+    truncated, bad header): HFCheckpointError naming the file (and the tensor and field), not a raw
+    SafetensorError and not a silently padded vocabulary."""
+    from megatron_splitkv.megatron.hf import HFCheckpointError, load_hf_target
+
+    tied, untied = checkpoints["tied"]["path"], checkpoints["untied"]["path"]
+    data = open(os.path.join(tied, "model.safetensors"), "rb").read()
+    index = json.load(open(os.path.join(untied, "model.safetensors.index.json")))
+    lm_shard = index["weight_map"]["lm_head.weight"]
+    cases = {
+        "vocab_more": (_variant(tied, str(tmp_path / "vm"), lambda c: c.update(vocab_size=VOCAB + 4)),
+                       "model.safetensors", ["model.embed_tokens.weight", f"{VOCAB} rows", "vocab_size"]),
+        "vocab_less": (_variant(untied, str(tmp_path / "vl"), lambda c: c.update(vocab_size=VOCAB - 1)),
+                       None, ["embed_tokens.weight", f"{VOCAB} rows", "vocab_size"]),
+        "empty": (_variant(tied, str(tmp_path / "e"), files={"model.safetensors": b""}), "model.safetensors",
+                  ["safetensors"]),
+        "truncated": (_variant(tied, str(tmp_path / "t"), files={"model.safetensors": data[:len(data) // 2]}),
+                      "model.safetensors", ["damaged"]),
+        "bad_header": (_variant(tied, str(tmp_path / "h"), files={"model.safetensors": data[:8] + b"{x" + data[10:]}),
+                       "model.safetensors", ["damaged"]),
+        "shard_truncated": (_variant(untied, str(tmp_path / "s"), files={
+            lm_shard: open(os.path.join(untied, lm_shard), "rb").read()[:-64]}), lm_shard, ["damaged"]),
+    }
+    with _in_process() as pgs:
+        for case, (path, file, words) in cases.items():
+            with pytest.raises(HFCheckpointError) as exc:
+                load_hf_target(path, pg_collection=pgs)
+            msg = str(exc.value)
+            assert (file is None or os.path.join(path, file) in msg) and all(w in msg for w in words), (case, msg)

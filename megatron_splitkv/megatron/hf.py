@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -59,6 +60,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from torch import Tensor
 
+from ..checkpoint import CheckpointError, iteration_dir, read_tracker, resolve_checkpoint, verify_manifest
 from ..dflash import target_layer_ids
 from .models.target import _TE_TO_LOCAL, build_target_model, qwen3_config
 
@@ -85,7 +87,7 @@ __all__ = [
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
 #: key of the export metadata (`drafter_hf_config`'s keyword arguments) in a checkpoint's common dict
 EXPORT_META_KEY = "dflash_export"
-_QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3Model")
+_QWEN3_ARCHITECTURES = ("Qwen3ForCausalLM",)
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
@@ -206,24 +208,55 @@ def _unfuse(fuse: str, shard: Tensor, rows: Sequence[int], groups: int) -> List[
 def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
-            return json.load(f)
+            data = json.load(f)
     except FileNotFoundError:
         raise HFCheckpointError(f"{path}: no such file (a Hugging Face checkpoint directory holds config.json "
                                 "and *.safetensors, as transformers' save_pretrained writes)") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise HFCheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise HFCheckpointError(f"{path}: not a JSON object (got {type(data).__name__})")
+    return data
+
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _positive_int(cfg: dict, f: str, where: str, default=None) -> int:
+    v = cfg.get(f)
+    if v is None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise HFCheckpointError(f"{where}: field {f} must be an integer >= 1, got {v!r}")
+    return v
+
+
+def _positive_float(v, f: str, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise HFCheckpointError(f"{where}: field {f} must be a finite number > 0, got {v!r}")
+    return float(v)
 
 
 def _rope_theta(cfg: dict, where: str) -> float:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise HFCheckpointError(f"{where}: field rope_parameters.rope_type is {kind!r}; only the default RoPE is "
-                                "supported (no rope scaling)")
-    theta = rope.get("rope_theta", cfg.get("rope_theta"))
+    """rope_theta, from rope_parameters (transformers 5) or the top level; every RoPE field but the default
+    one (rope_scaling or rope_parameters naming another rope_type: linear, dynamic, yarn, llama3, ...) is
+    refused."""
+    theta = cfg.get("rope_theta")
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(field)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise HFCheckpointError(f"{where}: field {field} must be an object, got {rope!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        extra = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+        if kind != "default" or extra:
+            raise HFCheckpointError(f"{where}: field {field} is {rope!r}; only the default RoPE is supported "
+                                    "(no rope scaling)")
+        theta = rope.get("rope_theta", theta)
     if theta is None:
         raise HFCheckpointError(f"{where}: field rope_theta (or rope_parameters.rope_theta) is missing")
-    return float(theta)
+    return _positive_float(theta, "rope_theta", where)
 
 
 def read_qwen3_config(path: str, *, mask_token_id: Optional[int] = None,
@@ -233,23 +266,27 @@ def read_qwen3_config(path: str, *, mask_token_id: Optional[int] = None,
     Returns a dict with hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
     intermediate_size, rms_norm_eps, rope_theta, vocab_size, max_position_embeddings, tie_word_embeddings,
     dtype (str or None), and "raw" (the whole config.json).
-    Checks (each a `HFCheckpointError` naming config.json and the field): model_type "qwen3" and
-    architectures Qwen3ForCausalLM; every needed field present; attention_bias false; hidden_act silu;
-    default RoPE; no sliding window; `mask_token_id` in [0, vocab_size) ("no room for the mask token");
-    `drafter_hidden_size` equal to hidden_size; num_attention_heads and num_key_value_heads divisible by
-    `tp_size`.
+    Checks (each a `HFCheckpointError` naming config.json and the field): a JSON object; model_type "qwen3"
+    and architectures naming Qwen3ForCausalLM (or absent; a DFlash drafter's DFlashDraftModel is named as
+    such); every needed size an integer >= 1 (not a bool); rms_norm_eps and rope_theta finite > 0;
+    max_position_embeddings >= 1; dtype float32 / bfloat16 / float16 (or absent); attention_bias false;
+    hidden_act silu; default RoPE in both rope_parameters and rope_scaling; no sliding window;
+    `mask_token_id` in [0, vocab_size) ("no room for the mask token"); `drafter_hidden_size` equal to
+    hidden_size; num_attention_heads and num_key_value_heads divisible by `tp_size`.
     """
     where = os.path.join(path, "config.json")
     cfg = _read_json(where)
-    arch = cfg.get("architectures") or []
-    if cfg.get("model_type") != "qwen3" or not any(a in _QWEN3_ARCHITECTURES for a in arch):
+    arch = cfg.get("architectures")
+    if isinstance(arch, list) and DRAFTER_ARCHITECTURE in arch:
+        raise HFCheckpointError(f"{where}: field architectures is {arch}: a DFlash drafter, not a "
+                                "Qwen3ForCausalLM target (pass the target model's directory)")
+    if cfg.get("model_type") != "qwen3" or not (
+            arch is None or isinstance(arch, list) and any(a in _QWEN3_ARCHITECTURES for a in arch)):
         raise HFCheckpointError(f"{where}: field model_type is {cfg.get('model_type')!r} and architectures "
                                 f"{arch}; a Qwen3 checkpoint (model_type 'qwen3', architectures "
                                 "['Qwen3ForCausalLM']) is required")
-    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    for f in need:
-        if not isinstance(cfg.get(f), int) or cfg[f] <= 0:
-            raise HFCheckpointError(f"{where}: field {f} must be a positive integer, got {cfg.get(f)!r}")
+    for f in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        _positive_int(cfg, f, where)
     if cfg.get("attention_bias"):
         raise HFCheckpointError(f"{where}: field attention_bias is true; Megatron's Qwen3 target has no biases")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -257,9 +294,12 @@ def read_qwen3_config(path: str, *, mask_token_id: Optional[int] = None,
                                 "supported")
     if cfg.get("use_sliding_window"):
         raise HFCheckpointError(f"{where}: field use_sliding_window is true; sliding-window targets are not supported")
+    dtype = cfg.get("dtype", cfg.get("torch_dtype"))
+    if dtype is not None and dtype not in _DTYPES:
+        raise HFCheckpointError(f"{where}: field dtype is {dtype!r}; one of {list(_DTYPES)} is supported")
     heads = cfg["num_attention_heads"]
-    groups = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    groups = _positive_int(cfg, "num_key_value_heads", where, heads)
+    head_dim = _positive_int(cfg, "head_dim", where, cfg["hidden_size"] // heads or 1)
     if heads % groups:
         raise HFCheckpointError(f"{where}: field num_attention_heads {heads} is not a multiple of "
                                 f"num_key_value_heads {groups}")
@@ -277,11 +317,11 @@ def read_qwen3_config(path: str, *, mask_token_id: Optional[int] = None,
                                 "states and borrows its embedding)")
     return dict(hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
                 num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim,
-                intermediate_size=cfg["intermediate_size"], rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                intermediate_size=cfg["intermediate_size"],
+                rms_norm_eps=_positive_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", where),
                 rope_theta=_rope_theta(cfg, where), vocab_size=vocab,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                dtype=cfg.get("dtype", cfg.get("torch_dtype")), raw=cfg)
+                max_position_embeddings=_positive_int(cfg, "max_position_embeddings", where, 32768),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=dtype, raw=cfg)
 
 
 def target_config_from_hf(hf: dict, *, params_dtype: torch.dtype = torch.float32, **overrides):
@@ -304,6 +344,7 @@ class _SafetensorsDir:
 
         self._open = safe_open
         self.path = path
+        self._handles: Dict[str, Any] = {}
         index = os.path.join(path, _INDEX)
         single = os.path.join(path, _SINGLE)
         if os.path.exists(index):
@@ -318,15 +359,28 @@ class _SafetensorsDir:
                                             f"which is missing from {path}")
         elif os.path.exists(single):
             self.where = single
-            with safe_open(single, framework="pt") as f:
-                self.files = {name: single for name in f.keys()}
+            self.files = {name: single for name in self._handle(single).keys()}
         else:
             found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
             raise HFCheckpointError(f"{path}: neither {_SINGLE} nor {_INDEX} (safetensors files found: {found})")
-        self._handles: Dict[str, Any] = {}
+    def _handle(self, file: str):
+        """The open safetensors file; a damaged one (empty, truncated, bad header) -> `HFCheckpointError`."""
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._open(file, framework="pt")
+            except Exception as exc:  # safetensors' SafetensorError, OSError
+                raise HFCheckpointError(f"{file}: not a readable safetensors file (damaged: "
+                                        f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+        return self._handles[file]
 
     def has(self, name: str) -> bool:
         return name in self.files
+
+    def rows(self, name: str) -> int:
+        """Size of tensor `name`'s first dimension."""
+        if name not in self.files:
+            raise HFCheckpointError(f"{self.where}: tensor {name} is missing")
+        return self._handle(self.files[name]).get_slice(name).get_shape()[0]
 
     def read(self, name: str, tp_dim: Optional[int], tp: int, rank: int, padded: Optional[int] = None) -> Tensor:
         """Tensor `name`, or its TP slice `rank` of `tp` along `tp_dim`. padded: the split dim's size after
@@ -334,11 +388,9 @@ class _SafetensorsDir:
         if name not in self.files:
             raise HFCheckpointError(f"{self.where}: tensor {name} is missing")
         file = self.files[name]
-        if file not in self._handles:
-            self._handles[file] = self._open(file, framework="pt")
-        sl = self._handles[file].get_slice(name)
+        sl = self._handle(file).get_slice(name)
         if tp_dim is None or tp == 1 and padded is None:
-            return sl[:]
+            return self._data(file, name, sl, slice(None))
         size = sl.get_shape()[tp_dim]
         total = padded or size
         if total % tp:
@@ -346,12 +398,20 @@ class _SafetensorsDir:
                                     f"tensor-parallel size {tp}")
         a, b = rank * total // tp, (rank + 1) * total // tp
         lo, hi = min(a, size), min(b, size)
-        part = sl[lo:hi] if tp_dim == 0 else sl[:, lo:hi]
+        part = self._data(file, name, sl, slice(lo, hi) if tp_dim == 0 else (slice(None), slice(lo, hi)))
         if hi - lo < b - a:  # zero rows past the real vocabulary
             pad = list(part.shape)
             pad[tp_dim] = (b - a) - (hi - lo)
             part = torch.cat([part, part.new_zeros(pad)], tp_dim)
         return part
+
+
+    @staticmethod
+    def _data(file: str, name: str, sl, index) -> Tensor:
+        try:
+            return sl[index]
+        except Exception as exc:  # safetensors' SafetensorError: bytes past the file's end
+            raise HFCheckpointError(f"{file}: tensor {name} is not readable (damaged: {exc})") from None
 
 
 def _tp_of(model) -> Tuple[int, int]:
@@ -393,6 +453,10 @@ def load_hf_target_weights(model, path: str, *, hf: Optional[dict] = None) -> No
     tied = hf["tie_word_embeddings"]
     params = dict(model.named_parameters())
     vocab_rows = model.embedding.word_embeddings.weight.shape[0] * tp
+    for name in ("model.embed_tokens.weight",) + (() if tied else ("lm_head.weight",)):
+        if src.has(name) and src.rows(name) != hf["vocab_size"]:
+            raise HFCheckpointError(f"{src.files[name]}: tensor {name} has {src.rows(name)} rows, but config.json's "
+                                    f"field vocab_size is {hf['vocab_size']}")
     loaded = set()
     with torch.no_grad():
         for k in target_keys(cfg.num_layers, tie_word_embeddings=tied, decoder_layers=layers):
@@ -594,9 +658,11 @@ def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int,
 
 def save_dflash_hf(out_dir: str, config: dict, tensors: Dict[str, Tensor]) -> str:
     """Write `out_dir/config.json` and `out_dir/model.safetensors` (metadata {"format": "pt"}). Returns
-    out_dir."""
+    out_dir. Raises `HFCheckpointError` when out_dir is an existing file."""
     from safetensors.torch import save_file  # the optional extra "hf"
 
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise HFCheckpointError(f"{out_dir}: an existing file, not a directory (the export writes a directory)")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -706,23 +772,28 @@ def export_drafter(model, out_dir: Optional[str], *, target_layer_ids: Sequence[
 
 
 # --------------------------------------------------------------------------------------- from checkpoints
-_TRACKER = "latest_checkpointed_iteration.txt"
+def _is_torch_dist(d: str) -> bool:
+    return os.path.exists(os.path.join(d, ".metadata")) or os.path.exists(os.path.join(d, "metadata.json"))
 
 
 def _iteration_dir(load: str, step: Optional[int]) -> str:
+    """The iteration directory to export, verified against its manifest (`megatron_splitkv.checkpoint`):
+    ``iter_{step}``, the one the tracker names, or `load` itself when it has no tracker. Raises
+    `HFCheckpointError` (one line naming the file: garbage tracker, missing manifest, damaged file)."""
     if not os.path.isdir(load):
         raise HFCheckpointError(f"--load {load}: no such directory")
-    if step is not None:
-        d = os.path.join(load, f"iter_{int(step):07d}")
-        if not os.path.isdir(d):
-            raise HFCheckpointError(f"--load {load}: no checkpoint of step {step} ({d} missing)")
-        return d
-    tracker = os.path.join(load, _TRACKER)
-    if os.path.exists(tracker):
-        with open(tracker) as f:
-            it = f.read().strip()
-        return os.path.join(load, "release" if it == "release" else f"iter_{int(it):07d}")
-    return load  # an iteration directory itself
+    try:
+        it = read_tracker(load) if step is None else int(step)
+        d = load if it is None else os.path.join(load, "release") if it == "release" else iteration_dir(load, it)
+        if _is_torch_dist(d):
+            raise HFCheckpointError(f"{d}: a Megatron torch_dist checkpoint, which this export does not read; "
+                                    "save with --ckpt-format torch, or export the in-memory model (export_drafter)")
+        if it is None:
+            verify_manifest(d)
+            return d
+        return resolve_checkpoint(load, it)
+    except CheckpointError as exc:
+        raise HFCheckpointError(f"--load {load}: {exc}") from None
 
 
 def _torch_load(path: str):
@@ -771,15 +842,14 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
         `mp_rank_{tp:02d}/model_optim_rng.pt` per TP rank, gathered here; the metadata from its "args"
         (--mask-token-id, --target-num-layers, --num-layers, --dflash-block-size, --rotary-base, ...).
     Megatron's `torch_dist` format is refused (re-save with `--ckpt-format torch`, or export the in-memory
-    model with `export_drafter`).
+    model with `export_drafter`). The iteration directory is first verified against its manifest
+    (`megatron_splitkv.checkpoint.verify_manifest`: written by the demo's and by Megatron's saves with this
+    package's manifest hook); a missing manifest, a damaged file or a garbage tracker is refused.
     Args: meta: values that replace / complete the checkpoint's metadata (same keys). dtype: written dtype.
     Returns the config.json dict. Errors: `HFCheckpointError` naming the file and the missing field.
     """
     d = _iteration_dir(load, step)
     common_path = os.path.join(d, "common.pt")
-    if os.path.exists(os.path.join(d, ".metadata")) or os.path.exists(os.path.join(d, "metadata.json")):
-        raise HFCheckpointError(f"{d}: a Megatron torch_dist checkpoint, which this export does not read; save "
-                                "with --ckpt-format torch, or export the in-memory model (export_drafter)")
     if os.path.exists(common_path):
         common = _torch_load(common_path)
         if not isinstance(common, dict) or "model" not in common:
