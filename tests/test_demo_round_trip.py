@@ -56,3 +56,26 @@ def test_bad_target_flags_fail_before_the_ranks(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_demo.parse_args(["--random-target", "--target-hf-path", str(tmp_path)])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_demo_checkpoint_exports_without_flags(tmp_path):
+    """A demo --save checkpoint carries its export metadata: `python -m megatron_splitkv.export --load D --out E`
+    with no metadata flags writes the config.json and tensors of the demo's own in-memory export."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out, ckpt, exp = (str(tmp_path / n) for n in ("demo", "ckpt", "exported"))
+    flags = TINY[: TINY.index("--steps")] + ["--steps", "1", "--target-train-steps", "3", "--eval-prompts", "0",
+                                             "--no-regenerate", "--out-dir", out, "--save", ckpt]
+    assert train_demo.main(flags) in (0, 1)
+    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.export", "--load", ckpt, "--out", exp],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    own = os.path.join(out, "drafter-hf")
+    assert json.load(open(os.path.join(exp, "config.json"))) == json.load(open(os.path.join(own, "config.json")))
+    a, b = load_file(os.path.join(exp, "model.safetensors")), load_file(os.path.join(own, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), k
