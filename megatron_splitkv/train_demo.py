@@ -166,8 +166,8 @@ def prepare_target(args, log=print) -> None:
         args.target_hf_path = path
     if args.regenerate:
         regenerate_responses(args, log=log)
-    map_corpus(args, training_corpus(args))
-    check_hf_target(args)
+    _, _, ids_used = map_corpus(args, training_corpus(args))
+    check_hf_target(args, ids_used=ids_used)
 
 
 def regenerate_responses(args, log=print):
@@ -235,17 +235,23 @@ def map_corpus(args, corpus):
     return type(corpus)(tokens, corpus.loss_mask, corpus.offsets), mask_id, len(vocab)
 
 
-def check_hf_target(args):
+def check_hf_target(args, ids_used=None):
     """config.json of --target-hf-path against the flags (`megatron.hf.read_qwen3_config`: Qwen3, the
-    mask row, hidden size = --hidden) and num_hidden_layers = --target-layers. Raises `HFCheckpointError`."""
+    mask row, hidden size = --hidden), num_hidden_layers = --target-layers and, with `ids_used` (the data's
+    largest token id + 1 in the target's ids, `map_corpus`), vocab_size >= ids_used. Raises
+    `HFCheckpointError` naming the field."""
     from .megatron.hf import HFCheckpointError, read_qwen3_config
 
     _, mask_id = target_vocab(args)
     hf = read_qwen3_config(args.target_hf_path, mask_token_id=mask_id, drafter_hidden_size=args.hidden)
+    where = os.path.join(args.target_hf_path, "config.json")
     if hf["num_hidden_layers"] != args.target_layers:
-        raise HFCheckpointError(f"{os.path.join(args.target_hf_path, 'config.json')}: field num_hidden_layers = "
-                                f"{hf['num_hidden_layers']}, but --target-layers {args.target_layers}; pass "
-                                f"--target-layers {hf['num_hidden_layers']}")
+        raise HFCheckpointError(f"{where}: field num_hidden_layers = {hf['num_hidden_layers']}, but --target-layers "
+                                f"{args.target_layers}; pass --target-layers {hf['num_hidden_layers']}")
+    if ids_used is not None and ids_used > hf["vocab_size"]:
+        raise HFCheckpointError(f"{where}: field vocab_size = {hf['vocab_size']}, but the --limit {args.limit} "
+                                f"conversations use token ids up to {ids_used - 1} (largest id); use a target "
+                                "with Qwen's vocabulary or one with a token_map.json")
     return hf
 
 

@@ -79,3 +79,23 @@ def test_demo_checkpoint_exports_without_flags(tmp_path):
     assert sorted(a) == sorted(b)
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), k
+
+
+def test_target_vocab_smaller_than_the_corpus_ids_fails_before_the_ranks(tmp_path):
+    """A --target-hf-path without token_map.json (Qwen's ids) whose vocab_size is below the corpus's largest id:
+    exit 2 up front, naming config.json's vocab_size and the largest id (no rank starts)."""
+    import subprocess
+    import sys
+
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"])
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.train_demo", "--target-hf-path", str(tmp_path),
+                        "--mask-token-id", "999", "--no-regenerate", "--limit", "4", "--hidden", "32",
+                        "--target-layers", "2", "--draft-layers", "1", "--steps", "1", "--eval-prompts", "0",
+                        "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "config.json: field vocab_size = 1000" in r.stderr and "largest id" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "rank" not in r.stderr.lower(), r.stderr
