@@ -55,6 +55,9 @@ import time
 
 from .checkpoint import MANIFEST, TRACKER, CheckpointError, iteration_dir, resolve_checkpoint, write_manifest
 
+#: the largest --cp: the demo runs one gloo process per CP rank on the CPU
+MAX_CP = 16
+
 
 def parse_args(argv=None):
     """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
@@ -65,7 +68,8 @@ def parse_args(argv=None):
                                 formatter_class=DefaultsHelpFormatter)
     add_round_trip_args(p)
     p.add_argument("--steps", type=int_arg(1), default=30, help="training steps (the last step's number)")
-    p.add_argument("--cp", type=int_arg(1), default=2, help="context-parallel size = number of gloo processes")
+    p.add_argument("--cp", type=int_arg(1, MAX_CP), default=2,
+                   help=f"context-parallel size = number of gloo processes on this CPU (at most {MAX_CP})")
     p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"),
                    help="the drafter's context-parallel attention")
     p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),

@@ -99,3 +99,11 @@ def test_target_vocab_smaller_than_the_corpus_ids_fails_before_the_ranks(tmp_pat
     assert r.returncode == 2, r.stderr
     assert "config.json: field vocab_size = 1000" in r.stderr and "largest id" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "rank" not in r.stderr.lower(), r.stderr
+
+
+def test_cp_above_the_cpu_limit_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_demo.parse_args(["--cp", str(train_demo.MAX_CP + 1)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--cp" in err and str(train_demo.MAX_CP) in err, err
+    assert train_demo.parse_args(["--cp", str(train_demo.MAX_CP), "--random-target"]).cp == train_demo.MAX_CP
