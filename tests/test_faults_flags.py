@@ -26,8 +26,9 @@ FILE = os.path.abspath(__file__)  # an existing file that is not a directory
 
 # (entry point, argv, text the error must contain)
 CASES = [
-    ("train_demo", ["--cp", "0"], "--cp: must be a positive int"),
-    ("train_demo", ["--cp", "-2"], "--cp: must be a positive int"),
+    ("train_demo", ["--cp", "0"], "--cp: must be an int in [1, 16]"),
+    ("train_demo", ["--cp", "64"], "--cp: must be an int in [1, 16]"),
+    ("train_demo", ["--cp", "-2"], "--cp: must be an int in [1, 16]"),
     ("train_demo", ["--target-layers", "0"], "--target-layers: must be a positive int"),
     ("train_demo", ["--draft-layers", "0"], "--draft-layers: must be a positive int"),
     ("train_demo", ["--target-layers", "2", "--draft-layers", "2"], "--target-layers >= 4"),
