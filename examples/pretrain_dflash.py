@@ -110,10 +110,24 @@ def check_dflash_args(args) -> None:
     """Limits of this script's flags that involve Megatron's (argparse's `type=` sees one flag): the MASK id
     inside the padded vocabulary (Megatron pads --vocab-size to a multiple of --make-vocab-size-divisible-by
     times the TP size), --target-num-layers enough for the drafter's taps. Raises SplitKVArgumentError naming
-    the flags (exit status 2 from the command line)."""
+    the flags (exit status 2 from the command line). With --target-hf-path, its config.json against the flags
+    (`megatron.hf.read_qwen3_config`: a Qwen3 target, hidden_size = --hidden-size, --mask-token-id < its
+    vocab_size, heads divisible by the TP size; its num_hidden_layers as the target's depth)."""
     from megatron_splitkv.dflash import target_layer_ids
     from megatron_splitkv.megatron.arguments import SplitKVArgumentError
+    from megatron_splitkv.megatron.hf import HFCheckpointError, read_qwen3_config
 
+    target_layers = args.target_num_layers
+    hf_path = getattr(args, "target_hf_path", None)
+    if hf_path:
+        try:
+            hf = read_qwen3_config(hf_path, mask_token_id=getattr(args, "mask_token_id", None),
+                                   drafter_hidden_size=args.hidden_size,
+                                   tp_size=args.tensor_model_parallel_size or 1)
+        except HFCheckpointError as exc:
+            raise SplitKVArgumentError(f"--target-hf-path {hf_path}: {exc} (--hidden-size {args.hidden_size}, "
+                                       f"--mask-token-id {getattr(args, 'mask_token_id', None)})") from None
+        target_layers = hf["num_hidden_layers"]
     vocab = getattr(args, "vocab_size", None)
     if vocab is not None and getattr(args, "mask_token_id", None) is not None:
         multiple = (getattr(args, "make_vocab_size_divisible_by", None) or 1) * (args.tensor_model_parallel_size or 1)
@@ -122,11 +136,11 @@ def check_dflash_args(args) -> None:
             raise SplitKVArgumentError(f"--mask-token-id {args.mask_token_id} must be < {padded} (--vocab-size {vocab} "
                                        f"padded to a multiple of {multiple}): the MASK token is a row of the vocabulary")
     layers = getattr(args, "num_layers", None)
-    if layers is not None and args.target_num_layers is not None:
+    if layers is not None and target_layers is not None:
         try:
-            target_layer_ids(args.target_num_layers, layers)
+            target_layer_ids(target_layers, layers)
         except ValueError:
-            raise SplitKVArgumentError(f"--target-num-layers {args.target_num_layers} must be >= 4 for a drafter of "
+            raise SplitKVArgumentError(f"--target-num-layers {target_layers} must be >= 4 for a drafter of "
                                        f"--num-layers {layers} (one tapped target layer per drafter layer, spread "
                                        f"over layers 1..n-3)") from None
 

@@ -55,6 +55,9 @@ import time
 
 from .checkpoint import MANIFEST, TRACKER, CheckpointError, iteration_dir, resolve_checkpoint, write_manifest
 
+#: the largest --cp: the demo runs one gloo process per CP rank on the CPU
+MAX_CP = 16
+
 
 def parse_args(argv=None):
     """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
@@ -65,7 +68,8 @@ def parse_args(argv=None):
                                 formatter_class=DefaultsHelpFormatter)
     add_round_trip_args(p)
     p.add_argument("--steps", type=int_arg(1), default=30, help="training steps (the last step's number)")
-    p.add_argument("--cp", type=int_arg(1), default=2, help="context-parallel size = number of gloo processes")
+    p.add_argument("--cp", type=int_arg(1, MAX_CP), default=2,
+                   help=f"context-parallel size = number of gloo processes on this CPU (at most {MAX_CP})")
     p.add_argument("--context-parallel-impl", default="splitkv", choices=("splitkv", "allgather-kv", "ring-kv"),
                    help="the drafter's context-parallel attention")
     p.add_argument("--cp-balance", default="lpt", choices=("lpt", "contiguous", "zigzag"),
@@ -166,8 +170,8 @@ def prepare_target(args, log=print) -> None:
         args.target_hf_path = path
     if args.regenerate:
         regenerate_responses(args, log=log)
-    map_corpus(args, training_corpus(args))
-    check_hf_target(args)
+    _, _, ids_used = map_corpus(args, training_corpus(args))
+    check_hf_target(args, ids_used=ids_used)
 
 
 def regenerate_responses(args, log=print):
@@ -235,17 +239,23 @@ def map_corpus(args, corpus):
     return type(corpus)(tokens, corpus.loss_mask, corpus.offsets), mask_id, len(vocab)
 
 
-def check_hf_target(args):
+def check_hf_target(args, ids_used=None):
     """config.json of --target-hf-path against the flags (`megatron.hf.read_qwen3_config`: Qwen3, the
-    mask row, hidden size = --hidden) and num_hidden_layers = --target-layers. Raises `HFCheckpointError`."""
+    mask row, hidden size = --hidden), num_hidden_layers = --target-layers and, with `ids_used` (the data's
+    largest token id + 1 in the target's ids, `map_corpus`), vocab_size >= ids_used. Raises
+    `HFCheckpointError` naming the field."""
     from .megatron.hf import HFCheckpointError, read_qwen3_config
 
     _, mask_id = target_vocab(args)
     hf = read_qwen3_config(args.target_hf_path, mask_token_id=mask_id, drafter_hidden_size=args.hidden)
+    where = os.path.join(args.target_hf_path, "config.json")
     if hf["num_hidden_layers"] != args.target_layers:
-        raise HFCheckpointError(f"{os.path.join(args.target_hf_path, 'config.json')}: field num_hidden_layers = "
-                                f"{hf['num_hidden_layers']}, but --target-layers {args.target_layers}; pass "
-                                f"--target-layers {hf['num_hidden_layers']}")
+        raise HFCheckpointError(f"{where}: field num_hidden_layers = {hf['num_hidden_layers']}, but --target-layers "
+                                f"{args.target_layers}; pass --target-layers {hf['num_hidden_layers']}")
+    if ids_used is not None and ids_used > hf["vocab_size"]:
+        raise HFCheckpointError(f"{where}: field vocab_size = {hf['vocab_size']}, but the --limit {args.limit} "
+                                f"conversations use token ids up to {ids_used - 1} (largest id); use a target "
+                                "with Qwen's vocabulary or one with a token_map.json")
     return hf
 
 
@@ -273,16 +283,24 @@ def build_target_and_vocab(args, corpus, pgs):
     return target, corpus, mask_id, used
 
 
-def export_round_trip(drafter, args, taps, name, rank):
-    """Write the drafter to OUT_DIR/`name` in the DFlash Hugging Face layout (`megatron.hf.export_drafter`;
-    collective over TP, rank 0 writes). Returns the directory, or None without a Hugging Face target."""
+def export_kwargs(args, taps, vocab_rows):
+    """The keyword arguments of `megatron.hf.export_drafter` / `drafter_export_meta` for this run: the taps,
+    the target's layer count, `vocab_rows` (the target's embedding rows) and the position limit. The
+    in-memory export and the checkpoint's export metadata both use them, so the two exports agree."""
+    return dict(target_layer_ids=list(taps), num_target_layers=args.target_layers, vocab_size=int(vocab_rows),
+                max_position_embeddings=max(4096, args.max_tokens))
+
+
+def export_round_trip(drafter, args, export_kw, name, rank):
+    """Write the drafter to OUT_DIR/`name` in the DFlash Hugging Face layout (`megatron.hf.export_drafter`
+    with `export_kw` from `export_kwargs`; collective over TP, rank 0 writes). Returns the directory, or None
+    without a Hugging Face target."""
     if args.target_hf_path is None:
         return None
     from .megatron.hf import export_drafter
 
     d = os.path.join(args.out_dir, name)
-    export_drafter(drafter, d if rank == 0 else None, target_layer_ids=taps, num_target_layers=args.target_layers,
-                   max_position_embeddings=max(4096, args.max_tokens))
+    export_drafter(drafter, d if rank == 0 else None, **export_kw)
     return d
 
 
@@ -452,11 +470,14 @@ def _set_rng_state(st):
                          n["cached_gaussian"]))
 
 
-def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, opt, group):
-    """Write ``root/iter_{step}``: rank 0 the shared state (replicated over CP), every rank its RNG
-    states; once all ranks are done rank 0 writes the manifest (`megatron_splitkv.checkpoint.write_manifest`),
+def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, opt, group, export_meta):
+    """Write ``root/iter_{step}``: rank 0 the shared state (replicated over CP) with `export_meta`
+    (`megatron.hf.drafter_export_meta`, under `EXPORT_META_KEY`: what `python -m megatron_splitkv.export`
+    needs for config.json), every rank its RNG states; once all ranks are done rank 0 writes the manifest (`megatron_splitkv.checkpoint.write_manifest`),
     then the tracker file. Returns the iteration directory."""
     import torch.distributed as dist
+
+    from .megatron.hf import EXPORT_META_KEY
 
     d = iteration_dir(root, step)
     os.makedirs(d, exist_ok=True)
@@ -468,7 +489,7 @@ def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, op
                       "data": {"epoch": int(data_pos[0]), "batch": int(data_pos[1])},
                       "config": checkpoint_config(args, world), "args": dict(vars(args)),
                       "model": {n: p.detach().clone() for n, p in named_params},
-                      "optimizer": opt.state_dict()}, os.path.join(d, "common.pt"))
+                      "optimizer": opt.state_dict(), EXPORT_META_KEY: export_meta}, os.path.join(d, "common.pt"))
     _atomic_save({"format": CKPT_FORMAT, "step": int(step), "rank": rank, "world": world, "rng": _rng_state()},
                  os.path.join(d, f"rng_rank{rank}.pt"))
     dist.barrier(group=group)
@@ -589,6 +610,7 @@ def _train(rank, world, args):
     from megatron_splitkv.data import ShareGPTLoader, shard_batch
     from megatron_splitkv.dflash import build_draft_blocks, target_layer_ids
     from megatron_splitkv.models import DFlashDraftModel, TargetFeatureProvider, qwen3_config
+    from megatron_splitkv.megatron.hf import drafter_export_meta
     from megatron_splitkv.planning import plan_context_parallel
 
     ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=world)
@@ -610,7 +632,8 @@ def _train(rank, world, args):
                                output_layer=provider.output_layer, mask_token_id=mask_id, block_size=B,
                                cp_impl=args.context_parallel_impl,
                                pg_collection=pgs)
-    export_round_trip(drafter, args, taps, "drafter-hf-init", rank)  # the untrained drafter, for tau
+    export_kw = export_kwargs(args, taps, provider.word_embeddings.num_embeddings)
+    export_round_trip(drafter, args, export_kw, "drafter-hf-init", rank)  # the untrained drafter, for tau
     named_params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     params = [p for _, p in named_params]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
@@ -646,7 +669,8 @@ def _train(rank, world, args):
 
     def _save():
         d = save_checkpoint(args.save, step=step, data_pos=data_pos, rank=rank, world=world, args=args,
-                            named_params=named_params, opt=opt, group=cp)
+                            named_params=named_params, opt=opt, group=cp,
+                            export_meta=drafter_export_meta(drafter, **export_kw))
         if pbar is not None:
             pbar.write(f"saved checkpoint {d}")
 
@@ -713,7 +737,7 @@ def _train(rank, world, args):
         _save()  # the final checkpoint, as Megatron at the end of training
     if pbar is not None:
         pbar.close()
-    hist["drafter_hf"] = export_round_trip(drafter, args, taps, "drafter-hf", rank)
+    hist["drafter_hf"] = export_round_trip(drafter, args, export_kw, "drafter-hf", rank)
     # per-rank byte totals summed over ranks
     tot = torch.tensor([hist["bytes_attn"], hist["bytes_target"]], dtype=torch.float64)
     dist.all_reduce(tot, group=cp)

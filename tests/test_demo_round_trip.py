@@ -56,3 +56,63 @@ def test_bad_target_flags_fail_before_the_ranks(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train_demo.parse_args(["--random-target", "--target-hf-path", str(tmp_path)])
     assert "not allowed with" in capsys.readouterr().err
+
+
+def test_demo_checkpoint_exports_without_flags(tmp_path):
+    """A demo --save checkpoint carries its export metadata: `python -m megatron_splitkv.export --load D --out E`
+    with no metadata flags writes the config.json and tensors of the demo's own in-memory export."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    out, ckpt, exp = (str(tmp_path / n) for n in ("demo", "ckpt", "exported"))
+    flags = TINY[: TINY.index("--steps")] + ["--steps", "1", "--target-train-steps", "3", "--eval-prompts", "0",
+                                             "--no-regenerate", "--out-dir", out, "--save", ckpt]
+    assert train_demo.main(flags) in (0, 1)
+    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.export", "--load", ckpt, "--out", exp],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    own = os.path.join(out, "drafter-hf")
+    assert json.load(open(os.path.join(exp, "config.json"))) == json.load(open(os.path.join(own, "config.json")))
+    a, b = load_file(os.path.join(exp, "model.safetensors")), load_file(os.path.join(own, "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].equal(b[k]), k
+
+
+def test_target_vocab_smaller_than_the_corpus_ids_fails_before_the_ranks(tmp_path):
+    """A --target-hf-path without token_map.json (Qwen's ids) whose vocab_size is below the corpus's largest id:
+    exit 2 up front, naming config.json's vocab_size and the largest id (no rank starts)."""
+    import subprocess
+    import sys
+
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"])
+    cfg.to_json_file(str(tmp_path / "config.json"))
+    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.train_demo", "--target-hf-path", str(tmp_path),
+                        "--mask-token-id", "999", "--no-regenerate", "--limit", "4", "--hidden", "32",
+                        "--target-layers", "2", "--draft-layers", "1", "--steps", "1", "--eval-prompts", "0",
+                        "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "config.json: field vocab_size = 1000" in r.stderr and "largest id" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "rank" not in r.stderr.lower(), r.stderr
+
+
+def test_cp_above_the_cpu_limit_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        train_demo.parse_args(["--cp", str(train_demo.MAX_CP + 1)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--cp" in err and str(train_demo.MAX_CP) in err, err
+    assert train_demo.parse_args(["--cp", str(train_demo.MAX_CP), "--random-target"]).cp == train_demo.MAX_CP
+
+
+def test_demo_with_a_cp_rank_of_zero_query_blocks_runs(tmp_path):
+    """--max-tokens 256 --num-anchors 2 --block-size 4 at CP=2: a CP rank gets zero query blocks in some step, and
+    the drafter's layers (core attention and the layer's output reshape) return empty tensors for it."""
+    flags = ["--steps", "2", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1", "--limit", "20",
+             "--max-tokens", "256", "--num-anchors", "2", "--block-size", "4", "--target-train-steps", "3",
+             "--eval-prompts", "0", "--out-dir", str(tmp_path)]
+    assert train_demo.main(flags) in (0, 1)  # 1: two steps need not lower the loss; 2: a rank failed

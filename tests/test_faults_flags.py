@@ -26,8 +26,9 @@ FILE = os.path.abspath(__file__)  # an existing file that is not a directory
 
 # (entry point, argv, text the error must contain)
 CASES = [
-    ("train_demo", ["--cp", "0"], "--cp: must be a positive int"),
-    ("train_demo", ["--cp", "-2"], "--cp: must be a positive int"),
+    ("train_demo", ["--cp", "0"], "--cp: must be an int in [1, 16]"),
+    ("train_demo", ["--cp", "64"], "--cp: must be an int in [1, 16]"),
+    ("train_demo", ["--cp", "-2"], "--cp: must be an int in [1, 16]"),
     ("train_demo", ["--target-layers", "0"], "--target-layers: must be a positive int"),
     ("train_demo", ["--draft-layers", "0"], "--draft-layers: must be a positive int"),
     ("train_demo", ["--target-layers", "2", "--draft-layers", "2"], "--target-layers >= 4"),
@@ -203,3 +204,29 @@ def test_op_bits_paths_must_exist(argv, text, capsys):
     with pytest.raises(SystemExit) as info:
         op_bits.main(argv)
     assert info.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_pretrain_dflash_parse_only_checks_the_hf_target(tmp_path):
+    """--parse-only --target-hf-path DIR reads DIR's config.json against the flags (`check_dflash_args` through
+    `read_qwen3_config`): a hidden size other than --hidden-size, or --mask-token-id outside its vocab_size, is
+    one error line naming --target-hf-path and the field, exit 2; a matching config.json passes."""
+    pytest.importorskip("megatron.training")
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"]).to_json_file(
+        str(tmp_path / "config.json"))
+    script = os.path.join(ROOT, "examples", "pretrain_dflash.py")
+    at = PRETRAIN_BASE.index("--hidden-size") + 1
+
+    def run(hidden, mask):
+        argv = PRETRAIN_BASE[:at] + [hidden] + PRETRAIN_BASE[at + 1:]
+        return subprocess.run([sys.executable, script, *argv, "--target-hf-path", str(tmp_path), "--mask-token-id",
+                               mask], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+    for hidden, mask, field in (("64", "999", "hidden_size"), ("32", "1000", "vocab_size")):
+        r = run(hidden, mask)
+        assert r.returncode == 2, r.stderr
+        assert "--target-hf-path" in r.stderr and field in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run("32", "999")
+    assert r.returncode == 0 and "--parse-only: OK" in r.stdout, r.stderr

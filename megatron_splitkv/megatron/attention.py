@@ -478,10 +478,11 @@ class SplitKVCoreAttention(MegatronModule):
         extra = {} if query_gather is None else {"query_gather": query_gather.gather}
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
                  backend=self.kernel_backend, metadata=meta, **extra)
+        width = q.shape[1] * q.shape[2]  # explicit: a CP rank may hold zero query blocks (0 rows)
         if sbhd is not None:
-            out = out.reshape(*sbhd, -1).transpose(0, 1).contiguous()
+            out = out.reshape(*sbhd, width).transpose(0, 1).contiguous()
         else:
-            out = out.reshape(out.shape[0], -1)
+            out = out.reshape(out.shape[0], width)
         return out
 
     def _dflash_inputs(self, query, key, value, params: DFlashPackedSeqParams, query_gather=None) -> tuple:

@@ -310,7 +310,7 @@ class DFlashAttention(Attention):
         # 3. core attention (consumes the gather: query_gather= only when one was started, so a core
         #    attention without that keyword keeps Megatron's plain contract)
         core_out = self._core_attention(q, k, v, attention_mask, attention_bias, params, gather, recompute)
-        core_out = core_out.reshape(sq, b, -1)
+        core_out = core_out.reshape(sq, b, core_out.shape[-1])  # explicit width: sq may be 0 on a CP rank
         output, bias = apply_module(self.linear_proj)(core_out)
         return output, bias
 

@@ -168,7 +168,7 @@ class CausalCPCoreAttention(MegatronModule):
                              head_dim=q.shape[2], dtype=q.dtype, device=q.device, cp_group=self.cp_group)
         out = allgather_kv_attention(q, k, v, k, v, softmax_scale=scale, backend=self.kernel_backend,
                                      metadata=meta)
-        return out.reshape(out.shape[0], 1, -1)
+        return out.reshape(out.shape[0], 1, q.shape[1] * q.shape[2])  # explicit width: a CP rank may hold 0 rows
 
 
 def target_layer_spec(*, rotary_base: float = 1e6, rotary_percent: float = 1.0,
