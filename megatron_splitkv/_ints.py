@@ -26,7 +26,7 @@ import operator
 import re
 
 __all__ = ["as_int", "parse_int", "is_int_text", "parse_float", "float_arg", "int_arg",
-           "DefaultsHelpFormatter", "existing_path", "existing_dir"]
+           "DefaultsHelpFormatter", "existing_path", "existing_dir", "hf_model_dir"]
 
 _DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: int() would also take "+64", "1_000" and non-ASCII digits
 # a plain decimal real number: float() would also take "nan", "inf", "1_0" and non-ASCII digits
@@ -252,4 +252,13 @@ def existing_dir(text: str) -> str:
 
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
+    return text
+
+
+def hf_model_dir(text: str) -> str:
+    """An argparse `type=` for a flag naming a Hugging Face model directory: one holding a config.json."""
+    import os  # noqa: PLC0415
+
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text}: no config.json (a Hugging Face model directory is needed)")
     return text

@@ -102,20 +102,13 @@ def parse_args(argv=None):
 DEMO_OUT = os.path.join("out", "demo")
 
 
-def _hf_dir(text):
-    """argparse type: a Hugging Face model directory (with config.json)."""
-    if not os.path.isfile(os.path.join(text, "config.json")):
-        raise argparse.ArgumentTypeError(f"{text}: no config.json (a Hugging Face Qwen3 directory is needed)")
-    return text
-
-
 def add_round_trip_args(p):
     """The flags of the Hugging Face round trip: target in, drafter out, tau measured."""
-    from ._ints import int_arg
+    from ._ints import hf_model_dir, int_arg
 
     g = p.add_argument_group("round trip (Hugging Face target in, DFlash drafter out, acceptance length)")
     t = g.add_mutually_exclusive_group()
-    t.add_argument("--target-hf-path", type=_hf_dir, default=None,
+    t.add_argument("--target-hf-path", type=hf_model_dir, default=None,
                    help="Hugging Face Qwen3 target directory, imported with megatron_splitkv.megatron.hf "
                         "(default: the demo target, made once in OUT_DIR/target-hf and reused)")
     t.add_argument("--random-target", action="store_true",

@@ -20,23 +20,16 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_splitkv._ints import int_arg  # noqa: E402
+from megatron_splitkv._ints import hf_model_dir, int_arg  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _hf_dir(text):
-    """argparse type: a directory with a config.json."""
-    if not os.path.isfile(os.path.join(text, "config.json")):
-        raise argparse.ArgumentTypeError(f"{text}: no config.json (a Hugging Face model directory is needed)")
-    return text
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target-hf-path", required=True, type=_hf_dir,
+    p.add_argument("--target-hf-path", required=True, type=hf_model_dir,
                    help="Hugging Face Qwen3 target directory (config.json + *.safetensors [+ token_map.json])")
-    p.add_argument("--drafter", required=True, type=_hf_dir,
+    p.add_argument("--drafter", required=True, type=hf_model_dir,
                    help="exported DFlash drafter directory (python -m megatron_splitkv.export)")
     p.add_argument("--num-prompts", type=int_arg(1, 600), default=16, help="held-out prompts (default 16)")
     p.add_argument("--max-new-tokens", type=int_arg(1, 65536), default=64, help="tokens per prompt (default 64)")
