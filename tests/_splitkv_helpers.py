@@ -78,8 +78,13 @@ def build(c):
         u = torch.rand(nb, generator=g)
         anchor = torch.where(u < c["p_zero"], torch.zeros_like(anchor), anchor)
         anchor = torch.where(u > 1 - c["p_invalid"], torch.full_like(anchor, -1), anchor)
-        if c.get("poison") and nb and not bool((anchor < 0).any()):
-            anchor[-1] = -1  # the poison case needs an invalid block (p = 0.85**11 ~ 17% without one)
+        if c.get("poison") and nb:
+            if not bool((anchor < 0).any()):
+                anchor[-1] = -1  # the poison case needs an invalid block (p = 0.85**11 ~ 17% without one)
+            # ... and a key no block sees: the last token of the longest sequence (with many blocks, some
+            # block of it may have anchor = its length and see all of it)
+            j = max(range(len(lens)), key=lambda i: lens[i])
+            anchor = torch.where((q_seq == j) & (anchor >= lens[j]), torch.full_like(anchor, lens[j] - 1), anchor)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).to(dt)
