@@ -61,7 +61,14 @@ import torch
 from .._ints import _shown, as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..config import CHUNK_AXES, DEFAULT_NUM_CHUNKS, FlexOptions, SplitKVConfig, resolve_config
-from ..kernels import BACKENDS, auto_backend_code, auto_backend_text, auto_keys_per_call, get_kernel
+from ..kernels import (
+    BACKENDS,
+    auto_backend_code,
+    auto_backend_text,
+    auto_keys_per_call,
+    get_kernel,
+    warn_ignored_options,
+)
 from ..kernels.base import IntervalMask
 from .common import (
     _MAX_FUSED_MIN_P,
@@ -1289,6 +1296,7 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, 
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
             this dtype / head dim on this device."""
     kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
+    warn_ignored_options(kernel, backend, device, dtype, head_dim, config)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
