@@ -40,9 +40,10 @@ Cost of a prepare (docs/perf-notes.md "Prepare cost (item 13)", `tools/prepare_c
 metadata takes ~50 small device ops whatever num_chunks (the intervals of every chunk at once, the mask
 contract checked once) and one host sync in a size-1 group.
 
-Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
-remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
-(see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
+Calls with `metadata=` check Python-level tensor shapes, dtypes and devices against the metadata (see
+`check_call`); with `group_check=True` (the default) they add one [1, 12] int64 verdict all-gather and its
+host read before their first data collective (its cost: docs/lab/agreement_cost.md), with `group_check=False`
+no host sync and no collective besides the op's own data movement. Calls without `metadata=` build one internally (validating the tensors group-wide as
 before) and give bit-identical results.
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorithm).
@@ -1404,7 +1405,7 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
     this rank's sizes, B, Hq, Hkv, D, dtype, `scale_bits`, `mode`, the chunking requests and `metadata_digest`
     (in the column where the other rows hold the "auto" kernel: "auto" was agreed at prepare). Everything but
     `scale_bits` and `mode` depends on the metadata alone (fixed once prepared): computed on its first call and
-    kept on it (the digest alone takes ~1 ms of Python; docs/lab/agreement_cost.md)."""
+    kept on it (the digest alone took ~0.5 ms per call on a loaded 2-core CPU; docs/lab/agreement_cost.md)."""
     fixed = meta.__dict__.get("_verdict_fixed")
     if fixed is None:
         fixed = meta.__dict__["_verdict_fixed"] = (
