@@ -277,6 +277,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
+    from megatron_splitkv.megatron import create_cp_check_groups
     from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, overlap_query_gather_from_args,
                                                      splitkv_config_from_args)
     from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
@@ -286,6 +287,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     if not (pre_process and post_process) or args.pipeline_model_parallel_size != 1:
         raise ValueError("the DFlash drafter runs on one pipeline stage: use --pipeline-model-parallel-size 1")
     pgs = _pgs(pg_collection)
+    # the CP groups' gloo mirrors (collective, every rank): the layers' per-call verdict rows go over them on the
+    # host, so the rank agreement never waits for the GPU (megatron/check_groups.py)
+    create_cp_check_groups(pgs.cp)
     dcfg = core_transformer_config_from_args(args)
     if getattr(args, "target_hf_path", None):  # the target's depth is its config.json's
         from megatron_splitkv.megatron.hf import read_qwen3_config
@@ -431,11 +435,13 @@ def _prepare_item(item):
     A PreparedItem pickles as its host item only (`data.prefetch.PreparedItem`: Megatron's rerun-from-checkpoint
     saves the iteration's micro-batches; the bound metadata's ProcessGroup cannot be pickled)."""
     from megatron_splitkv.data.prefetch import PreparedItem
+    from megatron_splitkv.megatron import cp_check_group
 
     dev = item.to(_device(), non_blocking=True)
     if dev.metadata is not None and not _STATE.get("env_agreed"):
         _check_environment()
-    kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
+    kw = {} if dev.metadata is None else {
+        "metadata": dev.metadata.bind(_cp_group(), _device(), check_group=cp_check_group(_cp_group()))}
     return PreparedItem(item, dev, kw)
 
 

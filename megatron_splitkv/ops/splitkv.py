@@ -847,7 +847,7 @@ class _SplitKV(torch.autograd.Function):
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
                       metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None,
-                      config=None):
+                      config=None, check_group=None):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -933,6 +933,11 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         config: `megatron_splitkv.SplitKVConfig`, the options of the op and its kernels (None: the
             defaults); the keyword arguments above override its fields. With `metadata=` the metadata's
             config applies: pass None or the config given to the prepare.
+        check_group: None (the call's verdict row goes over cp_group, on its device), or a gloo ProcessGroup
+            with cp_group's ranks in its order: the row goes over it as a CPU tensor, no device sync
+            (`prepare_splitkv_metadata`'s `check_group`; ValueError naming it otherwise). Give it on every
+            rank or none, as the metadata of the ranks calling with `metadata=` has it; with `metadata=`
+            pass None or the metadata's.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -964,4 +969,5 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
+                  check_group=check_group)
