@@ -6,6 +6,10 @@ rebuilding the visible sets from its per-anchor intervals and comparing them wit
 (computed independently, from the metadata, not from the intervals).
 """
 
+import os
+import shutil
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -162,3 +166,30 @@ def test_plot_packs(tmp_path):
     with pytest.raises(SystemExit) as e:
         plot_packs.main([str(src), "--cp", "4", "--out", str(tmp_path / "q.png")])
     assert e.value.code == 2 and not (tmp_path / "q.png").exists()
+
+
+def test_old_tree_method_runs_another_checkout(tmp_path):
+    """--old-tree DIR: DIR's megatron_splitkv is imported under another name (its own modules, not this tree's)
+    and its op is the pack method splitkv-old, checked against the float64 reference like ours; the flags go
+    together and a DIR without the package is an argparse error (exit 2)."""
+    from tools import bench_attention as ba
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "megatron_splitkv"), tmp_path / "megatron_splitkv",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    sys.modules.pop(ba.OLD_PACKAGE, None)
+    try:
+        old = ba.load_old_tree(str(tmp_path))
+        ops = sys.modules[ba.OLD_PACKAGE + ".ops.splitkv"]
+        assert old.__file__.startswith(str(tmp_path)) and ops.__file__.startswith(str(tmp_path))
+        assert old.splitkv_attention is not __import__("megatron_splitkv").splitkv_attention
+        errs = ba.check_peers(["splitkv", "splitkv-old"], dev=torch.device("cpu"), backend="math")
+        assert errs["splitkv"] < 0.05 and errs["splitkv-old"] < 0.05, errs
+    finally:
+        for name in [m for m in sys.modules if m == ba.OLD_PACKAGE or m.startswith(ba.OLD_PACKAGE + ".")]:
+            del sys.modules[name]
+    for argv in (["--pack-methods", "splitkv,splitkv-old"], ["--old-tree", str(tmp_path / "nowhere"),
+                                                            "--pack-methods", "splitkv,splitkv-old"]):
+        with pytest.raises(SystemExit) as exc:
+            ba.main(["--cpu-smoke", "--peers-only", "--packs", "1024", "--out", str(tmp_path)] + argv)
+        assert exc.value.code == 2

@@ -6,7 +6,8 @@ forward = key tiles per query tile, backward = query tiles per key tile) against
 classification of the dense mask.
 GPU (skipped without CUDA or without flash_attn.cute): bf16 / fp16 exactness against the float64
 reference (forward, lse, dq, dk, dv) over odd shapes (rows and keys not multiples of 128, fewer than 128
-keys, GQA 1 / 4 / 8, head dims 64 / 128, own-block second intervals, empty rows), the global-lse backward
+keys, GQA 1 / 4 / 8, head dims 64 / 128, own-block second intervals, empty rows), with the GQA fold (the
+default) and without it (FA4's own GQA), the global-lse backward
 over a key split (the Split-KV path), native vs upcast results, empty inputs, and the Split-KV op at
 CP = 1 with backend "fa4" against the single-process float64 reference.
 """
@@ -293,13 +294,14 @@ def _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype):
     (64, 16, 4096, 32, 8, 128, False, True),  # several full tiles
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype):
+@pytest.mark.parametrize("fold", [True, False])  # the GQA fold (default) and FA4's own GQA
+def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype, fold):
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     mask = _to(_mask(gen, n_blocks, B, tk, union, dflash=dflash), "cuda")
     Tq, Tk = n_blocks * B, mask.num_keys
     q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype)
-    kern = fa4.FA4AttentionKernel()
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
     scale = D ** -0.5
     out, lse, st = kern.forward(q, k, v, mask, scale)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]

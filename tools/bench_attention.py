@@ -46,7 +46,8 @@ SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
 Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
 methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
-metadata), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
+metadata), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package name:
+old vs new tree in one process), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
 CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
 `[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
 first batch of our ShareGPT loader at that many tokens: Qwen tokenizer, chat template, next-fit packing, anchors
@@ -83,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -361,8 +363,40 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
 
 
 # ------------------------------------------------------------------------------------------ packs and peers
-#: methods of the pack rows (--pack-methods): ours, Turbo-dLLM 0.1.6, FlexAttention mask_mod (tools/peers.py)
-PACK_METHODS = ("splitkv", "turbo", "flex")
+#: methods of the pack rows (--pack-methods): ours, ours from another tree (--old-tree), Turbo-dLLM 0.1.6,
+#: FlexAttention mask_mod (tools/peers.py)
+PACK_METHODS = ("splitkv", "splitkv-old", "turbo", "flex")
+#: the name the --old-tree package is imported under (`load_old_tree`)
+OLD_PACKAGE = "megatron_splitkv_old"
+
+
+def load_old_tree(path: str):
+    """The `megatron_splitkv` package of another checkout (`path`/megatron_splitkv, e.g. the tree before a
+    change), imported under the name `OLD_PACKAGE` next to this tree's package, so that the same process times
+    both ops on the same inputs (the `splitkv-old` pack method). The op's modules import each other relatively,
+    so the old op runs the old code end to end (its kernels, metadata and merge). Raises ValueError when
+    `path` has no megatron_splitkv/__init__.py."""
+    init = os.path.join(os.path.abspath(path), "megatron_splitkv", "__init__.py")
+    if not os.path.isfile(init):
+        raise ValueError(f"--old-tree {path!r}: no megatron_splitkv/__init__.py there")
+    if OLD_PACKAGE in sys.modules:
+        return sys.modules[OLD_PACKAGE]
+    spec = importlib.util.spec_from_file_location(OLD_PACKAGE, init, submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[OLD_PACKAGE] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        del sys.modules[OLD_PACKAGE]
+        raise
+    return mod
+
+
+def old_meta(old, x, *, block_size, group, Hq, Hkv, D, dtype):
+    """`prepare_splitkv_metadata` of the --old-tree package on `x` (as `benchlib.prepare_meta`)."""
+    return old.prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
+                                        num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=group,
+                                        impl="splitkv", device=x["q"].device, group_check=False)
 #: pack kinds (--pack-kinds): real ShareGPT packs, or one sequence of the same length
 PACK_KINDS = ("sharegpt", "one")
 #: the positional inputs of the ops and of the reference, in order
@@ -435,6 +469,15 @@ def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None
     BlockMask `fbm`. Returns out [Tq, Hq, D]; the gradients are on the leaves."""
     if method == "splitkv":
         return bench.run_op("splitkv", x, block_size=block_size, cp_group=group, backend=backend, meta=meta)
+    if method == "splitkv-old":
+        for n in _GRADS:
+            x[n].grad = None
+        old = sys.modules[OLD_PACKAGE]
+        args = [x[n] for n in OP_ARGS]
+        out = (old.splitkv_attention(*args[:5], None, None, None, None, metadata=meta, backend=backend) if meta is not None
+               else old.splitkv_attention(*args, block_size=block_size, cp_group=group, backend=backend))
+        out.backward(x["dout"])
+        return out
     leaves = ti if method == "turbo" else fi
     for t in leaves.values():
         if torch.is_tensor(t) and t.requires_grad:
@@ -469,16 +512,20 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     base = dict(kind=kind, tokens=tokens, cp=cp, n_seqs=int(len(lens)), n_blocks=int(sum(a.shape[0] for a in anchors)),
                 Lq=args.anchors * B, useful_pairs=pairs)
     skipped = [dict(base, method=m, skipped="CUDA only (no CPU backward)") for m in methods
-               if m != "splitkv" and dev.type != "cuda"]
+               if not m.startswith("splitkv") and dev.type != "cuda"]
     skipped += [dict(base, method="flex", skipped="the peer runs at CP=1 only")
                 for m in methods if m == "flex" and cp > 1 and dev.type == "cuda"]
-    methods = [m for m in methods if (m == "splitkv" or dev.type == "cuda") and (cp == 1 or m != "flex")]
+    methods = [m for m in methods if (m.startswith("splitkv") or dev.type == "cuda") and (cp == 1 or m != "flex")]
     steps, prep = {}, {}
     for m in methods:
         t0 = time.perf_counter()
         if m == "splitkv":
             meta = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
             steps[m] = lambda meta=meta: _peer_step("splitkv", x, block_size=B, backend=args.backend, meta=meta,
+                                                    group=group)
+        elif m == "splitkv-old":
+            meta = old_meta(sys.modules[OLD_PACKAGE], x, block_size=B, group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+            steps[m] = lambda meta=meta: _peer_step("splitkv-old", x, block_size=B, backend=args.backend, meta=meta,
                                                     group=group)
         elif m == "turbo":
             peers.turbo_enable_jit()
@@ -547,8 +594,8 @@ def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):
                     out = peers.flex_peer(peers.flex_inputs(*[x[n].detach() for n in OP_ARGS], block_size=B))
                 errs[m + " (forward only: no CPU backward)"] = float((out.double().cpu() - want[0]).abs().max())
                 continue
-            if m == "splitkv":
-                out = bench.run_op("splitkv", x, block_size=B, cp_group=None, backend=backend)
+            if m.startswith("splitkv"):
+                out = _peer_step(m, x, block_size=B, backend=backend)
                 got = [out] + [x[n].grad for n in _GRADS]
             elif m == "turbo":
                 peers.turbo_enable_jit()
@@ -684,6 +731,13 @@ def check_args(ap, args):
     args._packs = bench.int_list_arg(ap, "--packs", args.packs, 64) if args.packs else []
     args._pack_kinds = bench.choices_arg(ap, "--pack-kinds", args.pack_kinds, PACK_KINDS, "pack kind")
     args._pack_methods = bench.choices_arg(ap, "--pack-methods", args.pack_methods, PACK_METHODS, "method")
+    if ("splitkv-old" in args._pack_methods) != bool(args.old_tree):
+        ap.error("--pack-methods splitkv-old and --old-tree DIR go together (the old tree's op is that method)")
+    if args.old_tree:
+        try:
+            load_old_tree(args.old_tree)
+        except ValueError as e:
+            ap.error(str(e))
     if args.pack_reps < 1:
         ap.error(f"--pack-reps must be >= 1, got {args.pack_reps}")
     if args.pack_limit is not None and args.pack_limit < 1:
@@ -749,6 +803,10 @@ def main(argv=None):
                     help="methods of the pack rows: splitkv (ours), turbo (Turbo-dLLM 0.1.6 dflash_attention), "
                          "flex (FlexAttention mask_mod peer, CP=1 only)")
     ap.add_argument("--pack-reps", type=int_arg(1), default=5, help="timed forward + backward calls per pack method")
+    ap.add_argument("--old-tree", default=None,
+                    help="another checkout's root (its megatron_splitkv/ package, e.g. the tree before a change, "
+                         "`git archive OLD megatron_splitkv | tar -x -C DIR`): its op is the pack method splitkv-old, "
+                         "timed side by side with this tree's in the same process")
     ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
     ap.add_argument("--peers-only", action="store_true",
