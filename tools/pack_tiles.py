@@ -49,6 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tools import benchlib as bench  # noqa: E402
+from tools.bench_attention import pack_workload  # noqa: E402 - the benchmark's own packs (the same batches)
 from megatron_splitkv._ints import int_arg  # noqa: E402
 from megatron_splitkv.data.sharegpt import load_sharegpt  # noqa: E402
 from megatron_splitkv.kernels.fa4 import fold_gqa_mask  # noqa: E402
@@ -110,8 +111,6 @@ def _min_ms(fn, reps: int) -> float:
 
 def shape_rows(kind, tokens, cps, args, corpus, shapes) -> list:
     """One row per CP size: the slowest rank's calls (most tile pairs), summed over its chunk calls."""
-    from tools.bench_attention import pack_workload  # the benchmark's own pack builder (same batches)
-
     B, Hq, Hkv, D = shapes
     lens, anchors = pack_workload(kind, tokens, args.anchors, seed=args.seed, limit=args.pack_limit, corpus=corpus)
     rows = []
@@ -170,10 +169,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the table to this .md file (and a .json beside it)")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)  # host timings on one thread: stable on a shared machine, and a worker's setting
     packs = bench.int_list_arg(ap, "--packs", args.packs, 64)
     cps = bench.int_list_arg(ap, "--cp", args.cp, 1)
     kinds = bench.choices_arg(ap, "--kinds", args.kinds, ("sharegpt", "one"), "pack kind")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host timings on one thread: stable on a shared machine, and a worker's setting
+    try:
+        return _run(args, packs, cps, kinds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, packs, cps, kinds) -> int:
     shapes = (16, 32, 8, 128)  # B, Hq, Hkv, D: the drafter shapes of the benchmark
     corpus = load_sharegpt(args.pack_limit) if "sharegpt" in kinds else None
     rows = []
