@@ -320,6 +320,31 @@ def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype,
 
 
 @gpu
+@pytest.mark.parametrize("Hq,Hkv,fold", [(32, 8, True), (32, 8, False), (8, 8, True)])
+def test_gpu_key_tiles_no_query_sees_get_zero_gradients(Hq, Hkv, fold):
+    """Packs leave whole key tiles that no block sees (the keys after a conversation's last anchor): their dK /
+    dV must be exact zeros, on memory the caching allocator hands back full of NaN (freed just before the
+    backward), folded (FA4's MHA path: it writes dK / dV itself), with FA4's own GQA and for MHA; the rest
+    matches the float64 reference."""
+    gen = torch.Generator().manual_seed(new_seed())
+    B, nb, tk, D = 16, 24, 1000, 128
+    lo = torch.where(torch.arange(nb) < nb // 2, 0, 512)  # key tiles 2 and 3 ([256, 512)): no block
+    hi = lo + torch.randint(1, 257, (nb,), generator=gen)
+    mask = _to(IntervalMask(B, lo, hi, tk), "cuda")
+    q, k, v, do = _inputs(gen, nb * B, tk, Hq, Hkv, D, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
+    out, lse, st = kern.forward(q, k, v, mask, D ** -0.5, native=True)
+    delta = (do.float() * out.float()).sum(-1)
+    for _ in range(4):  # NaN-filled blocks of dK / dV's size back in the allocator's cache
+        torch.full((1, tk, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dq, dk, dv = kern.backward(q, k, v, mask, D ** -0.5, do, lse, delta, st, native=True)
+    assert (dk[256:512] == 0).all() and (dv[256:512] == 0).all()
+    ref = mb.interval_attention_reference(q, k, v, mask, D ** -0.5, do)
+    err = mb.kernel_errors(out.float(), lse, (dq.float(), dk.float(), dv.float()), ref)
+    assert err["nonfinite"] == 0 and all(err[n] < TOL[torch.bfloat16] for n in ("out", "dq", "dk", "dv")), err
+
+
+@gpu
 def test_gpu_global_lse_backward_over_a_key_split():
     """The Split-KV path: forward per key part, lse merge, each part's backward with the GLOBAL lse and
     delta; the summed dq and the concatenated dk / dv equal the float64 reference of the whole."""

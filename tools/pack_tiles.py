@@ -22,7 +22,7 @@ own block), the tables the fa4 kernel builds (`kernels.flex._block_tables` at FA
     the gathering copy of K and V into [context ; padding ; own keys] (`ops.common.with_own_keys`, forward),
     and FA4's GQA backward dK / dV path (`flash_attn.cute.interface._flash_attn_bwd`: fp32 accumulators
     [Hkv, Tk_rounded * D] zero-filled, one fp32 reduce-add of a 128 x D dK and dV tile per CTA, a postprocess
-    that reads them and writes dK / dV in bf16) against the fold's direct dK / dV write;
+    that reads them and writes dK / dV in bf16) against the fold's zero-fill and direct write of dK / dV;
   - whether the gathered query blocks are in (sequence, anchor) order and the local keys already sorted (the
     metadata then keeps `order` None: no gather, only the copy above);
   - host (CPU) time of the metadata build and of the kernel tables, unfolded and folded, at these shapes (the
@@ -89,7 +89,7 @@ def call_stats(mask, Hq: int, Hkv: int, D: int) -> dict:
     gqa_dkv = (2 * Hkv * tk_r * D * _F32  # zero-fill of the two fp32 accumulators
                + ctas * 2 * TILE * D * _F32 * 2  # reduce-add of a dK and a dV tile per CTA (read + write)
                + 2 * Hkv * tk_r * D * _F32 + 2 * tk * Hkv * D * _IN)  # postprocess: read fp32, write bf16
-    fold_dkv = 2 * tk * Hkv * D * _IN  # written once by the CTA that owns the key tile
+    fold_dkv = 2 * 2 * tk * Hkv * D * _IN  # zero-filled (kernels/fa4.py), then written once by the tile's CTA
     fold_copies = 3 * tq * Hq * D * _IN * 2  # q, dO into the folded layout, dQ back (read + write each)
     return dict(useful=useful, tiles=part + full, partial=part, full=full, tile_pairs=(part + full) * TILE * TILE,
                 fold_tile_pairs=fold_tiles * TILE * TILE / G, fold_partial=fold_part, fold_full=fold_full, nk=nk, nq=int(kv_num.shape[-1]), empty=int((per_key_tile == 0).sum()),
