@@ -136,11 +136,12 @@ def test_cli_pack_rows_and_check_on_cpu(tmp_path):
     from tools.bench_attention import exit_code, main
 
     rows = main(["--cpu-smoke", "--peers-only", "--check", "--packs", "1024", "--pack-limit", "40",
-                 "--pack-reps", "1", "--out", str(tmp_path)])
+                 "--pack-reps", "1", "--pack-profile", "splitkv", "--pack-profile-packs", "1024", "--out", str(tmp_path)])
     assert exit_code(rows) == 0
     data = json.loads((tmp_path / "bench_attention.json").read_text())
     ours = [r for r in data["pack_rows"] if r["method"] == "splitkv"]
     assert sorted(r["kind"] for r in ours) == ["one", "sharegpt"] and all(r["op_ms"] > 0 for r in ours)
+    assert all("Self CPU time total" in r["profile"] for r in ours)  # --pack-profile: the table by op (CPU)
     assert {r["method"] for r in data["pack_rows"] if "skipped" in r} == {"turbo", "flex"}
     assert data["check"]["splitkv"] < 0.05 and data["check"]["flex (forward only: no CPU backward)"] < 0.05
     assert "% of dense" in (tmp_path / "bench_attention.md").read_text()
@@ -189,7 +190,8 @@ def test_old_tree_method_runs_another_checkout(tmp_path):
         for name in [m for m in sys.modules if m == ba.OLD_PACKAGE or m.startswith(ba.OLD_PACKAGE + ".")]:
             del sys.modules[name]
     for argv in (["--pack-methods", "splitkv,splitkv-old"], ["--old-tree", str(tmp_path / "nowhere"),
-                                                            "--pack-methods", "splitkv,splitkv-old"]):
+                                                            "--pack-methods", "splitkv,splitkv-old"],
+                 ["--pack-methods", "splitkv", "--pack-profile", "turbo"]):
         with pytest.raises(SystemExit) as exc:
             ba.main(["--cpu-smoke", "--peers-only", "--packs", "1024", "--out", str(tmp_path)] + argv)
         assert exc.value.code == 2

@@ -56,7 +56,9 @@ placement) and one (one sequence, every token supervised). Per row: median ms of
 calls (interleaved round robin, max over the CP group), TF/s per GPU on useful FLOPs (context + own-block
 pairs), % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU, same process), the time over
 ours. `--check` first prints each method's max abs error (out and the five gradients) vs the float64
-reference on a small pack. `--peers-only` skips the --contexts rows.
+reference on a small pack. `--peers-only` skips the --contexts rows. `--pack-profile splitkv[,splitkv-old]` adds,
+after the timing, a torch.profiler table by kernel of one forward + backward of those methods at the
+`--pack-profile-packs` sizes (printed, and stored as the row's "profile").
 
 Pack rows on a GPU (the turbo rows need `pip install turbo-dllm==0.1.6` with its FA4 stack: flash-attn-4
 `flash_attn.cute`, cutlass, tvm_ffi, and nvcc + ninja for its JIT-built merge kernels; the sharegpt rows need
@@ -567,8 +569,23 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
         if dense is not None:
             row.update(dense_lk=dense["lk"], dense_ms=dense["fwdbwd_ms"], dense_tflops=dense["fwdbwd_tflops"],
                        pct_dense=100.0 * tf / dense["fwdbwd_tflops"])
+        if n in args._pack_profile_methods and tokens in args._pack_profile_tokens:
+            row["profile"] = profile_step(steps[n], dev, rows=args.pack_profile_rows)
+            log(f"[profile] {kind} {tokens} CP={cp} {n}: one forward + backward, by kernel\n{row['profile']}")
         rows.append(row)
     return rows + skipped
+
+
+def profile_step(step, dev, rows: int = 25) -> str:
+    """torch.profiler table of one call of `step` (after the timed calls: warm), its kernels sorted by their own
+    device time (CPU ops by their own CPU time off CUDA): where a pack's op time goes, kernel by kernel."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    bench._sync(dev)
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        bench._sync(dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):
@@ -731,6 +748,9 @@ def check_args(ap, args):
     args._packs = bench.int_list_arg(ap, "--packs", args.packs, 64) if args.packs else []
     args._pack_kinds = bench.choices_arg(ap, "--pack-kinds", args.pack_kinds, PACK_KINDS, "pack kind")
     args._pack_methods = bench.choices_arg(ap, "--pack-methods", args.pack_methods, PACK_METHODS, "method")
+    args._pack_profile_methods = (bench.choices_arg(ap, "--pack-profile", args.pack_profile, args._pack_methods,
+                                                    "method of --pack-methods") if args.pack_profile else [])
+    args._pack_profile_tokens = bench.int_list_arg(ap, "--pack-profile-packs", args.pack_profile_packs, 64)
     if ("splitkv-old" in args._pack_methods) != bool(args.old_tree):
         ap.error("--pack-methods splitkv-old and --old-tree DIR go together (the old tree's op is that method)")
     if args.old_tree:
@@ -803,6 +823,12 @@ def main(argv=None):
                     help="methods of the pack rows: splitkv (ours), turbo (Turbo-dLLM 0.1.6 dflash_attention), "
                          "flex (FlexAttention mask_mod peer, CP=1 only)")
     ap.add_argument("--pack-reps", type=int_arg(1), default=5, help="timed forward + backward calls per pack method")
+    ap.add_argument("--pack-profile", default="",
+                    help="after timing, profile one forward + backward of these pack methods (comma list, e.g. "
+                         "splitkv,splitkv-old) with torch.profiler and print / store its table by kernel")
+    ap.add_argument("--pack-profile-packs", default="16384",
+                    help="with --pack-profile: the pack sizes (tokens, comma list) to profile")
+    ap.add_argument("--pack-profile-rows", type=int_arg(1), default=25, help="kernels per --pack-profile table")
     ap.add_argument("--old-tree", default=None,
                     help="another checkout's root (its megatron_splitkv/ package, e.g. the tree before a change, "
                          "`git archive OLD megatron_splitkv | tar -x -C DIR`): its op is the pack method splitkv-old, "
