@@ -136,7 +136,8 @@ def test_cli_pack_rows_and_check_on_cpu(tmp_path):
     from tools.bench_attention import exit_code, main
 
     rows = main(["--cpu-smoke", "--peers-only", "--check", "--packs", "1024", "--pack-limit", "40",
-                 "--pack-reps", "1", "--pack-profile", "splitkv", "--pack-profile-packs", "1024", "--out", str(tmp_path)])
+                 "--pack-reps", "1", "--pack-profile", "splitkv", "--pack-profile-packs", "1024",
+                 "--out", str(tmp_path)])
     assert exit_code(rows) == 0
     data = json.loads((tmp_path / "bench_attention.json").read_text())
     ours = [r for r in data["pack_rows"] if r["method"] == "splitkv"]

@@ -251,7 +251,7 @@ def test_host_built_tables_through_the_fa4_wrapper():
 # ---------------------------------------------------------------------------------- GQA fold
 
 
-def test_gqa_fold_layout_and_equal_results():
+def test_gqa_fold_layout_and_equal_results(monkeypatch):
     """`fold_rows` puts query head j of every kv-head group of block b at the j-th repeat of b
     (`fold_gqa_mask`), `unfold_rows` undoes it; the folded call (FA4 sees Hkv heads, Tq * G rows, its own
     tables) returns what the unfolded one (FA4's own GQA) returns, out / lse / dq / dk / dv, on a union mask
@@ -259,7 +259,9 @@ def test_gqa_fold_layout_and_equal_results():
     from megatron_splitkv.kernels import fa4
     from megatron_splitkv.kernels.base import IntervalMask
 
-    install_emulator()
+    # the stand-in in this process for this test only (install_emulator patches for good: worker processes)
+    monkeypatch.setattr(fa4, "_interface", lambda: (_fwd, _bwd, _bst, _ONE, _TWO))
+    monkeypatch.setattr(fa4.FA4AttentionKernel, "_check", lambda self, q, k, v, mask: fa4.check_call(q, k, v, mask))
     nb, B, Hkv, G, D = 5, 4, 2, 3, 8
     x = torch.randn(nb * B, Hkv * G, D)
     y = fa4.fold_rows(x, B, G)

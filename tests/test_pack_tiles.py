@@ -37,7 +37,8 @@ def test_call_stats_against_brute_force():
     assert st["useful"] == int(vis.sum())
     assert st["tile_pairs"] == tiles(vis) * 128 * 128
     rep = lambda t: t.repeat_interleave(4)  # noqa: E731
-    assert st["fold_tile_pairs"] == tiles(dense(rep(mask.lo), rep(mask.hi), rep(mask.lo2), rep(mask.hi2))) * 128 * 128 / 4
+    folded = dense(rep(mask.lo), rep(mask.hi), rep(mask.lo2), rep(mask.hi2))
+    assert st["fold_tile_pairs"] == tiles(folded) * 128 * 128 / 4
     assert st["useful"] <= st["fold_tile_pairs"] <= st["tile_pairs"]
     assert st["ctas"] == 4 * st["fold_ctas"] == -(-mask.num_keys // 128) * 8
 

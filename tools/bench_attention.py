@@ -46,9 +46,9 @@ SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
 Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
 methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
-metadata), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package name:
-old vs new tree in one process), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
-CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
+metadata), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package
+name: old vs new tree in one process), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD,
+per-anchor context intervals; CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
 `[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
 first batch of our ShareGPT loader at that many tokens: Qwen tokenizer, chat template, next-fit packing, anchors
 by `sample_anchors` on the real loss masks, the query budget --anchors shared by the conversations, LPT
@@ -476,8 +476,10 @@ def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None
             x[n].grad = None
         old = sys.modules[OLD_PACKAGE]
         args = [x[n] for n in OP_ARGS]
-        out = (old.splitkv_attention(*args[:5], None, None, None, None, metadata=meta, backend=backend) if meta is not None
-               else old.splitkv_attention(*args, block_size=block_size, cp_group=group, backend=backend))
+        if meta is not None:
+            out = old.splitkv_attention(*args[:5], None, None, None, None, metadata=meta, backend=backend)
+        else:
+            out = old.splitkv_attention(*args, block_size=block_size, cp_group=group, backend=backend)
         out.backward(x["dout"])
         return out
     leaves = ti if method == "turbo" else fi
@@ -579,7 +581,9 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
 def profile_step(step, dev, rows: int = 25) -> str:
     """torch.profiler table of one call of `step` (after the timed calls: warm), its kernels sorted by their own
     device time (CPU ops by their own CPU time off CUDA): where a pack's op time goes, kernel by kernel."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
     bench._sync(dev)
     with torch.profiler.profile(activities=acts) as prof:
         step()

@@ -92,7 +92,8 @@ def call_stats(mask, Hq: int, Hkv: int, D: int) -> dict:
     fold_dkv = 2 * 2 * tk * Hkv * D * _IN  # zero-filled (kernels/fa4.py), then written once by the tile's CTA
     fold_copies = 3 * tq * Hq * D * _IN * 2  # q, dO into the folded layout, dQ back (read + write each)
     return dict(useful=useful, tiles=part + full, partial=part, full=full, tile_pairs=(part + full) * TILE * TILE,
-                fold_tile_pairs=fold_tiles * TILE * TILE / G, fold_partial=fold_part, fold_full=fold_full, nk=nk, nq=int(kv_num.shape[-1]), empty=int((per_key_tile == 0).sum()),
+                fold_tile_pairs=fold_tiles * TILE * TILE / G, fold_partial=fold_part, fold_full=fold_full,
+                nk=nk, nq=int(kv_num.shape[-1]), empty=int((per_key_tile == 0).sum()),
                 ctas=ctas, fold_ctas=nk * Hkv, q_tiles_per_cta=float(per_key_tile.float().mean()),
                 kv_copy_bytes=kv_copy, gqa_dkv_bytes=gqa_dkv, fold_dkv_bytes=fold_dkv + fold_copies, keys=tk, rows=tq)
 
@@ -153,7 +154,8 @@ def table(rows) -> str:
                     f"{r['fold_tile_pairs'] / 1e6:.1f} ({r['fold_partial']} / {r['fold_full']}), "
                     f"{100 * r['fold_waste']:.0f}%",
                     f"{r['ctas']} ({r['empty']})", f"{r['q_tiles_per_cta']:.2f}", r["fold_ctas"],
-                    f"{r['kv_copy_bytes'] / 1e6:.0f}", f"{r['gqa_dkv_bytes'] / 1e6:.0f} -> {r['fold_dkv_bytes'] / 1e6:.0f}",
+                    f"{r['kv_copy_bytes'] / 1e6:.0f}",
+                    f"{r['gqa_dkv_bytes'] / 1e6:.0f} -> {r['fold_dkv_bytes'] / 1e6:.0f}",
                     f"{r['meta_ms']:.1f}", f"{r['tables_ms']:.1f} ({r['fold_tables_ms']:.1f})"])
     return bench.md_table(hdr, out)
 

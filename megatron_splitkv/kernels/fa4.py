@@ -52,8 +52,8 @@ from .flex import TILE, _block_tables, _rows_table
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
-__all__ = ["FA4AttentionKernel", "fold_gqa_mask", "fold_rows", "unfold_rows", "fa4_available", "fa4_importable", "fa4_runs_on", "deterministic_requested",
-           "INSTALL_HINT"]
+__all__ = ["FA4AttentionKernel", "fold_gqa_mask", "fold_rows", "unfold_rows", "fa4_available", "fa4_importable",
+           "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper (sm90) GPU")
