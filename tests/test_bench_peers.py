@@ -6,6 +6,7 @@ rebuilding the visible sets from its per-anchor intervals and comparing them wit
 (computed independently, from the metadata, not from the intervals).
 """
 
+import json
 import os
 import shutil
 import sys
@@ -118,6 +119,22 @@ def test_sharegpt_pack_workload():
     assert sum(a.shape[0] for a in anchors) <= 64 and sum(a.shape[0] for a in anchors) > 32
     for L, a in zip(lens, anchors):
         assert np.all(np.diff(a) > 0) and (a.shape[0] == 0 or a.max() < L - 1)
+
+
+def test_pack_cache_round_trip(tmp_path, monkeypatch):
+    """--pack-cache: a pack built once is read back equal, without building it again; other keys are added."""
+    import tools.bench_attention as ba
+
+    path = str(tmp_path / "packs.json")
+    lens, anchors = ba.cached_pack_workload(path, "sharegpt", 4096, 64, seed=0, limit=200)
+    ref_lens, ref_anchors = ba.pack_workload("sharegpt", 4096, 64, seed=0, limit=200)
+    assert np.array_equal(lens, ref_lens) and all(np.array_equal(a, b) for a, b in zip(anchors, ref_anchors))
+    monkeypatch.setattr(ba, "pack_workload", lambda *a, **k: pytest.fail("built again, not read from the cache"))
+    lens2, anchors2 = ba.cached_pack_workload(path, "sharegpt", 4096, 64, seed=0, limit=200)
+    assert np.array_equal(lens2, ref_lens) and all(np.array_equal(a, b) for a, b in zip(anchors2, ref_anchors))
+    monkeypatch.undo()
+    ba.cached_pack_workload(path, "one", 1024, 8, seed=1)
+    assert len(json.load(open(path))) == 2
 
 
 def test_split_budget_water_fills():

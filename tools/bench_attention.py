@@ -501,6 +501,28 @@ def _flex_leaves(x, B):
     return dict(lv, _fi=fi)
 
 
+def cached_pack_workload(path, kind, tokens, n_anchors, *, seed, limit=None, corpus=None):
+    """`pack_workload`, read from the JSON file `path` when it holds this pack (key: kind, tokens, n_anchors,
+    seed, limit), else built and added to it (`path` None: always built). Lets a machine without the ShareGPT
+    data and tokenizer run the sharegpt rows with the packs built elsewhere. `corpus`: a loaded corpus or a
+    callable returning one (called only when a pack must be built)."""
+    key = json.dumps([kind, tokens, n_anchors, seed, limit])
+    table = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    if key in table:
+        lens, anchors = table[key]
+        return np.asarray(lens, dtype=np.int64), [np.asarray(a, dtype=np.int64) for a in anchors]
+    lens, anchors = pack_workload(kind, tokens, n_anchors, seed=seed, limit=limit,
+                                  corpus=corpus() if callable(corpus) else corpus)
+    if path:
+        table[key] = [np.asarray(lens).tolist(), [np.asarray(a).tolist() for a in anchors]]
+        with open(path, "w") as f:
+            json.dump(table, f)
+    return lens, anchors
+
+
 def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     """The rows of one pack shape: every method of `methods` timed side by side (`time_fns_interleaved`,
     median of --pack-reps forward + backward calls, max over the CP group), each with useful TF/s per GPU
@@ -509,7 +531,8 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     the same pack, queries split by the planner; Turbo's context in its own contiguous ring layout."""
     B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
     rank = dist.get_rank(group) if group is not None and cp > 1 else 0
-    lens, anchors = pack_workload(kind, tokens, args.anchors, seed=args.seed, limit=args.pack_limit, corpus=corpus)
+    lens, anchors = cached_pack_workload(args.pack_cache, kind, tokens, args.anchors, seed=args.seed,
+                                         limit=args.pack_limit, corpus=corpus)
     plan = bench.place(lens, anchors, cp_size=cp, strategy="lpt", block_size=B)
     x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
     pairs = useful_pairs(anchors, B)
@@ -839,6 +862,9 @@ def main(argv=None):
                          "timed side by side with this tree's in the same process")
     ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
+    ap.add_argument("--pack-cache", default=None,
+                    help="JSON file of pack workloads (sequence lengths, anchors): packs it holds are read from it, "
+                         "the others built and added (run once where the ShareGPT data is installed, then carry it)")
     ap.add_argument("--peers-only", action="store_true",
                     help="skip the --contexts rows (only --check and the --packs rows)")
     ap.add_argument("--check", action="store_true",
@@ -956,7 +982,12 @@ def main(argv=None):
         ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
     pk_rows = []
     if args._packs:
-        corpus = load_sharegpt(args.pack_limit) if "sharegpt" in args._pack_kinds else None
+        loaded = []
+
+        def corpus():  # loaded on the first pack --pack-cache does not hold
+            if not loaded:
+                loaded.append(load_sharegpt(args.pack_limit))
+            return loaded[0]
         for tokens in args._packs:
             for kind in args._pack_kinds:
                 for cp in runnable:
