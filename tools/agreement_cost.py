@@ -32,8 +32,8 @@ One GPU (`--device cuda --cp 1 --emulate`): a single process has no group, so it
 waits for everything queued on the stream) before each op call, on the current stream ("check") and on a side
 stream ("check, side stream": waits for nothing queued on the compute stream) and as the check_group path does
 it, on the host only ("check, check_group": the row built and read as a CPU tensor, no device work; a group of
-one has nothing to exchange). That measures the stall of the host read, the check's dominant GPU cost; it cannot measure NCCL's latency or the ranks' skew (see
-docs/lab/agreement_cost.md).
+one has nothing to exchange). That measures the stall of the host read, the check's dominant GPU cost; it
+cannot measure NCCL's or gloo's latency or the ranks' skew (see docs/lab/agreement_cost.md).
 
     .venv/bin/python tools/agreement_cost.py                      # CPU, gloo, CP = 2 and 4, forward calls
     .venv/bin/python tools/agreement_cost.py --backward --cp 2    # forward + backward per call
