@@ -173,6 +173,8 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = parser.add_argument_group(title="dflash data")
     d.add_argument("--sharegpt-limit", type=int_arg(1), default=None,
                    help="first N ShareGPT conversations only (default: all)")
+    d.add_argument("--sharegpt-cache-dir", default=None,
+                   help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     d.add_argument("--data-seed", type=int_arg(0), default=0, help="anchor sampling and batch order seed")
     d.add_argument("--features-path", type=existing_dir, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
@@ -333,7 +335,8 @@ def _batch_source(skip: int):
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     corpus = _STATE["store"].corpus() if _STATE["store"] is not None else None
     loader = ShareGPTLoader(max_tokens=args.seq_length, num_anchors=args.dflash_num_anchors,
-                            seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus)
+                            seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus,
+                            cache_dir=args.sharegpt_cache_dir)
     return partial(data_parallel_batches, loader, dp, dpr, skip)
 
 

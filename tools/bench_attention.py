@@ -751,6 +751,8 @@ def main(argv=None):
     ap.add_argument("--pack-reps", type=int_arg(1), default=5, help="timed forward + backward calls per pack method")
     ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     ap.add_argument("--peers-only", action="store_true",
                     help="skip the --contexts rows (only --check and the --packs rows)")
     ap.add_argument("--check", action="store_true",
@@ -868,7 +870,7 @@ def main(argv=None):
         ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
     pk_rows = []
     if args._packs:
-        corpus = load_sharegpt(args.pack_limit) if "sharegpt" in args._pack_kinds else None
+        corpus = load_sharegpt(args.pack_limit, cache_dir=args.cache_dir) if "sharegpt" in args._pack_kinds else None
         for tokens in args._packs:
             for kind in args._pack_kinds:
                 for cp in runnable:
