@@ -124,14 +124,14 @@ class FlexOptions(_Digest):
 
 
 #: the staircase options that may be 0
-_STAIRCASE_ZERO_OK = ("min_pairs", "sub_group_blocks", "key_buckets", "max_tile_keys", "piece_min_pairs")
+_STAIRCASE_ZERO_OK = ("min_pairs", "sub_group_blocks", "max_tile_keys", "piece_min_pairs")
 
 
 @dataclass(frozen=True)
 class StaircaseOptions(_Digest):
     """Options of the staircase kernel (`kernels.staircase.StaircaseAttentionKernel`; docs/kernels.md,
     "Staircase"). Integer fields are ints (no bool or float): >= 0 for min_pairs, sub_group_blocks,
-    key_buckets, max_tile_keys, piece_min_pairs, else >= 1.
+    max_tile_keys, piece_min_pairs, else >= 1.
 
     Fields:
         group_blocks, sub_group_blocks, min_group_blocks: anchor blocks per dense group (largest, inner,
@@ -145,7 +145,7 @@ class StaircaseOptions(_Digest):
         inner: the remainder kernel, a backend name ("auto", "math", "flex", "te", "fa4") or a local kernel
             object with forward/backward (not a staircase kernel).
         key_buckets, key_pieces, max_tile_keys: bounded dense shapes (key lengths per octave, bucket pieces
-            per rectangle, longest dense key range; key_buckets=0 is the legacy rounding).
+            per rectangle, longest dense key range).
     """
 
     group_blocks: int = 128
@@ -201,8 +201,6 @@ class SplitKVConfig(_Digest):
         cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all: None (1) or a positive int
             describing the machine, clamped to the CP size P, then a divisor of P (L = 1 or P: one all-to-all
             over the CP group; 1 < L < P: two stages). The op's `cp_ranks_per_node=` argument is not clamped.
-        fused_bwd_gather_min_p: the smallest CP size whose backward gathers dO and (delta, lse) in one
-            all-gather per chunk (the two-level all-to-all always does); a positive int, default 9.
         overlap_q_gather: the Megatron layer starts the query gather before the kv projection (early
             query gather); True (default) or False.
         debug_checks: re-check the interval masks the ops build themselves against the union contract of
@@ -220,7 +218,6 @@ class SplitKVConfig(_Digest):
     chunk_axis: str = "rows"
     head_split: tuple | None = None
     cp_ranks_per_node: int | None = None
-    fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     overlap_q_gather: bool = True
     debug_checks: bool = False
     auto_fa4: bool = True
@@ -249,8 +246,6 @@ class SplitKVConfig(_Digest):
             _set(self, "head_split", split)
         _set(self, "cp_ranks_per_node", _check_int(own, "cp_ranks_per_node", self.cp_ranks_per_node, 1,
                                                    allow_none=True))
-        _set(self, "fused_bwd_gather_min_p", _check_int(own, "fused_bwd_gather_min_p",
-                                                        self.fused_bwd_gather_min_p, 1))
         _set(self, "staircase_auto_min_keys", _check_int(own, "staircase_auto_min_keys",
                                                          self.staircase_auto_min_keys, 0))
         for name in ("overlap_q_gather", "debug_checks", "auto_fa4"):

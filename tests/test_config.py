@@ -12,7 +12,7 @@ from megatron_splitkv.config import FlexOptions, SplitKVConfig, StaircaseOptions
 def test_defaults_are_documented_behaviour():
     c = SplitKVConfig()
     assert (c.num_chunks, c.chunk_axis, c.head_split, c.cp_ranks_per_node) == (None, "rows", None, None)
-    assert (c.fused_bwd_gather_min_p, c.overlap_q_gather, c.debug_checks, c.auto_fa4) == (9, True, False, True)
+    assert (c.overlap_q_gather, c.debug_checks, c.auto_fa4) == (True, False, True)
     assert c.staircase_auto_min_keys == 32768 and c.resolved_num_chunks == 1
     assert c.flex == FlexOptions() and c.staircase == StaircaseOptions()
     assert SplitKVConfig(chunk_axis="heads", head_split=[6, 2]).resolved_num_chunks == 2
@@ -29,7 +29,6 @@ def test_defaults_are_documented_behaviour():
     (dict(chunk_axis="heads", head_split=(), ), "at least one"),
     (dict(chunk_axis="heads", head_split=(6, 2), num_chunks=3), "SplitKVConfig.num_chunks=3 differs"),
     (dict(cp_ranks_per_node=0), "SplitKVConfig.cp_ranks_per_node"),
-    (dict(fused_bwd_gather_min_p=0), "SplitKVConfig.fused_bwd_gather_min_p"),
     (dict(staircase_auto_min_keys=-1), "SplitKVConfig.staircase_auto_min_keys must be an int >= 0"),
     (dict(debug_checks=1), "SplitKVConfig.debug_checks must be True or False"),
     (dict(overlap_q_gather="0"), "SplitKVConfig.overlap_q_gather"),
@@ -48,7 +47,7 @@ def test_config_errors_name_the_field(kw, msg):
     (FlexOptions, dict(reuse_larger_kv_bucket=0), "FlexOptions.reuse_larger_kv_bucket"),
     (FlexOptions, dict(kernel_options=3), "FlexOptions.kernel_options must be None, a dict"),
     (StaircaseOptions, dict(group_blocks=0), "StaircaseOptions.group_blocks must be a positive int"),
-    (StaircaseOptions, dict(key_buckets=-1), "StaircaseOptions.key_buckets must be an int >= 0"),
+    (StaircaseOptions, dict(key_buckets=0), "StaircaseOptions.key_buckets must be a positive int, got 0"),
     (StaircaseOptions, dict(bwd_mode="both"), "StaircaseOptions.bwd_mode must be one of auto, query, key"),
     (StaircaseOptions, dict(inner="staircase"), "StaircaseOptions.inner must be one of"),
     (StaircaseOptions, dict(inner=object()), "StaircaseOptions.inner must be a backend name"),
@@ -75,7 +74,7 @@ def test_frozen_normalised_and_replace():
         resolve_config(None, num_chunks=-1)
 
 
-_VARIANTS = dict(num_chunks=2, chunk_axis="heads", cp_ranks_per_node=2, fused_bwd_gather_min_p=2,
+_VARIANTS = dict(num_chunks=2, chunk_axis="heads", cp_ranks_per_node=2,
                  overlap_q_gather=False, debug_checks=True, auto_fa4=False, staircase_auto_min_keys=0,
                  flex=FlexOptions(bucket_steps=3), staircase=StaircaseOptions(group_blocks=64))
 

@@ -1094,7 +1094,7 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=N
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     config = resolve_config(config)
     chunks_req = _requested_chunks(num_chunks, config)
-    fused_req = min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+    fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
     axis_req = _requested_axis(chunk_axis, config)
     if impl == "splitkv" and not head_split_ok and config.head_split is not None:
         raise ValueError("SplitKVConfig.head_split is set, but a call without metadata= does not support a head "
@@ -1903,7 +1903,7 @@ def env_request_row(cp_size: int, config: SplitKVConfig | None = None) -> list:
     config = resolve_config(config)
     split = "" if config.head_split is None else ",".join(map(str, config.head_split))
     return [_requested_chunks(None, config), resolve_ranks_per_node(None, cp_size, config),
-            min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P), _requested_axis(None, config),
+            min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P), _requested_axis(None, config),
             (zlib.crc32(split.encode()) & 0x7FFFFFFF) + 1 if split else 0]
 
 
@@ -2064,7 +2064,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P, cfg)
         axis_req = _requested_axis(chunk_axis, cfg)
         split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
-        fused_req = min(cfg.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+        fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
         cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         # the size table every rank would all-gather: equal block counts, the plan's context counts
         nb = int(plan.blocks_per_rank)
