@@ -88,7 +88,7 @@ CASES = [
 
 def _load(entry):
     if entry == "train_demo":
-        from megatron_splitkv import train_demo
+        from examples import train_demo
 
         return train_demo.main
     if entry == "pretrain_dflash" or entry.startswith("examples/"):
@@ -137,7 +137,7 @@ def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("cmd,text", [
-    (["-m", "megatron_splitkv.train_demo", "--threads", "0"], "--threads: must be a positive int"),
+    (["examples/train_demo.py", "--threads", "0"], "--threads: must be a positive int"),
     (["examples/pretrain_dflash.py", *PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"],
      "--mask-token-id 2000 must be < 1024"),
 ])
@@ -164,7 +164,7 @@ def test_pretrain_dflash_help_our_groups_first(capsys, monkeypatch):
 
 
 def test_demo_help_shows_every_default(capsys):
-    from megatron_splitkv import train_demo
+    from examples import train_demo
 
     with pytest.raises(SystemExit) as info:
         train_demo.parse_args(["--help"])
@@ -187,7 +187,8 @@ def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys):
     """train_demo's parent waited on its queue for a rank that had died (`--threads 0` made both ranks die
     before reporting: a hang). The ranks now run through `launch.run_gloo`: a rank that dies ends the run at
     once, the others killed, exit status 2 with the rank and its exit code."""
-    from megatron_splitkv import launch, train_demo
+    from examples import train_demo
+    from tools import launch
 
     real = launch.run_gloo
     monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: real(_dies, world, *a, **kw))
