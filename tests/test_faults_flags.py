@@ -147,20 +147,32 @@ def test_command_line_prints_one_error_line(cmd, text):
     assert "Traceback" not in r.stderr and text in r.stderr, r.stderr
 
 
-def test_pretrain_dflash_help_our_groups_first(capsys, monkeypatch):
+def _help_titles(main, monkeypatch, capsys, flag):
+    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", flag])
+    assert main([flag]) is None
+    out = capsys.readouterr().out
+    return out, [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
+
+
+def test_pretrain_dflash_help_shows_our_groups_and_help_all_adds_megatron_after_them(capsys, monkeypatch):
+    """--help: only our groups (Split-KV, drafter, target, data, this script) with their defaults, and a last line
+    pointing to --help-all (before: 4,000+ lines, Megatron's first); --help-all: ours first, then Megatron-LM's."""
     pytest.importorskip("megatron.training")
     main = _load("pretrain_dflash")
-    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", "--help"])
-    main(["--help"])
-    out = capsys.readouterr().out
-    titles = [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
     ours = ["split-kv context parallelism", "dflash drafter", "dflash data", "this script"]
-    for t in ours:
-        assert t in titles, titles
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help")
+    assert all(t in titles for t in ours), titles
+    assert all(t in ours or t.startswith("dflash") for t in titles), titles  # no Megatron-LM group
+    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" not in out  # Megatron's own flag line
+    assert out.rstrip().splitlines()[-1].endswith("flags (--tensor-model-parallel-size, --seq-length, --save, ...): "
+                                                  "--help-all")
+    assert len(out.splitlines()) < 400
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help-all")
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" in out
     first_megatron = min(i for i, t in enumerate(titles) if t not in ours and not t.startswith("dflash")
                          and t not in ("options", "usage"))
     assert max(titles.index(t) for t in ours) < first_megatron, titles
-    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
 
 
 def test_demo_help_shows_every_default(capsys):
