@@ -184,25 +184,12 @@ def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
 
 def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None,
                           config: SplitKVConfig | None = None):
-    """The requested head split (kv heads per chunk, a tuple) or None: head_split (`check_head_split`), else
-    `config.head_split` (None: the even split). Positive ints summing to Hkv = num_heads_kv, only with the
-    chunk axis "heads" (axis code 1), and num_chunks None or len(split) (the split fixes k). Raises
-    ValueError naming the argument or the config field."""
-    what = "head_split"
+    """None (the even head split): uneven head splits are deleted (docs/tuning.md: no measured gain); a
+    `head_split` other than None raises ValueError naming the argument and its replacement."""
     if head_split is None:
-        split = resolve_config(config).head_split
-        if split is None:
-            return None
-        what = "SplitKVConfig.head_split"
-        split = _checked_split_sum(split, num_heads_kv, what)
-    else:
-        split = check_head_split(head_split, num_heads_kv)
-    if axis != 1:
-        raise ValueError(f"{what} needs chunk_axis 'heads': it splits the kv heads")
-    if num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=1) != len(split):
-        raise ValueError(f"num_chunks={num_chunks} differs from the {len(split)} chunks of {what}="
-                         f"{','.join(map(str, split))} (the split fixes the chunk count: pass num_chunks=None)")
-    return split
+        return None
+    raise ValueError(f"head_split={_shown(head_split)}: uneven head splits were removed (no measured gain, "
+                     "docs/tuning.md); use chunk_axis='heads' with num_chunks=k for k even head chunks")
 
 
 def _head_split_code(split) -> int:
@@ -1145,12 +1132,8 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=N
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     config = resolve_config(config)
     chunks_req = _requested_chunks(num_chunks, config)
-    fused_req = min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+    fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
     axis_req = _requested_axis(chunk_axis, config)
-    if impl == "splitkv" and not head_split_ok and config.head_split is not None:
-        raise ValueError("SplitKVConfig.head_split is set, but a call without metadata= does not support a head "
-                         "split yet (only prepare_splitkv_metadata does): build the metadata with "
-                         "prepare_splitkv_metadata")
     if impl == "splitkv":
         return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size, config), fused_req, axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
@@ -1337,8 +1320,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node, head_split) -> SplitKVConfig:
     """`config` with the op's keyword arguments that were given (validated before) applied: what the
     metadata carries."""
-    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node,
-                          head_split=None if head_split is None else tuple(head_split))
+    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node)
 
 
 # ----------------------------------------------------------------------------- per call
@@ -2004,9 +1986,9 @@ def env_request_row(cp_size: int, config: SplitKVConfig | None = None) -> list:
     import zlib  # noqa: PLC0415
 
     config = resolve_config(config)
-    split = "" if config.head_split is None else ",".join(map(str, config.head_split))
+    split = ""  # uneven head splits are deleted: no split to compare
     return [_requested_chunks(None, config), resolve_ranks_per_node(None, cp_size, config),
-            min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P), _requested_axis(None, config),
+            min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P), _requested_axis(None, config),
             (zlib.crc32(split.encode()) & 0x7FFFFFFF) + 1 if split else 0]
 
 
@@ -2167,7 +2149,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P, cfg)
         axis_req = _requested_axis(chunk_axis, cfg)
         split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
-        fused_req = min(cfg.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+        fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
         cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         # the size table every rank would all-gather: equal block counts, the plan's context counts
         nb = int(plan.blocks_per_rank)

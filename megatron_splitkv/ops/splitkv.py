@@ -60,8 +60,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
    chunks up to fp rounding (tests/test_splitkv_head_chunks.py). Measured (docs/perf-notes.md item 21): k = 2
    at CP = 2, 128K: NVLink 0.956x of k = 1 (rows 0.914x), sockets 1.233x (rows 1.211x).
-   Uneven head split (docs/perf-notes.md item 22; opt-in: `prepare_splitkv_metadata(..., head_split=(6, 2))`
-   or SplitKVConfig(head_split=(6, 2)) with the head axis; prepare and the host-built metadata alike): chunk c
+   Uneven head split (docs/perf-notes.md item 22; deleted as an option, docs/tuning.md: no public argument
+   builds metadata with `head_split` any more, the path below goes with the op's rewrite): chunk c
    = the kv heads of the c-th part of the split; the backward then runs the chunks in REVERSE order
    (`_bwd_order`), so the forward ends with the small chunk (its [O | lse] exchange is the exposed tail) and
    the backward starts with it (its [dO | stats] gather is the exposed head). Bit-identical to the forward
