@@ -398,14 +398,16 @@ def _rebuild_packed_batch(header, whole: _ItemBuffer, plan):
 
 def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token_id: int,
                chunk_size: Optional[int] = None, strategy: str = "lpt", gamma: Optional[float] = None,
-               feature_store=None, index: int = 0, metadata: Optional[MetadataSpec] = None) -> PlannedBatch:
+               feature_store=None, index: int = 0, metadata: Optional[MetadataSpec] = None,
+               cost_model=None) -> PlannedBatch:
     """Plan, shard, draft blocks and (optionally) feature rows of one packed batch for one CP rank.
 
     Args:
         batch: a `data.sharegpt.PackedBatch` (seq_lens, anchors, input_ids, loss_mask, source, to_dict()).
         cp_size, cp_rank: the CP group size and this rank (0 <= cp_rank < cp_size).
         block_size: B; mask_token_id: the MASK id; gamma: loss decay (None: `dflash.default_gamma(B)`).
-        chunk_size, strategy: the planner's (`--cp-chunk-size`, `--cp-balance`).
+        chunk_size, strategy, cost_model: the planner's (`--cp-chunk-size`, `--cp-balance`, the `CostModel`
+            with the drafter's layer windows; None: the default).
         feature_store: an object with `rows(source, kv_seq, kv_pos) -> [T_r, dim] tensor`
             (`megatron.models.FeatureStore`, which also has `dim`, `torch_dtype` and `rows(..., out=)`: the
             rows are then read straight into the item's buffer), or None.
@@ -424,7 +426,7 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
     if metadata is not None and not isinstance(metadata, MetadataSpec):
         raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
     plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=block_size, cp_size=cp_size,
-                                 chunk_size=chunk_size, strategy=strategy)
+                                 chunk_size=chunk_size, strategy=strategy, cost_model=cost_model)
     shard = shard_batch(batch.to_dict(), plan, cp_rank)
     sl = plan.query_slice(cp_rank)
     blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],

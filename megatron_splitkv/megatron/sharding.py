@@ -62,12 +62,16 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
 
 
 def planner_kwargs_from_args(args) -> dict:
-    """`chunk_size`, `strategy`, `block_size` for `get_batch_on_this_cp_rank_splitkv` from parsed
-    Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`)."""
+    """`chunk_size`, `strategy`, `block_size`, `cost_model` for `get_batch_on_this_cp_rank_splitkv` from parsed
+    Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`; the cost model's layer windows
+    from `--dflash-layer-types` / `--dflash-sliding-window`, None = the default cost: `planner_cost_model_from_args`)."""
+    from .arguments import planner_cost_model_from_args
+
     return {
         "chunk_size": getattr(args, "cp_chunk_size", None),
         "strategy": getattr(args, "cp_balance", "lpt") or "lpt",
         "block_size": int(getattr(args, "dflash_block_size", 16) or 16),
+        "cost_model": planner_cost_model_from_args(args),
     }
 
 
@@ -169,7 +173,7 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     Args:
         batches: zero-argument callable returning this DP rank's packed-batch iterator (e.g.
             `functools.partial(megatron_splitkv.data.pipeline.data_parallel_batches, loader, dp, dp_rank, skip)`).
-        args: parsed Megatron args: `--cp-balance`, `--cp-chunk-size`, `--dflash-block-size`
+        args: parsed Megatron args: `--cp-balance`, `--cp-chunk-size`, `--dflash-block-size`, the layer types
             (`planner_kwargs_from_args`), `--dflash-data-workers`, `--dflash-data-prefetch`.
         mask_token_id, gamma: of `dflash.build_draft_blocks`. feature_store: a `models.FeatureStore` or None.
         cp_group / pg_collection / cp_rank / cp_size: the CP group (default parallel_state's).
@@ -192,5 +196,5 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     depth = data_prefetch_from_args(args) if prefetch is None else prefetch
     return PrefetchedBatches(batches, num_workers=workers, prefetch=depth, pin_memory=pin_memory, cp_size=cp_size,
                              cp_rank=cp_rank, block_size=kw["block_size"], chunk_size=kw["chunk_size"],
-                             strategy=kw["strategy"], mask_token_id=int(mask_token_id), gamma=gamma,
+                             strategy=kw["strategy"], cost_model=kw["cost_model"], mask_token_id=int(mask_token_id), gamma=gamma,
                              feature_store=feature_store, metadata=metadata)

@@ -1,0 +1,143 @@
+"""Sliding-window / causal drafter layers in Megatron (issue 23 item 3): the flags, their errors, and a block
+mixing windowed and full layers at TP 2 x CP 2 equal to CP 1, itself equal to the float64 functional reference
+(megatron_splitkv.reference with window / causal per layer). CPU, gloo."""
+
+import argparse
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from _dist import run_distributed  # noqa: E402
+from _warning_marks import MEGATRON_ENV  # noqa: E402
+from test_megatron_block import SMALL, assemble, block_worker, compare, functional_reference, make_problem  # noqa: E402
+
+from megatron_splitkv.megatron import (SplitKVArgumentError, add_splitkv_args,  # noqa: E402
+                                       validate_splitkv_args)
+from megatron_splitkv.megatron.arguments import (host_metadata_from_args, layer_attention_from_args,  # noqa: E402
+                                                 planner_cost_model_from_args)
+from megatron_splitkv.megatron.sharding import planner_kwargs_from_args  # noqa: E402
+
+pytestmark = MEGATRON_ENV
+
+# the block of test_megatron_block (B = 4, anchors up to 10 in sequences of 11 and 9 tokens): a window
+# smaller than the block, the full layer, the same window again (one metadata for both), and a window larger
+# than the block with dflash's is_causal = false (symmetric inside the block)
+KINDS = ((3, True), (None, False), (3, True), (6, False))
+
+
+def _parse(argv, num_layers=4):
+    p = argparse.ArgumentParser()
+    add_splitkv_args(p)
+    a = p.parse_args(["--context-parallel-impl", "splitkv", *argv])
+    a.num_layers = num_layers
+    return a
+
+
+def test_flags_give_dflash_layer_kinds():
+    a = _parse(["--dflash-layer-types", "sliding_attention,full_attention, sliding_attention,full_attention",
+                "--dflash-sliding-window", "2048"])
+    validate_splitkv_args(a)
+    assert layer_attention_from_args(a) == ((2048, True), (None, False), (2048, True), (None, False))
+    a = _parse(["--dflash-layer-types", "sliding_attention,full_attention", "--dflash-sliding-window", "64",
+                "--dflash-is-causal", "false"], num_layers=2)
+    assert layer_attention_from_args(a) == ((64, False), (None, False))
+    a = _parse(["--dflash-is-causal", "true"], num_layers=3)  # no types: every layer full, causal block
+    assert layer_attention_from_args(a) == ((None, True),) * 3
+    assert layer_attention_from_args(_parse([])) is None
+
+
+def test_planner_gets_the_layer_windows():
+    a = _parse(["--dflash-layer-types", "sliding_attention,full_attention,sliding_attention",
+                "--dflash-sliding-window", "128"], num_layers=3)
+    assert planner_cost_model_from_args(a).layer_windows == (128, None, 128)
+    assert planner_kwargs_from_args(a)["cost_model"].layer_windows == (128, None, 128)
+    # causal-only layers change no context cost: the default model
+    assert planner_cost_model_from_args(_parse(["--dflash-is-causal", "true"])) is None
+
+
+@pytest.mark.parametrize("argv,num_layers,message", [
+    (["--dflash-layer-types", "sliding_attention,full_attention", "--dflash-sliding-window", "8"], 3,
+     "--dflash-layer-types must name one type per drafter layer: --num-layers is 3, got 2"),
+    (["--dflash-layer-types", "sliding_attention,full_attention"], 2,
+     "--dflash-sliding-window (the window W, an int >= 1) is required"),
+    (["--dflash-sliding-window", "8"], 2, "--dflash-sliding-window (8) applies to sliding_attention layers"),
+])
+def test_bad_layer_flag_combinations_name_the_flag(argv, num_layers, message):
+    with pytest.raises(SplitKVArgumentError) as e:
+        validate_splitkv_args(_parse(argv, num_layers))
+    assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--dflash-sliding-window", "0"], "argument --dflash-sliding-window: must be a positive int, got '0'"),
+    (["--dflash-sliding-window", "-4"], "argument --dflash-sliding-window: must be a positive int, got '-4'"),
+    (["--dflash-layer-types", "full_attention,swa"], "argument --dflash-layer-types: must be a comma-separated list "
+                                                     "of full_attention / sliding_attention"),
+    (["--dflash-is-causal", "yes"], "argument --dflash-is-causal: invalid choice"),
+])
+def test_bad_layer_flag_values_are_argparse_errors(argv, message, capsys):
+    p = argparse.ArgumentParser()
+    add_splitkv_args(p)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_host_metadata_is_off_with_windowed_layers_and_on_is_refused():
+    a = _parse(["--dflash-layer-types", "sliding_attention", "--dflash-sliding-window", "8"], num_layers=1)
+    assert host_metadata_from_args(a, num_workers=1) is False
+    a.dflash_host_metadata = "on"
+    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata on builds one metadata per batch"):
+        validate_splitkv_args(a)
+
+
+# ------------------------------------------------------------------------------------------------
+# the block
+
+
+@pytest.fixture(scope="module")
+def problem():
+    return make_problem(num_layers=len(KINDS), **SMALL)
+
+
+@pytest.fixture(scope="module")
+def reference(problem):
+    cfg, state, data = problem
+    res = run_distributed(block_worker, 1, 1, 1, 1, cfg, state, data, ("splitkv",), "sbhd", KINDS, timeout=240)
+    assert res[0]["splitkv"]["n_metadata"] == 3  # one op metadata per distinct (window, causal), not per layer
+    return assemble(res, cfg, data, 1)
+
+
+def test_cp1_mixed_block_matches_functional_reference(problem, reference):
+    cfg, state, data = problem
+    compare(functional_reference(cfg, state, data, KINDS), reference, cfg)
+    # the windows matter: the same block with every layer full gives other outputs
+    full = functional_reference(cfg, state, data)
+    assert (full[0] - reference[0]).abs().max() > 1e-3
+
+
+def test_tp2_cp2_mixed_block_equals_cp1(problem, reference):
+    cfg, state, data = problem
+    impls = ("splitkv", "allgather-kv", "ring-kv")
+    res = run_distributed(block_worker, 4, 2, 2, 1, cfg, state, data, impls, "sbhd", KINDS, timeout=300)
+    for impl in impls:
+        compare(reference, assemble(res, cfg, data, 2, impl), cfg)
+    assert {r["splitkv"]["n_metadata"] for r in res} == {3}
+
+
+def test_layer_kind_table_must_match_the_layer_count(problem):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_splitkv.megatron import splitkv_core_attention
+    from test_megatron_block import _config
+
+    cfg = problem[0]
+    with pytest.raises(ValueError, match="--dflash-layer-types has 2 layer kinds"):
+        splitkv_core_attention("splitkv", layer_attention=KINDS[:2])(
+            config=_config(cfg, 1, 1, 1), layer_number=1, attn_mask_type=AttnMaskType.no_mask,
+            attention_type="cross")
+    core = splitkv_core_attention("splitkv", layer_attention=KINDS)(
+        config=_config(cfg, 1, 1, 1), layer_number=4, attn_mask_type=AttnMaskType.no_mask, attention_type="cross")
+    assert (core.window, core.causal) == (6, False)
