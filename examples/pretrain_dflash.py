@@ -277,8 +277,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
-    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, overlap_query_gather_from_args,
-                                                     splitkv_config_from_args)
+    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, layer_attention_from_args,
+                                                     overlap_query_gather_from_args, splitkv_config_from_args)
     from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
 
     args = get_args()
@@ -318,7 +318,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
         kernel_backend=kernel_backend_from_args(args), overlap_query_gather=overlap_query_gather_from_args(args),
-        splitkv_config=splitkv_config_from_args(args),
+        splitkv_config=splitkv_config_from_args(args), layer_attention=layer_attention_from_args(args),
     )
 
 
