@@ -512,7 +512,9 @@ class SplitKVCoreAttention(MegatronModule):
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
             config=self.splitkv_config, window=self.window, causal=self.causal,
         )
-        extra = {} if query_gather is None else {"query_gather": query_gather.gather}
+        extra = kind_kwargs(self.window, self.causal)  # the layer kind: the metadata's, checked by the op
+        if query_gather is not None:
+            extra["query_gather"] = query_gather.gather
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
                  backend=self.kernel_backend, metadata=meta, **extra)
         width = q.shape[1] * q.shape[2]  # explicit: a CP rank may hold zero query blocks (0 rows)
