@@ -55,6 +55,29 @@ def test_rank_costs_equal_visible_pairs(lens, n_anchors, cp, chunk, windows, str
     assert plan.loads.sum() > 0
 
 
+@pytest.mark.parametrize("lens,n_anchors,cp,chunk,windows", CASES)
+def test_rank_costs_equal_the_reference_mask(lens, n_anchors, cp, chunk, windows):
+    """The same per-rank loads against `reference.dflash_attention_mask(..., window=W)` (the ops' ground truth,
+    dflash's semantics) over each rank's context tokens."""
+    import torch
+
+    from megatron_splitkv.reference import dflash_attention_mask
+
+    anchors = random_anchors(lens, n_anchors, seed=len(lens) + cp)
+    cm = CostModel(attn_pair_cost=1.0, token_cost=0.0, layer_windows=windows)
+    plan = plan_context_parallel(lens, anchors, block_size=B, cp_size=cp, chunk_size=chunk, cost_model=cm)
+    q_seq = torch.as_tensor(np.repeat(np.arange(len(lens)), [len(a) for a in anchors]))
+    q_anchor = torch.as_tensor(np.concatenate(anchors))
+    want = np.zeros(cp)
+    for r in range(cp):
+        kv_seq, kv_pos = torch.as_tensor(plan.token_seq_ids(r)), torch.as_tensor(plan.token_positions(r))
+        for w in windows:
+            mask = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=B, own_block=False, window=w,
+                                         causal=w is not None)
+            want[r] += int(mask.sum()) / len(windows)
+    np.testing.assert_allclose(plan.loads, want, rtol=1e-12, atol=0)
+
+
 def test_token_cost_and_coefficients_apply_to_windowed_layers():
     lens, anchors = [200, 77], random_anchors([200, 77], 15, seed=3)
     plain = plan_context_parallel(lens, anchors, block_size=B, cp_size=2, chunk_size=32, strategy="zigzag",
