@@ -1,0 +1,261 @@
+"""Sliding-window and causal drafter layers (issue 23 item 1): the mask against z-lab's dflash 0.1.0 itself
+(`dflash.model._attention_mask`, the inference code's own mask), the three CP ops' out, lse and all five
+gradients against the float64 reference at CP 1, 2, 3, 4, 8 (gloo, CPU; math and flex), the per-rank key
+intervals against the dense mask (a window narrows the blocks each rank computes), and bad windows."""
+
+import random
+
+import pytest
+import torch
+from dflash.model import _attention_mask
+
+import megatron_splitkv as msk
+from _dist import run_distributed
+from _splitkv_helpers import case, check, job_results, jobs_worker, local, new_seed, run_local, build
+from megatron_splitkv.ops.common import context_keys, intervals, own_key_start, sort_keys, with_own_blocks
+from megatron_splitkv.reference import dflash_attention_mask
+
+OPS = ("splitkv", "allgather_kv", "ring_kv")
+
+
+def _dflash_block_mask(anchor, block_size, window, causal):
+    """[B, anchor + B] bool: what dflash's attention lets a draft block at `anchor` see at inference (keys =
+    the anchor cached context tokens 0..anchor-1, then the block's B tokens; queries = the block). dflash
+    builds no mask for a full, non-causal layer (attention_mask None: every key)."""
+    query = torch.zeros(1, 1, block_size, 1)
+    key = torch.zeros(1, 1, anchor + block_size, 1)
+    if window is None and not causal:
+        return torch.ones(block_size, anchor + block_size, dtype=torch.bool)
+    return _attention_mask(query, key, is_causal=causal, sliding_window=window)[0, 0]
+
+
+def test_mask_matches_dflash_single_sequence():
+    """Our dense mask of one block over one sequence equals dflash's own mask, bit for bit, for random
+    anchors (0 included, anchors closer to the start than W), windows (1, < B, > the context, None), block
+    sizes and causal True / False."""
+    rng = random.Random(new_seed())
+    for _ in range(300):
+        anchor, bsz = rng.randrange(0, 40), rng.randrange(1, 10)
+        window = rng.choice([None, 1, rng.randrange(1, bsz + 1), rng.randrange(1, 60), 1000])
+        causal = rng.random() < 0.5
+        ours = dflash_attention_mask(torch.tensor([0]), torch.tensor([anchor]), torch.zeros(anchor, dtype=torch.long),
+                                     torch.arange(anchor), block_size=bsz, window=window, causal=causal)
+        want = _dflash_block_mask(anchor, bsz, window, causal)
+        assert torch.equal(ours, want), (anchor, bsz, window, causal)
+        ctx_only = dflash_attention_mask(torch.tensor([0]), torch.tensor([anchor]),
+                                         torch.zeros(anchor, dtype=torch.long), torch.arange(anchor),
+                                         block_size=bsz, own_block=False, window=window, causal=causal)
+        assert torch.equal(ctx_only, want[:, :anchor])
+
+
+def test_mask_matches_dflash_packed_blocks():
+    """Many blocks of packed sequences, context in shuffled order, invalid blocks: every block's rows equal
+    dflash's mask of that block (its sequence's positions < anchor, then its own block); other sequences'
+    keys, other blocks' keys and invalid blocks see nothing."""
+    rng = random.Random(new_seed())
+    for _ in range(30):
+        lens = [rng.randrange(0, 25) for _ in range(3)]
+        kv_seq = torch.cat([torch.full((n,), s, dtype=torch.long) for s, n in enumerate(lens)])
+        kv_pos = torch.cat([torch.arange(n) for n in lens])
+        perm = torch.randperm(kv_seq.numel(), generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+        kv_seq, kv_pos = kv_seq[perm], kv_pos[perm]
+        nb, bsz = rng.randrange(1, 6), rng.randrange(1, 7)
+        q_seq = torch.tensor([rng.randrange(3) for _ in range(nb)])
+        q_anchor = torch.tensor([rng.choice([-1, 0, rng.randrange(0, 30)]) for _ in range(nb)])
+        window, causal = rng.choice([None, 1, 3, 8, 100]), rng.random() < 0.5
+        m = dflash_attention_mask(q_seq, q_anchor, kv_seq, kv_pos, block_size=bsz, window=window, causal=causal)
+        tk = kv_seq.numel()
+        for b in range(nb):
+            rows = m[b * bsz:(b + 1) * bsz]
+            a = int(q_anchor[b])
+            if a < 0:
+                assert not rows.any()
+                continue
+            mine = (kv_seq == q_seq[b]) & (kv_pos < a)
+            want = _dflash_block_mask(a, bsz, window, causal)
+            assert not rows[:, :tk][:, ~mine].any()
+            assert torch.equal(rows[:, :tk][:, mine], want[:, kv_pos[mine]])
+            own = rows[:, tk:].view(bsz, nb, bsz)
+            assert torch.equal(own[:, b], want[:, a:])
+            assert not own[:, torch.arange(nb) != b].any()
+
+
+def test_full_layer_is_todays_mask():
+    """window=None, causal=False is exactly the mask without the arguments (the default)."""
+    t = build(case(new_seed(), 1, blocks=[6]))
+    args = (t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"])
+    assert torch.equal(dflash_attention_mask(*args, block_size=4),
+                       dflash_attention_mask(*args, block_size=4, window=None, causal=False))
+
+
+def _cases(P, seed):
+    """Windowed / causal layouts for CP size P: W below the block (B = 4), below a chunk (the context per
+    rank), equal to it and beyond every sequence; anchors closer to the start than W; uneven and empty shards
+    and ranks without blocks; float64, float32 and bfloat16; math and flex; plain and metadata= calls."""
+    tk = 13 + 7 + 20
+    chunk = max(tk // P, 1)
+    ctx_uneven = [0] * P
+    for i in range(tk):  # skewed, the last rank holds no context when P > 1
+        ctx_uneven[(i * i) % max(P - 1, 1)] += 1
+    blocks_uneven = [(3 * r + 1) % 4 for r in range(P)]  # P > 1: rank 1 holds no block
+    near_start = [1, 0, 2, 3, 1, 4, 2, 0, 5, 3] * P
+    return [
+        case(seed, P, window=2, causal=True, blocks=blocks_uneven, ctx=ctx_uneven),
+        case(seed + 1, P, window=max(chunk // 2, 1), causal=False, metadata=True, backend="flex"),
+        case(seed + 2, P, window=chunk, causal=True, blocks=[3] * P, anchors=near_start[:3 * P],
+             metadata=True, p_invalid=0.0),
+        case(seed + 3, P, window=100, causal=False, ctx=ctx_uneven, backend="flex", Hq=6, Hkv=3, B=3),
+        case(seed + 4, P, window=6, causal=True, dtype="float32", backend="flex", metadata=True),
+        case(seed + 5, P, window=5, causal=False, dtype="bfloat16", D=16, seq_lens=[50, 30], blocks=[3] * P),
+        case(seed + 6, P, window=None, causal=True, blocks=blocks_uneven),
+    ]
+
+
+def test_ops_single_process():
+    seed = new_seed()
+    for op in OPS:
+        for c in _cases(1, seed):
+            check(op, c, [run_local(op, c, 0)])
+
+
+CP_SIZES = [2, 3, 4, 8]
+
+
+@pytest.fixture(scope="module")
+def cp_run():
+    """Every op on every case of every CP size in ONE 8-rank spawn (smaller sizes on subgroups)."""
+    seed = new_seed()
+    jobs = [(op, c) for P in CP_SIZES for op in OPS for c in _cases(P, seed + 100 * P)]
+    return jobs, run_distributed(jobs_worker, max(CP_SIZES), jobs, timeout=600)
+
+
+@pytest.mark.parametrize("P", CP_SIZES)
+def test_ops_cp(cp_run, P):
+    jobs, results = cp_run
+    n = 0
+    for j, (op, c) in enumerate(jobs):
+        if c["P"] == P:
+            check(op, c, job_results(results, j, P))
+            n += 1
+    assert n == len(OPS) * len(_cases(P, 0))
+
+
+def test_window_narrows_each_ranks_blocks():
+    """Split-KV's per-rank key intervals with a window, against the dense mask restricted to each rank's keys:
+    every row's visible keys are exactly the reference's (context and own block), and a block gets a non-empty
+    interval on a rank iff some row of it sees one of that rank's keys there. A window smaller than the context
+    leaves fewer (rank, block) pairs with work than W = None, by the count the dense mask predicts."""
+    seed = new_seed()
+    for P, window, causal in ((4, 3, True), (3, 7, False), (8, 1, True), (2, 1000, False)):
+        c = case(seed + P, P, blocks=[5] * P, seq_lens=[40, 25, 60], p_invalid=0.1, p_zero=0.05)
+        t = build(c)
+        bsz = c["B"]
+        live = {}
+        for w in (None, window):
+            dense = dflash_attention_mask(t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=bsz,
+                                          window=w, causal=causal)
+            n_live = 0
+            for r in range(P):
+                idx = t["ctx_idx"][r]
+                keys, order = sort_keys(context_keys(t["kv_seq"][idx], t["kv_pos"][idx]))
+                sorted_idx = idx if order is None else idx[order]
+                m = intervals(keys, t["q_seq"], t["q_anchor"], bsz, w)
+                rows = m.row_bounds()
+                j = torch.arange(keys.numel())
+                got = (j[None, :] >= rows[0][:, None]) & (j[None, :] < rows[1][:, None])
+                assert torch.equal(got, dense[:, sorted_idx]), (P, w, r)
+                want_live = dense[:, sorted_idx].view(-1, bsz, keys.numel()).any(2).any(1)
+                assert torch.equal(m.hi > m.lo, want_live), (P, w, r)
+                n_live += int(want_live.sum())
+                # the own block (this rank's blocks as the op appends them): exactly the reference's own part
+                b0, b1 = t["block_range"][r]
+                valid = t["q_anchor"][b0:b1] >= 0
+                mo = with_own_blocks(intervals(keys, t["q_seq"][b0:b1], t["q_anchor"][b0:b1], bsz, w), valid,
+                                     b1 - b0, window=w, causal=causal)
+                ro = mo.row_bounds()
+                c0 = own_key_start(keys.numel())
+                k2 = torch.arange(c0, mo.num_keys)
+                got2 = (k2[None, :] >= ro[2][:, None]) & (k2[None, :] < ro[3][:, None])
+                ntk = t["kv_seq"].numel()
+                assert torch.equal(got2, dense[b0 * bsz:b1 * bsz, ntk + b0 * bsz:ntk + b1 * bsz]), (P, w, r)
+            live[w] = n_live
+        if window < 40:
+            assert live[window] < live[None], (P, window, live)
+
+
+def _bad_window_worker(rank, world_size):
+    """Rank 0 passes a bad window, the others a good one: every rank must raise the ValueError naming window
+    (the check runs before the first collective and its verdict is shared), for every op and prepare."""
+    c = case(11, world_size)
+    t = build(c)
+    x, meta, _, _ = local(t, c, rank)
+    seen = []
+    for bad in (0, -3, 2.5):
+        window = bad if rank == 0 else 3
+        for op in OPS:
+            fn = getattr(msk, f"{op}_attention")
+            try:
+                fn(*x.values(), *meta.values(), block_size=c["B"], backend="math", window=window, causal=True)
+            except ValueError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError(f"{op}: no ValueError on rank {rank} for window={bad!r} on rank 0")
+            try:
+                msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"],
+                                             num_heads_kv=c["Hkv"], head_dim=c["D"], dtype=x["q"].dtype, impl=op,
+                                             window=window)
+            except ValueError as exc:
+                seen.append(str(exc))
+            else:
+                raise AssertionError(f"prepare {op}: no ValueError on rank {rank} for window={bad!r} on rank 0")
+    return seen
+
+
+def test_bad_window_raises_on_every_rank():
+    results = run_distributed(_bad_window_worker, 2, timeout=300)
+    for msgs in results:
+        assert len(msgs) == 18
+        for m in msgs:
+            assert "window must be None or a positive int" in m and "W >= 1" in m, m
+
+
+def test_bad_window_single_process():
+    c = case(3, 1)
+    t = build(c)
+    x, meta, _, _ = local(t, c, 0)
+    for bad in (0, -3, 2.5, True, "4"):
+        for op in OPS:
+            with pytest.raises(ValueError, match="window must be None or a positive int"):
+                getattr(msk, f"{op}_attention")(*x.values(), *meta.values(), block_size=c["B"], window=bad)
+        with pytest.raises(ValueError, match="window must be None or a positive int"):
+            dflash_attention_mask(*meta.values(), block_size=c["B"], window=bad)
+        with pytest.raises(ValueError, match="window must be None or a positive int"):
+            msk.dflash_attention_reference(*x.values(), *meta.values(), block_size=c["B"], window=bad)
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        msk.splitkv_attention(*x.values(), *meta.values(), block_size=c["B"], causal="yes")
+
+
+def test_metadata_window_must_match_the_call():
+    """With metadata=, the call's window / causal must be the metadata's (the mask is fixed at prepare)."""
+    c = case(5, 1)
+    t = build(c)
+    x, meta, _, _ = local(t, c, 0)
+    md = msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                      head_dim=c["D"], dtype=x["q"].dtype, window=4, causal=True)
+    msk.splitkv_attention(*x.values(), metadata=md, window=4, causal=True)
+    for kw in (dict(), dict(window=4), dict(window=5, causal=True), dict(causal=True)):
+        with pytest.raises(ValueError, match="differ from the metadata's window=4, causal=True"):
+            msk.splitkv_attention(*x.values(), metadata=md, **kw)
+
+
+def test_backend_without_row_bounds_refused():
+    """A kernel that cannot read per-row bounds (staircase: dense rectangles; te likewise, not importable on
+    CPU) refuses a windowed / causal call with a ValueError naming it and window, for every op."""
+    c = case(6, 1)
+    t = build(c)
+    x, meta, _, _ = local(t, c, 0)
+    for op in OPS:
+        for kw in (dict(window=3), dict(causal=True)):
+            with pytest.raises(ValueError, match="backend 'staircase' does not support sliding-window / causal"):
+                getattr(msk, f"{op}_attention")(*x.values(), *meta.values(), block_size=c["B"],
+                                                backend="staircase", **kw)
