@@ -85,6 +85,30 @@ def test_bad_layer_flag_values_are_argparse_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_data_pipeline_plans_with_the_windowed_cost():
+    """prefetch_planned_batches (examples/pretrain_dflash.py's data pipeline) plans every batch with the layer
+    windows of the flags: the item's plan loads equal a plan made with that cost model directly."""
+    import numpy as np
+    from test_data_pipeline import MASK_ID, _source
+
+    from megatron_splitkv.megatron import prefetch_planned_batches
+    from megatron_splitkv.planning import CostModel, plan_context_parallel
+
+    a = _parse(["--dflash-layer-types", "sliding_attention,full_attention", "--dflash-sliding-window", "16",
+                "--dflash-block-size", "4", "--cp-chunk-size", "64", "--dflash-data-workers", "0"], num_layers=2)
+    it = prefetch_planned_batches(_source(), a, mask_token_id=MASK_ID, cp_rank=0, cp_size=2)
+    item = next(it)
+    cm = CostModel(layer_windows=(16, None))
+    assert item.plan.cost_model == cm
+    batch = next(iter(_source()()))
+    want = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=4, cp_size=2, chunk_size=64,
+                                 cost_model=cm)
+    np.testing.assert_array_equal(item.plan.loads, want.loads)
+    full = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=4, cp_size=2, chunk_size=64)
+    assert full.loads.sum() > want.loads.sum()  # the window lowers the modelled work
+    it.close()
+
+
 def test_host_metadata_is_off_with_windowed_layers_and_on_is_refused():
     a = _parse(["--dflash-layer-types", "sliding_attention", "--dflash-sliding-window", "8"], num_layers=1)
     assert host_metadata_from_args(a, num_workers=1) is False
