@@ -60,6 +60,7 @@ _OPS = {
     "ring-kv": ring_kv_attention,
 }
 
+
 def kind_kwargs(window: Optional[int], causal: bool) -> dict:
     """The ops' `window=` / `causal=` keywords of a layer kind; {} for the default kind (no window, not
     causal), so that a call of a full-attention layer is the plain one."""
@@ -247,8 +248,8 @@ class DFlashPackedSeqParams(PackedSeqParams):
                                 ("head_dim", meta.head_dim, int(head_dim)),
                                 ("dtype", meta.dtype, dtype),
                                 ("device", torch.device(meta.device), torch.device(device)),
-                                ("window", getattr(meta, "window", None), window),
-                                ("causal", bool(getattr(meta, "causal", False)), bool(causal))):
+                                ("window", meta.window, window),
+                                ("causal", bool(meta.causal), bool(causal))):
             if got != want:
                 diffs.append(f"{name} {got} (layer: {want})")
         try:
