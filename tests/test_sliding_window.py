@@ -11,8 +11,9 @@ from dflash.model import _attention_mask
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import case, check, job_results, jobs_worker, local, new_seed, run_local, build
+from _splitkv_helpers import build, case, check, job_results, jobs_worker, local, new_seed, run_local
 from megatron_splitkv.ops.common import context_keys, intervals, own_key_start, sort_keys, with_own_blocks
+from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
 from megatron_splitkv.reference import dflash_attention_mask
 
 OPS = ("splitkv", "allgather_kv", "ring_kv")
@@ -259,3 +260,95 @@ def test_backend_without_row_bounds_refused():
             with pytest.raises(ValueError, match="backend 'staircase' does not support sliding-window / causal"):
                 getattr(msk, f"{op}_attention")(*x.values(), *meta.values(), block_size=c["B"],
                                                 backend="staircase", **kw)
+
+
+def _long_cases(P, seed):
+    """Many 128-row query tiles and 128-key tiles (gathered rows = P x 160): a window of 16 leaves most key
+    tiles unlisted and the rest partial; 400 makes some full. Exercises the per-row tile classification."""
+    return [case(seed, P, window=16, causal=True, seq_lens=[600, 300], blocks=[40] * P, p_invalid=0.05,
+                 dtype="float32", metadata=True),
+            case(seed + 1, P, window=400, causal=False, seq_lens=[600, 300], blocks=[40] * P, p_zero=0.0,
+                 dtype="float32")]
+
+
+def _fa4_worker(rank, world_size, jobs):
+    from test_fa4_emulated import install_emulator
+
+    install_emulator()
+    return jobs_worker(rank, world_size, jobs)
+
+
+def test_long_windows_flex_and_fa4_wrapper():
+    """flex (CPU emulation: the block tables decide which tiles run, the mask_mod the partial ones) and the
+    fa4 wrapper (tests/test_fa4_emulated.py's float64 stand-in for FA4's entry points: its block-sparse tables,
+    aux rows and mask_mod) with windowed / causal layers over many tiles, every op, P = 1 and 3, against the
+    float64 reference (the stand-in runs fp32 inputs, as FA4's lse is fp32)."""
+    seed = new_seed()
+    jobs = []
+    for P in (1, 3):
+        for c in _long_cases(P, seed + P) + _cases(P, seed + 10 * P)[:5]:
+            for backend in ("flex", "fa4") if c["seq_lens"][0] == 600 else ("fa4",):  # flex: test_ops_cp
+                dt = {"float64": "float32"}.get(c["dtype"], c["dtype"]) if backend == "fa4" else c["dtype"]
+                for op in OPS:
+                    jobs.append((op, dict(c, backend=backend, dtype=dt)))
+    results = run_distributed(_fa4_worker, 3, jobs, timeout=900)
+    for j, (op, c) in enumerate(jobs):
+        check(op, c, job_results(results, j, c["P"]))
+
+
+def _emulate_fa4(monkeypatch):
+    """tests/test_fa4_emulated.py's stand-in for FA4 on this process, undone after the test."""
+    import test_fa4_emulated as emu
+    from megatron_splitkv import kernels
+    from megatron_splitkv.kernels import fa4
+
+    monkeypatch.setattr(fa4, "_interface", lambda: (emu._fwd, emu._bwd, emu._bst, emu._ONE, emu._TWO))
+    monkeypatch.setattr(fa4.FA4AttentionKernel, "check_dtype", lambda self, dtype, device=None, head_dim=None: None)
+    monkeypatch.setattr(fa4.FA4AttentionKernel, "_check", lambda self, q, k, v, mask: fa4.check_call(q, k, v, mask))
+    monkeypatch.setattr(kernels, "_CACHE", {k: v for k, v in kernels._CACHE.items() if k[0] != "fa4"})
+
+
+def test_metadata_from_plan_with_window(monkeypatch):
+    """The data pipeline's host-built metadata with a window (per-row bounds included, pickled, bound, with
+    host-built flex tables) equals prepare's field for field, and the op through it (math, flex, fa4 wrapper)
+    equals the float64 reference."""
+    import pickle
+
+    import numpy as np
+
+    from megatron_splitkv.planning import plan_context_parallel
+    from test_metadata_from_plan import meta_diff
+
+    _emulate_fa4(monkeypatch)
+    rng = np.random.default_rng(new_seed())
+    lens, bsz = [300, 0, 170], 4
+    anchors = [np.sort(rng.choice(np.arange(1, n - 1), size=30, replace=False)) if n > 2 else np.zeros(0, np.int64)
+               for n in lens]
+    plan = plan_context_parallel(lens, anchors, block_size=bsz, cp_size=1, chunk_size=16)
+    q_seq, q_anchor = torch.from_numpy(plan.q_seq.copy()), torch.from_numpy(plan.q_anchor.copy())
+    kv_seq, kv_pos = torch.from_numpy(plan.token_seq_ids(0)), torch.from_numpy(plan.token_positions(0))
+    for window, causal, k in ((7, True, 1), (50, False, 2), (None, True, 2)):
+        kw = dict(block_size=bsz, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, num_chunks=k,
+                  window=window, causal=causal)
+        host = prepare_splitkv_metadata_from_plan(plan, 0, flex_block_masks=True, **kw)
+        bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
+        ref_meta = msk.prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, **kw)
+        assert meta_diff(bound, ref_meta) == [], (window, causal)
+        assert all(m.has_rows for m in bound.chunk_masks_own)
+        g = torch.Generator().manual_seed(k)
+        nq, nk = q_seq.numel() * bsz, kv_seq.numel()
+        x = dict(q=torch.randn(nq, 4, 8, generator=g), k_ctx=torch.randn(nk, 2, 8, generator=g),
+                 v_ctx=torch.randn(nk, 2, 8, generator=g), k_blk=torch.randn(nq, 2, 8, generator=g),
+                 v_blk=torch.randn(nq, 2, 8, generator=g))
+        dout = torch.randn(nq, 4, 8, generator=g)
+        xr = {n: t.double().requires_grad_(True) for n, t in x.items()}
+        ref, _ = msk.dflash_attention_reference(*xr.values(), q_seq, q_anchor, kv_seq, kv_pos, block_size=bsz,
+                                                window=window, causal=causal)
+        (ref * dout.double()).sum().backward()
+        for backend in ("math", "flex", "fa4"):
+            xo = {n: t.clone().requires_grad_(True) for n, t in x.items()}
+            out = msk.splitkv_attention(*xo.values(), metadata=bound, backend=backend, window=window, causal=causal)
+            (out * dout).sum().backward()
+            assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (backend, window)
+            for n in x:
+                assert (xo[n].grad.double() - xr[n].grad).abs().max() <= 1e-5 * xr[n].grad.abs().max(), (backend, n)
