@@ -63,7 +63,8 @@ class DFlashDraftModel(MegatronModule):
         layer_attention: None (every layer full attention, non-causal), or one (window, causal) per drafter
             layer (`megatron_splitkv.layer_types.layer_attention_kinds`, `layer_attention_from_args`): sliding
             window and causal own block per layer, as dflash's `layer_types` / `sliding_window` /
-            `is_causal`; kept as `self.layer_attention` (export writes it); ignored by `layer_spec`.
+            `is_causal`; kept as `self.layer_attention`, which export writes (with `layer_spec` only that:
+            the spec decides what the layers run, so give it the same kinds).
 
     Forward: see `forward`. Errors: ValueError for mismatched inputs (see `forward`).
     """
