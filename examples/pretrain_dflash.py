@@ -358,6 +358,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         device_prefetch_from_args,
         host_metadata_from_args,
         kernel_backend_from_args,
+        layer_attention_from_args,
         splitkv_config_from_args,
     )
 
@@ -370,7 +371,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         # the core attention's shapes: heads split over TP as Megatron's Attention splits them
         spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
                                      kernel_backend=kernel_backend_from_args(args),
-                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args))
+                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args),
+                                     layer_attention=layer_attention_from_args(args))
         # before any metadata is built (here or in the workers): the build reads the Split-KV environment per
         # process, so a variable malformed on one rank raised there alone while the others waited in the
         # agreement's all-gather of the first micro-batch (hang); the same ValueError on every rank instead

@@ -5,6 +5,7 @@ mixing windowed and full layers at TP 2 x CP 2 equal to CP 1, itself equal to th
 import argparse
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -109,12 +110,58 @@ def test_data_pipeline_plans_with_the_windowed_cost():
     it.close()
 
 
-def test_host_metadata_is_off_with_windowed_layers_and_on_is_refused():
-    a = _parse(["--dflash-layer-types", "sliding_attention", "--dflash-sliding-window", "8"], num_layers=1)
-    assert host_metadata_from_args(a, num_workers=1) is False
-    a.dflash_host_metadata = "on"
+def test_host_metadata_with_layer_kinds():
+    """--dflash-host-metadata (one metadata per batch): on by default and built for the kind when every layer
+    has one kind; off by default, and `on` refused, when the layers mix kinds."""
+    from megatron_splitkv.megatron import splitkv_metadata_spec
+    from test_megatron_block import _config
+
+    mixed = _parse(["--dflash-layer-types", "sliding_attention,full_attention", "--dflash-sliding-window", "8"],
+                   num_layers=2)
+    assert host_metadata_from_args(mixed, num_workers=1) is False
+    mixed.dflash_host_metadata = "on"
     with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata on builds one metadata per batch"):
-        validate_splitkv_args(a)
+        validate_splitkv_args(mixed)
+    cfg = _config(dict(SMALL, num_layers=2), 1, 1, 1)
+    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata builds one metadata per batch"):
+        splitkv_metadata_spec(cfg, tp_size=1, cuda=False, layer_attention=layer_attention_from_args(mixed))
+    one = _parse(["--dflash-layer-types", "sliding_attention,sliding_attention", "--dflash-sliding-window", "8"],
+                 num_layers=2)
+    assert host_metadata_from_args(one, num_workers=1) is True
+    spec = splitkv_metadata_spec(cfg, tp_size=1, cuda=False, layer_attention=layer_attention_from_args(one))
+    assert (spec.window, spec.causal) == (8, True)
+
+
+def test_worker_metadata_of_a_windowed_model_equals_prepare_from_plan():
+    """The data pipeline's host-built metadata with a window (MetadataSpec.window / causal) is the from-plan
+    metadata of that kind; bound, a layer of that kind takes it and a layer of another kind refuses it."""
+    from test_data_pipeline import MASK_ID, _source
+
+    from megatron_splitkv.data.pipeline import MetadataSpec, plan_batch
+    from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+
+    spec = MetadataSpec(num_heads_q=2, num_heads_kv=1, head_dim=8, dtype=torch.float64, window=5,
+                        causal=True)
+    batch = next(iter(_source()()))
+    item = plan_batch(batch, cp_size=2, cp_rank=1, block_size=4, mask_token_id=MASK_ID, chunk_size=64,
+                      metadata=spec)
+    want = prepare_splitkv_metadata_from_plan(item.plan, 1, block_size=4, num_heads_q=2, num_heads_kv=1, head_dim=8,
+                                              dtype=spec.dtype, window=5, causal=True)
+    got = item.metadata
+    assert (got.window, got.causal) == (5, True)
+    for name in ("q_seq", "q_anchor", "kv_seq", "kv_pos"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # bound (one process, CP 1) and given to a layer of another kind: refused, naming the kind
+    from megatron_splitkv.megatron import DFlashPackedSeqParams
+
+    item = plan_batch(batch, cp_size=1, cp_rank=0, block_size=4, mask_token_id=MASK_ID, chunk_size=64, metadata=spec)
+    params = DFlashPackedSeqParams(q_seq=item.blocks.q_seq.long(), q_anchor=item.blocks.q_anchor.long(),
+                                   kv_seq=item.kv_seq, kv_pos=item.kv_pos, block_size=4,
+                                   metadata=item.metadata.bind(None, "cpu"))
+    kw = dict(num_heads_q=2, num_heads_kv=1, head_dim=8, dtype=torch.float64, device="cpu")
+    assert params.op_metadata("splitkv", window=5, causal=True, **kw) is params.metadata
+    with pytest.raises(ValueError, match=r"window 5 \(layer: None\)"):
+        params.op_metadata("splitkv", **kw)
 
 
 # ------------------------------------------------------------------------------------------------

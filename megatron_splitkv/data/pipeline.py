@@ -178,6 +178,8 @@ class MetadataSpec:
             the config's fields; config None: `SplitKVConfig()`); the metadata carries the config.
         flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
             then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
+        window, causal: the layers' attention kind (`prepare_splitkv_metadata`'s; one metadata per batch, so a
+            model whose layers are all of this kind; default: full, non-causal).
     The block size is `plan_batch`'s. Picklable (a DataLoader worker gets it with the dataset).
     """
 
@@ -191,6 +193,8 @@ class MetadataSpec:
     chunk_axis: Optional[str] = None
     head_split: Optional[tuple] = None
     config: Optional[SplitKVConfig] = None
+    window: Optional[int] = None
+    causal: bool = False
 
     def build(self, plan, cp_rank: int, block_size: int):
         """`prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)` with these shapes: unbound, CPU."""
@@ -200,7 +204,8 @@ class MetadataSpec:
             plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
             head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
             cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks,
-            chunk_axis=self.chunk_axis, head_split=self.head_split, config=self.config)
+            chunk_axis=self.chunk_axis, head_split=self.head_split, config=self.config, window=self.window,
+            causal=self.causal)
 
 
 def _meta_on(recipe, upload: torch.Tensor, layout):

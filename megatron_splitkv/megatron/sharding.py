@@ -29,7 +29,7 @@ __all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "pre
 
 def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backend: str = "auto",
                           cuda: Optional[bool] = None, num_chunks: Optional[int] = None,
-                          cp_ranks_per_node: Optional[int] = None, splitkv_config=None):
+                          cp_ranks_per_node: Optional[int] = None, splitkv_config=None, layer_attention=None):
     """The `data.pipeline.MetadataSpec` of the drafter's Split-KV core attention, derived from its
     `TransformerConfig` exactly as Megatron's `Attention` splits the heads over tensor parallelism: Hq =
     num_attention_heads / TP, Hkv = num_query_groups (None: num_attention_heads) / TP, head_dim =
@@ -43,11 +43,14 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
         cuda: whether the model runs on CUDA (default: torch.cuda.is_available()).
         num_chunks, cp_ranks_per_node: as the core attention's prepare (None: splitkv_config's fields).
         splitkv_config: the core attention's `SplitKVConfig` (None: the defaults), carried by the metadata.
-    Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
+        layer_attention: the layers' (window, causal) (`arguments.layer_attention_from_args`; None: all full):
+            the metadata is built for their kind, which must be one for all layers (one metadata per batch).
+    Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP, or
+    naming --dflash-host-metadata when the layers mix kinds.
     """
     from megatron_splitkv.data.pipeline import MetadataSpec
 
-    from .arguments import check_attention_heads
+    from .arguments import SplitKVArgumentError, check_attention_heads
 
     tp = int(tp_size if tp_size is not None else getattr(config, "tensor_model_parallel_size", 1) or 1)
     heads = int(config.num_attention_heads)
@@ -55,7 +58,12 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
     check_attention_heads(heads, groups, tp)
     head_dim = int(config.kv_channels or config.hidden_size // heads)
     cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
-    return MetadataSpec(num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
+    kinds = sorted(set(layer_attention or ((None, False),)), key=str)
+    if len(kinds) != 1:
+        raise SplitKVArgumentError(f"--dflash-host-metadata builds one metadata per batch, but the layers mix the "
+                                   f"attention kinds (window, causal) {kinds}; use --dflash-host-metadata off")
+    (window, causal), = kinds
+    return MetadataSpec(window=window, causal=bool(causal), num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
                         dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
                         flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"),
                         config=splitkv_config)
