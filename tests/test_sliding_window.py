@@ -398,3 +398,26 @@ def test_with_attention_type_equals_prepare():
         derived = prepare_splitkv_metadata_from_plan(plan, r, **args).with_attention_type(9, True)
         want = prepare_splitkv_metadata_from_plan(plan, r, window=9, causal=True, **args)
         assert meta_diff(derived, want) == [], r
+
+
+def test_benchmark_reference_reads_row_bounds():
+    """tools/benchlib's float64 interval reference (what the GPU kernel tests compare against) sees exactly the
+    dense mask's keys under a windowed / causal mask's per-row bounds."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    from tools import benchlib as mb
+
+    c = case(new_seed(), 1, blocks=[7], seq_lens=[60])
+    t = build(c)
+    keys, order = sort_keys(context_keys(t["kv_seq"], t["kv_pos"]))
+    perm = torch.arange(t["kv_seq"].numel()) if order is None else order
+    for window, causal in ((5, True), (30, False), (None, True), (2, False)):
+        m = with_own_blocks(intervals(keys, t["q_seq"], t["q_anchor"], c["B"], window), t["q_anchor"] >= 0, 7,
+                            window=window, causal=causal)
+        vis = mb._mask_rows(m, torch.arange(7 * c["B"]), m.num_keys)
+        dense = dflash_attention_mask(t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"],
+                                      window=window, causal=causal)
+        tk, c0 = keys.numel(), own_key_start(keys.numel())
+        assert torch.equal(vis[:, :tk], dense[:, :tk][:, perm]) and not vis[:, tk:c0].any()
+        assert torch.equal(vis[:, c0:], dense[:, tk:])
