@@ -352,3 +352,72 @@ def test_metadata_from_plan_with_window(monkeypatch):
             assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), (backend, window)
             for n in x:
                 assert (xo[n].grad.double() - xr[n].grad).abs().max() <= 1e-5 * xr[n].grad.abs().max(), (backend, n)
+
+
+def test_with_attention_type_equals_prepare():
+    """One prepare per step, one derived metadata per layer type (`SplitKVMetadata.with_attention_type`, no
+    collective): field for field what a prepare with that window / causal returns, splitkv (also row chunks and
+    the host-built metadata from the plan) and allgather_kv; and the op through it equals the reference."""
+    import numpy as np
+
+    from megatron_splitkv.planning import plan_context_parallel
+    from test_metadata_from_plan import meta_diff
+
+    c = case(new_seed(), 1, blocks=[6])
+    t = build(c)
+    x, meta, _, _ = local(t, c, 0)
+    kw = dict(block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"], head_dim=c["D"], dtype=x["q"].dtype)
+    for impl, extra in (("splitkv", {}), ("splitkv", {"num_chunks": 3}), ("allgather_kv", {})):
+        full = msk.prepare_splitkv_metadata(*meta.values(), impl=impl, **kw, **extra)
+        for window, causal in ((3, True), (None, True), (7, False)):
+            derived = full.with_attention_type(window, causal)
+            want = msk.prepare_splitkv_metadata(*meta.values(), impl=impl, window=window, causal=causal, **kw, **extra)
+            assert meta_diff(derived, want) == [], (impl, window, causal)
+            assert full.window is None and not full.causal and meta_diff(full.with_attention_type(), full) == []
+            xo = {n: v.detach().clone().requires_grad_(True) for n, v in x.items()}
+            xr = {n: v.detach().clone().requires_grad_(True) for n, v in x.items()}
+            out = getattr(msk, f"{impl}_attention")(*xo.values(), metadata=derived, window=window, causal=causal)
+            ref, _ = msk.dflash_attention_reference(*xr.values(), *meta.values(), block_size=c["B"], window=window,
+                                                    causal=causal)
+            out.sum().backward()
+            ref.sum().backward()
+            assert torch.allclose(out, ref, atol=1e-10, rtol=0)
+            assert all(torch.allclose(xo[n].grad, xr[n].grad, atol=1e-10, rtol=0) for n in x)
+    ring = msk.prepare_splitkv_metadata(*meta.values(), impl="ring_kv", **kw)
+    with pytest.raises(ValueError, match="ring_kv metadata cannot be derived"):
+        ring.with_attention_type(4, True)
+    with pytest.raises(ValueError, match="window must be None or a positive int"):
+        full.with_attention_type(0)
+    # the data pipeline's host-built metadata (P = 3, every rank), derived before bind
+    rng = np.random.default_rng(1)
+    lens = [200, 90]
+    anchors = [np.sort(rng.choice(np.arange(1, n - 1), size=20, replace=False)) for n in lens]
+    plan = plan_context_parallel(lens, anchors, block_size=4, cp_size=3, chunk_size=16)
+    for r in range(3):
+        args = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, num_chunks=2)
+        derived = prepare_splitkv_metadata_from_plan(plan, r, **args).with_attention_type(9, True)
+        want = prepare_splitkv_metadata_from_plan(plan, r, window=9, causal=True, **args)
+        assert meta_diff(derived, want) == [], r
+
+
+def test_benchmark_reference_reads_row_bounds():
+    """tools/benchlib's float64 interval reference (what the GPU kernel tests compare against) sees exactly the
+    dense mask's keys under a windowed / causal mask's per-row bounds."""
+    import sys
+
+    sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__file__)))
+    from tools import benchlib as mb
+
+    c = case(new_seed(), 1, blocks=[7], seq_lens=[60])
+    t = build(c)
+    keys, order = sort_keys(context_keys(t["kv_seq"], t["kv_pos"]))
+    perm = torch.arange(t["kv_seq"].numel()) if order is None else order
+    for window, causal in ((5, True), (30, False), (None, True), (2, False)):
+        m = with_own_blocks(intervals(keys, t["q_seq"], t["q_anchor"], c["B"], window), t["q_anchor"] >= 0, 7,
+                            window=window, causal=causal)
+        vis = mb._mask_rows(m, torch.arange(7 * c["B"]), m.num_keys)
+        dense = dflash_attention_mask(t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"],
+                                      window=window, causal=causal)
+        tk, c0 = keys.numel(), own_key_start(keys.numel())
+        assert torch.equal(vis[:, :tk], dense[:, :tk][:, perm]) and not vis[:, tk:c0].any()
+        assert torch.equal(vis[:, c0:], dense[:, tk:])

@@ -817,11 +817,16 @@ def dflash_interval_mask(n_anchors: int, num_keys: int, *, block_size: int = 16,
 
 def _mask_rows(mask, rows: torch.Tensor, num_keys: int) -> torch.Tensor:
     """[len(rows), num_keys] bool visibility of query `rows` under an IntervalMask (its first interval
-    lo/hi and, when the mask has them, second intervals lo2/hi2)."""
+    lo/hi and, when the mask has them, second intervals lo2/hi2; a windowed / causal layer's per-row bounds
+    row_lo / row_lo2 / row_hi2 where the mask has them)."""
     blk = rows // mask.block_size
     j = torch.arange(num_keys, device=rows.device)
-    vis = (j[None] >= mask.lo[blk][:, None]) & (j[None] < mask.hi[blk][:, None])
+    row_lo = getattr(mask, "row_lo", None)
+    lo = mask.lo[blk] if row_lo is None else row_lo[rows]
+    vis = (j[None] >= lo[:, None]) & (j[None] < mask.hi[blk][:, None])
     lo2, hi2 = getattr(mask, "lo2", None), getattr(mask, "hi2", None)
+    if getattr(mask, "row_lo2", None) is not None:
+        lo2, hi2, blk = mask.row_lo2, mask.row_hi2, rows
     if lo2 is not None and hi2 is not None:
         vis |= (j[None] >= lo2[blk][:, None]) & (j[None] < hi2[blk][:, None])
     return vis

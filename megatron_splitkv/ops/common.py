@@ -390,8 +390,8 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     of `num_own_blocks` blocks (B each)] (what `with_own_keys` builds). Block first_block + i, for
     i < len(valid), sees own keys [C + (first_key_block + i) * B, + B) when valid[i] (bool); every other
     block gets an empty second interval. window / causal (the layer's attention type): per-row bounds of
-    the own block (`own_rows`); the per-row context bounds of `mask` are kept. With `debug` (`SplitKVConfig.debug_checks`), validated against the
-    union contract
+    the own block (`own_rows`); the per-row context bounds of `mask` are kept. With `debug`
+    (`SplitKVConfig.debug_checks`), validated against the union contract
     (one host sync: call at metadata time; ValueError when it is violated: a bug of the caller's layout);
     off (the default) the result is correct by construction for any first_block / valid in range.
     """

@@ -527,6 +527,41 @@ class SplitKVMetadata:
         new = {id(t): _unpacked(buf, o, t) for t, o in zip(tensors, offs)}
         return _remapped(self, new, host_build=_replace(rec, buffer=buf, layout=offs))
 
+    def with_attention_type(self, window=None, causal=False) -> "SplitKVMetadata":
+        """This step's metadata for another layer type (a model mixing `sliding_attention` and `full_attention`
+        drafter layers): a new `SplitKVMetadata` with the given window / causal and its masks rebuilt from the
+        sorted keys and block metadata this one holds, with no collective and no host sync; equal, field for
+        field, to what `prepare_splitkv_metadata(..., window=, causal=)` (or `prepare_splitkv_metadata_from_plan`)
+        returns. Self when the type is already this one. Impls "splitkv" and "allgather_kv" (bound or not; an
+        unbound one is re-packed by `bind`).
+
+        Raises:
+            ValueError: a bad window / causal (`reference.check_attention_type`); impl "ring_kv" (its per-step
+                masks need the other ranks' keys: prepare ring_kv metadata per layer type)."""
+        window, causal = check_attention_type(window, causal)
+        if (window, causal) == (self.window, self.causal):
+            return self
+        if self.impl == "ring_kv":
+            raise ValueError("SplitKVMetadata.with_attention_type: ring_kv metadata cannot be derived (its per-step "
+                             "masks need the other ranks' keys); call prepare_splitkv_metadata(..., impl='ring_kv', "
+                             "window=, causal=) per layer type")
+        new = self.__copy__()
+        new.window, new.causal = window, causal
+        for n in ("_flex_block_masks", "_math_groups"):
+            new.__dict__.pop(n, None)
+        if self.host_build is not None:  # a fresh pack on bind (the old buffer holds the old masks)
+            new.host_build = _replace(self.host_build, buffer=None, layout=None)
+        if self.impl == "splitkv":
+            whole = _splitkv_chunk_masks(new, self.keys, int(self.keys.shape[0]), copies=self.host_build is not None)
+            if whole is not None:
+                whole.validate()
+        else:
+            nb_local = self.n_blocks[self.group.rank]
+            new.mask = intervals(self.keys, self.q_seq, self.q_anchor, self.block_size, window)
+            new.mask_own = with_own_blocks(new.mask, self.valid, nb_local, debug=self.config.debug_checks,
+                                           window=window, causal=causal)
+        return new
+
     def bind(self, cp_group=None, device=None, non_blocking: bool = True) -> "SplitKVMetadata":
         """Attach the CP group to host-built metadata (`prepare_splitkv_metadata_from_plan`) and move it to
         the device: returns a new, bound `SplitKVMetadata` for the op calls' `metadata=` (this one stays

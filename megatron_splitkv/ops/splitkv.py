@@ -975,4 +975,5 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config, window=window, causal=causal)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config, window=window,
+                  causal=causal)
