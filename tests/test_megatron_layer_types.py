@@ -111,30 +111,24 @@ def test_data_pipeline_plans_with_the_windowed_cost():
 
 
 def test_host_metadata_with_layer_kinds():
-    """--dflash-host-metadata (one metadata per batch): on by default and built for the kind when every layer
-    has one kind; off by default, and `on` refused, when the layers mix kinds."""
+    """--dflash-host-metadata (built in the data workers) is built for the first layer's kind; on by default as
+    without layer kinds (the other kinds are derived in the step)."""
     from megatron_splitkv.megatron import splitkv_metadata_spec
     from test_megatron_block import _config
 
-    mixed = _parse(["--dflash-layer-types", "sliding_attention,full_attention", "--dflash-sliding-window", "8"],
-                   num_layers=2)
-    assert host_metadata_from_args(mixed, num_workers=1) is False
-    mixed.dflash_host_metadata = "on"
-    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata on builds one metadata per batch"):
-        validate_splitkv_args(mixed)
     cfg = _config(dict(SMALL, num_layers=2), 1, 1, 1)
-    with pytest.raises(SplitKVArgumentError, match="--dflash-host-metadata builds one metadata per batch"):
-        splitkv_metadata_spec(cfg, tp_size=1, cuda=False, layer_attention=layer_attention_from_args(mixed))
-    one = _parse(["--dflash-layer-types", "sliding_attention,sliding_attention", "--dflash-sliding-window", "8"],
-                 num_layers=2)
-    assert host_metadata_from_args(one, num_workers=1) is True
-    spec = splitkv_metadata_spec(cfg, tp_size=1, cuda=False, layer_attention=layer_attention_from_args(one))
-    assert (spec.window, spec.causal) == (8, True)
+    for types, want in (("sliding_attention,full_attention", (8, True)), ("full_attention,sliding_attention",
+                                                                          (None, False))):
+        a = _parse(["--dflash-layer-types", types, "--dflash-sliding-window", "8"], num_layers=2)
+        validate_splitkv_args(a)
+        assert host_metadata_from_args(a, num_workers=1) is True
+        spec = splitkv_metadata_spec(cfg, tp_size=1, cuda=False, layer_attention=layer_attention_from_args(a))
+        assert (spec.window, spec.causal) == want
 
 
 def test_worker_metadata_of_a_windowed_model_equals_prepare_from_plan():
     """The data pipeline's host-built metadata with a window (MetadataSpec.window / causal) is the from-plan
-    metadata of that kind; bound, a layer of that kind takes it and a layer of another kind refuses it."""
+    metadata of that kind; bound, a layer of that kind takes it and a layer of another kind derives its own."""
     from test_data_pipeline import MASK_ID, _source
 
     from megatron_splitkv.data.pipeline import MetadataSpec, plan_batch
@@ -160,8 +154,11 @@ def test_worker_metadata_of_a_windowed_model_equals_prepare_from_plan():
                                    metadata=item.metadata.bind(None, "cpu"))
     kw = dict(num_heads_q=2, num_heads_kv=1, head_dim=8, dtype=torch.float64, device="cpu")
     assert params.op_metadata("splitkv", window=5, causal=True, **kw) is params.metadata
-    with pytest.raises(ValueError, match=r"window 5 \(layer: None\)"):
-        params.op_metadata("splitkv", **kw)
+    full = params.op_metadata("splitkv", **kw)  # a full layer: derived from it (no collective), then cached
+    assert (full.window, full.causal) == (None, False) and full is not params.metadata
+    assert params.op_metadata("splitkv", **kw) is full
+    with pytest.raises(ValueError, match=r"head_dim 8 \(layer: 16\)"):  # the rest is still checked
+        params.op_metadata("splitkv", **dict(kw, head_dim=16))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -178,8 +178,9 @@ class MetadataSpec:
             the config's fields; config None: `SplitKVConfig()`); the metadata carries the config.
         flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
             then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
-        window, causal: the layers' attention kind (`prepare_splitkv_metadata`'s; one metadata per batch, so a
-            model whose layers are all of this kind; default: full, non-causal).
+        window, causal: the attention kind the metadata is built for (`prepare_splitkv_metadata`'s; default:
+            full, non-causal); a drafter layer of another kind derives its own from it in the step
+            (`SplitKVMetadata.with_attention_type`, no collective).
     The block size is `plan_batch`'s. Picklable (a DataLoader worker gets it with the dataset).
     """
 

@@ -385,12 +385,6 @@ def device_prefetch_from_args(args) -> bool:
     return value == "on"
 
 
-def _one_layer_kind(kinds) -> bool:
-    """Whether every layer of `kinds` (`layer_attention_from_args`) has the same kind: one metadata per batch
-    serves them all."""
-    return kinds is None or len(set(kinds)) == 1
-
-
 def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
     """Whether the data pipeline builds the Split-KV metadata (`--dflash-host-metadata`): unset/None = on when
     --context-parallel-impl is splitkv and the pipeline has workers (`num_workers`, default
@@ -398,20 +392,14 @@ def host_metadata_from_args(args, num_workers: Optional[int] = None) -> bool:
     "on" with another --context-parallel-impl (the baselines' metadata needs the other ranks' context)."""
     value = getattr(args, "dflash_host_metadata", None)
     impl = getattr(args, "context_parallel_impl", None)
-    one_kind = _one_layer_kind(layer_attention_from_args(args))  # one metadata per batch serves every layer
     if value is None:
         workers = data_workers_from_args(args) if num_workers is None else num_workers
-        return impl == "splitkv" and workers > 0 and one_kind
+        return impl == "splitkv" and workers > 0
     if value not in HOST_METADATA_CHOICES:
         raise SplitKVArgumentError(f"--dflash-host-metadata must be one of {HOST_METADATA_CHOICES}, got {value!r}")
     if value == "on" and impl != "splitkv":
         raise SplitKVArgumentError(f"--dflash-host-metadata on needs --context-parallel-impl splitkv (got {impl}): "
                                    "the baselines prepare their metadata in the step; use --dflash-host-metadata off")
-    if value == "on" and not one_kind:
-        raise SplitKVArgumentError("--dflash-host-metadata on builds one metadata per batch, for layers of one "
-                                   "attention kind; --dflash-layer-types / --dflash-sliding-window / --dflash-is-causal "
-                                   "give layers of several kinds (their metadata is prepared in the step, once "
-                                   "per distinct kind): use --dflash-host-metadata off")
     return value == "on"
 
 
@@ -450,11 +438,7 @@ def runtime_flag_values(args) -> dict:
         out["dflash_data_prefetch"] = 2
     host = getattr(args, "dflash_host_metadata", None)
     if host is None:
-        try:
-            one_kind = _one_layer_kind(layer_attention_from_args(args))
-        except SplitKVArgumentError:  # not validated here: validate_splitkv_args reports it
-            one_kind = True
-        if impl != "splitkv" or not one_kind:
+        if impl != "splitkv":
             out["dflash_host_metadata"] = "off"
         elif workers is None:
             out["dflash_host_metadata"] = "auto (-> on on CUDA, off on CPU)"

@@ -179,8 +179,9 @@ class DFlashPackedSeqParams(PackedSeqParams):
         kernel the calls pass (prepare's `backend`: only "auto" takes part in the group-wide check of what
         "auto" resolves to). `config`: the layer's `SplitKVConfig` (prepare's `config`; None: the defaults).
         `window`, `causal`: the layer's attention kind (prepare's; `layer_types`): part of the key, so a model
-        that mixes layer kinds prepares one metadata per distinct (window, causal) and step, each layer
-        taking its own.
+        that mixes layer kinds holds one metadata per distinct (window, causal) and step, each layer taking its
+        own; only the first kind is prepared (collective), the others are derived from it without a collective
+        (`SplitKVMetadata.with_attention_type`; ring-kv, whose masks need the other ranks' keys, prepares each).
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
@@ -188,25 +189,30 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
         With `self.metadata` (bound metadata built ahead): returns it, after `check_metadata` against this
         call (ValueError "DFlashPackedSeqParams.metadata ... : <field> ..." naming what differs; the same
-        on every rank, before any collective); nothing is prepared."""
+        on every rank, before any collective); nothing is prepared: a layer of another kind gets
+        `self.metadata.with_attention_type(window, causal)` (no collective)."""
         device = torch.device(device)
         config = resolve_config(config)
-        kind = (window, bool(causal))
-        key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
-               config.digest(), kind)
+        base = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
+                config.digest())
+        key = base + ((window, bool(causal)),)
         meta = self._op_metadata.get(key)
-        if meta is None and self.metadata is not None:
+        if meta is None and self.metadata is not None:  # built ahead for one kind: the others derived from it
             self.check_metadata(cp_impl, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                                dtype=dtype, device=device, cp_group=cp_group, config=config, window=window,
-                                causal=causal)
-            meta = self._op_metadata[key] = self.metadata
+                                dtype=dtype, device=device, cp_group=cp_group, config=config,
+                                window=self.metadata.window, causal=self.metadata.causal)
+            meta = self._op_metadata[key] = self.metadata.with_attention_type(window, causal)
         if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
-            meta = prepare_splitkv_metadata(
-                self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
-                num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
-                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
-                **kind_kwargs(window, causal),
-            )
+            sibling = next((m for k, m in self._op_metadata.items() if k[:-1] == base), None)
+            if sibling is not None and cp_impl != "ring-kv":  # another layer kind of this step: no collective
+                meta = sibling.with_attention_type(window, causal)
+            else:
+                meta = prepare_splitkv_metadata(
+                    self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
+                    num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
+                    dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
+                    **kind_kwargs(window, causal),
+                )
             self._op_metadata[key] = meta
         return meta
 

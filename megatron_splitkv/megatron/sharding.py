@@ -44,13 +44,13 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
         num_chunks, cp_ranks_per_node: as the core attention's prepare (None: splitkv_config's fields).
         splitkv_config: the core attention's `SplitKVConfig` (None: the defaults), carried by the metadata.
         layer_attention: the layers' (window, causal) (`arguments.layer_attention_from_args`; None: all full):
-            the metadata is built for their kind, which must be one for all layers (one metadata per batch).
-    Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP, or
-    naming --dflash-host-metadata when the layers mix kinds.
+            the metadata is built for the first layer's kind; layers of other kinds derive theirs from it in
+            the step without a collective (`DFlashPackedSeqParams.op_metadata`, `with_attention_type`).
+    Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
     """
     from megatron_splitkv.data.pipeline import MetadataSpec
 
-    from .arguments import SplitKVArgumentError, check_attention_heads
+    from .arguments import check_attention_heads
 
     tp = int(tp_size if tp_size is not None else getattr(config, "tensor_model_parallel_size", 1) or 1)
     heads = int(config.num_attention_heads)
@@ -58,11 +58,7 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
     check_attention_heads(heads, groups, tp)
     head_dim = int(config.kv_channels or config.hidden_size // heads)
     cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
-    kinds = sorted(set(layer_attention or ((None, False),)), key=str)
-    if len(kinds) != 1:
-        raise SplitKVArgumentError(f"--dflash-host-metadata builds one metadata per batch, but the layers mix the "
-                                   f"attention kinds (window, causal) {kinds}; use --dflash-host-metadata off")
-    (window, causal), = kinds
+    window, causal = tuple(layer_attention)[0] if layer_attention else (None, False)
     return MetadataSpec(window=window, causal=bool(causal), num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
                         dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
                         flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"),
