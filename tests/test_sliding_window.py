@@ -209,6 +209,27 @@ def _bad_window_worker(rank, world_size):
     return seen
 
 
+def _mixed_window_worker(rank, world_size):
+    """Metadata prepared with another window on rank 0 (group_check, the default): every rank's call raises the
+    same ValueError (the layer type is part of the metadata digest the call's verdict row compares)."""
+    c = case(12, world_size)
+    t = build(c)
+    x, meta, _, _ = local(t, c, rank)
+    window = 3 if rank == 0 else 4
+    md = msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                      head_dim=c["D"], dtype=x["q"].dtype, window=window, causal=True)
+    try:
+        msk.splitkv_attention(*x.values(), metadata=md, backend="math", window=window, causal=True)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"no ValueError on rank {rank} for metadata of different windows")
+
+
+def test_metadata_of_different_windows_raises_on_every_rank():
+    for msg in run_distributed(_mixed_window_worker, 2, timeout=300):
+        assert "metadata" in msg and "differ" in msg, msg
+
+
 def test_bad_window_raises_on_every_rank():
     results = run_distributed(_bad_window_worker, 2, timeout=300)
     for msgs in results:
