@@ -1461,8 +1461,8 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
-_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx and config digest: metadata of "
-                 "another step, micro-batch or CP group?)")
+_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx, config digest and layer type window / "
+                 "causal: metadata of another step, micro-batch, layer type or CP group?)")
 
 
 def metadata_digest(meta: SplitKVMetadata) -> int:
