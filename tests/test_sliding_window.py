@@ -334,6 +334,7 @@ def test_metadata_from_plan_with_window(monkeypatch):
 
     import numpy as np
 
+    from megatron_splitkv.ops import metadata as md
     from megatron_splitkv.planning import plan_context_parallel
     from test_metadata_from_plan import meta_diff
 
@@ -349,6 +350,9 @@ def test_metadata_from_plan_with_window(monkeypatch):
         kw = dict(block_size=bsz, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, num_chunks=k,
                   window=window, causal=causal)
         host = prepare_splitkv_metadata_from_plan(plan, 0, flex_block_masks=True, **kw)
+        # the data loader's packed form (one region + a recipe of plain values) carries the per-row bounds too
+        region, _ = md._pack(md._unique_tensors(host), pin=False)
+        assert meta_diff(md._from_recipe(region, md._pack_recipe(host)), host) == ["host_build"]
         bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
         ref_meta = msk.prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, **kw)
         assert meta_diff(bound, ref_meta) == [], (window, causal)

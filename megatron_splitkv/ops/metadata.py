@@ -1268,7 +1268,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     13)").
 
     Raises:
-        ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
+        ValueError, with the same message on every rank of the group: window not None or an int >= 1 or causal
+        not a bool on any rank ("window must be None or a positive int (the sliding window W >= 1), got 0"),
+        bad metadata tensors on any rank
         (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
         values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
         missing or an index beyond its GPUs),
