@@ -405,6 +405,13 @@ def test_with_attention_type_equals_prepare():
             ref.sum().backward()
             assert torch.allclose(out, ref, atol=1e-10, rtol=0)
             assert all(torch.allclose(xo[n].grad, xr[n].grad, atol=1e-10, rtol=0) for n in x)
+    # values a call cached on the metadata (its verdict row, with the digest) are not carried over
+    from megatron_splitkv.ops import metadata as md
+
+    full = msk.prepare_splitkv_metadata(*meta.values(), **kw)
+    md._metadata_row(full, 0, 1)
+    derived = full.with_attention_type(5, True)
+    assert md._metadata_row(derived, 0, 1)[-1] == md.metadata_digest(derived) != md.metadata_digest(full)
     ring = msk.prepare_splitkv_metadata(*meta.values(), impl="ring_kv", **kw)
     with pytest.raises(ValueError, match="ring_kv metadata cannot be derived"):
         ring.with_attention_type(4, True)
