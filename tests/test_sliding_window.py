@@ -209,6 +209,27 @@ def _bad_window_worker(rank, world_size):
     return seen
 
 
+def _mixed_window_worker(rank, world_size):
+    """Metadata prepared with another window on rank 0 (group_check, the default): every rank's call raises the
+    same ValueError (the layer type is part of the metadata digest the call's verdict row compares)."""
+    c = case(12, world_size)
+    t = build(c)
+    x, meta, _, _ = local(t, c, rank)
+    window = 3 if rank == 0 else 4
+    md = msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                      head_dim=c["D"], dtype=x["q"].dtype, window=window, causal=True)
+    try:
+        msk.splitkv_attention(*x.values(), metadata=md, backend="math", window=window, causal=True)
+    except ValueError as exc:
+        return str(exc)
+    raise AssertionError(f"no ValueError on rank {rank} for metadata of different windows")
+
+
+def test_metadata_of_different_windows_raises_on_every_rank():
+    for msg in run_distributed(_mixed_window_worker, 2, timeout=300):
+        assert "layer type window / causal" in msg and "CP rank 1 differs from rank 0" in msg, msg
+
+
 def test_bad_window_raises_on_every_rank():
     results = run_distributed(_bad_window_worker, 2, timeout=300)
     for msgs in results:
@@ -313,6 +334,7 @@ def test_metadata_from_plan_with_window(monkeypatch):
 
     import numpy as np
 
+    from megatron_splitkv.ops import metadata as md
     from megatron_splitkv.planning import plan_context_parallel
     from test_metadata_from_plan import meta_diff
 
@@ -328,6 +350,9 @@ def test_metadata_from_plan_with_window(monkeypatch):
         kw = dict(block_size=bsz, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32, num_chunks=k,
                   window=window, causal=causal)
         host = prepare_splitkv_metadata_from_plan(plan, 0, flex_block_masks=True, **kw)
+        # the data loader's packed form (one region + a recipe of plain values) carries the per-row bounds too
+        region, _ = md._pack(md._unique_tensors(host), pin=False)
+        assert meta_diff(md._from_recipe(region, md._pack_recipe(host)), host) == ["host_build"]
         bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
         ref_meta = msk.prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, **kw)
         assert meta_diff(bound, ref_meta) == [], (window, causal)
@@ -380,6 +405,13 @@ def test_with_attention_type_equals_prepare():
             ref.sum().backward()
             assert torch.allclose(out, ref, atol=1e-10, rtol=0)
             assert all(torch.allclose(xo[n].grad, xr[n].grad, atol=1e-10, rtol=0) for n in x)
+    # values a call cached on the metadata (its verdict row, with the digest) are not carried over
+    from megatron_splitkv.ops import metadata as md
+
+    full = msk.prepare_splitkv_metadata(*meta.values(), **kw)
+    md._metadata_row(full, 0, 1)
+    derived = full.with_attention_type(5, True)
+    assert md._metadata_row(derived, 0, 1)[-1] == md.metadata_digest(derived) != md.metadata_digest(full)
     ring = msk.prepare_splitkv_metadata(*meta.values(), impl="ring_kv", **kw)
     with pytest.raises(ValueError, match="ring_kv metadata cannot be derived"):
         ring.with_attention_type(4, True)
