@@ -283,8 +283,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
 
     from megatron_splitkv.dflash import target_layer_ids
     from megatron_splitkv.megatron import create_cp_check_groups
-    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, overlap_query_gather_from_args,
-                                                     splitkv_config_from_args)
+    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, layer_attention_from_args,
+                                                     overlap_query_gather_from_args, splitkv_config_from_args)
     from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
 
     args = get_args()
@@ -327,7 +327,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
         kernel_backend=kernel_backend_from_args(args), overlap_query_gather=overlap_query_gather_from_args(args),
-        splitkv_config=splitkv_config_from_args(args),
+        splitkv_config=splitkv_config_from_args(args), layer_attention=layer_attention_from_args(args),
     )
 
 
@@ -368,6 +368,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         device_prefetch_from_args,
         host_metadata_from_args,
         kernel_backend_from_args,
+        layer_attention_from_args,
         splitkv_config_from_args,
     )
 
@@ -380,7 +381,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         # the core attention's shapes: heads split over TP as Megatron's Attention splits them
         spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
                                      kernel_backend=kernel_backend_from_args(args),
-                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args))
+                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args),
+                                     layer_attention=layer_attention_from_args(args))
         # before any metadata is built (here or in the workers): the build reads the Split-KV environment per
         # process, so a variable malformed on one rank raised there alone while the others waited in the
         # agreement's all-gather of the first micro-batch (hang); the same ValueError on every rank instead

@@ -23,6 +23,7 @@ from tools import benchlib as mb
 from megatron_splitkv import kernels
 from megatron_splitkv.kernels import fa4
 from megatron_splitkv.kernels.base import IntervalMask
+from megatron_splitkv.ops.common import context_keys, intervals, with_own_blocks
 
 _BST = collections.namedtuple("_BST", "cnt idx full_cnt full_idx block_size")
 
@@ -277,7 +278,18 @@ def _mask(gen, n_blocks, B, tk, union, p_empty=0.2, dflash=False):
 
 def _to(m, dev):
     kw = dict(lo2=m.lo2.to(dev), hi2=m.hi2.to(dev), num_ctx_keys=m.num_ctx_keys) if m.has_union else {}
+    kw.update({n: getattr(m, n).to(dev) for n in ("row_lo", "row_lo2", "row_hi2") if getattr(m, n) is not None})
     return IntervalMask(m.block_size, m.lo.to(dev), m.hi.to(dev), m.num_keys, **kw)
+
+
+def _windowed(gen, n_blocks, B, tk, window, causal):
+    """A DFlash mask of one sequence of tk keys (sorted positions 0..tk-1) with a sliding window / causal own
+    blocks, built by the ops' own functions (`ops.common.intervals`, `with_own_blocks`: per-row bounds)."""
+    anchor = torch.randint(0, tk + 1, (n_blocks,), generator=gen)
+    anchor[0] = -1  # a block that sees nothing
+    keys = context_keys(torch.zeros(tk, dtype=torch.long), torch.arange(tk))
+    m = intervals(keys, torch.zeros(n_blocks, dtype=torch.long), anchor, B, window)
+    return with_own_blocks(m, anchor >= 0, n_blocks, window=window, causal=causal)
 
 
 def _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype):
@@ -317,6 +329,25 @@ def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype,
     dead = ~torch.isfinite(ref["lse"])
     assert dead.any()  # the case has rows that see nothing: out 0, lse -inf, dq 0 there
     assert (out[dead] == 0).all() and torch.isneginf(lse[dead]).all() and (dq[dead] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("window,causal", [(64, True), (300, False), (None, True), (2048, True)])
+def test_gpu_sliding_window_vs_float64(window, causal):
+    """Per-row bounds (sliding-window / causal drafter layers) through FA4's aux rows and block tables, bf16,
+    against the float64 interval reference (which reads the same per-row bounds)."""
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    mask = _to(_windowed(gen, 40, 16, 3000, window, causal), "cuda")
+    Tq, Tk, Hq, Hkv, D = mask.num_blocks * 16, mask.num_keys, 32, 8, 128
+    q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel()
+    scale = D ** -0.5
+    out, lse, st = kern.forward(q, k, v, mask, scale)
+    dq, dk, dv = kern.backward(q, k, v, mask, scale, do, lse, (do.float() * out).sum(-1), st)
+    err = mb.kernel_errors(out, lse, (dq, dk, dv), mb.interval_attention_reference(q, k, v, mask, scale, do))
+    assert err["nonfinite"] == 0 and all(err[n] < TOL[torch.bfloat16] for n in ("lse", "out", "dq", "dk", "dv")), \
+        (seed, window, causal, err)
 
 
 @gpu

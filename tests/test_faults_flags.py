@@ -57,6 +57,10 @@ CASES = [
     ("pretrain_dflash", ["--target-load", "/nonexistent"], "--target-load: no such file or directory"),
     ("pretrain_dflash", ["--target-kv-channels", "0"], "--target-kv-channels: must be a positive int"),
     ("pretrain_dflash", ["--data-seed", "-1"], "--data-seed: must be an int >= 0"),
+    ("pretrain_dflash", ["--dflash-sliding-window", "0"], "--dflash-sliding-window: must be a positive int"),
+    ("pretrain_dflash", ["--dflash-layer-types", "full_attention,swa"],
+     "--dflash-layer-types: must be a comma-separated list of full_attention / sliding_attention"),
+    ("pretrain_dflash", ["--dflash-is-causal", "1"], "--dflash-is-causal: invalid choice"),
     ("pretrain_dflash", ["--target-seed", "+3"], "--target-seed: must be an int >= 0"),
     ("examples/op_demo.py", ["--cp", "0"], "--cp: must be a positive int"),
     ("examples/op_demo.py", ["--ctx", "1"], "--ctx: must be an int >= 2"),
@@ -131,6 +135,12 @@ def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
         main(PRETRAIN_BASE + ["--vocab-size", "1000", "--mask-token-id", "2000"])
     with pytest.raises(SplitKVArgumentError, match="--target-num-layers 2 must be >= 4 for a drafter of --num-layers 2"):
         main(PRETRAIN_BASE[:2] + ["2"] + PRETRAIN_BASE[3:] + ["--target-num-layers", "2"])
+    with pytest.raises(SplitKVArgumentError, match="--dflash-layer-types must name one type per drafter layer: "
+                                                   "--num-layers is 1, got 2"):
+        main(PRETRAIN_BASE + ["--dflash-layer-types", "sliding_attention,full_attention",
+                              "--dflash-sliding-window", "64"])
+    with pytest.raises(SplitKVArgumentError, match="--dflash-sliding-window .the window W, an int >= 1. is required"):
+        main(PRETRAIN_BASE + ["--dflash-layer-types", "sliding_attention"])
     # inside the padded vocabulary (Qwen3's MASK id 151669 in the padding rows of --vocab-size 151669) is fine
     main(PRETRAIN_BASE + ["--vocab-size", "151669", "--mask-token-id", "151669"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("pretrain_dflash.py --parse-only: OK")

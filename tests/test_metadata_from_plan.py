@@ -100,7 +100,8 @@ def _mask_diff(a, b):
         return a is not b
     if (a.block_size, a.num_keys, a.num_ctx_keys) != (b.block_size, b.num_keys, b.num_ctx_keys):
         return True
-    return any(_tensor_diff(getattr(a, n), getattr(b, n)) for n in ("lo", "hi", "lo2", "hi2"))
+    return any(_tensor_diff(getattr(a, n), getattr(b, n))
+               for n in ("lo", "hi", "lo2", "hi2", "row_lo", "row_lo2", "row_hi2"))
 
 
 def _group_diff(a, b):

@@ -38,6 +38,14 @@ per k, results cross-checked against the first k, timed round-robin (`bench.time
 ops/splitkv.py item 3 "Head chunks"; the kernel column then times the head chunks as the op runs them), and
 `--chunk-axis-ab rows,heads` runs every --chunks-ab count with each axis side by side.
 
+Sliding-window layers (issue 23): `--window W` (and `--causal`) runs every --contexts row as a `sliding_attention`
+drafter layer (z-lab's dflash semantics: row j of a block at anchor a sees context positions > a + j - W and, with
+--causal, its own block's keys <= j): prepare and every call get window= / causal=, the kernel column times the
+op's own windowed masks, the useful pairs (TF/s) count the windowed pairs (`benchlib.context_pairs`); the
+bytes do not change (every collective of the three ops is independent of the mask). Rows carry "window" and
+"causal" and are labelled "W=..." in the table. Not with --packs / --chunks-ab. One GPU, W in {512, 2048, 4096}:
+  python tools/bench_attention.py --cp 1 --contexts 65536,131072 --window 2048 --causal --tag w2048
+
 Budget helpers: `--row-target-s` sizes each row's repeats to about that many seconds (>= 3), `--sdpa-max-lk`
 caps the dense reference's size (its rate is flat in Lk), `--cp1-methods` / `--alt-placement-methods`
 drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv's compute ignores the
@@ -158,10 +166,12 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
                                         mask=args.loss_mask)
     plan = bench.place(lens, anchors, cp_size=cp, strategy=placement if cp > 1 else "lpt", block_size=B)
     x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
-    total_pairs = float(B * sum(int(a.sum()) for a in anchors))
+    total_pairs = bench.context_pairs(anchors, B, args.window)
+    layer = layer_type(args)
     row = dict(method=method, cp=cp, placement=placement if cp > 1 else "-", context=ctx, loss_mask=args.loss_mask,
                Lq=args.anchors * B, link=("socket" if args.slow_path else ("nvlink" if dev.type == "cuda" else "gloo"))
-               if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs)
+               if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs,
+               window=args.window, causal=bool(args.causal))
 
     row["est_mem_gib"] = estimate_mem_gib(method, cp, plan, Hq=Hq, Hkv=Hkv, D=D, B=B)
     if dev.type == "cuda":
@@ -178,6 +188,9 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
         chunk_opt["chunk_axis"] = args.chunk_axis
     prep_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "prepare")}
     call_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "call")} if args.no_metadata else None
+    if layer:  # the layer type: at prepare and, as the op requires it equal there, at every call
+        prep_opt.update(layer)
+        call_opt = {**(call_opt or {}), **layer}
     meta, prep_ms = None, 0.0
     if not args.no_metadata:
         def prep():
@@ -220,7 +233,7 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     row.update(reps=reps, kernel_reps=kreps)
     med, mn, _ = bench.time_fn(step, dev, reps=reps, warmup=1, group=group)
     # local kernel alone on this rank's calls (the op's chunks and fused own block, as the tree has them)
-    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used, chunk_axis=axis, num_heads_kv=Hkv)
+    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used, chunk_axis=axis, num_heads_kv=Hkv, **layer)
     kt = bench.time_kernel_calls(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, backend=args.backend,
                                  reps=kreps, warmup=1, fresh_mask=meta is None)
     my_pairs = kt["pairs"]
@@ -267,8 +280,19 @@ def _label(r):
     head chunks."""
     k = r.get("num_chunks", 1) or 1
     if r["method"] != "splitkv" or k == 1:
-        return r["method"]
-    return f"splitkv k={k}" + (" heads" if r.get("chunk_axis") == "heads" else "")
+        return r["method"] + _layer_label(r)
+    return f"splitkv k={k}" + (" heads" if r.get("chunk_axis") == "heads" else "") + _layer_label(r)
+
+
+def _layer_label(r) -> str:
+    """" W=2048 causal" for a row of a sliding-window / causal layer (--window / --causal), else ""."""
+    return (f" W={r['window']}" if r.get("window") else "") + (" causal" if r.get("causal") else "")
+
+
+def layer_type(args) -> dict:
+    """The op's layer-type keywords of --window / --causal (window=, causal=), only those set: {} for the full
+    DFlash mask (the calls then look as they did before the option)."""
+    return {**({"window": args.window} if args.window is not None else {}), **({"causal": True} if args.causal else {})}
 
 
 def _chunk_axis(requested):
@@ -768,6 +792,8 @@ def check_args(ap, args):
         ap.error(f"--sdpa-max-lk must be >= 0, got {args.sdpa_max_lk}")
     if args.num_chunks is not None and args.num_chunks < 1:
         ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
+    if (args.window is not None or args.causal) and (args.packs or args.chunks_ab):
+        ap.error("--window / --causal apply to the --contexts rows only, not to --packs or --chunks-ab")
     args._ab = bench.int_list_arg(ap, "--chunks-ab", args.chunks_ab, 1) if args.chunks_ab else []
     args._ab_axes = (bench.choices_arg(ap, "--chunk-axis-ab", args.chunk_axis_ab, ("rows", "heads"), "chunk axis")
                      if args.chunk_axis_ab else [args.chunk_axis])
@@ -827,6 +853,10 @@ def main(argv=None):
     ap.add_argument("--num-chunks", type=int_arg(1), default=None,
                     help="splitkv: chunk count of the merge pipeline (prepare_splitkv_metadata(num_chunks=)); "
                          "default: the op's own default")
+    ap.add_argument("--window", type=int_arg(1), default=None,
+                    help="sliding window W of the drafter layer (every --contexts row runs windowed; default: none)")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal own block (dflash's sliding_attention layers are causal; default: bidirectional)")
     ap.add_argument("--chunk-axis", default=None, choices=("rows", "heads"),
                     help="splitkv: what the chunks split (prepare_splitkv_metadata(chunk_axis=)): rows (query blocks) "
                          "or heads (all rows, Hq / k and Hkv / k heads per chunk); default: the op's own "

@@ -47,7 +47,7 @@ import importlib.util
 import torch
 
 from .base import IntervalMask, mask_cache, check_call, check_cuda_head_dim, half_precision_cuda_index
-from .flex import TILE, _block_tables, _rows_table
+from .flex import TILE, _block_tables, _rows_table, rows_per_block
 
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
@@ -223,7 +223,8 @@ class _Tables:
             rows, tables = _fit_prebuilt(prebuilt, nq, nk, tile)
         else:
             rows = _rows_table(mask, nq * tile)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
-            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=mask.block_size, q_tables=True)
+            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=rows_per_block(mask),
+                                   q_tables=True)
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
         self.aux = [rows[i] for i in range(rows.shape[0])]
         self.union = mask.has_union
@@ -276,6 +277,8 @@ class FA4AttentionKernel:
     """
 
     name = "fa4"
+    #: reads the masks' per-row bounds (`IntervalMask.has_rows`: windowed / causal layers) through its row table
+    row_intervals = True
     native_dtype_results = True
     #: False: head slices are copied contiguous (`_b`); reading them in place through FA4's strides was not
     #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU

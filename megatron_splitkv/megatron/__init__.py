@@ -23,6 +23,7 @@ from .arguments import (
     SplitKVArgumentError,
     add_splitkv_args,
     check_attention_heads,
+    layer_attention_from_args,
     validate_splitkv_args,
 )
 from .attention import DFlashPackedSeqParams, SplitKVCoreAttention, resolve_cp_attention_fn
@@ -47,6 +48,7 @@ __all__ = [
     "SplitKVArgumentError",
     "add_splitkv_args",
     "check_attention_heads",
+    "layer_attention_from_args",
     "validate_splitkv_args",
     "DFlashPackedSeqParams",
     "SplitKVCoreAttention",

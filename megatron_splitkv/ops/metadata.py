@@ -79,10 +79,13 @@ from .common import (
     context_keys,
     intervals,
     own_key_start,
+    own_rows,
     pad_rows,
     sort_keys,
+    window_rows,
     with_own_blocks,
 )
+from ..reference import check_attention_type
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "check_query_gather_start", "resolve_ranks_per_node", "prepare_splitkv_metadata_from_plan",
@@ -430,6 +433,11 @@ class SplitKVMetadata:
             over it as a CPU tensor (no device tensor, no CUDA stream, no device sync).
         config: the `SplitKVConfig` of the calls (with the keyword arguments of the prepare applied): the
             kernels' options and the "auto" rule's inputs come from it.
+        window, causal: the layer type the masks are built for (`reference.check_attention_type`: None /
+            False = the full DFlash mask; a sliding window W and / or causal own blocks): every mask then
+            carries per-row bounds (`IntervalMask.has_rows`). A model mixing layer types prepares one
+            metadata per distinct (window, causal) per step (`with_attention_type` derives one from another
+            without a collective).
 
     The FlexAttention kernel caches its `BlockMask` on the masks (attribute
     `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
@@ -474,6 +482,8 @@ class SplitKVMetadata:
     group_check: bool = False
     check_group: CommGroup = None
     config: SplitKVConfig = field(default_factory=SplitKVConfig, repr=False)
+    window: int = None
+    causal: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
     #: `prepare_splitkv_metadata_from_plan` only: the host-side build record (`_HostBuild`: CP size and
     #: rank of the plan, packed pinned buffer) until `bind` attaches the CP
@@ -517,6 +527,41 @@ class SplitKVMetadata:
         buf, offs = _pack(tensors, pin=True)
         new = {id(t): _unpacked(buf, o, t) for t, o in zip(tensors, offs)}
         return _remapped(self, new, host_build=_replace(rec, buffer=buf, layout=offs))
+
+    def with_attention_type(self, window=None, causal=False) -> "SplitKVMetadata":
+        """This step's metadata for another layer type (a model mixing `sliding_attention` and `full_attention`
+        drafter layers): a new `SplitKVMetadata` with the given window / causal and its masks rebuilt from the
+        sorted keys and block metadata this one holds, with no collective and no host sync; equal, field for
+        field, to what `prepare_splitkv_metadata(..., window=, causal=)` (or `prepare_splitkv_metadata_from_plan`)
+        returns. Self when the type is already this one. Impls "splitkv" and "allgather_kv" (bound or not; an
+        unbound one is re-packed by `bind`).
+
+        Raises:
+            ValueError: a bad window / causal (`reference.check_attention_type`); impl "ring_kv" (its per-step
+                masks need the other ranks' keys: prepare ring_kv metadata per layer type)."""
+        window, causal = check_attention_type(window, causal)
+        if (window, causal) == (self.window, self.causal):
+            return self
+        if self.impl == "ring_kv":
+            raise ValueError("SplitKVMetadata.with_attention_type: ring_kv metadata cannot be derived (its per-step "
+                             "masks need the other ranks' keys); call prepare_splitkv_metadata(..., impl='ring_kv', "
+                             "window=, causal=) per layer type")
+        new = self.__copy__()
+        new.window, new.causal = window, causal
+        for n in [n for n in new.__dict__ if n.startswith("_")]:  # values cached from this one (verdict row, ...)
+            del new.__dict__[n]
+        if self.host_build is not None:  # a fresh pack on bind (the old buffer holds the old masks)
+            new.host_build = _replace(self.host_build, buffer=None, layout=None)
+        if self.impl == "splitkv":
+            whole = _splitkv_chunk_masks(new, self.keys, int(self.keys.shape[0]), copies=self.host_build is not None)
+            if whole is not None:
+                whole.validate()
+        else:
+            nb_local = self.n_blocks[self.group.rank]
+            new.mask = intervals(self.keys, self.q_seq, self.q_anchor, self.block_size, window)
+            new.mask_own = with_own_blocks(new.mask, self.valid, nb_local, debug=self.config.debug_checks,
+                                           window=window, causal=causal)
+        return new
 
     def bind(self, cp_group=None, device=None, non_blocking: bool = True, check_group=None) -> "SplitKVMetadata":
         """Attach the CP group to host-built metadata (`prepare_splitkv_metadata_from_plan`) and move it to
@@ -1002,12 +1047,14 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
         real = torch.cat([torch.arange(n, device=dev) + r * tk_max for r, n in enumerate(meta.n_ctx)])
         meta.keys, order = sort_keys(keys_all[real])
         meta.gather_index = real if order is None else real[order]
-        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz, meta.window)
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks,
+                                        window=meta.window, causal=meta.causal)
     else:  # ring_kv
         meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
-        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)  # step 0: the own shard
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz, meta.window)  # step 0: the own shard
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks,
+                                        window=meta.window, causal=meta.causal)
         if gather_ctx:
             tk_max = max(meta.n_ctx)
             keys_all = all_gather(pad_rows(meta.keys, tk_max), g, "ring_kv.ctx_meta")
@@ -1015,7 +1062,7 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
             for step in range(1, g.size):
                 src = (g.rank - step) % g.size
                 keys = keys_all[src * tk_max: src * tk_max + meta.n_ctx[src]]
-                masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz))
+                masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz, meta.window))
             meta.step_masks = masks
     return meta
 
@@ -1105,19 +1152,38 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
         torch.mul(edges.unfold(0, nb_local, 1), meta.valid, out=own)  # valid * i B ; valid * (i + 1) B
         own.add_(c0)
     num_keys_own = c0 + nb_local * bsz
+    # windowed / causal layers: per-row bounds [3, P * nb_max, B] (row_lo, row_lo2, row_hi2; rows of absent
+    # kinds stay unused), the block lo the union of its rows (`ops.common.window_rows`, `own_rows`)
+    win, causal = getattr(meta, "window", None), getattr(meta, "causal", False)
+    rows_t = None
+    if win is not None or causal:
+        rows_t = torch.empty(3, P * nb_max, bsz, dtype=torch.int64, device=dev)
+        if win is not None:
+            rows_t[0] = window_rows(sorted_keys, base, anchor, table[0], table[1], bsz, win)
+            table[0].copy_(rows_t[0, :, 0])
+        own_lo, own_hi = own_rows(table[2], table[3], bsz, win, causal)
+        rows_t[1], rows_t[2] = own_lo.view(-1, bsz), own_hi.view(-1, bsz)
     meta.chunk_masks, meta.chunk_masks_own = [], []
     by_rank = table.view(4, P, nb_max)
     for b0, b1 in meta.chunks[:1] if heads else meta.chunks:
         cols = by_rank[:, :, b0:b1].reshape(4, -1)
         lo, hi, lo2, hi2 = cols.clone() if copies else cols
-        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
-        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
+        row_lo = row_lo2 = row_hi2 = None
+        if rows_t is not None:
+            rcols = rows_t.view(3, P, nb_max, bsz)[:, :, b0:b1].reshape(3, -1)
+            rcols = rcols.clone() if copies else rcols
+            row_lo = rcols[0] if win is not None else None
+            row_lo2, row_hi2 = rcols[1], rcols[2]
+        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys, row_lo=row_lo))
+        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0,
+                                                 row_lo=row_lo, row_lo2=row_lo2, row_hi2=row_hi2))
     if heads:  # the one-call masks, the SAME objects for every head chunk (a kernel's cached tables built once)
         meta.chunk_masks *= meta.num_chunks
         meta.chunk_masks_own *= meta.num_chunks
     if not meta.config.debug_checks:
         return None
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
+
 
 
 def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
@@ -1144,8 +1210,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=True, num_chunks=None, cp_ranks_per_node=None,
                              chunk_axis=None, head_split=None,
-                             backend="auto", config: SplitKVConfig | None = None,
-                             check_group=None) -> SplitKVMetadata:
+                             backend="auto", config: SplitKVConfig | None = None, window=None,
+                             causal=False, check_group=None) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1213,6 +1279,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             kernel takes no part in that check. The metadata does not depend on it.
         config: `SplitKVConfig` (None: `SplitKVConfig()`): the options of the op and its kernels; the keyword
             arguments above override its fields. The metadata carries the result (`SplitKVMetadata.config`).
+        window, causal: the layer type of the calls (`reference.dflash_attention_mask`; z-lab's dflash
+            semantics): None / False = the full DFlash mask; window W >= 1: row j of block b sees context
+            positions > anchor + j - W only, and own-block keys i with j - i < W (and i - j < W unless
+            causal); causal: own-block keys i <= j only. The masks carry per-row bounds then. Must be the
+            same on every rank (ValueError naming window on every rank for a bad value; compared across
+            ranks by `group_check` calls through the metadata digest).
         check_group: None, or a gloo ProcessGroup with the CP group's ranks in its order (e.g.
             `torch.distributed.new_group(cp_ranks, backend="gloo")`, created on every rank):
             this prepare's first exchange ("<impl>.meta") and every verdict row of the calls with this
@@ -1237,7 +1309,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     13)").
 
     Raises:
-        ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
+        ValueError, with the same message on every rank of the group: window not None or an int >= 1 or causal
+        not a bool on any rank ("window must be None or a positive int (the sliding window W >= 1), got 0"),
+        bad metadata tensors on any rank
         (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
         values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
         missing or an index beyond its GPUs),
@@ -1271,6 +1345,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
         block_size = check_block_size(block_size)
+        window, causal = check_attention_type(window, causal)
         num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         if _comm_device(group, device).type != device.type:
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
@@ -1312,7 +1387,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         valid=ints[4], group_check=bool(group_check), check_group=check,
         sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg,
+        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg, window=window, causal=causal,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1326,16 +1401,25 @@ def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_n
 # ----------------------------------------------------------------------------- per call
 
 
-def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None):
+def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None,
+                    window=None, causal=False):
     """The local kernel for this call, its dtype and head dim checked (`check_dtype`, when the kernel has
     one: the same rule as the kernel's forward / backward, so a refusal happens here, on every rank).
     keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
     (`kernels.auto_keys_per_call` of the agreed size table; None: "auto" = flex / math as before).
 
+    window / causal: the layer type; a windowed or causal layer needs a kernel with per-row bounds
+    (`row_intervals`: math, flex, fa4): "auto" picks among those, an explicit other backend raises.
+
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
-            this dtype / head dim on this device."""
-    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
+            this dtype / head dim on this device, or (window / causal) per-row bounds."""
+    rows = window is not None or causal
+    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config,
+                        row_intervals=rows)
+    if rows and not getattr(kernel, "row_intervals", False):
+        raise ValueError(f"{name}: backend {backend!r} does not support sliding-window / causal layers "
+                         f"(window={window!r}, causal={causal!r}); use 'auto', 'math', 'flex' or 'fa4'")
     warn_ignored_options(kernel, backend, device, dtype, head_dim, config)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
@@ -1352,14 +1436,15 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
     if keys is None:
         keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
-    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys, config=meta.config)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys, config=meta.config,
+                             window=getattr(meta, "window", None), causal=getattr(meta, "causal", False))
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
                           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
-                          check_group=None) -> Plan:
+                          window=None, causal=False, check_group=None) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
     count and cp_ranks_per_node; over `check_group` on the CPU when given, `resolve_check_group`), raise the
@@ -1374,6 +1459,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
     try:
         cfg = resolve_config(config)
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
+        window, causal = check_attention_type(window, causal)
         check_scale_backend(softmax_scale, backend)
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
         if group.size == 1 and name == "splitkv":
@@ -1390,7 +1476,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                _auto_entry(backend, q.device, q.dtype, d, cfg)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
-        _resolve_kernel(name, backend, q.device, q.dtype, d, config=cfg)
+        _resolve_kernel(name, backend, q.device, q.dtype, d, config=cfg, window=window, causal=causal)
     except ImportError as exc:  # kept an ImportError on every rank (`_raise_if_any`)
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1413,7 +1499,8 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg,
+        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg, window=window,
+        causal=causal,
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
@@ -1428,8 +1515,8 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
-_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx and config digest: metadata of "
-                 "another step, micro-batch or CP group?)")
+_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx, config digest and layer type window / "
+                 "causal: metadata of another step, micro-batch, layer type or CP group?)")
 
 
 def metadata_digest(meta: SplitKVMetadata) -> int:
@@ -1438,10 +1525,12 @@ def metadata_digest(meta: SplitKVMetadata) -> int:
     of a group whose ranks hold metadata of the same prepare; compared by `check_call` so that metadata of
     a different step on one rank raises on every rank instead of mismatching the collectives' sizes. Metadata
     that carries a configuration object (a `config` attribute with `digest()`, e.g. `SplitKVConfig`) adds its
-    digest: the one place where the call's agreement takes in the configuration as data."""
+    digest: the one place where the call's agreement takes in the configuration as data. A windowed or causal
+    layer type (`SplitKVMetadata.window` / `causal`) is part of it too."""
     config = getattr(meta, "config", None)
+    kind = (getattr(meta, "window", None), getattr(meta, "causal", False))
     text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx),
-                 None if config is None else config.digest()))
+                 None if config is None else config.digest()) + ((kind,) if kind != (None, False) else ()))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
@@ -1464,7 +1553,8 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-                      cp_ranks_per_node=None, chunk_axis=None, config=None, check_group=None):
+                      cp_ranks_per_node=None, chunk_axis=None, config=None, window=None, causal=False,
+                      check_group=None):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -1491,6 +1581,11 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
     if check_group is not None and check_group is not getattr(meta.check_group, "pg", None):
         raise ValueError("check_group differs from the metadata's (given to prepare_splitkv_metadata / bind; "
                          "pass None)")
+    kind = check_attention_type(window, causal)
+    if kind != (getattr(meta, "window", None), getattr(meta, "causal", False)):
+        raise ValueError(f"window={kind[0]!r}, causal={kind[1]!r} differ from the metadata's window="
+                         f"{getattr(meta, 'window', None)!r}, causal={getattr(meta, 'causal', False)!r} (the mask "
+                         "is fixed at prepare time: prepare one metadata per layer type)")
     # num_chunks: a positive int (bool, float, 0, ... raise) that resolves, i.e. clamps, to the metadata's
     # chunk count: the metadata's num_chunks or the value given to prepare_splitkv_metadata
     # (the limit: the largest block count, or Hkv for head chunks)
@@ -1552,8 +1647,8 @@ def _check_tensor_against(meta, n, t, shape):
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
-               check_group=None) -> Plan:
+               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, window=None,
+               causal=False, check_group=None) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata, then (group_check, the default, at P > 1) the verdict row's all-gather,
     before any data collective of the call.
@@ -1582,7 +1677,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
-                          cp_ranks_per_node, chunk_axis, config, check_group)
+                          cp_ranks_per_node, chunk_axis, config, window, causal, check_group)
         if grouped:  # the call's kernel: a backend missing on some ranks raises (ImportError) on every rank too
             plan = _call_plan(meta, name, softmax_scale, backend)
     except ImportError as exc:
@@ -1667,10 +1762,12 @@ def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None, check_
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
            cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
-           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, check_group=None):
+           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, window=None,
+           causal=False, check_group=None):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
     autograd Function. `num_chunks`, `cp_ranks_per_node`, `chunk_axis`: splitkv only (the baselines pass None).
     `config`: the `SplitKVConfig` (None: the defaults; with metadata=, None or the metadata's).
+    `window`, `causal`: the layer type (`reference.check_attention_type`; with metadata=, the metadata's).
     `check_group`: the gloo group of the verdict rows (`prepare_splitkv_metadata`; with metadata=, None or the
     metadata's).
     `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
@@ -1682,13 +1779,14 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                                      backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                                     chunk_axis=chunk_axis, config=config, check_group=check_group)
+                                     chunk_axis=chunk_axis, config=config, window=window, causal=causal,
+                                     check_group=check_group)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                           backend=backend, num_chunks=num_chunks, query_gather=query_gather,
                           cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
-                          check_group=check_group)
+                          window=window, causal=causal, check_group=check_group)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function
@@ -1725,7 +1823,7 @@ _META_TENSORS = ("q_seq", "q_anchor", "kv_seq", "kv_pos", "valid", "keys", "orde
                  "valid_rows")
 _META_MASKS = ("mask", "mask_own")
 _META_MASK_LISTS = ("step_masks", "chunk_masks", "chunk_masks_own")
-_MASK_TENSORS = ("lo", "hi", "lo2", "hi2")
+_MASK_TENSORS = ("lo", "hi", "lo2", "hi2", "row_lo", "row_lo2", "row_hi2")
 
 
 def _unique_masks(meta) -> list:
@@ -1814,7 +1912,8 @@ def _remapped(meta, new: dict, block_masks: bool = False, **changes):
         if id(m) not in masks:
             t = {a: (None if getattr(m, a) is None else new[id(getattr(m, a))]) for a in _MASK_TENSORS}
             nm = IntervalMask(m.block_size, t["lo"], t["hi"], m.num_keys, t["lo2"], t["hi2"],
-                              num_ctx_keys=m.num_ctx_keys)
+                              num_ctx_keys=m.num_ctx_keys, row_lo=t["row_lo"], row_lo2=t["row_lo2"],
+                              row_hi2=t["row_hi2"])
             host = m.__dict__.get(_FLEX_HOST)
             if host:
                 nm.__dict__[_FLEX_HOST] = {key: (new[id(rows)], tuple(new[id(x)] for x in tables))
@@ -1916,7 +2015,8 @@ def _pack_recipe(meta) -> tuple:
     mspecs = tuple(
         (m.block_size, ti(m.lo), ti(m.hi), m.num_keys, ti(m.lo2), ti(m.hi2), m.num_ctx_keys,
          tuple((key, ti(rows), tuple(ti(x) for x in tables))
-               for key, (rows, tables) in sorted(m.__dict__.get(_FLEX_HOST, {}).items())))
+               for key, (rows, tables) in sorted(m.__dict__.get(_FLEX_HOST, {}).items())),
+         (ti(m.row_lo), ti(m.row_lo2), ti(m.row_hi2)))
         for m in masks)
     mfields = {n: (None if getattr(meta, n) is None else mindex[id(getattr(meta, n))]) for n in _META_MASKS}
     mfields.update({n: (None if getattr(meta, n) is None else tuple(mindex[id(m)] for m in getattr(meta, n)))
@@ -1937,9 +2037,10 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
         raise ValueError(f"region has {region.numel()} bytes, the packed metadata needs {total}")
     v = _apply_split(region, compiled)
     masks = []
-    for bs, lo, hi, nk, lo2, hi2, nck, flex in mspecs:
+    for bs, lo, hi, nk, lo2, hi2, nck, flex, row in mspecs:
+        row = [None if i is None else v[i] for i in row]
         m = IntervalMask(bs, v[lo], v[hi], nk, None if lo2 is None else v[lo2], None if hi2 is None else v[hi2],
-                         num_ctx_keys=nck)
+                         num_ctx_keys=nck, row_lo=row[0], row_lo2=row[1], row_hi2=row[2])
         if flex:
             m.__dict__[_FLEX_HOST] = {key: (v[rows], tuple(v[x] for x in tables)) for key, rows, tables in flex}
         masks.append(m)
@@ -2052,7 +2153,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
                                        kv_pos=None, group_check=True, device="cpu",
                                        flex_block_masks=False,
                                        chunk_axis=None, head_split=None,
-                                       config: SplitKVConfig | None = None) -> SplitKVMetadata:
+                                       config: SplitKVConfig | None = None, window=None,
+                                       causal=False) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -2084,6 +2186,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             `prepare_splitkv_metadata`).
         num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata`
             (None: the config's fields); the metadata carries the config to `bind` and the calls.
+        window, causal: the layer type, as `prepare_splitkv_metadata` (ValueError naming window).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
             order than the plan's (its values are not compared with the plan; only the length is).
         group_check: as `prepare_splitkv_metadata` (per-call group-wide shape verdicts).
@@ -2140,6 +2243,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             raise ValueError(f"impl={impl!r}: only 'splitkv' metadata is built from the plan (the baselines' "
                              "metadata depends on the other ranks' context order: use prepare_splitkv_metadata)")
         block_size = check_block_size(block_size)
+        window, causal = check_attention_type(window, causal)
         if block_size != plan.block_size:
             raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
         num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
@@ -2189,7 +2293,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
         num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
         fused_bwd_gather_min_p=fused_req, chunk_axis=CHUNK_AXES[axis_req],
-        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank),
+        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank), window=window,
+        causal=causal,
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
@@ -2235,7 +2340,8 @@ def _host_flex_tables(masks, options=None) -> None:
             continue
         q_len, kv_len = flex.padded_lengths(rows_n, m.num_keys, options.q_bucket_steps, options.bucket_steps)
         rows = flex._rows_table(m, q_len)
-        tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=m.block_size, q_tables=True)
+        tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=flex.rows_per_block(m),
+                                    q_tables=True)
         m.__dict__[_FLEX_HOST] = {(q_len, kv_len): (rows, tuple(t.contiguous() for t in tables))}
 
 
