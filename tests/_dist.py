@@ -1,6 +1,6 @@
 """Multi-process test harness: run a function on P gloo ranks (CPU) and collect results.
 
-`run_distributed(fn, world_size, *args, timeout=..., fresh=False)` is `megatron_splitkv.launch.run_gloo`
+`run_distributed(fn, world_size, *args, timeout=..., fresh=False)` is `tools.launch.run_gloo`
 (see there: the gloo group over a file store, the teardown, every failure mode) with AssertionError as its
 error: every way a worker can go wrong (an exception, a death, a non-zero exit before or after its report, a
 timeout) fails the test naming the rank, never a silent pass.
@@ -23,12 +23,12 @@ import os
 
 import torch.multiprocessing as mp
 
-from megatron_splitkv.launch import run_gloo
+from tools.launch import run_gloo
 
 
 # imported once by the fork server (modules importable from any interpreter of this venv: Python 3.12's fork
 # server does not take the caller's sys.path, so tests/ is not on its path)
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_splitkv.launch", "megatron_splitkv.comm",
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "tools.launch", "megatron_splitkv.comm",
             "megatron_splitkv.ops", "megatron_splitkv.megatron"]
 
 _FORKSERVER = None  # the multiprocessing context, set up on first use
@@ -62,7 +62,7 @@ def run_distributed(fn, world_size, *args, timeout=300, fresh=False):
 
     Returns the list of per-rank return values, index = rank. Raises AssertionError naming the rank when a
     rank raises (its traceback), dies or exits non-zero (its exit code, before or after reporting), or times
-    out (`megatron_splitkv.launch.run_gloo`). The ranks are forked from the session's fork server with the
+    out (`tools.launch.run_gloo`). The ranks are forked from the session's fork server with the
     caller's environment; `fresh=True`: spawned interpreters (`run_gloo`'s default)."""
     if fresh:
         return run_gloo(fn, world_size, *args, timeout=timeout, error=AssertionError)

@@ -88,7 +88,7 @@ CASES = [
 
 def _load(entry):
     if entry == "train_demo":
-        from megatron_splitkv import train_demo
+        from examples import train_demo
 
         return train_demo.main
     if entry == "pretrain_dflash" or entry.startswith("examples/"):
@@ -137,7 +137,7 @@ def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("cmd,text", [
-    (["-m", "megatron_splitkv.train_demo", "--threads", "0"], "--threads: must be a positive int"),
+    (["examples/train_demo.py", "--threads", "0"], "--threads: must be a positive int"),
     (["examples/pretrain_dflash.py", *PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"],
      "--mask-token-id 2000 must be < 1024"),
 ])
@@ -147,24 +147,36 @@ def test_command_line_prints_one_error_line(cmd, text):
     assert "Traceback" not in r.stderr and text in r.stderr, r.stderr
 
 
-def test_pretrain_dflash_help_our_groups_first(capsys, monkeypatch):
+def _help_titles(main, monkeypatch, capsys, flag):
+    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", flag])
+    assert main([flag]) is None
+    out = capsys.readouterr().out
+    return out, [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
+
+
+def test_pretrain_dflash_help_shows_our_groups_and_help_all_adds_megatron_after_them(capsys, monkeypatch):
+    """--help: only our groups (Split-KV, drafter, target, data, this script) with their defaults, and a last line
+    pointing to --help-all (before: 4,000+ lines, Megatron's first); --help-all: ours first, then Megatron-LM's."""
     pytest.importorskip("megatron.training")
     main = _load("pretrain_dflash")
-    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", "--help"])
-    main(["--help"])
-    out = capsys.readouterr().out
-    titles = [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
     ours = ["split-kv context parallelism", "dflash drafter", "dflash data", "this script"]
-    for t in ours:
-        assert t in titles, titles
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help")
+    assert all(t in titles for t in ours), titles
+    assert all(t in ours or t.startswith("dflash") for t in titles), titles  # no Megatron-LM group
+    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" not in out  # Megatron's own flag line
+    assert out.rstrip().splitlines()[-1].endswith("flags (--tensor-model-parallel-size, --seq-length, --save, ...): "
+                                                  "--help-all")
+    assert len(out.splitlines()) < 400
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help-all")
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" in out
     first_megatron = min(i for i, t in enumerate(titles) if t not in ours and not t.startswith("dflash")
                          and t not in ("options", "usage"))
     assert max(titles.index(t) for t in ours) < first_megatron, titles
-    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
 
 
 def test_demo_help_shows_every_default(capsys):
-    from megatron_splitkv import train_demo
+    from examples import train_demo
 
     with pytest.raises(SystemExit) as info:
         train_demo.parse_args(["--help"])
@@ -187,7 +199,8 @@ def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys):
     """train_demo's parent waited on its queue for a rank that had died (`--threads 0` made both ranks die
     before reporting: a hang). The ranks now run through `launch.run_gloo`: a rank that dies ends the run at
     once, the others killed, exit status 2 with the rank and its exit code."""
-    from megatron_splitkv import launch, train_demo
+    from examples import train_demo
+    from tools import launch
 
     real = launch.run_gloo
     monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: real(_dies, world, *a, **kw))

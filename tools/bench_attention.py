@@ -892,6 +892,8 @@ def main(argv=None):
                          "timed side by side with this tree's in the same process")
     ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     ap.add_argument("--pack-cache", default=None,
                     help="JSON file of pack workloads (sequence lengths, anchors): packs it holds are read from it, "
                          "the others built and added (run once where the ShareGPT data is installed, then carry it)")
@@ -1016,7 +1018,7 @@ def main(argv=None):
 
         def corpus():  # loaded on the first pack --pack-cache does not hold
             if not loaded:
-                loaded.append(load_sharegpt(args.pack_limit))
+                loaded.append(load_sharegpt(args.pack_limit, cache_dir=args.cache_dir))
             return loaded[0]
         for tokens in args._packs:
             for kind in args._pack_kinds:

@@ -174,7 +174,7 @@ class MetadataSpec:
         num_heads_q, num_heads_kv: query / key-value heads PER TENSOR-PARALLEL RANK (what the core attention
             sees: `num_attention_heads // tp`, `num_query_groups // tp`).
         head_dim: D (`kv_channels`). dtype: the attention's activations' dtype (the model's params_dtype).
-        num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata` (None:
+        num_chunks, cp_ranks_per_node, chunk_axis, config: as `prepare_splitkv_metadata` (None:
             the config's fields; config None: `SplitKVConfig()`); the metadata carries the config.
         flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
             then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
@@ -189,7 +189,6 @@ class MetadataSpec:
     cp_ranks_per_node: Optional[int] = None
     flex_block_masks: bool = False
     chunk_axis: Optional[str] = None
-    head_split: Optional[tuple] = None
     config: Optional[SplitKVConfig] = None
 
     def build(self, plan, cp_rank: int, block_size: int):
@@ -200,7 +199,7 @@ class MetadataSpec:
             plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
             head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
             cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks,
-            chunk_axis=self.chunk_axis, head_split=self.head_split, config=self.config)
+            chunk_axis=self.chunk_axis, config=self.config)
 
 
 def _meta_on(recipe, upload: torch.Tensor, layout):

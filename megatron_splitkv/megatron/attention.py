@@ -45,6 +45,7 @@ from ..ops import (
 )
 from ..ops.metadata import SplitKVMetadata, check_prepared_config, raise_on_every_rank
 from .arguments import CP_IMPLS
+from .check_groups import cp_check_group
 
 __all__ = [
     "CP_IMPLS",
@@ -161,7 +162,7 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
     def op_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                     dtype: torch.dtype, device, cp_group=None, backend: str = "auto",
-                    config: Optional[SplitKVConfig] = None) -> SplitKVMetadata:
+                    config: Optional[SplitKVConfig] = None, check_group=None) -> SplitKVMetadata:
         """The CP op's `SplitKVMetadata` for this micro-batch, prepared on the first call (collective:
         every rank of `cp_group` calls it, as every rank runs the same layers) with
         `prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=..., impl=cp_impl, ...)`
@@ -170,6 +171,8 @@ class DFlashPackedSeqParams(PackedSeqParams):
         `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None). `backend`: the
         kernel the calls pass (prepare's `backend`: only "auto" takes part in the group-wide check of what
         "auto" resolves to). `config`: the layer's `SplitKVConfig` (prepare's `config`; None: the defaults).
+        `check_group`: the gloo mirror of cp_group (prepare's `check_group`, `check_groups.cp_check_group`; part
+        of the key) or None.
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
@@ -181,27 +184,31 @@ class DFlashPackedSeqParams(PackedSeqParams):
         device = torch.device(device)
         config = resolve_config(config)
         key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
-               config.digest())
+               config.digest(), id(check_group))
         meta = self._op_metadata.get(key)
         if meta is None and self.metadata is not None:
             self.check_metadata(cp_impl, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                                dtype=dtype, device=device, cp_group=cp_group, config=config)
+                                dtype=dtype, device=device, cp_group=cp_group, config=config,
+                                check_group=check_group)
             meta = self._op_metadata[key] = self.metadata
         if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
             meta = prepare_splitkv_metadata(
                 self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
                 num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
                 dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
+                check_group=check_group,
             )
             self._op_metadata[key] = meta
         return meta
 
     def check_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                       dtype: torch.dtype, device, cp_group=None, config: Optional[SplitKVConfig] = None) -> None:
+                       dtype: torch.dtype, device, cp_group=None, config: Optional[SplitKVConfig] = None,
+                       check_group=None) -> None:
         """Raise ValueError unless `self.metadata` (bound metadata built ahead) fits a layer call with
         these arguments: a bound `SplitKVMetadata` of impl `cp_impl` (splitkv), bound to `cp_group` (the
         same process group object; None: the default group / one process), with this block size, Hq, Hkv
-        (per TP rank), head dim, dtype, device, this rank's query block / context token counts, and the
+        (per TP rank), head dim, dtype, device, this rank's query block / context token counts, its check
+        group (`bind(..., check_group=)`: the layer's `check_group`, None or the same group object), and the
         layer's `config` (None: the defaults; fields set by the build's keyword arguments excepted). Local
         checks only (no collective, no host sync; with the metadata's `config.debug_checks` also the index
         values, one host sync)."""
@@ -226,6 +233,10 @@ class DFlashPackedSeqParams(PackedSeqParams):
             other = ", another group object" if got_g.pg is not want_g.pg else ""
             diffs.append(f"CP group (size {got_g.size}, rank {got_g.rank}{other}; layer: size {want_g.size}, "
                          f"rank {want_g.rank})")
+        if getattr(meta.check_group, "pg", None) is not check_group:
+            diffs.append(f"check_group ({'none' if meta.check_group is None else 'a gloo group'}; layer: "
+                         f"{'none' if check_group is None else 'its CP group mirror'}: bind with "
+                         "check_group=megatron_splitkv.megatron.cp_check_group(cp_group))")
         for name, got, want in (("block_size", meta.block_size, int(self.block_size)),
                                 ("num_heads_q (Hq per TP rank)", meta.num_heads_q, int(num_heads_q)),
                                 ("num_heads_kv (Hkv per TP rank)", meta.num_heads_kv, int(num_heads_kv)),
@@ -385,6 +396,11 @@ class SplitKVCoreAttention(MegatronModule):
             cp = parallel_state.get_context_parallel_group(check_initialized=False)
         self.cp_group = cp
 
+    def _check_group(self):
+        """The gloo mirror of the CP group (`check_groups.create_cp_check_groups`) over which the ops exchange
+        their verdict rows on the host, or None (then over the CP group itself)."""
+        return cp_check_group(self.cp_group) if self._cp_size() > 1 else None
+
     def _scale(self, d: int) -> float:
         return 1.0 / math.sqrt(d) if self.softmax_scale is None else self.softmax_scale
 
@@ -416,7 +432,7 @@ class SplitKVCoreAttention(MegatronModule):
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=num_heads_kv, head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
-            config=self.splitkv_config,
+            config=self.splitkv_config, check_group=self._check_group(),
         )
         return DFlashQueryGather(query=query, q=q, gather=splitkv_start_query_gather(q, metadata=meta),
                                  params=params)
@@ -467,13 +483,13 @@ class SplitKVCoreAttention(MegatronModule):
             q, k_ctx, v_ctx, k_blk, v_blk, sbhd = self._dflash_inputs(query, key, value, params, query_gather)
         except ValueError as exc:  # the other ranks are in the op's first collective: join it with the error
             raise_on_every_rank("SplitKVCoreAttention", self.cp_group, exc,
-                                query.device if isinstance(query, Tensor) else None)
+                                query.device if isinstance(query, Tensor) else None, self._check_group())
         fn = resolve_cp_attention_fn(self.cp_impl)
         # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
-            config=self.splitkv_config,
+            config=self.splitkv_config, check_group=self._check_group(),
         )
         extra = {} if query_gather is None else {"query_gather": query_gather.gather}
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
@@ -585,5 +601,6 @@ class SplitKVCoreAttention(MegatronModule):
         fn = resolve_cp_attention_fn(self.cp_impl)
         out = fn(flat(query), flat(key), flat(value), None, None, q_seq, q_anchor, kv_seq, kv_pos,
                  block_size=1, cp_group=self.cp_group, softmax_scale=self._scale(query.shape[-1]),
-                 backend=self.kernel_backend, config=self.splitkv_config)  # [b*sq, H, D]
+                 backend=self.kernel_backend, config=self.splitkv_config,
+                 check_group=self._check_group())  # [b*sq, H, D]
         return out.reshape(b, sq, -1).transpose(0, 1).contiguous()

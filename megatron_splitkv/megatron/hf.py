@@ -834,7 +834,7 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
 
     Formats (the iteration named by `load/latest_checkpointed_iteration.txt`, `iter_{step:07d}` with
     `step`, or `load` itself when it is an iteration directory):
-      * the demo's (`python -m megatron_splitkv.train_demo --save`): `common.pt` with "model" (the
+      * the demo's (`python examples/train_demo.py --save`): `common.pt` with "model" (the
         drafter's trained parameters, TP 1) and `EXPORT_META_KEY` ("dflash_export": the keyword arguments
         of `drafter_hf_config` other than the sizes: mask_token_id, target_layer_ids, num_target_layers,
         block_size, vocab_size, rope_theta, rms_norm_eps, max_position_embeddings), else its "args";

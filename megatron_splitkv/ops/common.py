@@ -302,8 +302,8 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
     Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
-    (the metadata's agreed `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
-    node; `SplitKVConfig.fused_bwd_gather_min_p`).
+    (the metadata's `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
+    node; a constant, not an option: docs/tuning.md).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
     one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
     fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
