@@ -333,7 +333,8 @@ def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype,
 
 @gpu
 @pytest.mark.parametrize("window,causal", [(64, True), (300, False), (None, True), (2048, True)])
-def test_gpu_sliding_window_vs_float64(window, causal):
+@pytest.mark.parametrize("fold", [True, False])
+def test_gpu_sliding_window_vs_float64(window, causal, fold):
     """Per-row bounds (sliding-window / causal drafter layers) through FA4's aux rows and block tables, bf16,
     against the float64 interval reference (which reads the same per-row bounds)."""
     seed = new_seed()
@@ -341,13 +342,13 @@ def test_gpu_sliding_window_vs_float64(window, causal):
     mask = _to(_windowed(gen, 40, 16, 3000, window, causal), "cuda")
     Tq, Tk, Hq, Hkv, D = mask.num_blocks * 16, mask.num_keys, 32, 8, 128
     q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, torch.bfloat16)
-    kern = fa4.FA4AttentionKernel()
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
     scale = D ** -0.5
     out, lse, st = kern.forward(q, k, v, mask, scale)
     dq, dk, dv = kern.backward(q, k, v, mask, scale, do, lse, (do.float() * out).sum(-1), st)
     err = mb.kernel_errors(out, lse, (dq, dk, dv), mb.interval_attention_reference(q, k, v, mask, scale, do))
     assert err["nonfinite"] == 0 and all(err[n] < TOL[torch.bfloat16] for n in ("lse", "out", "dq", "dk", "dv")), \
-        (seed, window, causal, err)
+        (seed, window, causal, fold, err)
 
 
 @gpu

@@ -179,7 +179,8 @@ def _fit_prebuilt(prebuilt, nq: int, nk: int, tile: int):
 
 def fold_gqa_mask(mask: IntervalMask, groups: int) -> IntervalMask:
     """The mask of the GQA-folded call (`fold_rows`): every block repeated `groups` times in a row (block b ->
-    blocks b * G .. b * G + G - 1, one per query head of a kv-head group, each with b's intervals), block size,
+    blocks b * G .. b * G + G - 1, one per query head of a kv-head group, each with b's intervals and per-row
+    bounds), block size,
     key counts and regions unchanged. `groups` 1: `mask` itself. Not validated: repeated own-block intervals
     overlap, which the kernel allows (`IntervalMask.validate` is the ops' layout check, not the kernel's)."""
     if groups == 1:
@@ -188,8 +189,12 @@ def fold_gqa_mask(mask: IntervalMask, groups: int) -> IntervalMask:
     def rep(t):
         return None if t is None else t.repeat_interleave(groups)
 
+    def rep_rows(t):  # per-row bounds (windowed / causal layers): block b's B rows, G times
+        return None if t is None else t.view(-1, 1, mask.block_size).expand(-1, groups, -1).reshape(-1)
+
     return IntervalMask(mask.block_size, rep(mask.lo), rep(mask.hi), mask.num_keys, rep(mask.lo2), rep(mask.hi2),
-                        num_ctx_keys=mask.num_ctx_keys)
+                        num_ctx_keys=mask.num_ctx_keys, row_lo=rep_rows(mask.row_lo), row_lo2=rep_rows(mask.row_lo2),
+                        row_hi2=rep_rows(mask.row_hi2))
 
 
 def fold_rows(x: torch.Tensor, block_size: int, groups: int) -> torch.Tensor:

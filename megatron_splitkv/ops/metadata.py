@@ -1210,8 +1210,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=True, num_chunks=None, cp_ranks_per_node=None,
                              chunk_axis=None, head_split=None,
-                             backend="auto", config: SplitKVConfig | None = None, window=None,
-                             causal=False, check_group=None) -> SplitKVMetadata:
+                             backend="auto", config: SplitKVConfig | None = None,
+                             check_group=None, window=None, causal=False) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1279,12 +1279,6 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             kernel takes no part in that check. The metadata does not depend on it.
         config: `SplitKVConfig` (None: `SplitKVConfig()`): the options of the op and its kernels; the keyword
             arguments above override its fields. The metadata carries the result (`SplitKVMetadata.config`).
-        window, causal: the layer type of the calls (`reference.dflash_attention_mask`; z-lab's dflash
-            semantics): None / False = the full DFlash mask; window W >= 1: row j of block b sees context
-            positions > anchor + j - W only, and own-block keys i with j - i < W (and i - j < W unless
-            causal); causal: own-block keys i <= j only. The masks carry per-row bounds then. Must be the
-            same on every rank (ValueError naming window on every rank for a bad value; compared across
-            ranks by `group_check` calls through the metadata digest).
         check_group: None, or a gloo ProcessGroup with the CP group's ranks in its order (e.g.
             `torch.distributed.new_group(cp_ranks, backend="gloo")`, created on every rank):
             this prepare's first exchange ("<impl>.meta") and every verdict row of the calls with this
@@ -1292,6 +1286,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             wait for the GPU (docs/lab/agreement_cost.md). Give it on every rank or on none, and to the
             calls without `metadata=` of the same layers (their first exchange must meet this one).
             ValueError naming check_group (`resolve_check_group`), raised where it is bad.
+        window, causal: the layer type of the calls (`reference.dflash_attention_mask`; z-lab's dflash
+            semantics): None / False = the full DFlash mask; window W >= 1: row j of block b sees context
+            positions > anchor + j - W only, and own-block keys i with j - i < W (and i - j < W unless
+            causal); causal: own-block keys i <= j only. The masks carry per-row bounds then. Must be the
+            same on every rank (ValueError naming window on every rank for a bad value; compared across
+            ranks by `group_check` calls through the metadata digest).
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1444,7 +1444,7 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
                           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
-                          window=None, causal=False, check_group=None) -> Plan:
+                          check_group=None, window=None, causal=False) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
     count and cp_ranks_per_node; over `check_group` on the CPU when given, `resolve_check_group`), raise the
@@ -1553,8 +1553,8 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-                      cp_ranks_per_node=None, chunk_axis=None, config=None, window=None, causal=False,
-                      check_group=None):
+                      cp_ranks_per_node=None, chunk_axis=None, config=None, check_group=None, window=None,
+                      causal=False):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -1647,8 +1647,8 @@ def _check_tensor_against(meta, n, t, shape):
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, window=None,
-               causal=False, check_group=None) -> Plan:
+               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
+               check_group=None, window=None, causal=False) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata, then (group_check, the default, at P > 1) the verdict row's all-gather,
     before any data collective of the call.
@@ -1677,7 +1677,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
-                          cp_ranks_per_node, chunk_axis, config, window, causal, check_group)
+                          cp_ranks_per_node, chunk_axis, config, check_group, window, causal)
         if grouped:  # the call's kernel: a backend missing on some ranks raises (ImportError) on every rank too
             plan = _call_plan(meta, name, softmax_scale, backend)
     except ImportError as exc:
@@ -1762,14 +1762,14 @@ def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None, check_
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
            cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
-           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, window=None,
-           causal=False, check_group=None):
+           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, check_group=None,
+           window=None, causal=False):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
     autograd Function. `num_chunks`, `cp_ranks_per_node`, `chunk_axis`: splitkv only (the baselines pass None).
     `config`: the `SplitKVConfig` (None: the defaults; with metadata=, None or the metadata's).
-    `window`, `causal`: the layer type (`reference.check_attention_type`; with metadata=, the metadata's).
     `check_group`: the gloo group of the verdict rows (`prepare_splitkv_metadata`; with metadata=, None or the
     metadata's).
+    `window`, `causal`: the layer type (`reference.check_attention_type`; with metadata=, the metadata's).
     `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
     chunks of the handle (`ops.splitkv.SplitKVQueryGather`) instead of q."""
     if query_gather is not None and metadata is None:
@@ -1779,14 +1779,14 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                                      backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                                     chunk_axis=chunk_axis, config=config, window=window, causal=causal,
-                                     check_group=check_group)
+                                     chunk_axis=chunk_axis, config=config, check_group=check_group,
+                                     window=window, causal=causal)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                           backend=backend, num_chunks=num_chunks, query_gather=query_gather,
                           cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
-                          window=window, causal=causal, check_group=check_group)
+                          check_group=check_group, window=window, causal=causal)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function

@@ -847,7 +847,7 @@ class _SplitKV(torch.autograd.Function):
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
                       metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None,
-                      config=None, window=None, causal=False, check_group=None):
+                      config=None, check_group=None, window=None, causal=False):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -933,6 +933,11 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         config: `megatron_splitkv.SplitKVConfig`, the options of the op and its kernels (None: the
             defaults); the keyword arguments above override its fields. With `metadata=` the metadata's
             config applies: pass None or the config given to the prepare.
+        check_group: None (the call's verdict row goes over cp_group, on its device), or a gloo ProcessGroup
+            with cp_group's ranks in its order: the row goes over it as a CPU tensor, no device sync
+            (`prepare_splitkv_metadata`'s `check_group`; ValueError naming it otherwise). Give it on every
+            rank or none, as the metadata of the ranks calling with `metadata=` has it; with `metadata=`
+            pass None or the metadata's.
         window: None, or the sliding window W >= 1 of a `sliding_attention` layer (z-lab's dflash 0.1.0
             semantics, `reference.dflash_attention_mask`): row j of block b (position anchor + j) sees only
             context positions > anchor + j - W, and own-block keys i with j - i < W (and i - j < W unless
@@ -943,11 +948,6 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             must equal the metadata's (`prepare_splitkv_metadata(..., window=, causal=)`). Kernels: math,
             flex and fa4 take windowed / causal masks; "auto" never picks staircase then, and "te" or
             "staircase" given explicitly raise ValueError naming the backend and window.
-        check_group: None (the call's verdict row goes over cp_group, on its device), or a gloo ProcessGroup
-            with cp_group's ranks in its order: the row goes over it as a CPU tensor, no device sync
-            (`prepare_splitkv_metadata`'s `check_group`; ValueError naming it otherwise). Give it on every
-            rank or none, as the metadata of the ranks calling with `metadata=` has it; with `metadata=`
-            pass None or the metadata's.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -980,5 +980,5 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config, window=window,
-                  causal=causal, check_group=check_group)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
+                  check_group=check_group, window=window, causal=causal)
