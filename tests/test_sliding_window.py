@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 from dflash.model import _attention_mask
 
 import megatron_splitkv as msk
@@ -183,7 +184,7 @@ def test_window_narrows_each_ranks_blocks():
             assert live[window] < live[None], (P, window, live)
 
 
-def _bad_window_worker(rank, world_size):
+def _bad_windows(rank, world_size):
     """Rank 0 passes a bad window, the others a good one: every rank must raise the ValueError naming window
     (the check runs before the first collective and its verdict is shared), for every op and prepare."""
     c = case(11, world_size)
@@ -211,33 +212,105 @@ def _bad_window_worker(rank, world_size):
     return seen
 
 
-def _mixed_window_worker(rank, world_size):
-    """Metadata prepared with another window on rank 0 (group_check, the default): every rank's call raises the
-    same ValueError (the layer type is part of the metadata digest the call's verdict row compares)."""
-    c = case(12, world_size)
-    t = build(c)
-    x, meta, _, _ = local(t, c, rank)
-    window = 3 if rank == 0 else 4
+def _mixed_window_metadata(rank, cp_group):
+    """Metadata of another window on rank 0 (derived with `with_attention_type`, no collective; group_check, the
+    default): every rank's call raises the same ValueError (the call's verdict row carries the layer type)."""
+    c = case(12, 2)
+    x, meta, _, _ = local(build(c), c, rank)
     md = msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
-                                      head_dim=c["D"], dtype=x["q"].dtype, window=window, causal=True)
+                                      head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, window=4, causal=True)
+    window = 3 if rank == 0 else 4
     try:
-        msk.splitkv_attention(*x.values(), metadata=md, backend="math", window=window, causal=True)
+        msk.splitkv_attention(*x.values(), metadata=md.with_attention_type(window, True), backend="math",
+                              window=window, causal=True)
     except ValueError as exc:
         return str(exc)
     raise AssertionError(f"no ValueError on rank {rank} for metadata of different windows")
 
 
-def test_metadata_of_different_windows_raises_on_every_rank():
-    for msg in run_distributed(_mixed_window_worker, 2, timeout=300):
-        assert "layer type window / causal" in msg and "CP rank 1 differs from rank 0" in msg, msg
+#: the layer types one odd rank passes while the others pass window=None, causal=False, and how the error
+#: shows it (`ops.metadata._kind_text`)
+_ODD_KINDS = ((dict(window=8), "window=8, causal=False"), (dict(causal=True), "window=None, causal=True"))
 
 
-def test_bad_window_raises_on_every_rank():
-    results = run_distributed(_bad_window_worker, 2, timeout=300)
-    for msgs in results:
-        assert len(msgs) == 18
-        for m in msgs:
+def _differing_kinds(rank, P, cp_group, check_group):
+    """On the CP group of ranks 0..P-1: rank P - 1 (window=8) or rank 1 (causal=True only) passes another layer
+    type than the others in a plain call of each op, in prepare_splitkv_metadata, and in a plain call while the
+    others call with metadata=. Every rank must raise; returns (case, odd rank, its kind's text, message)."""
+    c = case(13, P)
+    x, meta, _, _ = local(build(c), c, rank)
+    ck = {} if check_group is None else {"check_group": check_group}
+    seen = []
+    for (kind, text), odd in zip(_ODD_KINDS, (P - 1, 1)):
+        mine = kind if rank == odd else {}
+        calls = [(op, lambda op=op: getattr(msk, f"{op}_attention")(
+            *x.values(), *meta.values(), block_size=c["B"], cp_group=cp_group, **ck, **mine)) for op in OPS]
+        calls += [(f"prepare {op}", lambda op=op: msk.prepare_splitkv_metadata(
+            *meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"], head_dim=c["D"],
+            dtype=x["q"].dtype, cp_group=cp_group, impl=op, **ck, **mine)) for op in OPS]
+        md = msk.prepare_splitkv_metadata(*meta.values(), block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                          head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, **ck)
+        calls.append(("plain vs metadata=", lambda: msk.splitkv_attention(
+            *x.values(), *meta.values(), block_size=c["B"], cp_group=cp_group, **ck, **kind) if rank == odd
+            else msk.splitkv_attention(*x.values(), metadata=md)))
+        for name, fn in calls:
+            try:
+                fn()
+            except ValueError as exc:
+                seen.append((name, odd, text, str(exc)))
+            else:
+                raise AssertionError(f"{name}: no ValueError on rank {rank} of {P} for {kind} on rank {odd}")
+    return seen
+
+
+#: the windowed call after the errors (the CP group still in step)
+_AFTER = {P: case(14 + P, P, window=8, causal=True) for P in (2, 3)}
+
+
+def _bad_window_worker(rank, world_size):
+    """`_bad_windows` over the 3 ranks; at P = 2 (ranks 0, 1) `_mixed_window_metadata`; at P = 2 and 3
+    `_differing_kinds` without and with a check group (a second gloo group of the CP group's ranks), then a
+    windowed call (still in step)."""
+    groups = {2: dist.new_group([0, 1]), 3: None}
+    checks = {2: dist.new_group([0, 1]), 3: dist.new_group([0, 1, 2])}  # every rank creates every group
+    out = {"bad": _bad_windows(rank, world_size)}
+    if rank < 2:
+        out["mixed"] = _mixed_window_metadata(rank, groups[2])
+    for P in (2, 3):
+        if rank < P:
+            out[P] = _differing_kinds(rank, P, groups[P], None) + _differing_kinds(rank, P, groups[P], checks[P])
+            out[("after", P)] = run_local("splitkv", _AFTER[P], rank, cp_group=groups[P])
+    return out
+
+
+def test_bad_or_differing_window_raises_on_every_rank():
+    """A bad window on one rank; metadata of another window on one rank; and (P = 2, 3) a window / causal that
+    differs on one rank in a plain call, a prepare, or a plain call facing metadata= calls: a ValueError on every
+    rank (a hang fails through the harness's timeout) naming window / causal, each rank's values and the odd
+    rank (the plain call facing metadata=: the calling modes, in the same first collective); then the group is
+    in step."""
+    results = run_distributed(_bad_window_worker, 3, timeout=300)
+    for out in results:
+        assert len(out["bad"]) == 18
+        for m in out["bad"]:
             assert "window must be None or a positive int" in m and "W >= 1" in m, m
+    for msg in (results[r]["mixed"] for r in range(2)):
+        assert ("window / causal must be the same on every CP rank; got ['window=3, causal=True', 'window=4, "
+                "causal=True'] (by rank); CP rank 1 differs from rank 0") in msg, msg
+    for P in (2, 3):
+        per_rank = [results[r][P] for r in range(P)]
+        assert len(per_rank[0]) == 2 * len(_ODD_KINDS) * (2 * len(OPS) + 1), per_rank[0]
+        assert all([s[:2] for s in got] == [s[:2] for s in per_rank[0]] for got in per_rank), per_rank
+        for name, odd, text, msg in (s for got in per_rank for s in got):
+            if "metadata=" in name:
+                assert "every rank of the CP group must call the op the same way" in msg, (P, name, msg)
+                assert f"CP rank {odd} differs from rank 0" in msg, (P, name, msg)
+                continue
+            vals = ["window=None, causal=False"] * P
+            vals[odd] = text
+            assert (f"window / causal must be the same on every CP rank; got {vals} (by rank); CP rank {odd} "
+                    "differs from rank 0") in msg, (P, name, msg)
+        check("splitkv", _AFTER[P], [results[r][("after", P)] for r in range(P)])
 
 
 def test_bad_window_single_process():

@@ -233,7 +233,7 @@ def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
     return o, lse
 
 
-#: largest threshold the agreement row carries (`ops.metadata._request_code`); larger values mean the same
+#: largest threshold the environment agreement row carries (`ops.metadata.env_request_row`); larger ones mean the same
 _MAX_FUSED_MIN_P = 1 << 14
 
 

@@ -127,8 +127,8 @@ def _resolved_scale(softmax_scale, head_dim: int) -> float:
 
 
 #: requested chunk counts are saturated at this value (far above any block count): the agreement rows'
-#: column 10 holds it in its low 23 bits, the chunk axis in bit 23 and
-#: cp_ranks_per_node - 1 from bit 32 (`_request_code`)
+#: column 10 holds it in its low 23 bits, the chunk axis in bit 23,
+#: cp_ranks_per_node - 1 from bit 32 and the layer type (window / causal) in bits 24-30 and 48-62 (`_request_code`)
 _MAX_REQUESTED_CHUNKS = (1 << 23) - 1
 
 def _requested_axis(chunk_axis, config: SplitKVConfig | None = None) -> int:
@@ -277,28 +277,60 @@ def resolve_ranks_per_node(cp_ranks_per_node, cp_size: int, config: SplitKVConfi
     return cp_ranks_per_node
 
 
-def _request_code(chunks_req: int, ranks_per_node: int, fused_min_p: int = FUSED_BWD_GATHER_MIN_P,
-                  axis: int = 0, head_split=None) -> int:
-    """Column 10 of the agreement rows: the requested chunk count in the low 23 bits, the chunk axis code
-    (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, L - 1 in bits 32-47, the fused backward gather's threshold
-    (`SplitKVConfig.fused_bwd_gather_min_p`, <= 2**14) from bit 48. Rows (axis 0) leaves the code as before.
+#: the layer type's code (`_kind_code`): the window field holds W exactly below this, a hash of W from it on
+_EXACT_WINDOWS = 1 << 20
+
+
+def _kind_code(window=None, causal=False) -> int:
+    """The layer type (window, causal; checked, `reference.check_attention_type`) as a 22-bit code for the agreement
+    rows (`_request_code`): bit 0 = causal, bits 1-21 the window field: 0 = None, W itself for 1 <= W < 2**20
+    (exact), 2**20 + a 20-bit blake2b hash of W for W >= 2**20 (two ranks passing different windows of >= 2**20
+    tokens each agree by chance with probability 2**-20, about 1e-6; windows longer than every sequence give the
+    same mask anyway)."""
+    if window is None:
+        field_ = 0
+    elif window < _EXACT_WINDOWS:
+        field_ = window
+    else:
+        digest = hashlib.blake2b(str(window).encode(), digest_size=4).digest()
+        field_ = _EXACT_WINDOWS + int.from_bytes(digest, "little") % _EXACT_WINDOWS
+    return int(causal) + (field_ << 1)
+
+
+def _kind_text(code: int) -> str:
+    """A `_kind_code` as the error shows it: "window=W, causal=C" (a hashed window: "window>=2**20 (hash h)")."""
+    field_, causal = code >> 1, bool(code & 1)
+    if field_ >= _EXACT_WINDOWS:
+        return f"window>=2**20 (hash {field_ - _EXACT_WINDOWS:#x}), causal={causal}"
+    return f"window={field_ or None}, causal={causal}"
+
+
+def _request_code(chunks_req: int, ranks_per_node: int, axis: int = 0, head_split=None, window=None,
+                  causal=False) -> int:
+    """Column 10 of the agreement rows (a non-negative int64): the requested chunk count in the low 23 bits, the
+    chunk axis code (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, L - 1 in bits 32-47, and the layer type's
+    22-bit `_kind_code(window, causal)` with its low 15 bits in bits 48-62 and its high 7 bits in bits 24-30
+    (0 for window None, causal False). Rows (axis 0) leaves the code as before.
     head_split (a tuple, `_requested_head_split`): bit 31 set and the low 23 bits = `_head_split_code` instead
     of the requested chunk count (k = len(split)); None leaves the code as before."""
     if head_split is not None:
         chunks_req = _SPLIT_FLAG + _head_split_code(head_split)
-    return chunks_req + (axis << 23) + ((ranks_per_node - 1) << 32) + (fused_min_p << 48)
+    kind = _kind_code(window, causal)
+    return (chunks_req + (axis << 23) + ((ranks_per_node - 1) << 32) + ((kind & 0x7FFF) << 48)
+            + ((kind >> 15) << 24))
 
 
 def _decoded(table):
     """The agreement table with five derived columns inserted after column 10 of every row: 11 = requested
-    num_chunks (a head split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the fused backward gather's
-    threshold, 14 = the chunk axis code, 15 = the head split's code + 1 (0: none; decoded from column 10; not
-    sent); the sent columns after 10 follow from 16 (16: `_AUTO_COL`)."""
+    num_chunks (a head split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the layer type's `_kind_code`
+    (window / causal), 14 = the chunk axis code, 15 = the head split's code + 1 (0: none; decoded from column 10;
+    not sent); the sent columns after 10 follow from 16 (16: `_AUTO_COL`)."""
     def split(code):
         return bool(code & _SPLIT_FLAG) if code >= 0 else False
 
     return [list(row[:11]) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
-                         ((row[10] >> 32) & 0xFFFF) + 1, row[10] >> 48, (row[10] >> 23) & 1,
+                         ((row[10] >> 32) & 0xFFFF) + 1, ((row[10] >> 48) & 0x7FFF) + (((row[10] >> 24) & 0x7F) << 15),
+                         (row[10] >> 23) & 1,
                          ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0] + list(row[11:])
             for row in table]
 
@@ -876,6 +908,8 @@ def _check_agree(name, table, cols):
                 vals = [struct.unpack("<d", struct.pack("<q", v))[0] for v in vals]
             if what == "group_check":
                 vals = [bool(v) for v in vals]
+            if what == "window / causal":
+                vals = [_kind_text(v) for v in vals]
             if what.startswith(("chunk_axis", "SplitKVConfig.chunk_axis")):
                 vals = [CHUNK_AXES[v] if 0 <= v < len(CHUNK_AXES) else v for v in vals]
             if what.startswith("metadata="):
@@ -1188,22 +1222,20 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
 
 def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
                       head_split_ok=False, config: SplitKVConfig | None = None) -> tuple:
-    """(chunks, ranks per node, fused-gather min P, chunk-axis code) requested for the agreement row
-    of `impl`.
+    """(chunks, ranks per node, chunk-axis code) requested for the agreement row of `impl`.
 
     Checked for every impl: a malformed num_chunks / cp_ranks_per_node / chunk_axis is a ValueError
     naming it and the limit whatever the impl. `config.head_split` raises where a head split is not
     supported (`head_split_ok` False: the call without metadata=). Used by splitkv only: the baselines get (0, 1,
-    FUSED_BWD_GATHER_MIN_P, 0) (one chunk, L = 1, rows); "must divide P" is about the
+    0) (one chunk, L = 1, rows); "must divide P" is about the
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     config = resolve_config(config)
     chunks_req = _requested_chunks(num_chunks, config)
-    fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
     axis_req = _requested_axis(chunk_axis, config)
     if impl == "splitkv":
-        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size, config), fused_req, axis_req
+        return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size, config), axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
-    return 0, 1, FUSED_BWD_GATHER_MIN_P, 0
+    return 0, 1, 0
 
 
 def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num_heads_q, num_heads_kv,
@@ -1290,8 +1322,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             semantics): None / False = the full DFlash mask; window W >= 1: row j of block b sees context
             positions > anchor + j - W only, and own-block keys i with j - i < W (and i - j < W unless
             causal); causal: own-block keys i <= j only. The masks carry per-row bounds then. Must be the
-            same on every rank (ValueError naming window on every rank for a bad value; compared across
-            ranks by `group_check` calls through the metadata digest).
+            same on every rank (ValueError naming window on every rank for a bad value, "window / causal"
+            with each rank's values when they differ; compared again by `group_check` calls).
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1320,7 +1352,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         dividing the CP group size P ("cp_ranks_per_node=3 must divide the CP group size P=4 ..."),
         chunk_axis not "rows" / "heads" (these for every impl:
         the baselines ignore valid values only), or block_size, Hq, Hkv, D, dtype, impl, group_check, the
-        requested num_chunks, chunk_axis or cp_ranks_per_node differing across ranks; kernel
+        requested num_chunks, chunk_axis, cp_ranks_per_node or window / causal differing across ranks; kernel
         backend "auto" resolving to different kernels across ranks (`kernels.auto_backend_code`: e.g. FA4 on a
         Hopper GPU on some ranks only; checked on the ranks that pass backend="auto", the default: a rank
         whose calls use an explicit backend passes it and sends no "auto" code); backend not a known kernel
@@ -1355,7 +1387,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         else:
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
-        chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
+        chunks_req, ranks_req, axis_req = _checked_requests(
             canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, head_split_ok=True, config=cfg)
         split = None
         if canon == "splitkv":
@@ -1364,7 +1396,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
         cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, fused_req, axis_req, split),
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, axis_req, split, window, causal),
                _auto_entry(backend, device, dtype, head_dim, cfg)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
@@ -1378,7 +1410,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
                                (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"),
-                               (12, "cp_ranks_per_node"), (13, "SplitKVConfig.fused_bwd_gather_min_p")))
+                               (12, "cp_ranks_per_node"), (13, "window / causal")))
     _check_auto_agree(name, table)
     meta = SplitKVMetadata(
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
@@ -1386,7 +1418,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], group_check=bool(group_check), check_group=check,
         sources=(q_seq, q_anchor, kv_seq, kv_pos),
-        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
+        num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
         chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg, window=window, causal=causal,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
@@ -1447,9 +1479,10 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                           check_group=None, window=None, causal=False) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
-    count and cp_ranks_per_node; over `check_group` on the CPU when given, `resolve_check_group`), raise the
-    same ValueError on every rank when any rank is invalid or block_size / Hq / Hkv / D / dtype /
-    softmax_scale / num_chunks / cp_ranks_per_node differ, then build the metadata internally."""
+    count, cp_ranks_per_node and the layer type window / causal; over `check_group` on the CPU when given,
+    `resolve_check_group`), raise the same ValueError on every rank when any rank is invalid or block_size /
+    Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node / window / causal differ, then build
+    the metadata internally."""
     group = resolve_group(cp_group)
     try:
         check = resolve_check_group(check_group, group)
@@ -1466,11 +1499,11 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.defer(reads, name)  # read with the metadata's other host values: one sync
         else:
             rng.check()
-        chunks_req, ranks_req, fused_req, axis_req = _checked_requests(
+        chunks_req, ranks_req, axis_req = _checked_requests(
             name, num_chunks, cp_ranks_per_node, group.size, chunk_axis, config=cfg)
         cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, None)
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, fused_req, axis_req),
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, axis_req, None, window, causal),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
                # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
                _auto_entry(backend, q.device, q.dtype, d, cfg)]
@@ -1499,19 +1532,18 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg, window=window,
-        causal=causal,
+        chunk_axis=CHUNK_AXES[table[0][14]], config=cfg, window=window, causal=causal,
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
 #: all-gather the same [1, 12] int64 row (as their first collective), so a group mixing them is detected.
-#: 11-15 are decoded from column 10 (`_decoded`).
+#: 11-15 are decoded from column 10 (`_decoded`; 13: the layer type, `_kind_code`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
                (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"), (12, "cp_ranks_per_node"),
-               (13, "SplitKVConfig.fused_bwd_gather_min_p"))
+               (13, "window / causal"))
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
@@ -1536,7 +1568,8 @@ def metadata_digest(meta: SplitKVMetadata) -> int:
 
 def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
     """The verdict row of a `metadata=` call (or `splitkv_start_query_gather`) on a rank without a local error:
-    this rank's sizes, B, Hq, Hkv, D, dtype, `scale_bits`, `mode`, the chunking requests and `metadata_digest`
+    this rank's sizes, B, Hq, Hkv, D, dtype, `scale_bits`, `mode`, the chunking requests with the layer type
+    (`_request_code`) and `metadata_digest`
     (in the column where the other rows hold the "auto" kernel: "auto" was agreed at prepare). Everything but
     `scale_bits` and `mode` depends on the metadata alone (fixed once prepared): computed on its first call and
     kept on it (the digest alone took ~0.5 ms per call on a loaded 2-core CPU; docs/lab/agreement_cost.md)."""
@@ -1545,8 +1578,9 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
         fixed = meta.__dict__["_verdict_fixed"] = (
             [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q, meta.num_heads_kv,
              meta.head_dim, _DTYPE_CODE[meta.dtype]],
-            [_request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                           CHUNK_AXES.index(meta.chunk_axis), getattr(meta, "head_split", None)),
+            [_request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, CHUNK_AXES.index(meta.chunk_axis),
+                           getattr(meta, "head_split", None), getattr(meta, "window", None),
+                           getattr(meta, "causal", False)),
              metadata_digest(meta)])
     return fixed[0] + [scale_bits, mode] + fixed[1]
 
@@ -1659,7 +1693,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (e.g. the value given to prepare); cp_ranks_per_node None or the metadata's; config None or the
     metadata's (`_check_config`: the metadata's config applies). Every rank checks against the same agreed
     size table. With `group_check=True` (the default) the verdict row (this rank's error, sizes, B, Hq, Hkv,
-    D, dtype, resolved softmax_scale, call mode, the chunking requests and `metadata_digest`; the same
+    D, dtype, resolved softmax_scale, call mode, the chunking requests, the layer type window / causal
+    (`_request_code`) and `metadata_digest`; the same
     [1, 12] int64 shape as the first collective of a call without `metadata=`, of `prepare_splitkv_metadata`
     and of `raise_on_every_rank`) is all-gathered and every rank raises the same ValueError naming the rank
     and the field (ImportError when a kernel backend is missing there); over the metadata's `check_group`

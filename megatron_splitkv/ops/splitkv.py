@@ -944,8 +944,10 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             causal). Blocks no key of this rank's windows reaches cost no kernel work here (their key
             interval is empty).
         causal: own-block keys i <= j only (dflash's is_causal: True for its sliding layers by default).
-            window=None, causal=False is the full DFlash mask above, bit for bit. With `metadata=` both
-            must equal the metadata's (`prepare_splitkv_metadata(..., window=, causal=)`). Kernels: math,
+            window=None, causal=False is the full DFlash mask above, bit for bit. Must be the same on every
+            rank: the call's first exchange compares them (ValueError naming "window / causal", each rank's
+            values and the ranks that differ, on every rank). With `metadata=` both must equal the metadata's
+            (`prepare_splitkv_metadata(..., window=, causal=)`). Kernels: math,
             flex and fa4 take windowed / causal masks; "auto" never picks staircase then, and "te" or
             "staircase" given explicitly raise ValueError naming the backend and window.
 
@@ -964,7 +966,7 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             positive int, chunk_axis not "rows" / "heads", cp_ranks_per_node (or the config's)
             not a positive int or not dividing the CP group size P (the limit is named in the message),
             or block_size / Hq / Hkv / D / dtype / resolved softmax_scale / requested num_chunks / chunk_axis /
-            cp_ranks_per_node differing across ranks; the node sub-groups of 1 < L < P not creatable
+            cp_ranks_per_node / window / causal differing across ranks; the node sub-groups of 1 < L < P not creatable
             consistently (`comm.node_groups`). With `metadata=`: ValueError
             on this rank when a tensor's shape (Tq_local, Tk_local, Hq, Hkv, D), dtype or device differs
             from what the metadata implies, when num_chunks, chunk_axis or cp_ranks_per_node differs from the
