@@ -26,14 +26,18 @@ Source: DESIGN.md sections 2 and 5 (arXiv 2611.05926, Split-KV); the staircase t
 ("Staircase kernel", "auto"), measured on the H200 (staircase wins from ~32K context keys per rank).
 """
 
+import dataclasses
+import warnings
+
 import torch
 
-from ..config import SplitKVConfig, resolve_config
+from ..config import FlexOptions, SplitKVConfig, StaircaseOptions, resolve_config
 from .base import IntervalMask, half_precision_cuda_index
 from .math import MathAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
-           "staircase_runs_on", "auto_keys_per_call", "auto_backend_code", "auto_backend_text"]
+           "staircase_runs_on", "auto_keys_per_call", "auto_backend_code", "auto_backend_text",
+           "warn_ignored_options"]
 
 BACKENDS = ("auto", "math", "flex", "te", "staircase", "fa4")
 _CACHE: dict = {}
@@ -222,3 +226,51 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
                 f"\"Transformer Engine\"); import failed: {exc}"
             ) from exc
     return _CACHE[key]
+
+
+_DEFAULT_OPTIONS = {"flex": FlexOptions(), "staircase": StaircaseOptions()}
+_WARNED: set = set()  # (options field, kernel in use, the values set): each warned once per process
+
+
+def _set_fields(options) -> list:
+    default = _DEFAULT_OPTIONS["flex" if isinstance(options, FlexOptions) else "staircase"]
+    return [f.name for f in dataclasses.fields(options) if getattr(options, f.name) != getattr(default, f.name)]
+
+
+def warn_ignored_options(kernel, backend: str, device, dtype, head_dim, config: SplitKVConfig | None = None) -> None:
+    """Warn (`UserWarning`, once per process for each option field, kernel and values set) when `config` sets
+    kernel options that the local kernel of the call, `kernel` (what `get_kernel(backend, ...)` returned), never
+    reads: `SplitKVConfig.flex` (`FlexOptions`, read by the flex kernel and by the staircase kernel's flex
+    remainder) or `SplitKVConfig.staircase` (`StaircaseOptions`, read by the staircase kernel only). Options
+    that "auto" may still use on this device, at another step, are not reported: FlexOptions while "auto" may
+    pick flex, StaircaseOptions while it may pick staircase (`staircase_auto_min_keys` > 0 and
+    `staircase_runs_on`). The message names the options set, their values, the kernel in use and what applies
+    instead. No return value; nothing is raised (an option that is not used is no contradiction)."""
+    config = resolve_config(config)
+    fields_set = [f for f in ("flex", "staircase") if getattr(config, f) != _DEFAULT_OPTIONS[f]]
+    if not fields_set:  # the common case: nothing to report
+        return
+    name = getattr(kernel, "name", type(kernel).__name__)
+    uses = {name}
+    if name == "staircase":
+        uses.add(getattr(kernel.inner_kernel(device, dtype, head_dim), "name", None))
+    if backend == "auto":
+        base = resolve_auto_backend(None, device, dtype, head_dim, config)
+        uses.add(base)
+        if base == "flex" and config.staircase_auto_min_keys > 0 and staircase_runs_on(device, dtype, head_dim):
+            uses.add("staircase")
+    for field in fields_set:
+        options = getattr(config, field)
+        if field in uses:
+            continue
+        what = ", ".join(f"{n}={getattr(options, n)!r}" for n in _set_fields(options))
+        if (field, name, what) in _WARNED:
+            continue
+        _WARNED.add((field, name, what))
+        readers = ("the flex kernel and the staircase kernel's flex remainder" if field == "flex" else
+                   "the staircase kernel")
+        warnings.warn(
+            f"SplitKVConfig.{field} sets {what}, but the local kernel in use is {name!r} (backend={backend!r} on "
+            f"{torch.device(device).type if device is not None else 'cpu'}), which does not read "
+            f"{type(options).__name__}: ignored ({type(options).__name__} applies to {readers} only); "
+            f"the {name} kernel runs with its own settings", UserWarning, stacklevel=3)

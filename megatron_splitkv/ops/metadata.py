@@ -40,9 +40,10 @@ Cost of a prepare (docs/perf-notes.md "Prepare cost (item 13)", `tools/prepare_c
 metadata takes ~50 small device ops whatever num_chunks (the intervals of every chunk at once, the mask
 contract checked once) and one host sync in a size-1 group.
 
-Calls with `metadata=` do no host sync and no collective besides the op's own data movement; their
-remaining checks are Python-level comparisons of tensor shapes, dtypes and devices against the metadata
-(see `check_call`). Calls without `metadata=` build one internally (validating the tensors group-wide as
+Calls with `metadata=` check Python-level tensor shapes, dtypes and devices against the metadata (see
+`check_call`); with `group_check=True` (the default) they add one [1, 12] int64 verdict all-gather and its
+host read before their first data collective (its cost: docs/lab/agreement_cost.md), with `group_check=False`
+no host sync and no collective besides the op's own data movement. Calls without `metadata=` build one internally (validating the tensors group-wide as
 before) and give bit-identical results.
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md sections 1 (mask) and 2 (algorithm).
@@ -61,7 +62,14 @@ import torch
 from .._ints import _shown, as_int, parse_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..config import CHUNK_AXES, DEFAULT_NUM_CHUNKS, FlexOptions, SplitKVConfig, resolve_config
-from ..kernels import BACKENDS, auto_backend_code, auto_backend_text, auto_keys_per_call, get_kernel
+from ..kernels import (
+    BACKENDS,
+    auto_backend_code,
+    auto_backend_text,
+    auto_keys_per_call,
+    get_kernel,
+    warn_ignored_options,
+)
 from ..kernels.base import IntervalMask
 from .common import (
     _MAX_FUSED_MIN_P,
@@ -1289,6 +1297,7 @@ def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, 
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
             this dtype / head dim on this device."""
     kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
+    warn_ignored_options(kernel, backend, device, dtype, head_dim, config)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
         try:
@@ -1389,6 +1398,23 @@ def metadata_digest(meta: SplitKVMetadata) -> int:
     text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx),
                  None if config is None else config.digest()))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
+
+def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
+    """The verdict row of a `metadata=` call (or `splitkv_start_query_gather`) on a rank without a local error:
+    this rank's sizes, B, Hq, Hkv, D, dtype, `scale_bits`, `mode`, the chunking requests and `metadata_digest`
+    (in the column where the other rows hold the "auto" kernel: "auto" was agreed at prepare). Everything but
+    `scale_bits` and `mode` depends on the metadata alone (fixed once prepared): computed on its first call and
+    kept on it (the digest alone took ~0.5 ms per call on a loaded 2-core CPU; docs/lab/agreement_cost.md)."""
+    fixed = meta.__dict__.get("_verdict_fixed")
+    if fixed is None:
+        fixed = meta.__dict__["_verdict_fixed"] = (
+            [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q, meta.num_heads_kv,
+             meta.head_dim, _DTYPE_CODE[meta.dtype]],
+            [_request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
+                           CHUNK_AXES.index(meta.chunk_axis), getattr(meta, "head_split", None)),
+             metadata_digest(meta)])
+    return fixed[0] + [scale_bits, mode] + fixed[1]
 
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
@@ -1501,14 +1527,14 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     (see `SplitKVQueryGather._check_consume`). With group_check its use is part of the exchanged row
     (call mode), so a group where only some ranks pass it raises on every rank.
     """
-    err = ""
+    err, plan = "", None
     grouped = isinstance(meta, SplitKVMetadata) and meta.bound and meta.group_check and meta.group.size > 1
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
                           cp_ranks_per_node, chunk_axis, config)
-        if grouped:  # a backend missing on some ranks raises (ImportError) on every rank too
-            _resolve_kernel(name, backend, meta.device, meta.dtype, meta.head_dim, config=meta.config)
+        if grouped:  # the call's kernel: a backend missing on some ranks raises (ImportError) on every rank too
+            plan = _call_plan(meta, name, softmax_scale, backend)
     except ImportError as exc:
         err = _local_error(exc)
     except ValueError as exc:
@@ -1519,18 +1545,19 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
         # the same [1, 12] row layout as a call without metadata= ("<op>.meta"), so that a group
         # where some ranks pass metadata= (with group_check) and others do not raises everywhere
         mode = _MODE_METADATA if query_gather is None else _MODE_QUERY_GATHER
-        row = [-1] * 8 + [mode, -1, -1]
-        if not err:
-            row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
-                   meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype],
-                   _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None)),
-                   metadata_digest(meta)]  # "auto" was agreed at prepare: this column holds the size digest
+        row = [-1] * 8 + [mode, -1, -1] if err else \
+            _metadata_row(meta, _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode)
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
-        _check_agree(name, _decoded(table), _CALL_AGREE + ((_AUTO_COL, _DIGEST_FIELD),))
+        _check_rows_agree(name, table)
+        return plan
     return _call_plan(meta, name, softmax_scale, backend)
+
+
+def _check_rows_agree(name, table):
+    """`_check_agree` of a `metadata=` call's verdict table (`_CALL_AGREE` and the metadata digest). Its
+    columns from 3 on hold only what must agree (0: error, 1 and 2: the rank's sizes): equal ones agree."""
+    if any(row[3:] != table[0][3:] for row in table[1:]):
+        _check_agree(name, _decoded(table), _CALL_AGREE + ((_AUTO_COL, _DIGEST_FIELD),))
 
 
 def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
@@ -1557,15 +1584,10 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
             raise ValueError(f"{name}: {exc}") from exc
         err = str(exc)
     if grouped:
-        row = [-1] * 8 + [_MODE_GATHER_START, -1, -1]
-        if not err:  # softmax_scale is not known yet: 0 on every starting rank
-            row = [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q,
-                   meta.num_heads_kv, meta.head_dim, _DTYPE_CODE[meta.dtype], 0, _MODE_GATHER_START,
-                   _request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, meta.fused_bwd_gather_min_p,
-                                 CHUNK_AXES.index(meta.chunk_axis),
-                                 getattr(meta, "head_split", None)), metadata_digest(meta)]
+        # softmax_scale is not known yet: 0 on every starting rank
+        row = [-1] * 8 + [_MODE_GATHER_START, -1, -1] if err else _metadata_row(meta, 0, _MODE_GATHER_START)
         table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
-        _check_agree(name, _decoded(table), _CALL_AGREE + ((_AUTO_COL, _DIGEST_FIELD),))
+        _check_rows_agree(name, table)
 
 
 def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None):
