@@ -26,7 +26,7 @@ test: venv
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m megatron_splitkv.train_demo
+	$(PY) examples/train_demo.py
 
 clean-venv:
 	rm -rf $(VENV)

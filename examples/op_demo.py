@@ -13,13 +13,16 @@ Usage: .venv/bin/python examples/op_demo.py [--cp 2] [--ctx 1024] [--blocks 8] [
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
-from megatron_splitkv import allgather_kv_attention, comm_stats, ring_kv_attention, splitkv_attention
-from megatron_splitkv.launch import run_gloo
-from megatron_splitkv.reference import dflash_attention_reference
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository: its package, tools
+
+from megatron_splitkv import allgather_kv_attention, comm_stats, ring_kv_attention, splitkv_attention  # noqa: E402
+from megatron_splitkv.reference import dflash_attention_reference  # noqa: E402
+from tools.launch import run_gloo  # noqa: E402
 
 OPS = {"splitkv": splitkv_attention, "allgather_kv": allgather_kv_attention, "ring_kv": ring_kv_attention}
 FLOATS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")

@@ -53,8 +53,9 @@ naming the file and the last complete one. A NaN / inf loss stops the run (Megat
 in its DDP).
 
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
-(`python examples/pretrain_dflash.py --help`, or `--parse-only` to print the parsed namespace: one
-`name = value` line per flag, sorted).
+(`python examples/pretrain_dflash.py --help`: this script's flags with their defaults; `--help-all`: then every
+Megatron-LM flag; `--parse-only` to print the parsed namespace: one `name = value` line per flag, sorted,
+and a one-line verdict).
 Source: DESIGN.md sections 1-4; arXiv 2611.05926 (Split-KV); DFlash.
 """
 
@@ -70,7 +71,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-if __name__ == "__main__" and {"--parse-only", "-h", "--help"} & set(sys.argv[1:]):
+if __name__ == "__main__" and {"--parse-only", "-h", "--help", "--help-all"} & set(sys.argv[1:]):
     # a CPU check of a command line: megatron-core's import-time notes that Transformer Engine / Apex / absl are
     # not installed (and torch's "No CUDA runtime is found") describe this machine, not the flags: not shown
     import logging
@@ -173,6 +174,8 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = parser.add_argument_group(title="dflash data")
     d.add_argument("--sharegpt-limit", type=int_arg(1), default=None,
                    help="first N ShareGPT conversations only (default: all)")
+    d.add_argument("--sharegpt-cache-dir", default=None,
+                   help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     d.add_argument("--data-seed", type=int_arg(0), default=0, help="anchor sampling and batch order seed")
     d.add_argument("--features-path", type=existing_dir, default=None,
                    help="Offline features directory (tools/extract_features.py) instead of the online target.")
@@ -184,6 +187,8 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "Split-KV flag validation (validate_splitkv_args; a bad flag is one error line naming it, exit "
                    "status 2), print the parsed namespace (one 'name = value' line per flag, sorted; flags resolved "
                    "at run time shown as what they resolve to) and exit without training. Needs megatron-core, no GPU.")
+    s.add_argument("--help-all", action="store_true", default=argparse.SUPPRESS,
+                   help="show these flags, then every Megatron-LM flag, and exit")
     # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
     # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
     # is still an error naming the flag
@@ -277,8 +282,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_splitkv.dflash import target_layer_ids
-    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, overlap_query_gather_from_args,
-                                                     splitkv_config_from_args)
+    from megatron_splitkv.megatron import create_cp_check_groups
+    from megatron_splitkv.megatron.arguments import (kernel_backend_from_args, layer_attention_from_args,
+                                                     overlap_query_gather_from_args, splitkv_config_from_args)
     from megatron_splitkv.megatron.models import DFlashDraftModel, FeatureStore
 
     args = get_args()
@@ -286,6 +292,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     if not (pre_process and post_process) or args.pipeline_model_parallel_size != 1:
         raise ValueError("the DFlash drafter runs on one pipeline stage: use --pipeline-model-parallel-size 1")
     pgs = _pgs(pg_collection)
+    # the CP groups' gloo mirrors (collective, every rank): the layers' per-call verdict rows go over them on the
+    # host, so the rank agreement never waits for the GPU (megatron/check_groups.py)
+    create_cp_check_groups(pgs.cp)
     dcfg = core_transformer_config_from_args(args)
     if getattr(args, "target_hf_path", None):  # the target's depth is its config.json's
         from megatron_splitkv.megatron.hf import read_qwen3_config
@@ -318,7 +327,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         block_size=args.dflash_block_size, cp_impl=args.context_parallel_impl, pg_collection=pgs, loss_group=pgs.cp,
         rotary_base=args.rotary_base, use_te=args.transformer_impl == "transformer_engine",
         kernel_backend=kernel_backend_from_args(args), overlap_query_gather=overlap_query_gather_from_args(args),
-        splitkv_config=splitkv_config_from_args(args),
+        splitkv_config=splitkv_config_from_args(args), layer_attention=layer_attention_from_args(args),
     )
 
 
@@ -333,7 +342,8 @@ def _batch_source(skip: int):
     dp, dpr = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     corpus = _STATE["store"].corpus() if _STATE["store"] is not None else None
     loader = ShareGPTLoader(max_tokens=args.seq_length, num_anchors=args.dflash_num_anchors,
-                            seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus)
+                            seed=args.data_seed, limit=args.sharegpt_limit, corpus=corpus,
+                            cache_dir=args.sharegpt_cache_dir)
     return partial(data_parallel_batches, loader, dp, dpr, skip)
 
 
@@ -358,6 +368,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         device_prefetch_from_args,
         host_metadata_from_args,
         kernel_backend_from_args,
+        layer_attention_from_args,
         splitkv_config_from_args,
     )
 
@@ -370,7 +381,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         # the core attention's shapes: heads split over TP as Megatron's Attention splits them
         spec = splitkv_metadata_spec(_STATE["config"], tp_size=getattr(args, "tensor_model_parallel_size", 1),
                                      kernel_backend=kernel_backend_from_args(args),
-                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args))
+                                     cuda=_device().type == "cuda", splitkv_config=splitkv_config_from_args(args),
+                                     layer_attention=layer_attention_from_args(args))
         # before any metadata is built (here or in the workers): the build reads the Split-KV environment per
         # process, so a variable malformed on one rank raised there alone while the others waited in the
         # agreement's all-gather of the first micro-batch (hang); the same ValueError on every rank instead
@@ -431,11 +443,13 @@ def _prepare_item(item):
     A PreparedItem pickles as its host item only (`data.prefetch.PreparedItem`: Megatron's rerun-from-checkpoint
     saves the iteration's micro-batches; the bound metadata's ProcessGroup cannot be pickled)."""
     from megatron_splitkv.data.prefetch import PreparedItem
+    from megatron_splitkv.megatron import cp_check_group
 
     dev = item.to(_device(), non_blocking=True)
     if dev.metadata is not None and not _STATE.get("env_agreed"):
         _check_environment()
-    kw = {} if dev.metadata is None else {"metadata": dev.metadata.bind(_cp_group(), _device())}
+    kw = {} if dev.metadata is None else {
+        "metadata": dev.metadata.bind(_cp_group(), _device(), check_group=cp_check_group(_cp_group()))}
     return PreparedItem(item, dev, kw)
 
 
@@ -555,19 +569,23 @@ def parse_only_verdict(args) -> str:
             f"validate_splitkv_args, check_dflash_args); a run needs CUDA")
 
 
-def _print_help():
-    """Megatron's parser plus ours, our groups (`add_dflash_args`: Split-KV, drafter, target, data, this
-    script) listed first and every flag with its default; help strings that argparse cannot format
-    (megatron-core 0.19.2 has one with a bare '%') are escaped so that --help works."""
+def _print_help(all_flags: bool = False):
+    """--help: our groups (`add_dflash_args`: Split-KV, drafter, target, data, this script), every flag with its
+    default, then one line pointing to --help-all; --help-all: the same groups first, then every Megatron-LM
+    flag. Both parse nothing. Help strings that argparse cannot format (megatron-core 0.19.2 has one with a
+    bare '%') are escaped so that --help-all works."""
     from megatron.training.arguments import add_megatron_arguments
 
     parser = add_megatron_arguments(argparse.ArgumentParser(
-        description="DFlash drafter training (Megatron-LM pretrain, Split-KV CP); this script's flags first, then "
-        "Megatron's", allow_abbrev=False, formatter_class=DefaultsHelpFormatter))
+        prog="pretrain_dflash.py", usage="%(prog)s [Megatron-LM flags] [the flags below]",
+        description="DFlash drafter training (Megatron-LM pretrain, Split-KV context parallelism).",
+        allow_abbrev=False, formatter_class=DefaultsHelpFormatter))
     megatron_groups = len(parser._action_groups)
+    megatron_flags = len(parser._actions) - 1  # less -h
     add_dflash_args(parser)
     groups = parser._action_groups  # [positionals, options, Megatron's..., ours...]
-    groups[2:] = groups[megatron_groups:] + groups[2:megatron_groups]
+    ours = groups[megatron_groups:]
+    groups[1:] = ours + (groups[1:megatron_groups] if all_flags else [])  # options holds -h only
     fmt = parser._get_formatter()
     for action in parser._actions:
         try:
@@ -575,13 +593,16 @@ def _print_help():
         except (ValueError, TypeError, KeyError):
             action.help = (action.help or "").replace("%", "%%")
     parser.print_help()
+    if not all_flags:
+        print(f"\nMegatron-LM's own {megatron_flags} flags (--tensor-model-parallel-size, --seq-length, --save, ...): "
+              "--help-all")
 
 
 def main(argv=None):
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    if "-h" in sys.argv or "--help" in sys.argv:
-        _print_help()
+    if "-h" in sys.argv or "--help" in sys.argv or "--help-all" in sys.argv:
+        _print_help(all_flags="--help-all" in sys.argv)
         return None
     if "--parse-only" in sys.argv:  # CPU check: build the parser, parse and validate the Split-KV flags
         from megatron.training.arguments import parse_args

@@ -14,6 +14,7 @@ Public API:
     comm_stats, CommStats, CommRecord: per-rank byte accounting of their collectives
         (`megatron_splitkv.comm`).
     dflash_attention_reference, dflash_attention_mask: single-process float64 ground truth.
+    check_attention_type: a layer type (sliding window W, causal) as the ops take it (`window=`, `causal=`).
 """
 
 from .comm import CommRecord, CommStats, comm_stats
@@ -26,7 +27,7 @@ from .ops import (
     splitkv_attention,
     splitkv_start_query_gather,
 )
-from .reference import dflash_attention_mask, dflash_attention_reference
+from .reference import check_attention_type, dflash_attention_mask, dflash_attention_reference
 
 __all__ = [
     "splitkv_attention",
@@ -43,4 +44,5 @@ __all__ = [
     "CommRecord",
     "dflash_attention_reference",
     "dflash_attention_mask",
+    "check_attention_type",
 ]

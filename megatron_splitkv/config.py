@@ -124,14 +124,14 @@ class FlexOptions(_Digest):
 
 
 #: the staircase options that may be 0
-_STAIRCASE_ZERO_OK = ("min_pairs", "sub_group_blocks", "key_buckets", "max_tile_keys", "piece_min_pairs")
+_STAIRCASE_ZERO_OK = ("min_pairs", "sub_group_blocks", "max_tile_keys", "piece_min_pairs")
 
 
 @dataclass(frozen=True)
 class StaircaseOptions(_Digest):
     """Options of the staircase kernel (`kernels.staircase.StaircaseAttentionKernel`; docs/kernels.md,
     "Staircase"). Integer fields are ints (no bool or float): >= 0 for min_pairs, sub_group_blocks,
-    key_buckets, max_tile_keys, piece_min_pairs, else >= 1.
+    max_tile_keys, piece_min_pairs, else >= 1.
 
     Fields:
         group_blocks, sub_group_blocks, min_group_blocks: anchor blocks per dense group (largest, inner,
@@ -145,7 +145,7 @@ class StaircaseOptions(_Digest):
         inner: the remainder kernel, a backend name ("auto", "math", "flex", "te", "fa4") or a local kernel
             object with forward/backward (not a staircase kernel).
         key_buckets, key_pieces, max_tile_keys: bounded dense shapes (key lengths per octave, bucket pieces
-            per rectangle, longest dense key range; key_buckets=0 is the legacy rounding).
+            per rectangle, longest dense key range).
     """
 
     group_blocks: int = 128
@@ -195,14 +195,9 @@ class SplitKVConfig(_Digest):
         num_chunks: Split-KV's pipeline chunk count; None: `DEFAULT_NUM_CHUNKS` = 1. A positive int, clamped
             to the largest per-rank block count (rows) or to Hkv (heads).
         chunk_axis: "rows" (chunks of query blocks) or "heads" (chunks of kv heads; every chunk sees all keys).
-        head_split: kv heads per head chunk (positive ints summing to Hkv, checked per call), e.g. (6, 2);
-            None: an even split. Only with chunk_axis "heads"; fixes the chunk count (num_chunks None or
-            len(head_split)).
         cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all: None (1) or a positive int
             describing the machine, clamped to the CP size P, then a divisor of P (L = 1 or P: one all-to-all
             over the CP group; 1 < L < P: two stages). The op's `cp_ranks_per_node=` argument is not clamped.
-        fused_bwd_gather_min_p: the smallest CP size whose backward gathers dO and (delta, lse) in one
-            all-gather per chunk (the two-level all-to-all always does); a positive int, default 9.
         overlap_q_gather: the Megatron layer starts the query gather before the kv projection (early
             query gather); True (default) or False.
         debug_checks: re-check the interval masks the ops build themselves against the union contract of
@@ -218,9 +213,7 @@ class SplitKVConfig(_Digest):
 
     num_chunks: int | None = None
     chunk_axis: str = "rows"
-    head_split: tuple | None = None
     cp_ranks_per_node: int | None = None
-    fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     overlap_q_gather: bool = True
     debug_checks: bool = False
     auto_fa4: bool = True
@@ -233,24 +226,8 @@ class SplitKVConfig(_Digest):
         _set(self, "num_chunks", _check_int(own, "num_chunks", self.num_chunks, 1, allow_none=True))
         if not isinstance(self.chunk_axis, str) or self.chunk_axis not in CHUNK_AXES:
             raise ValueError(f"{own}.chunk_axis must be one of {', '.join(CHUNK_AXES)}, got {self.chunk_axis!r}")
-        split = self.head_split
-        if split is not None:
-            if isinstance(split, (str, bytes)) or not hasattr(split, "__iter__"):
-                raise ValueError(f"{own}.head_split must be None or a sequence of positive ints (kv heads per "
-                                 f"chunk), got {split!r}")
-            split = tuple(_check_int(own, "head_split", h, 1) for h in split)
-            if not split:
-                raise ValueError(f"{own}.head_split must hold at least one kv-head count, got ()")
-            if self.chunk_axis != "heads":
-                raise ValueError(f"{own}.head_split needs chunk_axis 'heads': it splits the kv heads")
-            if self.num_chunks is not None and self.num_chunks != len(split):
-                raise ValueError(f"{own}.num_chunks={self.num_chunks} differs from the {len(split)} chunks of "
-                                 f"head_split={split} (the split fixes the chunk count: leave num_chunks None)")
-            _set(self, "head_split", split)
         _set(self, "cp_ranks_per_node", _check_int(own, "cp_ranks_per_node", self.cp_ranks_per_node, 1,
                                                    allow_none=True))
-        _set(self, "fused_bwd_gather_min_p", _check_int(own, "fused_bwd_gather_min_p",
-                                                        self.fused_bwd_gather_min_p, 1))
         _set(self, "staircase_auto_min_keys", _check_int(own, "staircase_auto_min_keys",
                                                          self.staircase_auto_min_keys, 0))
         for name in ("overlap_q_gather", "debug_checks", "auto_fa4"):
@@ -267,10 +244,8 @@ class SplitKVConfig(_Digest):
 
     @property
     def resolved_num_chunks(self) -> int:
-        """The requested chunk count: num_chunks, else len(head_split), else `DEFAULT_NUM_CHUNKS`."""
-        if self.num_chunks is not None:
-            return self.num_chunks
-        return len(self.head_split) if self.head_split is not None else DEFAULT_NUM_CHUNKS
+        """The requested chunk count: num_chunks, else `DEFAULT_NUM_CHUNKS`."""
+        return self.num_chunks if self.num_chunks is not None else DEFAULT_NUM_CHUNKS
 
 
 def resolve_config(config: SplitKVConfig | None, **overrides) -> SplitKVConfig:

@@ -92,7 +92,9 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote {args.out}: DFlashDraftModel, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
           f"block size {cfg['block_size']}, target_layer_ids {cfg['dflash_config']['target_layer_ids']}, "
-          f"mask token {cfg['dflash_config']['mask_token_id']}")
+          f"mask token {cfg['dflash_config']['mask_token_id']}"
+          + (f", layer types {','.join(cfg['layer_types'])} (sliding window {cfg['sliding_window']})"
+             if cfg.get("use_sliding_window") else ""))
     return 0
 
 

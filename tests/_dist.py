@@ -1,6 +1,6 @@
 """Multi-process test harness: run a function on P gloo ranks (CPU) and collect results.
 
-`run_distributed(fn, world_size, *args, timeout=..., fresh=False)` is `megatron_splitkv.launch.run_gloo`
+`run_distributed(fn, world_size, *args, timeout=..., fresh=False)` is `tools.launch.run_gloo`
 (see there: the gloo group over a file store, the teardown, every failure mode) with AssertionError as its
 error: every way a worker can go wrong (an exception, a death, a non-zero exit before or after its report, a
 timeout) fails the test naming the rank, never a silent pass.
@@ -23,13 +23,13 @@ import os
 
 import torch.multiprocessing as mp
 
-from megatron_splitkv import launch
-from megatron_splitkv.launch import run_gloo  # the real one, also while `forked_ranks` patches launch.run_gloo
+from tools import launch
+from tools.launch import run_gloo  # the real one, also while `forked_ranks` patches launch.run_gloo
 
 
 # imported once by the fork server (modules importable from any interpreter of this venv: Python 3.12's fork
 # server does not take the caller's sys.path, so tests/ is not on its path)
-_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron_splitkv.launch", "megatron_splitkv.comm",
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "tools.launch", "megatron_splitkv.comm",
             "megatron_splitkv.ops", "megatron_splitkv.megatron"]
 
 _FORKSERVER = None  # the multiprocessing context, set up on first use
@@ -63,7 +63,7 @@ def run_distributed(fn, world_size, *args, timeout=300, fresh=False):
 
     Returns the list of per-rank return values, index = rank. Raises AssertionError naming the rank when a
     rank raises (its traceback), dies or exits non-zero (its exit code, before or after reporting), or times
-    out (`megatron_splitkv.launch.run_gloo`). The ranks are forked from the session's fork server with the
+    out (`tools.launch.run_gloo`). The ranks are forked from the session's fork server with the
     caller's environment; `fresh=True`: spawned interpreters (`run_gloo`'s default)."""
     if fresh:
         return run_gloo(fn, world_size, *args, timeout=timeout, error=AssertionError)
@@ -71,7 +71,7 @@ def run_distributed(fn, world_size, *args, timeout=300, fresh=False):
 
 
 def run_gloo_forked(fn, world_size, *args, timeout=300, error=RuntimeError, context=None):
-    """`megatron_splitkv.launch.run_gloo` with the ranks forked from the session's fork server (the caller's
+    """`tools.launch.run_gloo` with the ranks forked from the session's fork server (the caller's
     environment, as `run_distributed`) instead of spawned: a stand-in for `launch.run_gloo` in the tests of a
     command's `main` (`forked_ranks`), which spend most of their time importing torch and Megatron in each
     spawned rank otherwise. The spawned path itself stays covered (tests/test_dist_launcher.py and one demo run
@@ -82,6 +82,6 @@ def run_gloo_forked(fn, world_size, *args, timeout=300, error=RuntimeError, cont
 
 
 def forked_ranks(monkeypatch):
-    """Patch `megatron_splitkv.launch.run_gloo` (what `train_demo.main` and the examples call) with
+    """Patch `tools.launch.run_gloo` (what `train_demo.main` and the examples call) with
     `run_gloo_forked` for the rest of the test (`monkeypatch`: pytest's fixture or a `pytest.MonkeyPatch`)."""
     monkeypatch.setattr(launch, "run_gloo", run_gloo_forked)

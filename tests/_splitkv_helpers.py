@@ -17,7 +17,9 @@ A case is a plain dict (picklable, rebuilt identically on every rank from its se
     chunk_axis: optional, Split-KV's chunk axis ("rows" | "heads"; passed like num_chunks),
     config: optional `SplitKVConfig` (passed to the call, or to prepare with metadata),
     anchors: optional explicit list of anchors (global block order), q_seqs likewise,
-    ctx_idx: optional explicit list (len P) of global context token index lists.
+    ctx_idx: optional explicit list (len P) of global context token index lists,
+    window, causal: optional layer type (sliding window W, causal own block), passed to the op (or to
+         prepare with metadata) and to the reference.
 """
 
 import hashlib
@@ -111,7 +113,7 @@ def build(c):
         from megatron_splitkv.reference import dflash_attention_mask
 
         seen = dflash_attention_mask(t["q_seq"], t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=B,
-                                     own_block=False).any(0)
+                                     own_block=False, **attention_type(c)).any(0)
         inv = (t["q_anchor"] < 0).repeat_interleave(B)
         assert (~seen).any() and inv.any(), "poison case needs unseen keys and invalid blocks"
         t["k_ctx"][~seen], t["v_ctx"][~seen] = float("inf"), float("nan")
@@ -121,6 +123,12 @@ def build(c):
         starts.append(starts[-1] + n)
     t["block_range"] = [(starts[r], starts[r + 1]) for r in range(P)]
     return t
+
+
+def attention_type(c):
+    """The case's layer-type keyword arguments (window / causal) for the ops, prepare and the reference: only
+    those the case sets (a case without them calls exactly as before)."""
+    return {n: c[n] for n in ("window", "causal") if c.get(n) is not None}
 
 
 def local(t, c, rank):
@@ -159,14 +167,16 @@ def run_local(op, c, rank, cp_group=None):
                                           head_dim=c["D"], dtype=x["q"].dtype, cp_group=cp_group, impl=op,
                                           device=dev, num_chunks=c.get("num_chunks"),
                                           group_check=c.get("group_check", False), config=c.get("config"),
-                                          **({"chunk_axis": c["chunk_axis"]} if c.get("chunk_axis") else {}))
+                                          **({"chunk_axis": c["chunk_axis"]} if c.get("chunk_axis") else {}),
+                                          **attention_type(c))
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], metadata=md,
-                           backend=backend, return_lse=True)
+                           backend=backend, return_lse=True, **attention_type(c))
     else:
         extra = {n: c[n] for n in ("num_chunks", "chunk_axis") if c.get(n) is not None}  # splitkv only
         out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"],
                            meta["q_anchor"], meta["kv_seq"], meta["kv_pos"], block_size=c["B"],
-                           cp_group=cp_group, backend=backend, return_lse=True, config=c.get("config"), **extra)
+                           cp_group=cp_group, backend=backend, return_lse=True, config=c.get("config"), **extra,
+                           **attention_type(c))
     assert out.dtype == x["q"].dtype and out.shape == x["q"].shape
     loss_of(out, lse, dout, dlse).backward()
     res = dict(out=out.detach().double().cpu(), lse=lse.detach().double().cpu())
@@ -250,7 +260,7 @@ _REFERENCE_INPUTS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_seq", "q_anchor
 
 def _problem_key(c, t):
     """Digest of everything the reference reads: the block size and the global inputs' dtypes, shapes and bytes."""
-    h = hashlib.sha1(repr(c["B"]).encode())
+    h = hashlib.sha1(repr((c["B"], attention_type(c))).encode())
     for name in _REFERENCE_INPUTS:
         x = t[name]
         h.update(f"{name} {x.dtype} {tuple(x.shape)}".encode())
@@ -274,7 +284,8 @@ def reference(c):
 def _reference(c, t):
     x = {k: t[k].double().clone().requires_grad_(True) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")}
     out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], t["q_seq"],
-                                          t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"])
+                                          t["q_anchor"], t["kv_seq"], t["kv_pos"], block_size=c["B"],
+                                          **attention_type(c))
     loss_of(out, lse, t["dout"], t["dlse"]).backward()
     ref = dict(out=out.detach(), lse=lse.detach())
     for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):

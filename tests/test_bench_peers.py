@@ -6,6 +6,11 @@ rebuilding the visible sets from its per-anchor intervals and comparing them wit
 (computed independently, from the metadata, not from the intervals).
 """
 
+import json
+import os
+import shutil
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -116,6 +121,22 @@ def test_sharegpt_pack_workload():
         assert np.all(np.diff(a) > 0) and (a.shape[0] == 0 or a.max() < L - 1)
 
 
+def test_pack_cache_round_trip(tmp_path, monkeypatch):
+    """--pack-cache: a pack built once is read back equal, without building it again; other keys are added."""
+    import tools.bench_attention as ba
+
+    path = str(tmp_path / "packs.json")
+    lens, anchors = ba.cached_pack_workload(path, "sharegpt", 4096, 64, seed=0, limit=200)
+    ref_lens, ref_anchors = ba.pack_workload("sharegpt", 4096, 64, seed=0, limit=200)
+    assert np.array_equal(lens, ref_lens) and all(np.array_equal(a, b) for a, b in zip(anchors, ref_anchors))
+    monkeypatch.setattr(ba, "pack_workload", lambda *a, **k: pytest.fail("built again, not read from the cache"))
+    lens2, anchors2 = ba.cached_pack_workload(path, "sharegpt", 4096, 64, seed=0, limit=200)
+    assert np.array_equal(lens2, ref_lens) and all(np.array_equal(a, b) for a, b in zip(anchors2, ref_anchors))
+    monkeypatch.undo()
+    ba.cached_pack_workload(path, "one", 1024, 8, seed=1)
+    assert len(json.load(open(path))) == 2
+
+
 def test_split_budget_water_fills():
     from tools.bench_attention import split_budget
 
@@ -132,11 +153,13 @@ def test_cli_pack_rows_and_check_on_cpu(tmp_path):
     from tools.bench_attention import exit_code, main
 
     rows = main(["--cpu-smoke", "--peers-only", "--check", "--packs", "1024", "--pack-limit", "40",
-                 "--pack-reps", "1", "--out", str(tmp_path)])
+                 "--pack-reps", "1", "--pack-profile", "splitkv", "--pack-profile-packs", "1024",
+                 "--out", str(tmp_path)])
     assert exit_code(rows) == 0
     data = json.loads((tmp_path / "bench_attention.json").read_text())
     ours = [r for r in data["pack_rows"] if r["method"] == "splitkv"]
     assert sorted(r["kind"] for r in ours) == ["one", "sharegpt"] and all(r["op_ms"] > 0 for r in ours)
+    assert all("Self CPU time total" in r["profile"] for r in ours)  # --pack-profile: the table by op (CPU)
     assert {r["method"] for r in data["pack_rows"] if "skipped" in r} == {"turbo", "flex"}
     assert data["check"]["splitkv"] < 0.05 and data["check"]["flex (forward only: no CPU backward)"] < 0.05
     assert "% of dense" in (tmp_path / "bench_attention.md").read_text()
@@ -162,3 +185,31 @@ def test_plot_packs(tmp_path):
     with pytest.raises(SystemExit) as e:
         plot_packs.main([str(src), "--cp", "4", "--out", str(tmp_path / "q.png")])
     assert e.value.code == 2 and not (tmp_path / "q.png").exists()
+
+
+def test_old_tree_method_runs_another_checkout(tmp_path):
+    """--old-tree DIR: DIR's megatron_splitkv is imported under another name (its own modules, not this tree's)
+    and its op is the pack method splitkv-old, checked against the float64 reference like ours; the flags go
+    together and a DIR without the package is an argparse error (exit 2)."""
+    from tools import bench_attention as ba
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copytree(os.path.join(root, "megatron_splitkv"), tmp_path / "megatron_splitkv",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    sys.modules.pop(ba.OLD_PACKAGE, None)
+    try:
+        old = ba.load_old_tree(str(tmp_path))
+        ops = sys.modules[ba.OLD_PACKAGE + ".ops.splitkv"]
+        assert old.__file__.startswith(str(tmp_path)) and ops.__file__.startswith(str(tmp_path))
+        assert old.splitkv_attention is not __import__("megatron_splitkv").splitkv_attention
+        errs = ba.check_peers(["splitkv", "splitkv-old"], dev=torch.device("cpu"), backend="math")
+        assert errs["splitkv"] < 0.05 and errs["splitkv-old"] < 0.05, errs
+    finally:
+        for name in [m for m in sys.modules if m == ba.OLD_PACKAGE or m.startswith(ba.OLD_PACKAGE + ".")]:
+            del sys.modules[name]
+    for argv in (["--pack-methods", "splitkv,splitkv-old"], ["--old-tree", str(tmp_path / "nowhere"),
+                                                            "--pack-methods", "splitkv,splitkv-old"],
+                 ["--pack-methods", "splitkv", "--pack-profile", "turbo"]):
+        with pytest.raises(SystemExit) as exc:
+            ba.main(["--cpu-smoke", "--peers-only", "--packs", "1024", "--out", str(tmp_path)] + argv)
+        assert exc.value.code == 2

@@ -82,3 +82,56 @@ def test_bench_attention_cpu_smoke_head_chunks(tmp_path):
     assert all(len(b) == 1 for b in by_k.values()), by_k  # head chunks move the bytes row chunks move
     md = (tmp_path / "bench_attention.md").read_text()
     assert "| splitkv k=2 heads | 2 | lpt |" in md and "| chunk axis |" in md
+
+
+def test_bench_attention_cpu_smoke_window(tmp_path):
+    """--window / --causal: every row runs the windowed layer (the ops get window= / causal=) with the model's
+    bytes (unchanged by the mask), labelled W=... causal; --window with --packs is an argparse error."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke", "--contexts", "512", "--window", "64",
+           "--causal", "--placements", "lpt", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench_attention.json").read_text())["rows"]
+    assert len(rows) == 6, rows  # CP=1 and CP=2 (lpt) x 3 methods
+    for r in rows:
+        assert "error" not in r and r["window"] == 64 and r["causal"] is True, r
+        assert r["comm_bytes"] == r["predicted_bytes"], r
+    assert "| splitkv W=64 causal | 2 | lpt |" in (tmp_path / "bench_attention.md").read_text()
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke",
+                          "--window", "64", "--packs", "1024"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "--window / --causal apply to the --contexts rows only" in bad.stderr, bad.stderr
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke",
+                          "--window", "0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--window" in bad.stderr, bad.stderr
+
+
+def test_windowed_pairs_match_the_reference_mask():
+    """The benchmark's useful pairs of a windowed layer (`benchlib.context_pairs`, and the kernel calls' pairs of
+    every method summed over the ranks) equal the visible pairs of the float64 reference's dense mask."""
+    import numpy as np
+    import torch
+
+    sys.path.insert(0, ROOT)
+    from tools import benchlib as bench
+    from megatron_splitkv.reference import dflash_attention_mask
+
+    B = 4
+    lens, anchors = bench.make_workload(300, 24, n_seqs=1, seed=3)
+    for window, causal in ((16, True), (5, False), (2, True), (1000, False)):
+        q_anchor = torch.from_numpy(np.concatenate(anchors))
+        kv_pos = torch.arange(int(lens[0]))
+        dense = dflash_attention_mask(torch.zeros_like(q_anchor), q_anchor, torch.zeros_like(kv_pos), kv_pos,
+                                      block_size=B, window=window, causal=causal)
+        ctx_pairs, own_pairs = float(dense[:, :300].sum()), float(dense[:, 300:].sum())
+        assert bench.context_pairs(anchors, B, window) == ctx_pairs
+        for P in (1, 3):
+            plan = bench.place(lens, anchors, cp_size=P, block_size=B)
+            for method in ("splitkv", "allgather-kv", "ring-kv"):
+                got = sum(c.pairs for r in range(P) for c in bench.kernel_calls(method, plan, r, window=window,
+                                                                                causal=causal))
+                # splitkv: every rank's calls see all gathered blocks against its own keys; the baselines: each
+                # rank's own blocks against all keys (allgather) or every shard in turn (ring); own pairs once
+                assert got == ctx_pairs + own_pairs, (method, P, window, causal, got, ctx_pairs, own_pairs)

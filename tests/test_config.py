@@ -6,16 +6,17 @@ import sys
 
 import pytest
 
+from _splitkv_helpers import prepare_small, small_inputs
 from megatron_splitkv.config import FlexOptions, SplitKVConfig, StaircaseOptions, resolve_config
 
 
 def test_defaults_are_documented_behaviour():
     c = SplitKVConfig()
-    assert (c.num_chunks, c.chunk_axis, c.head_split, c.cp_ranks_per_node) == (None, "rows", None, None)
-    assert (c.fused_bwd_gather_min_p, c.overlap_q_gather, c.debug_checks, c.auto_fa4) == (9, True, False, True)
+    assert (c.num_chunks, c.chunk_axis, c.cp_ranks_per_node) == (None, "rows", None)
+    assert (c.overlap_q_gather, c.debug_checks, c.auto_fa4) == (True, False, True)
     assert c.staircase_auto_min_keys == 32768 and c.resolved_num_chunks == 1
     assert c.flex == FlexOptions() and c.staircase == StaircaseOptions()
-    assert SplitKVConfig(chunk_axis="heads", head_split=[6, 2]).resolved_num_chunks == 2
+    assert SplitKVConfig(chunk_axis="heads", num_chunks=2).resolved_num_chunks == 2
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -23,13 +24,7 @@ def test_defaults_are_documented_behaviour():
     (dict(num_chunks=2.0), "SplitKVConfig.num_chunks"),
     (dict(num_chunks=True), "SplitKVConfig.num_chunks"),
     (dict(chunk_axis="cols"), "SplitKVConfig.chunk_axis must be one of rows, heads"),
-    (dict(head_split=(6, 2)), "SplitKVConfig.head_split needs chunk_axis 'heads'"),
-    (dict(chunk_axis="heads", head_split="6,2"), "SplitKVConfig.head_split must be None or a sequence"),
-    (dict(chunk_axis="heads", head_split=(6, 0)), "SplitKVConfig.head_split"),
-    (dict(chunk_axis="heads", head_split=(), ), "at least one"),
-    (dict(chunk_axis="heads", head_split=(6, 2), num_chunks=3), "SplitKVConfig.num_chunks=3 differs"),
     (dict(cp_ranks_per_node=0), "SplitKVConfig.cp_ranks_per_node"),
-    (dict(fused_bwd_gather_min_p=0), "SplitKVConfig.fused_bwd_gather_min_p"),
     (dict(staircase_auto_min_keys=-1), "SplitKVConfig.staircase_auto_min_keys must be an int >= 0"),
     (dict(debug_checks=1), "SplitKVConfig.debug_checks must be True or False"),
     (dict(overlap_q_gather="0"), "SplitKVConfig.overlap_q_gather"),
@@ -48,7 +43,7 @@ def test_config_errors_name_the_field(kw, msg):
     (FlexOptions, dict(reuse_larger_kv_bucket=0), "FlexOptions.reuse_larger_kv_bucket"),
     (FlexOptions, dict(kernel_options=3), "FlexOptions.kernel_options must be None, a dict"),
     (StaircaseOptions, dict(group_blocks=0), "StaircaseOptions.group_blocks must be a positive int"),
-    (StaircaseOptions, dict(key_buckets=-1), "StaircaseOptions.key_buckets must be an int >= 0"),
+    (StaircaseOptions, dict(key_buckets=0), "StaircaseOptions.key_buckets must be a positive int, got 0"),
     (StaircaseOptions, dict(bwd_mode="both"), "StaircaseOptions.bwd_mode must be one of auto, query, key"),
     (StaircaseOptions, dict(inner="staircase"), "StaircaseOptions.inner must be one of"),
     (StaircaseOptions, dict(inner=object()), "StaircaseOptions.inner must be a backend name"),
@@ -60,8 +55,8 @@ def test_kernel_option_errors_name_the_field(cls, kw, msg):
 
 
 def test_frozen_normalised_and_replace():
-    c = SplitKVConfig(chunk_axis="heads", head_split=[6, 2], flex=FlexOptions(kernel_options={"B": 2, "A": 1}))
-    assert c.head_split == (6, 2) and c.flex.kernel_options == (("A", 1), ("B", 2))
+    c = SplitKVConfig(chunk_axis="heads", flex=FlexOptions(kernel_options={"B": 2, "A": 1}))
+    assert c.flex.kernel_options == (("A", 1), ("B", 2))
     assert c.flex.kernel_options_dict() == {"A": 1, "B": 2}
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.num_chunks = 3
@@ -75,14 +70,14 @@ def test_frozen_normalised_and_replace():
         resolve_config(None, num_chunks=-1)
 
 
-_VARIANTS = dict(num_chunks=2, chunk_axis="heads", cp_ranks_per_node=2, fused_bwd_gather_min_p=2,
+_VARIANTS = dict(num_chunks=2, chunk_axis="heads", cp_ranks_per_node=2,
                  overlap_q_gather=False, debug_checks=True, auto_fa4=False, staircase_auto_min_keys=0,
                  flex=FlexOptions(bucket_steps=3), staircase=StaircaseOptions(group_blocks=64))
 
 
 def test_digest_changes_with_every_field():
     base = SplitKVConfig()
-    fields = {f.name for f in dataclasses.fields(SplitKVConfig)} - {"head_split"}
+    fields = {f.name for f in dataclasses.fields(SplitKVConfig)}
     assert fields == set(_VARIANTS)  # a new field needs its variant here
     seen = {base.digest()}
     for name, value in _VARIANTS.items():
@@ -91,10 +86,6 @@ def test_digest_changes_with_every_field():
         seen.add(other.digest())
         changed = [k for k, v in other.field_digests().items() if v != base.field_digests()[k]]
         assert changed == [name]
-    heads = SplitKVConfig(chunk_axis="heads")
-    assert SplitKVConfig(chunk_axis="heads", head_split=(6, 2)).digest() != heads.digest()
-    assert SplitKVConfig(chunk_axis="heads", head_split=(6, 2)).digest() != \
-        SplitKVConfig(chunk_axis="heads", head_split=(2, 6)).digest()
     assert SplitKVConfig(num_chunks=2).digest() == SplitKVConfig(num_chunks=2).digest()
 
 
@@ -109,3 +100,20 @@ def test_digest_is_stable_across_processes():
     assert len(outs) == 1
     c = SplitKVConfig(num_chunks=2, flex=FlexOptions(kernel_options={"x": "y", "BLOCK_M": 64}))
     assert outs.pop().split()[0] == c.digest()
+
+
+def test_deleted_options_are_refused_naming_their_replacement():
+    """Options deleted for lack of a measured gain (docs/tuning.md "Deleted"): uneven head splits (the
+    `head_split` argument: a ValueError naming the even head chunks that replace it, which still work), the
+    fused-gather threshold and the config's head split (no such field), the legacy staircase rounding."""
+    _, m = small_inputs()
+    with pytest.raises(ValueError, match=r"head_split=\(1, 1\): uneven head splits were removed .*"
+                                         r"chunk_axis='heads' with num_chunks=k"):
+        prepare_small(m, chunk_axis="heads", head_split=(1, 1))
+    even = prepare_small(m, chunk_axis="heads", num_chunks=2)
+    assert even.num_chunks == 2 and even.chunk_axis == "heads"
+    for name in ("head_split", "fused_bwd_gather_min_p"):
+        with pytest.raises(TypeError, match=name):
+            SplitKVConfig(**{name: 2})
+    with pytest.raises(ValueError, match="StaircaseOptions.key_buckets must be a positive int, got 0"):
+        StaircaseOptions(key_buckets=0)

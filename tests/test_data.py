@@ -157,3 +157,20 @@ def test_load_errors():
     with pytest.raises(ValueError, match="max_tokens"):
         sharegpt.ShareGPTLoader(max_tokens=1, corpus=sharegpt.TokenizedCorpus(np.zeros(0, np.int32),
                                                                               np.zeros(0, bool), np.zeros(1, np.int64)))
+
+
+@needs_data
+def test_whole_corpus_cache_dir_argument(tmp_path):
+    # the whole corpus is read from `cache_dir` (argument, not an environment variable): a cache file written
+    # there is what load_sharegpt and ShareGPTLoader return, without tokenizing the 125 MB file
+    name = f"sharegpt_v3_{sharegpt.TOKENIZER_NAME}_v{sharegpt._CACHE_VERSION}.npz"
+    tokens = np.arange(10, dtype=np.int32)
+    mask = np.array([0, 1] * 5, bool)
+    offsets = np.array([0, 4, 10], np.int64)
+    np.savez(tmp_path / name, tokens=tokens, loss_mask=mask, offsets=offsets)
+    got = sharegpt.load_sharegpt(cache_dir=str(tmp_path))
+    np.testing.assert_array_equal(got.tokens, tokens)
+    np.testing.assert_array_equal(got.loss_mask, mask)
+    np.testing.assert_array_equal(got.offsets, offsets)
+    loader = sharegpt.ShareGPTLoader(max_tokens=64, num_anchors=2, cache_dir=str(tmp_path))
+    np.testing.assert_array_equal(loader.corpus.offsets, offsets)

@@ -600,6 +600,7 @@ def _patched_pretrain(monkeypatch, name, store, cp, **extra_args):
 
     mod = _load_pretrain(name)
     args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              sharegpt_cache_dir=None,
                               iteration=2, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
                               mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2, **extra_args)
     monkeypatch.setattr(mod, "get_args", lambda: args)
@@ -632,6 +633,7 @@ def pretrain_in_worker(name, rank, world):
 
     mod = _load_pretrain(name)
     args = argparse.Namespace(seq_length=MAX_TOKENS, dflash_num_anchors=ANCHORS, data_seed=3, sharegpt_limit=None,
+                              sharegpt_cache_dir=None,
                               iteration=0, cp_balance="lpt", cp_chunk_size=64, dflash_block_size=BLOCK,
                               mask_token_id=MASK_ID, loss_decay_gamma=None, dflash_data_prefetch=2,
                               dflash_data_workers=0, context_parallel_impl="splitkv", dflash_host_metadata="on",

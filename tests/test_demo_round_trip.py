@@ -12,7 +12,7 @@ pytest.importorskip("dflash.model")
 pytest.importorskip("transformers")
 
 from _dist import forked_ranks  # noqa: E402
-from megatron_splitkv import train_demo  # noqa: E402
+from examples import train_demo  # noqa: E402
 
 TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
         "--num-anchors", "4", "--steps", "2", "--target-train-steps", "3", "--eval-prompts", "1",
@@ -94,7 +94,7 @@ def test_target_vocab_smaller_than_the_corpus_ids_fails_before_the_ranks(tmp_pat
     cfg = Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"])
     cfg.to_json_file(str(tmp_path / "config.json"))
-    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.train_demo", "--target-hf-path", str(tmp_path),
+    r = subprocess.run([sys.executable, train_demo.__file__, "--target-hf-path", str(tmp_path),
                         "--mask-token-id", "999", "--no-regenerate", "--limit", "4", "--hidden", "32",
                         "--target-layers", "2", "--draft-layers", "1", "--steps", "1", "--eval-prompts", "0",
                         "--out-dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)

@@ -109,7 +109,7 @@ def test_worker_hang_fails_with_timeout():
 
 
 def test_demo_fails_fast_with_the_rank_error(tmp_path):
-    """`examples/op_demo.py` uses the same launcher (`megatron_splitkv.launch.run_gloo`):
+    """`examples/op_demo.py` uses the same launcher (`tools.launch.run_gloo`):
     a rank that raises ends the demo at once, exit status 1, with that rank's error (it waited 600 s on its
     result queue). Here every rank raises: a `sitecustomize` on the path (imported by every process, the spawned
     ranks too) makes the op's input check fail with a ValueError of its own."""

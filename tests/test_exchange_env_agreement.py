@@ -24,7 +24,6 @@ CASES = [
     (dict(), dict(num_chunks=2), "got [0, 2, 2, 2] (by rank)"),
     (dict(num_chunks=2), dict(num_chunks=1), "SplitKVConfig.num_chunks (requested num_chunks"),
     (dict(cp_ranks_per_node=2), dict(cp_ranks_per_node=4), "SplitKVConfig.cp_ranks_per_node (cp_ranks_per_node)"),
-    (dict(fused_bwd_gather_min_p=2), dict(), "SplitKVConfig.fused_bwd_gather_min_p must be"),
 ]
 
 

@@ -164,10 +164,12 @@ def test_shared_cases_through_the_fa4_wrapper(cases_fa4, name):
 # ---------------------------------------------------------------------------------- host-built metadata
 
 
-def _host_worker(rank, world_size, seed):
+def _host_worker(rank, world_size, seed_fold):
     """The pipeline's path with backend fa4: prepare_splitkv_metadata_from_plan(..., flex_block_masks=True)
     (the host-built flex tables, padded to flex's bucketed lengths, on every mask), pickled as from a data
-    worker, bound, the op forward + backward vs the float64 reference; and which tables FA4 got."""
+    worker, bound, the op forward + backward vs the float64 reference; and which tables FA4 got. fold: the
+    kernel's `fold_gqa` (True, the default: the GQA-folded call builds its own tables, the host-built ones
+    are for the unfolded rows)."""
     import pickle
 
     from megatron_splitkv import dflash_attention_reference, splitkv_attention
@@ -175,7 +177,11 @@ def _host_worker(rank, world_size, seed):
     from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
     from megatron_splitkv.planning import plan_context_parallel
 
+    seed, fold = seed_fold
     install_emulator()
+    from megatron_splitkv import kernels
+
+    kernels._CACHE[("fa4", "cpu", torch.float32)] = fa4.FA4AttentionKernel(fold_gqa=fold)
     got_prebuilt = []
     orig = fa4.FA4AttentionKernel._prebuilt
 
@@ -232,8 +238,61 @@ def test_host_built_tables_through_the_fa4_wrapper():
     """The data pipeline's metadata (flex tables built on the host at flex's bucketed lengths) with backend
     fa4: the kernel reuses those tables (cut to FA4's tile counts; before, the longer tables were handed to
     FA4, which refuses them) and the op equals the float64 reference, num_chunks 1 and 2, P = 2."""
-    res = run_distributed(_host_worker, 2, new_seed(), timeout=600)
-    for out, prebuilt in res:
-        assert prebuilt and all(prebuilt), prebuilt  # every kernel call found the host-built tables
-        for k, errs in out:
-            assert all(e < 1e-5 for e in errs.values()), (k, errs)
+    seed = new_seed()
+    for fold in (False, True):
+        res = run_distributed(_host_worker, 2, (seed, fold), timeout=600)
+        for out, prebuilt in res:
+            # unfolded, every kernel call found the host-built tables; folded (Hq 4 / Hkv 2), none: its own
+            assert (not any(prebuilt)) if fold else (prebuilt and all(prebuilt)), (fold, prebuilt)
+            for k, errs in out:
+                assert all(e < 1e-5 for e in errs.values()), (fold, k, errs)
+
+
+# ---------------------------------------------------------------------------------- GQA fold
+
+
+def test_gqa_fold_layout_and_equal_results(monkeypatch):
+    """`fold_rows` puts query head j of every kv-head group of block b at the j-th repeat of b
+    (`fold_gqa_mask`), `unfold_rows` undoes it; the folded call (FA4 sees Hkv heads, Tq * G rows, its own
+    tables) returns what the unfolded one (FA4's own GQA) returns, out / lse / dq / dk / dv, on a union mask
+    with invalid blocks and empty intervals, and caches its tables under their own key."""
+    from megatron_splitkv.kernels import fa4
+    from megatron_splitkv.kernels.base import IntervalMask
+
+    # the stand-in in this process for this test only (install_emulator patches for good: worker processes)
+    monkeypatch.setattr(fa4, "_interface", lambda: (_fwd, _bwd, _bst, _ONE, _TWO))
+    monkeypatch.setattr(fa4.FA4AttentionKernel, "_check", lambda self, q, k, v, mask: fa4.check_call(q, k, v, mask))
+    nb, B, Hkv, G, D = 5, 4, 2, 3, 8
+    x = torch.randn(nb * B, Hkv * G, D)
+    y = fa4.fold_rows(x, B, G)
+    for b, j, t, g in ((0, 0, 0, 0), (1, 2, 3, 1), (4, 1, 2, 0), (3, 2, 0, 1)):
+        assert torch.equal(y[(b * G + j) * B + t, g], x[b * B + t, g * G + j])
+    assert torch.equal(fa4.unfold_rows(y, B, G), x)
+    lse = torch.randn(nb * B, Hkv * G)
+    assert torch.equal(fa4.unfold_rows(fa4.fold_rows(lse, B, G), B, G), lse)
+
+    g = torch.Generator().manual_seed(new_seed())
+    B, nb, Hq, Hkv, D = 16, 20, 8, 2, 16
+    tq, nctx, c0 = nb * B, 700, 768
+    lo = torch.randint(0, 300, (nb,), generator=g)
+    hi = (lo + torch.randint(0, 400, (nb,), generator=g)).clamp(max=nctx)
+    hi[3] = lo[3]  # block 3 sees no key at all: no context, and invalid (no own block)
+    valid = torch.rand(nb, generator=g) > 0.2
+    valid[3] = False
+    start = c0 + torch.arange(nb) * B
+    lo2, hi2 = torch.where(valid, start, c0), torch.where(valid, start + B, c0)
+    q, dout = torch.randn(tq, Hq, D, generator=g), torch.randn(tq, Hq, D, generator=g)
+    k, v = torch.randn(c0 + tq, Hkv, D, generator=g), torch.randn(c0 + tq, Hkv, D, generator=g)
+    k[nctx:c0], v[nctx:c0] = 0, 0
+    res = {}
+    for fold in (False, True):
+        kern = fa4.FA4AttentionKernel(fold_gqa=fold)
+        mask = IntervalMask(B, lo, hi, c0 + tq, lo2, hi2, num_ctx_keys=c0)
+        out, lse, st = kern.forward(q, k, v, mask, 0.25)
+        dq, dk, dv = kern.backward(q, k, v, mask, 0.25, dout, lse, (dout * out).sum(-1), st)
+        res[fold] = (out, lse, dq, dk, dv)
+        assert list(mask.__dict__["_fa4_tables"]) == [(tq, c0 + tq, TILE) + ((Hq // Hkv,) if fold else ())]
+    assert torch.isinf(res[True][1][3 * B:4 * B]).all()  # block 3's rows: lse -inf (out 0) both ways
+    for a, b in zip(res[False], res[True]):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+        torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-5, atol=1e-5)

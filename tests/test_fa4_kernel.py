@@ -6,7 +6,8 @@ forward = key tiles per query tile, backward = query tiles per key tile) against
 classification of the dense mask.
 GPU (skipped without CUDA or without flash_attn.cute): bf16 / fp16 exactness against the float64
 reference (forward, lse, dq, dk, dv) over odd shapes (rows and keys not multiples of 128, fewer than 128
-keys, GQA 1 / 4 / 8, head dims 64 / 128, own-block second intervals, empty rows), the global-lse backward
+keys, GQA 1 / 4 / 8, head dims 64 / 128, own-block second intervals, empty rows), with the GQA fold (the
+default) and without it (FA4's own GQA), the global-lse backward
 over a key split (the Split-KV path), native vs upcast results, empty inputs, and the Split-KV op at
 CP = 1 with backend "fa4" against the single-process float64 reference.
 """
@@ -22,6 +23,7 @@ from tools import benchlib as mb
 from megatron_splitkv import kernels
 from megatron_splitkv.kernels import fa4
 from megatron_splitkv.kernels.base import IntervalMask
+from megatron_splitkv.ops.common import context_keys, intervals, with_own_blocks
 
 _BST = collections.namedtuple("_BST", "cnt idx full_cnt full_idx block_size")
 
@@ -276,7 +278,18 @@ def _mask(gen, n_blocks, B, tk, union, p_empty=0.2, dflash=False):
 
 def _to(m, dev):
     kw = dict(lo2=m.lo2.to(dev), hi2=m.hi2.to(dev), num_ctx_keys=m.num_ctx_keys) if m.has_union else {}
+    kw.update({n: getattr(m, n).to(dev) for n in ("row_lo", "row_lo2", "row_hi2") if getattr(m, n) is not None})
     return IntervalMask(m.block_size, m.lo.to(dev), m.hi.to(dev), m.num_keys, **kw)
+
+
+def _windowed(gen, n_blocks, B, tk, window, causal):
+    """A DFlash mask of one sequence of tk keys (sorted positions 0..tk-1) with a sliding window / causal own
+    blocks, built by the ops' own functions (`ops.common.intervals`, `with_own_blocks`: per-row bounds)."""
+    anchor = torch.randint(0, tk + 1, (n_blocks,), generator=gen)
+    anchor[0] = -1  # a block that sees nothing
+    keys = context_keys(torch.zeros(tk, dtype=torch.long), torch.arange(tk))
+    m = intervals(keys, torch.zeros(n_blocks, dtype=torch.long), anchor, B, window)
+    return with_own_blocks(m, anchor >= 0, n_blocks, window=window, causal=causal)
 
 
 def _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype):
@@ -293,13 +306,14 @@ def _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype):
     (64, 16, 4096, 32, 8, 128, False, True),  # several full tiles
 ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype):
+@pytest.mark.parametrize("fold", [True, False])  # the GQA fold (default) and FA4's own GQA
+def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype, fold):
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     mask = _to(_mask(gen, n_blocks, B, tk, union, dflash=dflash), "cuda")
     Tq, Tk = n_blocks * B, mask.num_keys
     q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, dtype)
-    kern = fa4.FA4AttentionKernel()
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
     scale = D ** -0.5
     out, lse, st = kern.forward(q, k, v, mask, scale)
     assert out.dtype == lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == q.shape[:2]
@@ -315,6 +329,51 @@ def test_gpu_exact_vs_float64(n_blocks, B, tk, Hq, Hkv, D, union, dflash, dtype)
     dead = ~torch.isfinite(ref["lse"])
     assert dead.any()  # the case has rows that see nothing: out 0, lse -inf, dq 0 there
     assert (out[dead] == 0).all() and torch.isneginf(lse[dead]).all() and (dq[dead] == 0).all()
+
+
+@gpu
+@pytest.mark.parametrize("window,causal", [(64, True), (300, False), (None, True), (2048, True)])
+@pytest.mark.parametrize("fold", [True, False])
+def test_gpu_sliding_window_vs_float64(window, causal, fold):
+    """Per-row bounds (sliding-window / causal drafter layers) through FA4's aux rows and block tables, bf16,
+    against the float64 interval reference (which reads the same per-row bounds)."""
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    mask = _to(_windowed(gen, 40, 16, 3000, window, causal), "cuda")
+    Tq, Tk, Hq, Hkv, D = mask.num_blocks * 16, mask.num_keys, 32, 8, 128
+    q, k, v, do = _inputs(gen, Tq, Tk, Hq, Hkv, D, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
+    scale = D ** -0.5
+    out, lse, st = kern.forward(q, k, v, mask, scale)
+    dq, dk, dv = kern.backward(q, k, v, mask, scale, do, lse, (do.float() * out).sum(-1), st)
+    err = mb.kernel_errors(out, lse, (dq, dk, dv), mb.interval_attention_reference(q, k, v, mask, scale, do))
+    assert err["nonfinite"] == 0 and all(err[n] < TOL[torch.bfloat16] for n in ("lse", "out", "dq", "dk", "dv")), \
+        (seed, window, causal, fold, err)
+
+
+@gpu
+@pytest.mark.parametrize("Hq,Hkv,fold", [(32, 8, True), (32, 8, False), (8, 8, True)])
+def test_gpu_key_tiles_no_query_sees_get_zero_gradients(Hq, Hkv, fold):
+    """Packs leave whole key tiles that no block sees (the keys after a conversation's last anchor): their dK /
+    dV must be exact zeros, on memory the caching allocator hands back full of NaN (freed just before the
+    backward), folded (FA4's MHA path: it writes dK / dV itself), with FA4's own GQA and for MHA; the rest
+    matches the float64 reference."""
+    gen = torch.Generator().manual_seed(new_seed())
+    B, nb, tk, D = 16, 24, 1000, 128
+    lo = torch.where(torch.arange(nb) < nb // 2, 0, 512)  # key tiles 2 and 3 ([256, 512)): no block
+    hi = lo + torch.randint(1, 257, (nb,), generator=gen)
+    mask = _to(IntervalMask(B, lo, hi, tk), "cuda")
+    q, k, v, do = _inputs(gen, nb * B, tk, Hq, Hkv, D, torch.bfloat16)
+    kern = fa4.FA4AttentionKernel(fold_gqa=fold)
+    out, lse, st = kern.forward(q, k, v, mask, D ** -0.5, native=True)
+    delta = (do.float() * out.float()).sum(-1)
+    for _ in range(4):  # NaN-filled blocks of dK / dV's size back in the allocator's cache
+        torch.full((1, tk, Hkv, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    dq, dk, dv = kern.backward(q, k, v, mask, D ** -0.5, do, lse, delta, st, native=True)
+    assert (dk[256:512] == 0).all() and (dv[256:512] == 0).all()
+    ref = mb.interval_attention_reference(q, k, v, mask, D ** -0.5, do)
+    err = mb.kernel_errors(out.float(), lse, (dq.float(), dk.float(), dv.float()), ref)
+    assert err["nonfinite"] == 0 and all(err[n] < TOL[torch.bfloat16] for n in ("out", "dq", "dk", "dv")), err
 
 
 @gpu

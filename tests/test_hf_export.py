@@ -197,7 +197,7 @@ def _assert_same_tensors(a_dir, b_dir):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A drafter exported at TP 1 by `export_checkpoint` from a demo-format common.pt
-    (megatron_splitkv/train_demo.py --save) whose parameters are built from a tiny random DFlash checkpoint
+    (examples/train_demo.py --save) whose parameters are built from a tiny random DFlash checkpoint
     written by dflash itself (so this fixture does not go through our key table)."""
     root = tmp_path_factory.mktemp("demo")
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,

@@ -214,9 +214,14 @@ def test_patch_series_applies_to_wheel_and_imports(tmp_path):
         sa3 = G.default_layer_spec(cfg3, vp_stage=None).submodules.self_attention
         assert sa3.submodules.core_attention.keywords["kernel_backend"] == "staircase"
         assert sa3.params["overlap_query_gather"] is False
+        kinds = ((8, True),)  # --dflash-layer-types sliding_attention --dflash-sliding-window 8
+        cfg4 = G.GPTModelConfig(transformer=tc, context_parallel_impl="splitkv", splitkv_layer_attention=kinds)
+        sa4 = G.default_layer_spec(cfg4, vp_stage=None).submodules.self_attention
+        assert sa4.submodules.core_attention.keywords["layer_attention"] == kinds
         import inspect
-        src = inspect.getsource(U.gpt_config_from_args)  # the patched config builder copies both flags
+        src = inspect.getsource(U.gpt_config_from_args)  # the patched config builder copies the flags
         assert 'kwargs["splitkv_kernel"]' in src and 'kwargs["splitkv_overlap_q_gather"]' in src
+        assert 'kwargs["splitkv_layer_attention"] = layer_attention_from_args(args)' in src
         cfg2 = G.GPTModelConfig(transformer=tc)
         assert G.default_layer_spec(cfg2, vp_stage=None).module is not DFlashTransformerLayer
         print("PATCH-OK")

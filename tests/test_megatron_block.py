@@ -129,9 +129,9 @@ def _config(cfg, tp, cp, pp, config_tp=None):
     )
 
 
-def block_worker(rank, world, tp, cp, pp, cfg, state, data, cp_impls=("splitkv",), fmt="sbhd"):
-    """Build the DFlash block on this rank for each CP implementation in `cp_impls`, run
-    forward/backward, return {impl: local outputs and grads}."""
+def block_worker(rank, world, tp, cp, pp, cfg, state, data, cp_impls=("splitkv",), fmt="sbhd", layer_attention=None):
+    """Build the DFlash block on this rank for each CP implementation in `cp_impls` (per-layer attention kinds
+    `layer_attention`, None: all full), run forward/backward, return {impl: local outputs and grads}."""
     from megatron.core import parallel_state as ps
 
     torch.manual_seed(1234)
@@ -140,17 +140,19 @@ def block_worker(rank, world, tp, cp, pp, cfg, state, data, cp_impls=("splitkv",
         create_gloo_process_groups=False,  # the default group is gloo already
     )
     try:
-        out = {impl: _run_block(tp, cp, pp, cfg, state, data, impl, fmt) for impl in cp_impls}
-        if pp == 1:
+        out = {impl: _run_block(tp, cp, pp, cfg, state, data, impl, fmt, layer_attention=layer_attention)
+               for impl in cp_impls}
+        if pp == 1 and layer_attention is None:
             out["cross"] = _run_plain_cross(cfg, data)
         return out
     finally:
         ps.destroy_model_parallel()
 
 
-def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, device="cpu", splitkv_config=None):
+def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, device="cpu", splitkv_config=None,
+               layer_attention=None):
     """One forward/backward of this rank's shard of the block (in `dtype` on `device`; the returned
-    tensors are float64 on the CPU; `splitkv_config`: the layer spec's). Also used by
+    tensors are float64 on the CPU; `splitkv_config`, `layer_attention`: the layer spec's). Also used by
     tests/nightly/test_megatron_nccl.py (bf16, NCCL)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -164,7 +166,7 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, 
         pp_r = ps.get_pipeline_model_parallel_rank()
         config = _config(cfg, tp, cp, pp)
         spec = get_dflash_layer_spec(cp_impl=cp_impl, use_te=False, rotary_base=10000.0,
-                                     splitkv_config=splitkv_config)
+                                     splitkv_config=splitkv_config, layer_attention=layer_attention)
         last = pp_r == pp - 1
         block = TransformerBlock(config, spec, post_layer_norm=last, pre_process=True, post_process=last)
         # mcore's torch norms ignore params_dtype (Megatron's Float16Module casts in training)
@@ -232,7 +234,7 @@ def _run_block(tp, cp, pp, cfg, state, data, cp_impl, fmt, dtype=torch.float64, 
             "out": out.detach().double().cpu() if last else None,
             "h_grad": h.grad.detach().double().cpu() if pp_r == 0 else None,
             "ctx_idx": ci, "ctx_grad": ctx.grad.detach().double().cpu(),
-            "grads": grads,
+            "grads": grads, "n_metadata": len(params._op_metadata),
         }
 
 
@@ -334,7 +336,7 @@ def compare(ref, got, cfg, tol=1e-10):
 # ------------------------------------------------------------------------------------------------
 
 
-def functional_block(cfg, state, data, base=10000.0, eps=1e-6):
+def functional_block(cfg, state, data, base=10000.0, eps=1e-6, layer_attention=None):
     from megatron_splitkv.reference import dflash_attention_reference
 
     H, G, D = cfg["heads"], cfg["groups"], cfg["kv_channels"]
@@ -363,9 +365,10 @@ def functional_block(cfg, state, data, base=10000.0, eps=1e-6):
         q = rope(rms(q, p("self_attention.q_layernorm.weight")), q_pos)
         kc = rope(rms(kv_c[..., :D], p("self_attention.k_layernorm.weight")), data["kv_pos"])
         kb = rope(rms(kv_b[..., :D], p("self_attention.k_layernorm.weight")), q_pos)
+        kind = {} if layer_attention is None else dict(zip(("window", "causal"), layer_attention[i]))
         o, _ = dflash_attention_reference(
             q, kc, kv_c[..., D:], kb, kv_b[..., D:], data["q_seq"], data["q_anchor"], data["kv_seq"],
-            data["kv_pos"], block_size=B,
+            data["kv_pos"], block_size=B, **kind,
         )
         x = x + o.reshape(-1, H * D) @ p("self_attention.linear_proj.weight").T
         m = rms(x, p("pre_mlp_layernorm.weight")) @ p("mlp.linear_fc1.weight").T
@@ -376,9 +379,9 @@ def functional_block(cfg, state, data, base=10000.0, eps=1e-6):
     return out.detach(), h.grad, ctx.grad, {k: v.grad for k, v in state.items()}
 
 
-def functional_reference(cfg, state, data):
+def functional_reference(cfg, state, data, layer_attention=None):
     """`functional_block` in the layout of `assemble` (for `compare`)."""
-    out, dh, dctx, grads = functional_block(cfg, state, data)
+    out, dh, dctx, grads = functional_block(cfg, state, data, layer_attention=layer_attention)
     return out[:, None], dh[:, None], dctx[:, None], {k: {0: g} for k, g in grads.items()}, 1
 
 

@@ -57,7 +57,7 @@ def test_shards_cover_the_batch_with_global_positions(strategy):
 
 def test_planner_kwargs_from_args():
     a = argparse.Namespace(cp_chunk_size=256, cp_balance="zigzag", dflash_block_size=8)
-    assert planner_kwargs_from_args(a) == {"chunk_size": 256, "strategy": "zigzag", "block_size": 8}
+    assert planner_kwargs_from_args(a) == {"chunk_size": 256, "strategy": "zigzag", "block_size": 8, "cost_model": None}
 
 
 def test_plan_size_mismatch_is_an_error():

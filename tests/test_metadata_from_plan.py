@@ -100,7 +100,8 @@ def _mask_diff(a, b):
         return a is not b
     if (a.block_size, a.num_keys, a.num_ctx_keys) != (b.block_size, b.num_keys, b.num_ctx_keys):
         return True
-    return any(_tensor_diff(getattr(a, n), getattr(b, n)) for n in ("lo", "hi", "lo2", "hi2"))
+    return any(_tensor_diff(getattr(a, n), getattr(b, n))
+               for n in ("lo", "hi", "lo2", "hi2", "row_lo", "row_lo2", "row_hi2"))
 
 
 def _group_diff(a, b):
@@ -450,12 +451,12 @@ def test_range_check_and_config():
     big = np.full(n, 1 << 31, dtype=np.int64)
     with pytest.raises(ValueError, match=r"kv_pos values must lie in \[-2\*\*31, 2\*\*31\)"):
         _build(plan, kv_seq=plan.token_seq_ids(0), kv_pos=big)
-    # num_chunks / the fused-gather threshold from the config: fixed at build time, carried to bind
-    config = SplitKVConfig(num_chunks=2, fused_bwd_gather_min_p=4)
+    # num_chunks from the config: fixed at build time, carried to bind
+    config = SplitKVConfig(num_chunks=2)
     host = _build(plan, config=config)
     assert host.num_chunks == 2 and host.num_chunks_requested == 2 and host.config == config
     bound = host.bind(None, "cpu")
-    assert bound.num_chunks == 2 and bound.fused_bwd_gather_min_p == 4 and bound.config == config
+    assert bound.num_chunks == 2 and bound.config == config
     assert _build(plan, num_chunks=3, config=config).config.num_chunks == 3  # the argument overrides the field
     with pytest.raises(ValueError, match="from_plan: config must be None or a SplitKVConfig, got dict"):
         _build(plan, config={"num_chunks": 2})

@@ -1000,11 +1000,10 @@ def test_head_chunk_calls_mirror_the_op():
     k_all, v_all = torch.cat(ks, 1), torch.cat(vs, 1)
     rk, rv = bench.chunk_loop(kern, [(q, do, parts[0][2])], k_all, v_all, 8 ** -0.5)
     assert torch.allclose(dk, rk, atol=1e-12, rtol=1e-12) and torch.allclose(dv, rv, atol=1e-12, rtol=1e-12)
-    # an uneven split (the op's head_split): the op's chunk heads, pairs by share, dK / dV of one call
-    meta = bench.prepare_meta("splitkv", x, block_size=4, cp_group=None, Hq=6, Hkv=3, D=8, dtype=torch.float64,
-                              chunk_axis="heads", head_split=(2, 1))
+    # an uneven split (modelled only: the op's head_split option is deleted): the chunk's q heads (kv heads x
+    # Hq / Hkv = 2), pairs by share, dK / dV of one call
     calls = bench.kernel_calls("splitkv", plan, 0, chunk_axis="heads", num_heads_kv=3, head_split=(2, 1))
-    assert [(g0 * 2, g1 * 2) for g0, g1 in (c.kv_heads for c in calls)] == meta.chunk_heads == [(0, 4), (4, 6)]
+    assert [(g0 * 2, g1 * 2) for g0, g1 in (c.kv_heads for c in calls)] == [(0, 4), (4, 6)]
     assert [c.pairs for c in calls] == pytest.approx([one.pairs * 2 / 3, one.pairs / 3])
     parts, ks, vs = bench.chunk_inputs(calls, Hq=6, Hkv=3, D=8, dtype=torch.float64, device="cpu", gen=gen)
     dk, dv = bench.chunk_loop(kern, parts, ks, vs, 8 ** -0.5)

@@ -6,10 +6,11 @@
   bit what the two former gathers delivered (dO padded with zeros, (delta, lse) padded with -inf; NaN /
   inf / subnormal statistics kept), for bf16 / fp16 / fp32 / fp64, a single head, an expanded
   (zero-stride) dO, zero rows; the unpacked dO and statistics are contiguous;
-- the op (fused path forced with SplitKVConfig(fused_bwd_gather_min_p=1); by default only groups
-  larger than one node fuse, `fuse_bwd_gather`): exactly one "splitkv.bwd.dout" all-gather per chunk and no "splitkv.bwd.stats", with the
+- the op (fused path reached with the two-level all-to-all, SplitKVConfig(cp_ranks_per_node=2) at P = 4; on
+  one level only groups larger than one node fuse, `fuse_bwd_gather`): exactly one "splitkv.bwd.dout"
+  all-gather per chunk and no "splitkv.bwd.stats", with the
   documented bytes (D + 2 * acc / elem elements per row and head), results equal to the float64
-  reference (P = 3, uneven and empty shards, num_chunks 1 and 2, bf16 / fp32 / fp64).
+  reference (P = 4, uneven and empty shards, num_chunks 1 and 2, bf16 / fp32 / fp64).
 Source: DESIGN.md section 2 (backward step 1), perf-notes (one collective latency per chunk saved).
 """
 
@@ -70,7 +71,7 @@ def test_pack_rejects_a_wider_transport_dtype():
                         torch.float64)
 
 
-P = 3
+P = 4
 
 
 @pytest.fixture(scope="module")
@@ -80,11 +81,10 @@ def fused_run():
     jobs = []
     for i, dt in enumerate(("bfloat16", "float32", "float64")):
         for k in (1, 2):
-            c = case(seed + i, P, dtype=dt, blocks=[3, 0, 4], ctx=[tk - 12, 12, 0], poison=dt == "float64",
-                     p_invalid=0.3, num_chunks=k, metadata=k == 2,
-                     config=msk.SplitKVConfig(fused_bwd_gather_min_p=1))
+            c = case(seed + i, P, dtype=dt, blocks=[3, 0, 4, 2], ctx=[tk - 17, 12, 0, 5], poison=dt == "float64",
+                     p_invalid=0.3, num_chunks=k, metadata=k == 2, config=msk.SplitKVConfig(cp_ranks_per_node=2))
             jobs.append(("splitkv", c))
-    # P = 3 is one node: the op fuses from P = 9 by default (`fuse_bwd_gather`); force the fused path here
+    # one level fuses from P = 9 (`fuse_bwd_gather`); the two-level all-to-all (L = 2 of 4) always does
     return jobs, run_distributed(jobs_worker, P, jobs, timeout=240)
 
 
@@ -110,8 +110,7 @@ def test_one_gather_per_chunk_with_the_documented_bytes(fused_run):
 
 
 def test_fusion_rule():
-    """Fused for groups larger than one 8-GPU node or with the two-level all-to-all; the threshold moves it
-    (`SplitKVConfig.fused_bwd_gather_min_p`, validated in tests/test_config.py)."""
+    """Fused for groups larger than one 8-GPU node or with the two-level all-to-all."""
     assert [fuse_bwd_gather(p, False) for p in (1, 2, 8, 9, 64)] == [False, False, False, True, True]
     assert fuse_bwd_gather(4, True)
     assert fuse_bwd_gather(2, False, 2) and not fuse_bwd_gather(1, False, 2)

@@ -4,7 +4,7 @@ written (unsorted, in the result dtype) straight into its kv heads of the gradie
 views for kernels with `strided_heads`.
 
 CPU, gloo, one spawn of 3 ranks (P = 1, 2, 3 on sub-groups), math kernel: for head chunks k = 2, 3 on Hkv = 8
-(even 4 / 4, uneven 2 / 3 / 3), k = 3 on Hkv = 4 (1 / 1 / 2), the splits (6, 2) and (1, 7), with and without the
+(even 4 / 4, uneven 2 / 3 / 3), k = 3 on Hkv = 4 (1 / 1 / 2), with and without the
 own block, uneven and empty shards (a rank without blocks, a rank without context), shuffled context (so the
 unsort runs), the local keys as views of one tensor (`strided_heads`, the math kernel's) or one copy per chunk (the
 attribute off, as for flex / te / staircase), float64 and bfloat16: output, lse and every gradient are BIT-IDENTICAL to the one call (k = 1) on the
@@ -59,8 +59,7 @@ def _worker(rank, world, jobs):
     for j, (c, job) in enumerate(jobs):
         if rank < c["P"]:
             g = groups.get(c["P"])
-            heads = dict(chunk_axis="heads", head_split=job["split"]) if "split" in job else \
-                dict(chunk_axis="heads", num_chunks=job["k"])
+            heads = dict(chunk_axis="heads", num_chunks=job["k"])
             out[j] = {"heads": _run(c, rank, g, job, heads), "one": _run(c, rank, g, job, dict(num_chunks=1))}
     return out
 
@@ -75,10 +74,10 @@ def _jobs(seed):
         c3 = case(seed + 2, 3, blocks=[2, 0, 3], ctx=[10, 25, 5], poison=True, p_invalid=0.3, dtype=dtype, **h8)
         c3h4 = case(seed + 3, 3, blocks=[3, 1, 2], ctx=[12, 8, 20], dtype=dtype, **h4)
         jobs += [
-            (c1, dict(k=2)), (c1, dict(split=(6, 2))), (c1, dict(k=3, own=False)),
-            (c1, dict(k=2, copies=True)), (c2e, dict(k=2)), (c2e, dict(split=(1, 7))), (c2e, dict(k=3)),
-            (c3, dict(k=2)), (c3, dict(k=3)), (c3, dict(split=(6, 2))), (c3, dict(split=(1, 7), own=False)),
-            (c3, dict(k=3, copies=True)), (c3, dict(split=(6, 2), copies=True, own=False)),
+            (c1, dict(k=2)), (c1, dict(k=3, own=False)),
+            (c1, dict(k=2, copies=True)), (c2e, dict(k=2)), (c2e, dict(k=3)),
+            (c3, dict(k=2)), (c3, dict(k=3)), (c3, dict(k=2, own=False)),
+            (c3, dict(k=3, copies=True)), (c3, dict(k=2, copies=True, own=False)),
             (c3h4, dict(k=3)), (c3h4, dict(k=2, own=False)),
         ]
     return jobs
@@ -96,7 +95,7 @@ def test_head_chunks_bit_identical_to_one_call(glue_run):
     for j, (c, job) in enumerate(jobs):
         for r in range(c["P"]):
             res, one = results[r][j]["heads"], results[r][j]["one"]
-            assert res["k"] == (len(job["split"]) if "split" in job else min(job["k"], c["Hkv"])) > 1, job
+            assert res["k"] == min(job["k"], c["Hkv"]) > 1, job
             unsorted += not res["sorted"]
             for name in ("out", "lse") + GRAD_NAMES:
                 a, b = res[name], one[name]

@@ -11,8 +11,8 @@ Checked on CPU, nothing needs a GPU:
     the new rounding, forward and backward with global stats;
   * the distinct dense shapes over random simulated training steps (tools/staircase_shapes.py's
     sampler, CP 1/2/8, the real defaults) stay inside `shape_bound` (35 (rows, keys) for the drafter:
-    70 cuDNN graphs, the documented number), while the legacy rounding exceeds it;
-  * options (StaircaseOptions(key_buckets=0) = the legacy plan) and the auto rule
+    70 cuDNN graphs, the documented number);
+  * options (key_buckets >= 1: the legacy rounding key_buckets=0 is no option) and the auto rule
     (SplitKVConfig.staircase_auto_min_keys semantics, group-wide keys, fallbacks).
 Expected values never come from the code under test.
 """
@@ -182,25 +182,7 @@ def test_key_major_falls_back_when_not_chained():
     assert got == [(0, 4, 0, 8), (2, 4, 8, 9), (4, 6, 10, 14)]
 
 
-def test_legacy_rounding_is_the_old_plan():
-    """key_buckets=0 (StaircaseOptions(key_buckets=0)): one call per rectangle, key counts
-    rounded down to key_grain: the plan of staircase_plan's legacy defaults."""
-    gen = torch.Generator().manual_seed(seed_of("legacy"))
-    mask = dflash_mask(gen, 40, 2, [300, 120], p_empty=0.1)
-    opts = dict(group_blocks=8, sub_group_blocks=2, min_group_blocks=1, key_grain=8, min_keys=8, min_pairs=1)
-    kern = StaircaseAttentionKernel(StaircaseOptions(key_buckets=0), **opts)
-    assert kern.key_buckets == 0 and kern.options()["key_buckets"] == 0
-    want = staircase_plan(mask, 8, 1, 8, 8, 1, 2)
-    got = kern.plan(mask)
-    assert got.groups == want.groups and got.key_major == want.key_major
-    assert all((k1 - k0) % 8 == 0 for *_, k0, k1 in got.groups)
-    with pytest.raises(ValueError, match="bounded"):
-        kern.shape_bound(2, 4, 2)
-    new = StaircaseAttentionKernel(**opts).plan(mask)
-    assert new.groups != want.groups  # the defaults bucket
-
-
-@pytest.mark.parametrize("name,val", [("key_buckets", -1), ("key_pieces", 0), ("max_tile_keys", -5),
+@pytest.mark.parametrize("name,val", [("key_buckets", -1), ("key_buckets", 0), ("key_pieces", 0), ("max_tile_keys", -5),
                                       ("key_buckets", 1.5), ("key_pieces", "x")])
 def test_bucket_options_validated(name, val):
     with pytest.raises(ValueError, match=name):
@@ -286,15 +268,14 @@ def _args(**kw):
 def test_shapes_over_random_steps_stay_bounded(dist, anchors_per):
     """Simulated training steps (random packed batches of 4K-128K sequences, 512 anchors, LPT at CP 1, 2
     and 8, Split-KV's calls on every rank): the default kernel's dense shapes (forward and backward) lie
-    in `shape_bound` (<= 2 x 103 cuDNN graphs), and the legacy rounding makes several times as many."""
+    in `shape_bound` (<= 2 x 103 cuDNN graphs)."""
     from tools import benchlib as bench
 
     seed = seed_of("steps", dist, anchors_per)
     rng = np.random.default_rng(seed)
     new = StaircaseAttentionKernel(inner="math")
-    old = StaircaseAttentionKernel(inner="math", key_buckets=0)
     bound = new.shape_bound(16, 32, 8)
-    seen_new, seen_old = set(), set()
+    seen_new = set()
     args = _args(dist=dist, anchors_per=anchors_per)
     for _ in range(8):
         lens, anchors = tool.sample_batch(rng, args)
@@ -303,11 +284,9 @@ def test_shapes_over_random_steps_stay_bounded(dist, anchors_per):
             for rank in range(P):
                 for mask, _ in tool.call_masks(plan, rank, "splitkv"):
                     seen_new.update(new.call_shapes(mask, 32, 8, 128))
-                    seen_old.update(old.call_shapes(mask, 32, 8, 128))
     assert {(s.rows, s.keys) for s in seen_new} <= bound, seed
     assert len(seen_new) <= 2 * DRAFTER_SHAPE_BOUND
     assert {s.direction for s in seen_new} == {"fwd", "bwd"}
-    assert len(seen_old) > 2 * len(seen_new)  # the case is strong enough to tell the two apart
 
 
 def test_tool_runs_and_reports(tmp_path):
@@ -316,7 +295,7 @@ def test_tool_runs_and_reports(tmp_path):
                     "--max-len", "40000", "--quiet", "--out", str(out), "--json", str(tmp_path / "s.json")])
     assert rc == 0
     text = out.read_text()
-    assert "| 2 | legacy |" in text and "| 2 | default |" in text and "| 32768 |" in text
+    assert "| 2 | default |" in text and "| 2 | fewer |" in text and "| 32768 |" in text
 
 
 @pytest.mark.parametrize("argv", [["--variants", "x:nosuch=1"], ["--variants", "x:streams=2"], ["--cp", "0"],

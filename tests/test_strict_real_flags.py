@@ -69,7 +69,7 @@ def _load(path, name):
                                        (["--loss-decay-gamma", "nan"], "--loss-decay-gamma"),
                                        (["--loss-decay-gamma", "0"], "--loss-decay-gamma")])
 def test_train_demo_real_flags(argv, flag, capsys):
-    from megatron_splitkv.train_demo import parse_args
+    from examples.train_demo import parse_args
 
     with pytest.raises(SystemExit) as e:
         parse_args(argv)

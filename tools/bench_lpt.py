@@ -72,6 +72,8 @@ def main(argv=None):
     ap.add_argument("--hg-repeats", type=int_arg(1), default=3, help="timing repeats (hypergraph)")
     ap.add_argument("--strategies", default=",".join(VARIANTS), help=f"comma list of {list(VARIANTS)}")
     ap.add_argument("--quick", action="store_true", help="small-data mode (first 300 conversations)")
+    ap.add_argument("--cache-dir", default=None,
+                    help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     args = ap.parse_args(argv)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     bad = [s for s in strategies if s not in VARIANTS]
@@ -90,7 +92,7 @@ def main(argv=None):
         args.strategies = ",".join(s for s in args.strategies.split(",") if s != "hypergraph")
     strategies = args.strategies.split(",")
 
-    corpus = load_sharegpt(300 if args.quick else None)
+    corpus = load_sharegpt(300 if args.quick else None, cache_dir=args.cache_dir)
     loader = ShareGPTLoader(max_tokens=32768, num_anchors=512, seed=0, corpus=corpus, drop_last=True)
     data = {
         "ShareGPT 32K": [b for _, b in zip(range(args.batches), loader)],

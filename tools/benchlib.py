@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from megatron_splitkv._ints import as_int, int_arg, parse_int
-from megatron_splitkv.ops.common import own_key_start
+from megatron_splitkv.ops.common import own_key_start, own_rows, window_rows
 from megatron_splitkv.ops.metadata import check_head_split, head_split_from_text, resolve_num_chunks
 
 __all__ = [
@@ -286,6 +286,11 @@ class KernelCall:
     #: the calls is the all-heads count the FLOP convention multiplies by Hq). None: every head.
     kv_heads: tuple = None
     num_heads_kv: int = None
+    #: a windowed / causal layer (`_with_layer_type`): per-row bounds [rows] of the call's mask
+    #: (`IntervalMask.row_lo / row_lo2 / row_hi2`), lo the union of each block's rows; None: whole blocks
+    row_lo: np.ndarray = None
+    row_lo2: np.ndarray = None
+    row_hi2: np.ndarray = None
 
     @property
     def rows(self) -> int:
@@ -319,10 +324,11 @@ def _tile_pairs(lo, hi, B, tile=128):
     return tp
 
 
-def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None):
+def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None, window=None, causal=False):
     """KernelCall of blocks vs sorted keys; `own` = (valid [m] bool, first_block, first_key_block,
     n_own_blocks): the call's blocks first_block .. first_block + m - 1 also see their own B keys
-    (as `ops.common.with_own_blocks` builds them)."""
+    (as `ops.common.with_own_blocks` builds them). window / causal: a sliding-window / causal layer
+    (`_with_layer_type`)."""
     lo, hi = _intervals_np(keys_sorted, q_seq, q_anchor)
     pairs = float(B * np.maximum(hi - lo, 0).sum())
     tp = _tile_pairs(lo, hi, B, tile)
@@ -340,11 +346,54 @@ def _make_call(q_seq, q_anchor, keys_sorted, B, tile=128, own=None):
         call.own_lo, call.own_hi, call.own_keys, call.ctx_keys_padded = lo2, hi2, int(n_own) * B, c0
         call.pairs += float(B * (hi2 - lo2).sum())
         call.tile_pairs += _tile_pairs(lo2, hi2, B, tile)
+    if window is not None or causal:
+        _with_layer_type(call, window, causal, tile)
     return call
 
 
+def _with_layer_type(call, window, causal, tile=128):
+    """`call` (a KernelCall) for a sliding-window (window W) / causal layer: the op's own per-row bounds
+    (`ops.common.window_rows`, `own_rows`: row j of block b sees context positions > anchor + j - W and its own
+    block's keys by the dflash rule), the block lo their union, pairs and tile pairs recounted."""
+    B = call.block_size
+    keys = torch.from_numpy(np.ascontiguousarray(call.keys))
+    anchor = torch.from_numpy(np.asarray(call.q_anchor, np.int64))
+    seq = torch.where(anchor >= 0, torch.from_numpy(np.asarray(call.q_seq, np.int64)), 0)
+    lo, hi = torch.from_numpy(np.asarray(call.lo, np.int64)), torch.from_numpy(np.asarray(call.hi, np.int64))
+    pairs = 0.0
+    if window is not None:
+        rows = window_rows(keys, seq * (1 << 32), anchor, lo, hi, B, window)
+        call.row_lo, call.lo = rows.reshape(-1).numpy(), rows[:, 0].numpy().copy()
+        pairs += float((hi[:, None] - rows).sum())
+    else:
+        pairs += float(B * (hi - lo).sum())
+    call.tile_pairs = _tile_pairs(call.lo, call.hi, B, tile)
+    if call.own_lo is not None:
+        lo2, hi2 = torch.from_numpy(call.own_lo), torch.from_numpy(call.own_hi)
+        r_lo2, r_hi2 = own_rows(lo2, hi2, B, window, causal)
+        call.row_lo2, call.row_hi2 = r_lo2.numpy(), r_hi2.numpy()
+        pairs += float((r_hi2 - r_lo2).sum())
+        call.tile_pairs += _tile_pairs(call.own_lo, call.own_hi, B, tile)
+    call.pairs = pairs
+
+
+def context_pairs(anchors, block_size: int, window=None) -> float:
+    """Visible (query row, context key) pairs of one-sequence workloads (`make_workload`'s anchors per
+    sequence): row j of the block at anchor a sees min(a, W - 1 - j) context tokens (at least 0; all a
+    without a window): a * B per block without a window."""
+    total = 0.0
+    for a in anchors:
+        a = np.asarray(a, np.int64)
+        if window is None:
+            total += float(block_size * a.sum())
+        else:
+            j = np.arange(block_size, dtype=np.int64)
+            total += float(np.clip(np.minimum(a[:, None], window - 1 - j[None, :]), 0, None).sum())
+    return total
+
+
 def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True, chunk_axis="rows",
-                 num_heads_kv=None, head_split=None):
+                 num_heads_kv=None, head_split=None, window=None, causal=False):
     """The local-kernel calls `method` makes on `rank` under `plan`. Mirrors ops/*.py:
 
     - "splitkv": k calls (k = the op's chunk count for `num_chunks`, `resolve_chunks`; 1 in a tree
@@ -360,8 +409,10 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
       own shard) with the own block.
 
     own_block=False leaves the own block out (the context part only; also what a tree without the
-    fused own block runs in the kernel). Returns a list of `KernelCall`.
+    fused own block runs in the kernel). window / causal: a sliding-window / causal layer (the calls carry
+    the op's per-row bounds, `_with_layer_type`). Returns a list of `KernelCall`.
     """
+    layer = dict(window=window, causal=causal)
     P, B = plan.cp_size, plan.block_size
     sl = plan.query_slice(rank)
     nb = plan.blocks_per_rank
@@ -383,7 +434,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
                 split = check_head_split(head_split, num_heads_kv)
                 ends = np.cumsum(split).tolist()
                 bounds = list(zip([0] + ends[:-1], ends))
-            one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block)[0]
+            one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block, **layer)[0]
             calls = []
             for g0, g1 in bounds:
                 c = KernelCall(**{f: getattr(one, f) for f in one.__dataclass_fields__})
@@ -398,15 +449,15 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
         for b0, b1 in chunk_bounds(k, nb):
             idx = np.concatenate([np.arange(r * nb + b0, r * nb + b1) for r in range(P)])
             own = (valid_local[b0:b1], rank * (b1 - b0), b0, nb) if fused else None
-            calls.append(_make_call(plan.q_seq[idx], plan.q_anchor[idx], mine, B, own=own))
+            calls.append(_make_call(plan.q_seq[idx], plan.q_anchor[idx], mine, B, own=own, **layer))
         return calls
     own = (valid_local, 0, 0, nb) if fused else None
     if method == "allgather-kv":
         allk = np.sort(np.concatenate([keys_of(r) for r in range(P)]))
-        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], allk, B, own=own)]
+        return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], allk, B, own=own, **layer)]
     if method == "ring-kv":
         return [_make_call(plan.q_seq[sl], plan.q_anchor[sl], keys_of((rank - s) % P), B,
-                           own=own if s == 0 else None) for s in range(P)]
+                           own=own if s == 0 else None, **layer) for s in range(P)]
     raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
 
 
@@ -558,15 +609,23 @@ def chunk_inputs(calls, *, Hq, Hkv, D, dtype, device, gen, mask=None):
     return parts, ks, vs
 
 
+def _row_tensors(call, device) -> dict:
+    """The per-row bounds of a `KernelCall` (windowed / causal layers) as `IntervalMask` keyword tensors on
+    `device` (None where the call has none)."""
+    return {n: (None if getattr(call, n, None) is None else torch.as_tensor(getattr(call, n), device=device))
+            for n in ("row_lo", "row_lo2", "row_hi2")}
+
+
 def call_mask(call, device):
     """The `IntervalMask` of a `KernelCall` on `device` (with the own-block second intervals when it has them)."""
     from megatron_splitkv.kernels.base import IntervalMask
 
     lo, hi = torch.as_tensor(call.lo, device=device), torch.as_tensor(call.hi, device=device)
+    rows = _row_tensors(call, device)
     if call.own_lo is None:
-        return IntervalMask(call.block_size, lo, hi, call.num_keys)
+        return IntervalMask(call.block_size, lo, hi, call.num_keys, row_lo=rows["row_lo"])
     return IntervalMask(call.block_size, lo, hi, call.num_keys, torch.as_tensor(call.own_lo, device=device),
-                        torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded)
+                        torch.as_tensor(call.own_hi, device=device), num_ctx_keys=call.ctx_keys_padded, **rows)
 
 
 @dataclass
@@ -602,7 +661,10 @@ def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda
     from megatron_splitkv.kernels.base import IntervalMask
 
     device = torch.device(device)
-    kern = get_kernel(backend, device, dtype, head_dim=D)
+    # a windowed / causal layer's masks have per-row bounds: "auto" picks a kernel that reads them
+    kern = get_kernel(backend, device, dtype, head_dim=D,
+                      row_intervals=any(getattr(c, "row_lo", None) is not None or getattr(c, "row_lo2", None)
+                                        is not None for c in calls))
     gen = torch.Generator(device=device).manual_seed(seed)
     scale = D ** -0.5
     live = [c for c in calls if c.rows and c.num_keys]
@@ -616,15 +678,17 @@ def kernel_calls_timing(calls, *, Hq, Hkv, D, dtype=torch.bfloat16, device="cuda
         do = _rand((c.rows, hq, D), gen, device, dtype)
         lo = torch.as_tensor(c.lo, device=device)
         hi = torch.as_tensor(c.hi, device=device)
+        rows = _row_tensors(c, device)
         if c.own_lo is not None:
             lo2 = torch.as_tensor(c.own_lo, device=device)
             hi2 = torch.as_tensor(c.own_hi, device=device)
 
             def mk():
-                return IntervalMask(c.block_size, lo, hi, c.num_keys, lo2, hi2, num_ctx_keys=c.ctx_keys_padded)
+                return IntervalMask(c.block_size, lo, hi, c.num_keys, lo2, hi2, num_ctx_keys=c.ctx_keys_padded,
+                                    **rows)
         else:
             def mk():
-                return IntervalMask(c.block_size, lo, hi, c.num_keys)
+                return IntervalMask(c.block_size, lo, hi, c.num_keys, row_lo=rows["row_lo"])
         m0 = mk()
 
         def step():
@@ -753,11 +817,16 @@ def dflash_interval_mask(n_anchors: int, num_keys: int, *, block_size: int = 16,
 
 def _mask_rows(mask, rows: torch.Tensor, num_keys: int) -> torch.Tensor:
     """[len(rows), num_keys] bool visibility of query `rows` under an IntervalMask (its first interval
-    lo/hi and, when the mask has them, second intervals lo2/hi2)."""
+    lo/hi and, when the mask has them, second intervals lo2/hi2; a windowed / causal layer's per-row bounds
+    row_lo / row_lo2 / row_hi2 where the mask has them)."""
     blk = rows // mask.block_size
     j = torch.arange(num_keys, device=rows.device)
-    vis = (j[None] >= mask.lo[blk][:, None]) & (j[None] < mask.hi[blk][:, None])
+    row_lo = getattr(mask, "row_lo", None)
+    lo = mask.lo[blk] if row_lo is None else row_lo[rows]
+    vis = (j[None] >= lo[:, None]) & (j[None] < mask.hi[blk][:, None])
     lo2, hi2 = getattr(mask, "lo2", None), getattr(mask, "hi2", None)
+    if getattr(mask, "row_lo2", None) is not None:
+        lo2, hi2, blk = mask.row_lo2, mask.row_hi2, rows
     if lo2 is not None and hi2 is not None:
         vis |= (j[None] >= lo2[blk][:, None]) & (j[None] < hi2[blk][:, None])
     return vis

@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Extract DFlash target features to a memory-mapped file.")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--sharegpt-limit", type=int_arg(1), default=None, help="first N conversations (default all)")
+    p.add_argument("--cache-dir", default=None,
+                   help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     p.add_argument("--max-tokens", type=int_arg(2), default=32768, help="truncate conversations to this length")
     p.add_argument("--target-num-layers", type=int_arg(1), default=36)
     p.add_argument("--draft-num-layers", type=int_arg(1), default=5, help="determines the tap layers")
@@ -154,7 +156,7 @@ def main(argv=None):
     provider = TargetFeatureProvider(target, taps)
     if cuda:
         provider = provider.cuda()
-    corpus = load_sharegpt(args.sharegpt_limit)
+    corpus = load_sharegpt(args.sharegpt_limit, cache_dir=args.cache_dir)
     if len(corpus) and int(corpus.tokens.max()) >= args.vocab_size:
         print(f"extract_features.py: error: the ShareGPT token ids reach {int(corpus.tokens.max())}, beyond the "
               f"target's vocabulary (vocab_size {args.vocab_size}); use a target with the Qwen tokenizer's vocabulary",

@@ -30,7 +30,7 @@ Modes (logs and JSON go to --out, default ./out/gpu_check or $OUT when set; a ma
           section, so a timeout keeps what finished.
   dist    under torchrun (2+ processes, NCCL; gloo with --cpu): op exactness at CP=P (bf16 vs float64,
           output + all five grads) for the three ops and for splitkv through per-step metadata (the
-          training path; the one that takes --head-split), then the timing table: Lq 512 x 16, context 32K and
+          training path), then the timing table: Lq 512 x 16, context 32K and
           128K total, Hq 32, Hkv 8, D 128, bf16, median fwd+bwd with CUDA events, comm bytes per
           collective (comm_stats) and peak memory.
 
@@ -489,7 +489,7 @@ GRAD_NAMES = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
 
 def op_exactness(dev, cpu, world, rank, group, res, backend, config=None):
     """Each op at CP=world vs float64 reference: out and the five grads (errors gathered to rank 0). `config`: the
-    ops' SplitKVConfig (--chunk-axis / --num-chunks / --head-split; None: the defaults)."""
+    ops' SplitKVConfig (--chunk-axis / --num-chunks; None: the defaults)."""
     import torch.distributed as dist
 
     from megatron_splitkv.reference import dflash_attention_reference
@@ -519,8 +519,7 @@ def op_exactness(dev, cpu, world, rank, group, res, backend, config=None):
     loc, lmeta, (b0, b1), idx = _shard(t, meta, B, rank, world, chunk, 99)
     idx = idx.to(dev)
     rows = []
-    # splitkv also through per-step metadata (prepare_splitkv_metadata, then metadata=): the training path, and the
-    # only one that takes a head split (SplitKVConfig.head_split)
+    # splitkv also through per-step metadata (prepare_splitkv_metadata, then metadata=): the training path
     runs = [(name, fn, False) for name, fn in ops.items()]
     if "splitkv" in ops:
         runs.insert(1, ("splitkv (metadata)", ops["splitkv"], True))
@@ -1338,18 +1337,11 @@ def table_ops(res, world):
 
 
 def _op_config(args):
-    """The ops' SplitKVConfig from --chunk-axis / --num-chunks / --head-split (an error line naming the flag)."""
+    """The ops' SplitKVConfig from --chunk-axis / --num-chunks (an error line naming the flag)."""
     from megatron_splitkv import SplitKVConfig
 
-    split = None
-    if args.head_split:
-        try:
-            split = tuple(int_arg(1)(h) for h in args.head_split.split(","))
-        except (ValueError, argparse.ArgumentTypeError):
-            raise SystemExit(f"gpu_check.py: error: --head-split must be a comma list of positive ints, got "
-                             f"{args.head_split!r}") from None
     try:
-        return SplitKVConfig(chunk_axis=args.chunk_axis or "rows", num_chunks=args.num_chunks, head_split=split)
+        return SplitKVConfig(chunk_axis=args.chunk_axis or "rows", num_chunks=args.num_chunks)
     except ValueError as exc:
         raise SystemExit(f"gpu_check.py: error: {exc}") from None
 
@@ -1373,9 +1365,6 @@ def main(argv=None):
                     help="dist: SplitKVConfig.chunk_axis of the op exactness rows (default: the op's, rows)")
     ap.add_argument("--num-chunks", type=int_arg(1), default=None,
                     help="dist: SplitKVConfig.num_chunks of the op exactness rows (default: the op's)")
-    ap.add_argument("--head-split", default=None,
-                    help="dist: SplitKVConfig.head_split of the op exactness rows, kv heads per chunk, e.g. 1,1 (needs "
-                         "--chunk-axis heads; only the per-step metadata path takes it)")
     ap.add_argument("--te-emulator", action="store_true",
                     help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
     args = ap.parse_args(argv)

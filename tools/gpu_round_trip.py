@@ -4,12 +4,12 @@
     python tools/gpu_round_trip.py --out out/gpu_round_trip          # defaults: about 6 min on one H100
 
 1. target: a Qwen3 of a few hundred million parameters (defaults: hidden 1024, 12 layers, head dim 16, compact
-   vocabulary of the --limit ShareGPT conversations; `megatron_splitkv.demo_target.make_demo_target`, the
+   vocabulary of the --limit ShareGPT conversations; `examples/demo_target.py` `make_demo_target`, the
    demo's maker with a larger `DemoTargetSpec`) trained briefly with transformers on --device, capped at
    --target-seconds, saved in Hugging Face format to WORK/target-hf;
 2. regenerated responses: the target's greedy responses to the conversations' prompts on --device
    (`megatron_splitkv.data.regenerate`, WORK/regenerated.npz);
-3. drafter: the demo's trainer (`python -m megatron_splitkv.train_demo`, CP=--cp gloo processes on the host's
+3. drafter: the demo's trainer (`python examples/train_demo.py`, CP=--cp gloo processes on the host's
    CPU cores, CUDA hidden from it) on the regenerated corpus, imported through `megatron.hf.load_hf_target`,
    exported before and after training (WORK/drafter-hf-init, WORK/drafter-hf); killed at --drafter-seconds;
 4. tau: z-lab's dflash `dflash_generate` on --device (`megatron_splitkv.acceptance`, as
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     from megatron_splitkv.acceptance import evaluate_acceptance, format_report, heldout_prompts, load_pair
     from megatron_splitkv.acceptance import write_report
     from megatron_splitkv.data.regenerate import RegenerateSpec, ensure_regenerated
-    from megatron_splitkv.demo_target import DemoTargetSpec, make_demo_target
+    from examples.demo_target import DemoTargetSpec, make_demo_target
 
     summary = {"args": vars(args), "seconds": {}, "failed": None,
                "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else args.device}
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     save()
 
     t2 = time.time()
-    cmd = [sys.executable, "-m", "megatron_splitkv.train_demo", "--target-hf-path", target, "--out-dir", args.work,
+    cmd = [sys.executable, os.path.join(REPO, "examples", "train_demo.py"), "--target-hf-path", target, "--out-dir", args.work,
            "--limit", str(args.limit), "--hidden", str(args.hidden), "--target-layers", str(args.target_layers),
            "--draft-layers", str(args.draft_layers), "--steps", str(args.drafter_steps), "--lr", str(args.drafter_lr),
            "--cp", str(args.cp), "--threads", str(args.threads), "--max-tokens", str(args.max_tokens),

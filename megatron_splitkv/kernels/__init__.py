@@ -117,7 +117,8 @@ def _flex_importable() -> bool:
     return True
 
 
-def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, config: SplitKVConfig | None = None) -> str:
+def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, config: SplitKVConfig | None = None,
+                         row_intervals: bool = False) -> str:
     """What backend="auto" means for one call: "math", "fa4", "flex" or "staircase".
 
     Rule (docs/kernels.md, "FA4 kernel", "Staircase kernel", "auto"): "math" unless the device is CUDA,
@@ -137,6 +138,8 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
             and for every layer of a step (same metadata).
         device: torch.device or str; dtype: q/k/v dtype (None: unknown); head_dim: D (None: unknown).
         config: the rule's inputs (`SplitKVConfig.auto_fa4`, `.staircase_auto_min_keys`); None: the defaults.
+        row_intervals: the call's masks have per-row bounds (a sliding-window or causal layer,
+            `IntervalMask.has_rows`): never "staircase" (its dense rectangles have no per-row bounds).
     Returns: backend name.
     """
     config = resolve_config(config)
@@ -151,7 +154,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
 
         if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
             return "fa4"
-    if keys_per_call is None:
+    if keys_per_call is None or row_intervals:
         return "flex"
     threshold = config.staircase_auto_min_keys
     if threshold > 0 and int(keys_per_call) >= threshold and staircase_runs_on(device, dtype, head_dim):
@@ -186,7 +189,7 @@ def auto_backend_text(code: int) -> str:
 
 
 def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, keys_per_call=None,
-               config: SplitKVConfig | None = None):
+               config: SplitKVConfig | None = None, row_intervals: bool = False):
     """Return a (cached) local kernel instance: one per (backend, device type, dtype, kernel options).
 
     Args:
@@ -196,6 +199,8 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
         head_dim: D; "auto" uses "math" when D < 16.
         keys_per_call: "auto" only: the group-wide context keys per call (`auto_keys_per_call`); with it
             "auto" may pick "staircase" (`resolve_auto_backend`); None: flex / math only.
+        row_intervals: "auto" only: the masks have per-row bounds (windowed / causal layers): a kernel
+            that reads them (class attribute `row_intervals`: math, flex, fa4), never staircase.
         config: `SplitKVConfig` (None: the defaults): the "auto" rule's inputs and the kernels' options
             (`config.flex` for "flex", `config.staircase` (and the config, for its remainder kernel) for
             "staircase").
@@ -208,7 +213,7 @@ def get_kernel(backend: str = "auto", device=None, dtype=None, head_dim=None, ke
     config = resolve_config(config)
     dev_type = torch.device(device).type if device is not None else "cpu"
     if backend == "auto":
-        backend = resolve_auto_backend(keys_per_call, device, dtype, head_dim, config)
+        backend = resolve_auto_backend(keys_per_call, device, dtype, head_dim, config, row_intervals)
     kwargs = {"flex": dict(options=config.flex), "staircase": dict(options=config.staircase, config=config)}
     kwargs = kwargs.get(backend, {})
     key = (backend, dev_type, dtype)  # head_dim only picks the backend; non-default options are part of the key

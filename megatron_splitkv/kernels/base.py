@@ -22,6 +22,13 @@ mask, once per step, never in a kernel's hot path; the Transformer Engine kernel
     * 0 <= lo[b] <= hi[b] <= num_ctx_keys for non-empty first intervals (region 1 = [0, num_ctx_keys));
     * hi2[b] - lo2[b] is 0 or block_size; a non-empty one lies in [num_ctx_keys, num_keys) (region 2);
     * the non-empty second intervals are pairwise disjoint (each own key belongs to one block).
+Per-row bounds (optional; sliding-window and causal layers, `reference.dflash_attention_mask` with window /
+causal): row r of block b = r // B then sees [row_lo[r], hi[b]) UNION [row_lo2[r], row_hi2[r]) instead,
+with lo[b] <= row_lo[r] <= hi[b] and lo2[b] <= row_lo2[r] <= row_hi2[r] <= hi2[b]: the block intervals stay
+the union over the block's rows and drive tile skipping; the row bounds refine it. A kernel that reads the
+per-row bounds says so with the class attribute `row_intervals = True` (math, flex, fa4); the ops refuse
+the others for such a mask (`IntervalMask.has_rows`).
+
 The ops round num_ctx_keys up to a multiple of 128 (`ops.common.OWN_KEY_ALIGN`, FlexAttention's key
 tile), so no key tile mixes the two regions; the padding keys are zeros and lie in no interval.
 
@@ -86,9 +93,14 @@ class IntervalMask:
             (region 2, the own block); None: no second intervals.
         num_ctx_keys: where region 2 starts (first intervals end at or before it); defaults to
             num_keys (no region 2).
+        row_lo: optional [n_blocks * B] int64: row r sees [row_lo[r], hi[r // B]) of region 1 instead of
+            the block's [lo, hi) (lo <= row_lo <= hi); None: every row its block's interval.
+        row_lo2, row_hi2: optional [n_blocks * B] int64 (both or neither, only with lo2 / hi2): row r sees
+            [row_lo2[r], row_hi2[r]) of region 2 (inside its block's [lo2, hi2)); None: the block's.
 
     Raises:
-        ValueError: only one of lo2 / hi2 given, or num_ctx_keys outside [0, num_keys].
+        ValueError: only one of lo2 / hi2 (row_lo2 / row_hi2) given, row bounds of region 2 without
+            lo2 / hi2, or num_ctx_keys outside [0, num_keys].
     """
 
     block_size: int
@@ -98,10 +110,15 @@ class IntervalMask:
     lo2: torch.Tensor = None
     hi2: torch.Tensor = None
     num_ctx_keys: int = None
+    row_lo: torch.Tensor = None
+    row_lo2: torch.Tensor = None
+    row_hi2: torch.Tensor = None
 
     def __post_init__(self):
         if (self.lo2 is None) != (self.hi2 is None):
             raise ValueError("IntervalMask: lo2 and hi2 must both be tensors or both be None")
+        if (self.row_lo2 is None) != (self.row_hi2 is None) or (self.row_lo2 is not None and self.lo2 is None):
+            raise ValueError("IntervalMask: row_lo2 and row_hi2 must both be tensors (with lo2 / hi2) or both be None")
         if self.num_ctx_keys is None:
             self.num_ctx_keys = self.num_keys
         if not 0 <= self.num_ctx_keys <= self.num_keys:
@@ -116,6 +133,22 @@ class IntervalMask:
     def has_union(self) -> bool:
         """True when the mask has second (own-block) intervals."""
         return self.lo2 is not None
+
+    @property
+    def has_rows(self) -> bool:
+        """True when the mask has per-row bounds (row_lo or row_lo2 / row_hi2: a windowed or causal layer)."""
+        return self.row_lo is not None or self.row_lo2 is not None
+
+    def row_bounds(self) -> torch.Tensor:
+        """[2 or 4, n_blocks * B] int64 rows (lo, hi[, lo2, hi2]) of every query row: the per-row bounds where
+        the mask has them, else the block's intervals repeated over its B rows."""
+        bsz = self.block_size
+        rows = [self.lo.repeat_interleave(bsz) if self.row_lo is None else self.row_lo,
+                self.hi.repeat_interleave(bsz)]
+        if self.has_union:
+            rows += ([self.lo2.repeat_interleave(bsz), self.hi2.repeat_interleave(bsz)] if self.row_lo2 is None
+                     else [self.row_lo2, self.row_hi2])
+        return torch.stack(rows)
 
     def validate(self) -> "IntervalMask":
         """Check the contract of the module docstring (one host sync); returns self.
@@ -142,6 +175,11 @@ class IntervalMask:
         for name, t in tensors:
             if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int64:
                 raise ValueError(f"IntervalMask.{name} must be [{n}] int64, got {tuple(t.shape)} {t.dtype}")
+        rows = n * self.block_size
+        for name in ("row_lo", "row_lo2", "row_hi2"):
+            t = getattr(self, name)
+            if t is not None and (t.dim() != 1 or t.shape[0] != rows or t.dtype != torch.int64):
+                raise ValueError(f"IntervalMask.{name} must be [{rows}] int64, got {tuple(t.shape)} {t.dtype}")
         if n == 0:
             return []
         live = self.hi > self.lo

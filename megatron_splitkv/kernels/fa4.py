@@ -21,6 +21,14 @@ optionally a second (own-block) one. The per-row intervals are int32 "aux tensor
 BlockMask uses (`kernels.flex._block_tables`: partial and full tiles, key-major for the forward,
 query-major for the backward), computed once per mask and cached on it.
 
+GQA fold (`fold_gqa`, default on): with G = Hq / Hkv > 1 the call runs on the folded problem, where the G query
+heads of each kv head are G copies of each query block's rows (`fold_rows`, `fold_gqa_mask`): FA4 sees Hkv heads
+and Tq * G rows, so its backward takes the MHA path (one CTA per (key tile, kv head) accumulating dK / dV of
+the G heads in registers, written once) instead of its GQA path (one CTA per (key tile, query head), dK / dV
+summed through zero-filled fp32 accumulators by reduce-adds and a postprocess), and a 128-row query tile holds
+2 blocks of G heads instead of 8 blocks of one. Same pairs, same per-element arithmetic; the accounting and the
+predicted gain on packs: docs/lab/packs_accounting.md.
+
 Availability: optional. `pip install flash-attn-4 nvidia-cutlass-dsl` (extra `fa4`); CUDA devices of
 compute capability 9.x (Hopper; FA4's Blackwell kernels are not verified with these tables, see
 `VERIFIED_MAJORS`); bf16 / fp16; head dim a multiple of 8, at
@@ -39,13 +47,13 @@ import importlib.util
 import torch
 
 from .base import IntervalMask, mask_cache, check_call, check_cuda_head_dim, half_precision_cuda_index
-from .flex import TILE, _block_tables, _rows_table
+from .flex import TILE, _block_tables, _rows_table, rows_per_block
 
 #: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
-__all__ = ["FA4AttentionKernel", "fa4_available", "fa4_importable", "fa4_runs_on", "deterministic_requested",
-           "INSTALL_HINT"]
+__all__ = ["FA4AttentionKernel", "fold_gqa_mask", "fold_rows", "unfold_rows", "fa4_available", "fa4_importable",
+           "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
 
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper (sm90) GPU")
@@ -169,6 +177,45 @@ def _fit_prebuilt(prebuilt, nq: int, nk: int, tile: int):
                                   cut(q_num, nk), cut(q_idx, nk, nq), cut(full_q_num, nk), cut(full_q_idx, nk, nq))
 
 
+def fold_gqa_mask(mask: IntervalMask, groups: int) -> IntervalMask:
+    """The mask of the GQA-folded call (`fold_rows`): every block repeated `groups` times in a row (block b ->
+    blocks b * G .. b * G + G - 1, one per query head of a kv-head group, each with b's intervals and per-row
+    bounds), block size,
+    key counts and regions unchanged. `groups` 1: `mask` itself. Not validated: repeated own-block intervals
+    overlap, which the kernel allows (`IntervalMask.validate` is the ops' layout check, not the kernel's)."""
+    if groups == 1:
+        return mask
+
+    def rep(t):
+        return None if t is None else t.repeat_interleave(groups)
+
+    def rep_rows(t):  # per-row bounds (windowed / causal layers): block b's B rows, G times
+        return None if t is None else t.view(-1, 1, mask.block_size).expand(-1, groups, -1).reshape(-1)
+
+    return IntervalMask(mask.block_size, rep(mask.lo), rep(mask.hi), mask.num_keys, rep(mask.lo2), rep(mask.hi2),
+                        num_ctx_keys=mask.num_ctx_keys, row_lo=rep_rows(mask.row_lo), row_lo2=rep_rows(mask.row_lo2),
+                        row_hi2=rep_rows(mask.row_hi2))
+
+
+def fold_rows(x: torch.Tensor, block_size: int, groups: int) -> torch.Tensor:
+    """x [Tq, Hkv * G, ...] (query rows of blocks of `block_size` rows; G = `groups` query heads per kv head,
+    head h in group h // G) -> [Tq * G, Hkv, ...], one copy: row (b G + j) B + t, head g holds x[b B + t,
+    g G + j] (the B rows of block b, query head j of each group, as the j-th repeat of block b in
+    `fold_gqa_mask`). A [Tq, Hq] x (lse, delta) gives [Tq * G, Hkv]. Undone by `unfold_rows`."""
+    tq, hq = x.shape[0], x.shape[1]
+    nb, hkv = tq // block_size, hq // groups
+    y = x.reshape(nb, block_size, hkv, groups, *x.shape[2:]).transpose(1, 3).transpose(2, 3)  # [nb, G, B, Hkv, ..]
+    return y.reshape(tq * groups, hkv, *x.shape[2:])
+
+
+def unfold_rows(x: torch.Tensor, block_size: int, groups: int) -> torch.Tensor:
+    """Inverse of `fold_rows`: x [Tq * G, Hkv, ...] -> [Tq, Hkv * G, ...] (a new contiguous tensor)."""
+    tqg, hkv = x.shape[0], x.shape[1]
+    nb = tqg // (groups * block_size)
+    y = x.reshape(nb, groups, block_size, hkv, *x.shape[2:]).transpose(1, 2).transpose(2, 3)  # [nb, B, Hkv, G, ..]
+    return y.reshape(tqg // groups, hkv * groups, *x.shape[2:])
+
+
 class _Tables:
     """Per-mask FA4 inputs: the padded per-row interval table (aux tensors) and the block-sparse tables
     (forward: key tiles per query tile; backward: query tiles per key tile), partial and full."""
@@ -181,7 +228,8 @@ class _Tables:
             rows, tables = _fit_prebuilt(prebuilt, nq, nk, tile)
         else:
             rows = _rows_table(mask, nq * tile)  # [2 or 4, qp] int32, zeros (empty) on the padding rows
-            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=mask.block_size, q_tables=True)
+            tables = _block_tables(rows, nq * tile, nk * tile, tile, rows_per_block=rows_per_block(mask),
+                                   q_tables=True)
         kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
         self.aux = [rows[i] for i in range(rows.shape[0])]
         self.union = mask.has_union
@@ -211,6 +259,17 @@ class FA4AttentionKernel:
         tile: block-sparse tile (query and key), 128 (FlexAttention's default and FA4's sm90 block).
         cache_tables: keep the per-mask tables on the IntervalMask object (`mask._fa4_tables`), like the
             flex kernel's BlockMask cache (the ops share one mask per step across layers).
+        fold_gqa: with GQA (G = Hq / Hkv > 1), run FA4 on the folded problem (`fold_rows`, `fold_gqa_mask`):
+            the G query heads of a kv head become G copies of each query block's rows, so FA4 sees Hkv heads
+            and Tq * G rows. Same visible pairs, same arithmetic per (row, head). Why (docs/lab/packs_accounting.md):
+            FA4's GQA backward runs one CTA per (key tile, QUERY head) and sums dK / dV over the G heads through
+            fp32 accumulators (zero-filled, reduce-added per CTA, converted by a postprocess), work that scales
+            with the keys; folded, one CTA per (key tile, kv head) accumulates dK / dV of all G heads in
+            registers and writes them once in the input dtype, and a 128-row query tile holds 2 blocks x G
+            heads instead of 8 blocks (fewer partial tiles on packs of short sequences). Costs a query-sized
+            copy of q (and dO) into the folded layout and of out / lse (dq) back, and the tables are built on
+            the device per mask (host-built flex tables, `_prebuilt`, are for the unfolded rows). False: FA4's
+            own GQA (the layout before this option).
 
     Raises:
         ImportError: flash_attn.cute missing (the message gives the install command).
@@ -223,15 +282,18 @@ class FA4AttentionKernel:
     """
 
     name = "fa4"
+    #: reads the masks' per-row bounds (`IntervalMask.has_rows`: windowed / causal layers) through its row table
+    row_intervals = True
     native_dtype_results = True
     #: False: head slices are copied contiguous (`_b`); reading them in place through FA4's strides was not
     #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
-    def __init__(self, tile: int = TILE, cache_tables: bool = True):
+    def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool = True):
         self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
         self.tile = int(tile)
         self.cache_tables = cache_tables
+        self.fold_gqa = bool(fold_gqa)
 
     # ----------------------------------------------------------------------------------------------
     def check_dtype(self, dtype, device=None, head_dim=None):
@@ -249,16 +311,25 @@ class FA4AttentionKernel:
             raise ValueError(f"backend 'fa4' needs a CUDA device of compute capability 9.x (Hopper) with "
                              f"flash_attn.cute, got {device}")
 
-    def tables(self, mask: IntervalMask, q_len: int, kv_len: int) -> _Tables:
+    def tables(self, mask: IntervalMask, q_len: int, kv_len: int, groups: int = 1) -> _Tables:
         """The mask's FA4 tables at (q_len, kv_len) (cached on the mask unless cache_tables=False; the
         cache assumes lo / hi are not modified in place afterwards). A mask that carries FlexAttention
         tables built on the host by the data pipeline (`ops.metadata._FLEX_HOST`: the same tile
         classification at FlexAttention's padded lengths, which are >= ours, tile 128) reuses them: no
-        device work for the tables in the training step."""
-        if not self.cache_tables:
+        device work for the tables in the training step. groups G > 1: the tables of the GQA-folded call
+        (`fold_gqa_mask(mask, G)` at q_len * G rows), cached on `mask` too."""
+        def build():
+            if groups > 1:
+                return _Tables(fold_gqa_mask(mask, groups), q_len * groups, kv_len, self.tile, self._bst)
             return _Tables(mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len))
-        return mask_cache(mask, "_fa4_tables", (q_len, kv_len, self.tile), lambda: _Tables(
-            mask, q_len, kv_len, self.tile, self._bst, self._prebuilt(mask, q_len, kv_len)))
+
+        if not self.cache_tables:
+            return build()
+        return mask_cache(mask, "_fa4_tables", (q_len, kv_len, self.tile) + ((groups,) if groups > 1 else ()), build)
+
+    def _groups(self, q, k) -> int:
+        """G of the call's GQA fold: Hq / Hkv with `fold_gqa`, else 1 (no fold)."""
+        return q.shape[1] // k.shape[1] if self.fold_gqa else 1
 
     def _prebuilt(self, mask, q_len, kv_len):
         host = mask.__dict__.get(_FLEX_HOST)
@@ -291,12 +362,17 @@ class FA4AttentionKernel:
         if Tq == 0 or Tk == 0:
             out = q.new_zeros((Tq, Hq, D), dtype=q.dtype if native else torch.float32)
             return out, torch.full((Tq, Hq), float("-inf"), device=q.device), None
-        t = self.tables(mask, Tq, Tk)
-        out4 = q.new_empty((1, Tq, Hq, D))
-        lse4 = torch.empty((1, Hq, Tq), dtype=torch.float32, device=q.device)
-        self._fwd(self._b(q), self._b(k), self._b(v), softmax_scale=float(scale), return_lse=True,
+        G, B = self._groups(q, k), mask.block_size
+        t = self.tables(mask, Tq, Tk, G)
+        out4 = q.new_empty((1, Tq * G, Hq // G, D))
+        lse4 = torch.empty((1, Hq // G, Tq * G), dtype=torch.float32, device=q.device)
+        qf = fold_rows(q, B, G) if G > 1 else q
+        self._fwd(self._b(qf), self._b(k), self._b(v), softmax_scale=float(scale), return_lse=True,
                   mask_mod=self._mask_mod(t), block_sparse_tensors=t.fwd, aux_tensors=t.aux, out=out4, lse=lse4)
+        del qf
         out, lse = out4[0], lse4[0].transpose(0, 1)  # [Tq, Hq, D] input dtype, [Tq, Hq] fp32 view
+        if G > 1:  # back from the folded rows: one copy each (query-sized)
+            out, lse = unfold_rows(out, B, G), unfold_rows(lse, B, G)
         if native:
             return out, lse, None
         return out.float(), lse.contiguous(), None
@@ -309,20 +385,31 @@ class FA4AttentionKernel:
         if Tq == 0 or Tk == 0:
             return (q.new_zeros((Tq, Hq, D), dtype=rdt), k.new_zeros((Tk, Hkv, D), dtype=rdt),
                     k.new_zeros((Tk, Hkv, D), dtype=rdt))
-        t = self.tables(mask, Tq, Tk)
-        do4 = self._b(dout.to(q.dtype))
+        G, B = self._groups(q, k), mask.block_size
+        t = self.tables(mask, Tq, Tk, G)
+
+        def rows(x):  # [Tq, Hq, ...] -> the call's query rows (folded: [Tq * G, Hkv, ...])
+            return fold_rows(x, B, G) if G > 1 else x
+
+        do4 = self._b(rows(dout.to(q.dtype)))
         # out = 0 and dlse = -delta: FA4's D' = rowsum(dout * out) - dlse = delta (exact, fp32)
         zero4 = torch.zeros_like(do4)
-        lse4 = lse.to(torch.float32).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq, Tq]
-        dlse4 = delta.to(torch.float32).neg().transpose(0, 1).contiguous().unsqueeze(0)
+        lse4 = rows(lse.to(torch.float32)).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq / G, Tq * G]
+        dlse4 = rows(delta.to(torch.float32).neg()).transpose(0, 1).contiguous().unsqueeze(0)
         dq4 = torch.empty_like(do4)
-        dk4 = k.new_empty((1, Tk, Hkv, D))
-        dv4 = k.new_empty((1, Tk, Hkv, D))
-        self._bwd(self._b(q), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
+        # FA4's MHA path (folded, or Hq == Hkv) writes dK / dV itself: zero-filled first, so that key tiles no
+        # query tile lists (keys no block sees) read 0 whatever FA4 does with their CTAs (its GQA path sums into
+        # zero-filled accumulators; tests/test_fa4_kernel.py checks such tiles on the GPU, on NaN-filled memory)
+        alloc = k.new_zeros if Hq // G == Hkv else k.new_empty
+        dk4 = alloc((1, Tk, Hkv, D))
+        dv4 = alloc((1, Tk, Hkv, D))
+        self._bwd(self._b(rows(q)), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
                   mask_mod=self._mask_mod(t), aux_tensors=t.aux, block_sparse_tensors=t.bwd, dlse=dlse4,
                   dq=dq4, dk=dk4, dv=dv4)
         del zero4, do4, lse4, dlse4
         dq, dk, dv = dq4[0], dk4[0], dv4[0]
+        if G > 1:
+            dq = unfold_rows(dq, B, G)
         if native:
             return dq, dk, dv
         return dq.float(), dk.float(), dv.float()

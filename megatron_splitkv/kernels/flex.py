@@ -182,14 +182,27 @@ def _row_intervals(mask: IntervalMask, n_rows_padded: int):
     return (rows[0], rows[1]) + ((rows[2], rows[3]) if mask.has_union else (None, None))
 
 
+def rows_per_block(mask: IntervalMask) -> int:
+    """The `rows_per_block` of `_block_tables` for `mask`: B (one row per block examined) when every row of a
+    block has the block's intervals, 1 (every row) when the mask has per-row bounds (`IntervalMask.has_rows`:
+    a windowed / causal layer)."""
+    return 1 if mask.has_rows else mask.block_size
+
+
 def _rows_table(mask: IntervalMask, n_rows_padded: int) -> torch.Tensor:
     """[n, n_rows_padded] int32, n = 4 (lo, hi, lo2, hi2) or 2 (lo, hi): every block's intervals
-    repeated over its B rows, zeros for the padding rows. Two or three launches (stack, the cast and
-    repeat in one broadcast copy, the padding's zeros) instead of three to four per interval row."""
+    repeated over its B rows (or the mask's per-row bounds, `IntervalMask.row_bounds`), zeros for the
+    padding rows. Two or three launches (stack, the cast and repeat in one broadcast copy, the padding's
+    zeros) instead of three to four per interval row."""
     B = mask.block_size
     pad = n_rows_padded - mask.num_blocks * B
     if pad < 0:
         raise ValueError("padded query length shorter than the mask")
+    if mask.has_rows:
+        per_row = mask.row_bounds()
+        rows = torch.zeros(per_row.shape[0], n_rows_padded, dtype=torch.int32, device=per_row.device)
+        rows[:, : per_row.shape[1]].copy_(per_row)
+        return rows
     blocks = torch.stack([mask.lo, mask.hi] + ([mask.lo2, mask.hi2] if mask.has_union else []))
     n, nb = blocks.shape
     rows = torch.empty(n, n_rows_padded, dtype=torch.int32, device=blocks.device)
@@ -281,13 +294,14 @@ def build_block_mask(mask: IntervalMask, q_len: int, kv_len: int, tile: int = TI
     """FlexAttention `BlockMask` for an `IntervalMask` at padded lengths (q_len, kv_len).
 
     Built from `interval_block_tables` with `BlockMask.from_kv_blocks`; the mask_mod reads per-row lo/hi
-    (and lo2/hi2 for a mask with own-block intervals: the union) tensors on the mask's device. Raises
+    (and lo2/hi2 for a mask with own-block intervals: the union) tensors on the mask's device: the block's
+    intervals repeated, or the mask's per-row bounds (windowed / causal layers, every row classified). Raises
     RuntimeError when FlexAttention is unavailable.
     """
     if BlockMask is None:
         raise RuntimeError(f"FlexAttention is not available in this torch build: {_FLEX_IMPORT_ERROR}")
     rows = _rows_table(mask, q_len)
-    tables = _block_tables(rows, q_len, kv_len, tile, rows_per_block=mask.block_size, q_tables=True)
+    tables = _block_tables(rows, q_len, kv_len, tile, rows_per_block=rows_per_block(mask), q_tables=True)
     kv_num, kv_idx, full_num, full_idx, q_num, q_idx, full_q_num, full_q_idx = tables
     lo_row, hi_row, lo2_row, hi2_row = (rows[0], rows[1]) + ((rows[2], rows[3]) if mask.has_union else (None, None))
     # the BlockMask `from_kv_blocks` builds, with the q tables from the tile classification instead of
@@ -338,6 +352,8 @@ class FlexAttentionKernel:
     """
 
     name = "flex"
+    #: reads the masks' per-row bounds (`IntervalMask.has_rows`: windowed / causal layers) through its row table
+    row_intervals = True
     #: forward / backward take native=True: out, dq, dk, dv in the input dtype (what flex stores; the default
     #: results are their exact fp32 upcast), lse as a view (kernels/base.py, "native_dtype_results")
     native_dtype_results = True

@@ -39,6 +39,8 @@ class MathAttentionKernel:
     """
 
     name = "math"
+    #: reads the masks' per-row bounds (`IntervalMask.row_lo / row_lo2 / row_hi2`: windowed / causal layers)
+    row_intervals = True
     #: q / k / v / dout may be head slices (any row / head strides): every tile is selected into a new tensor
     strided_heads = True
 
@@ -99,7 +101,10 @@ class MathAttentionKernel:
         rows = (blk[:, None] * bsz + ar[None, :]).reshape(-1)
         qg = q.index_select(0, rows).to(acc)
         qg = qg.view(qg.shape[0], hkv, qg.shape[1] // hkv, qg.shape[2])
-        rlo = (mask.lo.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
+        if mask.row_lo is None:
+            rlo = (mask.lo.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
+        else:  # per-row bounds (sliding window): row r sees [row_lo[r], hi[b])
+            rlo = mask.row_lo.to(dev).index_select(0, rows) - klo
         rhi = (mask.hi.to(dev).index_select(0, blk) - klo).repeat_interleave(bsz)
         j = torch.arange(khi - klo, device=dev)
         vis = (j[None, :] >= rlo[:, None]) & (j[None, :] < rhi[:, None])
@@ -122,6 +127,11 @@ class MathAttentionKernel:
             s2 = torch.einsum("nikgd,njkd->kgnij", q5, k2) * scale  # [Hkv, G, n, B, B]
             s2 = s2.reshape(s2.shape[0], s2.shape[1], n * bsz, bsz)
             vis2 = has2.repeat_interleave(bsz)[:, None].expand(n * bsz, bsz)
+            if mask.row_lo2 is not None:  # per-row own-block bounds (windowed / causal layer)
+                start = lo2.repeat_interleave(bsz)
+                i = ar[None, :]
+                vis2 = vis2 & (i >= (mask.row_lo2.to(dev).index_select(0, rows) - start)[:, None]) \
+                    & (i < (mask.row_hi2.to(dev).index_select(0, rows) - start)[:, None])
             s = torch.cat([s, s2.masked_fill(~vis2, float("-inf"))], -1)
             vis = torch.cat([vis, vis2], -1)
             own = (idx, k2, v2)
@@ -143,10 +153,12 @@ class MathAttentionKernel:
         lse = torch.full((tq, hq), float("-inf"), dtype=acc, device=q.device)
         for blocks, klo, khi, has_own in self._groups(mask, hq):
             rows, _, (_, vg), own, s, _ = self._tile(q, k, v, mask, blocks, klo, khi, has_own, scale, acc)
-            mx = s.amax(-1, keepdim=True)  # finite: every row of a group sees >= 1 key
+            mx = s.amax(-1, keepdim=True)  # finite: every row of a group sees >= 1 key (unless per-row bounds)
+            if mask.has_rows:  # a row of a live block may see nothing (window < its offset): out 0, lse -inf
+                mx = torch.where(torch.isfinite(mx), mx, 0.0)
             p = torch.exp(s - mx)
             denom = p.sum(-1, keepdim=True)
-            p = p / denom
+            p = p / (torch.where(denom > 0, denom, 1.0) if mask.has_rows else denom)
             span = khi - klo
             o = torch.einsum("kgrs,skd->rkgd", p[..., :span], vg)
             if own is not None:

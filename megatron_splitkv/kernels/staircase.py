@@ -81,9 +81,8 @@ a run meets at most `shape_bound(...)` shapes (103 (rows, keys) for the drafter,
 graphs forward + backward with bwd_mode "query"; tools/staircase_shapes.py counts 112 per rank over 1000
 simulated steps at CP 1, vs 958 and still growing with the legacy rounding). Cost (H200): ~1% of the
 visible pairs move from the dense part to flex and 1-4 more dense calls: +1.5% / +3.8% / +6.1% kernel time
-at 32K / 64K / 128K keys. `key_buckets=0` (`StaircaseOptions(key_buckets=0)`) is the legacy
-rounding: one piece per rectangle, its key count rounded DOWN to a multiple of `key_grain` (unbounded: up
-to Tk / key_grain lengths). The backward "key" mode makes chunks [m_{c-1}, m_c) that are differences of
+at 32K / 64K / 128K keys. The kernel's options take key_buckets >= 1; `staircase_plan(key_buckets=0)`
+(the planner function alone) rounds each rectangle's key count DOWN to a multiple of `key_grain`. The backward "key" mode makes chunks [m_{c-1}, m_c) that are differences of
 bucketed ends: not in the bounded set.
 
 The plan (block order, groups, rectangles, remainder `IntervalMask`) needs host ints; it is computed
@@ -143,10 +142,10 @@ A = torch.ops.aten
 _BIG = 1.0e30  # backward statistics for rows whose global lse is -inf: exp(s - 1e30) = 0
 
 #: bounded dense shapes (module docstring, "Dense shapes"): key lengths per octave, bucket pieces per
-#: rectangle below the tile, longest dense key range; key_buckets=0 is the legacy rounding (multiples of key_grain)
+#: rectangle below the tile, longest dense key range
 KEY_BUCKETS, KEY_PIECES, MAX_TILE_KEYS = 4, 1, 65536
 #: options that may be 0
-_ZERO_OK = ("min_pairs", "sub_group_blocks", "key_buckets", "max_tile_keys", "piece_min_pairs")
+_ZERO_OK = ("min_pairs", "sub_group_blocks", "max_tile_keys", "piece_min_pairs")
 
 #: the options and their defaults (`config.StaircaseOptions`), the choice options' values, the remainder kernels
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(StaircaseOptions)}
@@ -628,8 +627,7 @@ class StaircaseAttentionKernel:
         key_grain: dense key counts are multiples of this [256].
         min_keys: smallest dense key count of a call [512].
         key_buckets: k > 0: key counts from the bucket set, k per octave (`key_bucket_lengths`), ranges cut
-            into tiles + bucket pieces (`split_keys`): a bounded set of shapes (`shape_bound`); 0: the
-            legacy rounding (one call per rectangle, keys rounded down to key_grain: unbounded) [4].
+            into tiles + bucket pieces (`split_keys`): a bounded set of shapes (`shape_bound`) [4].
         key_pieces: bucket pieces per rectangle below the tile (key_buckets > 0) [1].
         max_tile_keys: longest dense call in keys, rounded down to a bucket length; 0 = no tile (lengths
             then grow with the context); below min_keys: no dense call at all [65536].
@@ -723,8 +721,8 @@ class StaircaseAttentionKernel:
         bucket length <= the tile (`key_bucket_lengths`) with blocks x block_size x keys >= min_pairs.
         The cuDNN graphs of a run are at most 2 x len(bound) (forward and backward), per (heads, D, dtype).
 
-        Returns: set of (rows, keys) int pairs. Raises: ValueError when the set is unbounded (key_buckets
-            = 0: the legacy rounding; or max_tile_keys = 0: lengths grow with the context)."""
+        Returns: set of (rows, keys) int pairs. Raises: ValueError when the set is unbounded (max_tile_keys
+            = 0: lengths grow with the context)."""
         if not self.key_buckets or not self.max_tile_keys:
             raise ValueError("the dense shapes are bounded only with key_buckets > 0 and max_tile_keys > 0, got "
                              f"key_buckets={self.key_buckets}, max_tile_keys={self.max_tile_keys}")

@@ -9,6 +9,8 @@ Only this subpackage imports `megatron.core`. Entry points:
 * `add_splitkv_args` / `validate_splitkv_args`: `--context-parallel-impl`, `--cp-chunk-size`,
   `--cp-balance`, `--splitkv-kernel`, `--splitkv-no-overlap-q-gather` (Megatron `extra_args_provider`;
   `arguments.kernel_backend_from_args` / `overlap_query_gather_from_args` map them to the spec options).
+* `create_cp_check_groups` (once at start-up, collective) / `cp_check_group`: the CP groups' gloo mirrors,
+  over which the layers' ops exchange their per-call verdict rows on the host (no device sync).
 * `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches;
   `prefetch_planned_batches`: the same in DataLoader workers ahead of the step (`--dflash-data-workers`).
 
@@ -21,9 +23,11 @@ from .arguments import (
     SplitKVArgumentError,
     add_splitkv_args,
     check_attention_heads,
+    layer_attention_from_args,
     validate_splitkv_args,
 )
 from .attention import DFlashPackedSeqParams, SplitKVCoreAttention, resolve_cp_attention_fn
+from .check_groups import cp_check_group, create_cp_check_groups
 from .layers import DFlashAttention, DFlashAttentionSubmodules, DFlashTransformerLayer, apply_rope
 from .sharding import (
     get_batch_on_this_cp_rank_splitkv,
@@ -44,10 +48,13 @@ __all__ = [
     "SplitKVArgumentError",
     "add_splitkv_args",
     "check_attention_heads",
+    "layer_attention_from_args",
     "validate_splitkv_args",
     "DFlashPackedSeqParams",
     "SplitKVCoreAttention",
     "resolve_cp_attention_fn",
+    "create_cp_check_groups",
+    "cp_check_group",
     "DFlashAttention",
     "DFlashAttentionSubmodules",
     "DFlashTransformerLayer",

@@ -41,6 +41,11 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
                              forward_step (as DataLoader num_workers=0 runs the same work in the main process)
     --dflash-device-prefetch {on,off}  upload the next batch (and bind its metadata) while the current
                              step's forward runs, one batch ahead; default on
+    --dflash-layer-types T,T,...  attention type of each drafter layer, full_attention or sliding_attention
+                             (one per --num-layers; default: all full_attention), as dflash's config.layer_types
+    --dflash-sliding-window W  window of the sliding_attention layers (int >= 1; required with any)
+    --dflash-is-causal {true,false}  dflash's config.is_causal (default unset: causal exactly for the
+                             sliding layers); `layer_attention_from_args` gives each layer's (window, causal)
 
 Source: DESIGN.md sections 3-4; arXiv 2611.05926.
 """
@@ -55,6 +60,7 @@ from typing import Optional
 
 from .._ints import _shown, as_int, int_arg, parse_int
 from ..config import CHUNK_AXES, SplitKVConfig
+from ..layer_types import LAYER_TYPES, layer_attention_kinds, layer_windows
 
 __all__ = [
     "CP_IMPLS",
@@ -77,6 +83,8 @@ __all__ = [
     "runtime_flag_values",
     "auto_cp_ranks_per_node",
     "auto_pipeline",
+    "layer_attention_from_args",
+    "planner_cost_model_from_args",
 ]
 
 CP_IMPLS = ("splitkv", "allgather-kv", "ring-kv")
@@ -200,6 +208,20 @@ HOST_METADATA_CHOICES = ("on", "off")
 #: values of --dflash-device-prefetch
 DEVICE_PREFETCH_CHOICES = ("on", "off")
 
+#: values of --dflash-is-causal
+IS_CAUSAL_CHOICES = ("true", "false")
+
+
+def _layer_types_arg(text: str) -> tuple:
+    """argparse `type=` of --dflash-layer-types: a comma-separated list of LAYER_TYPES (spaces around commas
+    allowed); a bad entry is argparse's error line naming the flag."""
+    types = tuple(t.strip() for t in str(text).split(","))
+    bad = [t for t in types if t not in LAYER_TYPES]
+    if bad:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of {' / '.join(LAYER_TYPES)} (one per "
+                                         f"--num-layers), got {_shown(bad[0])} in {_shown(text)}")
+    return types
+
 #: the plugin's own flags, added by `add_splitkv_args` where the parser does not have them: (flag, add_argument kwargs)
 _FLAG_SPECS = (
     ("--context-parallel-impl", dict(
@@ -302,6 +324,25 @@ _FLAG_SPECS = (
              "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
              "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
              "Default: on.")),
+    ("--dflash-layer-types", dict(
+        type=_layer_types_arg,
+        default=None,
+        help="Attention type of each drafter layer, comma-separated, one per --num-layers: full_attention "
+             "(context before the anchor, bidirectional block) or sliding_attention (the last "
+             "--dflash-sliding-window positions, causal block), as the layer_types of dflash's drafter config "
+             "(written to the exported config.json). Default: every layer full_attention.")),
+    ("--dflash-sliding-window", dict(
+        type=int_arg(1),
+        default=None,
+        help="Sliding window W of the sliding_attention layers (an int >= 1): the query at position q sees "
+             "keys at positions > q - W (dflash's config.sliding_window). Required when --dflash-layer-types "
+             "has a sliding_attention layer, refused otherwise.")),
+    ("--dflash-is-causal", dict(
+        type=str,
+        default=None,
+        choices=IS_CAUSAL_CHOICES,
+        help="dflash's config.is_causal: true = every layer causal inside the draft block, false = none. "
+             "Default: unset (sliding_attention layers causal, full_attention layers bidirectional).")),
 )
 
 
@@ -434,6 +475,47 @@ def format_parsed_args(args) -> str:
     'None' differ). No trailing newline."""
     values = args if isinstance(args, dict) else vars(args)
     return "\n".join(f"{name} = {values[name]!r}" for name in sorted(values))
+
+
+def layer_attention_from_args(args):
+    """Each drafter layer's (window, causal) from `--dflash-layer-types`, `--dflash-sliding-window`,
+    `--dflash-is-causal` and `--num-layers` (`layer_types.layer_attention_kinds`: dflash's rule), or None when
+    none of the three is set (every layer full attention, non-causal: the ops' default). SplitKVArgumentError
+    naming the flag: a layer count other than --num-layers, a sliding layer without a window, a window
+    without a sliding layer, an unknown type or value."""
+    types = getattr(args, "dflash_layer_types", None)
+    window = getattr(args, "dflash_sliding_window", None)
+    causal = getattr(args, "dflash_is_causal", None)
+    if types is None and window is None and causal is None:
+        return None
+    if isinstance(types, str):
+        try:
+            types = _layer_types_arg(types)
+        except argparse.ArgumentTypeError as exc:
+            raise SplitKVArgumentError(f"--dflash-layer-types {exc}") from None
+    if causal is not None and causal not in IS_CAUSAL_CHOICES:
+        raise SplitKVArgumentError(f"--dflash-is-causal must be one of {IS_CAUSAL_CHOICES}, got {_shown(causal)}")
+    layers = getattr(args, "num_layers", None)
+    if layers is None:
+        layers = len(types) if types is not None else 1
+    names = {"layer_types": "--dflash-layer-types", "sliding_window": "--dflash-sliding-window",
+             "is_causal": "--dflash-is-causal", "num_layers": "--num-layers"}
+    try:
+        return layer_attention_kinds(types, num_layers=layers, sliding_window=window,
+                                     is_causal=None if causal is None else causal == "true", names=names)
+    except ValueError as exc:
+        raise SplitKVArgumentError(str(exc)) from None
+
+
+def planner_cost_model_from_args(args):
+    """The planner's `CostModel` of a drafter job: default coefficients, `layer_windows` from the layer types
+    (`layer_attention_from_args`); None (the planner's default) when no layer has a window."""
+    windows = layer_windows(layer_attention_from_args(args))
+    if windows is None:
+        return None
+    from ..planning import CostModel
+
+    return CostModel(layer_windows=windows)
 
 
 def data_prefetch_from_args(args) -> int:
@@ -664,6 +746,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     device_prefetch_from_args(args)
     if getattr(args, "dflash_host_metadata", None) is not None:
         host_metadata_from_args(args, num_workers=0)
+    layer_attention_from_args(args)
     if impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
     tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)

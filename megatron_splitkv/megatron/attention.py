@@ -45,6 +45,7 @@ from ..ops import (
 )
 from ..ops.metadata import SplitKVMetadata, check_prepared_config, raise_on_every_rank
 from .arguments import CP_IMPLS
+from .check_groups import cp_check_group
 
 __all__ = [
     "CP_IMPLS",
@@ -59,6 +60,13 @@ _OPS = {
     "allgather-kv": allgather_kv_attention,
     "ring-kv": ring_kv_attention,
 }
+
+
+def kind_kwargs(window: Optional[int], causal: bool) -> dict:
+    """The ops' `window=` / `causal=` keywords of a layer kind; {} for the default kind (no window, not
+    causal), so that a call of a full-attention layer is the plain one."""
+    return {} if window is None and not causal else {"window": window, "causal": bool(causal)}
+
 
 #: plain cross-attention as DFlash metadata: the anchor of a query row that sees every context key of
 #: its sample (positions are < 2**31 - 1), and the sequence id of masked-out keys (no query has it).
@@ -161,7 +169,8 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
     def op_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
                     dtype: torch.dtype, device, cp_group=None, backend: str = "auto",
-                    config: Optional[SplitKVConfig] = None) -> SplitKVMetadata:
+                    config: Optional[SplitKVConfig] = None, window: Optional[int] = None,
+                    causal: bool = False, check_group=None) -> SplitKVMetadata:
         """The CP op's `SplitKVMetadata` for this micro-batch, prepared on the first call (collective:
         every rank of `cp_group` calls it, as every rank runs the same layers) with
         `prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, block_size=..., impl=cp_impl, ...)`
@@ -170,6 +179,12 @@ class DFlashPackedSeqParams(PackedSeqParams):
         `metadata=` (with q_seq, q_anchor, kv_seq, kv_pos, block_size, cp_group left None). `backend`: the
         kernel the calls pass (prepare's `backend`: only "auto" takes part in the group-wide check of what
         "auto" resolves to). `config`: the layer's `SplitKVConfig` (prepare's `config`; None: the defaults).
+        `check_group`: the gloo mirror of cp_group (prepare's `check_group`, `check_groups.cp_check_group`; part
+        of the key) or None.
+        `window`, `causal`: the layer's attention kind (prepare's; `layer_types`): part of the key, so a model
+        that mixes layer kinds holds one metadata per distinct (window, causal) and step, each layer taking its
+        own; only the first kind is prepared (collective), the others are derived from it without a collective
+        (`SplitKVMetadata.with_attention_type`; ring-kv, whose masks need the other ranks' keys, prepares each).
 
         The cached metadata holds validated copies/views of the four index tensors: they must not be
         modified in place after the first call. Errors: those of `prepare_splitkv_metadata` (ValueError
@@ -177,32 +192,44 @@ class DFlashPackedSeqParams(PackedSeqParams):
 
         With `self.metadata` (bound metadata built ahead): returns it, after `check_metadata` against this
         call (ValueError "DFlashPackedSeqParams.metadata ... : <field> ..." naming what differs; the same
-        on every rank, before any collective); nothing is prepared."""
+        on every rank, before any collective); nothing is prepared: a layer of another kind gets
+        `self.metadata.with_attention_type(window, causal)` (no collective)."""
         device = torch.device(device)
         config = resolve_config(config)
-        key = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
-               config.digest())
+        base = (cp_impl, int(num_heads_q), int(num_heads_kv), int(head_dim), dtype, device, id(cp_group),
+                config.digest(), id(check_group))
+        key = base + ((window, bool(causal)),)
         meta = self._op_metadata.get(key)
-        if meta is None and self.metadata is not None:
+        if meta is None and self.metadata is not None:  # built ahead for one kind: the others derived from it
             self.check_metadata(cp_impl, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv, head_dim=head_dim,
-                                dtype=dtype, device=device, cp_group=cp_group, config=config)
-            meta = self._op_metadata[key] = self.metadata
+                                dtype=dtype, device=device, cp_group=cp_group, config=config,
+                                window=self.metadata.window, causal=self.metadata.causal,
+                                check_group=check_group)
+            meta = self._op_metadata[key] = self.metadata.with_attention_type(window, causal)
         if meta is None:  # the metadata references cp_group, so id(cp_group) cannot be reused meanwhile
-            meta = prepare_splitkv_metadata(
-                self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
-                num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
-                dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
-            )
+            sibling = next((m for k, m in self._op_metadata.items() if k[:-1] == base), None)
+            if sibling is not None and cp_impl != "ring-kv":  # another layer kind of this step: no collective
+                meta = sibling.with_attention_type(window, causal)
+            else:
+                meta = prepare_splitkv_metadata(
+                    self.q_seq, self.q_anchor, self.kv_seq, self.kv_pos, block_size=int(self.block_size),
+                    num_heads_q=int(num_heads_q), num_heads_kv=int(num_heads_kv), head_dim=int(head_dim),
+                    dtype=dtype, cp_group=cp_group, impl=cp_impl, device=device, backend=backend, config=config,
+                    check_group=check_group, **kind_kwargs(window, causal),
+                )
             self._op_metadata[key] = meta
         return meta
 
     def check_metadata(self, cp_impl: str, *, num_heads_q: int, num_heads_kv: int, head_dim: int,
-                       dtype: torch.dtype, device, cp_group=None, config: Optional[SplitKVConfig] = None) -> None:
+                       dtype: torch.dtype, device, cp_group=None, config: Optional[SplitKVConfig] = None,
+                       window: Optional[int] = None, causal: bool = False, check_group=None) -> None:
         """Raise ValueError unless `self.metadata` (bound metadata built ahead) fits a layer call with
         these arguments: a bound `SplitKVMetadata` of impl `cp_impl` (splitkv), bound to `cp_group` (the
         same process group object; None: the default group / one process), with this block size, Hq, Hkv
-        (per TP rank), head dim, dtype, device, this rank's query block / context token counts, and the
-        layer's `config` (None: the defaults; fields set by the build's keyword arguments excepted). Local
+        (per TP rank), head dim, dtype, device, this rank's query block / context token counts, its check
+        group (`bind(..., check_group=)`: the layer's `check_group`, None or the same group object), the
+        layer's `config` (None: the defaults; fields set by the build's keyword arguments excepted), and the
+        layer's attention kind (`window`, `causal`; metadata built ahead holds one kind). Local
         checks only (no collective, no host sync; with the metadata's `config.debug_checks` also the index
         values, one host sync)."""
         from ..comm import resolve_group
@@ -226,12 +253,18 @@ class DFlashPackedSeqParams(PackedSeqParams):
             other = ", another group object" if got_g.pg is not want_g.pg else ""
             diffs.append(f"CP group (size {got_g.size}, rank {got_g.rank}{other}; layer: size {want_g.size}, "
                          f"rank {want_g.rank})")
+        if getattr(meta.check_group, "pg", None) is not check_group:
+            diffs.append(f"check_group ({'none' if meta.check_group is None else 'a gloo group'}; layer: "
+                         f"{'none' if check_group is None else 'its CP group mirror'}: bind with "
+                         "check_group=megatron_splitkv.megatron.cp_check_group(cp_group))")
         for name, got, want in (("block_size", meta.block_size, int(self.block_size)),
                                 ("num_heads_q (Hq per TP rank)", meta.num_heads_q, int(num_heads_q)),
                                 ("num_heads_kv (Hkv per TP rank)", meta.num_heads_kv, int(num_heads_kv)),
                                 ("head_dim", meta.head_dim, int(head_dim)),
                                 ("dtype", meta.dtype, dtype),
-                                ("device", torch.device(meta.device), torch.device(device))):
+                                ("device", torch.device(meta.device), torch.device(device)),
+                                ("window", meta.window, window),
+                                ("causal", bool(meta.causal), bool(causal))):
             if got != want:
                 diffs.append(f"{name} {got} (layer: {want})")
         try:
@@ -288,6 +321,19 @@ def resolve_cp_attention_fn(cp_impl: str) -> Callable:
     return _OPS[cp_impl]
 
 
+def _layer_kind(layer_attention, layer_number: int, num_layers: int) -> tuple:
+    """(window, causal) of Megatron layer `layer_number` (1-based, global) from a per-layer table (None: the
+    default kind). ValueError naming --dflash-layer-types when the table does not have num_layers entries."""
+    if layer_attention is None:
+        return None, False
+    table = tuple(layer_attention)
+    if len(table) != num_layers:
+        raise ValueError(f"--dflash-layer-types has {len(table)} layer kinds (layer_attention), the model has "
+                         f"{num_layers} layers (--num-layers): give one per layer")
+    window, causal = table[layer_number - 1]
+    return window, bool(causal)
+
+
 @dataclass(eq=False)
 class DFlashQueryGather:
     """The query all-gather of one DFlash layer started early by `SplitKVCoreAttention.start_query_gather`
@@ -319,6 +365,11 @@ class SplitKVCoreAttention(MegatronModule):
     The CP group is `pg_collection.cp`, else `parallel_state.get_context_parallel_group()`.
     `cp_comm_type` is ignored (the implementation is chosen by `cp_impl`). `splitkv_config`: the op's
     `SplitKVConfig` (None: the defaults), given to every op call and metadata prepare of the layer.
+    `layer_attention`: None (every layer full attention, non-causal), or one (window, causal) per layer of the
+    model (`megatron_splitkv.layer_types`, `arguments.layer_attention_from_args`); this layer runs entry
+    `layer_number - 1` (Megatron's global 1-based layer number, so pipeline stages pick their own), stored as
+    `self.window` / `self.causal` and given to the op's metadata (DFlash mode only). ValueError naming
+    `--dflash-layer-types` when its length is not config.num_layers.
 
     Call: `forward(query, key, value, attention_mask, *, attn_mask_type=None, attention_bias=None,
     packed_seq_params=None, query_gather=None)` with heads already split by TP:
@@ -363,6 +414,7 @@ class SplitKVCoreAttention(MegatronModule):
         cp_impl: str = "splitkv",
         kernel_backend: str = "auto",
         splitkv_config: Optional[SplitKVConfig] = None,
+        layer_attention=None,
         **unused,
     ):
         super().__init__(config=config)
@@ -384,6 +436,12 @@ class SplitKVCoreAttention(MegatronModule):
         if cp is None and parallel_state.model_parallel_is_initialized():
             cp = parallel_state.get_context_parallel_group(check_initialized=False)
         self.cp_group = cp
+        self.window, self.causal = _layer_kind(layer_attention, layer_number, config.num_layers)
+
+    def _check_group(self):
+        """The gloo mirror of the CP group (`check_groups.create_cp_check_groups`) over which the ops exchange
+        their verdict rows on the host, or None (then over the CP group itself)."""
+        return cp_check_group(self.cp_group) if self._cp_size() > 1 else None
 
     def _scale(self, d: int) -> float:
         return 1.0 / math.sqrt(d) if self.softmax_scale is None else self.softmax_scale
@@ -416,7 +474,7 @@ class SplitKVCoreAttention(MegatronModule):
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=num_heads_kv, head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
-            config=self.splitkv_config,
+            config=self.splitkv_config, window=self.window, causal=self.causal, check_group=self._check_group(),
         )
         return DFlashQueryGather(query=query, q=q, gather=splitkv_start_query_gather(q, metadata=meta),
                                  params=params)
@@ -467,15 +525,17 @@ class SplitKVCoreAttention(MegatronModule):
             q, k_ctx, v_ctx, k_blk, v_blk, sbhd = self._dflash_inputs(query, key, value, params, query_gather)
         except ValueError as exc:  # the other ranks are in the op's first collective: join it with the error
             raise_on_every_rank("SplitKVCoreAttention", self.cp_group, exc,
-                                query.device if isinstance(query, Tensor) else None)
+                                query.device if isinstance(query, Tensor) else None, self._check_group())
         fn = resolve_cp_attention_fn(self.cp_impl)
         # built by the first layer of the step, reused by the others (see DFlashPackedSeqParams)
         meta = params.op_metadata(
             self.cp_impl, num_heads_q=q.shape[1], num_heads_kv=k_ctx.shape[1], head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, cp_group=self.cp_group, backend=self.kernel_backend,
-            config=self.splitkv_config,
+            config=self.splitkv_config, window=self.window, causal=self.causal, check_group=self._check_group(),
         )
-        extra = {} if query_gather is None else {"query_gather": query_gather.gather}
+        extra = kind_kwargs(self.window, self.causal)  # the layer kind: the metadata's, checked by the op
+        if query_gather is not None:
+            extra["query_gather"] = query_gather.gather
         out = fn(q, k_ctx, v_ctx, k_blk, v_blk, softmax_scale=self._scale(q.shape[-1]),
                  backend=self.kernel_backend, metadata=meta, **extra)
         width = q.shape[1] * q.shape[2]  # explicit: a CP rank may hold zero query blocks (0 rows)
@@ -585,5 +645,6 @@ class SplitKVCoreAttention(MegatronModule):
         fn = resolve_cp_attention_fn(self.cp_impl)
         out = fn(flat(query), flat(key), flat(value), None, None, q_seq, q_anchor, kv_seq, kv_pos,
                  block_size=1, cp_group=self.cp_group, softmax_scale=self._scale(query.shape[-1]),
-                 backend=self.kernel_backend, config=self.splitkv_config)  # [b*sq, H, D]
+                 backend=self.kernel_backend, config=self.splitkv_config,
+                 check_group=self._check_group())  # [b*sq, H, D]
         return out.reshape(b, sq, -1).transpose(0, 1).contiguous()

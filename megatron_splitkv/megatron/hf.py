@@ -62,6 +62,7 @@ from torch import Tensor
 
 from ..checkpoint import CheckpointError, iteration_dir, read_tracker, resolve_checkpoint, verify_manifest
 from ..dflash import target_layer_ids
+from ..layer_types import hf_layer_fields, layer_attention_kinds
 from .models.target import _TE_TO_LOCAL, build_target_model, qwen3_config
 
 __all__ = [
@@ -617,12 +618,23 @@ def _check_expressible(get: Callable[[str], Any], where: str) -> None:
 def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int, target_layer_ids: Sequence[int],
                       num_target_layers: int, block_size: int, vocab_size: int, rope_theta: float,
                       rms_norm_eps: float = 1e-6, max_position_embeddings: int = 32768,
-                      dtype: str = "float32") -> dict:
+                      dtype: str = "float32", layer_types: Optional[Sequence[str]] = None,
+                      sliding_window: Optional[int] = None, is_causal: Optional[bool] = None) -> dict:
     """The DFlash config.json dict (DESIGN.md section 6): architectures ["DFlashDraftModel"], model_type
     "qwen3", the Qwen3 fields, num_target_layers, block_size, dflash_config {mask_token_id,
-    target_layer_ids}. Errors: `HFCheckpointError` for tap ids outside [0, num_target_layers), a mask
-    token outside the vocabulary, or a fc width that is not len(target_layer_ids) * hidden (checked by
-    the callers that know it)."""
+    target_layer_ids}, and the layer types: `layer_types` (None: all full_attention), `sliding_window` and
+    `use_sliding_window` (what z-lab's dflash and transformers' Qwen3Config read; Qwen3Config drops
+    sliding_window unless use_sliding_window is true), with sliding layers also dflash_config {use_swa,
+    swa_window_size} (what SGLang-style engines read), and `is_causal` (plus dflash_config.causal) when
+    given (None: dflash's default, causal exactly for the sliding layers; `layer_types.layer_attention_kinds`).
+    Errors: `HFCheckpointError` for tap ids outside [0, num_target_layers), a mask token outside the
+    vocabulary, bad layer types (`layer_attention_kinds`' checks), or a fc width that is not
+    len(target_layer_ids) * hidden (checked by the callers that know it)."""
+    try:
+        layer_attention_kinds(layer_types, num_layers=num_layers, sliding_window=sliding_window, is_causal=is_causal)
+    except ValueError as exc:
+        raise HFCheckpointError(f"drafter layer types: {exc}") from None
+    sliding = layer_types is not None and "sliding_attention" in layer_types
     taps = [int(i) for i in target_layer_ids]
     if not taps or min(taps) < 0 or max(taps) >= num_target_layers:
         raise HFCheckpointError(f"target_layer_ids {taps} must lie in [0, num_target_layers = {num_target_layers})")
@@ -646,13 +658,16 @@ def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "tie_word_embeddings": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "layer_types": ["full_attention"] * int(num_layers),
+        "use_sliding_window": sliding,
+        "sliding_window": int(sliding_window) if sliding else None,
+        "layer_types": list(layer_types) if layer_types is not None else ["full_attention"] * int(num_layers),
+        **({} if is_causal is None else {"is_causal": bool(is_causal)}),
         "dtype": dtype,
         "num_target_layers": int(num_target_layers),
         "block_size": int(block_size),
-        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": taps},
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": taps,
+                          **({"use_swa": True, "swa_window_size": int(sliding_window)} if sliding else {}),
+                          **({} if is_causal is None else {"causal": bool(is_causal)})},
     }
 
 
@@ -719,9 +734,15 @@ def drafter_export_meta(model, *, target_layer_ids: Sequence[int], num_target_la
     megatron_splitkv.export`) can write the config later.
 
     Returns {mask_token_id, target_layer_ids, num_target_layers, block_size, vocab_size, rope_theta,
-    rms_norm_eps, max_position_embeddings} (plain Python values). mask_token_id, block_size, rope theta
-    (the layers' rotary_base) and rms eps come from the model; vocab_size defaults to the shared
-    embedding's rows (`word_embeddings.num_embeddings`)."""
+    rms_norm_eps, max_position_embeddings, layer_types, sliding_window, is_causal} (plain Python values).
+    mask_token_id, block_size, rope theta (the layers' rotary_base), rms eps and the layer types (the model's
+    `layer_attention`, `layer_types.hf_layer_fields`) come from the model; vocab_size defaults to the shared
+    embedding's rows (`word_embeddings.num_embeddings`). HFCheckpointError for layer kinds the config
+    cannot express (two windows; causal flags neither dflash's default nor one for all layers)."""
+    try:
+        layers = hf_layer_fields(getattr(model, "layer_attention", None), len(model.decoder.layers))
+    except ValueError as exc:
+        raise HFCheckpointError(f"{type(model).__name__}: {exc}") from None
     emb = model.word_embeddings
     vocab = vocab_size or getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
     rope = getattr(model.decoder.layers[0].self_attention, "rotary_base", None)
@@ -729,7 +750,7 @@ def drafter_export_meta(model, *, target_layer_ids: Sequence[int], num_target_la
                 num_target_layers=int(num_target_layers), block_size=int(model.block_size), vocab_size=int(vocab),
                 rope_theta=None if rope is None else float(rope),
                 rms_norm_eps=float(model.config.layernorm_epsilon),
-                max_position_embeddings=int(max_position_embeddings))
+                max_position_embeddings=int(max_position_embeddings), **layers)
 
 
 _META_NEEDED = ("mask_token_id", "target_layer_ids", "num_target_layers", "block_size", "vocab_size", "rope_theta")
@@ -745,7 +766,8 @@ def _write(out_dir: Optional[str], tensors: Dict[str, Tensor], shape: Qwen3Shape
     _check_fc(shape, tensors, meta["target_layer_ids"], where)
     dtype = dtype or tensors["fc.weight"].dtype
     kw = {k: meta[k] for k in _META_NEEDED}
-    kw.update({k: meta[k] for k in ("rms_norm_eps", "max_position_embeddings") if meta.get(k) is not None})
+    kw.update({k: meta[k] for k in ("rms_norm_eps", "max_position_embeddings", "layer_types", "sliding_window",
+                                    "is_causal") if meta.get(k) is not None})
     config = drafter_hf_config(shape, layers, dtype=_dtype_name(dtype), **kw)
     if out_dir is not None:
         save_dflash_hf(out_dir, config, {k: v.to(dtype) for k, v in tensors.items()})
@@ -823,6 +845,10 @@ def _meta_from_megatron_args(args) -> dict:
                 rope_theta=getattr(args, "rotary_base", None), rms_norm_eps=getattr(args, "norm_epsilon", None),
                 max_position_embeddings=getattr(args, "max_position_embeddings", None),
                 num_target_layers=target_layers)
+    types, causal = getattr(args, "dflash_layer_types", None), getattr(args, "dflash_is_causal", None)
+    meta.update(layer_types=None if types is None else list(types),
+                sliding_window=getattr(args, "dflash_sliding_window", None),
+                is_causal=None if causal is None else causal in (True, "true"))
     if layers and target_layers:
         meta["target_layer_ids"] = target_layer_ids(target_layers, layers)
     return {k: v for k, v in meta.items() if v is not None}
@@ -834,7 +860,7 @@ def export_checkpoint(load: str, out_dir: str, *, step: Optional[int] = None, me
 
     Formats (the iteration named by `load/latest_checkpointed_iteration.txt`, `iter_{step:07d}` with
     `step`, or `load` itself when it is an iteration directory):
-      * the demo's (`python -m megatron_splitkv.train_demo --save`): `common.pt` with "model" (the
+      * the demo's (`python examples/train_demo.py --save`): `common.pt` with "model" (the
         drafter's trained parameters, TP 1) and `EXPORT_META_KEY` ("dflash_export": the keyword arguments
         of `drafter_hf_config` other than the sizes: mask_token_id, target_layer_ids, num_target_layers,
         block_size, vocab_size, rope_theta, rms_norm_eps, max_position_embeddings), else its "args";

@@ -29,7 +29,7 @@ __all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "pre
 
 def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backend: str = "auto",
                           cuda: Optional[bool] = None, num_chunks: Optional[int] = None,
-                          cp_ranks_per_node: Optional[int] = None, splitkv_config=None):
+                          cp_ranks_per_node: Optional[int] = None, splitkv_config=None, layer_attention=None):
     """The `data.pipeline.MetadataSpec` of the drafter's Split-KV core attention, derived from its
     `TransformerConfig` exactly as Megatron's `Attention` splits the heads over tensor parallelism: Hq =
     num_attention_heads / TP, Hkv = num_query_groups (None: num_attention_heads) / TP, head_dim =
@@ -43,6 +43,9 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
         cuda: whether the model runs on CUDA (default: torch.cuda.is_available()).
         num_chunks, cp_ranks_per_node: as the core attention's prepare (None: splitkv_config's fields).
         splitkv_config: the core attention's `SplitKVConfig` (None: the defaults), carried by the metadata.
+        layer_attention: the layers' (window, causal) (`arguments.layer_attention_from_args`; None: all full):
+            the metadata is built for the first layer's kind; layers of other kinds derive theirs from it in
+            the step without a collective (`DFlashPackedSeqParams.op_metadata`, `with_attention_type`).
     Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
     """
     from megatron_splitkv.data.pipeline import MetadataSpec
@@ -55,19 +58,24 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
     check_attention_heads(heads, groups, tp)
     head_dim = int(config.kv_channels or config.hidden_size // heads)
     cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
-    return MetadataSpec(num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
+    window, causal = tuple(layer_attention)[0] if layer_attention else (None, False)
+    return MetadataSpec(window=window, causal=bool(causal), num_heads_q=heads // tp, num_heads_kv=groups // tp, head_dim=head_dim,
                         dtype=config.params_dtype, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
                         flex_block_masks=cuda and kernel_backend in ("auto", "flex", "staircase", "fa4"),
                         config=splitkv_config)
 
 
 def planner_kwargs_from_args(args) -> dict:
-    """`chunk_size`, `strategy`, `block_size` for `get_batch_on_this_cp_rank_splitkv` from parsed
-    Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`)."""
+    """`chunk_size`, `strategy`, `block_size`, `cost_model` for `get_batch_on_this_cp_rank_splitkv` from parsed
+    Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`; the cost model's layer windows
+    from `--dflash-layer-types` / `--dflash-sliding-window`, None = the default cost: `planner_cost_model_from_args`)."""
+    from .arguments import planner_cost_model_from_args
+
     return {
         "chunk_size": getattr(args, "cp_chunk_size", None),
         "strategy": getattr(args, "cp_balance", "lpt") or "lpt",
         "block_size": int(getattr(args, "dflash_block_size", 16) or 16),
+        "cost_model": planner_cost_model_from_args(args),
     }
 
 
@@ -169,7 +177,7 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     Args:
         batches: zero-argument callable returning this DP rank's packed-batch iterator (e.g.
             `functools.partial(megatron_splitkv.data.pipeline.data_parallel_batches, loader, dp, dp_rank, skip)`).
-        args: parsed Megatron args: `--cp-balance`, `--cp-chunk-size`, `--dflash-block-size`
+        args: parsed Megatron args: `--cp-balance`, `--cp-chunk-size`, `--dflash-block-size`, the layer types
             (`planner_kwargs_from_args`), `--dflash-data-workers`, `--dflash-data-prefetch`.
         mask_token_id, gamma: of `dflash.build_draft_blocks`. feature_store: a `models.FeatureStore` or None.
         cp_group / pg_collection / cp_rank / cp_size: the CP group (default parallel_state's).
@@ -192,5 +200,5 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     depth = data_prefetch_from_args(args) if prefetch is None else prefetch
     return PrefetchedBatches(batches, num_workers=workers, prefetch=depth, pin_memory=pin_memory, cp_size=cp_size,
                              cp_rank=cp_rank, block_size=kw["block_size"], chunk_size=kw["chunk_size"],
-                             strategy=kw["strategy"], mask_token_id=int(mask_token_id), gamma=gamma,
+                             strategy=kw["strategy"], cost_model=kw["cost_model"], mask_token_id=int(mask_token_id), gamma=gamma,
                              feature_store=feature_store, metadata=metadata)

@@ -51,18 +51,23 @@ def have_te() -> bool:
 
 
 def splitkv_core_attention(cp_impl: str = "splitkv", kernel_backend: str = "auto",
-                           splitkv_config: Optional[SplitKVConfig] = None):
+                           splitkv_config: Optional[SplitKVConfig] = None, layer_attention=None):
     """Core-attention builder (Megatron-Core 0.19 `CoreAttentionBuilder`) bound to a CP implementation
-    (`splitkv`, `allgather-kv`, `ring-kv`), a kernel backend and the op's `SplitKVConfig` (None: defaults). Raises SplitKVArgumentError naming
+    (`splitkv`, `allgather-kv`, `ring-kv`), a kernel backend, the op's `SplitKVConfig` (None: defaults) and
+    the per-layer attention kinds `layer_attention` (None, or one (window, causal) per model layer; each
+    layer takes its own by its layer number, `SplitKVCoreAttention`). Raises SplitKVArgumentError naming
     `--context-parallel-impl` for anything else."""
     if cp_impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {cp_impl!r}")
+    if layer_attention is not None:
+        layer_attention = tuple((w, bool(c)) for w, c in layer_attention)
     return functools.partial(SplitKVCoreAttention, cp_impl=cp_impl, kernel_backend=kernel_backend,
-                             splitkv_config=splitkv_config)
+                             splitkv_config=splitkv_config, layer_attention=layer_attention)
 
 
 def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_backend, qk_layernorm,
-                 rotary_base, rotary_percent, fused_pre_mlp_norm, overlap_query_gather=None, splitkv_config=None):
+                 rotary_base, rotary_percent, fused_pre_mlp_norm, overlap_query_gather=None, splitkv_config=None,
+                 layer_attention=None):
     attn = ModuleSpec(
         module=DFlashAttention,
         params={
@@ -75,7 +80,7 @@ def _dflash_spec(linear_col, linear_row, norm, qk_norm, mlp, cp_impl, kernel_bac
         submodules=DFlashAttentionSubmodules(
             linear_q=linear_col,
             linear_kv=linear_col,
-            core_attention=splitkv_core_attention(cp_impl, kernel_backend, splitkv_config),
+            core_attention=splitkv_core_attention(cp_impl, kernel_backend, splitkv_config, layer_attention),
             linear_proj=linear_row,
             q_layernorm=qk_norm if qk_layernorm else None,
             k_layernorm=qk_norm if qk_layernorm else None,
@@ -98,21 +103,21 @@ def get_dflash_layer_local_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool 
                                 rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
                                 kernel_backend: str = "auto",
                                 overlap_query_gather: Optional[bool] = None,
-                                splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
+                                splitkv_config: Optional[SplitKVConfig] = None, layer_attention=None) -> ModuleSpec:
     """DFlash drafter layer with Megatron-Core's own modules (ColumnParallelLinear/RowParallelLinear,
     torch norms following `config.normalization`, e.g. RMSNorm; MLP from the local backend, gated if
     `config.gated_linear_unit`). Runs on CPU. See `get_dflash_layer_spec` for the arguments."""
     mlp = get_mlp_module_spec_for_backend(backend=LocalSpecProvider())
     return _dflash_spec(ColumnParallelLinear, RowParallelLinear, WrappedTorchNorm, WrappedTorchNorm, mlp,
                         cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent, False,
-                        overlap_query_gather, splitkv_config)
+                        overlap_query_gather, splitkv_config, layer_attention)
 
 
 def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = True,
                              rotary_base: Optional[float] = 1_000_000.0, rotary_percent: float = 1.0,
                              kernel_backend: str = "auto",
                              overlap_query_gather: Optional[bool] = None,
-                             splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
+                             splitkv_config: Optional[SplitKVConfig] = None, layer_attention=None) -> ModuleSpec:
     """DFlash drafter layer with Transformer Engine linears and norms (TEColumnParallelLinear,
     TERowParallelLinear, TENorm; the MLP's pre-norm fused into TELayerNormColumnParallelLinear).
     The input norm stays a separate TENorm because its output feeds both q and k/v projections.
@@ -129,14 +134,14 @@ def get_dflash_layer_te_spec(cp_impl: str = "splitkv", *, qk_layernorm: bool = T
     mlp = get_mlp_module_spec_for_backend(backend=backend)
     return _dflash_spec(TEColumnParallelLinear, TERowParallelLinear, TENorm, backend.layer_norm(for_qk=True),
                         mlp, cp_impl, kernel_backend, qk_layernorm, rotary_base, rotary_percent,
-                        backend.fuse_layernorm_and_linear(), overlap_query_gather, splitkv_config)
+                        backend.fuse_layernorm_and_linear(), overlap_query_gather, splitkv_config, layer_attention)
 
 
 def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[bool] = None, *,
                           qk_layernorm: bool = True, rotary_base: Optional[float] = 1_000_000.0,
                           rotary_percent: float = 1.0, kernel_backend: str = "auto",
                           overlap_query_gather: Optional[bool] = None,
-                          splitkv_config: Optional[SplitKVConfig] = None) -> ModuleSpec:
+                          splitkv_config: Optional[SplitKVConfig] = None, layer_attention=None) -> ModuleSpec:
     """ModuleSpec of one DFlash drafter layer (`DFlashTransformerLayer`), fanned out by
     `TransformerBlock` to `config.num_layers` (per pipeline stage).
 
@@ -151,6 +156,9 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
             (default on). No effect for the baselines.
         splitkv_config: the op's `SplitKVConfig` (None: the defaults), in the attention's and the core
             attention's params (`megatron.arguments.splitkv_config_from_args` builds it from the flags).
+        layer_attention: None (every layer full attention, non-causal), or one (window, causal) per layer of
+            the block (`arguments.layer_attention_from_args` from `--dflash-layer-types`,
+            `--dflash-sliding-window`, `--dflash-is-causal`); layer i (1-based layer number) runs entry i - 1.
     Config requirements: `attention_dropout == 0`; num_attention_heads and num_query_groups divisible
     by TP (checked at construction); `add_bias_linear=False` matches Qwen3.
     Raises SplitKVArgumentError for an unknown cp_impl or use_te=True without TE."""
@@ -162,4 +170,4 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
     fn = get_dflash_layer_te_spec if use_te else get_dflash_layer_local_spec
     return fn(cp_impl, qk_layernorm=qk_layernorm, rotary_base=rotary_base, rotary_percent=rotary_percent,
               kernel_backend=kernel_backend, overlap_query_gather=overlap_query_gather,
-              splitkv_config=splitkv_config)
+              splitkv_config=splitkv_config, layer_attention=layer_attention)

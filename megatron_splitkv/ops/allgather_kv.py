@@ -67,12 +67,14 @@ class _AllGatherKV(torch.autograd.Function):
 
 def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None,
                            kv_pos=None, *, block_size=None, cp_group=None, softmax_scale=None, backend="auto",
-                           return_lse=False, metadata=None, config=None):
+                           return_lse=False, metadata=None, config=None, check_group=None, window=None,
+                           causal=False):
     """Baseline CP DFlash attention: all-gather the context K/V, attend local queries (DESIGN.md
     section 2, "Baselines"; arXiv 2611.05926).
 
-    Same signature (config= included), inputs, outputs, dtypes, mask, validation and errors as
-    `megatron_splitkv.splitkv_attention` (see there). Forward all-gathers context K|V and their
+    Same signature (config=, check_group=, window= and causal= included), inputs, outputs, dtypes, mask,
+    validation and errors as `megatron_splitkv.splitkv_attention` (see there).
+    Forward all-gathers context K|V and their
     (sequence, position) keys, padded to the largest shard (uneven shards allowed); each rank runs one
     local-kernel call of its own queries against all context plus its own-block keys (appended after the
     sorted context with block-diagonal second intervals, as in `splitkv_attention`; none with
@@ -83,4 +85,5 @@ def allgather_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=N
     """
     return run_op(_AllGatherKV, "allgather_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
                   kv_pos, block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
-                  backend=backend, return_lse=return_lse, metadata=metadata, config=config)
+                  backend=backend, return_lse=return_lse, metadata=metadata, config=config, check_group=check_group,
+                  window=window, causal=causal)

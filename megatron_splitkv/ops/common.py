@@ -57,9 +57,11 @@ def unsort(x_sorted: torch.Tensor, order):
     return torch.empty_like(x_sorted).index_copy_(0, order, x_sorted)
 
 
-def intervals(keys_sorted, block_seq, block_anchor, block_size) -> IntervalMask:
+def intervals(keys_sorted, block_seq, block_anchor, block_size, window=None) -> IntervalMask:
     """IntervalMask of blocks against sorted context keys: block b sees keys of sequence block_seq[b]
-    with position < block_anchor[b] (strictly); blocks with anchor < 0 see nothing."""
+    with position < block_anchor[b] (strictly); blocks with anchor < 0 see nothing. window (None or the
+    sliding window W >= 1, `reference.check_attention_type`): row j of block b sees only positions
+    > anchor + j - W (`window_rows`: per-row bounds, the block interval their union)."""
     base = block_seq * (1 << 32)
     lo = torch.searchsorted(keys_sorted, base)
     # keys with pos < anchor  <=>  key <= base + (anchor - 1) + 2**31 (searchsorted right). The anchor is
@@ -68,7 +70,47 @@ def intervals(keys_sorted, block_seq, block_anchor, block_size) -> IntervalMask:
     # Anchors < 0 (invalid blocks) get the empty interval [lo, lo).
     hi = torch.searchsorted(keys_sorted, base + (block_anchor.clamp(0, _INT32) + (_INT32 - 1)), right=True)
     hi = torch.where(block_anchor >= 0, hi, lo)
-    return IntervalMask(block_size, lo, hi, int(keys_sorted.shape[0]))
+    if window is None:
+        return IntervalMask(block_size, lo, hi, int(keys_sorted.shape[0]))
+    row_lo = window_rows(keys_sorted, base, block_anchor, lo, hi, block_size, window)
+    return IntervalMask(block_size, row_lo[:, 0].contiguous(), hi, int(keys_sorted.shape[0]),
+                        row_lo=row_lo.reshape(-1))
+
+
+#: windows at least this large see what an unbounded window sees (positions span 2**32, blocks are smaller)
+_WINDOW_CAP = 1 << 40
+
+
+def window_rows(keys_sorted, base, anchor, lo, hi, block_size, window) -> torch.Tensor:
+    """[n_blocks, B] int64: per row j of block b (sequence base[b] = seq * 2**32, anchor[b], block interval
+    [lo[b], hi[b]) of the positions < anchor) the first sorted key with position > anchor + j - W, clamped
+    to [lo[b], hi[b]]: row j sees [row_lo, hi[b]). Exact for every int64-safe input: the bound is formed
+    as `key <= base + pos - 1 + 2**31` (searchsorted right) with pos clamped to [1 - 2**31, 2**31], and
+    rows whose bound lies at or below -2**31 take the sequence's first key (lo[b])."""
+    w = min(int(window), _WINDOW_CAP)
+    j = torch.arange(block_size, dtype=torch.int64, device=anchor.device)
+    pos = anchor.clamp(0, _INT32)[:, None] + (j - (w - 1))[None, :]  # first visible position of row j
+    bound = base[:, None] + (pos.clamp(1 - _INT32, _INT32) + (_INT32 - 1))
+    first = torch.searchsorted(keys_sorted, bound, right=True)
+    first = torch.where(pos > -_INT32, first, lo[:, None])
+    return torch.minimum(torch.maximum(first, lo[:, None]), hi[:, None])
+
+
+def own_rows(lo2, hi2, block_size, window=None, causal=False):
+    """Per-row bounds of the own-block region (`IntervalMask.row_lo2 / row_hi2`, [n_blocks * B] int64) for
+    a windowed or causal layer: row j of a block with own keys [lo2, lo2 + B) sees own keys
+    lo2 + [max(0, j - W + 1), j + 1 if causal else min(B, j + W)) (`reference.own_block_pattern`); blocks
+    without own keys get [lo2, lo2). (None, None) when window is None and not causal (the whole block)."""
+    if window is None and not causal:
+        return None, None
+    j = torch.arange(block_size, dtype=torch.int64, device=lo2.device)
+    w = block_size if window is None else min(int(window), block_size)
+    first = (j - (w - 1)).clamp(min=0)
+    end = j + 1 if causal else (j + w).clamp(max=block_size)
+    has = (hi2 > lo2)[:, None]
+    row_lo2 = torch.where(has, lo2[:, None] + first[None, :], lo2[:, None]).reshape(-1)
+    row_hi2 = torch.where(has, lo2[:, None] + end[None, :], lo2[:, None]).reshape(-1)
+    return row_lo2, row_hi2
 
 
 def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
@@ -260,8 +302,8 @@ def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> 
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
     Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
-    (the metadata's agreed `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
-    node; `SplitKVConfig.fused_bwd_gather_min_p`).
+    (the metadata's `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
+    node; a constant, not an option: docs/tuning.md).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
     one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
     fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
@@ -341,14 +383,15 @@ def own_key_start(num_ctx: int) -> int:
 
 
 def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int, *, first_block: int = 0,
-                    first_key_block: int = 0, debug: bool = False) -> IntervalMask:
+                    first_key_block: int = 0, debug: bool = False, window=None, causal=False) -> IntervalMask:
     """`mask` (context intervals over mask.num_keys sorted keys) extended by own-block second intervals.
 
     Keys of the result: [context (mask.num_keys) ; zeros up to C = own_key_start(mask.num_keys) ; own keys
     of `num_own_blocks` blocks (B each)] (what `with_own_keys` builds). Block first_block + i, for
     i < len(valid), sees own keys [C + (first_key_block + i) * B, + B) when valid[i] (bool); every other
-    block gets an empty second interval. With `debug` (`SplitKVConfig.debug_checks`), validated against the
-    union contract
+    block gets an empty second interval. window / causal (the layer's attention type): per-row bounds of
+    the own block (`own_rows`); the per-row context bounds of `mask` are kept. With `debug`
+    (`SplitKVConfig.debug_checks`), validated against the union contract
     (one host sync: call at metadata time; ValueError when it is violated: a bug of the caller's layout);
     off (the default) the result is correct by construction for any first_block / valid in range.
     """
@@ -360,7 +403,9 @@ def with_own_blocks(mask: IntervalMask, valid: torch.Tensor, num_own_blocks: int
     hi2 = lo2.clone()
     lo2[first_block:first_block + n] = torch.where(valid, start, c0)
     hi2[first_block:first_block + n] = torch.where(valid, start + bsz, c0)
-    out = IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0)
+    row_lo2, row_hi2 = own_rows(lo2, hi2, bsz, window, causal)
+    out = IntervalMask(bsz, mask.lo, mask.hi, c0 + num_own_blocks * bsz, lo2, hi2, num_ctx_keys=c0,
+                       row_lo=mask.row_lo, row_lo2=row_lo2, row_hi2=row_hi2)
     return out.validate() if debug else out
 
 

@@ -18,7 +18,6 @@ the torch path's (reassociation only).
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -73,13 +72,24 @@ def _triton_kernel():
 
 
 def use_triton(x: torch.Tensor, acc: torch.dtype) -> bool:
-    """Whether `merge_packed` runs the Triton kernel: CUDA (or the Triton interpreter), fp32 accumulation,
-    Triton importable."""
+    """Whether `merge_packed` runs the Triton kernel: fp32 accumulation, Triton importable, and `x` on CUDA or
+    the kernel run by Triton's CPU interpreter (Triton's own switch, which `triton.jit` reads when it defines
+    the kernel; this module reads no environment variable)."""
     if acc != torch.float32:
         return False
-    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if x.is_cuda:
+        return _triton_kernel() is not None
+    kernel = _triton_kernel()
+    return kernel is not None and _interpreted(kernel)
+
+
+def _interpreted(kernel) -> bool:
+    """Whether `kernel` (a `triton.jit` function) runs in Triton's CPU interpreter."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # a Triton without the interpreter
         return False
-    return _triton_kernel() is not None
+    return isinstance(kernel, InterpretedFunction)
 
 
 def merge_packed_torch(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):

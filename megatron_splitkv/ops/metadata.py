@@ -79,10 +79,13 @@ from .common import (
     context_keys,
     intervals,
     own_key_start,
+    own_rows,
     pad_rows,
     sort_keys,
+    window_rows,
     with_own_blocks,
 )
+from ..reference import check_attention_type
 
 __all__ = ["SplitKVMetadata", "prepare_splitkv_metadata", "IMPLS", "resolve_num_chunks", "chunk_bounds",
            "check_query_gather_start", "resolve_ranks_per_node", "prepare_splitkv_metadata_from_plan",
@@ -184,25 +187,12 @@ def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
 
 def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None,
                           config: SplitKVConfig | None = None):
-    """The requested head split (kv heads per chunk, a tuple) or None: head_split (`check_head_split`), else
-    `config.head_split` (None: the even split). Positive ints summing to Hkv = num_heads_kv, only with the
-    chunk axis "heads" (axis code 1), and num_chunks None or len(split) (the split fixes k). Raises
-    ValueError naming the argument or the config field."""
-    what = "head_split"
+    """None (the even head split): uneven head splits are deleted (docs/tuning.md: no measured gain); a
+    `head_split` other than None raises ValueError naming the argument and its replacement."""
     if head_split is None:
-        split = resolve_config(config).head_split
-        if split is None:
-            return None
-        what = "SplitKVConfig.head_split"
-        split = _checked_split_sum(split, num_heads_kv, what)
-    else:
-        split = check_head_split(head_split, num_heads_kv)
-    if axis != 1:
-        raise ValueError(f"{what} needs chunk_axis 'heads': it splits the kv heads")
-    if num_chunks is not None and as_int(num_chunks, "num_chunks", minimum=1) != len(split):
-        raise ValueError(f"num_chunks={num_chunks} differs from the {len(split)} chunks of {what}="
-                         f"{','.join(map(str, split))} (the split fixes the chunk count: pass num_chunks=None)")
-    return split
+        return None
+    raise ValueError(f"head_split={_shown(head_split)}: uneven head splits were removed (no measured gain, "
+                     "docs/tuning.md); use chunk_axis='heads' with num_chunks=k for k even head chunks")
 
 
 def _head_split_code(split) -> int:
@@ -437,8 +427,17 @@ class SplitKVMetadata:
         group_check: when True (the default of the builders) every call with this metadata exchanges its
             verdict row (one [1, 12] int64 all-gather and a host sync: `check_call`) so that a mismatched
             tensor, call mode, softmax_scale or metadata on one rank raises on EVERY rank.
+        check_group: None (the verdict rows go over `group`, on its device), or the `comm.CommGroup` of a
+            gloo process group with the CP group's ranks in its order (`prepare_splitkv_metadata(...,
+            check_group=)` / `bind(..., check_group=)`): every verdict row of the calls is then exchanged
+            over it as a CPU tensor (no device tensor, no CUDA stream, no device sync).
         config: the `SplitKVConfig` of the calls (with the keyword arguments of the prepare applied): the
             kernels' options and the "auto" rule's inputs come from it.
+        window, causal: the layer type the masks are built for (`reference.check_attention_type`: None /
+            False = the full DFlash mask; a sliding window W and / or causal own blocks): every mask then
+            carries per-row bounds (`IntervalMask.has_rows`). A model mixing layer types prepares one
+            metadata per distinct (window, causal) per step (`with_attention_type` derives one from another
+            without a collective).
 
     The FlexAttention kernel caches its `BlockMask` on the masks (attribute
     `_flex_block_masks`), the math kernel its tile groups (`_math_groups`): built by the first layer's
@@ -481,7 +480,10 @@ class SplitKVMetadata:
     fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     node_groups: tuple = None
     group_check: bool = False
+    check_group: CommGroup = None
     config: SplitKVConfig = field(default_factory=SplitKVConfig, repr=False)
+    window: int = None
+    causal: bool = False
     sources: tuple = field(default=(), repr=False)  # the caller's metadata tensors (identity checks)
     #: `prepare_splitkv_metadata_from_plan` only: the host-side build record (`_HostBuild`: CP size and
     #: rank of the plan, packed pinned buffer) until `bind` attaches the CP
@@ -498,7 +500,8 @@ class SplitKVMetadata:
         of a single process pickle as before; metadata bound to a torch.distributed ProcessGroup (its CP group
         or the node sub-groups) raises TypeError saying so (a ProcessGroup cannot be pickled, and a group
         belongs to the process that made it): pickle the unbound metadata and `bind` it where it is loaded."""
-        if self.host_build is None and (getattr(self.group, "pg", None) is not None or self.node_groups is not None):
+        if self.host_build is None and (getattr(self.group, "pg", None) is not None or self.node_groups is not None
+                                        or self.check_group is not None):
             raise TypeError("SplitKVMetadata bound to a CP process group cannot be pickled (it holds the "
                             "torch.distributed ProcessGroup): pickle the unbound metadata of "
                             "prepare_splitkv_metadata_from_plan (e.g. the data pipeline's PlannedBatch) and bind it "
@@ -525,7 +528,42 @@ class SplitKVMetadata:
         new = {id(t): _unpacked(buf, o, t) for t, o in zip(tensors, offs)}
         return _remapped(self, new, host_build=_replace(rec, buffer=buf, layout=offs))
 
-    def bind(self, cp_group=None, device=None, non_blocking: bool = True) -> "SplitKVMetadata":
+    def with_attention_type(self, window=None, causal=False) -> "SplitKVMetadata":
+        """This step's metadata for another layer type (a model mixing `sliding_attention` and `full_attention`
+        drafter layers): a new `SplitKVMetadata` with the given window / causal and its masks rebuilt from the
+        sorted keys and block metadata this one holds, with no collective and no host sync; equal, field for
+        field, to what `prepare_splitkv_metadata(..., window=, causal=)` (or `prepare_splitkv_metadata_from_plan`)
+        returns. Self when the type is already this one. Impls "splitkv" and "allgather_kv" (bound or not; an
+        unbound one is re-packed by `bind`).
+
+        Raises:
+            ValueError: a bad window / causal (`reference.check_attention_type`); impl "ring_kv" (its per-step
+                masks need the other ranks' keys: prepare ring_kv metadata per layer type)."""
+        window, causal = check_attention_type(window, causal)
+        if (window, causal) == (self.window, self.causal):
+            return self
+        if self.impl == "ring_kv":
+            raise ValueError("SplitKVMetadata.with_attention_type: ring_kv metadata cannot be derived (its per-step "
+                             "masks need the other ranks' keys); call prepare_splitkv_metadata(..., impl='ring_kv', "
+                             "window=, causal=) per layer type")
+        new = self.__copy__()
+        new.window, new.causal = window, causal
+        for n in [n for n in new.__dict__ if n.startswith("_")]:  # values cached from this one (verdict row, ...)
+            del new.__dict__[n]
+        if self.host_build is not None:  # a fresh pack on bind (the old buffer holds the old masks)
+            new.host_build = _replace(self.host_build, buffer=None, layout=None)
+        if self.impl == "splitkv":
+            whole = _splitkv_chunk_masks(new, self.keys, int(self.keys.shape[0]), copies=self.host_build is not None)
+            if whole is not None:
+                whole.validate()
+        else:
+            nb_local = self.n_blocks[self.group.rank]
+            new.mask = intervals(self.keys, self.q_seq, self.q_anchor, self.block_size, window)
+            new.mask_own = with_own_blocks(new.mask, self.valid, nb_local, debug=self.config.debug_checks,
+                                           window=window, causal=causal)
+        return new
+
+    def bind(self, cp_group=None, device=None, non_blocking: bool = True, check_group=None) -> "SplitKVMetadata":
         """Attach the CP group to host-built metadata (`prepare_splitkv_metadata_from_plan`) and move it to
         the device: returns a new, bound `SplitKVMetadata` for the op calls' `metadata=` (this one stays
         unbound and can be bound again). No collective except the first creation of the node sub-groups
@@ -539,6 +577,8 @@ class SplitKVMetadata:
                 NCCL group, else CPU). With NCCL it must be a CUDA device.
             non_blocking: upload asynchronously (the default; from pinned memory, see `pin_memory`, or
                 through a pinned staging buffer made here), so the host does not wait for the GPU.
+            check_group: None, or a gloo process group with cp_group's ranks in cp_group's order: the calls'
+                verdict rows go over it on the host (`prepare_splitkv_metadata`'s `check_group`).
 
         Device work: one host-to-device copy of the packed buffer on the current stream (every tensor,
         int64 / int32 / bool, is a 16-byte aligned view of it) and nothing else: no compute op, no host
@@ -553,7 +593,7 @@ class SplitKVMetadata:
         Raises:
             ValueError("SplitKVMetadata.bind: ..."), on this rank only (no collective): already bound; a
             cp_group that is not a ProcessGroup (or None); the group's size or this rank's rank in it differ from the plan's cp_size / cp_rank; a device that
-            is not usable here or not CUDA with NCCL.
+            is not usable here or not CUDA with NCCL; a check_group that is not a gloo group of cp_group's ranks.
         """
         name = "SplitKVMetadata.bind"
         rec = self.host_build
@@ -572,6 +612,7 @@ class SplitKVMetadata:
             if group.rank != rec.cp_rank:
                 raise ValueError(f"this process is rank {group.rank} of cp_group but the metadata was built for "
                                  f"cp_rank={rec.cp_rank}")
+            check = resolve_check_group(check_group, group)
             device = _check_device(_comm_device(group, None) if device is None else device)
             if _comm_device(group, device).type != device.type:
                 raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
@@ -587,7 +628,7 @@ class SplitKVMetadata:
         if 1 < self.cp_ranks_per_node < group.size:  # the two-level all-to-all's sub-groups (cached)
             ngroups = node_groups(group, self.cp_ranks_per_node, _comm_device(group, device))
         return _remapped(self, new, block_masks=True, group=group, device=device, node_groups=ngroups,
-                         host_build=None)
+                         check_group=check, host_build=None)
 
     @property
     def rank(self) -> int:
@@ -678,6 +719,40 @@ def _verdict_device(group: CommGroup, device, err: str) -> torch.device:
     except (RuntimeError, TypeError, ValueError):
         return _comm_device(group, None)
     return _comm_device(group, None) if err and not _usable_device(dev) else dev
+
+
+def resolve_check_group(check_group, group: CommGroup) -> CommGroup | None:
+    """The group of the verdict rows besides the CP group `group`: None for None (the rows go over `group`),
+    else `check_group` as a `comm.CommGroup` after checking that it is a torch.distributed ProcessGroup with a
+    gloo (CPU) backend whose global ranks are the CP group's, in the CP group's rank order (so that row r of
+    an all-gather over it is CP rank r's). Local check (no collective): a bad check_group raises on every
+    rank where it is bad, so pass it on every rank of the CP group or on none (like cp_group).
+
+    Raises:
+        ValueError naming check_group and what differs (not a ProcessGroup; backend without gloo; its ranks)."""
+    if check_group is None:
+        return None
+    import torch.distributed as dist
+
+    if not isinstance(check_group, dist.ProcessGroup):
+        raise ValueError(f"check_group must be None or a torch.distributed ProcessGroup (gloo), got "
+                         f"{type(check_group).__name__}")
+    backend = str(dist.get_backend(check_group))
+    if "gloo" not in backend.lower():
+        raise ValueError(f"check_group must be a gloo process group (its rows are CPU tensors), got backend "
+                         f"{backend!r}: create it with torch.distributed.new_group(ranks, backend='gloo')")
+    ranks = dist.get_process_group_ranks(check_group)
+    want = [group.global_rank(r) for r in range(group.size)]
+    if list(ranks) != want:
+        raise ValueError(f"check_group must hold the CP group's global ranks in its rank order, {want}; got "
+                         f"{list(ranks)}")
+    return CommGroup(check_group, len(want), group.rank)
+
+
+def _verdict_route(group: CommGroup, check: CommGroup | None, device) -> tuple:
+    """(group, device) of a verdict row's exchange (`_raise_if_any`): the check group on the CPU when there is
+    one (no device tensor, no stream, no device sync), else the CP group on `device`."""
+    return (group, device) if check is None else (check, torch.device("cpu"))
 
 
 def _raise_if_any(name: str, group: CommGroup, err: str, row: list, dev, tag: str):
@@ -972,12 +1047,14 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
         real = torch.cat([torch.arange(n, device=dev) + r * tk_max for r, n in enumerate(meta.n_ctx)])
         meta.keys, order = sort_keys(keys_all[real])
         meta.gather_index = real if order is None else real[order]
-        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz, meta.window)
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks,
+                                        window=meta.window, causal=meta.causal)
     else:  # ring_kv
         meta.keys, meta.order = sort_keys(context_keys(meta.kv_seq, meta.kv_pos))
-        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz)  # step 0: the own shard
-        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks)
+        meta.mask = intervals(meta.keys, meta.q_seq, meta.q_anchor, bsz, meta.window)  # step 0: the own shard
+        meta.mask_own = with_own_blocks(meta.mask, meta.valid, nb_local, debug=meta.config.debug_checks,
+                                        window=meta.window, causal=meta.causal)
         if gather_ctx:
             tk_max = max(meta.n_ctx)
             keys_all = all_gather(pad_rows(meta.keys, tk_max), g, "ring_kv.ctx_meta")
@@ -985,7 +1062,7 @@ def _finish(meta: SplitKVMetadata, gather_ctx: bool, reads: _HostReads | None = 
             for step in range(1, g.size):
                 src = (g.rank - step) % g.size
                 keys = keys_all[src * tk_max: src * tk_max + meta.n_ctx[src]]
-                masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz))
+                masks.append(intervals(keys, meta.q_seq, meta.q_anchor, bsz, meta.window))
             meta.step_masks = masks
     return meta
 
@@ -1075,19 +1152,38 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
         torch.mul(edges.unfold(0, nb_local, 1), meta.valid, out=own)  # valid * i B ; valid * (i + 1) B
         own.add_(c0)
     num_keys_own = c0 + nb_local * bsz
+    # windowed / causal layers: per-row bounds [3, P * nb_max, B] (row_lo, row_lo2, row_hi2; rows of absent
+    # kinds stay unused), the block lo the union of its rows (`ops.common.window_rows`, `own_rows`)
+    win, causal = getattr(meta, "window", None), getattr(meta, "causal", False)
+    rows_t = None
+    if win is not None or causal:
+        rows_t = torch.empty(3, P * nb_max, bsz, dtype=torch.int64, device=dev)
+        if win is not None:
+            rows_t[0] = window_rows(sorted_keys, base, anchor, table[0], table[1], bsz, win)
+            table[0].copy_(rows_t[0, :, 0])
+        own_lo, own_hi = own_rows(table[2], table[3], bsz, win, causal)
+        rows_t[1], rows_t[2] = own_lo.view(-1, bsz), own_hi.view(-1, bsz)
     meta.chunk_masks, meta.chunk_masks_own = [], []
     by_rank = table.view(4, P, nb_max)
     for b0, b1 in meta.chunks[:1] if heads else meta.chunks:
         cols = by_rank[:, :, b0:b1].reshape(4, -1)
         lo, hi, lo2, hi2 = cols.clone() if copies else cols
-        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys))
-        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0))
+        row_lo = row_lo2 = row_hi2 = None
+        if rows_t is not None:
+            rcols = rows_t.view(3, P, nb_max, bsz)[:, :, b0:b1].reshape(3, -1)
+            rcols = rcols.clone() if copies else rcols
+            row_lo = rcols[0] if win is not None else None
+            row_lo2, row_hi2 = rcols[1], rcols[2]
+        meta.chunk_masks.append(IntervalMask(bsz, lo, hi, n_keys, row_lo=row_lo))
+        meta.chunk_masks_own.append(IntervalMask(bsz, lo, hi, num_keys_own, lo2, hi2, num_ctx_keys=c0,
+                                                 row_lo=row_lo, row_lo2=row_lo2, row_hi2=row_hi2))
     if heads:  # the one-call masks, the SAME objects for every head chunk (a kernel's cached tables built once)
         meta.chunk_masks *= meta.num_chunks
         meta.chunk_masks_own *= meta.num_chunks
     if not meta.config.debug_checks:
         return None
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
+
 
 
 def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
@@ -1102,12 +1198,8 @@ def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=N
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     config = resolve_config(config)
     chunks_req = _requested_chunks(num_chunks, config)
-    fused_req = min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+    fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
     axis_req = _requested_axis(chunk_axis, config)
-    if impl == "splitkv" and not head_split_ok and config.head_split is not None:
-        raise ValueError("SplitKVConfig.head_split is set, but a call without metadata= does not support a head "
-                         "split yet (only prepare_splitkv_metadata does): build the metadata with "
-                         "prepare_splitkv_metadata")
     if impl == "splitkv":
         return chunks_req, resolve_ranks_per_node(cp_ranks_per_node, cp_size, config), fused_req, axis_req
     as_int(cp_ranks_per_node, "cp_ranks_per_node", minimum=1, allow_none=True)
@@ -1118,7 +1210,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
                              head_dim, dtype, cp_group=None, impl="splitkv", device=None,
                              group_check=True, num_chunks=None, cp_ranks_per_node=None,
                              chunk_axis=None, head_split=None,
-                             backend="auto", config: SplitKVConfig | None = None) -> SplitKVMetadata:
+                             backend="auto", config: SplitKVConfig | None = None,
+                             check_group=None, window=None, causal=False) -> SplitKVMetadata:
     """Prepare the mask metadata of one training step once, for every layer's op call (`metadata=`).
 
     Call it on every rank of the CP group (it is collective), once per step / micro-batch, after the
@@ -1186,6 +1279,19 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             kernel takes no part in that check. The metadata does not depend on it.
         config: `SplitKVConfig` (None: `SplitKVConfig()`): the options of the op and its kernels; the keyword
             arguments above override its fields. The metadata carries the result (`SplitKVMetadata.config`).
+        check_group: None, or a gloo ProcessGroup with the CP group's ranks in its order (e.g.
+            `torch.distributed.new_group(cp_ranks, backend="gloo")`, created on every rank):
+            this prepare's first exchange ("<impl>.meta") and every verdict row of the calls with this
+            metadata ("<impl>.check") then go over it as CPU tensors: no device tensor, no CUDA stream, no
+            wait for the GPU (docs/lab/agreement_cost.md). Give it on every rank or on none, and to the
+            calls without `metadata=` of the same layers (their first exchange must meet this one).
+            ValueError naming check_group (`resolve_check_group`), raised where it is bad.
+        window, causal: the layer type of the calls (`reference.dflash_attention_mask`; z-lab's dflash
+            semantics): None / False = the full DFlash mask; window W >= 1: row j of block b sees context
+            positions > anchor + j - W only, and own-block keys i with j - i < W (and i - j < W unless
+            causal); causal: own-block keys i <= j only. The masks carry per-row bounds then. Must be the
+            same on every rank (ValueError naming window on every rank for a bad value; compared across
+            ranks by `group_check` calls through the metadata digest).
 
     Returns:
         `SplitKVMetadata` (see there): validated int64 metadata, the per-rank size table, the gathered
@@ -1203,7 +1309,9 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     13)").
 
     Raises:
-        ValueError, with the same message on every rank of the group: bad metadata tensors on any rank
+        ValueError, with the same message on every rank of the group: window not None or an int >= 1 or causal
+        not a bool on any rank ("window must be None or a positive int (the sliding window W >= 1), got 0"),
+        bad metadata tensors on any rank
         (not 1-D integer, uint64, on the meta device, lengths of q_seq/q_anchor or kv_seq/kv_pos differing,
         values out of range), a `device` that is not a device or cannot be used on that rank (meta, CUDA
         missing or an index beyond its GPUs),
@@ -1224,6 +1332,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     group = resolve_group(cp_group)
     canon = IMPLS.get(impl) if isinstance(impl, str) else None
     name = "prepare_splitkv_metadata"  # the same on every rank, even if impl differs
+    try:
+        check = resolve_check_group(check_group, group)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
     if device is None:
         device = q_seq.device if isinstance(q_seq, torch.Tensor) else torch.device("cpu")
     err, row, ints, rng, reads, cfg = "", [-1] * 11, None, None, _HostReads(), None
@@ -1233,6 +1345,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         if canon is None:
             raise ValueError(f"impl must be one of {sorted(IMPLS)}, got {impl!r}")
         block_size = check_block_size(block_size)
+        window, causal = check_attention_type(window, causal)
         num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
         if _comm_device(group, device).type != device.type:
             raise ValueError(f"device must be the activations' CUDA device with an NCCL group, got {device}")
@@ -1260,7 +1373,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
     tag = f"{canon or 'splitkv'}.meta"
-    table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, device, err), tag))
+    via, dev = _verdict_route(group, check, _verdict_device(group, device, err))
+    table = _decoded(_raise_if_any(name, via, err, row, dev, tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
                                (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"),
@@ -1270,9 +1384,10 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         impl=canon, group=group, block_size=block_size, num_heads_q=num_heads_q, num_heads_kv=num_heads_kv,
         head_dim=head_dim, dtype=dtype, device=device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
-        valid=ints[4], group_check=bool(group_check), sources=(q_seq, q_anchor, kv_seq, kv_pos),
+        valid=ints[4], group_check=bool(group_check), check_group=check,
+        sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12], fused_bwd_gather_min_p=table[0][13],
-        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg,
+        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg, window=window, causal=causal,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
@@ -1280,23 +1395,31 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
 def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node, head_split) -> SplitKVConfig:
     """`config` with the op's keyword arguments that were given (validated before) applied: what the
     metadata carries."""
-    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node,
-                          head_split=None if head_split is None else tuple(head_split))
+    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node)
 
 
 # ----------------------------------------------------------------------------- per call
 
 
-def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None):
+def _resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None,
+                    window=None, causal=False):
     """The local kernel for this call, its dtype and head dim checked (`check_dtype`, when the kernel has
     one: the same rule as the kernel's forward / backward, so a refusal happens here, on every rank).
     keys_per_call: the group-wide context-key count that lets backend "auto" pick the staircase kernel
     (`kernels.auto_keys_per_call` of the agreed size table; None: "auto" = flex / math as before).
 
+    window / causal: the layer type; a windowed or causal layer needs a kernel with per-row bounds
+    (`row_intervals`: math, flex, fa4): "auto" picks among those, an explicit other backend raises.
+
     Raises:
         ImportError: the backend is not installed on this rank. ValueError: the kernel does not take
-            this dtype / head dim on this device."""
-    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config)
+            this dtype / head dim on this device, or (window / causal) per-row bounds."""
+    rows = window is not None or causal
+    kernel = get_kernel(backend, device, dtype, head_dim=head_dim, keys_per_call=keys_per_call, config=config,
+                        row_intervals=rows)
+    if rows and not getattr(kernel, "row_intervals", False):
+        raise ValueError(f"{name}: backend {backend!r} does not support sliding-window / causal layers "
+                         f"(window={window!r}, causal={causal!r}); use 'auto', 'math', 'flex' or 'fa4'")
     warn_ignored_options(kernel, backend, device, dtype, head_dim, config)
     check_dtype = getattr(kernel, "check_dtype", None)
     if check_dtype is not None:  # before any data collective: the dtype is agreed, so every rank raises
@@ -1313,23 +1436,30 @@ def _call_plan(meta: SplitKVMetadata, name, softmax_scale, backend) -> Plan:
     keys = meta.__dict__.get("_auto_keys")  # derived from the agreed size table only: once per metadata
     if keys is None:
         keys = meta.__dict__["_auto_keys"] = auto_keys_per_call(meta.impl, meta.n_ctx)
-    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys, config=meta.config)
+    kernel = _resolve_kernel(name, backend, meta.device, meta.dtype, d, keys_per_call=keys, config=meta.config,
+                             window=getattr(meta, "window", None), causal=getattr(meta, "causal", False))
     return Plan(name=name, meta=meta, scale=scale, kernel=kernel, acc=acc_dtype(meta.dtype))
 
 
 def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *,
                           block_size, cp_group, softmax_scale, backend, num_chunks=None,
-                          cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None) -> Plan:
+                          cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
+                          check_group=None, window=None, causal=False) -> Plan:
     """No `metadata=`: validate tensors and metadata on this rank, all-gather (error flag, sizes) once
     (op name "<op>.meta", [1, 12] int64: sizes, resolved softmax_scale, call mode, requested chunk
-    count and cp_ranks_per_node), raise the same ValueError on every rank when any rank is invalid or
-    block_size / Hq / Hkv / D / dtype / softmax_scale / num_chunks / cp_ranks_per_node differ, then
-    build the metadata internally."""
+    count and cp_ranks_per_node; over `check_group` on the CPU when given, `resolve_check_group`), raise the
+    same ValueError on every rank when any rank is invalid or block_size / Hq / Hkv / D / dtype /
+    softmax_scale / num_chunks / cp_ranks_per_node differ, then build the metadata internally."""
     group = resolve_group(cp_group)
+    try:
+        check = resolve_check_group(check_group, group)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from exc
     err, row, ints, rng, reads, cfg = "", [-1] * 8 + [_MODE_PLAIN, -1, -1], None, None, _HostReads(), None
     try:
         cfg = resolve_config(config)
         nb, tk, hq, hkv, d, block_size = _check_tensors(q, k_ctx, v_ctx, k_blk, v_blk, block_size)
+        window, causal = check_attention_type(window, causal)
         check_scale_backend(softmax_scale, backend)
         *ints, rng = _metadata_ints(q_seq, q_anchor, kv_seq, kv_pos, nb, tk, q.device)
         if group.size == 1 and name == "splitkv":
@@ -1346,7 +1476,7 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                _auto_entry(backend, q.device, q.dtype, d, cfg)]
         # the kernel too, before the first collective: a backend missing (or refusing the dtype) on SOME
         # ranks must raise on every rank, not leave the others waiting in the data collectives
-        _resolve_kernel(name, backend, q.device, q.dtype, d, config=cfg)
+        _resolve_kernel(name, backend, q.device, q.dtype, d, config=cfg, window=window, causal=causal)
     except ImportError as exc:  # kept an ImportError on every rank (`_raise_if_any`)
         if group.size == 1:
             if rng is not None:  # a deferred range check still comes first
@@ -1359,8 +1489,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
                 rng.raise_first(name)
             raise ValueError(f"{name}: {_local_error(exc)}") from exc
         err = _local_error(exc)
-    dev = q.device if isinstance(q, torch.Tensor) else None
-    table = _decoded(_raise_if_any(name, group, err, row, _verdict_device(group, dev, err), f"{name}.meta"))
+    via, dev = _verdict_route(group, check, _verdict_device(group, q.device if isinstance(q, torch.Tensor) else None,
+                                                            err))
+    table = _decoded(_raise_if_any(name, via, err, row, dev, f"{name}.meta"))
     _check_agree(name, table, _CALL_AGREE)
     _check_auto_agree(name, table)  # over the ranks that call with "auto" (the others sent _NO_AUTO)
     meta = SplitKVMetadata(
@@ -1368,7 +1499,8 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
         head_dim=row[5], dtype=q.dtype, device=q.device, n_blocks=[r[1] for r in table],
         n_ctx=[r[2] for r in table], q_seq=ints[0], q_anchor=ints[1], kv_seq=ints[2], kv_pos=ints[3],
         valid=ints[4], num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg,
+        fused_bwd_gather_min_p=table[0][13], chunk_axis=CHUNK_AXES[table[0][14]], config=cfg, window=window,
+        causal=causal,
     )
     return _call_plan(_finish(meta, gather_ctx=False, reads=reads), name, softmax_scale, backend)
 
@@ -1383,8 +1515,8 @@ _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), 
 
 
 #: what the digest column of a `metadata=` call's verdict row covers (named when it differs across ranks)
-_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx and config digest: metadata of "
-                 "another step, micro-batch or CP group?)")
+_DIGEST_FIELD = ("metadata (its impl, per-rank size table n_blocks / n_ctx, config digest and layer type window / "
+                 "causal: metadata of another step, micro-batch, layer type or CP group?)")
 
 
 def metadata_digest(meta: SplitKVMetadata) -> int:
@@ -1393,10 +1525,12 @@ def metadata_digest(meta: SplitKVMetadata) -> int:
     of a group whose ranks hold metadata of the same prepare; compared by `check_call` so that metadata of
     a different step on one rank raises on every rank instead of mismatching the collectives' sizes. Metadata
     that carries a configuration object (a `config` attribute with `digest()`, e.g. `SplitKVConfig`) adds its
-    digest: the one place where the call's agreement takes in the configuration as data."""
+    digest: the one place where the call's agreement takes in the configuration as data. A windowed or causal
+    layer type (`SplitKVMetadata.window` / `causal`) is part of it too."""
     config = getattr(meta, "config", None)
+    kind = (getattr(meta, "window", None), getattr(meta, "causal", False))
     text = repr((meta.impl, tuple(int(n) for n in meta.n_blocks), tuple(int(n) for n in meta.n_ctx),
-                 None if config is None else config.digest()))
+                 None if config is None else config.digest()) + ((kind,) if kind != (None, False) else ()))
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 
 
@@ -1419,7 +1553,8 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
 
 def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                       block_size, cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-                      cp_ranks_per_node=None, chunk_axis=None, config=None):
+                      cp_ranks_per_node=None, chunk_axis=None, config=None, check_group=None, window=None,
+                      causal=False):
     if query_gather is not None:  # splitkv only; the handle checks q, the metadata and its own state
         check = getattr(query_gather, "_check_consume", None)
         if check is None:
@@ -1443,6 +1578,14 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
         raise ValueError(f"block_size={block_size!r} differs from the metadata's block_size={meta.block_size}")
     if cp_group is not None and cp_group is not meta.group.pg:
         raise ValueError("cp_group differs from the group the metadata was prepared with (pass None)")
+    if check_group is not None and check_group is not getattr(meta.check_group, "pg", None):
+        raise ValueError("check_group differs from the metadata's (given to prepare_splitkv_metadata / bind; "
+                         "pass None)")
+    kind = check_attention_type(window, causal)
+    if kind != (getattr(meta, "window", None), getattr(meta, "causal", False)):
+        raise ValueError(f"window={kind[0]!r}, causal={kind[1]!r} differ from the metadata's window="
+                         f"{getattr(meta, 'window', None)!r}, causal={getattr(meta, 'causal', False)!r} (the mask "
+                         "is fixed at prepare time: prepare one metadata per layer type)")
     # num_chunks: a positive int (bool, float, 0, ... raise) that resolves, i.e. clamps, to the metadata's
     # chunk count: the metadata's num_chunks or the value given to prepare_splitkv_metadata
     # (the limit: the largest block count, or Hkv for head chunks)
@@ -1504,7 +1647,8 @@ def _check_tensor_against(meta, n, t, shape):
 
 def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
                cp_group, softmax_scale, backend, num_chunks=None, query_gather=None,
-               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None) -> Plan:
+               cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None,
+               check_group=None, window=None, causal=False) -> Plan:
     """Per-call validation with `metadata=`: Python comparisons of the tensors' shapes, dtypes and
     devices against the metadata, then (group_check, the default, at P > 1) the verdict row's all-gather,
     before any data collective of the call.
@@ -1518,7 +1662,8 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     D, dtype, resolved softmax_scale, call mode, the chunking requests and `metadata_digest`; the same
     [1, 12] int64 shape as the first collective of a call without `metadata=`, of `prepare_splitkv_metadata`
     and of `raise_on_every_rank`) is all-gathered and every rank raises the same ValueError naming the rank
-    and the field (ImportError when a kernel backend is missing there). Without it the ValueError is raised
+    and the field (ImportError when a kernel backend is missing there); over the metadata's `check_group`
+    on the CPU when it has one, else over the CP group on its device. Without it the ValueError is raised
     on that rank only, and the other ranks block in the call's first data collective (until the process
     group's timeout).
 
@@ -1532,7 +1677,7 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
     try:
         _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size, cp_group, softmax_scale, backend, num_chunks, query_gather,
-                          cp_ranks_per_node, chunk_axis, config)
+                          cp_ranks_per_node, chunk_axis, config, check_group, window, causal)
         if grouped:  # the call's kernel: a backend missing on some ranks raises (ImportError) on every rank too
             plan = _call_plan(meta, name, softmax_scale, backend)
     except ImportError as exc:
@@ -1547,10 +1692,18 @@ def check_call(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_se
         mode = _MODE_METADATA if query_gather is None else _MODE_QUERY_GATHER
         row = [-1] * 8 + [mode, -1, -1] if err else \
             _metadata_row(meta, _scale_bits(_resolved_scale(softmax_scale, meta.head_dim)), mode)
-        table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), f"{name}.check")
+        table = _metadata_verdict(name, meta, err, row, f"{name}.check")
         _check_rows_agree(name, table)
         return plan
     return _call_plan(meta, name, softmax_scale, backend)
+
+
+def _metadata_verdict(name, meta, err, row, tag):
+    """`_raise_if_any` of a call with `metadata=`: over its check group on the CPU when it has one, else over
+    its CP group on the metadata's device."""
+    if meta.check_group is not None:
+        return _raise_if_any(name, meta.check_group, err, row, torch.device("cpu"), tag)
+    return _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), tag)
 
 
 def _check_rows_agree(name, table):
@@ -1586,31 +1739,37 @@ def check_query_gather_start(meta, q, name="splitkv_start_query_gather"):
     if grouped:
         # softmax_scale is not known yet: 0 on every starting rank
         row = [-1] * 8 + [_MODE_GATHER_START, -1, -1] if err else _metadata_row(meta, 0, _MODE_GATHER_START)
-        table = _raise_if_any(name, meta.group, err, row, _comm_device(meta.group, meta.device), "splitkv.check")
+        table = _metadata_verdict(name, meta, err, row, "splitkv.check")
         _check_rows_agree(name, table)
 
 
-def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None):
+def raise_on_every_rank(name: str, cp_group, exc: Exception, device=None, check_group=None):
     """Raise `exc`, found on this rank before an op call, on EVERY rank of the CP group instead of this rank
     alone: join the other ranks' first collective of the call (every calling mode's first collective is the
     same [1, 12] int64 verdict row: "<op>.meta" of a call without `metadata=` or of `prepare_splitkv_metadata`,
     "<op>.check" of a `metadata=` call or of `splitkv_start_query_gather`) with this error, so every rank raises
     ValueError("<name>: invalid input on CP rank(s) [r]: rank r: <message>") (ImportError for an ImportError).
-    One process: `exc` itself. Never returns."""
+    `check_group`: the other ranks' verdict group (`prepare_splitkv_metadata`'s; the row goes over it on the
+    CPU). One process: `exc` itself. Never returns."""
     group = resolve_group(cp_group)
     if group.size == 1:
         raise exc
     err = _local_error(exc)
-    _raise_if_any(name, group, err, [-1] * 11, _verdict_device(group, device, err), f"{name}.check")
+    via, dev = _verdict_route(group, resolve_check_group(check_group, group), _verdict_device(group, device, err))
+    _raise_if_any(name, via, err, [-1] * 11, dev, f"{name}.check")
     raise AssertionError("unreachable: the verdict row carried an error")
 
 
 def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos, *, block_size,
            cp_group, softmax_scale, backend, return_lse, metadata=None, num_chunks=None, query_gather=None,
-           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None):
+           cp_ranks_per_node=None, chunk_axis=None, config: SplitKVConfig | None = None, check_group=None,
+           window=None, causal=False):
     """Shared entry point of the three public ops: validate (or check against `metadata`), apply the
     autograd Function. `num_chunks`, `cp_ranks_per_node`, `chunk_axis`: splitkv only (the baselines pass None).
     `config`: the `SplitKVConfig` (None: the defaults; with metadata=, None or the metadata's).
+    `check_group`: the gloo group of the verdict rows (`prepare_splitkv_metadata`; with metadata=, None or the
+    metadata's).
+    `window`, `causal`: the layer type (`reference.check_attention_type`; with metadata=, the metadata's).
     `query_gather`: splitkv only, needs `metadata`; the Function is then applied to the gathered query
     chunks of the handle (`ops.splitkv.SplitKVQueryGather`) instead of q."""
     if query_gather is not None and metadata is None:
@@ -1620,12 +1779,14 @@ def run_op(fn_cls, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq,
         plan = _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                                      block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                                      backend=backend, num_chunks=num_chunks, cp_ranks_per_node=cp_ranks_per_node,
-                                     chunk_axis=chunk_axis, config=config)
+                                     chunk_axis=chunk_axis, config=config, check_group=check_group,
+                                     window=window, causal=causal)
     else:
         plan = check_call(metadata, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                           block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale,
                           backend=backend, num_chunks=num_chunks, query_gather=query_gather,
-                          cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config)
+                          cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
+                          check_group=check_group, window=window, causal=causal)
     if query_gather is None:
         out, lse = fn_cls.apply(plan, q, k_ctx, v_ctx, k_blk, v_blk)
     else:  # q itself is not an input: its gradient flows through the gather's own Function
@@ -1662,7 +1823,7 @@ _META_TENSORS = ("q_seq", "q_anchor", "kv_seq", "kv_pos", "valid", "keys", "orde
                  "valid_rows")
 _META_MASKS = ("mask", "mask_own")
 _META_MASK_LISTS = ("step_masks", "chunk_masks", "chunk_masks_own")
-_MASK_TENSORS = ("lo", "hi", "lo2", "hi2")
+_MASK_TENSORS = ("lo", "hi", "lo2", "hi2", "row_lo", "row_lo2", "row_hi2")
 
 
 def _unique_masks(meta) -> list:
@@ -1751,7 +1912,8 @@ def _remapped(meta, new: dict, block_masks: bool = False, **changes):
         if id(m) not in masks:
             t = {a: (None if getattr(m, a) is None else new[id(getattr(m, a))]) for a in _MASK_TENSORS}
             nm = IntervalMask(m.block_size, t["lo"], t["hi"], m.num_keys, t["lo2"], t["hi2"],
-                              num_ctx_keys=m.num_ctx_keys)
+                              num_ctx_keys=m.num_ctx_keys, row_lo=t["row_lo"], row_lo2=t["row_lo2"],
+                              row_hi2=t["row_hi2"])
             host = m.__dict__.get(_FLEX_HOST)
             if host:
                 nm.__dict__[_FLEX_HOST] = {key: (new[id(rows)], tuple(new[id(x)] for x in tables))
@@ -1853,7 +2015,8 @@ def _pack_recipe(meta) -> tuple:
     mspecs = tuple(
         (m.block_size, ti(m.lo), ti(m.hi), m.num_keys, ti(m.lo2), ti(m.hi2), m.num_ctx_keys,
          tuple((key, ti(rows), tuple(ti(x) for x in tables))
-               for key, (rows, tables) in sorted(m.__dict__.get(_FLEX_HOST, {}).items())))
+               for key, (rows, tables) in sorted(m.__dict__.get(_FLEX_HOST, {}).items())),
+         (ti(m.row_lo), ti(m.row_lo2), ti(m.row_hi2)))
         for m in masks)
     mfields = {n: (None if getattr(meta, n) is None else mindex[id(getattr(meta, n))]) for n in _META_MASKS}
     mfields.update({n: (None if getattr(meta, n) is None else tuple(mindex[id(m)] for m in getattr(meta, n)))
@@ -1874,9 +2037,10 @@ def _from_recipe(region: torch.Tensor, recipe: tuple) -> "SplitKVMetadata":
         raise ValueError(f"region has {region.numel()} bytes, the packed metadata needs {total}")
     v = _apply_split(region, compiled)
     masks = []
-    for bs, lo, hi, nk, lo2, hi2, nck, flex in mspecs:
+    for bs, lo, hi, nk, lo2, hi2, nck, flex, row in mspecs:
+        row = [None if i is None else v[i] for i in row]
         m = IntervalMask(bs, v[lo], v[hi], nk, None if lo2 is None else v[lo2], None if hi2 is None else v[hi2],
-                         num_ctx_keys=nck)
+                         num_ctx_keys=nck, row_lo=row[0], row_lo2=row[1], row_hi2=row[2])
         if flex:
             m.__dict__[_FLEX_HOST] = {key: (v[rows], tuple(v[x] for x in tables)) for key, rows, tables in flex}
         masks.append(m)
@@ -1923,9 +2087,9 @@ def env_request_row(cp_size: int, config: SplitKVConfig | None = None) -> list:
     import zlib  # noqa: PLC0415
 
     config = resolve_config(config)
-    split = "" if config.head_split is None else ",".join(map(str, config.head_split))
+    split = ""  # uneven head splits are deleted: no split to compare
     return [_requested_chunks(None, config), resolve_ranks_per_node(None, cp_size, config),
-            min(config.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P), _requested_axis(None, config),
+            min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P), _requested_axis(None, config),
             (zlib.crc32(split.encode()) & 0x7FFFFFFF) + 1 if split else 0]
 
 
@@ -1989,7 +2153,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
                                        kv_pos=None, group_check=True, device="cpu",
                                        flex_block_masks=False,
                                        chunk_axis=None, head_split=None,
-                                       config: SplitKVConfig | None = None) -> SplitKVMetadata:
+                                       config: SplitKVConfig | None = None, window=None,
+                                       causal=False) -> SplitKVMetadata:
     """The per-step Split-KV metadata of CP rank `cp_rank`, built on the host from the global `plan`:
     no process group, no collective, no GPU (usable in a data-loader worker process). Returns an UNBOUND
     `SplitKVMetadata`; at step time `meta.bind(cp_group, device)` attaches the CP group and uploads it
@@ -2021,6 +2186,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             `prepare_splitkv_metadata`).
         num_chunks, cp_ranks_per_node, chunk_axis, head_split, config: as `prepare_splitkv_metadata`
             (None: the config's fields); the metadata carries the config to `bind` and the calls.
+        window, causal: the layer type, as `prepare_splitkv_metadata` (ValueError naming window).
         kv_seq, kv_pos: optional [n_ctx[cp_rank]] integer arrays / tensors: this rank's context in another
             order than the plan's (its values are not compared with the plan; only the length is).
         group_check: as `prepare_splitkv_metadata` (per-call group-wide shape verdicts).
@@ -2077,6 +2243,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
             raise ValueError(f"impl={impl!r}: only 'splitkv' metadata is built from the plan (the baselines' "
                              "metadata depends on the other ranks' context order: use prepare_splitkv_metadata)")
         block_size = check_block_size(block_size)
+        window, causal = check_attention_type(window, causal)
         if block_size != plan.block_size:
             raise ValueError(f"block_size={block_size} differs from the plan's block_size={plan.block_size}")
         num_heads_q, num_heads_kv, head_dim = check_heads_dtype(num_heads_q, num_heads_kv, head_dim, dtype)
@@ -2086,7 +2253,7 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P, cfg)
         axis_req = _requested_axis(chunk_axis, cfg)
         split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
-        fused_req = min(cfg.fused_bwd_gather_min_p, _MAX_FUSED_MIN_P)
+        fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
         cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
         # the size table every rank would all-gather: equal block counts, the plan's context counts
         nb = int(plan.blocks_per_rank)
@@ -2126,7 +2293,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
         num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
         fused_bwd_gather_min_p=fused_req, chunk_axis=CHUNK_AXES[axis_req],
-        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank),
+        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank), window=window,
+        causal=causal,
     )
     meta.valid_rows = valid.repeat_interleave(block_size)
     _host_finish_splitkv(meta, torch.stack([q_seq_all, q_anchor_all], 1))
@@ -2172,7 +2340,8 @@ def _host_flex_tables(masks, options=None) -> None:
             continue
         q_len, kv_len = flex.padded_lengths(rows_n, m.num_keys, options.q_bucket_steps, options.bucket_steps)
         rows = flex._rows_table(m, q_len)
-        tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=m.block_size, q_tables=True)
+        tables = flex._block_tables(rows, q_len, kv_len, flex.TILE, rows_per_block=flex.rows_per_block(m),
+                                    q_tables=True)
         m.__dict__[_FLEX_HOST] = {(q_len, kv_len): (rows, tuple(t.contiguous() for t in tables))}
 
 

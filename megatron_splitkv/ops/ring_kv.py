@@ -60,7 +60,8 @@ class _RingKV(torch.autograd.Function):
             if step == 0:
                 mask, kk, vv = (meta.mask_own if own else meta.mask), k_x, v_x
             else:
-                mask = pre[step] if pre is not None else intervals(cur[2], plan.q_seq, plan.q_anchor, bsz)
+                mask = (pre[step] if pre is not None
+                        else intervals(cur[2], plan.q_seq, plan.q_anchor, bsz, meta.window))
                 kk, vv = cur[0], cur[1]
             o_t, lse_t, state = kernel_forward(plan, q, kk, vv, mask)
             out, lse = merge(out, lse, o_t, lse_t)
@@ -108,12 +109,13 @@ class _RingKV(torch.autograd.Function):
 
 def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
-                      metadata=None, config=None):
+                      metadata=None, config=None, check_group=None, window=None, causal=False):
     """Baseline CP DFlash attention: rotate context K/V shards around the ring (DESIGN.md section 2,
     "Baselines"; Ring Attention / LV-XAttn family, compared in arXiv 2611.05926).
 
-    Same signature (config= included), inputs, outputs, dtypes, mask, validation and errors as
-    `megatron_splitkv.splitkv_attention` (see there). Each rank sorts its context by (sequence,
+    Same signature (config=, check_group=, window= and causal= included), inputs, outputs, dtypes, mask,
+    validation and errors as `megatron_splitkv.splitkv_attention` (see there).
+    Each rank sorts its context by (sequence,
     position) once; the sorted K, V and keys rotate P - 1 steps with batch_isend_irecv, the transfer of
     the next shard overlapping the local kernel on the current one; partial results are merged by lse
     (fp32). The first step's kernel call also covers the own block (its keys appended after the own
@@ -131,4 +133,5 @@ def ring_kv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     """
     return run_op(_RingKV, "ring_kv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
-                  return_lse=return_lse, metadata=metadata, config=config)
+                  return_lse=return_lse, metadata=metadata, config=config, check_group=check_group,
+                  window=window, causal=causal)

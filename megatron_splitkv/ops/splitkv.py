@@ -60,8 +60,8 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
    chunks up to fp rounding (tests/test_splitkv_head_chunks.py). Measured (docs/perf-notes.md item 21): k = 2
    at CP = 2, 128K: NVLink 0.956x of k = 1 (rows 0.914x), sockets 1.233x (rows 1.211x).
-   Uneven head split (docs/perf-notes.md item 22; opt-in: `prepare_splitkv_metadata(..., head_split=(6, 2))`
-   or SplitKVConfig(head_split=(6, 2)) with the head axis; prepare and the host-built metadata alike): chunk c
+   Uneven head split (docs/perf-notes.md item 22; deleted as an option, docs/tuning.md: no public argument
+   builds metadata with `head_split` any more, the path below goes with the op's rewrite): chunk c
    = the kv heads of the c-th part of the split; the backward then runs the chunks in REVERSE order
    (`_bwd_order`), so the forward ends with the small chunk (its [O | lse] exchange is the exposed tail) and
    the backward starts with it (its [dO | stats] gather is the exposed head). Bit-identical to the forward
@@ -847,7 +847,7 @@ class _SplitKV(torch.autograd.Function):
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
                       block_size=None, cp_group=None, softmax_scale=None, backend="auto", return_lse=False,
                       metadata=None, num_chunks=None, query_gather=None, cp_ranks_per_node=None, chunk_axis=None,
-                      config=None):
+                      config=None, check_group=None, window=None, causal=False):
     """Exact DFlash drafter attention under Split-KV context parallelism (arXiv 2611.05926; DESIGN.md
     section 2).
 
@@ -933,6 +933,21 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         config: `megatron_splitkv.SplitKVConfig`, the options of the op and its kernels (None: the
             defaults); the keyword arguments above override its fields. With `metadata=` the metadata's
             config applies: pass None or the config given to the prepare.
+        check_group: None (the call's verdict row goes over cp_group, on its device), or a gloo ProcessGroup
+            with cp_group's ranks in its order: the row goes over it as a CPU tensor, no device sync
+            (`prepare_splitkv_metadata`'s `check_group`; ValueError naming it otherwise). Give it on every
+            rank or none, as the metadata of the ranks calling with `metadata=` has it; with `metadata=`
+            pass None or the metadata's.
+        window: None, or the sliding window W >= 1 of a `sliding_attention` layer (z-lab's dflash 0.1.0
+            semantics, `reference.dflash_attention_mask`): row j of block b (position anchor + j) sees only
+            context positions > anchor + j - W, and own-block keys i with j - i < W (and i - j < W unless
+            causal). Blocks no key of this rank's windows reaches cost no kernel work here (their key
+            interval is empty).
+        causal: own-block keys i <= j only (dflash's is_causal: True for its sliding layers by default).
+            window=None, causal=False is the full DFlash mask above, bit for bit. With `metadata=` both
+            must equal the metadata's (`prepare_splitkv_metadata(..., window=, causal=)`). Kernels: math,
+            flex and fa4 take windowed / causal masks; "auto" never picks staircase then, and "te" or
+            "staircase" given explicitly raise ValueError naming the backend and window.
 
     Returns:
         out [Tq_local, Hq, D] in q's dtype (or (out, lse) with lse [Tq_local, Hq] float32, float64 for
@@ -942,7 +957,8 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
         h // (Hq // Hkv). Dtypes: bf16, fp16, fp32, fp64 (all five tensors the same).
 
     Raises:
-        ValueError (on every rank of the group, same message): bad shapes/dtypes/devices, only one of
+        ValueError (on every rank of the group, same message): window not None or an int >= 1, causal not
+            a bool, bad shapes/dtypes/devices, only one of
             k_blk / v_blk None, Hq % Hkv != 0,
             block_size not dividing Tq_local, metadata of wrong length or dtype, num_chunks not a
             positive int, chunk_axis not "rows" / "heads", cp_ranks_per_node (or the config's)
@@ -964,4 +980,5 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     return run_op(_SplitKV, "splitkv", q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, kv_seq, kv_pos,
                   block_size=block_size, cp_group=cp_group, softmax_scale=softmax_scale, backend=backend,
                   return_lse=return_lse, metadata=metadata, num_chunks=num_chunks, query_gather=query_gather,
-                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config)
+                  cp_ranks_per_node=cp_ranks_per_node, chunk_axis=chunk_axis, config=config,
+                  check_group=check_group, window=window, causal=causal)

@@ -14,11 +14,24 @@ visible query-key pairs. The chunk's realized cost is
 
 where ``token_cost`` covers the per-token linear work on the context side (fc projection of the target
 features, k_proj/v_proj of every drafter layer, forward and backward).
+
+Sliding-window layers (z-lab dflash 0.1.0 `_attention_mask`; `CostModel.layer_windows`): row j of the block
+at anchor a (position a + j) of a layer with window W sees the context positions p with
+``a + j - W < p < a``, so only rows j < W - 1 see context at all, and a chunk [s, e) serves
+
+    pairs_W(j, s, e) = sum_{valid anchors a of j} sum_{row = 0}^{min(B, W - 1) - 1}
+                       clamp(a - s, 0, e - s) - clamp(max(a + row - W + 1, 0) - s, 0, e - s)
+
+pairs (`chunk_window_pair_counts`). A model that mixes layer types costs the mean over its layers of each
+layer's pairs (`CostModel.attn_pair_cost` is per pair seen by every layer). Own-block attention (causal or
+not) is query-side work, equal per rank, and not modelled.
 """
 
 from dataclasses import dataclass
 
 import numpy as np
+
+from .._ints import as_int
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,12 @@ class CostModel:
     So a context token that all 512 anchors of its sequence see costs 0.72 * 16 * 512 + 830 = 6.7 us,
     one that no anchor sees 0.83 us.
 
+    layer_windows: None (default): every drafter layer sees all context keys before the anchor. Otherwise
+    one entry per drafter layer: its sliding window W (an int >= 1; `sliding_attention` layers) or None
+    (`full_attention`); the attention term then counts, per chunk, the mean over the layers of the pairs
+    that layer serves (module docstring; `attn_pair_cost` stays the cost of a pair seen by all layers).
+    A list is stored as a tuple. ValueError naming the entry for anything else (bool, float, W < 1, empty).
+
     Not modelled: an online target forward on the same shard (add its per-token cost to
     `token_cost`; its causal attention is not linear in tokens), and the query-side work (own-block
     attention, q_proj, MLP on draft blocks), which is equal per rank because query blocks are split
@@ -47,6 +66,7 @@ class CostModel:
 
     attn_pair_cost: float = 0.72
     token_cost: float = 830.0
+    layer_windows: tuple | None = None
 
     def __post_init__(self):
         if not (self.attn_pair_cost >= 0 and self.token_cost >= 0):
@@ -54,6 +74,22 @@ class CostModel:
                 f"CostModel coefficients must be >= 0, got attn_pair_cost={self.attn_pair_cost}, "
                 f"token_cost={self.token_cost}"
             )
+        if self.layer_windows is not None:
+            if isinstance(self.layer_windows, (str, bytes)) or not hasattr(self.layer_windows, "__len__") \
+                    or len(self.layer_windows) == 0:
+                raise ValueError("CostModel.layer_windows must be None or a non-empty sequence with one window "
+                                 f"(int >= 1, or None for a full-attention layer) per layer, got {self.layer_windows!r}")
+            windows = tuple(None if w is None else as_int(w, f"CostModel.layer_windows[{i}]", minimum=1,
+                                                          what="a sliding window (int >= 1) or None")
+                            for i, w in enumerate(self.layer_windows))
+            object.__setattr__(self, "layer_windows", windows)
+
+    def window_counts(self) -> dict:
+        """{window (None = full attention): number of drafter layers with it}; {None: 1} without layer_windows."""
+        out = {}
+        for w in self.layer_windows or (None,):
+            out[w] = out.get(w, 0) + 1
+        return out
 
 
 def chunk_pair_counts(anchors_flat, anchor_ptr, chunk_seq, chunk_start, chunk_end):
@@ -92,3 +128,32 @@ def _pair_counts_inplace(a, anchor_ptr, chunk_seq, s, e):
     inside = (upto(i2) - upto(i1)) * (cnt > 0) - s * cnt  # anchors in (s, e): a - s each
     beyond = (e - s) * (anchor_ptr[chunk_seq + 1] - np.maximum(i2, i1))  # anchors >= e of the sequence
     return (inside + beyond).astype(np.float64)
+
+
+def chunk_window_pair_counts(anchors_flat, anchor_ptr, seq_offsets, chunk_seq, chunk_start, chunk_end, *,
+                             block_size, window):
+    """Visible (query row, context key) pairs per chunk of a sliding-window layer with window `window`
+    (module docstring): row j of the block at anchor a sees positions p with ``a + j - W < p < a``.
+
+    Args: as `chunk_pair_counts`, plus seq_offsets: [n_seq + 1] int64 packed offsets of the sequences (a
+        window's lower end is clamped to its sequence's start); block_size: B; window: W (int >= 1).
+    Returns: [n_chunks] float64 pair counts (not divided by B; exact integers up to 2**53).
+
+    Computed as min(B, W - 1) shifted `chunk_pair_counts`: rows j < W - 1 see ``[0, a) - [0, a + j - W + 1)``;
+    O(min(B, W) * (n_chunks log N_a + N_a)).
+    """
+    block_size = as_int(block_size, "block_size", minimum=1)
+    window = as_int(window, "window", minimum=1, what="a sliding window (int >= 1)")
+    anchors = np.asarray(anchors_flat, dtype=np.int64)
+    ptr = np.asarray(anchor_ptr, dtype=np.int64)
+    seq = np.asarray(chunk_seq)
+    s = np.asarray(chunk_start, dtype=np.int64)
+    e = np.asarray(chunk_end, dtype=np.int64)
+    rows = min(block_size, window - 1)
+    if rows <= 0:
+        return np.zeros(seq.shape[0], dtype=np.float64)
+    first = np.repeat(np.asarray(seq_offsets, dtype=np.int64)[:-1], np.diff(ptr))  # each anchor's sequence start
+    total = rows * _pair_counts_inplace(anchors.copy(), ptr, seq, s, e)
+    for row in range(rows):  # shifted anchors stay sorted and inside their sequence
+        total -= _pair_counts_inplace(np.maximum(anchors + (row - window + 1), first), ptr, seq, s, e)
+    return total

@@ -13,7 +13,7 @@ import numpy as np
 
 from .._ints import as_int
 
-from .cost import CostModel, _pair_counts_inplace
+from .cost import CostModel, _pair_counts_inplace, chunk_window_pair_counts
 
 STRATEGIES = ("lpt", "contiguous", "zigzag", "hypergraph")
 MIN_CHUNK = 64
@@ -334,9 +334,20 @@ def _chunk_costs(chunk_size, lens, offsets, anchors_flat, anchor_ptr, cm, block_
     Consumes `anchors_flat` (overwritten with prefix sums). Returns (seq, start, end, costs)."""
     seq, start, end = _fixed_chunks(lens, chunk_size) if chunks is None else chunks
     g = offsets[seq]
-    pairs = _pair_counts_inplace(anchors_flat, anchor_ptr, seq, g + start, g + end)
-    costs = cm.attn_pair_cost * block_size * pairs + cm.token_cost * (end - start).astype(np.float64)
-    return seq, start, end, costs
+    tokens = cm.token_cost * (end - start).astype(np.float64)
+    if cm.layer_windows is None:  # every layer sees all context before the anchor
+        pairs = _pair_counts_inplace(anchors_flat, anchor_ptr, seq, g + start, g + end)
+        return seq, start, end, cm.attn_pair_cost * block_size * pairs + tokens
+    counts = cm.window_counts()
+    pairs = np.zeros(seq.shape[0], dtype=np.float64)
+    for w, n in counts.items():  # windows first: the full-attention count consumes `anchors_flat`
+        if w is not None:
+            pairs += n * chunk_window_pair_counts(anchors_flat, anchor_ptr, offsets, seq, g + start, g + end,
+                                                  block_size=block_size, window=w)
+    if None in counts:
+        pairs += counts[None] * block_size * _pair_counts_inplace(anchors_flat, anchor_ptr, seq, g + start, g + end)
+    pairs /= len(cm.layer_windows)  # the mean over the layers (CostModel.layer_windows)
+    return seq, start, end, cm.attn_pair_cost * pairs + tokens
 
 
 def _lpt(costs, cp_size):
@@ -574,7 +585,8 @@ def plan_context_parallel(seq_lens, anchors, *, block_size, cp_size, chunk_size=
                 of the chunk hypergraph (vertex = chunk weighted by cost, hyperedge = query block over
                 the chunks it attends to), balance epsilon `hypergraph_epsilon`. Needs the optional extra
                 ``pip install megatron-splitkv[hypergraph]`` (kahypar); ImportError naming it otherwise.
-        cost_model: `CostModel` (default coefficients documented there).
+        cost_model: `CostModel` (default coefficients documented there; its `layer_windows` make the
+            attention term count what each sliding-window layer sees, `cost.chunk_window_pair_counts`).
         target_imbalance, min_chunk: imbalance target (0.5%) and floor (64) of the automatic chunk size.
         refine, refine_tol: LPT's exchange refinement (see "lpt") and its stopping imbalance.
         hypergraph_epsilon, hypergraph_seed: KaHyPar balance constraint and seed ("hypergraph").

@@ -60,6 +60,11 @@ class DFlashDraftModel(MegatronModule):
             `layer_spec`.
         splitkv_config: the op's `SplitKVConfig` (None: the defaults; `get_dflash_layer_spec`); ignored with
             `layer_spec`.
+        layer_attention: None (every layer full attention, non-causal), or one (window, causal) per drafter
+            layer (`megatron_splitkv.layer_types.layer_attention_kinds`, `layer_attention_from_args`): sliding
+            window and causal own block per layer, as dflash's `layer_types` / `sliding_window` /
+            `is_causal`; kept as `self.layer_attention`, which export writes (with `layer_spec` only that:
+            the spec decides what the layers run, so give it the same kinds).
 
     Forward: see `forward`. Errors: ValueError for mismatched inputs (see `forward`).
     """
@@ -71,7 +76,7 @@ class DFlashDraftModel(MegatronModule):
                  pg_collection: Optional[ProcessGroupCollection] = None, loss_group=None,
                  rotary_base: float = 1e6, kernel_backend: str = "auto", use_te: Optional[bool] = None,
                  freeze_shared: bool = True, overlap_query_gather: Optional[bool] = None,
-                 splitkv_config=None):
+                 splitkv_config=None, layer_attention=None):
         super().__init__(config=config)
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -80,6 +85,7 @@ class DFlashDraftModel(MegatronModule):
         self.num_taps = int(num_taps)
         self.mask_token_id = int(mask_token_id)
         self.block_size = int(block_size)
+        self.layer_attention = None if layer_attention is None else tuple((w, bool(c)) for w, c in layer_attention)
         h = config.hidden_size
         self.fc = torch.nn.Linear(self.num_taps * h, h, bias=False, dtype=config.params_dtype)
         norm_cfg = copy.copy(config)
@@ -90,7 +96,8 @@ class DFlashDraftModel(MegatronModule):
         spec = layer_spec or get_dflash_layer_spec(cp_impl, use_te=use_te, rotary_base=rotary_base,
                                                    kernel_backend=kernel_backend,
                                                    overlap_query_gather=overlap_query_gather,
-                                                   splitkv_config=splitkv_config)
+                                                   splitkv_config=splitkv_config,
+                                                   layer_attention=layer_attention)
         self.decoder = TransformerBlock(config=config, spec=spec, post_layer_norm=True, pre_process=True,
                                         post_process=True, pg_collection=pg_collection)
         self.word_embeddings = word_embeddings

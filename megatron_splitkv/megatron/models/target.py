@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
 from ..attention import DFlashPackedSeqParams
+from ..check_groups import cp_check_group
 from ..layers import apply_rope
 
 __all__ = [
@@ -165,7 +166,8 @@ class CausalCPCoreAttention(MegatronModule):
         scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         # the metadata work (gathers, sort, masks) is done by the first layer and reused by the others
         meta = p.op_metadata("allgather-kv", num_heads_q=q.shape[1], num_heads_kv=k.shape[1],
-                             head_dim=q.shape[2], dtype=q.dtype, device=q.device, cp_group=self.cp_group)
+                             head_dim=q.shape[2], dtype=q.dtype, device=q.device, cp_group=self.cp_group,
+                             check_group=cp_check_group(self.cp_group))
         out = allgather_kv_attention(q, k, v, k, v, softmax_scale=scale, backend=self.kernel_backend,
                                      metadata=meta)
         return out.reshape(out.shape[0], 1, q.shape[1] * q.shape[2])  # explicit width: a CP rank may hold 0 rows

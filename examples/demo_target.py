@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from .acceptance import HELDOUT_FIRST_RECORD, heldout_prompts
-from .data.sharegpt import ENDOFTEXT, IM_END, IM_START, load_sharegpt
-from .data.vocab import CompactVocab
+from megatron_splitkv.acceptance import HELDOUT_FIRST_RECORD, heldout_prompts
+from megatron_splitkv.data.sharegpt import ENDOFTEXT, IM_END, IM_START, load_sharegpt
+from megatron_splitkv.data.vocab import CompactVocab
 
 __all__ = ["FORMAT", "VOCAB_PROMPTS", "DemoTargetSpec", "ensure_demo_target", "make_demo_target"]
 

@@ -3,7 +3,8 @@
 `run_gloo(fn, world_size, *args, timeout=..., error=RuntimeError)` spawns `world_size` processes,
 initialises a gloo process group over a file store in a fresh temporary directory, calls
 `fn(rank, world_size, *args)` on each, and returns the list of per-rank return values (which must be
-picklable). Used by `megatron_splitkv.train_demo` (`make demo`), examples/op_demo.py and by the test suite (tests/_dist.py).
+picklable). Used by examples/train_demo.py (`make demo`), examples/op_demo.py, tools and the test suite (tests/_dist.py).
+Not product API: Megatron jobs and the op's users start their ranks with torchrun.
 
 Every way a worker can go wrong raises `error` naming the rank, as soon as it is seen (the other ranks,
 which may wait in a collective forever, are killed):

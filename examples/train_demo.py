@@ -1,10 +1,10 @@
 """DFlash drafter training end to end on CPU: a Hugging Face target in, a DFlash drafter out, tau measured.
 
-    python -m megatron_splitkv.train_demo            # CP=2 over gloo, 30 steps, a few minutes on 2 cores
+    python examples/train_demo.py                    # CP=2 over gloo, 30 steps, a few minutes on 2 cores
 
 What runs (DESIGN.md sections 1-3 and 6; arXiv 2611.05926):
 0. The target: a tiny Qwen3 made with transformers and briefly trained on the same ShareGPT conversations
-   (`megatron_splitkv.demo_target`), saved in Hugging Face format to OUT_DIR/target-hf (default
+   (`examples/demo_target.py`), saved in Hugging Face format to OUT_DIR/target-hf (default
    out/demo) with its compact vocabulary (`token_map.json`) and made once: reused while its fingerprint
    matches. `--target-hf-path DIR` takes any Qwen3 directory instead; `--random-target` a random Megatron
    target (no round trip).
@@ -53,7 +53,10 @@ import re
 import sys
 import time
 
-from .checkpoint import MANIFEST, TRACKER, CheckpointError, iteration_dir, resolve_checkpoint, write_manifest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository: its package, tools
+
+from megatron_splitkv.checkpoint import (MANIFEST, TRACKER, CheckpointError, iteration_dir,  # noqa: E402
+                                         resolve_checkpoint, write_manifest)
 
 #: the largest --cp: the demo runs one gloo process per CP rank on the CPU
 MAX_CP = 16
@@ -62,7 +65,7 @@ MAX_CP = 16
 def parse_args(argv=None):
     """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
     data loader accept): a bad flag is argparse's one error line naming it and its limit, exit status 2."""
-    from ._ints import DefaultsHelpFormatter, float_arg, int_arg  # strict ints; finite reals (float() takes "nan")
+    from megatron_splitkv._ints import DefaultsHelpFormatter, float_arg, int_arg  # strict ints; finite reals (float() takes "nan")
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
@@ -104,7 +107,7 @@ DEMO_OUT = os.path.join("out", "demo")
 
 def add_round_trip_args(p):
     """The flags of the Hugging Face round trip: target in, drafter out, tau measured."""
-    from ._ints import hf_model_dir, int_arg
+    from megatron_splitkv._ints import hf_model_dir, int_arg
 
     g = p.add_argument_group("round trip (Hugging Face target in, DFlash drafter out, acceptance length)")
     t = g.add_mutually_exclusive_group()
@@ -134,7 +137,7 @@ def add_round_trip_args(p):
 def demo_target_spec(args):
     """The `DemoTargetSpec` the demo's flags describe (--limit, --hidden, --target-layers, --seed,
     --max-tokens, --target-train-steps; the demo target's init std is Qwen3's 0.02)."""
-    from .demo_target import DemoTargetSpec
+    from examples.demo_target import DemoTargetSpec
 
     return DemoTargetSpec(limit=args.limit, hidden=args.hidden, num_layers=args.target_layers,
                           steps=args.target_train_steps, max_positions=max(4096, args.max_tokens), seed=args.seed)
@@ -150,7 +153,7 @@ def prepare_target(args, log=print) -> None:
 
     hf_logging.disable_progress_bar()  # the demo prints its own lines (weights loading / writing bars off)
     if args.target_hf_path is None:
-        from .demo_target import ensure_demo_target
+        from examples.demo_target import ensure_demo_target
 
         path = os.path.join(args.out_dir, "target-hf")
         t0 = time.time()
@@ -171,7 +174,7 @@ def regenerate_responses(args, log=print):
     """The target's greedy responses to the --limit conversations' prompts (`data.regenerate`, at most
     --regen-new-tokens each), made once into OUT_DIR/regenerated.npz and reused while the target and the
     settings match; sets `args.train_corpus_path` to it."""
-    from .data.regenerate import RegenerateSpec, ensure_regenerated
+    from megatron_splitkv.data.regenerate import RegenerateSpec, ensure_regenerated
 
     path = os.path.join(args.out_dir, "regenerated.npz")
     spec = RegenerateSpec(limit=args.limit, max_new_tokens=args.regen_new_tokens,
@@ -191,7 +194,7 @@ def training_corpus(args):
     conversations with their own assistant text (`load_sharegpt`)."""
     import numpy as np
 
-    from .data.sharegpt import TokenizedCorpus, load_sharegpt
+    from megatron_splitkv.data.sharegpt import TokenizedCorpus, load_sharegpt
 
     path = getattr(args, "train_corpus_path", None)
     if path is None:
@@ -203,8 +206,8 @@ def training_corpus(args):
 def target_vocab(args):
     """(`CompactVocab` of --target-hf-path's ``token_map.json``, MASK id = its MASK row), or (None,
     --mask-token-id) for a target with Qwen's ids. Raises `HFCheckpointError` when neither names MASK."""
-    from .data.vocab import TOKEN_MAP_FILE, CompactVocab
-    from .megatron.hf import HFCheckpointError
+    from megatron_splitkv.data.vocab import TOKEN_MAP_FILE, CompactVocab
+    from megatron_splitkv.megatron.hf import HFCheckpointError
 
     vocab = CompactVocab.load(args.target_hf_path)
     if vocab is not None:
@@ -218,8 +221,8 @@ def target_vocab(args):
 def map_corpus(args, corpus):
     """The corpus in the Hugging Face target's vocabulary (`target_vocab`). Returns (corpus, mask id, ids
     used). Raises `HFCheckpointError` naming ``token_map.json`` for ids outside the map."""
-    from .data.vocab import TOKEN_MAP_FILE
-    from .megatron.hf import HFCheckpointError
+    from megatron_splitkv.data.vocab import TOKEN_MAP_FILE
+    from megatron_splitkv.megatron.hf import HFCheckpointError
 
     vocab, mask_id = target_vocab(args)
     if vocab is None:
@@ -237,7 +240,7 @@ def check_hf_target(args, ids_used=None):
     mask row, hidden size = --hidden), num_hidden_layers = --target-layers and, with `ids_used` (the data's
     largest token id + 1 in the target's ids, `map_corpus`), vocab_size >= ids_used. Raises
     `HFCheckpointError` naming the field."""
-    from .megatron.hf import HFCheckpointError, read_qwen3_config
+    from megatron_splitkv.megatron.hf import HFCheckpointError, read_qwen3_config
 
     _, mask_id = target_vocab(args)
     hf = read_qwen3_config(args.target_hf_path, mask_token_id=mask_id, drafter_hidden_size=args.hidden)
@@ -256,7 +259,7 @@ def build_target_and_vocab(args, corpus, pgs):
     """The frozen target and the data in its vocabulary. With `args.target_hf_path`: the Hugging Face
     Qwen3 target through `megatron.hf.load_hf_target` and `map_corpus`; else a random `build_target_model`
     (--target-init-std) over the compacted corpus. Returns (target GPTModel, corpus, mask id, ids used)."""
-    from .models import build_target_model, qwen3_config
+    from megatron_splitkv.models import build_target_model, qwen3_config
 
     if args.target_hf_path is None:
         corpus, v_used = _compact_corpus(corpus)
@@ -267,7 +270,7 @@ def build_target_and_vocab(args, corpus, pgs):
         target = build_target_model(tcfg, vocab_size=(v_used + 1 + 63) // 64 * 64,
                                     max_sequence_length=args.max_tokens, pg_collection=pgs, seed=args.seed)
         return target, corpus, v_used, v_used
-    from .megatron.hf import load_hf_target
+    from megatron_splitkv.megatron.hf import load_hf_target
 
     check_hf_target(args)
     corpus, mask_id, used = map_corpus(args, corpus)
@@ -290,7 +293,7 @@ def export_round_trip(drafter, args, export_kw, name, rank):
     without a Hugging Face target."""
     if args.target_hf_path is None:
         return None
-    from .megatron.hf import export_drafter
+    from megatron_splitkv.megatron.hf import export_drafter
 
     d = os.path.join(args.out_dir, name)
     export_drafter(drafter, d if rank == 0 else None, **export_kw)
@@ -320,7 +323,7 @@ def evaluate_round_trip(args, log=print):
         return {}
     import torch
 
-    from .acceptance import (HELDOUT_FIRST_RECORD, evaluate_acceptance, format_report, heldout_prompts, load_pair,
+    from megatron_splitkv.acceptance import (HELDOUT_FIRST_RECORD, evaluate_acceptance, format_report, heldout_prompts, load_pair,
                              write_report)
 
     torch.set_num_threads(args.threads)
@@ -341,7 +344,7 @@ def evaluate_round_trip(args, log=print):
 
 def _check_flag_combinations(p, args):
     """Limits that involve two flags (argparse's `type=` sees one): p.error naming both, exit status 2."""
-    from .dflash import target_layer_ids
+    from megatron_splitkv.dflash import target_layer_ids
 
     if args.save_interval is not None and args.save is None:
         p.error("--save-interval needs --save")
@@ -470,7 +473,7 @@ def save_checkpoint(root, *, step, data_pos, rank, world, args, named_params, op
     then the tracker file. Returns the iteration directory."""
     import torch.distributed as dist
 
-    from .megatron.hf import EXPORT_META_KEY
+    from megatron_splitkv.megatron.hf import EXPORT_META_KEY
 
     d = iteration_dir(root, step)
     os.makedirs(d, exist_ok=True)
@@ -544,7 +547,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 class RankFailedError(RuntimeError):
-    """A rank of the demo failed (raised by `megatron_splitkv.launch.run_gloo`, which kills the others)."""
+    """A rank of the demo failed (raised by `tools.launch.run_gloo`, which kills the others)."""
 
 
 # the demo's own errors: the parent prints their one line, not the rank's traceback
@@ -564,7 +567,7 @@ def _rank_failure_text(message: str) -> str:
     of the demo's own (`_KNOWN_ERRORS`: their message is complete); anything else keeps the rank's traceback."""
     lines = message.rstrip().splitlines()
     last = lines[-1] if lines else ""
-    for cls in _KNOWN_ERRORS:  # "module.Class: text"; the module is __mp_main__ when run with python -m
+    for cls in _KNOWN_ERRORS:  # "module.Class: text"; the module is __mp_main__ when run as a script
         m = re.match(rf"(?:[\w.]+\.)?{cls.__qualname__}: (.*)", last)
         if m:
             return f"{lines[0].split(' failed')[0]}: {m.group(1)}"
@@ -778,7 +781,7 @@ def main(argv=None) -> int:
     """Spawn `--cp` gloo processes, train, print the summary. Returns 0 on success (loss falling; any
     trend after --load), 1 if the loss of a run from step 1 did not fall, 2 if a rank failed."""
     args = parse_args(argv)
-    from .launch import run_gloo
+    from tools.launch import run_gloo
 
     t0 = time.time()
     world = args.cp
