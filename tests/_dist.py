@@ -23,7 +23,8 @@ import os
 
 import torch.multiprocessing as mp
 
-from tools.launch import run_gloo
+from tools import launch
+from tools.launch import run_gloo  # the real one, also while `forked_ranks` patches launch.run_gloo
 
 
 # imported once by the fork server (modules importable from any interpreter of this venv: Python 3.12's fork
@@ -66,5 +67,21 @@ def run_distributed(fn, world_size, *args, timeout=300, fresh=False):
     caller's environment; `fresh=True`: spawned interpreters (`run_gloo`'s default)."""
     if fresh:
         return run_gloo(fn, world_size, *args, timeout=timeout, error=AssertionError)
-    return run_gloo(_with_environ, world_size, dict(os.environ), fn, *args, timeout=timeout,
-                    error=AssertionError, context=_forkserver())
+    return run_gloo_forked(fn, world_size, *args, timeout=timeout, error=AssertionError)
+
+
+def run_gloo_forked(fn, world_size, *args, timeout=300, error=RuntimeError, context=None):
+    """`tools.launch.run_gloo` with the ranks forked from the session's fork server (the caller's
+    environment, as `run_distributed`) instead of spawned: a stand-in for `launch.run_gloo` in the tests of a
+    command's `main` (`forked_ranks`), which spend most of their time importing torch and Megatron in each
+    spawned rank otherwise. The spawned path itself stays covered (tests/test_dist_launcher.py and one demo run
+    of tests/test_demo_round_trip.py)."""
+    assert context is None, "run_gloo_forked picks its own context"
+    return run_gloo(_with_environ, world_size, dict(os.environ), fn, *args, timeout=timeout, error=error,
+                    context=_forkserver())
+
+
+def forked_ranks(monkeypatch):
+    """Patch `tools.launch.run_gloo` (what `train_demo.main` and the examples call) with
+    `run_gloo_forked` for the rest of the test (`monkeypatch`: pytest's fixture or a `pytest.MonkeyPatch`)."""
+    monkeypatch.setattr(launch, "run_gloo", run_gloo_forked)

@@ -254,7 +254,7 @@ def aggregate_records(recs):
 #: checked once per op and norm, the cases of a P sweep share their global inputs (C10: P = 2, 4, 8), and the
 #: reference of a long case (C10: 32K keys) is most of its test's time
 _REFERENCES: dict = {}
-_REFERENCES_KEPT = 4
+_REFERENCES_KEPT = 8
 _REFERENCE_INPUTS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk", "q_seq", "q_anchor", "kv_seq", "kv_pos", "dout", "dlse")
 
 

@@ -3,13 +3,15 @@
 Used by the bad-flag tests: every case fails in argument parsing, so a process per case spent its whole time
 importing torch and the package (3-8 s of CPU each on 2 cores, 45 cases). `run_tools(cases, env)` starts one
 interpreter (`python tests/_tool_runs.py REPORT`, with `env` and the repository root as its working directory) that
-runs each script with `runpy.run_path(..., run_name="__main__")`, `sys.argv` = [script, *args] and the
-script's folder first on `sys.path`, as the command line would, and reports for each case what the command line
+runs each script with `runpy.run_path(..., run_name="__main__")` (a module given as "-m NAME": `runpy.run_module`),
+`sys.argv` = [script, *args] and the script's folder (a module: the working directory) first on `sys.path`, as
+the command line would, and reports for each case what the command line
 would have: the exit status (SystemExit's code; 1 and the traceback on stderr for any other exception) and its
 stdout and stderr (what Python code writes to sys.stdout / sys.stderr, warnings and tracebacks included).
 """
 
 import contextlib
+import importlib.util
 import io
 import json
 import os
@@ -23,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_tools(cases, env, timeout=300):
-    """[(script, argv)] (script: a path relative to the repository root) -> [(returncode, stdout, stderr)],
+    """[(script, argv)] (script: a path relative to the repository root, or "-m NAME" for a module run as
+    `python -m NAME`) -> [(returncode, stdout, stderr)],
     in order. Raises AssertionError naming the last case started when the interpreter does not end within
     `timeout` seconds or dies (its stderr)."""
     request = json.dumps([[script, list(argv)] for script, argv in cases])
@@ -50,17 +53,22 @@ def _last_started(stderr):
 
 
 def _run_one(script, argv):
-    """(returncode, stdout, stderr) of `python script *argv` run in this interpreter."""
-    path = os.path.join(ROOT, script)
+    """(returncode, stdout, stderr) of `python script *argv` (`script` "-m NAME": `python -m NAME *argv`) run in
+    this interpreter."""
+    module = script[3:] if script.startswith("-m ") else None
+    path = importlib.util.find_spec(module).origin if module else os.path.join(ROOT, script)
     out, err = io.StringIO(), io.StringIO()
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [path, *argv]
-    sys.path.insert(0, os.path.dirname(path))
+    sys.path.insert(0, ROOT if module else os.path.dirname(path))
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                runpy.run_path(path, run_name="__main__")
+                if module:
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    runpy.run_path(path, run_name="__main__")
             except SystemExit as e:
                 if e.code is None:
                     code = 0

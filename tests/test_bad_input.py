@@ -5,8 +5,9 @@ Each distributed test runs under run_distributed with a timeout, so a hang fails
 import pytest
 import torch
 
+import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import OPS, case, check, run_local
+from _splitkv_helpers import OPS, case, check, run_local, small_inputs
 
 
 def _args(rank, *, nb=2, B=4, Hq=4, Hkv=2, D=8, tk=5, dtype=torch.float32):
@@ -40,6 +41,8 @@ def _scenarios(rank):
 
 
 def _bad_worker(rank, world_size):
+    """Both distributed tests of this file in one 2-rank group: the scenarios above on every op, then the
+    device / dtype / meta cases of BAD_CASES (`_one_rank_worker`), then a valid call per op (still in step)."""
     seen = []
     for op in OPS:
         for name, kw, expect in _scenarios(rank):
@@ -53,14 +56,19 @@ def _bad_worker(rank, world_size):
                 seen.append((op, name, str(exc)))
             else:
                 raise AssertionError(f"{op}: {name}: no ValueError on rank {rank}")
+    one_rank = _one_rank_worker(rank, world_size, list(BAD_CASES))
     # the group is still in step afterwards: a valid call on every op is exact
     c = case(7, world_size, dtype="float64")
-    return seen, {op: run_local(op, c, rank) for op in OPS}
+    return dict(seen=seen, ok={op: run_local(op, c, rank) for op in OPS}, one_rank=one_rank)
 
 
-def test_bad_input_raises_on_every_rank():
-    results = run_distributed(_bad_worker, 2, timeout=120)
-    (seen0, ok0), (seen1, ok1) = results
+@pytest.fixture(scope="module")
+def bad_input_run():
+    return run_distributed(_bad_worker, 2, timeout=120)
+
+
+def test_bad_input_raises_on_every_rank(bad_input_run):
+    (seen0, ok0), (seen1, ok1) = [(r["seen"], r["ok"]) for r in bad_input_run]
     assert [s[:2] for s in seen0] == [s[:2] for s in seen1]
     for (op, name, m0), (_, _, m1) in zip(seen0, seen1):
         assert m0 == m1, f"{op} {name}: ranks raised different messages:\n{m0}\n{m1}"
@@ -82,3 +90,95 @@ def test_bad_input_single_process():
     a["q_seq"] = torch.full((2,), 2**31)
     with pytest.raises(ValueError, match=r"q_seq values must lie in"):
         OPS["allgather_kv"](*[a.pop(k) for k in list(a)[:9]], **a)
+
+# ------------------------------------------------------------------ a bad device, dtype or meta tensor on one rank
+
+
+def _prep_kw(m, **kw):
+    d = dict(block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8, dtype=torch.float32)
+    d.update(kw)
+    return dict(m, **d)
+
+
+def _bad_case(label, rank, bad_rank=1):
+    """(call kind, kwargs) of case `label` on `rank` (bad only on bad_rank)."""
+    x, m = small_inputs(rank)
+    bad = rank == bad_rank
+    if label == "device_str":
+        return "prep", _prep_kw(m, device="foo" if bad else None)
+    if label == "device_cuda":
+        return "prep", _prep_kw(m, device="cuda:99" if bad else None)
+    if label == "uint64_prep":
+        if bad:
+            m["kv_pos"] = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2 ** 64 - 1], dtype=torch.uint64)
+        return "prep", _prep_kw(m)
+    if label == "meta_kv_pos":
+        if bad:
+            m["kv_pos"] = m["kv_pos"].to("meta")
+        return "prep", _prep_kw(m)
+    if label == "uint64_op":
+        if bad:
+            m["kv_pos"] = m["kv_pos"].to(torch.uint64)
+        return "op", (x, m)
+    if label == "meta_q_op":
+        if bad:
+            x = {k: v.to("meta") for k, v in x.items()}
+        return "op", (x, m)
+    raise KeyError(label)
+
+
+BAD_CASES = {  # label -> text the error must contain
+    "device_str": "device must be a torch.device or a device string, got 'foo'",
+    "device_cuda": "device=cuda:99",
+    "uint64_prep": "kv_pos must have a signed integer dtype",
+    "meta_kv_pos": "kv_pos must hold data",
+    "uint64_op": "kv_pos must have a signed integer dtype",
+    "meta_q_op": "q.device must hold data",
+}
+
+
+def _one_rank_worker(rank, world, labels):
+    out = []
+    for label in labels:
+        kind, args = _bad_case(label, rank)
+        try:
+            if kind == "prep":
+                msk.prepare_splitkv_metadata(**args)
+            else:
+                x, m = args
+                msk.splitkv_attention(*x.values(), *m.values(), block_size=4)
+            out.append(("ok", ""))
+        except Exception as exc:  # noqa: BLE001
+            out.append((type(exc).__name__, str(exc)))
+    return out
+
+
+def test_bad_input_on_one_rank_raises_the_same_error_everywhere(bad_input_run):
+    """Each bad input on rank 1 only: the same ValueError on both ranks, naming the argument (before the
+    fix: a RuntimeError / NotImplementedError on rank 1 alone, rank 0 waiting in the verdict's all-gather;
+    uint64: no error at all). The cases run one after the other in one group, so a rank left behind in a
+    collective would hang the next case."""
+    if torch.cuda.device_count() > 99:
+        pytest.skip("cuda:99 exists")
+    labels = list(BAD_CASES)
+    res = [r["one_rank"] for r in bad_input_run]
+    for i, label in enumerate(labels):
+        got = [res[r][i] for r in range(2)]
+        assert got[0] == got[1], (label, got)
+        kind, msg = got[0]
+        assert kind == "ValueError" and BAD_CASES[label] in msg and "rank 1" in msg, (label, got)
+
+
+@pytest.mark.parametrize("label", list(BAD_CASES))
+def test_bad_device_dtype_or_meta_single_process(label):
+    """The same inputs in a single process: ValueError naming the argument (was RuntimeError "Expected one of
+    cpu, cuda, ... device type at start of device string: foo" / "Found no NVIDIA driver" / no error)."""
+    if label == "device_cuda" and torch.cuda.device_count() > 99:
+        pytest.skip("cuda:99 exists")
+    kind, args = _bad_case(label, 0, bad_rank=0)
+    with pytest.raises(ValueError, match=BAD_CASES[label].replace("(", r"\(").replace(".", r"\.")):
+        if kind == "prep":
+            msk.prepare_splitkv_metadata(**args)
+        else:
+            x, m = args
+            msk.splitkv_attention(*x.values(), *m.values(), block_size=4)

@@ -1,6 +1,7 @@
 """Reproduction cases C1, C2, C3, C5, C6 and C10 of /work/shared/cases/README.md for the CP attention
 ops, in ONE 8-rank gloo spawn (smaller CP sizes run on subgroups); each case also through Split-KV's head chunks
-(chunk_axis "heads", k = 2, heads doubled where Hkv = 1: `_heads`). Expected values come from the
+(chunk_axis "heads", k = 2, heads doubled where Hkv = 1: `_heads`), through Split-KV's row chunks (num_chunks 2
+with `metadata=` and group_check, 3 without) and through the baselines with `metadata=`. Expected values come from the
 single-process float64 reference. Source: DESIGN.md section 2."""
 
 import pytest
@@ -88,12 +89,24 @@ def cases_run():
     for i, (name, c) in enumerate(named):  # every case again through Split-KV's head chunks
         jobs.append(("splitkv", _heads(c, metadata=bool(i % 2))))
         names.append(name)
+    for name, c in named:
+        # the baselines through prepare_splitkv_metadata / metadata=; Split-KV's row chunks: 2 through
+        # metadata= prepared with group_check, 3 (uneven chunks) without metadata
+        for op, extra in (("allgather_kv", dict(metadata=True)), ("ring_kv", dict(metadata=True)),
+                          ("splitkv", dict(metadata=True, num_chunks=2, group_check=True)),
+                          ("splitkv", dict(num_chunks=3))):
+            jobs.append((op, dict(c, **extra)))
+            names.append(name)
     for c in _c10(seed):
         jobs.append(("splitkv", c))
         names.append("C10")
     for c in _c10(seed):
         jobs.append(("splitkv", _heads(c)))
         names.append("C10 heads")
+    for k in (2, 3):  # row chunks (2: through metadata=)
+        for c in _c10(seed):
+            jobs.append(("splitkv", dict(c, num_chunks=k, metadata=k == 2)))
+            names.append(f"C10 k={k}")
     results = run_distributed(jobs_worker, 8, jobs, timeout=600)
     return jobs, names, results
 
@@ -151,7 +164,7 @@ def test_c6_fewer_context_tokens_than_ranks(cases_run):
             assert len(c["ctx_idx"][r]) == per_rank[r]["dk_ctx"].shape[0]
 
 
-@pytest.mark.parametrize("name", ["C10", "C10 heads"])
+@pytest.mark.parametrize("name", ["C10", "C10 heads", "C10 k=2", "C10 k=3"])
 def test_c10_bf16_error_does_not_grow_with_p(cases_run, capsys, name):
     errs = {c["P"]: errors(c, per_rank) for _, c, per_rank in _each(cases_run, name)}
     # the errors per P: captured (shown with a failure, not in every run's output)

@@ -1,7 +1,8 @@
-"""The tools/*.py CLIs reject bad flags up front: a one-line argparse error naming the flag, exit status 2
-(never 0, never a traceback); the GPU-only tools exit with one line when there is no CUDA GPU. All cases fail during argument validation, before any data, model or
-process group is set up, so each took about the interpreter + import time as a process of its own: the bad-flag
-cases run in one interpreter, each as its command line would (`_tool_runs.run_tools`)."""
+"""The tools/*.py CLIs and examples/pretrain_dflash.py reject bad flags up front: a one-line argparse error naming
+the flag, exit status 2 (never 0, never a traceback); the GPU-only tools exit with one line when there is no CUDA
+GPU. All cases fail during argument validation, before any data, model or process group is set up, so each took
+about the interpreter + import time as a process of its own: they run in one interpreter per fixture, each as its
+command line would (`_tool_runs.run_tools`)."""
 
 import os
 import subprocess
@@ -51,22 +52,70 @@ CASES = [
 ]
 
 
-def _run_all(cases, tmp_path):
-    """Run every case (in one interpreter, `_tool_runs.run_tools`); returns [(case, returncode, stdout, stderr)]."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+# tools/staircase_shapes.py: a short run's flags, so that a bad flag accepted keeps the run short
+_STAIRCASE_BASE = ["--steps", "1", "--cp", "1", "--sizes", "8192", "--min-len", "4096", "--max-len", "8192",
+                   "--max-tokens", "8192", "--anchors", "8", "--quiet"]
+# its docstring promises "argparse errors (exit 2) for malformed flags and unknown options": `--strategy nope`
+# was a ValueError traceback after the run started; nan / negative costs were accepted; `--steps x`, `--cp 0`,
+# `--sizes -5`, `--key-bins x` exited 2 with a message not naming the flag
+CASES += [("staircase_shapes.py", _STAIRCASE_BASE + [flag, value], flag)
+          for flag, value in [("--strategy", "nope"), ("--moved-pair-ns", "nan"), ("--call-us", "-1"),
+                              ("--max-seqs", "-1"), ("--steps", "x"), ("--cp", "0"), ("--sizes", "-5"),
+                              ("--key-bins", "x")]]
+# tools without an --out flag (the harness passes its own --out to the others, so that a bad flag accepted
+# writes nowhere in the tree)
+_NO_OUT = {"profile_op.py", "prepare_cost.py", "memory_breakdown.py"}
+CASES += [
+    ("profile_op.py", ["--variants", "1,x"], "--variants"),
+    ("profile_op.py", ["--variants", "0,2"], "--variants"),
+    ("profile_op.py", ["--steps", "0"], "--steps"),
+    ("profile_op.py", ["--context", "0"], "--context"),
+    ("profile_op.py", ["--backend", "nope"], "--backend"),
+    ("prepare_cost.py", ["--reps", "0"], "--reps"),
+    ("prepare_cost.py", ["--device", "foo"], "--device"),
+    ("prepare_cost.py", ["--device", "cuda:99"], "--device"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--context", "0"], "--context"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--placement", "nope"], "--placement"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--hq", "3", "--hkv", "2"], "--hq"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--block-size", "0"], "--block-size"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--anchors", "0"], "--anchors"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--num-chunks", "-1"], "--num-chunks"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--d", "0"], "--d"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--top", "-1"], "--top"),
+    ("chunk_cost.py", ["--cpu", "--out", "{a_file}/sub"], "--out"),  # --out under a file
+    ("simulate_scaling.py", ["--model-only", "--out", ""], "--out"),  # --out ''
+]
+# the GPU-only tools without a CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1, one line
+GPU_ONLY = ["profile_kernel.py", "probe_dense_backends.py", "profile_op.py"]
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory):
+    """Every case of CASES and GPU_ONLY (in one interpreter, `_tool_runs.run_tools`), with CUDA hidden:
+    {"flags": [(case, returncode, stdout, stderr)], "gpu_only": {tool: (returncode, stdout, stderr)}}."""
+    tmp_path = tmp_path_factory.mktemp("cli")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     (tmp_path / "empty.log").write_text("no iteration lines here\n")
+    (tmp_path / "a_file").write_text("x")
     runs = []
-    for i, (tool, argv, want) in enumerate(cases):
-        argv = [a.replace("{empty_log}", str(tmp_path / "empty.log")) for a in argv]
-        runs.append((os.path.join("tools", tool), [*argv, "--out", str(tmp_path / f"out{i}")]))
-    return [((tool, argv, want), *result) for (tool, argv, want), result in zip(cases, run_tools(runs, env))]
+    for i, (tool, argv, want) in enumerate(CASES):
+        argv = [a.replace("{empty_log}", str(tmp_path / "empty.log")).replace("{a_file}", str(tmp_path / "a_file"))
+                for a in argv]
+        if "--out" not in argv and tool not in _NO_OUT:
+            argv += ["--out", str(tmp_path / f"out{i}")]
+        runs.append((os.path.join("tools", tool), argv))
+    runs += [(os.path.join("tools", tool), []) for tool in GPU_ONLY]
+    results = run_tools(runs, env)
+    return {"flags": [(case, *result) for case, result in zip(CASES, results)],
+            "gpu_only": dict(zip(GPU_ONLY, results[len(CASES):]))}
 
 
-def test_bad_flags_fail_with_a_clear_error(tmp_path):
+def test_bad_flags_fail_with_a_clear_error(tool_runs):
     problems = []
-    for (tool, argv, want), rc, so, se in _run_all(CASES, tmp_path):
+    for (tool, argv, want), rc, so, se in tool_runs["flags"]:
         err_lines = [ln for ln in se.splitlines() if ": error: " in ln]
         if rc != 2:
             problems.append(f"{tool} {argv}: exit status {rc} (want 2)\n{se[-800:]}")
@@ -75,6 +124,17 @@ def test_bad_flags_fail_with_a_clear_error(tmp_path):
         elif want not in err_lines[-1]:
             problems.append(f"{tool} {argv}: error does not name {want}: {err_lines[-1]}")
     assert not problems, "\n\n".join(problems)
+
+
+@pytest.mark.parametrize("tool", GPU_ONLY)
+def test_gpu_only_tools_exit_with_one_line_without_cuda(tool_runs, tool):
+    """No CUDA GPU: exit 1 with the single line "<tool> needs a CUDA GPU", no traceback (profile_op.py: before,
+    a torch.distributed rendezvous traceback)."""
+    rc, _, err = tool_runs["gpu_only"][tool]
+    assert rc == 1, (rc, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    assert lines == [f"{tool} needs a CUDA GPU"], err[-2000:]
 
 
 def test_bench_attention_exits_nonzero_when_a_row_errors(tmp_path):
@@ -98,69 +158,58 @@ def test_bench_attention_exits_nonzero_when_a_row_errors(tmp_path):
     assert "ERROR" in (tmp_path / "b" / "bench_attention.md").read_text()
 
 
-@pytest.mark.parametrize("tool", ["profile_kernel.py", "probe_dense_backends.py"])
-def test_gpu_only_tools_exit_with_one_line_without_cuda(tool):
-    """No CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1 with the single line
-    "<tool> needs a CUDA GPU", no traceback."""
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([sys.executable, _tool(tool)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
-    assert "Traceback" not in p.stderr, p.stderr[-2000:]
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
-    assert lines == [f"{tool} needs a CUDA GPU"], p.stderr[-2000:]
+# examples/pretrain_dflash.py run as a script (`_tool_runs.run_tools`: in one interpreter, each as its command
+# line would): a short valid command line, then the bad flag
+_PRETRAIN = ["--parse-only", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--seq-length", "256", "--max-position-embeddings", "256", "--micro-batch-size", "1"]
+PRETRAIN_CASES = {
+    "splitkv flag": ["--context-parallel-impl", "splitkv", "--dflash-data-workers", "-1"],
+    "too many data workers": ["--dflash-data-workers", "1000000"],
+    "--context-parallel-impl": ["--context-parallel-impl", "bogus"],
+    "--num-layers": ["--num-layers", "x"],
+    "--no-such-flag": ["--no-such-flag", "1"],
+}
 
 
-def test_simulate_scaling_empty_out_is_a_flag_error():
-    """`--out ''` (the harness above always passes its own --out, so this case runs alone)."""
-    p = subprocess.run([sys.executable, _tool("simulate_scaling.py"), "--model-only", "--out", ""], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and "--out" in p.stderr.splitlines()[-1], p.stderr
-
-
-def test_pretrain_dflash_bad_splitkv_flag_exits_2_with_one_line():
-    """examples/pretrain_dflash.py run as a script: a bad Split-KV flag (validate_splitkv_args) is one line
-    naming the flag on stderr and exit status 2, like argparse's own errors (no traceback)."""
+@pytest.fixture(scope="module")
+def pretrain_runs():
+    """{name: (returncode, stdout, stderr)} of examples/pretrain_dflash.py with each of PRETRAIN_CASES."""
     pytest.importorskip("megatron.core")
-    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-            "--max-position-embeddings", "256", "--micro-batch-size", "1", "--context-parallel-impl", "splitkv",
-            "--dflash-data-workers", "-1"]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert "pretrain_dflash.py: error: --dflash-data-workers must be >= 0" in p.stderr
-    assert "Traceback" not in p.stderr
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = run_tools([(os.path.join("examples", "pretrain_dflash.py"), _PRETRAIN + argv)
+                         for argv in PRETRAIN_CASES.values()], env)
+    return dict(zip(PRETRAIN_CASES, results))
 
 
-def test_pretrain_dflash_too_many_data_workers_exits_2_with_one_line():
+def test_pretrain_dflash_bad_splitkv_flag_exits_2_with_one_line(pretrain_runs):
+    """A bad Split-KV flag (validate_splitkv_args) is one line naming the flag on stderr and exit status 2,
+    like argparse's own errors (no traceback)."""
+    rc, _, err = pretrain_runs["splitkv flag"]
+    assert rc == 2, err[-2000:]
+    assert "pretrain_dflash.py: error: --dflash-data-workers must be >= 0" in err
+    assert "Traceback" not in err
+
+
+def test_pretrain_dflash_too_many_data_workers_exits_2_with_one_line(pretrain_runs):
     """--dflash-data-workers above its cap (32 per rank): one line naming the flag and the limit, exit status 2."""
-    pytest.importorskip("megatron.core")
-    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-            "--max-position-embeddings", "256", "--micro-batch-size", "1", "--dflash-data-workers", "1000000"]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 2, p.stderr[-2000:]
-    last = p.stderr.strip().splitlines()[-1]
+    rc, _, err = pretrain_runs["too many data workers"]
+    assert rc == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
     assert last.startswith("pretrain_dflash.py: error: --dflash-data-workers must be at most 32"), last
-    assert "got 1000000" in last and "Traceback" not in p.stderr
+    assert "got 1000000" in last and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag,value,want", [
-    ("--context-parallel-impl", "bogus",
+@pytest.mark.parametrize("flag,want", [
+    ("--context-parallel-impl",
      "argument --context-parallel-impl: invalid choice: 'bogus' (choose from 'splitkv', 'allgather-kv', 'ring-kv')"),
-    ("--num-layers", "x", "argument --num-layers: invalid int value: 'x'"),
-    ("--no-such-flag", "1", "unrecognized arguments: --no-such-flag 1"),
+    ("--num-layers", "argument --num-layers: invalid int value: 'x'"),
+    ("--no-such-flag", "unrecognized arguments: --no-such-flag 1"),
 ])
-def test_pretrain_dflash_argparse_error_without_the_usage(flag, value, want):
+def test_pretrain_dflash_argparse_error_without_the_usage(pretrain_runs, flag, want):
     """A bad choice / type / unknown flag (argparse's own errors, Megatron's parser): the error line naming the
     flag (and the allowed values) plus a --help hint, exit status 2; not Megatron's ~750-line usage first."""
-    pytest.importorskip("megatron.core")
-    argv = [sys.executable, os.path.join(ROOT, "examples", "pretrain_dflash.py"), "--parse-only", "--num-layers", "2",
-            "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-            "--max-position-embeddings", "256", "--micro-batch-size", "1", flag, value]
-    p = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert p.returncode == 2, p.stderr[-2000:]
-    assert p.stderr.splitlines() == [f"pretrain_dflash.py: error: {want}",
-                                     "pretrain_dflash.py: run with --help for every flag"], p.stderr[-2000:]
-    assert p.stdout == ""
+    rc, out, err = pretrain_runs[flag]
+    assert rc == 2, err[-2000:]
+    assert err.splitlines() == [f"pretrain_dflash.py: error: {want}",
+                                "pretrain_dflash.py: run with --help for every flag"], err[-2000:]
+    assert out == ""

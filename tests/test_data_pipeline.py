@@ -9,15 +9,17 @@ CPU only, no timing."""
 
 import functools
 import itertools
+import math
 import os
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from megatron_splitkv.data import PrefetchedBatches, ShareGPTLoader, data_parallel_batches, plan_batch
-from megatron_splitkv.data.sharegpt import TokenizedCorpus
+from megatron_splitkv.data.sharegpt import TokenizedCorpus, make_packed_batch
 from _warning_marks import FORK, MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV + FORK
@@ -974,3 +976,191 @@ sys.exit(0)
         assert pipe.loader.worker_init_fn is _worker_init
     finally:
         pipe.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data_parallel_batches with fewer batches an epoch than DP ranks
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _FakeLoader:
+    """`ShareGPTLoader`'s interface (set_epoch(epoch, start=), len, iteration from start): n batches an epoch."""
+
+    def __init__(self, n):
+        self.n, self.epoch, self.start = n, 0, 0
+
+    def set_epoch(self, epoch, start=0):
+        self.epoch, self.start = epoch, start
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter([(self.epoch, b) for b in range(self.start, self.n)])
+
+
+def _next_or_hang(gen, timeout=5.0):
+    box = {}
+
+    def run():
+        try:
+            box["value"] = next(gen)
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "data_parallel_batches hung (looked for a batch forever)"
+    return box
+
+
+@pytest.mark.parametrize("n, dp, skip", [(1, 2, 0), (1, 2, 3), (2, 3, 0), (3, 4, 1)])
+def test_data_parallel_batches_fewer_batches_than_dp_ranks_raises_on_every_rank(n, dp, skip):
+    """A loader with fewer batches an epoch than DP ranks: the last DP ranks never got a batch and
+    `data_parallel_batches` looped over epochs forever (a hang while the other DP ranks wait for it in the
+    all-reduce). Now every DP rank raises the same ValueError naming dp_size."""
+    for dpr in range(dp):
+        box = _next_or_hang(data_parallel_batches(_FakeLoader(n), dp, dpr, skip))
+        assert isinstance(box.get("error"), ValueError), box
+        assert "dp_size" in str(box["error"])
+
+
+def test_data_parallel_batches_enough_batches_still_works():
+    for dpr in range(2):
+        got = [_next_or_hang(g)["value"] for g in [data_parallel_batches(_FakeLoader(3), 2, dpr)] for _ in range(3)]
+        want = [(0, 0), (0, 2), (1, 0)] if dpr == 0 else [(0, 1), (1, 1), (2, 1)]
+        assert got == want
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared cases through the pipeline (DataLoader workers, the packed item buffer)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _batch(lens, masks=None, num_anchors=4, seed=0):
+    rng = np.random.default_rng(seed)
+    pieces = []
+    for j, n in enumerate(lens):
+        m = np.ones(n, bool) if masks is None or masks[j] is None else np.asarray(masks[j], bool)
+        pieces.append((rng.integers(0, MASK_ID, size=n), m))
+    return make_packed_batch(pieces, num_anchors=num_anchors, rng=rng, source=np.arange(len(lens)))
+
+
+def _cases():
+    """{P: [(name, batch, chunk_size)]}: C4, C5, C6, C8 of /work/shared/cases (block size 4)."""
+    c4_masks = [None, None, None, np.zeros(40, bool)]  # the last 16 queries (4 blocks) unsupervised
+    return {
+        2: [("C5 Lk=7", _batch([7], num_anchors=2), 2),
+            ("C8 two sequences, permuted chunks", _batch([37, 23], num_anchors=3, seed=1), 5)],
+        3: [("C6 Lk=10", _batch([10], num_anchors=2), 1)],
+        4: [("C4 one rank unsupervised", _batch([40, 40, 40, 40], c4_masks, num_anchors=4, seed=2), 16),
+            ("C4 three ranks unsupervised", _batch([40, 40, 40, 40], [None] + [np.zeros(40, bool)] * 3,
+                                                   num_anchors=1, seed=5), 16),
+            ("C5 Lk=2999 odd blocks", _batch([2999], num_anchors=9, seed=3), 64),
+            ("C6 Lk=2", _batch([2], num_anchors=1), 1)],
+        8: [("C5 Lk=4097", _batch([4097], num_anchors=8, seed=4), 64)],
+    }
+
+
+def _gamma():
+    return 7.0 * BLOCK / 16  # DESIGN.md: gamma = 7 for a block size of 16, scaled with it (dflash.default_gamma)
+
+
+def _check_case(name, batch, items):
+    """The items of all P ranks against the raw batch (float64 reference)."""
+    offs = np.concatenate([[0], np.cumsum(batch.seq_lens)])
+    # context: every (sequence, GLOBAL position) exactly once over the ranks, with its token id
+    kv = sorted((int(s), int(p)) for it in items for s, p in zip(it.kv_seq.tolist(), it.kv_pos.tolist()))
+    assert kv == [(s, p) for s, n in enumerate(batch.seq_lens) for p in range(int(n))], name
+    for it in items:
+        want = [int(batch.input_ids[offs[s] + p]) for s, p in zip(it.kv_seq.tolist(), it.kv_pos.tolist())]
+        assert it.input_ids.tolist() == want, name
+    # query blocks: every anchor exactly once; ids, positions, labels, loss weights (DESIGN.md section 1)
+    seen, total, ref_total = [], 0.0, 0.0
+    for it in items:
+        b = it.blocks
+        for j in range(b.q_seq.numel()):
+            s, a, keep = int(b.q_seq[j]), int(b.q_anchor[j]), bool(b.block_keep[j])
+            w = b.loss_weight[j * BLOCK:(j + 1) * BLOCK].double()
+            total += float(w.sum())
+            if not keep:
+                assert torch.all(w == 0), name
+                continue
+            seen.append((s, a))
+            S, x, m = int(batch.seq_lens[s]), batch.input_ids[offs[s]:offs[s + 1]], batch.loss_mask[offs[s]:offs[s + 1]]
+            assert b.input_ids[j * BLOCK] == x[a] and torch.all(b.input_ids[j * BLOCK + 1:(j + 1) * BLOCK] == MASK_ID), name
+            assert b.position_ids[j * BLOCK:(j + 1) * BLOCK].tolist() == [a + k for k in range(BLOCK)], name
+            ref = [0.0] + [float(a + k < S and m[a + k]) * math.exp(-(k - 1) / _gamma()) for k in range(1, BLOCK)]
+            ref_total += sum(ref)
+            assert np.allclose(w.numpy(), ref, rtol=1e-6, atol=0), (name, s, a)
+            for k in range(1, BLOCK):
+                if a + k < S and ref[k] > 0:
+                    assert int(b.labels[j * BLOCK + k]) == int(x[a + k]), name
+    assert sorted(seen) == sorted((s, int(a)) for s, anc in enumerate(batch.anchors) for a in anc), name
+    assert math.isclose(total, ref_total, rel_tol=1e-6), name  # the global denominator (C4: no 0/0)
+    return [float(it.blocks.loss_weight.double().sum()) for it in items]
+
+
+def test_shared_cases_through_worker_pipeline():
+    """C4, C5, C6, C8 through DataLoader workers (the packed item buffer, 2 workers at P = 2): on every rank
+    the context tokens are exactly the batch's, each once with its global position and id; every anchor's
+    block is on exactly one rank with the right ids, positions, labels and loss weights; C4 has a rank with
+    no supervised token and the global weight sum equals the reference."""
+    for P, cases in _cases().items():
+        per_rank = []
+        for r in range(P):
+            # one pipeline per rank over the cases of this P (chunk size per case: one stream per case)
+            got = []
+            for name, batch, chunk in cases:
+                with PrefetchedBatches(functools.partial(iter, [batch]), num_workers=2 if P == 2 else 1,
+                                       prefetch=1, pin_memory=False, cp_size=P, cp_rank=r, block_size=BLOCK,
+                                       mask_token_id=MASK_ID, chunk_size=chunk) as p:
+                    (item,) = list(p)
+                got.append(item)
+            per_rank.append(got)
+        for i, (name, batch, _) in enumerate(cases):
+            sums = _check_case(name, batch, [per_rank[r][i] for r in range(P)])
+            if name.startswith("C4 three"):
+                assert sorted(sums)[:3] == [0.0] * 3 and sum(sums) > 0, sums
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared-memory segments of items that never reached the training process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _segments_of(pids):
+    names = os.listdir("/dev/shm")
+    return sorted(n for n in names for pid in pids if n.startswith(f"torch_{pid}_"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="Linux /dev/shm")
+@pytest.mark.parametrize("pin", [False, True])
+def test_close_frees_the_segments_of_unconsumed_items(pin):
+    """Items the workers prepared ahead but the training process never took (2 workers x prefetch 3) must not
+    keep their shared-memory segments after `close()` and the dropped items: with the by-name hand-over each
+    sent item holds a reference for its receiver, so the unreceived ones stayed in /dev/shm until the process
+    exited (every close leaked up to workers x prefetch item buffers, feature rows included)."""
+    import gc
+    import time
+
+    if pin and not torch.cuda.is_available():
+        pytest.skip("pin_memory needs CUDA")
+    batches = [_batch([int(n)], seed=i) for i, n in enumerate(np.random.default_rng(0).integers(30, 200, 12))]
+    p = PrefetchedBatches(functools.partial(iter, batches), num_workers=2, prefetch=3, pin_memory=pin, cp_size=2,
+                          cp_rank=0, block_size=BLOCK, mask_token_id=MASK_ID, chunk_size=16)
+    pids = [w.pid for w in p._it._workers]
+    first = [next(p), next(p)]
+    deadline = time.time() + 20
+    while len(_segments_of(pids)) < 6 and time.time() < deadline:  # the workers fill their prefetch slots
+        time.sleep(0.05)
+    assert len(_segments_of(pids)) >= 6
+    held = _segments_of(pids)
+    p.close()
+    left = _segments_of(pids)
+    assert len(left) == 2 and set(left) <= set(held), left  # only the two items still held here
+    assert first[0].kv_seq.numel() > 0 and int(first[1].index) == 1  # still readable
+    del first
+    gc.collect()
+    assert _segments_of(pids) == []

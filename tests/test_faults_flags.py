@@ -13,10 +13,11 @@ traceback). Issue 24's cases: train_demo `--cp 0/-2` (KeyError), `--target-layer
 import importlib
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
+from _dist import run_gloo_forked
+from _tool_runs import run_tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN_BASE = ["--parse-only", "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -146,15 +147,38 @@ def test_pretrain_dflash_cross_flag_limits(capsys, monkeypatch):
     assert capsys.readouterr().out.splitlines()[-1].startswith("pretrain_dflash.py --parse-only: OK")
 
 
-@pytest.mark.parametrize("cmd,text", [
-    (["examples/train_demo.py", "--threads", "0"], "--threads: must be a positive int"),
-    (["examples/pretrain_dflash.py", *PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"],
-     "--mask-token-id 2000 must be < 1024"),
-])
-def test_command_line_prints_one_error_line(cmd, text):
-    r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr and text in r.stderr, r.stderr
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory):
+    """(returncode, stdout, stderr) of the command lines below, run in one interpreter (`_tool_runs.run_tools`,
+    each as its command line would): "threads", "mask" (one error line each), and examples/pretrain_dflash.py
+    --parse-only against a --target-hf-path whose config.json has vocab_size 1000 and hidden size 32, with
+    --hidden-size / --mask-token-id "64/999", "32/1000" (errors) and "32/999" (passes)."""
+    pytest.importorskip("megatron.training")
+    from transformers import Qwen3Config
+
+    hf = tmp_path_factory.mktemp("hf")
+    Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"]).to_json_file(
+        str(hf / "config.json"))
+    at = PRETRAIN_BASE.index("--hidden-size") + 1
+    runs = {"threads": ("examples/train_demo.py", ["--threads", "0"]),
+            "mask": ("examples/pretrain_dflash.py", [*PRETRAIN_BASE, "--vocab-size", "1000", "--mask-token-id", "2000"])}
+    for hidden, mask in (("64", "999"), ("32", "1000"), ("32", "999")):
+        argv = PRETRAIN_BASE[:at] + [hidden] + PRETRAIN_BASE[at + 1:]
+        runs[f"{hidden}/{mask}"] = ("examples/pretrain_dflash.py",
+                                    [*argv, "--target-hf-path", str(hf), "--mask-token-id", mask])
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(zip(runs, run_tools(list(runs.values()), env)))
+
+
+@pytest.mark.parametrize("name,text", [("threads", "--threads: must be a positive int"),
+                                       ("mask", "--mask-token-id 2000 must be < 1024")])
+def test_command_line_prints_one_error_line(command_lines, name, text):
+    """`python examples/train_demo.py --threads 0`; examples/pretrain_dflash.py with a --mask-token-id
+    beyond --vocab-size."""
+    rc, _, err = command_lines[name]
+    assert rc == 2, err
+    assert "Traceback" not in err and text in err, err
 
 
 def _help_titles(main, monkeypatch, capsys, flag):
@@ -205,16 +229,16 @@ def _dies(rank, world, args):
     time.sleep(600)  # rank 0 would wait for rank 1 in a collective forever
 
 
-def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys):
+def test_a_dead_rank_ends_the_demo_with_its_message(monkeypatch, capsys, tmp_path):
     """train_demo's parent waited on its queue for a rank that had died (`--threads 0` made both ranks die
     before reporting: a hang). The ranks now run through `launch.run_gloo`: a rank that dies ends the run at
-    once, the others killed, exit status 2 with the rank and its exit code."""
+    once, the others killed, exit status 2 with the rank and its exit code. (`--random-target`: the ranks are
+    the subject, not the demo target, which the default flags would make in ./out/demo first.)"""
     from examples import train_demo
     from tools import launch
 
-    real = launch.run_gloo
-    monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: real(_dies, world, *a, **kw))
-    assert train_demo.main(["--steps", "1"]) == 2
+    monkeypatch.setattr(launch, "run_gloo", lambda fn, world, *a, **kw: run_gloo_forked(_dies, world, *a, **kw))
+    assert train_demo.main(["--steps", "1", "--random-target", "--out-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "rank 1 of 2 exited without reporting a result, exit code 7" in err, err
 
@@ -229,27 +253,13 @@ def test_op_bits_paths_must_exist(argv, text, capsys):
     assert info.value.code == 2 and text in capsys.readouterr().err
 
 
-def test_pretrain_dflash_parse_only_checks_the_hf_target(tmp_path):
+def test_pretrain_dflash_parse_only_checks_the_hf_target(command_lines):
     """--parse-only --target-hf-path DIR reads DIR's config.json against the flags (`check_dflash_args` through
     `read_qwen3_config`): a hidden size other than --hidden-size, or --mask-token-id outside its vocab_size, is
     one error line naming --target-hf-path and the field, exit 2; a matching config.json passes."""
-    pytest.importorskip("megatron.training")
-    from transformers import Qwen3Config
-
-    Qwen3Config(vocab_size=1000, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, intermediate_size=64, architectures=["Qwen3ForCausalLM"]).to_json_file(
-        str(tmp_path / "config.json"))
-    script = os.path.join(ROOT, "examples", "pretrain_dflash.py")
-    at = PRETRAIN_BASE.index("--hidden-size") + 1
-
-    def run(hidden, mask):
-        argv = PRETRAIN_BASE[:at] + [hidden] + PRETRAIN_BASE[at + 1:]
-        return subprocess.run([sys.executable, script, *argv, "--target-hf-path", str(tmp_path), "--mask-token-id",
-                               mask], capture_output=True, text=True, cwd=ROOT, timeout=300)
-
-    for hidden, mask, field in (("64", "999", "hidden_size"), ("32", "1000", "vocab_size")):
-        r = run(hidden, mask)
-        assert r.returncode == 2, r.stderr
-        assert "--target-hf-path" in r.stderr and field in r.stderr and "Traceback" not in r.stderr, r.stderr
-    r = run("32", "999")
-    assert r.returncode == 0 and "--parse-only: OK" in r.stdout, r.stderr
+    for name, field in (("64/999", "hidden_size"), ("32/1000", "vocab_size")):
+        rc, _, err = command_lines[name]
+        assert rc == 2, err
+        assert "--target-hf-path" in err and field in err and "Traceback" not in err, err
+    rc, out, err = command_lines["32/999"]
+    assert rc == 0 and "--parse-only: OK" in out, err

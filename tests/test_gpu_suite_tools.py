@@ -272,6 +272,20 @@ def test_suite_rejects_bad_sim_head_split_or_rounds(tmp_path, var, val):
     assert p.returncode == 2 and var in p.stderr and "start at" not in p.stdout, (p.stdout, p.stderr)
 
 
+@pytest.mark.parametrize("var,value", [("SUITE_STEPS", "chunkcots"), ("SUITE_STEPS", "gputests,,exakt"),
+                                       ("SUITE_BUDGET_S", "abc"), ("SUITE_CHUNKCOST_S", "2m"),
+                                       ("SUITE_GPU_TESTS_S", "-5")])
+def test_suite_rejects_bad_steps_or_time_limits_before_any_step(tmp_path, var, value):
+    """A misspelled step name ran nothing and exited 0; a non-integer time limit broke bash arithmetic
+    (step rc=125, suite exit 0) or skipped every step. Now exit 2 naming the variable, no step started."""
+    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="chunkcost", PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+               WORK=str(tmp_path / "work"))
+    env[var] = value
+    p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and var in p.stderr and "start at" not in p.stdout, (p.stdout[-1500:], p.stderr)
+
+
 def test_suite_sim_head_split_and_rounds_reach_the_tool(tmp_path):
     """SUITE_SIM_HEAD_SPLIT=1,1 SUITE_SIM_ROUNDS=2 on CPU: simulate runs as one process (not torchrun) with
     --head-split 1,1 --bwd-chunk-order forward,reverse --paired-rounds 2, and its JSON has the measured split rows

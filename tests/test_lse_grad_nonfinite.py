@@ -1,4 +1,4 @@
-"""Adversarial (s4): a NaN / +inf gradient reaching the returned lse must not be silently zeroed.
+"""A NaN / +inf gradient reaching the returned lse must not be silently zeroed.
 
 `_SplitKV.backward` turns the gathered statistics into `delta_all = torch.nan_to_num(stats[..., 0],
 neginf=0.0)` (meant for the -inf padding rows). nan_to_num also maps NaN -> 0 and +inf -> float max, and

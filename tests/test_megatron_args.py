@@ -734,3 +734,14 @@ def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
         with pytest.raises(SplitKVArgumentError, match=r"applies to --context-parallel-impl splitkv only .*" + impl):
             validate_splitkv_args(_args(context_parallel_impl=impl, **kw))
     validate_splitkv_args(_args(**kw))  # splitkv: fine
+
+
+def test_c7_validate_args_names_flag():
+    """Case C7: --num-query-groups 3 at TP 2 is an error naming both flags."""
+    args = argparse.Namespace(
+        context_parallel_impl="splitkv", tensor_model_parallel_size=2, context_parallel_size=2,
+        num_attention_heads=12, num_query_groups=3, group_query_attention=True, micro_batch_size=1,
+        dflash_num_anchors=8,
+    )
+    with pytest.raises(SplitKVArgumentError, match="--num-query-groups \\(3\\).*--tensor-model-parallel-size \\(2\\)"):
+        validate_splitkv_args(args)

@@ -573,3 +573,15 @@ def test_flex_block_masks_single_process_op():
         flex.build_block_mask = orig
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("bad", ["cp", 3, object()])
+def test_bind_rejects_a_cp_group_that_is_not_a_process_group(bad):
+    """`SplitKVMetadata.bind(cp_group=<not a ProcessGroup>)` raised a bare AttributeError / TypeError from
+    torch.distributed; its contract is a ValueError prefixed "SplitKVMetadata.bind" naming cp_group."""
+    plan = plan_context_parallel([13], [np.array([0, 3])], block_size=4, cp_size=1, chunk_size=4)
+    meta = prepare_splitkv_metadata_from_plan(plan, 0, block_size=4, num_heads_q=4, num_heads_kv=2, head_dim=8,
+                                              dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"SplitKVMetadata\.bind: cp_group"):
+        meta.bind(bad, "cpu")
+    assert meta.bind(None, "cpu").bound  # still bindable

@@ -7,7 +7,15 @@ empty shards, bit-identical to calls without `metadata=`; per call no metadata c
 per forward call at P > 1); the FlexAttention BlockMask is built once per mask and step; tensors that do not
 match the metadata raise ValueError (on every rank with `group_check=True`, the default; locally with
 False); bad metadata raises on every rank at prepare time. Source: DESIGN.md section 2.
+
+The odd shapes (`_odd_cases`) through `prepare_splitkv_metadata` for all three ops and num_chunks 1-5: empty
+contexts and zero blocks on some ranks, Lk < P, P = 3 / 5 / 6, num_chunks above the block count, extreme and
+duplicate sequence ids, positions at both int32 ends, anchors beyond the ends and beyond int32, sorted /
+reverse-sorted / shuffled contexts, lse-only losses, the query gather, retain_graph, the two-level all-to-all
+(SplitKVConfig.cp_ranks_per_node); expected values from the float64 reference.
 """
+
+import random
 
 import pytest
 import torch
@@ -20,12 +28,13 @@ from _splitkv_helpers import (
     assemble,
     build,
     case,
+    job_results,
     local,
     loss_of,
     new_seed,
     rel_err,
 )
-from megatron_splitkv import comm_stats, dflash_attention_reference
+from megatron_splitkv import SplitKVConfig, comm_stats, dflash_attention_reference, splitkv_start_query_gather
 from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata
 
 LAYERS = 3
@@ -331,3 +340,182 @@ def test_index_less_cuda_device_is_the_current_one(monkeypatch):
     assert md._check_device(torch.device("cuda")) == torch.device("cuda", 1)
     assert md._check_device("cuda:0") == torch.device("cuda", 0)
     assert md._check_device("cpu") == torch.device("cpu")
+
+# ------------------------------------------------------------------ odd shapes through prepare_splitkv_metadata
+
+
+def _build_x(c):
+    """`_splitkv_helpers.build` plus: pos_shift (added to every position and valid anchor, a valid anchor
+    kept >= 0: it then sees every negative position of its sequence), anchor_big (every positive anchor replaced),
+    ctx_order ("sorted" / "reverse": each rank's context in (sequence, position) order or reversed)."""
+    t = build(c)
+    sh = c.get("pos_shift", 0)
+    if sh:
+        t["kv_pos"] = t["kv_pos"] + sh
+        t["q_anchor"] = torch.where(t["q_anchor"] >= 0, (t["q_anchor"] + sh).clamp_min(0), t["q_anchor"])
+    if c.get("anchor_big"):
+        t["q_anchor"] = torch.where(t["q_anchor"] > 0, torch.full_like(t["q_anchor"], c["anchor_big"]),
+                                    t["q_anchor"])
+    if c.get("ctx_order"):
+        key = t["kv_seq"] * (1 << 32) + t["kv_pos"] + (1 << 31)
+        idx = []
+        for i in t["ctx_idx"]:
+            o = torch.argsort(key[i], stable=True)
+            idx.append(i[o.flip(0) if c["ctx_order"] == "reverse" else o])
+        t["ctx_idx"] = idx
+    return t
+
+
+def _run_x(op, c, rank, group):
+    t = _build_x(c)
+    x, meta, dout, dlse = local(t, c, rank)
+    own = not c.get("no_own")
+    kb, vb = (x["k_blk"], x["v_blk"]) if own else (None, None)
+    config = SplitKVConfig(cp_ranks_per_node=c.get("rpn_env"))
+    if c.get("metadata"):
+        md = prepare_splitkv_metadata(meta["q_seq"], meta["q_anchor"], meta["kv_seq"], meta["kv_pos"],
+                                      block_size=c["B"], num_heads_q=c["Hq"], num_heads_kv=c["Hkv"],
+                                      head_dim=c["D"], dtype=x["q"].dtype, cp_group=group, impl=op,
+                                      num_chunks=c.get("num_chunks"), group_check=c.get("group_check", False),
+                                      config=config)
+        q = x["q"] * 1.0
+        qg = splitkv_start_query_gather(q, metadata=md) if c.get("qg") else None
+        out, lse = OPS[op](q, x["k_ctx"], x["v_ctx"], kb, vb, metadata=md, backend="math", return_lse=True,
+                           **({"query_gather": qg} if qg is not None else {}))
+    else:
+        extra = {"num_chunks": c.get("num_chunks")} if op == "splitkv" else {}
+        out, lse = OPS[op](x["q"], x["k_ctx"], x["v_ctx"], kb, vb, meta["q_seq"], meta["q_anchor"], meta["kv_seq"],
+                           meta["kv_pos"], block_size=c["B"], cp_group=group, backend="math", return_lse=True,
+                           config=config, **extra)
+    loss = _loss(c, out, lse, dout, dlse)
+    reps = 2 if c.get("retain") else 1  # fp32 / fp64: a retained graph's second backward adds the same grads
+    for i in range(reps):
+        loss.backward(retain_graph=i + 1 < reps)
+    res = dict(out=out.detach().double(), lse=lse.detach().double())
+    for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
+        g = x[key].grad
+        res[name] = torch.zeros(x[key].shape, dtype=torch.float64) if g is None else g.double() / reps
+    return res
+
+
+def _loss(c, out, lse, dout, dlse):
+    if c.get("lse_only"):  # dout is None in the op's backward
+        return (lse.double().masked_fill(~torch.isfinite(lse), 0.0) * dlse).sum()
+    return loss_of(out, lse, dout, dlse)
+
+
+def _reference_x(c):
+    t = _build_x(c)
+    own = not c.get("no_own")
+    x = {k: t[k].double().clone().requires_grad_(True) for k in ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")}
+    out, lse = dflash_attention_reference(x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"] if own else None,
+                                          x["v_blk"] if own else None, t["q_seq"], t["q_anchor"], t["kv_seq"],
+                                          t["kv_pos"], block_size=c["B"])
+    _loss(c, out, lse, t["dout"], t["dlse"]).backward()
+    ref = dict(out=out.detach(), lse=lse.detach())
+    for name, key in zip(GRAD_NAMES, ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")):
+        g = x[key].grad
+        ref[name] = torch.zeros_like(x[key]) if g is None else g
+    return t, ref
+
+
+def _check_x(op, c, per_rank):
+    t, ref = _reference_x(c)
+    P = c["P"]
+    got = {k: torch.cat([per_rank[r][k] for r in range(P)], 0) for k in ("out", "lse", "dq", "dk_blk", "dv_blk")}
+    for k in ("dk_ctx", "dv_ctx"):
+        full = torch.zeros((t["kv_seq"].numel(),) + tuple(per_rank[0][k].shape[1:]), dtype=torch.float64)
+        for r in range(P):
+            full[t["ctx_idx"][r]] = per_rank[r][k]
+        got[k] = full
+    errs = {}
+    for k, r in ref.items():
+        a = got[k]
+        assert not torch.isnan(a).any(), (op, c, k)
+        if k == "lse":
+            fin = torch.isfinite(r)
+            assert torch.equal(fin, torch.isfinite(a)), (op, c, "lse -inf pattern")
+            a, r = a[fin], r[fin]
+        else:
+            assert torch.isfinite(a).all(), (op, c, k)
+        errs[k] = rel_err(a, r)
+    bad = {k: v for k, v in errs.items() if not v <= TOL[c["dtype"]]}
+    assert not bad, f"{op} case {c}: errors {bad}"
+
+
+def _odd_cases(seed, world):
+    """Named odd shapes (deterministic layouts, random values), then seeded random ones."""
+    fixed = [
+        # Lk < P, empty contexts, zero blocks, num_chunks above the block count, P = 3 / 5
+        case(seed, 5, seq_lens=[2], blocks=[0, 3, 0, 1, 2], ctx=[0, 1, 0, 1, 0], num_chunks=5),
+        case(seed + 1, 3, seq_lens=[10], blocks=[1, 0, 4], ctx=[0, 10, 0], num_chunks=4),
+        # no blocks anywhere on some ranks and no context anywhere but one
+        case(seed + 2, world, seq_lens=[7, 1], blocks=[0] * (world - 1) + [2], ctx=[8] + [0] * (world - 1),
+             num_chunks=3),
+        # extreme and duplicated sequence ids (two sequences share id -2**31: duplicate positions)
+        case(seed + 3, 3, seq_lens=[9, 5, 4], seq_ids=[-2 ** 31, -2 ** 31, 2 ** 31 - 1], blocks=[2, 1, 3],
+             num_chunks=2),
+        # positions at the int32 ends (the keys' extremes), anchors beyond int32
+        case(seed + 4, 2, seq_lens=[6, 3], seq_ids=[2 ** 31 - 1, -2 ** 31], pos_shift=2 ** 31 - 6, full=True,
+             blocks=[2, 2], num_chunks=2),
+        case(seed + 5, 2, seq_lens=[6, 3], seq_ids=[-2 ** 31, 2 ** 31 - 1], pos_shift=-2 ** 31, blocks=[3, 1],
+             num_chunks=3),
+        case(seed + 10, 3, seq_lens=[6, 3, 4], anchor_big=2 ** 62, blocks=[1, 3, 1], num_chunks=3),
+        # sorted / reverse-sorted contexts (the "already sorted" read: order None vs a permutation)
+        case(seed + 6, 3, seq_lens=[13, 7, 20], ctx_order="sorted", blocks=[2, 2, 2], num_chunks=2),
+        case(seed + 7, 3, seq_lens=[13, 7, 20], ctx_order="reverse", blocks=[2, 2, 2], num_chunks=2),
+        # every block invalid; every anchor 0 (no context key seen anywhere)
+        case(seed + 8, 4, p_invalid=1.0, blocks=[1, 2, 0, 3], num_chunks=2),
+        case(seed + 9, 4, p_invalid=0.0, p_zero=1.0, blocks=[1, 2, 0, 3], num_chunks=4),
+    ]
+    jobs = []
+    for i, c in enumerate(fixed):
+        for op in ("splitkv", "allgather_kv", "ring_kv"):
+            jobs.append((op, dict(c, metadata=True)))
+        jobs.append(("splitkv", dict(c, metadata=False, no_own=i % 2 == 1, lse_only=i % 3 == 0)))
+    rng = random.Random(seed)
+    for i in range(24):
+        P = rng.choice([p for p in (1, 2, 3, 4, 5, 6) if p <= world])
+        lens = [rng.choice([0, 1, 2, 5, 9, 17]) for _ in range(rng.randint(1, 3))]
+        if not sum(lens):
+            lens[0] = 3
+        kw = dict(seq_lens=lens, blocks=[rng.choice([0, 1, 2, 5]) for _ in range(P)], B=rng.choice([1, 2, 3]),
+                  p_invalid=rng.choice([0.0, 0.3]), p_zero=rng.choice([0.0, 0.3]), metadata=rng.random() < 0.7,
+                  num_chunks=rng.choice([None, 1, 2, 3, 4, 5, 64]), dtype=rng.choice(["float64", "float32"]),
+                  lse_only=rng.random() < 0.2, no_own=rng.random() < 0.2, full=rng.random() < 0.2)
+        if rng.random() < 0.5:
+            cuts = sorted(rng.randint(0, sum(lens)) for _ in range(P - 1))
+            kw["ctx"] = [b - a for a, b in zip([0] + cuts, cuts + [sum(lens)])]
+        if rng.random() < 0.3:
+            kw["seq_ids"] = [rng.choice([-2 ** 31, -7, 5, 5, 2 ** 31 - 1]) for _ in lens]
+        if rng.random() < 0.3:
+            kw["ctx_order"] = rng.choice(["sorted", "reverse"])
+        op = rng.choice(["splitkv", "splitkv", "allgather_kv", "ring_kv"])
+        if op == "splitkv" and kw["metadata"]:
+            kw["qg"] = rng.random() < 0.5
+            kw["retain"] = rng.random() < 0.3
+            if P == world:  # the node sub-groups need a symmetric group history: whole-world jobs only
+                kw["rpn_env"] = rng.choice([d for d in range(1, P + 1) if P % d == 0])
+        jobs.append((op, case(seed * 1000 + i, P, **kw)))
+    return jobs
+
+
+def _odd_worker(rank, world, jobs):
+    import torch.distributed as dist
+
+    sizes = sorted({c["P"] for _, c in jobs})
+    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world}
+    out = {}
+    for j, (op, c) in enumerate(jobs):
+        if rank < c["P"]:
+            out[j] = _run_x(op, c, rank, groups.get(c["P"], dist.group.WORLD))
+    return out
+
+
+def test_odd_shapes_through_prepare_match_reference():
+    world = 6
+    seed = new_seed()
+    jobs = _odd_cases(seed, world)
+    res = run_distributed(_odd_worker, world, jobs, timeout=500)
+    for j, (op, c) in enumerate(jobs):
+        _check_x(op, c, job_results(res, j, c["P"]))

@@ -14,7 +14,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed, small_inputs
+from _splitkv_helpers import (GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed, run_local,
+                              small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import chunk_bounds, resolve_num_chunks
 
@@ -220,6 +221,144 @@ def _disagree_worker(rank, world_size):
     return seen
 
 
-def test_num_chunks_must_agree_across_ranks():
-    s0, s1 = run_distributed(_disagree_worker, 2, timeout=120)
+def test_num_chunks_must_agree_across_ranks(two_rank_run):
+    s0, s1 = [r["disagree"] for r in two_rank_run["ranks"]]
     assert s0 == s1 and len(s0) == 2
+
+
+def _zero_block_jobs(seed):
+    return [case(seed + i, 2, blocks=[0, 0], ctx=ctx, metadata=meta, num_chunks=k)
+            for i, (k, meta, ctx) in enumerate([(None, False, "even"), (1, True, "even"), (2, False, [40, 0]),
+                                                (3, True, [0, 40])])]
+
+
+def test_no_query_blocks_on_any_rank_chunked(two_rank_run):
+    """All ranks hold zero query blocks (e.g. a micro-batch of padding only): every chunk of the
+    all-to-all merge is empty. Used to fail with "cannot reshape tensor of 0 elements" (view(P, rc, -1)
+    in the forward merge, view(P, -1, H, D) in the dQ sum); now out/lse/dq are empty and the context
+    gradients are zero, as in the reference."""
+    jobs, per_rank = two_rank_run["zero_block_jobs"], [r["zero_blocks"] for r in two_rank_run["ranks"]]
+    for i, c in enumerate(jobs):
+        check("splitkv", c, [per_rank[r][i] for r in range(2)])
+    # single process, with and without the own block
+    for k in (None, 2):
+        q = torch.zeros(0, 2, 8, requires_grad=True)
+        kc = torch.randn(5, 1, 8, requires_grad=True)
+        empty = torch.zeros(0, dtype=torch.int64)
+        for kb in (None, torch.zeros(0, 1, 8)):
+            out, lse = msk.splitkv_attention(q, kc, kc, kb, kb, empty, empty, torch.zeros(5, dtype=torch.int64),
+                                             torch.arange(5), block_size=4, return_lse=True, num_chunks=k)
+            (out.sum() + lse.sum()).backward()
+            assert out.shape == (0, 2, 8) and lse.shape == (0, 2) and not kc.grad.any()
+
+
+# ------------------------------------------------------------------ one head: packing the lse of FlexAttention
+
+
+def _single_head_jobs(seed):
+    return [case(seed + 10 * P + i, P, dtype=dt, Hq=1, Hkv=1, D=16, B=3, blocks=[3] * P, backend="flex",
+                 num_chunks=k) for P in (1, 2) for i, (dt, k) in enumerate([("bfloat16", None), ("float16", 2)])]
+
+
+def test_single_head_flex_bf16_fp16(two_rank_run):
+    """Hq = Hkv = 1 with the flex kernel: flex's lse [Tq, 1] keeps a stride != 1 on its size-1 head dim
+    through .contiguous(), and pack_partial's dtype view of it (fp32 lse into bf16/fp16) used to raise
+    "self.stride(-1) must be 1 to view Float as Half"."""
+    jobs, results = two_rank_run["single_head_jobs"], [r["single_head"] for r in two_rank_run["ranks"]]
+    for i, c in enumerate(jobs):
+        check("splitkv", c, [results[r][i] for r in range(c["P"])])
+
+
+# ------------------------------------------------------------------ num_chunks values, per rank
+
+
+def _num_chunks_worker(rank, world):
+    c = case(11, world, dtype="float64", blocks=[3, 2])
+    t = build(c)
+    x, meta, _, _ = local(t, c, rank)
+    args = (x["q"], x["k_ctx"], x["v_ctx"], x["k_blk"], x["v_blk"], meta["q_seq"], meta["q_anchor"],
+            meta["kv_seq"], meta["kv_pos"])
+
+    def call(k, config=None):
+        return msk.splitkv_attention(*args, block_size=c["B"], num_chunks=k, config=config)
+
+    def prepare(k):
+        return msk.prepare_splitkv_metadata(*args[5:], block_size=c["B"], num_heads_q=c["Hq"],
+                                            num_heads_kv=c["Hkv"], head_dim=c["D"], dtype=torch.float64,
+                                            num_chunks=k)
+
+    seen = []
+    for name, fn, expect in (
+        # an int beyond int64 on ONE rank: used to raise an overflow on that rank only, outside the group
+        # verdict, so the other rank hung in the size all-gather
+        ("huge vs 2", lambda: call(2**64 if rank == 0 else 2), "num_chunks (requested) must be the same"),
+        ("prepare huge vs 2", lambda: prepare(2**70 if rank == 1 else 2), "num_chunks (requested) must be the same"),
+        ("0 on one rank", lambda: call(0 if rank == 1 else 2), "num_chunks must be None or a positive int"),
+        ("bool on one rank", lambda: call(True if rank == 0 else 1), "num_chunks must be None or a positive int"),
+        ("float on one rank", lambda: prepare(2.0 if rank == 0 else 2), "num_chunks must be None or a positive int"),
+    ):
+        try:
+            fn()
+        except ValueError as exc:
+            assert expect in str(exc), (name, str(exc))
+            seen.append((name, str(exc)))
+        else:
+            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+    # the config's num_chunks different on one rank (a malformed one cannot be built: tests/test_config.py)
+    for name, k, expect in (("config differs", 3 if rank == 1 else 2, "num_chunks (requested) must be the same"),
+                            ("config huge", 10**30 if rank == 0 else 1, "num_chunks (requested) must be the same")):
+        try:
+            call(None, msk.SplitKVConfig(num_chunks=k))
+        except ValueError as exc:
+            assert expect in str(exc), (name, str(exc))
+            seen.append((name, str(exc)))
+        else:
+            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+    # a huge value on every rank is clamped to the block count (3), with and without metadata
+    ref = call(1).detach()
+    outs = [call(2**64).detach(), msk.splitkv_attention(*args[:5], metadata=prepare(10**30)).detach()]
+    md = prepare(2**64)
+    assert md.num_chunks == 3
+    # with metadata=, the call may repeat the value given to prepare (it clamps to the same chunking); a
+    # bool / float / other count raises (True used to be accepted as 1)
+    outs.append(msk.splitkv_attention(*args[:5], metadata=md, num_chunks=2**64).detach())
+    outs.append(msk.splitkv_attention(*args[:5], metadata=md, num_chunks=3).detach())
+    for bad, expect in ((True, "positive int"), (3.0, "positive int"), (2, "differs from the metadata's")):
+        with pytest.raises(ValueError, match=expect):
+            msk.splitkv_attention(*args[:5], metadata=md, num_chunks=bad)
+    md1 = prepare(1)
+    with pytest.raises(ValueError, match="positive int"):
+        msk.splitkv_attention(*args[:5], metadata=md1, num_chunks=True)
+    return seen, [float((o - ref).abs().max()) for o in outs]
+
+
+def test_num_chunks_bad_or_huge_on_one_rank_raises_everywhere(two_rank_run):
+    (s0, d0), (s1, d1) = [r["num_chunks"] for r in two_rank_run["ranks"]]
+    assert [n for n, _ in s0] == [n for n, _ in s1] and len(s0) == 7
+    for (n, m0), (_, m1) in zip(s0, s1):
+        assert m0 == m1, (n, m0, m1)
+    assert max(d0 + d1) < 1e-12
+
+
+# ------------------------------------------------------------------ the 2-rank tests above: one gloo group
+
+
+def _two_rank_worker(rank, world, zero_block_jobs, single_head_jobs):
+    """The 2-rank tests of this file in one group, each case after the previous one's errors (so a rank left
+    behind in a collective would hang the next): zero query blocks everywhere, one head with flex (P = 1 on a
+    sub-group), num_chunks bad / huge on one rank, num_chunks differing across ranks."""
+    import torch.distributed as dist
+
+    one = dist.new_group([0])
+    return dict(zero_blocks=[run_local("splitkv", c, rank, dist.group.WORLD) for c in zero_block_jobs],
+                single_head={i: run_local("splitkv", c, rank, one if c["P"] == 1 else dist.group.WORLD)
+                             for i, c in enumerate(single_head_jobs) if rank < c["P"]},
+                num_chunks=_num_chunks_worker(rank, world), disagree=_disagree_worker(rank, world))
+
+
+@pytest.fixture(scope="module")
+def two_rank_run():
+    seed = new_seed()
+    zero, single = _zero_block_jobs(seed), _single_head_jobs(seed + 100)
+    return dict(zero_block_jobs=zero, single_head_jobs=single,
+                ranks=run_distributed(_two_rank_worker, 2, zero, single, timeout=300))

@@ -149,11 +149,14 @@ BAD_FLAGS = [
 ]
 
 
+NO_CPU_SMOKE = ("--reps", "1")  # without CUDA: exit 2 naming --cpu-smoke
+
+
 @pytest.fixture(scope="module")
 def bad_flag_runs():
-    """{argv: (returncode, stdout, stderr)} of `step_overhead.py ARGV` for every BAD_FLAGS case, all run in one
-    interpreter (`_tool_runs.run_tools`: each case as its command line would, without a process each)."""
-    argvs = [argv for argv, _ in BAD_FLAGS]
+    """{argv: (returncode, stdout, stderr)} of `step_overhead.py ARGV` for every BAD_FLAGS case and NO_CPU_SMOKE, all
+    run in one interpreter (`_tool_runs.run_tools`: each case as its command line would, without a process each)."""
+    argvs = [argv for argv, _ in BAD_FLAGS] + [list(NO_CPU_SMOKE)]
     return dict(zip(map(tuple, argvs), run_tools([("tools/step_overhead.py", argv) for argv in argvs], _env())))
 
 
@@ -258,14 +261,13 @@ def test_one_pipeline_per_process_guard_and_metadata_drop():
     assert so._without_metadata(plain) is plain
 
 
-def test_step_overhead_needs_cuda_without_cpu_smoke():
+def test_step_overhead_needs_cuda_without_cpu_smoke(bad_flag_runs):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    p = subprocess.run([sys.executable, TOOL, "--reps", "1"], env=_env(), cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 2 and "--cpu-smoke" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    returncode, _, stderr = bad_flag_runs[NO_CPU_SMOKE]
+    assert returncode == 2 and "--cpu-smoke" in stderr and "Traceback" not in stderr, stderr[-2000:]
 
 
 def _reuse_worker(rank, world):

@@ -1,16 +1,20 @@
 """The Transformer Engine kernel's exact decomposition (kernels/te.py), checked on CPU through an emulator
 of TE's thd fused attention that reproduces its overwrite semantics (tests/te_emulator.py), against a dense
 float64 reference on fresh random DFlash interval masks (context prefixes per sequence, empty and invalid
-blocks, GQA, own-block second intervals). The real TE runs in tests/test_gpu_kernels.py on the GPU."""
+blocks, GQA, own-block second intervals); through the three ops (gloo ranks): exact, its dtype limits and a
+missing TE raised on every rank before any data collective, Split-KV's chunked merge with many packed sequences,
+shared anchors, anchors beyond every end, B = 1 and 129, all blocks invalid. The real TE runs in
+tests/test_gpu_kernels.py on the GPU."""
 
 import math
 
 import pytest
 import torch
 
+from _dist import run_distributed
+from _splitkv_helpers import case, check, errors_of_every_op, job_results, new_seed, prefix_intervals, run_local
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.kernels.te import TEAttentionKernel, te_plan
-from _splitkv_helpers import prefix_intervals
 from te_emulator import EmulatedFusedAttn
 
 
@@ -253,7 +257,6 @@ def test_ops_with_te_kernel_match_reference(P):
     """splitkv / allgather-kv / ring-kv with backend='te' (emulated TE: same segment tables, overwrite
     semantics) equal the float64 reference in output, lse and all five gradients, uneven and empty shards,
     invalid blocks, anchors at 0, GQA, a gradient through lse."""
-    from _dist import run_distributed
     import _splitkv_helpers as H
 
     seed = H.new_seed()
@@ -305,3 +308,167 @@ def test_gpu_te_kernel_matches_float64(own):
                           delta.float().to(dev), state)
     for got, want in zip(grads, r[2:]):
         assert rel(got.cpu(), want) < 2e-2
+
+# ------------------------------------------------------------------ through the ops: errors on every rank, the chunked merge
+
+
+def _te_dtype_worker(rank, world, c):
+    import torch.distributed as dist
+
+    from megatron_splitkv import kernels
+
+    # like the real TE: bf16/fp16 only
+    kernels._CACHE[("te", "cpu", torch.float32)] = TEAttentionKernel(
+        EmulatedFusedAttn(dtypes=(torch.bfloat16, torch.float16)))
+    seen = []
+    for meta in (False, True):
+        try:
+            run_local("splitkv", {**c, "metadata": meta}, rank, dist.group.WORLD)
+        except ValueError as exc:
+            seen.append(str(exc))
+        else:
+            raise AssertionError("no ValueError")
+    # still in step: the same case on the math kernel is exact
+    return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
+
+
+def test_te_unsupported_dtype_raises_on_every_rank():
+    """float32 with backend='te' while rank 1 holds no blocks and no context (its kernel never runs):
+    the dtype error used to come from inside the kernel on rank 0 only, after the Q all-gather, and
+    rank 1 hung in the all-to-all. Now every rank raises before any data collective."""
+    c = case(new_seed(), 2, dtype="float32", blocks=[3, 0], ctx=[40, 0], backend="te", num_chunks=2)
+    (s0, ok0), (s1, ok1) = run_distributed(_te_dtype_worker, 2, c, timeout=120)
+    assert s0 == s1 and len(s0) == 2
+    assert all("backend='te' supports" in m and m.startswith("splitkv: ") for m in s0), s0
+    check("splitkv", c, [ok0, ok1])
+
+
+def _te_missing_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_splitkv import kernels
+
+    for key in [k for k in kernels._CACHE if k[0] == "te"]:
+        del kernels._CACHE[key]
+    c = case(5, world, dtype="bfloat16", blocks=[2, 0], ctx=[30, 10], backend="te")
+    seen = [m.split("; import failed")[0] for m in errors_of_every_op(
+        c, rank, dist.group.WORLD, ImportError, ({"metadata": False}, {"metadata": True}))]
+    return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
+
+
+def _te_installed():
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_te_installed(), reason="Transformer Engine is installed")
+def test_te_missing_raises_import_error_on_every_rank():
+    c = case(5, 2, dtype="bfloat16", blocks=[2, 0], ctx=[30, 10])
+    (s0, ok0), (s1, ok1) = run_distributed(_te_missing_worker, 2, timeout=120)
+    assert s0 == s1 and len(s0) == 6
+    assert all("pip install 'megatron-splitkv[te]'" in m for m in s0), s0
+    check("splitkv", c, [ok0, ok1])
+
+
+@pytest.mark.parametrize("dtype,tiny", [(torch.float16, 1e-7), (torch.bfloat16, 1e-21), (torch.float32, 1e-21)])
+def test_te_backward_tiny_dout_with_lse_gradient(dtype, tiny):
+    """A row with a tiny (not zero) dO and delta != 0 (a gradient through the returned lse): O' =
+    dO * delta / |dO|^2 overflowed the input dtype (fp16) or |dO|^2 was subnormal in fp32 (ratio inf),
+    and the TE backward returned NaN dQ/dK. The kernel must fall back to the exact math backward."""
+    from megatron_splitkv.kernels.te import TEAttentionKernel
+    from te_emulator import EmulatedFusedAttn
+    from test_te_kernel import inputs, random_mask, reference, rel
+
+    gen = torch.Generator().manual_seed(new_seed())
+    mask = random_mask(gen, 6, 2, [30], p_empty=0.0)
+    q, k, v, dout = inputs(gen, mask, 4, 2, 16, dtype)
+    kern = TEAttentionKernel(EmulatedFusedAttn())
+    out, lse, state = kern.forward(q, k, v, mask, 0.35)
+    dout[3] = tiny
+    delta = (dout.double() * out.double()).sum(-1)
+    delta[3] -= 0.7  # - dlse
+    r = reference(q, k, v, mask, 0.35, dout, lse, delta)
+    got = kern.backward(q, k, v, mask, 0.35, dout, lse.float(), delta.float(), state)
+    for g_, w in zip(got, r[2:]):
+        assert torch.isfinite(g_).all()
+        assert rel(g_, w) < 1e-5
+
+
+def _te_ops_worker(rank, world, jobs):
+    import torch.distributed as dist
+
+    from megatron_splitkv import kernels
+
+    for dt in (torch.float64, torch.float32, torch.bfloat16):
+        kernels._CACHE[("te", "cpu", dt)] = TEAttentionKernel(EmulatedFusedAttn())
+    groups = {P: dist.new_group(list(range(P))) for P in sorted({c["P"] for c in jobs}) if P < world}
+    return {j: run_local("splitkv", c, rank, groups.get(c["P"])) for j, c in enumerate(jobs) if rank < c["P"]}
+
+
+def test_te_kernel_through_chunked_splitkv():
+    """backend='te' (emulated, overwrite semantics) under the chunked merge: many packed sequences,
+    blocks sharing anchors, anchors beyond the sequence end, B = 1 and 129, all blocks invalid, float32,
+    GQA 8, ranks without context or blocks, a gradient through lse; against the float64 reference."""
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    lens = [9, 1, 30, 4, 17, 2, 25, 12]
+    tk = sum(lens)
+
+    def draws(nb, pool):
+        return [pool[i] for i in torch.randint(len(pool), (nb,), generator=g).tolist()]
+
+    jobs = []
+    for i, (P, B, blocks, ctx, dt, hq, hkv, k) in enumerate([
+        (3, 4, [4, 1, 3], [50, 0, 50], "float64", 8, 1, 3),
+        (2, 1, [6, 5], [0, tk], "float32", 4, 2, 2),
+        (2, 129, [1, 2], [60, 40], "float64", 2, 2, 2),
+        (3, 2, [2, 0, 3], "even", "bfloat16", 4, 1, 3),
+    ]):
+        nb = sum(blocks)
+        anchors = draws(nb, [0, 3, 3, 5, 40, 2**31 - 1, -1])  # shared values, beyond every end, invalid
+        jobs.append(case(seed + i, P, dtype=dt, B=B, Hq=hq, Hkv=hkv, D=16, seq_lens=lens, blocks=blocks,
+                         ctx=ctx, anchors=anchors, q_seqs=draws(nb, list(range(len(lens)))), backend="te",
+                         num_chunks=k, metadata=bool(i % 2)))
+    # every block invalid
+    jobs.append(case(seed + 9, 2, dtype="float64", seq_lens=lens, blocks=[2, 3], p_invalid=1.0, backend="te",
+                     num_chunks=2))
+    per_rank = run_distributed(_te_ops_worker, 3, jobs, timeout=300)
+    for j, c in enumerate(jobs):
+        errs = check("splitkv", c, job_results(per_rank, j, c["P"]))
+        assert all(math.isfinite(e) for e in errs.values())
+
+
+def _te_on_one_rank_worker(rank, world):
+    """Rank 0 has a (CPU-emulated) Transformer Engine, rank 1 has none: a plain call, and a `metadata=`
+    call prepared with group_check=True, with backend='te' must raise the same ImportError on BOTH ranks
+    (before any data collective), never hang rank 0."""
+    import torch.distributed as dist
+
+    from megatron_splitkv import kernels
+
+    for key in [k for k in kernels._CACHE if k[0] == "te"]:
+        del kernels._CACHE[key]
+    if rank == 0:
+        kernels._CACHE[("te", "cpu", torch.bfloat16)] = TEAttentionKernel(EmulatedFusedAttn())
+    else:
+        def missing(backend, _load=kernels._load):
+            if backend == "te":
+                raise ImportError("backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]'); "
+                                  "import failed: simulated")
+            return _load(backend)
+        kernels._load = missing
+    c = case(7, world, dtype="bfloat16", blocks=[2, 1], ctx=[30, 10], backend="te")
+    seen = errors_of_every_op(c, rank, dist.group.WORLD, ImportError, ({}, {"metadata": True, "group_check": True}))
+    # the group is still usable afterwards
+    return seen, run_local("splitkv", {**c, "backend": "math"}, rank, dist.group.WORLD)
+
+
+def test_te_on_some_ranks_only_raises_everywhere():
+    c = case(7, 2, dtype="bfloat16", blocks=[2, 1], ctx=[30, 10])
+    (s0, ok0), (s1, ok1) = run_distributed(_te_on_one_rank_worker, 2, timeout=120)
+    assert s0 == s1 and len(s0) == 6
+    assert all("rank 1: ImportError" in m and "pip install 'megatron-splitkv[te]'" in m for m in s0), s0
+    check("splitkv", c, [ok0, ok1])
