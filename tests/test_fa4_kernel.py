@@ -105,6 +105,9 @@ def test_auto_picks_fa4_where_it_runs(monkeypatch):
     assert kernels.resolve_auto_backend(None, "cuda", torch.float64, 128) == "math"
     assert kernels.resolve_auto_backend(None, "cpu", torch.bfloat16, 128) == "math"
     assert kernels.resolve_auto_backend(None, "cuda", torch.bfloat16, 128, SplitKVConfig(auto_fa4=False)) == "flex"
+    # windowed / causal layers (per-row bounds): flex, neither fa4 (not verified on a GPU) nor staircase
+    assert kernels.resolve_auto_backend(1 << 20, "cuda", torch.bfloat16, 128, row_intervals=True) == "flex"
+    assert kernels.get_kernel("auto", "cuda", torch.bfloat16, 128, row_intervals=True).name == "flex"
 
 
 def test_auto_avoids_fa4_in_deterministic_mode(monkeypatch):

@@ -139,7 +139,9 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
         device: torch.device or str; dtype: q/k/v dtype (None: unknown); head_dim: D (None: unknown).
         config: the rule's inputs (`SplitKVConfig.auto_fa4`, `.staircase_auto_min_keys`); None: the defaults.
         row_intervals: the call's masks have per-row bounds (a sliding-window or causal layer,
-            `IntervalMask.has_rows`): never "staircase" (its dense rectangles have no per-row bounds).
+            `IntervalMask.has_rows`): "flex" on CUDA, never "staircase" (its dense rectangles have no per-row
+            bounds) and not "fa4" (its per-row mask_mod is exact in the CPU emulation but not verified on a GPU
+            yet; backend="fa4" takes such masks explicitly).
     Returns: backend name.
     """
     config = resolve_config(config)
@@ -148,7 +150,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
         return "math"
     if not _flex_importable():
         return "math"
-    if dtype is not None and config.auto_fa4:
+    if dtype is not None and config.auto_fa4 and not row_intervals:
         # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
         from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415
 

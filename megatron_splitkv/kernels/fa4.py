@@ -21,7 +21,7 @@ optionally a second (own-block) one. The per-row intervals are int32 "aux tensor
 BlockMask uses (`kernels.flex._block_tables`: partial and full tiles, key-major for the forward,
 query-major for the backward), computed once per mask and cached on it.
 
-GQA fold (`fold_gqa`, default on): with G = Hq / Hkv > 1 the call runs on the folded problem, where the G query
+GQA fold (`fold_gqa`, default off until measured on a GPU: docs/lab/packs_accounting.md): with G = Hq / Hkv > 1 the call runs on the folded problem, where the G query
 heads of each kv head are G copies of each query block's rows (`fold_rows`, `fold_gqa_mask`): FA4 sees Hkv heads
 and Tq * G rows, so its backward takes the MHA path (one CTA per (key tile, kv head) accumulating dK / dV of
 the G heads in registers, written once) instead of its GQA path (one CTA per (key tile, query head), dK / dV
@@ -269,7 +269,8 @@ class FA4AttentionKernel:
             heads instead of 8 blocks (fewer partial tiles on packs of short sequences). Costs a query-sized
             copy of q (and dO) into the folded layout and of out / lse (dq) back, and the tables are built on
             the device per mask (host-built flex tables, `_prebuilt`, are for the unfolded rows). False: FA4's
-            own GQA (the layout before this option).
+            own GQA, the default: the fold is exact in the CPU emulation (tests/test_fa4_emulated.py) but neither
+            verified nor timed on a GPU yet (tests/test_fa4_kernel.py runs both layouts there).
 
     Raises:
         ImportError: flash_attn.cute missing (the message gives the install command).
@@ -289,7 +290,7 @@ class FA4AttentionKernel:
     #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
-    def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool = True):
+    def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool = False):
         self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
         self.tile = int(tile)
         self.cache_tables = cache_tables
