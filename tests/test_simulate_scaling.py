@@ -1010,7 +1010,7 @@ def test_head_chunk_calls_mirror_the_op():
     q, do = torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
     rk, rv = bench.chunk_loop(kern, [(q, do, parts[0][2])], torch.cat(ks, 1), torch.cat(vs, 1), 8 ** -0.5)
     assert torch.allclose(dk, rk, atol=1e-12, rtol=1e-12) and torch.allclose(dv, rv, atol=1e-12, rtol=1e-12)
-    # the op's validator (ops.metadata.check_head_split) and its one message, not a copy of its own
+    # the validator (bench.check_head_split) and its one message, not a copy of its own
     for bad, got in (((2, 2), "2,2"), ((3, 0), "3,0"), ((), ""), ((4, -1), "4,-1")):
         with pytest.raises(ValueError, match=f"^head_split must be positive kv-head counts summing to Hkv = 3, "
                                              f"got {got}$"):

@@ -113,4 +113,3 @@ def test_fusion_rule():
     """Fused for groups larger than one 8-GPU node or with the two-level all-to-all."""
     assert [fuse_bwd_gather(p, False) for p in (1, 2, 8, 9, 64)] == [False, False, False, True, True]
     assert fuse_bwd_gather(4, True)
-    assert fuse_bwd_gather(2, False, 2) and not fuse_bwd_gather(1, False, 2)

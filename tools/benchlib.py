@@ -48,9 +48,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_splitkv._ints import as_int, int_arg, parse_int
+from megatron_splitkv._ints import _shown, as_int, int_arg, parse_int
 from megatron_splitkv.ops.common import own_key_start, own_rows, window_rows
-from megatron_splitkv.ops.metadata import check_head_split, head_split_from_text, resolve_num_chunks
+from megatron_splitkv.ops.metadata import resolve_num_chunks
 
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
@@ -430,7 +430,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
                 raise ValueError(f"chunk_axis='heads' needs num_heads_kv (a positive int), got {num_heads_kv!r}")
             if head_split is None:
                 bounds = chunk_bounds(resolve_chunks(num_chunks, P, num_heads_kv), num_heads_kv)
-            else:  # the op's own validator and message (`ops.metadata.check_head_split`)
+            else:  # the one validator of a head split given as a value (`check_head_split`)
                 split = check_head_split(head_split, num_heads_kv)
                 ends = np.cumsum(split).tolist()
                 bounds = list(zip([0] + ends[:-1], ends))
@@ -1415,10 +1415,49 @@ def csv_arg(value: str) -> list:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+def _checked_split_sum(split: tuple, num_heads_kv: int, what: str) -> tuple:
+    """`split` (ints) when its counts are positive and sum to Hkv; else THE head-split range error."""
+    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
+        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
+                         f"{_split_text(split)}")
+    return split
+
+
+def _split_text(split: tuple) -> str:
+    """"6,2" for a message; a split of many counts cut to its first ones (and its count), a count beyond Python's
+    int-conversion limit by its digit count (`_ints._shown`)."""
+    shown = [str(h) if abs(h).bit_length() < 10000 else _shown(h) for h in split[:8]]
+    return ",".join(shown) + (f",... ({len(split)} counts)" if len(split) > 8 else "")
+
+
+def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") -> tuple:
+    """The validator of a modelled head split given as a value (`kernel_calls`' `head_split`): a sequence (not a
+    string) of positive ints (`_ints.as_int`: no bool, no float) summing to Hkv = `num_heads_kv`. Returns the
+    split as a tuple of ints. Raises ValueError starting with `what`."""
+    if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
+        raise ValueError(f"{what} must be None or a sequence of positive ints (kv heads per chunk), got "
+                         f"{head_split!r}")
+    split = tuple(as_int(h, what, what="a sequence of positive ints") for h in head_split)
+    return _checked_split_sum(split, num_heads_kv, what)  # counts < 1: the one range message, as for text
+
+
+def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
+    """The parser of a head split given as text (the tools' --head-split(s) via `parse_head_splits`): a comma
+    list of plain decimal ints (`_ints.parse_int`), each positive, summing to Hkv = `num_heads_kv`, e.g. "6,2".
+    Returns a tuple of ints. Raises ValueError starting with `what` (the flag): the same message as
+    `check_head_split` for a bad sum or count."""
+    try:
+        split = tuple(parse_int(x, what) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"{what} must be a comma list of positive ints (kv heads per chunk, summing "
+                         f"to Hkv = {num_heads_kv}), got {_shown(text)}") from None
+    return _checked_split_sum(split, num_heads_kv, what)
+
+
 def parse_head_splits(value, Hkv: int, flag: str) -> list:
     """A tool flag's head splits (the op's `head_split`, docs/perf-notes.md item 22): one or more splits
     separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of kv heads per chunk, positive decimal ints
-    summing to Hkv (`ops.metadata.head_split_from_text`, the op's parser of a head split as text).
+    summing to Hkv (`head_split_from_text`).
     Returns a list of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise (tools
     pass it to `ap.error`)."""
     out = []

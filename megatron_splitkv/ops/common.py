@@ -233,10 +233,6 @@ def unpack_partial(x: torch.Tensor, head_dim: int, acc: torch.dtype):
     return o, lse
 
 
-#: largest threshold the environment agreement row carries (`ops.metadata.env_request_row`); larger ones mean the same
-_MAX_FUSED_MIN_P = 1 << 14
-
-
 _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per process
 
 
@@ -297,21 +293,18 @@ class RelayStream:
         return t
 
 
-def fuse_bwd_gather(cp_size: int, two_level: bool, min_p: int | None = None) -> bool:
+def fuse_bwd_gather(cp_size: int, two_level: bool) -> bool:
     """Whether Split-KV's backward sends dO and (delta, lse) in ONE all-gather per chunk
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
-    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >= min_p
-    (the metadata's `fused_bwd_gather_min_p`; None: `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU
-    node; a constant, not an option: docs/tuning.md).
+    Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >=
+    `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU node (a constant, not an option: docs/tuning.md).
     Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
     one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
     fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
     results either way (bit for bit).
 """
-    if min_p is None:
-        min_p = FUSED_BWD_GATHER_MIN_P
-    return bool(two_level) or cp_size >= min_p
+    return bool(two_level) or cp_size >= FUSED_BWD_GATHER_MIN_P
 
 
 def pack_dout_stats(dout: torch.Tensor, stats: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

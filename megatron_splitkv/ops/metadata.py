@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._ints import _shown, as_int, parse_int
+from .._ints import _shown, as_int
 from ..comm import CommGroup, all_gather, node_groups, resolve_group
 from ..config import CHUNK_AXES, DEFAULT_NUM_CHUNKS, FlexOptions, SplitKVConfig, resolve_config
 from ..kernels import (
@@ -72,8 +72,6 @@ from ..kernels import (
 )
 from ..kernels.base import IntervalMask
 from .common import (
-    _MAX_FUSED_MIN_P,
-    FUSED_BWD_GATHER_MIN_P,
     SUPPORTED_DTYPES,
     acc_dtype,
     context_keys,
@@ -141,84 +139,12 @@ def _requested_axis(chunk_axis, config: SplitKVConfig | None = None) -> int:
     return CHUNK_AXES.index(chunk_axis)
 
 
-#: bit 31 of the agreement rows' request code: set when a head split is requested (the low 23 bits then hold
-#: k + (split code << 5), `_head_split_code`)
-_SPLIT_FLAG = 1 << 31
-
-
-def _checked_split_sum(split: tuple, num_heads_kv: int, what: str) -> tuple:
-    """`split` (ints) when its counts are positive and sum to Hkv; else THE head-split range error."""
-    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
-        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
-                         f"{_split_text(split)}")
-    return split
-
-
-def _split_text(split: tuple) -> str:
-    """"6,2" for a message; a split of many counts cut to its first ones (and its count), a count beyond Python's
-    int-conversion limit by its digit count (`_ints._shown`), so that the message stays the package's."""
-    shown = [str(h) if abs(h).bit_length() < 10000 else _shown(h) for h in split[:8]]
-    return ",".join(shown) + (f",... ({len(split)} counts)" if len(split) > 8 else "")
-
-
-def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") -> tuple:
-    """THE validator of a head split given as a value (the op's `head_split`, `bench.kernel_calls`'): a sequence
-    (not a string) of positive ints (`_ints.as_int`: no bool, no float) summing to Hkv = `num_heads_kv`.
-    Returns the split as a tuple of ints. Raises ValueError starting with `what`."""
-    if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
-        raise ValueError(f"{what} must be None or a sequence of positive ints (kv heads per chunk), got "
-                         f"{head_split!r}")
-    split = tuple(as_int(h, what, what="a sequence of positive ints") for h in head_split)
-    return _checked_split_sum(split, num_heads_kv, what)  # counts < 1: the one range message, as for text
-
-
-def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
-    """THE parser of a head split given as text (the flag --splitkv-head-split, the tools' --head-split(s) via
-    `bench.parse_head_splits`): a comma list of plain decimal ints (`_ints.parse_int`), each positive, summing
-    to Hkv = `num_heads_kv`, e.g. "6,2". Returns a tuple of ints. Raises ValueError starting with `what` (the
-    variable or flag): the same message as `check_head_split` for a bad sum or count."""
-    try:
-        split = tuple(parse_int(x, what) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"{what} must be a comma list of positive ints (kv heads per chunk, summing "
-                         f"to Hkv = {num_heads_kv}), got {_shown(text)}") from None
-    return _checked_split_sum(split, num_heads_kv, what)
-
-
-def _requested_head_split(head_split, num_heads_kv: int, axis: int, num_chunks=None,
-                          config: SplitKVConfig | None = None):
-    """None (the even head split): uneven head splits are deleted (docs/tuning.md: no measured gain); a
-    `head_split` other than None raises ValueError naming the argument and its replacement."""
-    if head_split is None:
-        return None
-    raise ValueError(f"head_split={_shown(head_split)}: uneven head splits were removed (no measured gain, "
-                     "docs/tuning.md); use chunk_axis='heads' with num_chunks=k for k even head chunks")
-
-
-def _head_split_code(split) -> int:
-    """The low 23 bits of the agreement rows' request code for a head split: min(k, 31) + (c << 5), c = the
-    bitmask of its cut positions (partial sums below Hkv) when Hkv <= 18, else a 17-bit CRC of the split (equal
-    splits, equal codes; different splits differ except for a CRC collision at Hkv > 18)."""
-    import zlib  # noqa: PLC0415
-
-    hkv = sum(split)
-    if hkv <= 18:
-        c, acc = 0, 0
-        for h in split[:-1]:
-            acc += h
-            c |= 1 << (acc - 1)
-    else:
-        c = zlib.crc32(",".join(map(str, split)).encode()) & 0x1FFFF
-    return min(len(split), 31) + (c << 5)
-
-
-def _heads_of_split(split, grp: int) -> list:
-    """Per chunk the q-head range (h0, h1) of a head split (kv heads per chunk; G = grp q heads per kv head)."""
-    out, g0 = [], 0
-    for h in split:
-        out.append((g0 * grp, (g0 + h) * grp))
-        g0 += h
-    return out
+def _requested_head_split(head_split) -> None:
+    """None: uneven head splits are deleted (docs/tuning.md: no measured gain); a `head_split` other than None
+    raises ValueError naming the argument and its replacement."""
+    if head_split is not None:
+        raise ValueError(f"head_split={_shown(head_split)}: uneven head splits were removed (no measured gain, "
+                         "docs/tuning.md); use chunk_axis='heads' with num_chunks=k for k even head chunks")
 
 
 def resolve_chunk_axis(chunk_axis=None, config: SplitKVConfig | None = None) -> str:
@@ -305,39 +231,29 @@ def _kind_text(code: int) -> str:
     return f"window={field_ or None}, causal={causal}"
 
 
-def _request_code(chunks_req: int, ranks_per_node: int, axis: int = 0, head_split=None, window=None,
-                  causal=False) -> int:
+def _request_code(chunks_req: int, ranks_per_node: int, axis: int = 0, window=None, causal=False) -> int:
     """Column 10 of the agreement rows (a non-negative int64): the requested chunk count in the low 23 bits, the
     chunk axis code (`_requested_axis`: 0 = rows, 1 = heads) in bit 23, L - 1 in bits 32-47, and the layer type's
     22-bit `_kind_code(window, causal)` with its low 15 bits in bits 48-62 and its high 7 bits in bits 24-30
-    (0 for window None, causal False). Rows (axis 0) leaves the code as before.
-    head_split (a tuple, `_requested_head_split`): bit 31 set and the low 23 bits = `_head_split_code` instead
-    of the requested chunk count (k = len(split)); None leaves the code as before."""
-    if head_split is not None:
-        chunks_req = _SPLIT_FLAG + _head_split_code(head_split)
+    (0 for window None, causal False). Rows (axis 0) leaves the code as before."""
     kind = _kind_code(window, causal)
     return (chunks_req + (axis << 23) + ((ranks_per_node - 1) << 32) + ((kind & 0x7FFF) << 48)
             + ((kind >> 15) << 24))
 
 
 def _decoded(table):
-    """The agreement table with five derived columns inserted after column 10 of every row: 11 = requested
-    num_chunks (a head split's k, saturated at 31), 12 = cp_ranks_per_node, 13 = the layer type's `_kind_code`
-    (window / causal), 14 = the chunk axis code, 15 = the head split's code + 1 (0: none; decoded from column 10;
-    not sent); the sent columns after 10 follow from 16 (16: `_AUTO_COL`)."""
-    def split(code):
-        return bool(code & _SPLIT_FLAG) if code >= 0 else False
-
-    return [list(row[:11]) + [(row[10] & 31) if split(row[10]) else row[10] & _MAX_REQUESTED_CHUNKS,
+    """The agreement table with four derived columns inserted after column 10 of every row: 11 = requested
+    num_chunks, 12 = cp_ranks_per_node, 13 = the layer type's `_kind_code` (window / causal), 14 = the chunk
+    axis code (decoded from column 10; not sent); the sent columns after 10 follow from 15 (15: `_AUTO_COL`)."""
+    return [list(row[:11]) + [row[10] & _MAX_REQUESTED_CHUNKS,
                          ((row[10] >> 32) & 0xFFFF) + 1, ((row[10] >> 48) & 0x7FFF) + (((row[10] >> 24) & 0x7F) << 15),
-                         (row[10] >> 23) & 1,
-                         ((row[10] & _MAX_REQUESTED_CHUNKS) >> 5) + 1 if split(row[10]) else 0] + list(row[11:])
+                         (row[10] >> 23) & 1] + list(row[11:])
             for row in table]
 
 
 #: the decoded agreement rows' column of `kernels.auto_backend_code` (what backend "auto" resolves to on the
 #: rank), sent by `prepare_splitkv_metadata` and the call without `metadata=`
-_AUTO_COL = 16
+_AUTO_COL = 15
 #: that column's entry of a rank whose call passes an explicit backend (the call without `metadata=`): not in
 #: "auto"'s agreement
 _NO_AUTO = -1
@@ -506,10 +422,7 @@ class SplitKVMetadata:
     num_chunks_requested: int = 0
     chunk_axis: str = "rows"
     chunk_heads: list = None
-    #: the requested uneven head split (kv heads per chunk, docs/perf-notes.md item 22), None: the even split
-    head_split: tuple = None
     cp_ranks_per_node: int = 1
-    fused_bwd_gather_min_p: int = FUSED_BWD_GATHER_MIN_P
     node_groups: tuple = None
     group_check: bool = False
     check_group: CommGroup = None
@@ -929,7 +842,7 @@ def _check_agree(name, table, cols):
 
 #: the agreement names the Megatron integration may have set automatically (megatron.arguments.auto_pipeline /
 #: auto_cp_ranks_per_node), and what to check then
-_PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split")
+_PIPELINE_WORDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node")
 _AUTO_PIPELINE_HINT = (" (under Megatron, unset ones are chosen from the launcher's processes per node: check that "
                        "LOCAL_WORLD_SIZE / SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE are the same on every node, or set "
                        "--splitkv-num-chunks / --splitkv-chunk-axis / --splitkv-cp-ranks-per-node)")
@@ -1154,14 +1067,11 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
     P, nb_local, nb_max = g.size, meta.n_blocks[g.rank], max(meta.n_blocks)
     heads = meta.chunk_axis == "heads"
     # head chunks: k clamped to [1, Hkv], every chunk all rows (the k = 1 chunk), its heads GQA groups whole
-    split = getattr(meta, "head_split", None) if heads else None  # an uneven head split fixes k (item 22)
-    meta.num_chunks = len(split) if split else resolve_num_chunks(meta.num_chunks_requested, P,
-                                                                  meta.num_heads_kv if heads else nb_max)
+    meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, meta.num_heads_kv if heads else nb_max)
     hq, grp = meta.num_heads_q, meta.num_heads_q // meta.num_heads_kv
     if heads:
         meta.chunks = [(0, nb_max)] * meta.num_chunks
-        meta.chunk_heads = (_heads_of_split(split, grp) if split else
-                            [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)])
+        meta.chunk_heads = [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)]
     else:
         meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
         meta.chunk_heads = [(0, hq)] * meta.num_chunks
@@ -1221,12 +1131,11 @@ def _splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_key
 
 
 def _checked_requests(impl, num_chunks, cp_ranks_per_node, cp_size, chunk_axis=None,
-                      head_split_ok=False, config: SplitKVConfig | None = None) -> tuple:
+                      config: SplitKVConfig | None = None) -> tuple:
     """(chunks, ranks per node, chunk-axis code) requested for the agreement row of `impl`.
 
     Checked for every impl: a malformed num_chunks / cp_ranks_per_node / chunk_axis is a ValueError
-    naming it and the limit whatever the impl. `config.head_split` raises where a head split is not
-    supported (`head_split_ok` False: the call without metadata=). Used by splitkv only: the baselines get (0, 1,
+    naming it and the limit whatever the impl. Used by splitkv only: the baselines get (0, 1,
     0) (one chunk, L = 1, rows); "must divide P" is about the
     two-level exchange they do not run, so they check cp_ranks_per_node's form only."""
     config = resolve_config(config)
@@ -1297,14 +1206,8 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = `config.chunk_axis`
             (default "rows"). Must be the same on every
             rank (agreed like num_chunks). Same results up to fp rounding, same bytes per collective name.
-        head_split: impl "splitkv" with chunk_axis "heads" only (docs/perf-notes.md item 22): the kv heads of
-            each chunk, positive ints summing to Hkv, e.g. (6, 2); it fixes k = len(head_split) (num_chunks
-            must be None or equal; `config.num_chunks` does not apply). None = `config.head_split`, else the
-            even split
-            (`chunk_bounds`). An uneven split runs the backward's chunks in reverse order (k-1..0: the forward's
-            small last chunk is the backward's small first one); results are bit-identical to that split in
-            forward order (head chunks' dK / dV and dQ are written per chunk, nothing is summed across
-            chunks). Agreed group-wide like num_chunks (a code of the split in the agreement row).
+        head_split: must be None (uneven head splits are deleted: a ValueError naming chunk_axis="heads" with
+            num_chunks=k, the even head chunks).
         backend: the kernel the calls will pass ("auto", the default, or a name of `kernels.BACKENDS`). With
             "auto" this rank's resolution (`kernels.auto_backend_code`) is compared with the other "auto"
             ranks' (mixed hardware: FA4 on some ranks only raises the same ValueError everywhere); an explicit
@@ -1388,15 +1291,11 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             rng.check()
         nb, tk = int(ints[0].shape[0]), int(ints[2].shape[0])
         chunks_req, ranks_req, axis_req = _checked_requests(
-            canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, head_split_ok=True, config=cfg)
-        split = None
-        if canon == "splitkv":
-            split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
-        elif head_split is not None:
-            raise ValueError(f"head_split is for impl 'splitkv' only, got impl {impl!r}")
-        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
+            canon, num_chunks, cp_ranks_per_node, group.size, chunk_axis, config=cfg)
+        _requested_head_split(head_split)
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node)
         row = [nb, tk, block_size, num_heads_q, num_heads_kv, head_dim, _DTYPE_CODE[dtype], _IMPL_CODE[canon],
-               int(bool(group_check)), _request_code(chunks_req, ranks_req, axis_req, split, window, causal),
+               int(bool(group_check)), _request_code(chunks_req, ranks_req, axis_req, window, causal),
                _auto_entry(backend, device, dtype, head_dim, cfg)]
     except Exception as exc:  # noqa: BLE001 - any local failure must reach every rank, never hang
         if group.size == 1:
@@ -1409,7 +1308,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     table = _decoded(_raise_if_any(name, via, err, row, dev, tag))
     _check_agree(name, table, ((3, "block_size"), (4, "Hq (num_heads_q)"), (5, "Hkv (num_heads_kv)"),
                                (6, "head dim D (head_dim)"), (7, "dtype"), (8, "impl"), (9, "group_check"),
-                               (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"),
+                               (11, "num_chunks (requested)"), (14, "chunk_axis"),
                                (12, "cp_ranks_per_node"), (13, "window / causal")))
     _check_auto_agree(name, table)
     meta = SplitKVMetadata(
@@ -1419,12 +1318,12 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         valid=ints[4], group_check=bool(group_check), check_group=check,
         sources=(q_seq, q_anchor, kv_seq, kv_pos),
         num_chunks_requested=table[0][11], cp_ranks_per_node=table[0][12],
-        chunk_axis=CHUNK_AXES[table[0][14]], head_split=split, config=cfg, window=window, causal=causal,
+        chunk_axis=CHUNK_AXES[table[0][14]], config=cfg, window=window, causal=causal,
     )
     return _finish(meta, gather_ctx=True, reads=reads)
 
 
-def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node, head_split) -> SplitKVConfig:
+def _with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node) -> SplitKVConfig:
     """`config` with the op's keyword arguments that were given (validated before) applied: what the
     metadata carries."""
     return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node)
@@ -1501,9 +1400,9 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
             rng.check()
         chunks_req, ranks_req, axis_req = _checked_requests(
             name, num_chunks, cp_ranks_per_node, group.size, chunk_axis, config=cfg)
-        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, None)
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node)
         row = [nb, tk, block_size, hq, hkv, d, _DTYPE_CODE[q.dtype], _scale_bits(_resolved_scale(softmax_scale, d)),
-               _MODE_PLAIN, _request_code(chunks_req, ranks_req, axis_req, None, window, causal),
+               _MODE_PLAIN, _request_code(chunks_req, ranks_req, axis_req, window, causal),
                # only where this rank uses "auto": the check below runs on EVERY rank (from the table), so a
                # group mixing "auto" and explicit backends raises everywhere or nowhere, never on some only
                _auto_entry(backend, q.device, q.dtype, d, cfg)]
@@ -1539,10 +1438,10 @@ def _prepare_from_tensors(name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor, 
 
 #: columns of the per-call agreement row (no `metadata=`, or `metadata=` with group_check): both paths
 #: all-gather the same [1, 12] int64 row (as their first collective), so a group mixing them is detected.
-#: 11-15 are decoded from column 10 (`_decoded`; 13: the layer type, `_kind_code`).
+#: 11-14 are decoded from column 10 (`_decoded`; 13: the layer type, `_kind_code`).
 _CALL_AGREE = ((9, "metadata= use"), (3, "block_size"), (4, "Hq (q.shape[1])"), (5, "Hkv (k_ctx.shape[1])"),
                (6, "head dim D (q.shape[2])"), (7, "dtype"), (8, "softmax_scale (resolved)"),
-               (11, "num_chunks (requested)"), (14, "chunk_axis"), (15, "head_split"), (12, "cp_ranks_per_node"),
+               (11, "num_chunks (requested)"), (14, "chunk_axis"), (12, "cp_ranks_per_node"),
                (13, "window / causal"))
 
 
@@ -1579,7 +1478,7 @@ def _metadata_row(meta: SplitKVMetadata, scale_bits: int, mode: int) -> list:
             [meta.tq_local // meta.block_size, meta.tk_local, meta.block_size, meta.num_heads_q, meta.num_heads_kv,
              meta.head_dim, _DTYPE_CODE[meta.dtype]],
             [_request_code(meta.num_chunks_requested, meta.cp_ranks_per_node, CHUNK_AXES.index(meta.chunk_axis),
-                           getattr(meta, "head_split", None), getattr(meta, "window", None),
+                           getattr(meta, "window", None),
                            getattr(meta, "causal", False)),
              metadata_digest(meta)])
     return fixed[0] + [scale_bits, mode] + fixed[1]
@@ -1647,7 +1546,7 @@ def _check_call_local(meta, name, q, k_ctx, v_ctx, k_blk, v_blk, q_seq, q_anchor
 
 
 #: the config fields a prepare's keyword arguments may have set: None in a call's config matches any value
-_REQUEST_FIELDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node", "head_split")
+_REQUEST_FIELDS = ("num_chunks", "chunk_axis", "cp_ranks_per_node")
 
 
 def check_prepared_config(config, prepared: SplitKVConfig) -> None:
@@ -2116,27 +2015,23 @@ def _host_ints(x, name: str, length: int) -> torch.Tensor:
 def env_request_row(cp_size: int, config: SplitKVConfig | None = None) -> list:
     """The op's requests of `config` (None: the defaults) as THIS process resolves them, one int each (what
     `check_environment_agreement` compares across ranks): num_chunks (0 = None), cp_ranks_per_node (resolved
-    for `cp_size`), fused_bwd_gather_min_p, chunk_axis (code: 0 rows, 1 heads) and head_split (a CRC of its
-    text + 1, 0 = None; its sum is checked against Hkv where Hkv is known). Raises ValueError naming a field
-    that does not fit `cp_size`."""
-    import zlib  # noqa: PLC0415
-
+    for `cp_size`) and chunk_axis (code: 0 rows, 1 heads). Raises ValueError naming a field that does not fit
+    `cp_size`."""
     config = resolve_config(config)
-    split = ""  # uneven head splits are deleted: no split to compare
     return [_requested_chunks(None, config), resolve_ranks_per_node(None, cp_size, config),
-            min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P), _requested_axis(None, config),
-            (zlib.crc32(split.encode()) & 0x7FFFFFFF) + 1 if split else 0]
+            _requested_axis(None, config)]
 
 
 def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_dim=None, backend="auto",
                                 config: SplitKVConfig | None = None) -> None:
-    """Collective over the CP group: check that the environment variables which shape Split-KV's collectives
+    """Collective over the CP group: check that the `SplitKVConfig` fields which shape Split-KV's collectives
     resolve to the same values on every rank, and raise the same ValueError on every rank when they do not
-    (or when one is malformed on some rank).
+    (or when one does not fit the group on some rank). It compares config only (the library reads no
+    environment variable; the name is kept for its callers).
 
     `prepare_splitkv_metadata` and the call without `metadata=` agree on these values in their agreement
     row. Host-built metadata (`prepare_splitkv_metadata_from_plan` in a data worker, `bind` in the step)
-    reads them in each process without a collective (`bind` only checks that the training process resolves
+    resolves them in each process without a collective (`bind` only checks that the training process resolves
     them as the building process did): ranks started with different values would issue different numbers
     or sizes of collectives in the op (gloo aborts, NCCL hangs or mixes data). Call this once per process
     after the CP group exists and before the first op call with host-built metadata (examples/pretrain_dflash.py
@@ -2144,7 +2039,7 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     `group_check=True` (a verdict exchange per call).
 
     Checked (`config`, None: the defaults): num_chunks, cp_ranks_per_node (as resolved for this group's
-    size), fused_bwd_gather_min_p, chunk_axis, head_split and, with `dtype`,
+    size), chunk_axis and, with `dtype`,
     what kernel backend "auto" resolves to for calls of that dtype and head dim on `device`
     (`kernels.auto_backend_code`: FlashAttention-4, flex, staircase, math; as `prepare_splitkv_metadata` agrees
     it).
@@ -2160,13 +2055,13 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
             check of its resolution.
 
     Raises:
-        ValueError("check_environment_agreement: ..."), the same on every rank: a variable malformed on some
-            rank (naming the rank(s) and the variable), or resolving differently across ranks (naming the
-            variable and the values by rank).
+        ValueError("check_environment_agreement: ..."), the same on every rank: a field that does not fit the
+            group on some rank (naming the rank(s) and the field), or resolving differently across ranks
+            (naming the field and the values by rank).
     """
     name = "check_environment_agreement"
     group = resolve_group(cp_group)
-    err, row = "", [-1] * 6
+    err, row = "", [-1] * 4
     try:
         requests = env_request_row(group.size, config)
         op_device = _comm_device(group, None) if device is None else torch.device(device)
@@ -2177,10 +2072,8 @@ def check_environment_agreement(cp_group=None, device=None, *, dtype=None, head_
     # columns: 0 = the error length, then the row
     _check_agree(name, table, ((1, "SplitKVConfig.num_chunks (requested num_chunks, 0 = None)"),
                                (2, "SplitKVConfig.cp_ranks_per_node (cp_ranks_per_node)"),
-                               (3, "SplitKVConfig.fused_bwd_gather_min_p"),
-                               (4, "SplitKVConfig.chunk_axis (chunk_axis)"),
-                               (5, "SplitKVConfig.head_split (head_split, None = even)")))
-    _check_auto_agree(name, table, col=6)
+                               (3, "SplitKVConfig.chunk_axis (chunk_axis)")))
+    _check_auto_agree(name, table, col=4)
 
 
 def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q, num_heads_kv, head_dim, dtype,
@@ -2287,9 +2180,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         chunks_req = _requested_chunks(num_chunks, cfg)
         ranks_req = resolve_ranks_per_node(cp_ranks_per_node, P, cfg)
         axis_req = _requested_axis(chunk_axis, cfg)
-        split = _requested_head_split(head_split, num_heads_kv, axis_req, num_chunks, cfg)
-        fused_req = min(FUSED_BWD_GATHER_MIN_P, _MAX_FUSED_MIN_P)
-        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node, head_split)
+        _requested_head_split(head_split)
+        cfg = _with_requests(cfg, num_chunks, chunk_axis, cp_ranks_per_node)
         # the size table every rank would all-gather: equal block counts, the plan's context counts
         nb = int(plan.blocks_per_rank)
         n_ctx = np.zeros(P, dtype=np.int64)
@@ -2325,10 +2217,8 @@ def prepare_splitkv_metadata_from_plan(plan, cp_rank, *, block_size, num_heads_q
         num_heads_kv=num_heads_kv, head_dim=head_dim, dtype=dtype, device=torch.device("cpu"), n_blocks=[nb] * P,
         n_ctx=n_ctx, q_seq=q_seq_t, q_anchor=q_anchor_t, kv_seq=kv_seq_t, kv_pos=kv_pos_t, valid=valid,
         group_check=bool(group_check),
-        # a head split fixes k: recorded as prepare decodes it from the agreement row (`_decoded`, column 11)
-        num_chunks_requested=chunks_req if split is None else min(len(split), 31), cp_ranks_per_node=ranks_req,
-        fused_bwd_gather_min_p=fused_req, chunk_axis=CHUNK_AXES[axis_req],
-        head_split=split, config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank), window=window,
+        num_chunks_requested=chunks_req, cp_ranks_per_node=ranks_req, chunk_axis=CHUNK_AXES[axis_req],
+        config=cfg, host_build=_HostBuild(cp_size=P, cp_rank=rank), window=window,
         causal=causal,
     )
     meta.valid_rows = valid.repeat_interleave(block_size)

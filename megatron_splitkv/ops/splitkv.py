@@ -60,12 +60,6 @@ independent of the context length. Three optimisations of docs/perf-notes.md are
    kernel time on the H200, k = 2 head chunks 1.041x (tools/chunk_cost.py, CP 64 shard). Results equal row
    chunks up to fp rounding (tests/test_splitkv_head_chunks.py). Measured (docs/perf-notes.md item 21): k = 2
    at CP = 2, 128K: NVLink 0.956x of k = 1 (rows 0.914x), sockets 1.233x (rows 1.211x).
-   Uneven head split (docs/perf-notes.md item 22; deleted as an option, docs/tuning.md: no public argument
-   builds metadata with `head_split` any more, the path below goes with the op's rewrite): chunk c
-   = the kv heads of the c-th part of the split; the backward then runs the chunks in REVERSE order
-   (`_bwd_order`), so the forward ends with the small chunk (its [O | lse] exchange is the exposed tail) and
-   the backward starts with it (its [dO | stats] gather is the exposed head). Bit-identical to the forward
-   order (head chunks sum nothing across chunks).
 4. Early query all-gather (perf-notes item 3; `splitkv_start_query_gather` -> `query_gather=`): a layer
    that has q before k/v starts every chunk's Q all-gather right after q (`_QueryGather`, an autograd
    Function of its own), computes k/v while it is in flight, then calls the op, which waits instead of
@@ -172,19 +166,6 @@ def _head_split(meta) -> bool:
     return meta.chunk_axis == "heads" and meta.num_chunks > 1
 
 
-def _bwd_order(meta) -> list:
-    """The chunks in the order the backward processes them: k-1..0 for an uneven head split (`meta.head_split`,
-    docs/perf-notes.md item 22: the forward's small last chunk becomes the backward's small first one, so its
-    [dO | stats] gather, exposed before the first kernel, is small; the big chunk's dQ exchange goes last,
-    behind the caller's k/v projection backward), else 0..k-1. Bit-identical either way: a head chunk's dK /
-    dV and dQ are written into its own heads, nothing is summed across chunks."""
-    split = getattr(meta, "head_split", None)
-    n = len(meta.chunks)
-    if _head_split(meta) and split and len(set(split)) > 1:
-        return list(range(n - 1, -1, -1))
-    return list(range(n))
-
-
 def _chunk_heads(meta) -> list:
     """Per chunk its q-head range (h0, h1): `meta.chunk_heads`, or every head for metadata without it (built
     before head chunks existed, e.g. unpickled)."""
@@ -204,8 +185,8 @@ def _head_sends(x, meta, rows_max, fill=0, valid_rows=None):
     valid_rows [rows] bool given: the rows of invalid blocks zeroed (`zero_invalid_rows`, padding 0). Chunks of
     equal width: views of one chunk-major [k, rows_max, Hc, ...] buffer written by ONE copy (select) of the
     strided head slices and one fill (docs/perf-notes.md item 24; the buffer, this rank's rows only, lives until
-    the last chunk's collective is waited, not chunk by chunk); uneven ones (`head_split`): one copy (select)
-    and fill per chunk. The same values either way (copies and the same elementwise select)."""
+    the last chunk's collective is waited, not chunk by chunk); unequal ones (k not dividing Hkv): one copy
+    (select) and fill per chunk. The same values either way (copies and the same elementwise select)."""
     heads, rows = meta.chunk_heads, x.shape[0]
     widths = {h1 - h0 for h0, h1 in heads}
     if len(widths) > 1:
@@ -716,7 +697,7 @@ class _SplitKV(torch.autograd.Function):
         # back-to-back all-gathers (on one NVLink node the second one costs less than the fused path's
         # pack/unpack copies). Padding rows: dO = 0, statistics -inf. The padded tensors are dropped once
         # the last chunk is issued (each Pending keeps its segment).
-        fused = fuse_bwd_gather(g.size, hier is not None, meta.fused_bwd_gather_min_p)
+        fused = fuse_bwd_gather(g.size, hier is not None)
         # head chunks: each chunk's heads of every row padded into contiguous send tensors by the padding copy
         # itself (`_head_sends`: one chunk-major copy of dO and one of the statistics for equal chunks)
         stats = torch.stack([delta, lse], -1)
@@ -738,29 +719,26 @@ class _SplitKV(torch.autograd.Function):
             else:
                 pend_c = (all_gather(do_c, g, "splitkv.bwd.dout", async_op=True),
                           all_gather(st_c, g, "splitkv.bwd.stats", async_op=True))
-            if c == order[-1]:
+            if c == n - 1:
                 send.clear()
             return pend_c
 
-        # the processing order (`_bwd_order`): position i runs chunk order[i]; gathers, kernels and dQ
-        # exchanges are issued in that order, the dQ pendings kept by chunk (the consumers read them by chunk)
-        order = _bwd_order(meta)
+        # chunks 0..k-1 in order: gathers, kernels and dQ exchanges, the dQ pendings kept by chunk
         pend_g, pend_dq, dk_x, dv_x, rows_kv = {}, [None] * n, None, None, None
-        issued = [0]  # positions whose gather is issued
+        issued = [0]  # chunks whose gather is issued
 
-        def prefetch(i):
-            """Before the kernel at position i: the [dO | stats] gathers of positions <= i + 1 issued, so the
-            next chunk's is in flight while this kernel runs."""
-            while issued[0] < min(i + 2, n):
-                pend_g[order[issued[0]]] = gather_stats(order[issued[0]])
+        def prefetch(c):
+            """Before chunk c's kernel: the [dO | stats] gathers of chunks <= c + 1 issued, so the next chunk's
+            is in flight while this kernel runs."""
+            while issued[0] < min(c + 2, n):
+                pend_g[issued[0]] = gather_stats(issued[0])
                 issued[0] += 1
 
         dev = lse.device
         relay = None if hier is None else RelayStream.get(dev)  # as in forward (item 18)
 
-        def launch(i):  # position i: chunk c = order[i]
-            c = order[i]
-            prefetch(i)  # one chunk ahead of this kernel
+        def launch(c):
+            prefetch(c)  # one chunk ahead of this kernel
             pend = pend_g.pop(c)
             if fused:  # unpacked bit-exact into a contiguous dO and (delta, lse); the received buffer dies here
                 buf = pend.take()
@@ -780,20 +758,19 @@ class _SplitKV(torch.autograd.Function):
             ctx.states[c] = None
             return grads
 
-        for i in range(n):
-            dq_r, dk_c, dv_c = launch(i)
-            c = order[i]
+        for c in range(n):
+            dq_r, dk_c, dv_c = launch(c)
             # send every owner its rows' dQ partial (q's dtype) while the next chunk's backward runs
             if hier is None:
                 pend_dq[c] = all_to_all(dq_r.to(dt), g, "splitkv.bwd.dq", async_op=True)
-            else:  # two-level, as in forward: stage 1 now, the chunk before (in processing order) to stage 2
+            else:  # two-level, as in forward: stage 1 now, the chunk before to stage 2
                 rc = (chunks[c][1] - chunks[c][0]) * bsz
                 send_dq = local_index_major(dq_r, hier[1].size, hier[0].size, dt)
                 pend_dq[c] = _TwoStage(all_to_all(send_dq, hier[0], "splitkv.bwd.dq.intra", async_op=True),
                                        _dq_stage2(meta, rc, plan.acc), relay)
                 del send_dq
-                if i:
-                    pend_dq[order[i - 1]].advance()
+                if c:
+                    pend_dq[c - 1].advance()
             del dq_r
             if hsplit:  # a head chunk's dK / dV are final: written (in dt) into its kv heads of the result. In
                 # the kernel's dtype dt (`native_results`, or fp32 / fp64 inputs) in context order (`_grad_rows`: the
@@ -823,7 +800,7 @@ class _SplitKV(torch.autograd.Function):
         order_kv = meta.order if rows_kv is None else None  # head chunks through `_grad_rows`: in context order
         grads_kv = (unsort(dk_s, order_kv).to(dt), unsort(dv_s, order_kv).to(dt), cast(dk_b, dt), cast(dv_b, dt))
         if hier is not None:
-            pend_dq[order[-1]].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
+            pend_dq[-1].advance()  # the last chunk's stage 2: in flight while the caller's backward runs
         if gather is None:
             # the owner sums the P partials of its rows in fp32
             return (None, _sum_dq_partials(pend_dq, meta, rows, dt, plan.acc)) + grads_kv
@@ -838,8 +815,8 @@ class _SplitKV(torch.autograd.Function):
                 d_gathered = tuple(z.expand(g.size * (b1 - b0) * bsz, h1 - h0, meta.head_dim)
                                    for (b0, b1), (h0, h1) in zip(chunks, heads))
         else:  # issued anyway (every rank issues the same collectives); nothing consumes them
-            for c in order:
-                pend_dq[c].wait()
+            for pend in pend_dq:
+                pend.wait()
             d_gathered = (None,) * n
         return (None, None) + grads_kv + (None,) + d_gathered
 
