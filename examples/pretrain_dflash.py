@@ -423,10 +423,10 @@ def _cp_group():
 
 
 def _check_environment():
-    """Once per process, on every CP rank: host-built metadata reads the Split-KV environment (num_chunks, chunk
-    axis, exchange pieces, ...) per process; ranks that differ would issue different collectives in the op
-    (abort / hang), a value malformed on one rank would raise there alone: the same ValueError on every rank
-    instead (`ops.check_environment_agreement`, collective)."""
+    """Once per process, on every CP rank: host-built metadata resolves the job's `SplitKVConfig` (num_chunks,
+    chunk axis, cp_ranks_per_node) per process; ranks that differ would issue different collectives in the op
+    (abort / hang), a value that does not fit the group on one rank would raise there alone: the same ValueError
+    on every rank instead (`ops.check_environment_agreement`, collective)."""
     from megatron_splitkv.megatron.arguments import splitkv_config_from_args
     from megatron_splitkv.ops import check_environment_agreement
 
