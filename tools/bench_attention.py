@@ -42,7 +42,7 @@ Sliding-window layers (issue 23): `--window W` (and `--causal`) runs every --con
 drafter layer (z-lab's dflash semantics: row j of a block at anchor a sees context positions > a + j - W and, with
 --causal, its own block's keys <= j): prepare and every call get window= / causal=, the kernel column times the
 op's own windowed masks, the useful pairs (TF/s) count the windowed pairs (`benchlib.context_pairs`); the
-bytes do not change (every collective of the three ops is independent of the mask). Rows carry "window" and
+bytes do not change (every collective of the three ops is independent of the mask). Rows hold "window" and
 "causal" and are labelled "W=..." in the table. Not with --packs / --chunks-ab. One GPU, W in {512, 2048, 4096}:
   python tools/bench_attention.py --cp 1 --contexts 65536,131072 --window 2048 --causal --tag w2048
 
