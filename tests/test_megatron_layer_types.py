@@ -71,8 +71,10 @@ def test_bad_layer_flag_combinations_name_the_flag(argv, num_layers, message):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--dflash-sliding-window", "0"], "argument --dflash-sliding-window: must be a positive int, got '0'"),
-    (["--dflash-sliding-window", "-4"], "argument --dflash-sliding-window: must be a positive int, got '-4'"),
+    (["--dflash-sliding-window", "0"], "argument --dflash-sliding-window: must be a positive int < 2**63, got '0'"),
+    (["--dflash-sliding-window", "-4"], "argument --dflash-sliding-window: must be a positive int < 2**63, got '-4'"),
+    (["--dflash-sliding-window", str(2**63)],
+     f"argument --dflash-sliding-window: must be a positive int < 2**63, got '{2**63}'"),
     (["--dflash-layer-types", "full_attention,swa"], "argument --dflash-layer-types: must be a comma-separated list "
                                                      "of full_attention / sliding_attention"),
     (["--dflash-is-causal", "yes"], "argument --dflash-is-causal: invalid choice"),

@@ -60,7 +60,7 @@ from typing import Optional
 
 from .._ints import _shown, as_int, int_arg, parse_int
 from ..config import CHUNK_AXES, SplitKVConfig
-from ..layer_types import LAYER_TYPES, layer_attention_kinds, layer_windows
+from ..layer_types import LAYER_TYPES, MAX_WINDOW, layer_attention_kinds, layer_windows
 
 __all__ = [
     "CP_IMPLS",
@@ -332,7 +332,7 @@ _FLAG_SPECS = (
              "--dflash-sliding-window positions, causal block), as the layer_types of dflash's drafter config "
              "(written to the exported config.json). Default: every layer full_attention.")),
     ("--dflash-sliding-window", dict(
-        type=int_arg(1),
+        type=int_arg(1, MAX_WINDOW, what="a positive int < 2**63"),
         default=None,
         help="Sliding window W of the sliding_attention layers (an int >= 1): the query at position q sees "
              "keys at positions > q - W (dflash's config.sliding_window). Required when --dflash-layer-types "
