@@ -19,12 +19,14 @@ from typing import Optional, Sequence, Tuple
 
 from ._ints import _shown, as_int
 
-__all__ = ["LAYER_TYPES", "FULL", "SLIDING", "layer_attention_kinds", "layer_windows",
+__all__ = ["LAYER_TYPES", "FULL", "SLIDING", "MAX_WINDOW", "layer_attention_kinds", "layer_windows",
            "hf_layer_fields"]
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
+#: the largest sliding window W: positions and windows are int64 in the masks (a larger W would wrap)
+MAX_WINDOW = 2**63 - 1
 
 #: (window, causal) of one layer
 Kind = Tuple[Optional[int], bool]
@@ -61,7 +63,8 @@ def layer_attention_kinds(layer_types: Optional[Sequence[str]], *, num_layers: i
         if sliding_window is None:
             raise ValueError(f"{n['layer_types']} has sliding_attention layers: {n['sliding_window']} (the window W, "
                              "an int >= 1) is required")
-        sliding_window = as_int(sliding_window, n["sliding_window"], minimum=1, what="a positive int (window W)")
+        sliding_window = as_int(sliding_window, n["sliding_window"], minimum=1, maximum=MAX_WINDOW,
+                                what="a positive int (window W) < 2**63")
     elif sliding_window is not None:
         raise ValueError(f"{n['sliding_window']} ({_shown(sliding_window)}) applies to sliding_attention layers, "
                          f"but {n['layer_types']} has none ({','.join(types)})")

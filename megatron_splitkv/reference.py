@@ -8,6 +8,7 @@ import math
 import torch
 
 from ._ints import as_int
+from .layer_types import MAX_WINDOW
 
 
 def check_attention_type(window=None, causal=False):
@@ -20,10 +21,10 @@ def check_attention_type(window=None, causal=False):
 
     Raises:
         ValueError: "window must be None or a positive int (the sliding window W >= 1), got ..." for a
-            bool, float, string, 0 or negative window; "causal must be a bool, got ..." otherwise.
+            bool, float, string, 0, negative or >= 2**63 window; "causal must be a bool, got ..." otherwise.
     """
-    window = as_int(window, "window", minimum=1, allow_none=True,
-                    what="None or a positive int (the sliding window W >= 1)")
+    window = as_int(window, "window", minimum=1, maximum=MAX_WINDOW, allow_none=True,
+                    what="None or a positive int (the sliding window W, 1 <= W < 2**63)")
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
     return window, causal

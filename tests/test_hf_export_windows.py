@@ -186,3 +186,18 @@ def test_drafter_hf_config_refuses_bad_layer_types(kw, match):
     with pytest.raises(HFCheckpointError, match=match):
         drafter_hf_config(shape, 2, mask_token_id=1, target_layer_ids=[0], num_target_layers=4, block_size=4,
                           vocab_size=8, rope_theta=1e4, **kw)
+
+
+def test_checkpoint_args_is_causal_garbage_refused():
+    """A checkpoint whose args carry a dflash_is_causal other than 'true' / 'false' / unset is refused naming it
+    (it was exported as is_causal false, a drafter other than the trained one); the flag's text splits."""
+    from megatron_splitkv.megatron.hf import _meta_from_megatron_args
+
+    base = dict(num_layers=2, target_num_layers=4, dflash_layer_types=tuple(TYPES), dflash_sliding_window=3)
+    for bad in ("maybe", "True", 1, 0.0):
+        with pytest.raises(HFCheckpointError, match="dflash_is_causal .*must be 'true', 'false' or unset"):
+            _meta_from_megatron_args(Namespace(**base, dflash_is_causal=bad))
+    for causal, want in ((None, None), ("true", True), ("false", False), (True, True), (False, False)):
+        assert _meta_from_megatron_args(Namespace(**base, dflash_is_causal=causal)).get("is_causal") is want
+    meta = _meta_from_megatron_args(Namespace(**{**base, "dflash_layer_types": "sliding_attention, full_attention"}))
+    assert meta["layer_types"] == TYPES

@@ -70,9 +70,23 @@ def test_bad_layer_flag_combinations_name_the_flag(argv, num_layers, message):
     assert message in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("kernel", ["te", "staircase"])
+@pytest.mark.parametrize("argv", [["--dflash-layer-types", "sliding_attention,full_attention",
+                                   "--dflash-sliding-window", "8"], ["--dflash-is-causal", "true"]])
+def test_kernels_without_row_bounds_refused_for_windowed_layers(kernel, argv):
+    """te and staircase refuse windowed / causal layers in the op: the flags are refused at parse time."""
+    a = _parse(["--splitkv-kernel", kernel, *argv], num_layers=2)
+    with pytest.raises(SplitKVArgumentError, match=f"--splitkv-kernel {kernel} does not support sliding-window"):
+        validate_splitkv_args(a, have_te=True)
+    a = _parse(["--splitkv-kernel", kernel, "--dflash-layer-types", "full_attention,full_attention"], num_layers=2)
+    validate_splitkv_args(a, have_te=True)
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--dflash-sliding-window", "0"], "argument --dflash-sliding-window: must be a positive int, got '0'"),
-    (["--dflash-sliding-window", "-4"], "argument --dflash-sliding-window: must be a positive int, got '-4'"),
+    (["--dflash-sliding-window", "0"], "argument --dflash-sliding-window: must be a positive int < 2**63, got '0'"),
+    (["--dflash-sliding-window", "-4"], "argument --dflash-sliding-window: must be a positive int < 2**63, got '-4'"),
+    (["--dflash-sliding-window", str(2**63)],
+     f"argument --dflash-sliding-window: must be a positive int < 2**63, got '{2**63}'"),
     (["--dflash-layer-types", "full_attention,swa"], "argument --dflash-layer-types: must be a comma-separated list "
                                                      "of full_attention / sliding_attention"),
     (["--dflash-is-causal", "yes"], "argument --dflash-is-causal: invalid choice"),

@@ -60,7 +60,7 @@ from typing import Optional
 
 from .._ints import _shown, as_int, int_arg, parse_int
 from ..config import CHUNK_AXES, SplitKVConfig
-from ..layer_types import LAYER_TYPES, layer_attention_kinds, layer_windows
+from ..layer_types import LAYER_TYPES, MAX_WINDOW, layer_attention_kinds, layer_windows
 
 __all__ = [
     "CP_IMPLS",
@@ -332,7 +332,7 @@ _FLAG_SPECS = (
              "--dflash-sliding-window positions, causal block), as the layer_types of dflash's drafter config "
              "(written to the exported config.json). Default: every layer full_attention.")),
     ("--dflash-sliding-window", dict(
-        type=int_arg(1),
+        type=int_arg(1, MAX_WINDOW, what="a positive int < 2**63"),
         default=None,
         help="Sliding window W of the sliding_attention layers (an int >= 1): the query at position q sees "
              "keys at positions > q - W (dflash's config.sliding_window). Required when --dflash-layer-types "
@@ -746,7 +746,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     device_prefetch_from_args(args)
     if getattr(args, "dflash_host_metadata", None) is not None:
         host_metadata_from_args(args, num_workers=0)
-    layer_attention_from_args(args)
+    kinds = layer_attention_from_args(args)
     if impl not in CP_IMPLS:
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
     tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)
@@ -784,6 +784,12 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         raise SplitKVArgumentError(
             "--splitkv-kernel te needs Transformer Engine (pip install 'megatron-splitkv[te]'); "
             "transformer_engine is not installed; use --splitkv-kernel auto"
+        )
+    if kernel in ("te", "staircase") and kinds and any(w is not None or c for w, c in kinds):
+        # the op refuses these kernels for windowed / causal layers (no per-row bounds): fail here, not in step 1
+        raise SplitKVArgumentError(
+            f"--splitkv-kernel {kernel} does not support sliding-window / causal layers (--dflash-layer-types, "
+            "--dflash-is-causal); use --splitkv-kernel auto, math, flex or fa4"
         )
     if kernel == "fa4" and getattr(args, "deterministic_mode", False):
         # Megatron's --deterministic-mode turns on torch.use_deterministic_algorithms, under which the fa4

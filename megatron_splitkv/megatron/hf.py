@@ -846,9 +846,17 @@ def _meta_from_megatron_args(args) -> dict:
                 max_position_embeddings=getattr(args, "max_position_embeddings", None),
                 num_target_layers=target_layers)
     types, causal = getattr(args, "dflash_layer_types", None), getattr(args, "dflash_is_causal", None)
+    if isinstance(types, str):  # the flag's text, as written on the command line
+        types = [t.strip() for t in types.split(",")]
+    if causal is None or isinstance(causal, bool):
+        is_causal = causal
+    elif isinstance(causal, str) and causal in ("true", "false"):
+        is_causal = causal == "true"
+    else:
+        raise HFCheckpointError(f"checkpoint args: dflash_is_causal (--dflash-is-causal) must be 'true', 'false' or "
+                                f"unset, got {causal!r}")
     meta.update(layer_types=None if types is None else list(types),
-                sliding_window=getattr(args, "dflash_sliding_window", None),
-                is_causal=None if causal is None else causal in (True, "true"))
+                sliding_window=getattr(args, "dflash_sliding_window", None), is_causal=is_causal)
     if layers and target_layers:
         meta["target_layer_ids"] = target_layer_ids(target_layers, layers)
     return {k: v for k, v in meta.items() if v is not None}
