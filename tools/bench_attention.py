@@ -894,6 +894,8 @@ def main(argv=None):
                     help="ShareGPT small-data mode: pack from the first N conversations only (default: all)")
     ap.add_argument("--cache-dir", default=None,
                     help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
+    ap.add_argument("--fa4-fold", action="store_true",
+                    help="run the fa4 kernel with the GQA fold (kernels.fa4.FOLD_GQA; off by default until measured)")
     ap.add_argument("--pack-cache", default=None,
                     help="JSON file of pack workloads (sequence lengths, anchors): packs it holds are read from it, "
                          "the others built and added (run once where the ShareGPT data is installed, then carry it)")
@@ -908,6 +910,10 @@ def main(argv=None):
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo (tests)")
     args = ap.parse_args(argv)
     cps, contexts, methods, placements = check_args(ap, args)
+    if args.fa4_fold:  # before any kernel instance exists (get_kernel caches them)
+        from megatron_splitkv.kernels import fa4 as fa4_kernel
+
+        fa4_kernel.FOLD_GQA = True
 
     t_start = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))

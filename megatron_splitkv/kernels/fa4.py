@@ -55,6 +55,10 @@ _FLEX_HOST = "_flex_host_tables"
 __all__ = ["FA4AttentionKernel", "fold_gqa_mask", "fold_rows", "unfold_rows", "fa4_available", "fa4_importable",
            "fa4_runs_on", "deterministic_requested", "INSTALL_HINT"]
 
+#: the default of `FA4AttentionKernel(fold_gqa=None)`: off until a GPU run verifies and times the fold
+#: (docs/lab/packs_accounting.md); `tools/bench_attention.py --fa4-fold` sets it for its measurement
+FOLD_GQA = False
+
 INSTALL_HINT = ("backend='fa4' needs FlashAttention-4 (CuTe DSL): pip install 'megatron-splitkv[fa4]' "
                 "(flash-attn-4 and nvidia-cutlass-dsl), on a Hopper (sm90) GPU")
 
@@ -290,11 +294,11 @@ class FA4AttentionKernel:
     #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
-    def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool = False):
+    def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool | None = None):
         self._fwd, self._bwd, self._bst, self._mask_one, self._mask_two = _interface()
         self.tile = int(tile)
         self.cache_tables = cache_tables
-        self.fold_gqa = bool(fold_gqa)
+        self.fold_gqa = FOLD_GQA if fold_gqa is None else bool(fold_gqa)
 
     # ----------------------------------------------------------------------------------------------
     def check_dtype(self, dtype, device=None, head_dim=None):
