@@ -55,8 +55,10 @@ def _bad_group_worker(rank, world_size):
     host = prepare_splitkv_metadata_from_plan(plan, rank, **meta_kw)
     seen = []
     for bad, needles in ((singles[rank], ("check_group must hold the CP group's global ranks", "[0, 1]", f"[{rank}]")),
-                         ("gloo", ("check_group must be None or a torch.distributed ProcessGroup", "str"))):
-        what = "own group" if isinstance(bad, dist.ProcessGroup) else "a string"
+                         ("gloo", ("check_group must be None or a torch.distributed ProcessGroup", "str")),
+                         (singles[1 - rank], ("check_group must hold the CP group's global ranks",
+                                              f"this rank ({rank}) is not in it"))):
+        what = {str: "a string", int: "another rank's group"}.get(type(bad), "own group")
         seen.append(_raises(f"prepare, {what}", lambda: prepare_splitkv_metadata(
             *m.values(), **meta_kw, check_group=bad), "prepare_splitkv_metadata: ", *needles))
         seen.append(_raises(f"bind, {what}", lambda: host.bind(None, "cpu", check_group=bad),
@@ -83,7 +85,7 @@ def _bad_group_worker(rank, world_size):
 
 def test_bad_check_group_raises_on_every_rank():
     seen = run_distributed(_bad_group_worker, 2, timeout=120)
-    assert seen[0] == seen[1] and len(seen[0]) == 2 * (3 + len(OPS)) + 1, seen
+    assert seen[0] == seen[1] and len(seen[0]) == 3 * (3 + len(OPS)) + 1, seen
 
 
 def _megatron_worker(rank, world_size):

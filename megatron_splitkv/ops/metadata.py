@@ -679,6 +679,9 @@ def resolve_check_group(check_group, group: CommGroup) -> CommGroup | None:
         return None
     import torch.distributed as dist
 
+    if not isinstance(check_group, dist.ProcessGroup) and check_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"check_group must hold the CP group's global ranks; this rank ({dist.get_rank()}) is not "
+                         "in it (torch.distributed.new_group's non-member placeholder)")
     if not isinstance(check_group, dist.ProcessGroup):
         raise ValueError(f"check_group must be None or a torch.distributed ProcessGroup (gloo), got "
                          f"{type(check_group).__name__}")
