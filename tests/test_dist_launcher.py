@@ -130,3 +130,57 @@ def test_demo_fails_fast_with_the_rank_error(tmp_path):
     assert "op_demo: error: rank 0 of 2 failed" in p.stderr, p.stderr[-3000:]
     assert "injected: num_chunks must be a positive int" in p.stderr, p.stderr[-3000:]
     assert "DFlash attention" not in p.stdout
+
+
+def _sleep_with_pid(rank, world_size, pid_dir):
+    with open(os.path.join(pid_dir, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+    return rank
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (dead, not reaped yet) counts as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc"), reason="Linux: the ranks' parent-death signal (prctl)")
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """kill -9 of the launcher's process (as a user killing a demo run) ends its ranks too: none goes on training
+    and writing checkpoints beside a resumed run (tools/launch.py `_die_with_parent`)."""
+    import signal
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path[:0] = [%r, %r]\n"
+            "from tools.launch import run_gloo\n"
+            "from test_dist_launcher import _sleep_with_pid\n"
+            "run_gloo(_sleep_with_pid, 2, %r, timeout=300)\n") % (root, os.path.join(root, "tests"), str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=root)
+    pids = {}
+    deadline = time.monotonic() + 120
+    while len(pids) < 2 and time.monotonic() < deadline and parent.poll() is None:
+        for r in range(2):
+            p = tmp_path / f"rank{r}"
+            if p.exists() and p.read_text():
+                pids[r] = int(p.read_text())
+        time.sleep(0.2)
+    assert len(pids) == 2, f"ranks did not start (launcher exit {parent.poll()})"
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [r for r, p in pids.items() if _alive(p)]
+    for r in left:
+        os.kill(pids[r], signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the killed launcher"

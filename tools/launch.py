@@ -42,7 +42,32 @@ TEARDOWN_TIMEOUT = 120
 _DRAIN_TIMEOUT = 5
 
 
-def _worker(rank, world_size, init_file, fn, args, queue):
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: this process gets SIGKILL when its parent (the launcher) dies, e.g. killed with kill -9, so no
+    orphaned rank goes on training and writing checkpoints beside a resumed run; exits at once when the parent is
+    already gone. Elsewhere (no prctl) a no-op. A worker started by a fork server (the tests' context) has the
+    server as its parent: it only checks that the launcher still lives."""
+    if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker(rank, world_size, init_file, fn, args, queue, parent_pid=None):
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     import torch
     import torch.distributed as dist
 
@@ -98,7 +123,7 @@ def run_gloo(fn, world_size, *args, timeout=300, error=RuntimeError, context=Non
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, queue, os.getpid()), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
