@@ -65,7 +65,8 @@ MAX_CP = 16
 def parse_args(argv=None):
     """The demo's command line, validated here (argparse types and ranges, and the sizes the model and the
     data loader accept): a bad flag is argparse's one error line naming it and its limit, exit status 2."""
-    from megatron_splitkv._ints import DefaultsHelpFormatter, float_arg, int_arg  # strict ints; finite reals (float() takes "nan")
+    # strict ints; finite reals (float() takes "nan"); --save created at parse time
+    from megatron_splitkv._ints import DefaultsHelpFormatter, float_arg, int_arg, writable_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=DefaultsHelpFormatter)
@@ -90,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float_arg(0), default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int_arg(0, 2**32 - 1), default=0, help="data, target and drafter seed")
     p.add_argument("--threads", type=int_arg(1), default=1, help="torch threads per process")
-    p.add_argument("--save", type=str, default=None, help="checkpoint directory to write")
+    p.add_argument("--save", type=writable_dir, default=None, help="checkpoint directory to write")
     p.add_argument("--save-interval", type=int_arg(1), default=None,
                    help="save every N steps (needs --save; a final checkpoint is always written)")
     p.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from")

@@ -255,6 +255,21 @@ def existing_dir(text: str) -> str:
     return text
 
 
+def writable_dir(text: str) -> str:
+    """An argparse `type=` for a flag naming a directory to write: created now if missing (as the run would at
+    its first save); argparse's error line naming the flag when that fails or the path is not a writable
+    directory (e.g. a file, or under /proc)."""
+    import os  # noqa: PLC0415
+
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create directory {text!r}: {exc.strerror or exc}")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {text!r}")
+    return text
+
+
 def hf_model_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a Hugging Face model directory: one holding a config.json."""
     import os  # noqa: PLC0415

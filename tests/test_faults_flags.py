@@ -45,6 +45,7 @@ CASES = [
     ("train_demo", ["--seed", "-1"], "--seed: must be an int in [0, 4294967295]"),
     ("train_demo", ["--lr", "nan"], "--lr: must be a finite number >= 0"),
     ("train_demo", ["--save", "/tmp/x", "--save-interval", "0"], "--save-interval: must be a positive int"),
+    ("train_demo", ["--save", "/proc/no-such-dir/x"], "argument --save: cannot create directory '/proc/no-such-dir/x'"),
     ("train_demo", ["--save-interval", "2"], "--save-interval needs --save"),
     ("train_demo", ["--load", "/tmp/x", "--ckpt-step", "-1"], "--ckpt-step: must be an int >= 0"),
     ("train_demo", ["--load", FILE], "--load"),
