@@ -23,6 +23,8 @@ __all__ = ["create_cp_check_groups", "cp_check_group"]
 
 #: (default group object, the CP group's global ranks) -> this rank's gloo mirror of that CP group
 _CHECK_GROUPS: dict = {}
+#: (default group object, CP group object) -> its mirror: `cp_check_group`'s per-call lookup
+_BY_CP_GROUP: dict = {}
 
 
 def _cp_ranks(cp_group) -> tuple:
@@ -83,4 +85,10 @@ def cp_check_group(cp_group=None):
     when none was made (then the ops exchange their verdict rows over the CP group itself, as before)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    return _CHECK_GROUPS.get((dist.group.WORLD, _cp_ranks(cp_group)))
+    key = (dist.group.WORLD, cp_group)  # the layers ask at every call: the rank list is read once per group
+    if key not in _BY_CP_GROUP:
+        mirror = _CHECK_GROUPS.get((dist.group.WORLD, _cp_ranks(cp_group)))
+        if mirror is None:
+            return None  # not made (yet): asked again next time
+        _BY_CP_GROUP[key] = mirror
+    return _BY_CP_GROUP[key]
