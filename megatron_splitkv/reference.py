@@ -20,7 +20,7 @@ def check_attention_type(window=None, causal=False):
     window=None, causal=False (config.is_causal overrides causal for both). See `dflash_attention_mask`.
 
     Raises:
-        ValueError: "window must be None or a positive int (the sliding window W >= 1), got ..." for a
+        ValueError: "window must be None or a positive int (the sliding window W, 1 <= W < 2**63), got ..." for a
             bool, float, string, 0, negative or >= 2**63 window; "causal must be a bool, got ..." otherwise.
     """
     window = as_int(window, "window", minimum=1, maximum=MAX_WINDOW, allow_none=True,
