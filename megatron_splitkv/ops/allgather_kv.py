@@ -19,7 +19,7 @@ from .common import (
     with_own_keys,
     zero_invalid_rows,
 )
-from .metadata import run_op
+from .prepare import run_op
 
 __all__ = ["allgather_kv_attention"]
 

@@ -21,7 +21,7 @@ from .common import (
     with_own_keys,
     zero_invalid_rows,
 )
-from .metadata import run_op
+from .prepare import run_op
 
 __all__ = ["ring_kv_attention"]
 

@@ -128,6 +128,7 @@ import weakref
 import torch
 
 from ..comm import all_gather, all_to_all
+from .agreement import check_query_gather_start
 from .common import (
     RelayStream,
     cast,
@@ -149,7 +150,7 @@ from .common import (
     zero_scalar,
 )
 from .fused_merge import merges_in_place, sum_partials
-from .metadata import check_query_gather_start, run_op
+from .prepare import run_op
 
 __all__ = ["splitkv_attention", "splitkv_start_query_gather", "SplitKVQueryGather",
            "UnconsumedQueryGatherWarning"]
