@@ -237,7 +237,7 @@ def _intervals_np(keys_sorted, q_seq, q_anchor):
     return lo, hi
 
 
-#: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/metadata.py: the
+#: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/agreement.py: the
 #: [1, 12] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, what
 #: backend "auto" resolves to, error)
 META_INTS = 12
@@ -1011,7 +1011,7 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
             message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
             (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
             follow the ring convention with the sub-group's size (L or N) in place of P.
-    Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/metadata.py. Returns a list of
+    Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/prepare.py. Returns a list of
     `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
     (tests/test_simulate_scaling.py).
     """

@@ -96,6 +96,12 @@ def requested_head_split(head_split) -> None:
                          "docs/tuning.md); use chunk_axis='heads' with num_chunks=k for k even head chunks")
 
 
+def with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node) -> SplitKVConfig:
+    """`config` with the op's keyword arguments that were given (validated before) applied: what the
+    metadata carries."""
+    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node)
+
+
 def resolve_chunk_axis(chunk_axis=None, config: SplitKVConfig | None = None) -> str:
     """Split-KV's chunk axis (ops/splitkv.py item 3, "Head chunks"): chunk_axis ("rows" | "heads"), else
     `config.chunk_axis` (None: "rows"). Raises ValueError (naming the argument and the allowed values) for
@@ -553,12 +559,6 @@ def splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_keys
     if not meta.config.debug_checks:
         return None
     return IntervalMask(bsz, table[0], table[1], num_keys_own, table[2], table[3], num_ctx_keys=c0)
-
-
-def with_requests(config: SplitKVConfig, num_chunks, chunk_axis, cp_ranks_per_node) -> SplitKVConfig:
-    """`config` with the op's keyword arguments that were given (validated before) applied: what the
-    metadata carries."""
-    return config.replace(num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node)
 
 
 def resolve_kernel(name, backend, device, dtype, head_dim, keys_per_call=None, config: SplitKVConfig | None = None,
