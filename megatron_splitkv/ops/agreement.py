@@ -1,8 +1,8 @@
 """Rank agreement of the CP attention ops: one small int64 all-gather, and the same error on every rank.
 
-Each exchange all-gathers one [1, 12] int64 verdict row per rank (`raise_if_any`): column 0 the byte length
-of this rank's local error (-1: none), columns 1-11 the row of the caller: n_blocks, n_ctx, B, Hq, Hkv, D, the
-dtype code, then what the calling mode must agree on (the impl and group_check of a prepare, the resolved
+A prepare or an op call all-gathers one [1, 12] int64 verdict row per rank (`raise_if_any`): column 0 the
+byte length of this rank's local error (-1: none), columns 1-11 the row of the caller: n_blocks, n_ctx, B, Hq,
+Hkv, D, the dtype code, then what the calling mode must agree on (the impl and group_check of a prepare, the resolved
 softmax_scale bits (`scale_bits`) and call mode (`MODE_*`) of an op call), the chunking requests with the
 layer type in one int (`request_code`), and the "auto" kernel's code (`auto_entry`) or, for a `metadata=` call,
 `metadata_digest`. If any rank failed locally every rank raises ValueError (ImportError when every failure is
@@ -13,8 +13,8 @@ table, `check_auto_agree`) every rank raises ValueError naming the field and the
   and, with `group_check`, its verdict row exchanged; `check_query_gather_start` the same for
   `splitkv_start_query_gather`;
 - `raise_on_every_rank`: an error found on one rank before an op call, raised on every rank of the CP group;
-- `check_environment_agreement`: the `SplitKVConfig` fields that shape the collectives (num_chunks,
-  cp_ranks_per_node, chunk_axis, the "auto" kernel), compared once per process.
+- `check_environment_agreement`: the `SplitKVConfig` fields that shape the collectives, compared once per
+  process in a [1, 5] row (error, num_chunks, cp_ranks_per_node, chunk_axis, the "auto" kernel's code).
 
 The rows go over the CP group on its device, or over a gloo `check_group` as CPU tensors.
 """
