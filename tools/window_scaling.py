@@ -17,7 +17,8 @@ Per (context, W, P, method), P in --cps:
     per-row windowed masks) timed on the device, forward + backward (`benchlib.time_kernel_calls`;
     --sample-ranks: only the 2 ranks with the most visible pairs); "kernel_ms" = the slowest rank's;
   - comm: each rank's collectives with their exact bytes (`benchlib.predicted_records`, per-step metadata;
-    the bytes do not depend on the window), timed by a flat-ring alpha-beta link (`benchlib.LinkModel`)
+    the bytes do not depend on the window; the once-per-step metadata gathers, shared by the layers, are
+    not counted), timed by a flat-ring alpha-beta link (`benchlib.LinkModel`)
     at --link-gbs (NVLink class) and --slow-link-gbs (inter-node class); "comm_ms" = the slowest rank's
     serial sum (`simulate_scaling.method_time`'s "comm_ms");
   - modelled step: "step" = kernel + comm (no overlap; the figure the summary ranks by), "overlap" =
@@ -33,7 +34,9 @@ that many seconds have passed (compiles included): the groups not run are listed
 measured. A group whose measurement raises (out of memory, a kernel refusing a mask) is listed under
 "errors" and left out. Outputs --out/window_scaling.{json,md} (machine, date and the command line in both).
 
-  python tools/window_scaling.py --sample-ranks --reps 3 --budget-s 100 --out out/window
+  python tools/window_scaling.py --backend fa4 --sample-ranks --reps 3 --warmup 1 --budget-s 80 --out out/window
+`--backend auto` times what `auto` runs today (flex for windowed masks, fa4 for full ones where installed); flex
+compiles one graph per (query, key) length bucket (~6 s each, ~12 per context here), fa4 one per mask class.
   python tools/window_scaling.py --cpu --out /tmp/window     # CPU smoke: tiny shapes, math kernel, seconds
 """
 
@@ -54,7 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_splitkv._ints import float_arg, int_arg, parse_int  # noqa: E402
-from megatron_splitkv.kernels import get_kernel  # noqa: E402
+from megatron_splitkv.kernels import BACKENDS, get_kernel  # noqa: E402
 from megatron_splitkv.planning import CostModel  # noqa: E402
 from tools import benchlib as bench  # noqa: E402
 from tools.simulate_scaling import method_time  # noqa: E402
@@ -236,7 +239,7 @@ def main(argv=None):
     ap.add_argument("--no-causal", dest="causal", action="store_false",
                     help="windowed rows with a bidirectional own block (default: causal, dflash's sliding_attention)")
     ap.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
-    ap.add_argument("--backend", default="auto", help="local kernel (megatron_splitkv.kernels: auto, fa4, flex, ...)")
+    ap.add_argument("--backend", default="auto", choices=BACKENDS, help="local kernel (megatron_splitkv.kernels)")
     ap.add_argument("--sample-ranks", action="store_true", help="time only the 2 ranks with the most visible pairs")
     ap.add_argument("--warmup", type=int_arg(0), default=2, help="untimed calls before each timed call")
     ap.add_argument("--link-gbs", type=float_arg(0, above=True), default=225.0, help="fast link, GB/s per GPU")
@@ -264,6 +267,10 @@ def main(argv=None):
     if dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device: run on a GPU, or pass --cpu for the CPU smoke")
     shapes = CPU if args.cpu else GPU
+    try:  # the kernel --backend names exists here (a windowed row may still pick another under "auto")
+        get_kernel(args.backend, dev, shapes["dtype"], head_dim=shapes["D"])
+    except (ImportError, ValueError) as e:
+        ap.error(f"--backend {args.backend}: {e}")
     works = {}
     for ctx in args.contexts:
         try:
