@@ -122,3 +122,18 @@ def test_bad_flags_exit_2(capsys):
             window_scaling.main(["--cpu"] + argv)
         assert e.value.code == 2
         assert flag in capsys.readouterr().err
+
+
+def test_sample_ranks_and_budget_cut(tmp_path):
+    """--sample-ranks times the 2 ranks with the most visible pairs; a spent --budget-s leaves whole groups out."""
+    res = window_scaling.main(["--cpu", "--contexts", str(CTX), "--cps", "3", "--windows", "24", "--anchors",
+                               str(ANCHORS), "--sample-ranks"])
+    for r in res["rows"]:
+        top2 = sorted(range(3), key=lambda q: -r["pairs"][q])[:2]
+        assert sorted(int(q) for q in r["kernel_ms_by_rank"]) == sorted(top2)
+        assert r["kernel_ms"] == max(r["kernel_ms_by_rank"].values())
+    res = window_scaling.main(["--cpu", "--contexts", str(CTX), "--cps", "1,2", "--windows", "24,none", "--anchors",
+                               str(ANCHORS), "--budget-s", "1e-9", "--out", str(tmp_path)])
+    assert res["rows"] == [] and res["summary"] == []
+    assert res["cut"] == [f"{CTX}/W={w}/P={P}" for w in ("24", "none") for P in (1, 2)]
+    assert "Cut by --budget-s" in (tmp_path / "window_scaling.md").read_text()
