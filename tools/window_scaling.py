@@ -188,11 +188,12 @@ def crossover_sentence(ctx, w, link, model, best) -> str:
     P = lost[0]
     win = best[P]["method"]
     text = f"splitkv is the fastest up to P={multi[multi.index(P) - 1]}; " if P != multi[0] else ""
-    text += f"at P={P} {win} wins ({best[P]['ms'][win]:.3f} ms vs splitkv {best[P]['ms'].get('splitkv', float('nan')):.3f} ms)"
+    ms = best[P]["ms"]
+    text += f"at P={P} {win} wins ({ms[win]:.3f} ms vs splitkv {ms.get('splitkv', float('nan')):.3f} ms)"
     again = [Q for Q in multi if Q > P and best[Q]["method"] == "splitkv"]
     if again:
         return head + text + f"; splitkv is the fastest again at P={', '.join(map(str, again))}."
-    return head + text + (" and at every larger P measured." if P != multi[-1] else ".")
+    return head + text + ("; splitkv is not the fastest at any larger P measured." if P != multi[-1] else ".")
 
 
 def render(res, links) -> str:
@@ -201,9 +202,11 @@ def render(res, links) -> str:
              f"Machine: {env['gpu']} ({env['machine']}), torch {env['torch']}, {env['date']}.  ",
              f"Command: `{env['command']}`\n",
              "Kernel: the slowest rank's local-kernel ms (forward + backward, measured); comm: the slowest rank's "
-             "collectives (exact bytes, alpha-beta link); step = kernel + comm; overlap = max(kernel, comm); "
-             "schedule = the op's own overlap (tools/simulate_scaling.py). At P = 1 the three methods run the same kernel "
-             "calls: their differences there are timing noise.\n"]
+             "collectives (exact bytes, alpha-beta link: " + ", ".join(
+                 f"{n} with {v['alpha_us']:g} us per hop" for n, v in res["links"].items()) + "); step = kernel + "
+             "comm; overlap = max(kernel, comm); schedule = the op's own overlap (tools/simulate_scaling.py). Windowed "
+             "rows: causal=" + str(res["causal"]) + ". At P = 1 the three methods run the same kernel calls: their "
+             "differences there are timing noise.\n"]
     head = ["context", "W", "P", "method", "backend", "kernel ms", "comm MB/rank", "pairs (M)", "pair imb.",
             "blind imb."] + [f"{n} {m}" for n in links for m in ("comm ms", "step", "overlap", "schedule")]
     body = []
@@ -305,7 +308,7 @@ def main(argv=None):
                    gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                    date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    elapsed_s=time.perf_counter() - t0),
-               shapes={k: str(v) for k, v in shapes.items()}, anchors=args.anchors,
+               shapes={k: str(v) for k, v in shapes.items()}, anchors=args.anchors, causal=args.causal,
                links={n: dict(gbs=m.intra["p2p"].bw / 1e9, alpha_us=m.intra["p2p"].alpha_s * 1e6)
                       for n, m in links.items()},
                rows=rows, cut=cut, errors=errors)
