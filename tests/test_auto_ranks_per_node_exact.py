@@ -15,7 +15,7 @@ config's pipeline:
   fa4 or not: `have_fa4` with --splitkv-kernel auto; the same choice either way), and the op then ran 2 head
   chunks (each data collective issued twice);
 - output, lse and all five gradients equal the single-process float64 reference (`_splitkv_helpers.check`).
-Source: DESIGN.md section 2 (exact CP); docs/perf-notes.md item 9 (two-level all-to-all).
+Source: DESIGN.md section 2 (exact CP); docs/lab/perf-notes.md item 9 (two-level all-to-all).
 """
 
 import argparse

@@ -584,7 +584,7 @@ def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
         assert f"argument {flag}: must be an int (decimal digits), got {bad!r}" in err, err
 
 
-# ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/perf-notes.md item 25) ----
+# ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/lab/perf-notes.md item 25) ----
 from megatron_splitkv.megatron.arguments import auto_pipeline, runtime_flag_values  # noqa: E402
 
 ON = {"num_chunks": 2, "chunk_axis": "heads"}

@@ -844,7 +844,7 @@ def test_two_level_dout_gather_schedule_hand_computed():
             assert DO1[0] + DO[0] + sum(KB) - 1e-9 <= t <= sum(DO) + sum(DO1) + sum(KB) + sum(RQ) + 1e-9
 
 
-SEVENTH = os.path.join(ROOT, "docs", "results", "simulate_scaling_2026-11-30g_h200.json")
+SEVENTH = os.path.join(ROOT, "docs", "lab", "results", "simulate_scaling_2026-11-30g_h200.json")
 
 
 def test_replay_reproduces_the_saved_run(tmp_path):
@@ -1044,7 +1044,7 @@ def test_measured_mode_cpu_head_chunks(tmp_path):
 
 
 #: a saved run of head chunks (H200 x 2): a replay input
-HEADS = os.path.join(ROOT, "docs", "results", "simulate_heads_2026-11-30k_h200x2.json")
+HEADS = os.path.join(ROOT, "docs", "lab", "results", "simulate_heads_2026-11-30k_h200x2.json")
 
 
 def test_cpu_flag_is_a_tiny_dry_run(tmp_path):
@@ -1263,7 +1263,7 @@ def test_paired_rounds_refused_with_replay_or_several_ranks(tmp_path, capsys, mo
 
 
 def test_replay_reads_gzip_and_refuses_garbage(tmp_path, capsys):
-    """--replay reads a gzip-compressed saved run (docs/results keeps the large ones as .json.gz) to the same rows
+    """--replay reads a gzip-compressed saved run (docs/lab/results keeps the large ones as .json.gz) to the same rows
     as the plain file; a file that is neither exits 2 naming the flag (no traceback)."""
     import gzip
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of Split-KV's early query all-gather (docs/perf-notes.md item 3) in the Megatron DFlash attention
+"""A/B of Split-KV's early query all-gather (docs/lab/perf-notes.md item 3) in the Megatron DFlash attention
 layer: `DFlashAttention` forward + backward with `overlap_query_gather` on vs off, side by side.
 
 tools/bench_attention.py times the attention OP alone (q, k, v given): there is nothing for the query

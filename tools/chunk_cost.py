@@ -1,7 +1,7 @@
 """What does splitkv's merge pipeline cost the local kernel? Query chunks vs head chunks (one GPU; `--cpu`: tiny
 shapes, a smoke test).
 
-The chunked merge pipeline (docs/perf-notes.md item 2) runs the local kernel k times per layer so that each
+The chunked merge pipeline (docs/lab/perf-notes.md item 2) runs the local kernel k times per layer so that each
 chunk's collectives overlap the next chunk's kernel. Measured in the sixth run (docs/benchmarks.md), a chunk
 costs ~6-10% of the kernel per extra chunk. This tool times, on ONE rank's real shard (the planner's placement
 of the weak-scaling batch, the most loaded rank), forward + backward through the kernel API with the global

@@ -6,7 +6,7 @@
 #
 # One GPU (nvidia-h200): bench runs CP = 1 only (its chunk A/B needs CP >= 2: a "SKIPPED" row), slow / exact are
 # skipped (logged), simulate takes the link fit from SUITE_LINK_JSON (default
-# docs/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU. SUITE_NPROC forces the rank
+# docs/lab/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU. SUITE_NPROC forces the rank
 # count of the torchrun steps (default: 1 on a one-GPU machine, else 2).
 #
 # Steps (SUITE_STEPS, comma list, default "kernels,tune,bench,slow,simulate,exact"), in this order of
@@ -96,7 +96,7 @@ if [[ "$CPU" == 1 ]]; then
 fi
 AB_X=()
 if [[ -n "$CHUNKS_AB" ]]; then AB_X=(--chunks-ab "$CHUNKS_AB" --ab-contexts "$AB_CTX"); fi
-# what the chunks split (the op's chunk_axis, docs/perf-notes.md item 21): SUITE_CHUNK_AXIS_AB (e.g. "rows,heads")
+# what the chunks split (the op's chunk_axis, docs/lab/perf-notes.md item 21): SUITE_CHUNK_AXIS_AB (e.g. "rows,heads")
 # runs every A/B chunk count with each axis side by side; SUITE_SIM_CHUNK_AXIS (rows | heads) for simulate
 if [[ -n "$CHUNKS_AB" && -n "${SUITE_CHUNK_AXIS_AB:-}" ]]; then AB_X+=(--chunk-axis-ab "$SUITE_CHUNK_AXIS_AB"); fi
 if [[ -n "${SUITE_SIM_CHUNK_AXIS:-}" ]]; then SIM_X+=(--chunk-axis "$SUITE_SIM_CHUNK_AXIS"); fi
@@ -112,7 +112,7 @@ NGPU=${NGPU:-0}
 # ranks of the torchrun steps: 2, or 1 on a one-GPU machine (then bench runs CP=1 only, slow / exact are
 # skipped, simulate takes the intra-node link fit from SUITE_LINK_JSON instead of measuring it)
 if [[ -n "$NPROC_SET" ]]; then NPROC=$NPROC_SET; elif [[ "$CPU" != 1 ]] && (( NGPU == 1 )); then NPROC=1; else NPROC=2; fi
-LINK_JSON=${SUITE_LINK_JSON:-docs/results/link_h200x2_2026-11-30f.json}
+LINK_JSON=${SUITE_LINK_JSON:-docs/lab/results/link_h200x2_2026-11-30f.json}
 BENCH_CPS=$([[ "$NPROC" -ge 2 ]] && echo 1,2 || echo 1)
 RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 

@@ -26,7 +26,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
     per-chunk bytes are those of row chunks (the same bytes per collective name), and model-only mode uses the
     same chunk-loss model.
-    `--paired-rounds R` (measured mode, one process; docs/perf-notes.md item 21: T(1) drifted ~5% between runs):
+    `--paired-rounds R` (measured mode, one process; docs/lab/perf-notes.md item 21: T(1) drifted ~5% between runs):
     after the measuring phase the P0 reference shard (splitkv k = 1) and every measured splitkv shard of the
     first placement (sampled ranks, chunk counts) are re-timed in R interleaved rounds (inputs built
     once, every task once per round, the order rotated by one each round: `bench.time_kernel_calls_rounds`);
@@ -46,7 +46,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
         inter-node figures for every hop once P > gpus per node.
     NVLink figures: fitted to collectives measured on this machine's GPUs in the same run (all_gather,
     reduce_scatter, all_reduce, send/recv separately), or `--link-json` (e.g.
-    docs/results/link_h200x2_2026-11-30c.json, the third H200 run's fit), else stated; inter-node
+    docs/lab/results/link_h200x2_2026-11-30c.json, the third H200 run's fit), else stated; inter-node
     `--inter-node-gbps` (= `--inter-bw-gbs`, GB/s per GPU, default 50, a 400 Gb/s NIC) and
     `--inter-alpha-us` (default 15 us per hop).
   - overlap, as the code does it (read ops/*.py):
@@ -61,7 +61,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     serial sum (compute + every collective). Each chunk's collectives pay their latency again, and each
     chunk call loses kernel efficiency: what chunking costs.
     "+ovl" rows (`--overlap-q-gather on` makes them the headline; both are always computed; the overlap
-    is built and on by default in `DFlashAttention`, docs/perf-notes.md item 3): the layer starts the Q
+    is built and on by default in `DFlashAttention`, docs/lab/perf-notes.md item 3): the layer starts the Q
     all-gathers (all chunks, `ops.splitkv_start_query_gather`) before its k/v projections and
     runs the projections' backward while the dQ all-to-alls are in flight (`splitkv_attention(...,
     query_gather=)`): forward window = the k/v projection, 2 x (Tk_local + Tq_local) x `--hidden` x 2 Hkv D
@@ -126,11 +126,11 @@ of the same run) a CP=2 row shows the measured op time next to the model's.
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --out out/sim      # measured (2 GPUs)
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out out/sim
-  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+  python tools/simulate_scaling.py --model-only --link-json docs/lab/results/link_h200x2_2026-11-30c.json \
       --out /tmp/sim                                                        # CPU, FLOP model
-  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+  python tools/simulate_scaling.py --model-only --link-json docs/lab/results/link_h200x2_2026-11-30c.json \
       --bwd-gather separate,fused --cp-ranks-per-node 1,8 --out /tmp/sim    # before / after the two op changes
-  python tools/simulate_scaling.py --replay docs/results/simulate_scaling_2026-11-30g_h200.json \
+  python tools/simulate_scaling.py --replay docs/lab/results/simulate_scaling_2026-11-30g_h200.json \
       --bwd-gather fused,auto --out /tmp/replay   # a saved run's measurements, this tree's collectives (CPU)
 
 `--replay` (`replay`): a saved simulate_scaling.json's splitkv rows recomputed without a GPU from what the run
@@ -1607,7 +1607,7 @@ def replay_main(ap, args):
         ap.error("--out must be a directory path, got an empty string")
     gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
                                                    "backward gather")))
-    try:  # a saved run, plain or gzip-compressed (docs/results keeps the larger ones as .json.gz)
+    try:  # a saved run, plain or gzip-compressed (docs/lab/results keeps the larger ones as .json.gz)
         with (gzip.open(args.replay, "rt") if args.replay.endswith(".gz") else open(args.replay)) as f:
             saved = json.load(f)
     except (OSError, ValueError, EOFError) as e:

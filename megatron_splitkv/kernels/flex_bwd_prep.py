@@ -12,7 +12,7 @@ row sum, exactly as flex then sees it):
   writes grad_out (input dtype) and grad_lse (fp32); one launch, no fp32 temporary. The torch version below
   needs ~10 launches per row chunk (8 chunks at 8192 rows x 32 heads x 128) plus a [rows, Hq, D] fp32
   temporary; at 16K context on 2 H200s its launches were exposed (the op became launch-bound right after
-  the dO all-gather): docs/perf-notes.md, "16K regression".
+  the dO all-gather): docs/lab/perf-notes.md, "16K regression".
 * `grad_tangents_torch`: torch ops over row chunks of at most `row_chunk_elems` elements (CPU, and CUDA
   without Triton).
 

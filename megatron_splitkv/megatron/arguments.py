@@ -18,7 +18,7 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     (`aliases=` adds other spellings of a flag to ITS action, e.g. examples/pretrain_dflash.py's
     --num-anchors / --block-size: one option, one help text, one default)
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
-                             k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
+                             k/v projections, instead of before them (A/B of docs/lab/perf-notes.md item 3;
                              default: overlapped; SplitKVConfig.overlap_q_gather)
     --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
                              the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
@@ -265,7 +265,7 @@ _FLAG_SPECS = (
              "GPUs per node / --tensor-model-parallel-size (SplitKVConfig.cp_ranks_per_node). Default: automatic: "
              "the launcher's processes per node (LOCAL_WORLD_SIZE, "
              "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
-             "docs/perf-notes.md item 9.")),
+             "docs/lab/perf-notes.md item 9.")),
     ("--splitkv-num-chunks", dict(
         type=int_arg(),
         default=None,
@@ -273,7 +273,7 @@ _FLAG_SPECS = (
              "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
              "--splitkv-chunk-axis heads to the kv heads per TP rank (SplitKVConfig.num_chunks). "
              "Default: automatic (auto_pipeline): 2 head chunks when the CP group spans "
-             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.")),
+             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/lab/perf-notes.md items 2, 21, 25.")),
     ("--splitkv-chunk-axis", dict(
         type=str,
         default=None,
@@ -322,7 +322,7 @@ _FLAG_SPECS = (
         help="Take the next batch from the data pipeline, upload it (non-blocking) and bind its Split-KV "
              "metadata right after the current micro-batch's forward is issued, while the GPU runs it, instead "
              "of at the start of the next step where the GPU waits for the host "
-             "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
+             "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/lab/perf-notes.md item 16). Holds one more "
              "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
              "Default: on.")),
     ("--dflash-layer-types", dict(
@@ -621,7 +621,7 @@ def auto_cp_ranks_per_node(tp: int, cp: int, launcher_env=None):
     launchers give each node a contiguous block of global ranks, so with n processes per node (the first of
     `LOCAL_SIZE_ENVS` that is a positive int) a CP group of size cp covers whole nodes of L = n / tp of its
     ranks when tp divides n, 1 < L < cp and L divides cp: then the all-to-all of the output merge and the dQ
-    exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/perf-notes.md
+    exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/lab/perf-notes.md
     items 9 and 18; simulated at CP 64 on 8-GPU nodes: 90-92% weak-scaling efficiency against 81% with one
     all-to-all, docs/benchmarks.md twelfth run). A group within one node (cp <= n / tp), an unknown or
     malformed launcher size, a heterogeneous one (Slurm's "8(x2),4": nodes of different sizes), tp not
@@ -677,7 +677,7 @@ def auto_pipeline(tp: int, cp: int, kv_heads, launcher_env=None):
     Rule: when the CP group spans nodes (the launcher's processes per node / tp < cp, as in
     `auto_cp_ranks_per_node`; an unknown launcher size or tp not dividing it: no change) and each TP rank holds
     `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (num_chunks=2, chunk_axis="heads"). Why
-    (docs/perf-notes.md item 25, docs/benchmarks.md twelfth run): over a slow link (2 x H200 over NCCL sockets,
+    (docs/lab/perf-notes.md item 25, docs/benchmarks.md twelfth run): over a slow link (2 x H200 over NCCL sockets,
     128K per rank) 2 head chunks took 0.818x of one call; on NVLink one call stays best (k = 2 heads
     1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU nodes: the CP 64 gain is small; the socket
     A/B is the evidence. Not measured across real nodes. Exact either way (head chunks sum nothing across

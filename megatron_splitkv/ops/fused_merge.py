@@ -3,7 +3,7 @@ all-to-all): the lse merge of P packed [O | lse] partials and the fp32 sum of P 
 
 Source: DESIGN.md section 2 (forward step 3: lse = logsumexp_r lse_r, O = sum_r exp(lse_r - lse) O_r in
 fp32; backward step 3: dQ = sum_r dQ_r in fp32), issue 6 deliverable 3 ("fuse the lse merge"),
-docs/perf-notes.md item 11.
+docs/lab/perf-notes.md item 11.
 
 `merge_packed` reads the all-to-all's receive buffer once: on CUDA with fp32 accumulation, ONE Triton kernel
 per call (per row tile and head: the max of the P partial lse, then the weighted sum of the P partial O rows in
