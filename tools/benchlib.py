@@ -1403,6 +1403,18 @@ def add_workload_args(ap, *, reps: int) -> None:
     ap.add_argument("--reps", type=int_arg(1), default=reps)
 
 
+def add_attention_shape_args(ap) -> None:
+    """The attention shape flags of the layer-level tools (tools/bench_layer_overlap.py,
+    tools/memory_breakdown.py), defaults the Qwen3-8B drafter's (`QWEN3_8B_DRAFTER`): --anchors (query blocks),
+    --block-size, --hq, --hkv, --d (ints >= 1)."""
+    s = QWEN3_8B_DRAFTER
+    ap.add_argument("--anchors", type=int_arg(1), default=s["n_anchors"])
+    ap.add_argument("--block-size", type=int_arg(1), default=s["B"])
+    ap.add_argument("--hq", type=int_arg(1), default=s["Hq"])
+    ap.add_argument("--hkv", type=int_arg(1), default=s["Hkv"])
+    ap.add_argument("--d", type=int_arg(1), default=s["D"])
+
+
 def csv_arg(value: str) -> list:
     """Comma list flag -> list of non-empty stripped strings."""
     return [x.strip() for x in value.split(",") if x.strip()]
