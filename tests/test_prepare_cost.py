@@ -1,4 +1,4 @@
-"""The rewritten per-step metadata pieces (docs/perf-notes.md "Prepare cost (item 13)") against the
+"""The rewritten per-step metadata pieces (docs/lab/perf-notes.md "Prepare cost (item 13)") against the
 formulas they replace, on random inputs: bit-identical results, the same errors.
 
 - `ops.prepare._finish` for splitkv (one [4, P, nb_max] interval table for all chunks, the context sort

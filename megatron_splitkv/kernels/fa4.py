@@ -291,7 +291,7 @@ class FA4AttentionKernel:
     row_intervals = True
     native_dtype_results = True
     #: False: head slices are copied contiguous (`_b`); reading them in place through FA4's strides was not
-    #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
+    #: measured faster (docs/lab/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
     def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool | None = None):

@@ -390,7 +390,7 @@ class SplitKVCoreAttention(MegatronModule):
 
     Returns sbhd `[sq, b, Hq_tp * D]` or thd `[t, Hq_tp * D]`, dtype of `query`.
 
-    Early query all-gather (Split-KV, DFlash mode; docs/perf-notes.md item 3): a layer that computes its
+    Early query all-gather (Split-KV, DFlash mode; docs/lab/perf-notes.md item 3): a layer that computes its
     queries before its keys/values calls `handle = core_attention.start_query_gather(query,
     packed_seq_params)` right after q (projection, q-norm, RoPE) and passes `query_gather=handle` (a
     keyword argument beyond Megatron's core-attention contract; None or absent = the plain call) with the

@@ -237,7 +237,7 @@ _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per 
 
 
 class RelayStream:
-    """The relay of Split-KV's two-level all-to-all (docs/perf-notes.md item 18; `ops.splitkv._TwoStage`):
+    """The relay of Split-KV's two-level all-to-all (docs/lab/perf-notes.md item 18; `ops.splitkv._TwoStage`):
     a CUDA side stream (one per device and process) on which the op waits for a chunk's stage 1, runs the
     node merge / node sum of the L received partials (fp32) and issues stage 2, so that the caller's
     ("main") stream never waits for stage 1: the next chunk's kernel, the op's own epilogue and (backward)
@@ -299,7 +299,7 @@ def fuse_bwd_gather(cp_size: int, two_level: bool) -> bool:
 
     Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >=
     `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU node (a constant, not an option: docs/tuning.md).
-    Why (docs/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
+    Why (docs/lab/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
     one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
     fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
     results either way (bit for bit).
@@ -514,3 +514,20 @@ def delta_and_dout(plan, dout, dlse, out, lse, like):
         # needs no zeros_like
         delta = delta - torch.where(lse.abs() < float("inf"), dlse.to(plan.acc), 0.0)
     return dout, delta
+
+
+def save_baseline_forward(ctx, plan, q, k_x, v_x, aux, out, lse):
+    """End of a baseline op's forward (`allgather_kv`, `ring_kv`): ctx.plan = plan and (q, k_x, v_x, aux, out,
+    lse) saved for `baseline_backward_inputs` (aux: the op's key index or sorted keys). Returns the op's
+    outputs (out in q's dtype, lse)."""
+    ctx.plan = plan
+    ctx.save_for_backward(q, k_x, v_x, aux, out, lse)
+    return out.to(q.dtype), lse
+
+
+def baseline_backward_inputs(ctx, dout, dlse):
+    """The inputs of a baseline op's backward, as `save_baseline_forward` saved them: (plan, q, k_x, v_x, aux,
+    lse, dout, delta) with dout and delta from `delta_and_dout` (dout shaped like q where None)."""
+    q, k_x, v_x, aux, out, lse = ctx.saved_tensors
+    dout, delta = delta_and_dout(ctx.plan, dout, dlse, out, lse, q)
+    return ctx.plan, q, k_x, v_x, aux, lse, dout, delta
