@@ -207,7 +207,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
         num_chunks: used by impl "splitkv" only (the baselines check it, then ignore it): how many query
             chunks the op pipelines its merge over (perf-notes item 2; see `resolve_num_chunks`): None =
             `config.num_chunks`, else 1 (2 pays off on slow
-            inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
+            inter-node links: docs/lab/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)].
             Must be the same on every rank. One `IntervalMask` (and FlexAttention BlockMask) per chunk.
         cp_ranks_per_node: used by impl "splitkv" only (the baselines check that it is None or a positive
             int, then ignore it): L, the CP ranks per node of the two-level
@@ -218,7 +218,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
             its two sub-groups are created here on first use (`comm.node_groups`, cached per (CP group,
             L); a collective over the CP group). Must be the same on every rank.
         chunk_axis: impl "splitkv" only: what the `num_chunks` chunks split (ops/splitkv.py item 3, "Head
-            chunks"; docs/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
+            chunks"; docs/lab/perf-notes.md item 21): "rows" (query blocks of every rank, all heads) or "heads"
             (every chunk ALL rows with Hq / k query heads and Hkv / k kv heads, GQA groups whole; k clamped to
             [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads); None = `config.chunk_axis`
             (default "rows"). Must be the same on every
@@ -257,7 +257,7 @@ def prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, *, block_size, num
     contract are read together at the end; the size table of one rank needs no device tensor), three
     at P > 1 (the range check before the size table's all-gather, so that a bad value raises on every
     rank; the size table; the rest at the end); the baselines: the range check, the size table (P > 1),
-    the "already sorted" test and the own-block mask validation (docs/perf-notes.md "Prepare cost (item
+    the "already sorted" test and the own-block mask validation (docs/lab/perf-notes.md "Prepare cost (item
     13)").
 
     Raises:
