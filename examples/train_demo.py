@@ -108,7 +108,7 @@ DEMO_OUT = os.path.join("out", "demo")
 
 def add_round_trip_args(p):
     """The flags of the Hugging Face round trip: target in, drafter out, tau measured."""
-    from megatron_splitkv._ints import hf_model_dir, int_arg
+    from megatron_splitkv._ints import hf_model_dir, int_arg, output_dir
 
     g = p.add_argument_group("round trip (Hugging Face target in, DFlash drafter out, acceptance length)")
     t = g.add_mutually_exclusive_group()
@@ -117,7 +117,7 @@ def add_round_trip_args(p):
                         "(default: the demo target, made once in OUT_DIR/target-hf and reused)")
     t.add_argument("--random-target", action="store_true",
                    help="a random Megatron target instead (--target-init-std); no export, no tau")
-    g.add_argument("--out-dir", default=DEMO_OUT, help=f"where the round trip writes (default {DEMO_OUT})")
+    g.add_argument("--out-dir", type=output_dir, default=DEMO_OUT, help=f"where the round trip writes (default {DEMO_OUT})")
     g.add_argument("--mask-token-id", type=int_arg(0), default=None,
                    help="MASK token id for a target without token_map.json (a compact target has its own)")
     g.add_argument("--target-train-steps", type=int_arg(0, 100000), default=300,

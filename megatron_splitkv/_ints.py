@@ -270,6 +270,26 @@ def writable_dir(text: str) -> str:
     return text
 
 
+def output_dir(text: str) -> str:
+    """An argparse `type=` for a directory a command writes into later (its results at the end of a run): an
+    existing writable directory, or a new path whose nearest existing parent is one (the command creates it
+    when it writes). Nothing is created here; argparse's error line naming the flag otherwise (an empty path,
+    an existing file, a path under a file, a parent without write permission), before the run starts."""
+    import os  # noqa: PLC0415
+
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path is not a directory")
+    path = os.path.abspath(text)
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is an existing file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {parent}")
+    return text
+
+
 def hf_model_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a Hugging Face model directory: one holding a config.json."""
     import os  # noqa: PLC0415

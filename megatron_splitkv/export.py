@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from ._ints import float_arg, int_arg
+from ._ints import float_arg, int_arg, writable_dir
 
 MAX_BLOCK_SIZE = 1024  # --block-size: tokens of one draft block
 MAX_LAYERS = 1024  # --num-target-layers
@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if os.listdir(args.out) and not _previous_export(args.out):
             p.error(f"argument --out: {args.out} is not empty and holds no previous export (config.json of a "
                     "DFlashDraftModel); choose a new directory")
+    try:  # a path under a file, under /proc, or not writable: the flag's error line, not makedirs' traceback
+        writable_dir(args.out)
+    except argparse.ArgumentTypeError as exc:
+        p.error(f"argument --out: {exc}")
     return args
 
 

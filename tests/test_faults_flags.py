@@ -89,6 +89,22 @@ CASES = [
     ("tools.step_overhead", ["--data-workers", "0"], "--data-workers: must be a positive int"),
     ("tools.step_overhead", ["--hidden", "0"], "--hidden: must be a positive int"),
     ("tools.tune_flex", ["--reps", "0"], "--reps: must be a positive int"),
+    # an output directory under a file / empty: refused at parse time (was makedirs' traceback at the end of the run)
+    ("megatron_splitkv.export", ["--load", ROOT, "--out", os.path.join(FILE, "x")], "argument --out: cannot create"),
+    ("megatron_splitkv.export", ["--load", ROOT, "--out", ""], "argument --out: cannot create directory ''"),
+    ("train_demo", ["--out-dir", FILE], "argument --out-dir: "),
+    ("tools.window_scaling", ["--cpu", "--out", FILE], "argument --out: "),
+    ("tools.window_scaling", ["--cpu", "--out", ""], "argument --out: an empty path"),
+    ("tools.simulate_scaling", ["--out", os.path.join(FILE, "x")], "argument --out: "),
+    ("tools.bench_lpt", ["--out", FILE], "argument --out: "),
+    ("tools.extract_features", ["--out", os.path.join(FILE, "x", "y")], "argument --out: "),
+    ("tools.bench_attention", ["--out", FILE], "argument --out: "),
+    ("tools.chunk_cost", ["--out", FILE], "argument --out: "),
+    ("tools.step_overhead", ["--out", FILE], "argument --out: "),
+    ("tools.tune_flex", ["--out", FILE], "argument --out: "),
+    # more sequences than context tokens: an error (was a workload of empty sequences, timed as 0 ms)
+    ("tools.window_scaling", ["--cpu", "--n-seqs", "1000"], "--n-seqs 1000"),
+    ("tools.bench_attention", ["--cpu-smoke", "--n-seqs", "100000"], "--n-seqs 100000 must be <= the smallest"),
 ]
 
 

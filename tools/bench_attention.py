@@ -115,7 +115,7 @@ from tools import peers  # noqa: E402
 from megatron_splitkv.data.anchors import anchor_candidates, sample_anchors  # noqa: E402
 from megatron_splitkv.data.sharegpt import ShareGPTLoader, load_sharegpt  # noqa: E402
 from megatron_splitkv.reference import dflash_attention_reference  # noqa: E402
-from megatron_splitkv._ints import float_arg, int_arg  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg, output_dir  # noqa: E402
 from megatron_splitkv.comm import comm_stats, exit_process, shutdown_distributed  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS  # noqa: E402
 from megatron_splitkv.planning import STRATEGIES  # noqa: E402
@@ -805,6 +805,9 @@ def check_args(ap, args):
     for flag in ("anchors", "n_seqs", "reps", "kernel_reps"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.n_seqs > min(contexts):
+        ap.error(f"--n-seqs {args.n_seqs} must be <= the smallest --contexts value {min(contexts)} (a sequence "
+                 "holds at least one token)")
     if not args.budget_s >= 0:
         ap.error(f"--budget-s must be >= 0, got {args.budget_s}")
     if not args.row_target_s >= 0:
@@ -927,7 +930,7 @@ def main(argv=None):
                          "float64 reference on a small pack, printed and stored as check in the JSON")
     ap.add_argument("--budget-s", type=float_arg(0), default=0.0, help="start no new row after this many seconds")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo (tests)")
     args = ap.parse_args(argv)
     cps, contexts, methods, placements = check_args(ap, args)

@@ -134,7 +134,7 @@ def run_context(attn, ctx_len, args, device, dtype, rank, cp):
 
 
 def main(argv=None):
-    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+    from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
@@ -144,7 +144,7 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--seed", type=int_arg(0), default=0)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo")
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",") if c]

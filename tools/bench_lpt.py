@@ -60,10 +60,10 @@ def time_plan(batch, P, variant, repeats):
 
 
 def main(argv=None):
-    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+    from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
+    ap.add_argument("--out", type=output_dir, default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
                                                   "lpt_bench"),
                     help="output directory (default out/lpt_bench; `--out docs/lab` rewrites the committed results)")
     ap.add_argument("--batches", type=int_arg(1), default=8, help="ShareGPT 32K batches")

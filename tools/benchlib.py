@@ -97,9 +97,12 @@ def make_workload(total_context: int, n_anchors: int = 512, *, n_seqs: int = 1, 
     `data.anchors.sample_anchors`.
 
     Returns (seq_lens [n_seqs] int64 numpy, anchors: list of n_seqs sorted int64 arrays).
+    Raises ValueError when n_seqs > total_context (a sequence of no token).
     """
     from megatron_splitkv.data.anchors import sample_anchors
 
+    if n_seqs > total_context:
+        raise ValueError(f"{n_seqs} sequences do not fit {total_context} context tokens (at least 1 token each)")
     lens = np.full(n_seqs, total_context // n_seqs, dtype=np.int64)
     lens[: total_context % n_seqs] += 1
     rng = np.random.default_rng(seed)

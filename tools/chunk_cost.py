@@ -89,7 +89,7 @@ def _tokens(n: int) -> str:
 
 
 def main(argv=None):
-    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+    from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size of the placed batch (one rank's shard is timed)")
@@ -101,7 +101,7 @@ def main(argv=None):
                                                                  "with --cpu 8)")
     ap.add_argument("--reps", type=int_arg(1), default=7)
     ap.add_argument("--seed", type=int_arg(0), default=0)
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
     ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")
     ap.add_argument("--reverse", action="store_true",

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def parse_args(argv=None):
-    from megatron_splitkv._ints import existing_dir, existing_path, float_arg, int_arg  # finite reals only
+    from megatron_splitkv._ints import existing_dir, existing_path, float_arg, int_arg, output_dir  # finite reals only
 
     p = argparse.ArgumentParser(description="Extract DFlash target features to a memory-mapped file.")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", type=output_dir, required=True, help="output directory")
     p.add_argument("--sharegpt-limit", type=int_arg(1), default=None, help="first N conversations (default all)")
     p.add_argument("--cache-dir", default=None,
                    help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")

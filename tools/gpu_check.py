@@ -64,7 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from tools.benchlib import NA_CPU, finite, gpu_cell  # noqa: E402
-from megatron_splitkv._ints import int_arg  # noqa: E402
+from megatron_splitkv._ints import int_arg, output_dir  # noqa: E402
 from megatron_splitkv.kernels import flex  # noqa: E402
 from megatron_splitkv.kernels.base import IntervalMask  # noqa: E402
 
@@ -1356,7 +1356,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kernel", "dist", "compare"])
     ap.add_argument("--cpu", action="store_true", help="tiny CPU dry run (flex emulated, gloo)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu_check"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu_check"))
     ap.add_argument("--backend", default="flex", help="local kernel backend for the ops")
     ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,stair,op (kernel mode)")
     ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072 (compare: the "

@@ -34,12 +34,12 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from megatron_splitkv._ints import float_arg, int_arg  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg, output_dir  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="directory for summary.json, tau.json/png, train.log, run.log")
+    p.add_argument("--out", type=output_dir, required=True, help="directory for summary.json, tau.json/png, train.log, run.log")
     p.add_argument("--work", default="/tmp/gpu_round_trip", help="directory for the model directories")
     p.add_argument("--device", default="cuda", help="device for target training, regeneration and tau")
     p.add_argument("--limit", type=int_arg(1, 17000), default=2000, help="ShareGPT conversations (default 2000)")

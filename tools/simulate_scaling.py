@@ -1027,7 +1027,7 @@ CPU_SHAPES = dict(cps="1,2,4", ctx_per_rank=256, anchors=8, B=4, Hq=4, Hkv=2, D=
 
 def main(argv=None):
     """CLI (see the module docstring). Returns the result dict (also written as JSON on rank 0)."""
-    from megatron_splitkv._ints import float_arg, int_arg  # strict decimal numbers within their limits
+    from megatron_splitkv._ints import float_arg, int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cps", default="1,2,8,16,32,64")
@@ -1153,7 +1153,7 @@ def main(argv=None):
     ap.add_argument("--no-measure-collectives", action="store_true")
     ap.add_argument("--bench-json", default="", help="bench_attention.json: show measured CP=2 next to model")
     ap.add_argument("--budget-s", type=float_arg(0), default=0.0, help="measured mode: stop measuring after this")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "simulate"))
     ap.add_argument("--cpu", action="store_true",
                     help="measured mode on CPU, a dry run: the shape flags left at their defaults take tiny values "
                          f"({' '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in CPU_SHAPES.items())})")

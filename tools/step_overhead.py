@@ -117,7 +117,7 @@ if os.path.isdir(SITE) and SITE not in sys.path:
     sys.path.append(SITE)
 
 from tools import benchlib as bench  # noqa: E402
-from megatron_splitkv._ints import float_arg, int_arg, parse_float  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg, output_dir, parse_float  # noqa: E402
 
 PREPARES = None  # PrepareCounter, set in main
 BLOCK_MASKS = None  # BlockMaskTimer, set in main
@@ -208,7 +208,7 @@ def parse_args(argv=None):
     ap.add_argument("--budget-s", type=float_arg(0), default=480.0,
                     help="start no new context after this many seconds (default 480; 0: no limit)")
     ap.add_argument("--seed", type=int_arg(0), default=0)
-    ap.add_argument("--out", default=os.path.join(ROOT, "out", "step_overhead"), help="output folder")
+    ap.add_argument("--out", type=output_dir, default=os.path.join(ROOT, "out", "step_overhead"), help="output folder")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on CPU with gloo (a plumbing test; the timings mean nothing)")
     args = ap.parse_args(argv)

@@ -134,7 +134,7 @@ def table(res) -> str:
 
 
 def main(argv=None):
-    from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+    from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tks", default="16384,65536", help="key counts, comma list")
@@ -143,7 +143,7 @@ def main(argv=None):
     ap.add_argument("--anchors", type=int_arg(1), default=512)
     ap.add_argument("--reps", type=int_arg(1), default=10)
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no (config, Tk) after this many seconds")
-    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "tune_flex"))
+    ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "tune_flex"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on CPU (flex emulated: options ignored)")
     args = ap.parse_args(argv)
     tks = bench.int_list_arg(ap, "--tks", args.tks, 1)

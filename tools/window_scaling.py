@@ -56,7 +56,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_splitkv._ints import float_arg, int_arg, parse_int  # noqa: E402
+from megatron_splitkv._ints import float_arg, int_arg, output_dir, parse_int  # noqa: E402
 from megatron_splitkv.kernels import BACKENDS, get_kernel  # noqa: E402
 from megatron_splitkv.planning import CostModel  # noqa: E402
 from tools import benchlib as bench  # noqa: E402
@@ -256,7 +256,7 @@ def main(argv=None):
                     help="start no new (context, W, P) group after this many seconds (default: no limit)")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke: tiny shapes, float32, math kernel, " +
                     ", ".join(f"--{k} {v}" for k, v in CPU_DEFAULTS.items()) + " unless given")
-    ap.add_argument("--out", default=None, help="directory for window_scaling.{json,md}")
+    ap.add_argument("--out", type=output_dir, default=None, help="directory for window_scaling.{json,md}")
     bench.add_workload_args(ap, reps=5)
     if "--cpu" in (sys.argv[1:] if argv is None else argv):
         ap.set_defaults(**CPU_DEFAULTS)
@@ -281,7 +281,7 @@ def main(argv=None):
             works[ctx] = bench.make_workload(ctx, args.anchors, n_seqs=args.n_seqs, seed=args.seed + ctx,
                                              mask=args.loss_mask)
         except ValueError as e:
-            ap.error(f"--contexts {ctx} with --anchors {args.anchors}: {e}")
+            ap.error(f"--contexts {ctx} with --n-seqs {args.n_seqs} and --anchors {args.anchors}: {e}")
     links = {f"{args.link_gbs:g} GB/s": link_model(args.link_gbs, args.link_alpha_us),
              f"{args.slow_link_gbs:g} GB/s": link_model(args.slow_link_gbs, args.slow_link_alpha_us)}
     t0 = time.perf_counter()
