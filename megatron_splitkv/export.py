@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from ._ints import float_arg, int_arg, writable_dir
+from ._ints import float_arg, int_arg, output_dir
 
 MAX_BLOCK_SIZE = 1024  # --block-size: tokens of one draft block
 MAX_LAYERS = 1024  # --num-target-layers
@@ -35,7 +35,15 @@ def _ids(text: str):
     return ids
 
 
+#: the files an export writes (`hf.save_dflash_hf`), complete or, after a killed export, partial
+_EXPORT_FILES = {name + suffix for name in ("config.json", "model.safetensors") for suffix in ("", ".partial")}
+
+
 def _previous_export(out: str) -> bool:
+    """True when `out` holds a previous export (config.json of a DFlashDraftModel) or only the files of an
+    export that was interrupted (no config.json yet): the export may overwrite it."""
+    if set(os.listdir(out)) <= _EXPORT_FILES - {"config.json"}:
+        return True
     try:
         with open(os.path.join(out, "config.json")) as f:
             cfg = json.load(f)
@@ -73,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if os.listdir(args.out) and not _previous_export(args.out):
             p.error(f"argument --out: {args.out} is not empty and holds no previous export (config.json of a "
                     "DFlashDraftModel); choose a new directory")
-    try:  # a path under a file, under /proc, or not writable: the flag's error line, not makedirs' traceback
-        writable_dir(args.out)
+    try:  # a path under a file or not writable: the flag's error line, not makedirs' traceback; nothing created
+        output_dir(args.out)
     except argparse.ArgumentTypeError as exc:
         p.error(f"argument --out: {exc}")
     return args

@@ -671,19 +671,31 @@ def drafter_hf_config(shape: Qwen3Shape, num_layers: int, *, mask_token_id: int,
     }
 
 
+#: suffix of a file being written by `save_dflash_hf` (renamed into place once complete)
+PARTIAL = ".partial"
+
+
 def save_dflash_hf(out_dir: str, config: dict, tensors: Dict[str, Tensor]) -> str:
-    """Write `out_dir/config.json` and `out_dir/model.safetensors` (metadata {"format": "pt"}). Returns
-    out_dir. Raises `HFCheckpointError` when out_dir is an existing file."""
+    """Write `out_dir/model.safetensors` (metadata {"format": "pt"}) and then `out_dir/config.json`, each
+    under a `.partial` name renamed into place when complete. A previous export's config.json is removed
+    first, so a process killed at any point never leaves a config.json beside weights it does not describe
+    (Hugging Face loaders then refuse the directory: no config.json). Returns out_dir. Raises
+    `HFCheckpointError` when out_dir is an existing file."""
     from safetensors.torch import save_file  # the optional extra "hf"
 
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise HFCheckpointError(f"{out_dir}: an existing file, not a directory (the export writes a directory)")
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
+    config_path, weights_path = os.path.join(out_dir, "config.json"), os.path.join(out_dir, _SINGLE)
+    if os.path.exists(config_path):
+        os.remove(config_path)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, weights_path + PARTIAL,
+              metadata={"format": "pt"})
+    os.replace(weights_path + PARTIAL, weights_path)
+    with open(config_path + PARTIAL, "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.path.join(out_dir, _SINGLE),
-              metadata={"format": "pt"})
+    os.replace(config_path + PARTIAL, config_path)
     return out_dir
 
 
