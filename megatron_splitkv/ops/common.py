@@ -168,6 +168,11 @@ def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
     return a // b
 
 
+def packed_width(head_dim: int, stat_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    """Elements per head of `pack_partial`'s [..., H, D + r] in `dtype` with lse in `stat_dtype`: D + r."""
+    return head_dim + _bits_per(stat_dtype, dtype)
+
+
 def _as_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x [..., k] (float32/64) reinterpreted as [..., k * r] `dtype` elements (bit-exact, no arithmetic).
     A view of x (no copy, any strides on the other dims, e.g. FlexAttention's transposed lse) when x's last
@@ -237,7 +242,7 @@ _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per 
 
 
 class RelayStream:
-    """The relay of Split-KV's two-level all-to-all (docs/perf-notes.md item 18; `ops.splitkv._TwoStage`):
+    """The relay of Split-KV's two-level all-to-all (docs/perf-notes.md item 18; `ops.transport._TwoStage`):
     a CUDA side stream (one per device and process) on which the op waits for a chunk's stage 1, runs the
     node merge / node sum of the L received partials (fp32) and issues stage 2, so that the caller's
     ("main") stream never waits for stage 1: the next chunk's kernel, the op's own epilogue and (backward)
