@@ -193,6 +193,26 @@ def test_head_chunks_keep_bytes_per_collective(head_run):
             assert n_q == k, (j, n_q, k)
 
 
+def test_records_equal_the_schedule_description(head_run):
+    """Every rank's comm_stats records (name, kind, bytes) equal `ops.schedule.describe_splitkv` of the case's
+    sizes and options, head and row chunks, flat and two-level (the size / block metadata gathers of a call
+    without metadata= and the group_check verdict aside: `ops.metadata`'s, not the op's schedule)."""
+    from megatron_splitkv.ops.schedule import describe_splitkv
+
+    jobs, results = head_run
+    for j, (c, job) in enumerate(jobs):
+        for axis in ("heads", "rows"):
+            desc = describe_splitkv(cp_size=c["P"], max_blocks=max(c["blocks"]), block_size=c["B"],
+                                    num_heads_q=c["Hq"], num_heads_kv=c["Hkv"], head_dim=c["D"],
+                                    dtype=getattr(torch, c["dtype"]), num_chunks=job["k"], chunk_axis=axis,
+                                    cp_ranks_per_node=job.get("L"))
+            want = sorted((x.name, x.kind, x.bytes) for x in desc)
+            for r in _per_rank(results, j, c["P"], axis):
+                got = sorted(x for x in r["records"] if x[0] not in ("splitkv.meta", "splitkv.fwd.block_meta",
+                                                                         "splitkv.check"))
+                assert got == want, (j, job, axis, got, want)
+
+
 # ------------------------------------------------------------------------------- resolution and errors
 
 

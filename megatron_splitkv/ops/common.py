@@ -168,9 +168,10 @@ def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
     return a // b
 
 
-def packed_width(head_dim: int, stat_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """Elements per head of `pack_partial`'s [..., H, D + r] in `dtype` with lse in `stat_dtype`: D + r."""
-    return head_dim + _bits_per(stat_dtype, dtype)
+def packed_width(head_dim: int, stat_dtype: torch.dtype, dtype: torch.dtype, stats: int = 1) -> int:
+    """Elements of `dtype` per head of D values with `stats` `stat_dtype` values bit-packed beside them:
+    D + stats * r (`pack_partial`: stats 1, lse; `pack_dout_stats`: stats 2, delta and lse)."""
+    return head_dim + stats * _bits_per(stat_dtype, dtype)
 
 
 def _as_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

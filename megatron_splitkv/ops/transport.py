@@ -50,6 +50,12 @@ class Collective:
     step: int
     group_size: int
 
+    @property
+    def bytes(self) -> int:
+        """The bytes `comm.comm_stats` records for it (comm.py's convention: 2 * (size - 1) * message; 0 on one
+        rank)."""
+        return 2 * (self.group_size - 1) * self.message
+
 
 def _nbytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
