@@ -3,7 +3,7 @@
 Per-step metadata reuse: `prepare_splitkv_metadata(...)` once per training step, then
 `op(..., metadata=meta)` in every layer (see `megatron_splitkv.ops.metadata`). Split-KV's query
 all-gather can be started before the layer's k/v projections: `h = splitkv_start_query_gather(q,
-metadata=meta)`, then `splitkv_attention(..., metadata=meta, query_gather=h)` (perf-notes item 3).
+metadata=meta)`, then `splitkv_attention(..., metadata=meta, query_gather=h)` (`ops.query_gather`).
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
 """

@@ -188,7 +188,7 @@ class _QueryGather(torch.autograd.Function):
 
 
 def splitkv_start_query_gather(q, *, metadata) -> SplitKVQueryGather:
-    """Start Split-KV's query all-gather of one layer early (perf-notes item 3), before k/v exist.
+    """Start Split-KV's query all-gather of one layer early, before k/v exist.
 
     Issues exactly the collectives `splitkv_attention` would issue first in its forward: per query chunk
     of the metadata (`num_chunks`), one asynchronous all-gather "splitkv.fwd.q" of this rank's padded q

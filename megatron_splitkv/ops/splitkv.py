@@ -26,13 +26,12 @@ from .common import (
     delta_and_dout,
     kernel_backward,
     kernel_forward,
-    merge_received_partials,
     pack_dout_stats,
     split_own_grad,
     unpack_dout_stats,
     unsort,
 )
-from .fused_merge import merges_in_place
+from .fused_merge import merge_received_partials, merges_in_place
 from .metadata import run_op
 from .query_gather import QueryChunks, SplitKVQueryGather, UnconsumedQueryGatherWarning, splitkv_start_query_gather
 from .transport import sum_dq_partials, transport_for
@@ -222,13 +221,13 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
     Each CP rank passes its own query blocks and its own (arbitrary, planner-chosen) context tokens.
     Forward: all-gather Q (block metadata: once per step); attend all gathered queries to the local
     context, and this rank's own blocks also to their own B keys, in ONE local-kernel call (fp32
-    out/lse; the own keys are appended after the sorted context, see the module docstring); send each
+    out/lse; the own keys are appended after the sorted context, `common.with_own_keys`); send each
     row's partial (O in q's dtype, lse bit-exact) to its owner in one all-to-all, where the P partials
     merge by lse in fp32. Backward: ONE all-gather of dO with the global (delta, lse) bit-packed beside
     it; local kernel backward with the global statistics; all-to-all of the dQ partials (q's dtype),
     summed in fp32 by the owner; dK/dV of the context and of the own block stay local. With
     `cp_ranks_per_node` = L (1 < L < P) both all-to-alls run in two stages, inside each node of L ranks
-    and then between nodes in fp32 (module docstring, item 5). Both passes run over
+    and then between nodes in fp32 (`ops.transport`). Both passes run over
     `num_chunks` query chunks, overlapping each chunk's collectives with the next chunk's kernel. Every
     collective is query-sized (O(Lq * Hq * D)), independent of the context length and of the chunk count.
 
@@ -266,30 +265,28 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             when the metadata has `group_check=True` (the default); without it the ranks' first collectives do not
             match and the call fails or hangs until the process group's timeout. softmax_scale is
             compared across ranks by calls without `metadata=` and by `group_check` calls.
-        num_chunks: query chunks of the merge pipeline (docs/perf-notes.md item 2): None =
-            `config.num_chunks`, else 1 (2 pays off on slow
-            inter-node links: docs/perf-notes.md); a positive int is clamped to [1, max(max(n_blocks), 1)]
-            (see `ops.metadata.resolve_num_chunks`). Chunk c = blocks [c * nb // k, (c + 1) * nb // k)
-            of every rank's padded segment (nb = max(n_blocks)). Must be the same on every rank. With
+        num_chunks: chunks of the pipeline (`ops.chunking`): None = `config.num_chunks`, else 1; a positive
+            int is clamped to [1, max(max(n_blocks), 1)] (`ops.metadata.resolve_num_chunks`). Chunk c =
+            blocks [c * nb // k, (c + 1) * nb // k) of every rank's padded segment (nb = max(n_blocks)).
+            Must be the same on every rank. With
             `metadata=` the chunking was fixed by `prepare_splitkv_metadata(..., num_chunks=...)`: pass
             None, or a positive int that clamps to the metadata's `num_chunks` (e.g. the value given
             to prepare). With chunk_axis "heads" the chunks split the heads instead (below).
-        chunk_axis: what the `num_chunks` chunks split (module docstring, item 3 "Head chunks";
-            docs/perf-notes.md item 21): "rows" (the query blocks above, all heads) or "heads" (chunk c = kv
-            heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and q heads [g0 * G, g1 * G), G = Hq // Hkv, of ALL
-            rows; k clamped to [1, Hkv], uneven splits allowed: Hkv 8, k 3 -> 2 / 3 / 3 kv heads). None =
-            `config.chunk_axis` (default "rows"). Must be the same
-            on every rank (agreed group-wide like num_chunks). With `metadata=` it was fixed by
+        chunk_axis: what the `num_chunks` chunks split (`ops.chunking`): "rows" (the query blocks above, all
+            heads) or "heads" (chunk c = kv heads [g0, g1) = `chunk_bounds(k, Hkv)[c]` and q heads
+            [g0 * G, g1 * G), G = Hq // Hkv, of ALL rows; k clamped to [1, Hkv], uneven splits allowed: Hkv 8,
+            k 3 -> 2 / 3 / 3 kv heads). None = `config.chunk_axis` (default "rows"). Must be the same on
+            every rank (agreed group-wide like num_chunks). With `metadata=` it was fixed by
             `prepare_splitkv_metadata(..., chunk_axis=...)`: pass None or that value. The same results up
             to fp rounding, the same bytes per collective name.
         query_gather: a `SplitKVQueryGather` from `splitkv_start_query_gather(q, metadata=metadata)`,
             started right after q was computed (before the k/v projections, which then overlap the
-            query all-gather in forward and the dQ all-to-all in backward; docs/perf-notes.md item 3).
+            query all-gather in forward and the dQ all-to-all in backward; `ops.query_gather`).
             Requires `metadata=` (the same object); q must be the very tensor given to the start,
             unmodified; a handle serves exactly one call. The call then issues no "splitkv.fwd.q"
             all-gather of its own, and its results are bit-identical to the call without it. Every rank
             of the CP group must pass one, or none (a mixed group is detected with `group_check`).
-        cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all (module docstring, item 5; our
+        cp_ranks_per_node: L, CP ranks per node of the two-level all-to-all (`ops.transport`; our
             extension of DESIGN.md section 2's merge for CP groups spanning several nodes): None =
             `config.cp_ranks_per_node` (clamped to P), else 1; otherwise a
             positive int dividing P (`ops.metadata.resolve_ranks_per_node`). 1 or P: the single

@@ -28,12 +28,11 @@ from .common import (
     RelayStream,
     fuse_bwd_gather,
     local_index_major,
-    merge_received_partials,
     pack_partial,
     pack_partial_local_major,
     packed_width,
 )
-from .fused_merge import sum_partials
+from .fused_merge import merge_received_partials, sum_partials
 
 
 @dataclass(frozen=True)
