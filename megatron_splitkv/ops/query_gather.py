@@ -26,7 +26,7 @@ __all__ = ["splitkv_start_query_gather", "SplitKVQueryGather", "UnconsumedQueryG
 
 
 class QueryChunks:
-    """The op's own query all-gathers: `sends` (per chunk this rank's padded rows of it, `Chunking.sends`)
+    """The op's own query all-gathers: `sends` (per chunk this rank's padded rows of it, from the chunking's `sends`)
     issued over `group` in chunk order, each send tensor dropped once issued (its Pending keeps it)."""
 
     def __init__(self, sends, group):

@@ -40,37 +40,6 @@ __all__ = ["splitkv_attention", "splitkv_start_query_gather", "SplitKVQueryGathe
            "UnconsumedQueryGatherWarning"]
 
 
-class _DoutChunks:
-    """Backward step 1: per chunk, all-gather this rank's rows of dO and of the global statistics (delta, lse)
-    (`sends`: per chunk the pair, `Chunking.sends`; padding rows dO 0, statistics -inf), one chunk ahead of the
-    kernel. `fused`: ONE all-gather "splitkv.bwd.dout" of both bit-packed in the inputs' dtype
-    (`common.pack_dout_stats`), else two ("splitkv.bwd.dout", "splitkv.bwd.stats")."""
-
-    def __init__(self, sends, group, fused: bool, dtype, acc, head_dim: int):
-        self.sends, self.group, self.fused = sends, group, fused
-        self.dtype, self.acc, self.head_dim = dtype, acc, head_dim
-        self.pending, self.issued = {}, 0
-
-    def _issue(self, c):
-        do_c, st_c = self.sends[c]
-        self.sends[c] = None
-        if self.fused:
-            return all_gather(pack_dout_stats(do_c, st_c, self.dtype), self.group, "splitkv.bwd.dout", async_op=True)
-        return (all_gather(do_c, self.group, "splitkv.bwd.dout", async_op=True),
-                all_gather(st_c, self.group, "splitkv.bwd.stats", async_op=True))
-
-    def wait(self, c: int, heads: int):
-        """(dO [P * rc, Hc, D] in the inputs' dtype, statistics [P * rc, Hc, 2] in acc) of chunk c, contiguous;
-        the gathers of chunks <= c + 1 issued first. The received buffer is released here."""
-        while self.issued < min(c + 2, len(self.sends)):
-            self.pending[self.issued] = self._issue(self.issued)
-            self.issued += 1
-        pend = self.pending.pop(c)
-        if self.fused:
-            return unpack_dout_stats(pend.take(), self.group.size, heads, self.head_dim, self.acc)
-        return pend[0].take(), pend[1].take()
-
-
 class _SplitKV(torch.autograd.Function):
     """The op over one call's `plan` (`ops.metadata`: metadata, kernel, scale, group). Inputs q [Tq_local, Hq, D],
     k_ctx / v_ctx [Tk_local, Hkv, D], k_blk / v_blk [Tq_local, Hkv, D] or None; with `gather` (the state of a
@@ -186,7 +155,7 @@ class _SplitKV(torch.autograd.Function):
 
 def _merge_owner(pending, chunking, transport, rows, rows_max, head_dim, dtype, acc, device):
     """Forward step 4: waits each chunk's exchange and lse-merges the partials of this rank's rows in `acc`
-    (`common.merge_received_partials`: max, weights, sums; the received buffer released once merged). Returns
+    (`fused_merge.merge_received_partials`: max, weights, sums; the received buffer released once merged). Returns
     (out [rows, Hq, D], lse [rows, Hq]) in `acc`: more than one chunk are merged straight into their rows /
     heads of one output where the merge writes in place (`fused_merge.merges_in_place`) or the chunks split the
     heads, else concatenated."""
@@ -209,6 +178,37 @@ def _merge_owner(pending, chunking, transport, rows, rows_max, head_dim, dtype, 
     if len(outs) == 1:
         return outs[0][:rows], lses[0][:rows]
     return torch.cat(outs)[:rows], torch.cat(lses)[:rows]
+
+
+class _DoutChunks:
+    """Backward step 1: per chunk, all-gather this rank's rows of dO and of the global statistics (delta, lse)
+    (`sends`: per chunk the pair, from the chunking's `sends`; padding rows dO 0, statistics -inf), one chunk ahead of the
+    kernel. `fused`: ONE all-gather "splitkv.bwd.dout" of both bit-packed in the inputs' dtype
+    (`common.pack_dout_stats`), else two ("splitkv.bwd.dout", "splitkv.bwd.stats")."""
+
+    def __init__(self, sends, group, fused: bool, dtype, acc, head_dim: int):
+        self.sends, self.group, self.fused = sends, group, fused
+        self.dtype, self.acc, self.head_dim = dtype, acc, head_dim
+        self.pending, self.issued = {}, 0
+
+    def _issue(self, c):
+        do_c, st_c = self.sends[c]
+        self.sends[c] = None
+        if self.fused:
+            return all_gather(pack_dout_stats(do_c, st_c, self.dtype), self.group, "splitkv.bwd.dout", async_op=True)
+        return (all_gather(do_c, self.group, "splitkv.bwd.dout", async_op=True),
+                all_gather(st_c, self.group, "splitkv.bwd.stats", async_op=True))
+
+    def wait(self, c: int, heads: int):
+        """(dO [P * rc, Hc, D] in the inputs' dtype, statistics [P * rc, Hc, 2] in acc) of chunk c, contiguous;
+        the gathers of chunks <= c + 1 issued first. The received buffer is released here."""
+        while self.issued < min(c + 2, len(self.sends)):
+            self.pending[self.issued] = self._issue(self.issued)
+            self.issued += 1
+        pend = self.pending.pop(c)
+        if self.fused:
+            return unpack_dout_stats(pend.take(), self.group.size, heads, self.head_dim, self.acc)
+        return pend[0].take(), pend[1].take()
 
 
 def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, kv_seq=None, kv_pos=None, *,
