@@ -182,8 +182,8 @@ def _merge_owner(pending, chunking, transport, rows, rows_max, head_dim, dtype, 
 
 class _DoutChunks:
     """Backward step 1: per chunk, all-gather this rank's rows of dO and of the global statistics (delta, lse)
-    (`sends`: per chunk the pair, from the chunking's `sends`; padding rows dO 0, statistics -inf), one chunk ahead of the
-    kernel. `fused`: ONE all-gather "splitkv.bwd.dout" of both bit-packed in the inputs' dtype
+    (`sends`: per chunk the pair, from the chunking's `sends`; padding rows dO 0, statistics -inf), one chunk
+    ahead of the kernel. `fused`: ONE all-gather "splitkv.bwd.dout" of both bit-packed in the inputs' dtype
     (`common.pack_dout_stats`), else two ("splitkv.bwd.dout", "splitkv.bwd.stats")."""
 
     def __init__(self, sends, group, fused: bool, dtype, acc, head_dim: int):
@@ -242,9 +242,9 @@ def splitkv_attention(q, k_ctx, v_ctx, k_blk, v_blk, q_seq=None, q_anchor=None, 
             anchor < 0 marks an invalid (padding) block: its rows are 0 and get zero gradient.
         kv_seq, kv_pos: [Tk_local] integer (int64); sequence id and global position per context token.
             Ids and positions must lie in [-2**31, 2**31).
-        block_size: B (keyword; required without `metadata=`). Mask: a row of block b sees context keys with kv_seq == q_seq[b] and
-            kv_pos < q_anchor[b] (strictly) on every rank, plus all B keys of its own block (unless
-            k_blk is None).
+        block_size: B (keyword; required without `metadata=`). Mask: a row of block b sees context keys with
+            kv_seq == q_seq[b] and kv_pos < q_anchor[b] (strictly) on every rank, plus all B keys of its own
+            block (unless k_blk is None).
         cp_group: the CP ProcessGroup; None = the default group if initialised, else single process.
             Ranks may hold different numbers of blocks and context tokens, including zero.
         softmax_scale: defaults to 1 / sqrt(D).
