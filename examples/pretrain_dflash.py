@@ -607,7 +607,7 @@ def main(argv=None):
     if "--parse-only" in sys.argv:  # CPU check: build the parser, parse and validate the Split-KV flags
         from megatron.training.arguments import parse_args
 
-        from megatron_splitkv.megatron import validate_splitkv_args
+        from megatron_splitkv.megatron import launcher_env_from, validate_splitkv_args
         from megatron_splitkv.megatron.arguments import format_parsed_args
 
         sys.argv.remove("--parse-only")
@@ -615,7 +615,7 @@ def main(argv=None):
         _defaults(args)
         # the same flag checks as a real run, pure Python (CPU-safe); whether Transformer Engine or
         # FlashAttention-4 is installed is a property of the training machine, not of the flags: not checked here
-        validate_splitkv_args(args, have_te=True, have_fa4=True)
+        validate_splitkv_args(args, have_te=True, have_fa4=True, launcher_env=launcher_env_from(os.environ))
         check_dflash_args(args)
         print(format_parsed_args(_shown_args(args)))
         print(parse_only_verdict(args))
@@ -623,14 +623,14 @@ def main(argv=None):
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_splitkv.megatron import validate_splitkv_args
+    from megatron_splitkv.megatron import launcher_env_from, validate_splitkv_args
 
     args = parse_and_validate_args(
         extra_args_provider=add_dflash_args,
         args_defaults={"tokenizer_type": "NullTokenizer", "dataloader_type": "external"},
     )
     _defaults(args)
-    validate_splitkv_args(args)
+    validate_splitkv_args(args, launcher_env=launcher_env_from(os.environ))  # the launcher's processes per node
     check_dflash_args(args)
     _skip_helper_build_if_prebuilt()
     install_checkpoint_manifest(megatron_training, args)  # manifest after each save, verified before the load

@@ -3,8 +3,8 @@
 (`auto_pipeline`: num_chunks=2, chunk_axis="heads") reach the op through the Megatron path's `SplitKVConfig`
 (args.splitkv_config) and the op is exact with them.
 
-CPU, gloo, one spawn of 8 ranks. Per job every rank of the CP group sets the launcher's variable
-(LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE), validates the flags (TP and CP as given; the CP group of the op is
+CPU, gloo, one spawn of 8 ranks. Per job every rank of the CP group passes the launcher's variable
+(LOCAL_WORLD_SIZE or SLURM_NTASKS_PER_NODE, as `launcher_env`), validates the flags (TP and CP as given; the CP group of the op is
 the P gloo ranks), and calls the op with the config WITHOUT cp_ranks_per_node; the jobs with num_chunks given
 pass chunk_axis="rows" too (as before the automatic pipeline), the others neither, so that the op takes the
 config's pipeline:
@@ -15,11 +15,10 @@ config's pipeline:
   fa4 or not: `have_fa4` with --splitkv-kernel auto; the same choice either way), and the op then ran 2 head
   chunks (each data collective issued twice);
 - output, lse and all five gradients equal the single-process float64 reference (`_splitkv_helpers.check`).
-Source: DESIGN.md section 2 (exact CP); docs/perf-notes.md item 9 (two-level all-to-all).
+Source: DESIGN.md section 2 (exact CP); docs/lab/perf-notes.md item 9 (two-level all-to-all).
 """
 
 import argparse
-import os
 
 import pytest
 import torch
@@ -39,17 +38,14 @@ def _validated_L(c, tp, env, fa4):
     """What validate_splitkv_args chooses for case c's CP size and heads (per TP rank) and TP tp under the launcher
     variables `env`, FlashAttention-4 taken as installed or not: (the config, L, its record, the pipeline's
     fields, its record)."""
-    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS, validate_splitkv_args
+    from megatron_splitkv.megatron.arguments import validate_splitkv_args
 
-    for name in LOCAL_SIZE_ENVS:
-        os.environ.pop(name, None)
-    os.environ.update(env)
     args = argparse.Namespace(
         context_parallel_impl="splitkv", tensor_model_parallel_size=tp, context_parallel_size=c["P"],
         num_attention_heads=c["Hq"] * tp, num_query_groups=c["Hkv"] * tp, group_query_attention=True,
         micro_batch_size=1, dflash_num_anchors=c["P"], dflash_block_size=4, cp_chunk_size=None, cp_balance="lpt",
         transformer_impl="local", attention_dropout=0.0, sequence_parallel=False, bf16=True)
-    validate_splitkv_args(args, have_te=False, have_fa4=fa4)
+    validate_splitkv_args(args, have_te=False, have_fa4=fa4, launcher_env=env)
     cfg = args.splitkv_config
     pipeline = {k: v for k, v in (("num_chunks", cfg.num_chunks), ("chunk_axis", cfg.chunk_axis)) if v not in (None, "rows")}
     return cfg, cfg.cp_ranks_per_node, args.splitkv_cp_ranks_per_node_auto, pipeline, args.splitkv_pipeline_auto
@@ -79,10 +75,6 @@ def _worker(rank, world, jobs):
         for name, key in zip(GRAD_NAMES, KEYS):
             res[name] = x[key].grad.double()
         out[j] = res
-    from megatron_splitkv.megatron.arguments import LOCAL_SIZE_ENVS
-
-    for name in LOCAL_SIZE_ENVS:
-        os.environ.pop(name, None)
     return out
 
 

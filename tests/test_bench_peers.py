@@ -213,3 +213,30 @@ def test_old_tree_method_runs_another_checkout(tmp_path):
         with pytest.raises(SystemExit) as exc:
             ba.main(["--cpu-smoke", "--peers-only", "--packs", "1024", "--out", str(tmp_path)] + argv)
         assert exc.value.code == 2
+
+
+def test_fold_method_toggles_the_fa4_kernel_and_restores_it(monkeypatch):
+    """The pack method splitkv-fold runs the op with the cached fa4 kernel's `fold_gqa` on and restores the
+    previous value afterwards, also when the call raises; with another backend it changes nothing; checked
+    against the float64 reference like splitkv."""
+    import megatron_splitkv.kernels as kernels
+    from tools import bench_attention as ba
+
+    class Kern:
+        fold_gqa = False
+
+    kern = Kern()
+    monkeypatch.setattr(kernels, "get_kernel", lambda name, *a, **k: kern if name == "fa4" else None)
+    seen = []
+    with ba._fa4_fold(True, torch.device("cpu"), torch.bfloat16, "fa4"):
+        seen.append(kern.fold_gqa)
+    with pytest.raises(RuntimeError):
+        with ba._fa4_fold(True, torch.device("cpu"), torch.bfloat16, "fa4"):
+            seen.append(kern.fold_gqa)
+            raise RuntimeError("call failed")
+    with ba._fa4_fold(True, torch.device("cpu"), torch.bfloat16, "math"):
+        seen.append(kern.fold_gqa)
+    assert seen == [True, True, False] and kern.fold_gqa is False
+    monkeypatch.undo()
+    errs = ba.check_peers(["splitkv", "splitkv-fold"], dev=torch.device("cpu"), backend="math")
+    assert errs["splitkv"] < 0.05 and errs["splitkv-fold"] < 0.05, errs

@@ -20,6 +20,7 @@ import torch
 
 from megatron_splitkv.data import PrefetchedBatches, ShareGPTLoader, data_parallel_batches, plan_batch
 from megatron_splitkv.data.sharegpt import TokenizedCorpus, make_packed_batch
+from megatron_splitkv.ops.packing import split_views, unique_tensors
 from _warning_marks import FORK, MEGATRON_ENV  # marks of the warnings these tests trigger
 
 pytestmark = MEGATRON_ENV + FORK
@@ -354,9 +355,7 @@ def test_worker_metadata_equals_prepare_from_plan(cp, workers):
             assert x.metadata is None and m is not None and not m.bound
             assert _meta_problems(m, _meta_ref(y, _spec())) == [], (rank, y.index)
             up = y.buffers[0].untyped_storage().data_ptr()
-            from megatron_splitkv.ops.metadata import _unique_tensors
-
-            assert all(t.untyped_storage().data_ptr() == up for t in _unique_tensors(m))
+            assert all(t.untyped_storage().data_ptr() == up for t in unique_tensors(m))
             assert m.host_build.buffer.untyped_storage().data_ptr() == up
             if workers:
                 assert y.buffers[0].is_pinned() if it.pin_memory else y.buffers[0].is_shared()
@@ -881,9 +880,7 @@ def test_packed_round_trip_equals_direct_build(P, k, axis, monkeypatch):
                 assert _meta_problems(direct.metadata, ref) == []
                 up = y.buffers[0].untyped_storage().data_ptr()
                 assert up == y.buffers[2].untyped_storage().data_ptr()  # one buffer
-                from megatron_splitkv.ops.metadata import _unique_tensors
-
-                assert all(t.untyped_storage().data_ptr() == up for t in _unique_tensors(y.metadata))
+                assert all(t.untyped_storage().data_ptr() == up for t in unique_tensors(y.metadata))
             if P == 1:
                 assert meta_diff(via_queue.to("cpu").metadata.bind(None, "cpu"), ref.bind(None, "cpu")) == []
     if P >= 2:
@@ -909,9 +906,7 @@ def test_one_buffer_crosses_the_worker_boundary_per_item(store):
             tensors = [y.kv_seq, y.kv_pos, y.input_ids, y.features, y.source, *y.shard.values(),
                        *(getattr(y.blocks, f) for f in ("input_ids", "labels", "loss_weight", "block_keep"))]
             if y.metadata is not None:
-                from megatron_splitkv.ops.metadata import _unique_tensors
-
-                tensors += _unique_tensors(y.metadata)
+                tensors += unique_tensors(y.metadata)
             assert all(t.untyped_storage().data_ptr() == ptr for t in tensors)
 
 
@@ -934,17 +929,15 @@ def test_lazy_metadata_field():
 
 def test_split_views_errors():
     """The packed views refuse a misaligned, overlapping or out-of-range entry with a ValueError."""
-    from megatron_splitkv.ops.metadata import _split_views
-
     buf = torch.zeros(64, dtype=torch.uint8)
-    a, b = _split_views(buf, [(torch.int64, (2,), 0), (torch.int32, (2, 2), 16)])
+    a, b = split_views(buf, [(torch.int64, (2,), 0), (torch.int32, (2, 2), 16)])
     assert a.shape == (2,) and b.shape == (2, 2) and a.untyped_storage().data_ptr() == buf.data_ptr()
     with pytest.raises(ValueError, match="not aligned"):
-        _split_views(buf, [(torch.int64, (1,), 4)])
+        split_views(buf, [(torch.int64, (1,), 4)])
     with pytest.raises(ValueError, match="overlap"):
-        _split_views(buf, [(torch.int64, (2,), 0), (torch.int64, (1,), 8)])
+        split_views(buf, [(torch.int64, (2,), 0), (torch.int64, (1,), 8)])
     with pytest.raises(ValueError, match="past the 64-byte buffer"):
-        _split_views(buf, [(torch.int64, (9,), 0)])
+        split_views(buf, [(torch.int64, (9,), 0)])
 
 
 def test_worker_init_ends_the_process_like_a_forked_worker(tmp_path):

@@ -1,5 +1,5 @@
 """`SplitKVConfig.debug_checks`: the ops' re-check of the interval masks they build themselves (union
-contract, `IntervalMask.validate`) runs only in debug mode; production skips it (docs/perf-notes.md item
+contract, `IntervalMask.validate`) runs only in debug mode; production skips it (docs/lab/perf-notes.md item
 13). Here:
 
 - off and on give bit-identical results for the three ops (gloo, P = 2 and 3, with and without per-step

@@ -117,10 +117,10 @@ def test_demo_fails_fast_with_the_rank_error(tmp_path):
     import sys
 
     (tmp_path / "sitecustomize.py").write_text(
-        "import megatron_splitkv.ops.metadata as m\n"
+        "import megatron_splitkv.ops.prepare as m\n"
         "def _bad(*a, **k):\n"
         "    raise ValueError('injected: num_chunks must be a positive int')\n"
-        "m._check_tensors = _bad\n")
+        "m.check_tensors = _bad\n")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), root, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run([sys.executable, os.path.join(root, "examples", "op_demo.py"), "--ctx", "64", "--blocks", "2"],

@@ -1,6 +1,6 @@
 """The library reads no environment variable (issue 21: configuration is data): every read of the process
 environment in `megatron_splitkv/` (os.environ, os.getenv, their bytes and write forms, names imported from
-os) is found by parsing the package's source, and any read outside the commented allow-list below fails."""
+os) is found by parsing the package's source, and any read fails."""
 
 import ast
 import os
@@ -9,17 +9,6 @@ import megatron_splitkv
 
 PACKAGE = os.path.dirname(os.path.abspath(megatron_splitkv.__file__))
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
-
-# (file relative to the package, enclosing function) -> why the read stays
-ALLOWED = {
-    # The launcher's processes per node (LOCAL_WORLD_SIZE from torchrun, SLURM_NTASKS_PER_NODE /
-    # SLURM_TASKS_PER_NODE from Slurm): variables the launcher defines for the job itself, which no flag of
-    # Megatron carries. Read only while validating the flags, to derive the default of
-    # --splitkv-cp-ranks-per-node and of the head-chunk pipeline; an explicit flag overrides it, and the
-    # functions take the mapping as an argument (`environ=`) for tests and callers without a launcher.
-    ("megatron/arguments.py", "_cp_ranks_per_node"),
-}
-
 
 def environment_reads(source: str, filename: str = "<source>"):
     """[(enclosing function qualname or '<module>', line, what)] for every environment access in `source`:
@@ -64,13 +53,8 @@ def test_finder_sees_every_form():
     assert environment_reads("import os\npath = os.path.join('a', 'b')\nenv = {'environ': 1}\n") == []
 
 
-def test_library_reads_no_environment_variable_outside_the_allow_list():
-    reads = _package_reads()
-    extra = [line for key, lines in sorted(reads.items()) if key not in ALLOWED for line in lines]
-    assert not extra, "environment reads in the library (make them arguments or config fields):\n" + "\n".join(extra)
-
-
-def test_allow_list_has_no_stale_entry():
-    reads = _package_reads()
-    stale = sorted(key for key in ALLOWED if key not in reads)
-    assert not stale, f"allow-list entries without an environment read (remove them): {stale}"
+def test_library_reads_no_environment_variable():
+    """No read at all (the launcher's processes per node reach `validate_splitkv_args` as its `launcher_env`
+    argument, picked by the entry script from its own os.environ)."""
+    reads = [line for _, lines in sorted(_package_reads().items()) for line in lines]
+    assert not reads, "environment reads in the library (make them arguments or config fields):\n" + "\n".join(reads)

@@ -24,6 +24,8 @@ from megatron_splitkv import kernels
 from megatron_splitkv.kernels import fa4
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.ops.common import context_keys, intervals, with_own_blocks
+from megatron_splitkv.ops.host_metadata import _host_flex_tables
+from megatron_splitkv.ops.packing import FLEX_HOST
 
 _BST = collections.namedtuple("_BST", "cnt idx full_cnt full_idx block_size")
 
@@ -128,12 +130,10 @@ def test_tables_reuse_the_pipelines_host_built_flex_tables():
     """A mask carrying FlexAttention tables built on the host (the data pipeline's `_host_flex_tables`,
     at flex's bucketed lengths) gives FA4 those tensors (no device work) with the same tile sets on the
     rows and key tiles FA4 reads."""
-    from megatron_splitkv.ops import metadata as md
-
     gen = torch.Generator().manual_seed(5)
     mask = _mask(gen, 20, 16, 1500, True)
-    md._host_flex_tables([mask])
-    (key, (rows, tables)), = mask.__dict__[md._FLEX_HOST].items()
+    _host_flex_tables([mask])
+    (key, (rows, tables)), = mask.__dict__[FLEX_HOST].items()
     Tq, Tk = 320, mask.num_keys
     assert key[0] > 384 or key[1] > -(-Tk // 128) * 128  # padded beyond FA4's own lengths: a real test
     t = fa4._Tables(mask, Tq, Tk, 128, _bst, (rows, tables))
@@ -169,12 +169,10 @@ def test_host_built_tables_have_the_shapes_fa4_takes(n_blocks, B, tk, union):
     """The pipeline's host-built flex tables are padded to flex's BUCKETED lengths (e.g. 2560 rows -> 3072,
     20000 keys -> 24576: 24 x 192 tiles where FA4 expects 20 x 157, and FA4 refuses larger tables); the
     tables FA4 gets from them have FA4's shapes and equal the ones built at its own lengths, value for value."""
-    from megatron_splitkv.ops import metadata as md
-
     gen = torch.Generator().manual_seed(n_blocks + tk)
     mask = _mask(gen, n_blocks, B, tk, union, dflash=not union)
-    md._host_flex_tables([mask])
-    (key, pre), = mask.__dict__[md._FLEX_HOST].items()
+    _host_flex_tables([mask])
+    (key, pre), = mask.__dict__[FLEX_HOST].items()
     Tq, Tk = n_blocks * B, mask.num_keys
     fresh = fa4._Tables(mask, Tq, Tk, 128, _bst)
     _fa4_shape_check(fresh, Tq, Tk)
@@ -190,7 +188,7 @@ def test_host_built_tables_have_the_shapes_fa4_takes(n_blocks, B, tk, union):
     assert got.aux[0].data_ptr() == pre[0].data_ptr()  # views of the host-built rows: no copy
     if union:  # a host table of the other mask kind (the union's 4 rows for a one-interval mask) is not taken
         other = IntervalMask(B, mask.lo, mask.hi, mask.num_keys)
-        other.__dict__[md._FLEX_HOST] = mask.__dict__[md._FLEX_HOST]
+        other.__dict__[FLEX_HOST] = mask.__dict__[FLEX_HOST]
         assert kern._prebuilt(other, Tq, Tk) is None
 
 

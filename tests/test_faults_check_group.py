@@ -1,7 +1,7 @@
 """The verdict rows' gloo group (`check_group`): a bad one raises on every rank, naming it; the Megatron setup
 creates one per CP group with the CP group's ranks.
 
-`check_group` is validated on every rank before any exchange (`ops.metadata.resolve_check_group`): not a
+`check_group` is validated on every rank before any exchange (`ops.validation.resolve_check_group`): not a
 ProcessGroup, or a group whose ranks are not the CP group's (here: each rank's own one-rank group), raises
 ValueError naming check_group on each rank, in every entry point (prepare, bind, the three ops without
 `metadata=`, `raise_on_every_rank`); a `metadata=` call on one rank passing another check_group than its
@@ -19,7 +19,7 @@ from _dist import run_distributed
 from _splitkv_helpers import OPS
 
 from megatron_splitkv.ops import prepare_splitkv_metadata, prepare_splitkv_metadata_from_plan
-from megatron_splitkv.ops.metadata import raise_on_every_rank
+from megatron_splitkv.ops.agreement import raise_on_every_rank
 from megatron_splitkv.planning import plan_context_parallel
 
 B, HQ, HKV, D = 4, 4, 2, 8

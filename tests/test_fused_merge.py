@@ -1,4 +1,4 @@
-"""Fused merges of Split-KV's partial states (`megatron_splitkv.ops.fused_merge`, docs/perf-notes.md item 11).
+"""Fused merges of Split-KV's partial states (`megatron_splitkv.ops.fused_merge`, docs/lab/perf-notes.md item 11).
 
 - `merge_packed` (torch path) against the float64 merge formula (DESIGN.md section 2, forward step 3) on
   packed bf16 / fp16 / fp32 partials with partly and wholly empty (-inf) rows: exact to fp32 rounding,

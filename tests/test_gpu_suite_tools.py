@@ -197,14 +197,13 @@ def test_suite_rejects_unknown_backend_before_any_step(tmp_path):
 def test_chunk_cost_cpu(tmp_path):
     """tools/chunk_cost.py --cpu: tiny defaults, every variant timed, the table and JSON written."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "chunk_cost.py"), "--cpu", "--backends", "math",
-                        "--chunks", "2", "--reps", "1", "--reverse", "--head-splits", "3,1:1,2,1", "--out",
+                        "--chunks", "2", "--reps", "1", "--reverse", "--out",
                         str(tmp_path)],
                        capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.load(open(tmp_path / "chunk_cost.json"))["rows"]
     names = [x["variant"] for x in rows]
-    assert names == ["one call", "one call, reversed", "query k=2", "query k=2, reversed", "head k=2", "head 3/1",
-                     "head 1/2/1"], names
+    assert names == ["one call", "one call, reversed", "query k=2", "query k=2, reversed", "head k=2"], names
     assert all(x["ctx_per_rank"] == 256 and x["ms"] > 0 for x in rows)
     assert rows[0]["vs_one"] == 1.0
     md = (tmp_path / "chunk_cost.md").read_text()
@@ -258,13 +257,11 @@ def test_gpu_check_tables_gpu_measures_na_on_cpu():
     assert "n/a" not in gpu and gpu_check.CPU_NOTE not in gpu
 
 
-@pytest.mark.parametrize("var,val", [("SUITE_SIM_HEAD_SPLIT", "1,x"), ("SUITE_SIM_HEAD_SPLIT", "1,,1"),
-                                     ("SUITE_SIM_HEAD_SPLIT", "0,2"), ("SUITE_SIM_HEAD_SPLIT", "1,1:2,1"),
+@pytest.mark.parametrize("var,val", [("SUITE_SIM_HEAD_SPLIT", "1,1"), ("SUITE_CHUNKCOST_SPLITS", "3,1"),
                                      ("SUITE_SIM_ROUNDS", "-1"), ("SUITE_SIM_ROUNDS", "two"), ("SUITE_SIM_ROUNDS", "")])
-def test_suite_rejects_bad_sim_head_split_or_rounds(tmp_path, var, val):
-    """SUITE_SIM_HEAD_SPLIT (':'-separated comma lists of positive kv-head counts summing to simulate's Hkv: 2 on
-    CPU, so 2,1 does not) and SUITE_SIM_ROUNDS (a whole number) are checked before any step: exit 2 naming the
-    variable."""
+def test_suite_rejects_removed_head_split_or_bad_rounds(tmp_path, var, val):
+    """The removed uneven head-split variables (SUITE_SIM_HEAD_SPLIT, SUITE_CHUNKCOST_SPLITS) and a
+    SUITE_SIM_ROUNDS that is not a whole number are refused before any step: exit 2 naming the variable."""
     env = dict(os.environ, SUITE_CPU="1", SUITE_STEPS="simulate", PYTHON=sys.executable, OUT=str(tmp_path / "out"),
                WORK=str(tmp_path / "work"), **{var: val})
     p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -286,23 +283,19 @@ def test_suite_rejects_bad_steps_or_time_limits_before_any_step(tmp_path, var, v
     assert p.returncode == 2 and var in p.stderr and "start at" not in p.stdout, (p.stdout[-1500:], p.stderr)
 
 
-def test_suite_sim_head_split_and_rounds_reach_the_tool(tmp_path):
-    """SUITE_SIM_HEAD_SPLIT=1,1 SUITE_SIM_ROUNDS=2 on CPU: simulate runs as one process (not torchrun) with
-    --head-split 1,1 --bwd-chunk-order forward,reverse --paired-rounds 2, and its JSON has the measured split rows
-    and the rounds."""
+def test_suite_sim_rounds_reach_the_tool(tmp_path):
+    """SUITE_SIM_ROUNDS=2 on CPU: simulate runs as one process (not torchrun) with --paired-rounds 2, and its JSON
+    has the rounds."""
     out, work = tmp_path / "out", tmp_path / "work"
-    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="simulate", SUITE_SIM_HEAD_SPLIT="1,1", SUITE_SIM_ROUNDS="2",
+    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="simulate", SUITE_SIM_ROUNDS="2",
                PYTHON=sys.executable, OUT=str(out), WORK=str(work))
     p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
     start = next(ln for ln in (out / "suite.log").read_text().splitlines() if ln.startswith("=== [c_simulate] start"))
     assert "torch.distributed.run" not in start and "tools/simulate_scaling.py" in start, start
-    assert "--head-split 1,1 --bwd-chunk-order forward,reverse --paired-rounds 2" in start, start
+    assert "--paired-rounds 2" in start, start
     res = json.load(open(work / "sim" / "simulate_scaling.json"))
-    split = [r for r in res["rows"] if r.get("head_split")]
-    assert split and {r["bwd_order"] for r in split} == {"forward", "reverse"}
-    assert all(r["compute_source"] == "measured, 2 interleaved rounds" for r in split)
     assert all(len(r["efficiency_rounds"]) == 2 for r in res["rows"]
                if r["method"] == "splitkv" and r["P"] > 1 and r["placement"] == "lpt")
 

@@ -1,4 +1,4 @@
-"""The host-overhead cuts of docs/perf-notes.md item 15 leave every result bit-identical.
+"""The host-overhead cuts of docs/lab/perf-notes.md item 15 leave every result bit-identical.
 
 - the rewritten elementwise formulas (`ops.common.lse_weights`, `finalize`, `delta_and_dout`, `_as_bits`,
   `zero_invalid_rows`, `with_own_keys`) against the former ones, kept here, on inputs with NaN, +-inf, -0;

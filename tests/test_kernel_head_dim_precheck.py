@@ -1,5 +1,5 @@
 """The head-dim rule of the CUDA kernels (staircase: cuDNN SDPA; fa4: FlashAttention-4) is part of the check the
-ops run BEFORE their first collective (`ops.metadata._resolve_kernel` -> `check_dtype(dtype, device, head_dim)`),
+ops run BEFORE their first collective (`ops.metadata.resolve_kernel` -> `check_dtype(dtype, device, head_dim)`),
 not only of the kernels' forward / backward: a rank without keys never calls the kernel, so a refusal there
 fired on the other ranks only, after the Q all-gather, and left the keyless rank waiting in the next
 collective. CPU only: the rule is checked without a GPU (it raises before anything touches CUDA).
@@ -10,7 +10,7 @@ import torch
 
 from megatron_splitkv.kernels import base, fa4
 from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
-from megatron_splitkv.ops.metadata import _resolve_kernel
+from megatron_splitkv.ops.metadata import resolve_kernel
 
 BAD = (1, 4, 12, 36, 100, 257, 264, 512)
 GOOD = (8, 16, 64, 72, 128, 256)
@@ -42,8 +42,8 @@ def test_pre_collective_resolve_refuses_staircase_head_dim():
     would give later, here, prefixed with the op name (so every rank raises the same error)."""
     for d in BAD:
         with pytest.raises(ValueError, match=rf"^splitkv: backend='staircase' \(cuDNN\) needs a head dim.*got {d}$"):
-            _resolve_kernel("splitkv", "staircase", torch.device("cuda"), torch.bfloat16, d)
-    assert isinstance(_resolve_kernel("splitkv", "staircase", torch.device("cpu"), torch.bfloat16, 12),
+            resolve_kernel("splitkv", "staircase", torch.device("cuda"), torch.bfloat16, d)
+    assert isinstance(resolve_kernel("splitkv", "staircase", torch.device("cpu"), torch.bfloat16, 12),
                       StaircaseAttentionKernel)
 
 

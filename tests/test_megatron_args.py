@@ -321,14 +321,12 @@ def test_pretrain_parse_only_threads_splitkv_kernel():
     assert "kernel_backend=kernel_backend_from_args(args)" in src
 
 
-def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
+def test_cp_ranks_per_node_flag_validates_and_reaches_the_op():
     """--splitkv-cp-ranks-per-node parses (default None: the op's default), must divide the CP size (the
     error names the flag and the CP size), and a valid value reaches the op through the config
     (args.splitkv_config.cp_ranks_per_node, resolved by ops.metadata.resolve_ranks_per_node)."""
     from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
-    for name in LOCAL_SIZE_ENVS:  # no launcher size per node: the automatic choice is 1
-        monkeypatch.delenv(name, raising=False)
     p = add_splitkv_args(argparse.ArgumentParser())
     assert p.parse_args([]).splitkv_cp_ranks_per_node is None
     a = _args(context_parallel_size=8, dflash_num_anchors=8)
@@ -367,7 +365,7 @@ def test_cp_ranks_per_node_flag_validates_and_reaches_the_op(monkeypatch):
 def test_auto_cp_ranks_per_node(env, tp, cp, want):
     """`auto_cp_ranks_per_node`: the launcher's processes per node / TP when the CP group spans whole nodes (1 < L
     < CP, L divides CP), else 1, with the reason."""
-    L, why = auto_cp_ranks_per_node(tp, cp, environ=env)
+    L, why = auto_cp_ranks_per_node(tp, cp, launcher_env=env)
     assert L == want, why
     assert isinstance(why, str) and why
 
@@ -376,37 +374,46 @@ def test_auto_cp_ranks_per_node(env, tp, cp, want):
 def test_auto_cp_ranks_per_node_heterogeneous_slurm_is_one(name):
     """Slurm's '8(x2),4' (two nodes of 8 ranks, one of 4) was read as 8: nodes of different sizes give no
     whole-node CP groups, so the automatic L is 1 and the reason says why."""
-    L, why = auto_cp_ranks_per_node(1, 16, environ={name: "8(x2),4"})
+    L, why = auto_cp_ranks_per_node(1, 16, launcher_env={name: "8(x2),4"})
     assert L == 1 and "heterogeneous" in why and f"{name}=8(x2),4" in why, why
-    assert auto_cp_ranks_per_node(1, 16, environ={name: "8(x2)"})[0] == 8  # homogeneous stays 8
+    assert auto_cp_ranks_per_node(1, 16, launcher_env={name: "8(x2)"})[0] == 8  # homogeneous stays 8
     for bad in ("8(x0)", "8(x", "8,", "(x2)", "8(x2)4"):  # malformed: no size, not a heterogeneous one
-        L, why = auto_cp_ranks_per_node(1, 16, environ={name: bad})
+        L, why = auto_cp_ranks_per_node(1, 16, launcher_env={name: bad})
         assert L == 1 and "not a positive int" in why, (bad, why)
 
 
 def test_auto_cp_ranks_per_node_chosen_by_validate(monkeypatch):
     """No --splitkv-cp-ranks-per-node: validate puts the automatic L (> 1 only; impl splitkv only) in the config
     and records the choice for the start-up line; the flag wins over it; the op then resolves it
-    (ops.metadata.resolve_ranks_per_node). Nothing is written to the process environment."""
+    (ops.metadata.resolve_ranks_per_node). The launcher's variables come as the `launcher_env` argument (the
+    entry script picks them from its os.environ with `launcher_env_from`): the process environment is neither
+    read nor written."""
+    from megatron_splitkv.megatron import launcher_env_from
     from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
     for name in LOCAL_SIZE_ENVS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    before = dict(os.environ)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the process's: ignored by the library
     a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
     validate_splitkv_args(a)
+    assert a.splitkv_config.cp_ranks_per_node is None and a.splitkv_cp_ranks_per_node_auto.startswith(
+        "auto -> 1 (no launcher size per node"), a.splitkv_cp_ranks_per_node_auto
+    env = launcher_env_from(dict(os.environ, SLURM_JOB_ID="7"))
+    assert env == {"LOCAL_WORLD_SIZE": "8"}
+    before = dict(os.environ)
+    a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
+    validate_splitkv_args(a, launcher_env=env)
     assert a.splitkv_config.cp_ranks_per_node == 8 and resolve_ranks_per_node(None, 32, a.splitkv_config) == 8
     assert a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 8 (LOCAL_WORLD_SIZE=8")
     assert dict(os.environ) == before
     a = _args(tensor_model_parallel_size=1, context_parallel_size=4, dflash_num_anchors=8)  # one node: none
-    validate_splitkv_args(a)
+    validate_splitkv_args(a, launcher_env=env)
     assert a.splitkv_config.cp_ranks_per_node is None and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 ")
     a = _args(context_parallel_impl="allgather-kv", tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)
-    validate_splitkv_args(a)  # the baselines run no two-level exchange: none
+    validate_splitkv_args(a, launcher_env=env)  # the baselines run no two-level exchange: none
     assert a.splitkv_config.cp_ranks_per_node is None
     a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32, splitkv_cp_ranks_per_node=1)
-    validate_splitkv_args(a)
+    validate_splitkv_args(a, launcher_env=env)
     assert a.splitkv_config.cp_ranks_per_node == 1  # the flag wins (1 = one all-to-all)
 
 
@@ -535,25 +542,23 @@ def test_auto_cp_ranks_per_node_malformed_launcher_size_is_no_size(raw):
     Python's ValueError out of validate_splitkv_args; a 5000-digit value hit the int-conversion limit; '٨' (an
     Arabic-Indic 8) was taken as 8, which the package's text-int policy refuses) is unknown: L = 1, and the
     reason names the variable and its value instead of claiming it is unset."""
-    L, why = auto_cp_ranks_per_node(1, 16, environ={"LOCAL_WORLD_SIZE": raw})
+    L, why = auto_cp_ranks_per_node(1, 16, launcher_env={"LOCAL_WORLD_SIZE": raw})
     assert L == 1
     assert "LOCAL_WORLD_SIZE=" in why and "not a positive int" in why, why
     assert len(why) < 300, why
     # the next source is still read
-    assert auto_cp_ranks_per_node(1, 16, environ={"LOCAL_WORLD_SIZE": raw, "SLURM_NTASKS_PER_NODE": "4"})[0] == 4
+    assert auto_cp_ranks_per_node(1, 16, launcher_env={"LOCAL_WORLD_SIZE": raw, "SLURM_NTASKS_PER_NODE": "4"})[0] == 4
 
 
-def test_runtime_flag_values_shows_the_automatic_choice_after_validate(monkeypatch):
+def test_runtime_flag_values_shows_the_automatic_choice_after_validate():
     """--parse-only prints runtime_flag_values after validate_splitkv_args: the automatic L is shown as the
     automatic choice with its reason."""
     from megatron_splitkv.megatron.arguments import runtime_flag_values
 
-    for name in LOCAL_SIZE_ENVS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    env = {"LOCAL_WORLD_SIZE": "4"}
     a = _args(tensor_model_parallel_size=1, context_parallel_size=8, dflash_num_anchors=8,
               splitkv_cp_ranks_per_node=None)
-    validate_splitkv_args(a)
+    validate_splitkv_args(a, launcher_env=env)
     assert a.splitkv_config.cp_ranks_per_node == 4
     shown = runtime_flag_values(a)["splitkv_cp_ranks_per_node"]
     assert shown.startswith("auto -> 4 (LOCAL_WORLD_SIZE=4"), shown
@@ -579,7 +584,7 @@ def test_plugin_int_flags_take_plain_decimals_only(flag, capsys):
         assert f"argument {flag}: must be an int (decimal digits), got {bad!r}" in err, err
 
 
-# ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/perf-notes.md item 25) ----
+# ---- the automatic chunked pipeline across nodes (`auto_pipeline`; docs/lab/perf-notes.md item 25) ----
 from megatron_splitkv.megatron.arguments import auto_pipeline, runtime_flag_values  # noqa: E402
 
 ON = {"num_chunks": 2, "chunk_axis": "heads"}
@@ -603,17 +608,9 @@ ON = {"num_chunks": 2, "chunk_axis": "heads"}
 def test_auto_pipeline(env, tp, cp, kv, want):
     """`auto_pipeline`: 2 head chunks when the CP group spans nodes (launcher's processes per node / TP < CP) and
     each TP rank holds >= 2 kv heads; else no change; always a one-line reason."""
-    fields, why = auto_pipeline(tp, cp, kv, environ=env)
+    fields, why = auto_pipeline(tp, cp, kv, launcher_env=env)
     assert fields == want, why
     assert isinstance(why, str) and why and "\n" not in why
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No launcher size per node."""
-    for name in LOCAL_SIZE_ENVS:
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
 
 
 def _pipeline(a):
@@ -625,26 +622,26 @@ def _spanning(**kw):  # with LOCAL_WORLD_SIZE=8: 2 nodes of 8 GPUs, TP 1, CP 16,
     return _args(**{"tensor_model_parallel_size": 1, "context_parallel_size": 16, "dflash_num_anchors": 16, **kw})
 
 
-def test_auto_pipeline_chosen_by_validate(clean_env):
+def test_auto_pipeline_chosen_by_validate():
     """validate_splitkv_args puts the automatic pipeline in the config (impl splitkv only) and records it for the
     start-up line; the same 2 head chunks whatever the local kernel; nothing is written to the environment."""
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    env = {"LOCAL_WORLD_SIZE": "8"}
     before = dict(os.environ)
     a = _spanning()
-    validate_splitkv_args(a, have_fa4=True)
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     assert _pipeline(a) == ON and dict(os.environ) == before
     assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks (LOCAL_WORLD_SIZE=8 / TP 1"), \
         a.splitkv_pipeline_auto
     for kw, fa4 in ((dict(), False), (dict(deterministic_mode=True), True), (dict(bf16=False, fp16=False), True),
                     (dict(splitkv_kernel="flex"), True), (dict(splitkv_kernel="fa4", bf16=False), True)):
         a = _spanning(**kw)
-        validate_splitkv_args(a, have_fa4=fa4)
+        validate_splitkv_args(a, have_fa4=fa4, launcher_env=env)
         assert _pipeline(a) == ON, kw
         assert a.splitkv_pipeline_auto.startswith("auto -> 2 head chunks ("), (kw, a.splitkv_pipeline_auto)
     for kw in (dict(context_parallel_impl="allgather-kv"), dict(context_parallel_size=8, dflash_num_anchors=8),
                dict(num_query_groups=1)):
         a = _spanning(**kw)
-        validate_splitkv_args(a, have_fa4=True)  # a baseline, one node, one kv head: the op's defaults
+        validate_splitkv_args(a, have_fa4=True, launcher_env=env)  # a baseline, one node, one kv head: the op's defaults
         assert _pipeline(a) == {}, kw
     assert a.splitkv_pipeline_auto.startswith("auto -> off ("), a.splitkv_pipeline_auto
 
@@ -653,7 +650,7 @@ def test_auto_pipeline_chosen_by_validate(clean_env):
     ("--splitkv-num-chunks", "splitkv_num_chunks", "num_chunks", 4),
     ("--splitkv-chunk-axis", "splitkv_chunk_axis", "chunk_axis", "rows"),
 ])
-def test_pipeline_flags_win_over_automatic(clean_env, flag, attr, field, value):
+def test_pipeline_flags_win_over_automatic(flag, attr, field, value):
     """Each pipeline flag parses (default None), sets its config field and turns the automatic pipeline off (the
     other field keeps the op's default)."""
     p = add_splitkv_args(argparse.ArgumentParser())
@@ -661,9 +658,9 @@ def test_pipeline_flags_win_over_automatic(clean_env, flag, attr, field, value):
     assert getattr(p.parse_args([flag, str(value)]), attr) == value
     with pytest.raises(SystemExit):  # argparse: an int / one of rows, heads
         p.parse_args([flag, "cols"])
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    env = {"LOCAL_WORLD_SIZE": "8"}
     a = _spanning(**{attr: value})
-    validate_splitkv_args(a, have_fa4=True)
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     assert getattr(a.splitkv_config, field) == value and splitkv_config_from_args(a) is a.splitkv_config
     other = "chunk_axis" if field == "num_chunks" else "num_chunks"
     assert getattr(a.splitkv_config, other) == getattr(SplitKVConfig(), other)  # nothing automatic
@@ -677,57 +674,57 @@ def test_pipeline_flags_win_over_automatic(clean_env, flag, attr, field, value):
     (dict(splitkv_num_chunks=True), r"--splitkv-num-chunks"),
     (dict(splitkv_chunk_axis="cols"), r"--splitkv-chunk-axis must be one of \('rows', 'heads'\), got 'cols'"),
 ])
-def test_pipeline_flags_bad_values(clean_env, kw, match):
+def test_pipeline_flags_bad_values(kw, match):
     with pytest.raises(SplitKVArgumentError, match=match):
         validate_splitkv_args(_spanning(**kw))
 
 
-def test_validate_twice_gives_the_same_result(clean_env):
+def test_validate_twice_gives_the_same_result():
     """validate_splitkv_args on the same args twice, or on another namespace, gives what each gets alone (no
     state in the process: the config lives on the namespace)."""
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    env = {"LOCAL_WORLD_SIZE": "8"}
     a = _spanning()
-    validate_splitkv_args(a, have_fa4=True)
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     first = (a.splitkv_config, a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a))
-    validate_splitkv_args(a, have_fa4=True)
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     assert (a.splitkv_config, a.splitkv_pipeline_auto, a.splitkv_cp_ranks_per_node_auto, runtime_flag_values(a)) == first
     assert a.splitkv_config.cp_ranks_per_node == 8 and _pipeline(a) == ON
     b = _spanning(context_parallel_size=4, dflash_num_anchors=4)  # inside one node
-    validate_splitkv_args(b, have_fa4=True)
+    validate_splitkv_args(b, have_fa4=True, launcher_env=env)
     assert _pipeline(b) == {} and b.splitkv_config.cp_ranks_per_node is None
     assert b.splitkv_pipeline_auto.startswith("auto -> off (LOCAL_WORLD_SIZE=8, TP 1: the CP group of 4 fits"), \
         b.splitkv_pipeline_auto
     assert runtime_flag_values(b)["splitkv_num_chunks"] == "auto -> 1 (splitkv_pipeline_auto)"
-    clean_env.setenv("LOCAL_WORLD_SIZE", "16")  # the inputs changed (one node now): nothing stale remains
-    validate_splitkv_args(a, have_fa4=True)
+    env = {"LOCAL_WORLD_SIZE": "16"}  # the inputs changed (one node now): nothing stale remains
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     assert _pipeline(a) == {} and a.splitkv_config.cp_ranks_per_node is None
     assert a.splitkv_pipeline_auto.startswith("auto -> off (") and a.splitkv_cp_ranks_per_node_auto.startswith("auto -> 1 (")
 
 
-def test_runtime_flag_values_shows_the_automatic_pipeline(clean_env):
+def test_runtime_flag_values_shows_the_automatic_pipeline():
     a = _spanning()
     shown = runtime_flag_values(a)  # before validate: what the run would do
     assert shown["splitkv_num_chunks"].startswith("auto (") and shown["splitkv_chunk_axis"].startswith("auto (")
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
-    validate_splitkv_args(a, have_fa4=True)
+    env = {"LOCAL_WORLD_SIZE": "8"}
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     shown = runtime_flag_values(a)
     assert (shown["splitkv_num_chunks"], shown["splitkv_chunk_axis"]) == (
         "auto -> 2 (splitkv_pipeline_auto)", "auto -> heads (splitkv_pipeline_auto)")
 
 
-def test_fresh_user_reasons(clean_env):
+def test_fresh_user_reasons():
     """Reasons a fresh user found wrong or unhelpful: TP = processes per node gave '1 CP ranks per node do not
     divide CP 16' (1 divides it); the automatic pipeline's 'off' reason names the flag that set it."""
-    L, why = auto_cp_ranks_per_node(8, 16, environ={"LOCAL_WORLD_SIZE": "8"})
+    L, why = auto_cp_ranks_per_node(8, 16, launcher_env={"LOCAL_WORLD_SIZE": "8"})
     assert L == 1 and why.endswith("1 CP rank per node (one all-to-all)") and "divide" not in why, why
-    clean_env.setenv("LOCAL_WORLD_SIZE", "8")
+    env = {"LOCAL_WORLD_SIZE": "8"}
     a = _spanning(splitkv_num_chunks=1)
-    validate_splitkv_args(a, have_fa4=True)
+    validate_splitkv_args(a, have_fa4=True, launcher_env=env)
     assert "--splitkv-num-chunks" in a.splitkv_pipeline_auto, a.splitkv_pipeline_auto
 
 
 @pytest.mark.parametrize("kw", [dict(splitkv_num_chunks=2), dict(splitkv_chunk_axis="heads")])
-def test_pipeline_flags_refused_with_the_baselines(clean_env, kw):
+def test_pipeline_flags_refused_with_the_baselines(kw):
     """The merge pipeline is Split-KV's: its flags with --context-parallel-impl allgather-kv / ring-kv were accepted
     and ignored (fresh user, session 11)."""
     for impl in ("allgather-kv", "ring-kv"):

@@ -23,6 +23,7 @@ from _splitkv_helpers import GRAD_NAMES, TOL, loss_of, new_seed, rel_err
 from megatron_splitkv import SplitKVConfig, comm_stats, dflash_attention_reference, splitkv_attention
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata, prepare_splitkv_metadata_from_plan
+from megatron_splitkv.ops.packing import pack, remapped, unique_tensors, unpacked
 from megatron_splitkv.planning import plan_context_parallel
 
 KEYS = ("q", "k_ctx", "v_ctx", "k_blk", "v_blk")
@@ -362,9 +363,7 @@ def test_meta_diff_detects_differences():
 
 def test_single_process_matches_prepare_and_packed_upload_layout():
     """P = 1 without torch.distributed: bind(None) equals prepare's metadata; the packed layout that bind
-    uploads (`_pack` / `_unpacked`, here on CPU) reproduces every tensor, with shared tensors shared."""
-    from megatron_splitkv.ops import metadata as md
-
+    uploads (`ops.packing.pack` / `unpacked`, here on CPU) reproduces every tensor, with shared tensors shared."""
     plan = _plan(P=1)
     for k in (1, 2, 3):
         host = _build(plan, num_chunks=k)
@@ -377,17 +376,17 @@ def test_single_process_matches_prepare_and_packed_upload_layout():
                                        block_size=4, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D,
                                        dtype=torch.float32, num_chunks=k)
         assert meta_diff(bound, ref) == []
-        tensors = md._unique_tensors(host)
+        tensors = unique_tensors(host)
         # q_seq q_anchor kv_seq kv_pos valid keys block_meta valid_rows + lo hi lo2 hi2 per chunk (lo / hi shared)
         assert len(tensors) == 8 + 4 * k
-        buf, offs = md._pack(tensors, pin=False)
+        buf, offs = pack(tensors, pin=False)
         assert all(o % 16 == 0 for o in offs) and buf.dtype == torch.uint8
-        packed = md._remapped(host, {id(t): md._unpacked(buf, o, t) for t, o in zip(tensors, offs)}, host_build=None,
+        packed = remapped(host, {id(t): unpacked(buf, o, t) for t, o in zip(tensors, offs)}, host_build=None,
                               group=bound.group)
         assert meta_diff(packed, bound) == []
         assert all(p.lo is q.lo for p, q in zip(packed.chunk_masks, packed.chunk_masks_own))
         assert all(t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
-                   for t in md._unique_tensors(packed))
+                   for t in unique_tensors(packed))
 
 
 def test_unbound_metadata_refused_by_the_op():
@@ -530,9 +529,8 @@ def test_flex_tables_larger_plan_match_device_builder():
                                                           flex_block_masks=True)
                 # the tables are built at bind; compare on a copy bound as if P were 1 (no group needed)
                 fake = dataclasses.replace(host, host_build=None)
-                from megatron_splitkv.ops import metadata as md
-                ts = md._unique_tensors(fake)
-                bound = md._remapped(fake, {id(t): t for t in ts}, block_masks=True)
+                ts = unique_tensors(fake)
+                bound = remapped(fake, {id(t): t for t in ts}, block_masks=True)
                 assert block_mask_diff(bound, host) == [], (P, k, r)
                 assert all(len(m.__dict__["_flex_host_tables"]) == 1 for m in host.chunk_masks_own)
                 assert not any(m.__dict__.get("_flex_block_masks") for m in host.chunk_masks_own)  # host: tables only

@@ -35,7 +35,7 @@ from _splitkv_helpers import (
     rel_err,
 )
 from megatron_splitkv import SplitKVConfig, comm_stats, dflash_attention_reference, splitkv_start_query_gather
-from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata
+from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata, validation
 
 LAYERS = 3
 META_TAGS = (".meta", "block_meta", "kv_meta", "ctx_meta", ".check")
@@ -332,14 +332,12 @@ def test_index_less_cuda_device_is_the_current_one(monkeypatch):
     device ("cuda:<current>"), the device tensors made with "cuda" land on, so the per-call check
     (`q.device == meta.device`) accepts them (it compared cuda:0 with cuda and refused every call; found by the
     GPU head-chunk test). An explicit index stays as given; CPU is untouched."""
-    import megatron_splitkv.ops.metadata as md
-
-    monkeypatch.setattr(md, "_usable_device", lambda dev: True)
+    monkeypatch.setattr(validation, "usable_device", lambda dev: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert md._check_device("cuda") == torch.device("cuda", 1)
-    assert md._check_device(torch.device("cuda")) == torch.device("cuda", 1)
-    assert md._check_device("cuda:0") == torch.device("cuda", 0)
-    assert md._check_device("cpu") == torch.device("cpu")
+    assert validation.check_device("cuda") == torch.device("cuda", 1)
+    assert validation.check_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert validation.check_device("cuda:0") == torch.device("cuda", 0)
+    assert validation.check_device("cpu") == torch.device("cpu")
 
 # ------------------------------------------------------------------ odd shapes through prepare_splitkv_metadata
 

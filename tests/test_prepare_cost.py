@@ -1,7 +1,7 @@
-"""The rewritten per-step metadata pieces (docs/perf-notes.md "Prepare cost (item 13)") against the
+"""The rewritten per-step metadata pieces (docs/lab/perf-notes.md "Prepare cost (item 13)") against the
 formulas they replace, on random inputs: bit-identical results, the same errors.
 
-- `ops.metadata._finish` for splitkv (one [4, P, nb_max] interval table for all chunks, the context sort
+- `ops.prepare._finish` for splitkv (one [4, P, nb_max] interval table for all chunks, the context sort
   decided after the fact, one host read) vs the former per-chunk `intervals` + `with_own_blocks` +
   `sort_keys` (copied below as the reference), at P = 1 and, with the block-metadata all-gather replaced
   by the other ranks' blocks, at P > 1 (uneven block counts, any rank).
@@ -28,6 +28,8 @@ from megatron_splitkv import prepare_splitkv_metadata, splitkv_attention
 from megatron_splitkv.comm import CommGroup
 from megatron_splitkv.kernels.base import IntervalMask
 from megatron_splitkv.ops import metadata as md
+from megatron_splitkv.ops import prepare
+from megatron_splitkv.ops.validation import HostReads
 
 flex = pytest.importorskip("megatron_splitkv.kernels.flex")
 
@@ -225,12 +227,12 @@ def test_finish_splitkv_matches_former_formulas(case, monkeypatch):
         assert op == "splitkv.fwd.block_meta" and torch.equal(x, gathered.view(P, nb_max, 2)[rank])
         return gathered.clone()
 
-    monkeypatch.setattr(md, "all_gather", fake_all_gather)
+    monkeypatch.setattr(prepare, "all_gather", fake_all_gather)
     meta = md.SplitKVMetadata(
         impl="splitkv", group=CommGroup(None, P, rank), block_size=B, num_heads_q=4, num_heads_kv=2, head_dim=8,
         dtype=torch.float32, device=torch.device("cpu"), n_blocks=n_blocks, n_ctx=[tk] * P, q_seq=q_seq,
         q_anchor=q_anchor, kv_seq=kv_seq, kv_pos=kv_pos, num_chunks_requested=k)
-    md._finish(meta, gather_ctx=True)
+    prepare._finish(meta, gather_ctx=True)
     ref = ref_finish_splitkv(q_seq, q_anchor, kv_seq, kv_pos, gathered, n_blocks, rank, B, meta.num_chunks)
     msg = f"seed {seed}, case {case}"
     assert calls == ["splitkv.fwd.block_meta"], msg
@@ -290,7 +292,7 @@ def _captured_check(meta):
     """The mask check `_finish_splitkv` registers (rebuilt on a fresh metadata with its reads captured)."""
     captured = []
 
-    class Reads(md._HostReads):
+    class Reads(HostReads):
         def add(self, tensors, use):
             captured.append(use)
 
@@ -302,7 +304,7 @@ def _captured_check(meta):
         dtype=torch.float32, device=meta.device, n_blocks=meta.n_blocks, n_ctx=meta.n_ctx, q_seq=meta.q_seq,
         q_anchor=meta.q_anchor, kv_seq=meta.kv_seq, kv_pos=meta.kv_pos, num_chunks_requested=2,
         config=SplitKVConfig(debug_checks=True))  # the check is registered only with debug checks on
-    md._finish(fresh, gather_ctx=True, reads=Reads())
+    prepare._finish(fresh, gather_ctx=True, reads=Reads())
     check = captured[-1]
     fresh.chunk_masks_own[:] = meta.chunk_masks_own
     return check
@@ -461,13 +463,13 @@ def test_deferred_range_check_raises_first_with_the_same_message():
 
 def test_host_reads_order_and_promotion():
     seen = []
-    reads = md._HostReads()
+    reads = HostReads()
     reads.add([torch.tensor(True), torch.tensor([5, -7])], lambda v: seen.append(("a", v)))
     reads.add([], lambda v: seen.append(("b", v)))
     reads.add([torch.tensor([(1 << 40) + 3])], lambda v: seen.append(("c", v)))
     reads.read()
     assert seen == [("a", [1, 5, -7]), ("b", []), ("c", [(1 << 40) + 3])]
-    md._HostReads().read()  # nothing to read: no error
+    HostReads().read()  # nothing to read: no error
 
 
 # ----------------------------------------------------------------------------- the tool

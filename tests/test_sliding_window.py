@@ -15,8 +15,10 @@ from dflash.model import _attention_mask
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import build, case, check, job_results, jobs_worker, local, new_seed, run_local
-from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
+from megatron_splitkv.ops import agreement, prepare_splitkv_metadata_from_plan
 from megatron_splitkv.ops.common import context_keys, intervals, own_key_start, sort_keys, with_own_blocks
+from megatron_splitkv.ops.host_metadata import from_recipe, pack_recipe
+from megatron_splitkv.ops.packing import pack, unique_tensors
 from megatron_splitkv.reference import dflash_attention_mask
 from test_splitkv_op import check_cp_size
 
@@ -229,7 +231,7 @@ def _mixed_window_metadata(rank, cp_group):
 
 
 #: the layer types one odd rank passes while the others pass window=None, causal=False, and how the error
-#: shows it (`ops.metadata._kind_text`)
+#: shows it (`ops.agreement._kind_text`)
 _ODD_KINDS = ((dict(window=8), "window=8, causal=False"), (dict(causal=True), "window=None, causal=True"))
 
 
@@ -409,7 +411,6 @@ def test_metadata_from_plan_with_window(monkeypatch):
 
     import numpy as np
 
-    from megatron_splitkv.ops import metadata as md
     from megatron_splitkv.planning import plan_context_parallel
     from test_metadata_from_plan import meta_diff
 
@@ -426,8 +427,8 @@ def test_metadata_from_plan_with_window(monkeypatch):
                   window=window, causal=causal)
         host = prepare_splitkv_metadata_from_plan(plan, 0, flex_block_masks=True, **kw)
         # the data loader's packed form (one region + a recipe of plain values) carries the per-row bounds too
-        region, _ = md._pack(md._unique_tensors(host), pin=False)
-        assert meta_diff(md._from_recipe(region, md._pack_recipe(host)), host) == ["host_build"]
+        region, _ = pack(unique_tensors(host), pin=False)
+        assert meta_diff(from_recipe(region, pack_recipe(host)), host) == ["host_build"]
         bound = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
         ref_meta = msk.prepare_splitkv_metadata(q_seq, q_anchor, kv_seq, kv_pos, **kw)
         assert meta_diff(bound, ref_meta) == [], (window, causal)
@@ -481,12 +482,11 @@ def test_with_attention_type_equals_prepare():
             assert torch.allclose(out, ref, atol=1e-10, rtol=0)
             assert all(torch.allclose(xo[n].grad, xr[n].grad, atol=1e-10, rtol=0) for n in x)
     # values a call cached on the metadata (its verdict row, with the digest) are not carried over
-    from megatron_splitkv.ops import metadata as md
-
     full = msk.prepare_splitkv_metadata(*meta.values(), **kw)
-    md._metadata_row(full, 0, 1)
+    agreement._metadata_row(full, 0, 1)
     derived = full.with_attention_type(5, True)
-    assert md._metadata_row(derived, 0, 1)[-1] == md.metadata_digest(derived) != md.metadata_digest(full)
+    digest = agreement._metadata_row(derived, 0, 1)[-1]
+    assert digest == agreement.metadata_digest(derived) != agreement.metadata_digest(full)
     ring = msk.prepare_splitkv_metadata(*meta.values(), impl="ring_kv", **kw)
     with pytest.raises(ValueError, match="ring_kv metadata cannot be derived"):
         ring.with_attention_type(4, True)

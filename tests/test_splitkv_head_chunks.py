@@ -1,5 +1,5 @@
 """Split-KV's head-chunked merge pipeline (`chunk_axis="heads"`; ops/splitkv.py item 3 "Head chunks",
-docs/perf-notes.md item 21).
+docs/lab/perf-notes.md item 21).
 
 Chunk c = kv heads `chunk_bounds(k, Hkv)[c]` (q heads G times them, GQA groups whole) of ALL rows; k clamped to
 [1, Hkv], uneven splits allowed. CPU, gloo, one spawn of 4 ranks (P = 1, 2, 3 on sub-groups):

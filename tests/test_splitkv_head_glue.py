@@ -1,4 +1,4 @@
-"""Split-KV's glue per head chunk (ops/chunking.py `HeadChunks.sends`, `grad_rows`, `HeadChunks.local_keys`; docs/perf-notes.md item
+"""Split-KV's glue per head chunk (ops/chunking.py `HeadChunks.sends`, `grad_rows`, `HeadChunks.local_keys`; docs/lab/perf-notes.md item
 24): the chunk-major send buffers of q / dO / statistics for equal head chunks, the dK / dV of each head chunk
 written (unsorted, in the result dtype) straight into its kv heads of the gradient, and the local keys as head
 views for kernels with `strided_heads`.

@@ -1,5 +1,5 @@
 """The relay of Split-KV's two-level all-to-all (`ops.common.RelayStream`, `ops.transport._TwoStage`;
-docs/perf-notes.md item 18).
+docs/lab/perf-notes.md item 18).
 
 On CUDA the op waits for each chunk's stage 1, node-merges (forward) or node-sums (dQ) the L partials and
 issues stage 2 on a relay stream, so the caller's stream never waits for stage 1. Off CUDA there is no

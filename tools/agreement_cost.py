@@ -1,7 +1,7 @@
 """Cost of the per-call rank agreement (`prepare_splitkv_metadata(group_check=True)`), op call by op call.
 
 Issue 24 item 2: with `group_check=True` (the default) every op call with `metadata=` all-gathers a [1, 12]
-int64 verdict row and reads it on the host before its first data collective (`ops.metadata.check_call`), so
+int64 verdict row and reads it on the host before its first data collective (`ops.agreement.check_call`), so
 that one rank's wrong tensors or calling mode fail every rank. This tool times op calls with metadata prepared
 with `group_check=True` ("check") and `group_check=False` ("no check") side by side in one process group (both
 prepared from the same inputs): every repeat times `--calls` calls of each arm back to back, the arms' order
@@ -101,7 +101,7 @@ def _sync(dev):
 
 def _host_read(dev, stream=None):
     """What the check does on the device besides its all-gather: an int64 row to the device (pinned,
-    non-blocking, as `ops.metadata._device_row`) and back to the host (`.tolist()`: the host waits for the
+    non-blocking, as `ops.agreement._device_row`) and back to the host (`.tolist()`: the host waits for the
     stream it is read on). stream: read on this side stream instead of the current one; "host": the check_group
     path, a CPU row read on the host (no device work)."""
     if stream == "host":

@@ -54,7 +54,8 @@ SKIPPED (an OOM anyway is caught and recorded as the row's error).
 
 Packs and peers (issue 22; `--packs`, additive to the rows above): per pack shape (kind x tokens x CP) the
 methods `--pack-methods` run side by side on the same inputs (`pack_rows`): splitkv (ours, per-step
-metadata), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package
+metadata), splitkv-fold (ours with the fa4 kernel's GQA fold on, `FA4AttentionKernel.fold_gqa`; the same as
+splitkv off fa4), splitkv-old (the same op from another checkout, `--old-tree DIR`, imported under another package
 name: old vs new tree in one process), turbo (Turbo-dLLM 0.1.6 `dflash_attention`, tools/peers.py: BSHD,
 per-anchor context intervals; CP=2 through its own K/V or query ring, contiguous context shards) and flex (FlexAttention `mask_mod` over
 `[context | block keys]`, SpecForge's formulation with sequence ids, compiled; CP=1 only). Kinds: sharegpt (the
@@ -93,6 +94,7 @@ Examples (from the repository root; no PYTHONPATH needed: the script puts the re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -391,7 +393,7 @@ def chunks_ab(args, dev, shapes, contexts, ks, log_row, axes=(None,)):
 # ------------------------------------------------------------------------------------------ packs and peers
 #: methods of the pack rows (--pack-methods): ours, ours from another tree (--old-tree), Turbo-dLLM 0.1.6,
 #: FlexAttention mask_mod (tools/peers.py)
-PACK_METHODS = ("splitkv", "splitkv-old", "turbo", "flex")
+PACK_METHODS = ("splitkv", "splitkv-fold", "splitkv-old", "turbo", "flex")
 #: the name the --old-tree package is imported under (`load_old_tree`)
 OLD_PACKAGE = "megatron_splitkv_old"
 
@@ -493,8 +495,9 @@ def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None
     """One forward + backward (with x["dout"]) of `method` on prepared inputs: ours on `x` (+ `meta`), Turbo
     on `ti` (`_leaves(turbo_inputs(...))`, `turbo_kw` for CP > 1), flex on `fi` (`_flex_leaves`) with its
     BlockMask `fbm`. Returns out [Tq, Hq, D]; the gradients are on the leaves."""
-    if method == "splitkv":
-        return bench.run_op("splitkv", x, block_size=block_size, cp_group=group, backend=backend, meta=meta)
+    if method in ("splitkv", "splitkv-fold"):
+        with _fa4_fold(method == "splitkv-fold", x["q"].device, x["q"].dtype, backend):
+            return bench.run_op("splitkv", x, block_size=block_size, cp_group=group, backend=backend, meta=meta)
     if method == "splitkv-old":
         for n in _GRADS:
             x[n].grad = None
@@ -516,6 +519,24 @@ def _peer_step(method, x, *, block_size, backend, meta=None, group=None, ti=None
         out = peers.flex_peer(fi["_fi"], fbm)
     out.backward(x["dout"])
     return out
+
+
+@contextlib.contextmanager
+def _fa4_fold(on: bool, device, dtype, backend):
+    """Run the block with the cached fa4 kernel's GQA fold on or off (`FA4AttentionKernel.fold_gqa`, read at
+    every call), then restore it: the pack methods splitkv / splitkv-fold time both on the same inputs in one
+    process. A no-op unless `backend` is "fa4" (the fold is the fa4 kernel's)."""
+    if backend != "fa4":
+        yield
+        return
+    from megatron_splitkv.kernels import get_kernel
+
+    kern = get_kernel("fa4", device, dtype)
+    prev, kern.fold_gqa = kern.fold_gqa, on
+    try:
+        yield
+    finally:
+        kern.fold_gqa = prev
 
 
 def _flex_leaves(x, B):
@@ -570,10 +591,10 @@ def pack_rows(kind, tokens, cp, methods, args, dev, group, shapes, corpus=None):
     steps, prep = {}, {}
     for m in methods:
         t0 = time.perf_counter()
-        if m == "splitkv":
+        if m in ("splitkv", "splitkv-fold"):
             meta = bench.prepare_meta("splitkv", x, block_size=B, cp_group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
-            steps[m] = lambda meta=meta: _peer_step("splitkv", x, block_size=B, backend=args.backend, meta=meta,
-                                                    group=group)
+            steps[m] = lambda meta=meta, m=m: _peer_step(m, x, block_size=B, backend=args.backend, meta=meta,
+                                                         group=group)
         elif m == "splitkv-old":
             meta = old_meta(sys.modules[OLD_PACKAGE], x, block_size=B, group=group, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype)
             steps[m] = lambda meta=meta: _peer_step("splitkv-old", x, block_size=B, backend=args.backend, meta=meta,

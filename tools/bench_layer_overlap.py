@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A/B of Split-KV's early query all-gather (docs/perf-notes.md item 3) in the Megatron DFlash attention
+"""A/B of Split-KV's early query all-gather (docs/lab/perf-notes.md item 3) in the Megatron DFlash attention
 layer: `DFlashAttention` forward + backward with `overlap_query_gather` on vs off, side by side.
 
 tools/bench_attention.py times the attention OP alone (q, k, v given): there is nothing for the query
@@ -42,6 +42,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools import benchlib as bench  # noqa: E402
+
 
 def log(msg):
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -72,7 +74,6 @@ def build_layer(args, cp, device, dtype):
 
 
 def run_context(attn, ctx_len, args, device, dtype, rank, cp):
-    from tools import benchlib as bench
     from megatron_splitkv.megatron import DFlashPackedSeqParams
 
     B = args.block_size
@@ -137,12 +138,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,131072")
-    ap.add_argument("--anchors", type=int_arg(1), default=512)
-    ap.add_argument("--block-size", type=int_arg(1), default=16)
+    bench.add_attention_shape_args(ap)
     ap.add_argument("--hidden", type=int_arg(1), default=4096)
-    ap.add_argument("--hq", type=int_arg(1), default=32)
-    ap.add_argument("--hkv", type=int_arg(1), default=8)
-    ap.add_argument("--d", type=int_arg(1), default=128)
     ap.add_argument("--reps", type=int_arg(1), default=10)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--seed", type=int_arg(0), default=0)

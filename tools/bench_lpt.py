@@ -9,10 +9,10 @@ Imbalance = max/mean - 1 of the realized per-rank cost (default CostModel); plan
 thread CPU time of `plan_context_parallel` over repeats (single-threaded, so this equals wall time on
 an idle machine and is robust to other jobs; wall times go to the JSON; per-rank index arrays are
 built lazily on each rank and are not included). Writes `lpt_bench.md` (markdown table), `lpt_bench.png`
-(plot) and `lpt_bench.json` into --out (default out/lpt_bench; the committed results in docs/ were
-written with `--out docs`).
+(plot) and `lpt_bench.json` into --out (default out/lpt_bench; the committed results in docs/lab/ were
+written with `--out docs/lab`).
 
-    .venv/bin/python tools/bench_lpt.py [--out docs] [--batches 8] [--long-batches 4] [--quick]
+    .venv/bin/python tools/bench_lpt.py [--out docs/lab] [--batches 8] [--long-batches 4] [--quick]
 
 Source: arXiv 2611.05926 (Split-KV), LPT section: < 1% imbalance, ~1000x faster than DCP's hypergraph.
 """
@@ -65,7 +65,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
                                                   "lpt_bench"),
-                    help="output directory (default out/lpt_bench; `--out docs` rewrites the committed results)")
+                    help="output directory (default out/lpt_bench; `--out docs/lab` rewrites the committed results)")
     ap.add_argument("--batches", type=int_arg(1), default=8, help="ShareGPT 32K batches")
     ap.add_argument("--long-batches", type=int_arg(1), default=4, help="synthetic 128K batches")
     ap.add_argument("--repeats", type=int_arg(1), default=21, help="timing repeats (lpt/contiguous/zigzag)")

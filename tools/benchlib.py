@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megatron_splitkv._ints import _shown, as_int, int_arg, parse_int
+from megatron_splitkv._ints import as_int, int_arg, parse_int
 from megatron_splitkv.ops.common import acc_dtype, own_key_start, own_rows, window_rows
 from megatron_splitkv.ops.metadata import resolve_num_chunks
 from megatron_splitkv.ops.schedule import describe_splitkv
@@ -238,7 +238,7 @@ def _intervals_np(keys_sorted, q_seq, q_anchor):
     return lo, hi
 
 
-#: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/metadata.py: the
+#: int64 entries per rank of the ops' size / validation all-gather "<op>.meta" (ops/agreement.py: the
 #: [1, 12] row: sizes, head counts, dtype, impl, call mode / group_check, requested chunk count, what
 #: backend "auto" resolves to, error)
 META_INTS = 12
@@ -394,7 +394,7 @@ def context_pairs(anchors, block_size: int, window=None) -> float:
 
 
 def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bool = True, chunk_axis="rows",
-                 num_heads_kv=None, head_split=None, window=None, causal=False):
+                 num_heads_kv=None, window=None, causal=False):
     """The local-kernel calls `method` makes on `rank` under `plan`. Mirrors ops/*.py:
 
     - "splitkv": k calls (k = the op's chunk count for `num_chunks`, `resolve_chunks`; 1 in a tree
@@ -402,9 +402,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
       rank by rank, vs this rank's sorted keys; this rank's own blocks of the chunk also see their own
       keys (appended after the context keys). chunk_axis "heads" (the op's head chunks, ops/splitkv.py
       item 3; needs `num_heads_kv` = Hkv): k clamped to [1, Hkv], every call the all-rows call (one mask)
-      with `kv_heads` = `chunk_bounds(k, Hkv)[c]`, its pairs that share; `head_split` (kv heads per chunk,
-      positive ints summing to Hkv, e.g. (6, 2): the op's uneven split, docs/perf-notes.md item 22) instead
-      of the even split (k = len(head_split), num_chunks ignored).
+      with `kv_heads` = `chunk_bounds(k, Hkv)[c]`, its pairs that share.
     - "allgather-kv": one call, this rank's query blocks vs all context keys (+ own block).
     - "ring-kv": P calls, step s: this rank's blocks vs the shard of rank (rank - s) mod P; step 0 (its
       own shard) with the own block.
@@ -429,12 +427,7 @@ def kernel_calls(method: str, plan, rank: int, *, num_chunks=None, own_block: bo
         if chunk_axis == "heads":
             if not isinstance(num_heads_kv, int) or num_heads_kv < 1:
                 raise ValueError(f"chunk_axis='heads' needs num_heads_kv (a positive int), got {num_heads_kv!r}")
-            if head_split is None:
-                bounds = chunk_bounds(resolve_chunks(num_chunks, P, num_heads_kv), num_heads_kv)
-            else:  # the one validator of a head split given as a value (`check_head_split`)
-                split = check_head_split(head_split, num_heads_kv)
-                ends = np.cumsum(split).tolist()
-                bounds = list(zip([0] + ends[:-1], ends))
+            bounds = chunk_bounds(resolve_chunks(num_chunks, P, num_heads_kv), num_heads_kv)
             one = kernel_calls(method, plan, rank, num_chunks=1, own_block=own_block, **layer)[0]
             calls = []
             for g0, g1 in bounds:
@@ -1372,62 +1365,21 @@ def add_workload_args(ap, *, reps: int) -> None:
     ap.add_argument("--reps", type=int_arg(1), default=reps)
 
 
+def add_attention_shape_args(ap) -> None:
+    """The attention shape flags of the layer-level tools (tools/bench_layer_overlap.py,
+    tools/memory_breakdown.py), defaults the Qwen3-8B drafter's (`QWEN3_8B_DRAFTER`): --anchors (query blocks),
+    --block-size, --hq, --hkv, --d (ints >= 1)."""
+    s = QWEN3_8B_DRAFTER
+    ap.add_argument("--anchors", type=int_arg(1), default=s["n_anchors"])
+    ap.add_argument("--block-size", type=int_arg(1), default=s["B"])
+    ap.add_argument("--hq", type=int_arg(1), default=s["Hq"])
+    ap.add_argument("--hkv", type=int_arg(1), default=s["Hkv"])
+    ap.add_argument("--d", type=int_arg(1), default=s["D"])
+
+
 def csv_arg(value: str) -> list:
     """Comma list flag -> list of non-empty stripped strings."""
     return [x.strip() for x in value.split(",") if x.strip()]
-
-
-def _checked_split_sum(split: tuple, num_heads_kv: int, what: str) -> tuple:
-    """`split` (ints) when its counts are positive and sum to Hkv; else THE head-split range error."""
-    if not split or any(h < 1 for h in split) or sum(split) != num_heads_kv:
-        raise ValueError(f"{what} must be positive kv-head counts summing to Hkv = {num_heads_kv}, got "
-                         f"{_split_text(split)}")
-    return split
-
-
-def _split_text(split: tuple) -> str:
-    """"6,2" for a message; a split of many counts cut to its first ones (and its count), a count beyond Python's
-    int-conversion limit by its digit count (`_ints._shown`)."""
-    shown = [str(h) if abs(h).bit_length() < 10000 else _shown(h) for h in split[:8]]
-    return ",".join(shown) + (f",... ({len(split)} counts)" if len(split) > 8 else "")
-
-
-def check_head_split(head_split, num_heads_kv: int, what: str = "head_split") -> tuple:
-    """The validator of a modelled head split given as a value (`kernel_calls`' `head_split`): a sequence (not a
-    string) of positive ints (`_ints.as_int`: no bool, no float) summing to Hkv = `num_heads_kv`. Returns the
-    split as a tuple of ints. Raises ValueError starting with `what`."""
-    if isinstance(head_split, (str, bytes)) or not hasattr(head_split, "__iter__"):
-        raise ValueError(f"{what} must be None or a sequence of positive ints (kv heads per chunk), got "
-                         f"{head_split!r}")
-    split = tuple(as_int(h, what, what="a sequence of positive ints") for h in head_split)
-    return _checked_split_sum(split, num_heads_kv, what)  # counts < 1: the one range message, as for text
-
-
-def head_split_from_text(text: str, num_heads_kv: int, what: str) -> tuple:
-    """The parser of a head split given as text (the tools' --head-split(s) via `parse_head_splits`): a comma
-    list of plain decimal ints (`_ints.parse_int`), each positive, summing to Hkv = `num_heads_kv`, e.g. "6,2".
-    Returns a tuple of ints. Raises ValueError starting with `what` (the flag): the same message as
-    `check_head_split` for a bad sum or count."""
-    try:
-        split = tuple(parse_int(x, what) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"{what} must be a comma list of positive ints (kv heads per chunk, summing "
-                         f"to Hkv = {num_heads_kv}), got {_shown(text)}") from None
-    return _checked_split_sum(split, num_heads_kv, what)
-
-
-def parse_head_splits(value, Hkv: int, flag: str) -> list:
-    """A tool flag's head splits (the op's `head_split`, docs/perf-notes.md item 22): one or more splits
-    separated by ':' (e.g. "4,4:6,2:2,4,2"), each a comma list of kv heads per chunk, positive decimal ints
-    summing to Hkv (`head_split_from_text`).
-    Returns a list of tuples, duplicates dropped; "" -> []. Raises ValueError naming `flag` otherwise (tools
-    pass it to `ap.error`)."""
-    out = []
-    for part in [p.strip() for p in str(value).split(":") if p.strip()]:
-        split = head_split_from_text(part, Hkv, flag)
-        if split not in out:
-            out.append(split)
-    return out
 
 
 def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:

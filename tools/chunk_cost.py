@@ -1,7 +1,7 @@
 """What does splitkv's merge pipeline cost the local kernel? Query chunks vs head chunks (one GPU; `--cpu`: tiny
 shapes, a smoke test).
 
-The chunked merge pipeline (docs/perf-notes.md item 2) runs the local kernel k times per layer so that each
+The chunked merge pipeline (docs/lab/perf-notes.md item 2) runs the local kernel k times per layer so that each
 chunk's collectives overlap the next chunk's kernel. Measured in the sixth run (docs/benchmarks.md), a chunk
 costs ~6-10% of the kernel per extra chunk. This tool times, on ONE rank's real shard (the planner's placement
 of the weak-scaling batch, the most loaded rank), forward + backward through the kernel API with the global
@@ -13,7 +13,8 @@ of the weak-scaling batch, the most loaded rank), forward + backward through the
                 as `ops.splitkv._SplitKV.backward` does, all on one stream
   head k        the op's head chunks (`chunk_axis="heads"`, `bench.kernel_calls(..., chunk_axis="heads")`): k
                 calls over ALL query rows with Hq / k query heads and Hkv / k kv heads each (the GQA groups stay
-                whole; k clamped to Hkv, uneven splits allowed), the one-call mask shared; dK / dV of a chunk
+                whole; k clamped to Hkv, near-even heads as `chunk_bounds` where k does not divide Hkv), the
+                one-call mask shared; dK / dV of a chunk
                 written into its heads: no accumulation (`bench.chunk_loop`, as the op)
 
     python tools/chunk_cost.py --cp 2 --ctx-per-rank 16384,65536 --chunks 2,4 --backends flex,staircase --reverse
@@ -103,10 +104,6 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out", "chunk_cost"))
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (a smoke test of the tool)")
     ap.add_argument("--no-heads", dest="heads", action="store_false", help="leave out the head-chunk variants")
-    ap.add_argument("--head-splits", default="",
-                    help="also time uneven head chunks (the op's head_split, docs/perf-notes.md item 22): splits of "
-                         "the kv heads separated by ':', each a comma list summing to Hkv, e.g. 6,2:5,3 "
-                         "(variant 'head 6/2')")
     ap.add_argument("--reverse", action="store_true",
                     help="also time each query variant with its blocks in reverse order (largest prefixes first)")
     ap.add_argument("--profile", action="store_true",
@@ -131,10 +128,6 @@ def main(argv=None):
         sys.exit("chunk_cost.py: needs a CUDA device (or --cpu for a tiny smoke run)")
     else:
         dev, dtype = torch.device("cuda", 0), torch.bfloat16
-    try:
-        splits = bench.parse_head_splits(args.head_splits, Hkv, "--head-splits")
-    except ValueError as e:
-        ap.error(str(e))
     cuda = dev.type == "cuda"
     try:  # before the measurement: an unusable --out must not cost the run
         os.makedirs(args.out, exist_ok=True)
@@ -153,11 +146,6 @@ def main(argv=None):
             gen = torch.Generator(device=dev).manual_seed(args.seed)
             names, fns = ["one call"], [_variant(kern, one, Hq, Hkv, D, dtype, dev, gen)]
 
-            def add_heads(name, hc):
-                """A head-chunk variant."""
-                names.append(name)
-                fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
-
             if args.reverse:
                 names.append("one call, reversed")
                 fns.append(_variant(kern, [_reversed(c) for c in one], Hq, Hkv, D, dtype, dev, gen))
@@ -170,10 +158,8 @@ def main(argv=None):
                     fns.append(_variant(kern, [_reversed(c) for c in qc], Hq, Hkv, D, dtype, dev, gen))
                 if args.heads:
                     hc = bench.kernel_calls("splitkv", plan, r, num_chunks=k, chunk_axis="heads", num_heads_kv=Hkv)
-                    add_heads(f"head k={len(hc)}", hc)
-            for sp in splits:
-                add_heads("head " + "/".join(map(str, sp)),
-                          bench.kernel_calls("splitkv", plan, r, chunk_axis="heads", num_heads_kv=Hkv, head_split=sp))
+                    names.append(f"head k={len(hc)}")
+                    fns.append(_variant(kern, hc, Hq, Hkv, D, dtype, dev, gen))
             peaks = []
             for fn in fns:  # peak of each step alone (inputs of every variant allocated: same base for all)
                 if not cuda:  # no GPU measure on the CPU: None (the table reads n/a (CPU))

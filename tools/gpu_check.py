@@ -819,22 +819,14 @@ def kernel_compare(dev, cpu, res, args, flush):
                                 raise
                             r["split_exact"] = dict(error=_err_str(e))
                     r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
-                    r["fwd_tflops"] = f_fwd / r["fwd_ms"] / 1e9
-                    r["fwdbwd_tflops"] = mb.FWD_BWD_FACTOR * f_fwd / r["fwdbwd_ms"] / 1e9
-                    sd = sdpa[tk]
-                    if "fwd_tflops" in sd:
-                        r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
-                        r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
+                    _add_rates(r, f_fwd, sdpa[tk])
                     ctx_ms[(name, tk)] = r["fwdbwd_ms"]
                     _kernel_details(r, kern)
                 except Exception as e:  # noqa: BLE001
                     r["traceback"] = traceback.format_exc(limit=4)
                     broken = _row_failed(r, e, dev, f"{name} at Tk {tk}") or broken
                 del mask, q, k, v, do
-            out["rows"].append(r)
-            log(f"[compare] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'})}")
-            if dev.type == "cuda" and not broken:
-                torch.cuda.empty_cache()
+            _keep_row(out["rows"], r, "compare", dev, broken)
         flush()
         if kern is not None and not broken:
             broken = _own_block_kernel(dev, out, name, kern, own, scale, reps, warm) or broken
@@ -889,6 +881,28 @@ def _parse_stair_sweep(spec: str):
     return sorted(out, key=lambda x: x[1].get("gqa") == "native")
 
 
+def _add_rates(r: dict, f_fwd: float, sd: dict) -> None:
+    """r's forward and forward+backward TF/s from its fwd_ms / fwdbwd_ms and the forward's useful FLOPs f_fwd
+    ("fwd_tflops", "fwdbwd_tflops"), and as % of the dense SDPA row `sd` of the same keys ("fwd_pct_dense",
+    "fwdbwd_pct_dense"; not when `sd` has no rate: its run failed or was skipped)."""
+    from tools import benchlib as mb  # as the other sections: torch and the package on first use
+
+    r["fwd_tflops"] = f_fwd / r["fwd_ms"] / 1e9
+    r["fwdbwd_tflops"] = mb.FWD_BWD_FACTOR * f_fwd / r["fwdbwd_ms"] / 1e9
+    if "fwd_tflops" in sd:
+        r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
+        r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
+
+
+def _keep_row(rows: list, r: dict, tag: str, dev, broken: bool) -> None:
+    """Append the row r to `rows`, log it (without its traceback) as "[tag] {json}", and free the CUDA cache
+    unless the device is broken."""
+    rows.append(r)
+    log(f"[{tag}] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'}, default=str)}")
+    if dev.type == "cuda" and not broken:
+        torch.cuda.empty_cache()
+
+
 def _kernel_details(r: dict, kern):
     """Staircase rows: which dense path ran, its options and call counts, the share of pairs served densely."""
     if hasattr(kern, "paths"):
@@ -927,12 +941,7 @@ def _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, 
                 plan = kern.plan(mask)
                 r.update(groups=len(plan.groups), dense_fraction=plan.dense_fraction)
                 r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
-                r["fwd_tflops"] = f_fwd / r["fwd_ms"] / 1e9
-                r["fwdbwd_tflops"] = mb.FWD_BWD_FACTOR * f_fwd / r["fwdbwd_ms"] / 1e9
-                sd = sdpa.get(tk, {})
-                if "fwd_tflops" in sd:
-                    r["fwd_pct_dense"] = 100 * r["fwd_tflops"] / sd["fwd_tflops"]
-                    r["fwdbwd_pct_dense"] = 100 * r["fwdbwd_tflops"] / sd["fwdbwd_tflops"]
+                _add_rates(r, f_fwd, sdpa.get(tk, {}))
                 if ("flex", tk) in ctx_ms:
                     r["speedup_vs_flex"] = ctx_ms[("flex", tk)] / r["fwdbwd_ms"]
                 _kernel_details(r, kern)
@@ -942,10 +951,7 @@ def _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, 
                 r["traceback"] = traceback.format_exc(limit=6)
                 broken = _row_failed(r, e, dev, f"staircase {label}") or broken
             del mask, q, k, v, do
-            out["staircase_sweep"].append(r)
-            log(f"[stair-sweep] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'}, default=str)}")
-            if dev.type == "cuda" and not broken:
-                torch.cuda.empty_cache()
+            _keep_row(out["staircase_sweep"], r, "stair-sweep", dev, broken)
         flush()
 
 

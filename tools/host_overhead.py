@@ -1,4 +1,4 @@
-"""Host overhead of the Split-KV op per step, measured WITHOUT a GPU (CPU, gloo; docs/perf-notes.md item 15).
+"""Host overhead of the Split-KV op per step, measured WITHOUT a GPU (CPU, gloo; docs/lab/perf-notes.md item 15).
 
 On 2 x H200 (CP=2, 16K context, Qwen3-8B drafter shapes, flex) the op is HOST-bound once chunked: one
 forward + backward with reused metadata takes 5.4-6.0 ms of host issue time at num_chunks k = 1 and
@@ -458,7 +458,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int_arg(1), default=1, help="Hq (= Hkv unless --heads-kv)")
     ap.add_argument("--heads-kv", type=int_arg(1), default=None, help="Hkv (dividing --heads; default: --heads)")
     ap.add_argument("--chunk-axis", default=None, choices=["rows", "heads"],
-                    help="what the --num-chunks chunks split (docs/perf-notes.md item 21; default: the op's default)")
+                    help="what the --num-chunks chunks split (docs/lab/perf-notes.md item 21; default: the op's default)")
     ap.add_argument("--head-dim", type=int_arg(1), default=8)
     ap.add_argument("--shuffle-context", action="store_true",
                     help="each rank's context tokens in a random order (the planner gives them sorted: no unsort)")

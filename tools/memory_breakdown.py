@@ -63,6 +63,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tools import benchlib as bench  # noqa: E402
 from tools.launch import run_gloo  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
@@ -253,8 +254,6 @@ def split_bytes(records, classes):
 
 
 def _run_rank(rank, world, args):
-    from tools import benchlib as bench
-
     _install_flex_standin(args.kernel)
     dtype = getattr(torch, args.dtype)
     B, Hq, Hkv, D = args.block_size, args.hq, args.hkv, args.d
@@ -341,11 +340,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int_arg(1), default=16384, help="total context tokens (one sequence)")
     ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size = number of gloo processes")
     ap.add_argument("--methods", default="splitkv,allgather-kv")
-    ap.add_argument("--anchors", type=int_arg(1), default=512)
-    ap.add_argument("--block-size", type=int_arg(1), default=16)
-    ap.add_argument("--hq", type=int_arg(1), default=32)
-    ap.add_argument("--hkv", type=int_arg(1), default=8)
-    ap.add_argument("--d", type=int_arg(1), default=128)
+    bench.add_attention_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--placement", default="lpt")
     ap.add_argument("--num-chunks", type=int_arg(1), default=None, help="splitkv's chunk count (default: the op's)")
@@ -369,15 +364,8 @@ def main(argv=None):
             ap.error(f"--methods: unknown method {m!r}")
     if args.cp < 1:
         ap.error("--cp must be >= 1")
-    for flag in ("context", "anchors", "block_size", "hq", "hkv", "d"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.hq % args.hkv:
+    if args.hq % args.hkv:  # the ints' ranges: int_arg (argparse's error, exit 2)
         ap.error(f"--hq {args.hq} must be a multiple of --hkv {args.hkv}")
-    if args.num_chunks is not None and args.num_chunks < 1:
-        ap.error(f"--num-chunks must be >= 1, got {args.num_chunks}")
-    if args.top < 0:
-        ap.error(f"--top must be >= 0, got {args.top}")
     from megatron_splitkv.planning import STRATEGIES
 
     if args.placement not in STRATEGIES:

@@ -1,4 +1,4 @@
-"""Bit-identity of the CP attention ops across two source trees (docs/perf-notes.md item 15): saves the raw
+"""Bit-identity of the CP attention ops across two source trees (docs/lab/perf-notes.md item 15): saves the raw
 outputs and gradients (every rank, exact bytes) of ~460 configurations, then compares two saved files.
 
 Configurations (4 gloo ranks, CPU): splitkv at P = 1, 2, 4 x bf16 / fp32 / fp64 x backends math / flex (CPU

@@ -1,4 +1,4 @@
-"""Main-process host cost of the prefetching data pipeline per item, on CPU (issue 6; docs/perf-notes.md item 17).
+"""Main-process host cost of the prefetching data pipeline per item, on CPU (issue 6; docs/lab/perf-notes.md item 17).
 
 `data.pipeline.PrefetchedBatches` runs the planner, the sharding, the draft blocks and (with a `MetadataSpec`) the
 Split-KV metadata in DataLoader worker processes; what is left on the training process per step is `next()`

@@ -1,5 +1,5 @@
 """What does the per-step metadata cost? Device ops and host syncs of `prepare_splitkv_metadata` and of the
-FlexAttention BlockMask builds (docs/perf-notes.md "Prepare cost (item 13)"; CPU or one GPU).
+FlexAttention BlockMask builds (docs/lab/perf-notes.md "Prepare cost (item 13)"; CPU or one GPU).
 
 Issue 6 asks for planner + sharding < 1% of a training step. Split-KV's per-step metadata is made once per
 step on every CP rank (`ops.prepare_splitkv_metadata`, 1.2-3.0 ms on the H200: bench_attention's 'prep ms')

@@ -6,7 +6,7 @@
 #
 # One GPU (nvidia-h200): bench runs CP = 1 only (its chunk A/B needs CP >= 2: a "SKIPPED" row), slow / exact are
 # skipped (logged), simulate takes the link fit from SUITE_LINK_JSON (default
-# docs/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU. SUITE_NPROC forces the rank
+# docs/lab/results/link_h200x2_2026-11-30f.json) and times every shard on the one GPU. SUITE_NPROC forces the rank
 # count of the torchrun steps (default: 1 on a one-GPU machine, else 2).
 #
 # Steps (SUITE_STEPS, comma list, default "kernels,tune,bench,slow,simulate,exact"), in this order of
@@ -38,9 +38,7 @@
 #      GPUs per node, 50 GB/s NIC per GPU) and the old flat-ring model (SUITE_SIM_CHUNK_AXIS=heads: splitkv's
 #      chunks split heads, the op's chunk_axis); measuring budget SUITE_SIM_S
 #      (default 65 s); tables + PNG (+ the model's CP=2 row next to the measured op from `bench`).
-#      SUITE_SIM_HEAD_SPLIT (e.g. 6,2 or 6,2:5,3; kv heads per chunk summing to the tool's Hkv: 8, 2 with
-#      SUITE_CPU=1): --head-split, the uneven head chunks timed as the op runs them (and the even split of the
-#      same k), with --bwd-chunk-order forward,reverse. SUITE_SIM_ROUNDS=R (> 0): --paired-rounds R, the P = 1
+#      SUITE_SIM_ROUNDS=R (> 0): --paired-rounds R, the P = 1
 #      reference shard and every measured splitkv shard re-timed in R interleaved rounds (efficiency per round,
 #      median [min-max]); the tool then runs as ONE process (every shard on GPU 0, the link from SUITE_LINK_JSON
 #      instead of measured collectives) and the step's limit grows by R x the measuring budget
@@ -98,7 +96,7 @@ if [[ "$CPU" == 1 ]]; then
 fi
 AB_X=()
 if [[ -n "$CHUNKS_AB" ]]; then AB_X=(--chunks-ab "$CHUNKS_AB" --ab-contexts "$AB_CTX"); fi
-# what the chunks split (the op's chunk_axis, docs/perf-notes.md item 21): SUITE_CHUNK_AXIS_AB (e.g. "rows,heads")
+# what the chunks split (the op's chunk_axis, docs/lab/perf-notes.md item 21): SUITE_CHUNK_AXIS_AB (e.g. "rows,heads")
 # runs every A/B chunk count with each axis side by side; SUITE_SIM_CHUNK_AXIS (rows | heads) for simulate
 if [[ -n "$CHUNKS_AB" && -n "${SUITE_CHUNK_AXIS_AB:-}" ]]; then AB_X+=(--chunk-axis-ab "$SUITE_CHUNK_AXIS_AB"); fi
 if [[ -n "${SUITE_SIM_CHUNK_AXIS:-}" ]]; then SIM_X+=(--chunk-axis "$SUITE_SIM_CHUNK_AXIS"); fi
@@ -114,7 +112,7 @@ NGPU=${NGPU:-0}
 # ranks of the torchrun steps: 2, or 1 on a one-GPU machine (then bench runs CP=1 only, slow / exact are
 # skipped, simulate takes the intra-node link fit from SUITE_LINK_JSON instead of measuring it)
 if [[ -n "$NPROC_SET" ]]; then NPROC=$NPROC_SET; elif [[ "$CPU" != 1 ]] && (( NGPU == 1 )); then NPROC=1; else NPROC=2; fi
-LINK_JSON=${SUITE_LINK_JSON:-docs/results/link_h200x2_2026-11-30f.json}
+LINK_JSON=${SUITE_LINK_JSON:-docs/lab/results/link_h200x2_2026-11-30f.json}
 BENCH_CPS=$([[ "$NPROC" -ge 2 ]] && echo 1,2 || echo 1)
 RUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
 
@@ -148,26 +146,19 @@ if [[ -n "${SUITE_CHUNK_AXIS_AB:-}" && ! "$SUITE_CHUNK_AXIS_AB" =~ ^(rows|heads)
   echo "run_gpu_suite.sh: SUITE_CHUNK_AXIS_AB must be a comma list of rows / heads, got '$SUITE_CHUNK_AXIS_AB'" >&2
   exit 2
 fi
-# simulate's head splits and paired rounds (tools/simulate_scaling.py --head-split / --paired-rounds): each split a
-# comma list of positive kv-head counts summing to the tool's Hkv (8; 2 with SUITE_CPU=1), splits separated by ':'
-SIM_HKV=$([[ "$CPU" == 1 ]] && echo 2 || echo 8)
-if [[ -n "${SUITE_SIM_HEAD_SPLIT:-}" ]]; then
-  if [[ ! "$SUITE_SIM_HEAD_SPLIT" =~ ^[1-9][0-9]*(,[1-9][0-9]*)*(:[1-9][0-9]*(,[1-9][0-9]*)*)*$ ]]; then
-    echo "run_gpu_suite.sh: SUITE_SIM_HEAD_SPLIT must be ':'-separated comma lists of positive kv-head counts (e.g. 6,2:5,3), got '$SUITE_SIM_HEAD_SPLIT'" >&2
+# uneven head splits are gone from the op and the tools: refuse their variables rather than ignore them
+for V in SUITE_SIM_HEAD_SPLIT SUITE_CHUNKCOST_SPLITS; do
+  if [[ -n "${!V:-}" ]]; then
+    echo "run_gpu_suite.sh: $V was removed (the op has no uneven head splits; SUITE_SIM_CHUNK_AXIS=heads times its even head chunks)" >&2
     exit 2
   fi
-  for SP in ${SUITE_SIM_HEAD_SPLIT//:/ }; do
-    if (( ${SP//,/+} != SIM_HKV )); then
-      echo "run_gpu_suite.sh: SUITE_SIM_HEAD_SPLIT: $SP must sum to the $SIM_HKV kv heads simulate uses" >&2; exit 2
-    fi
-  done
-fi
+done
+# simulate's paired rounds (tools/simulate_scaling.py --paired-rounds)
 if [[ -n "${SUITE_SIM_ROUNDS+x}" && ! "${SUITE_SIM_ROUNDS}" =~ ^[0-9]+$ ]]; then
   echo "run_gpu_suite.sh: SUITE_SIM_ROUNDS must be a whole number of rounds (0 = none), got '${SUITE_SIM_ROUNDS}'" >&2
   exit 2
 fi
 SIM_ROUNDS=$(( 10#${SUITE_SIM_ROUNDS:-0} ))
-if [[ -n "${SUITE_SIM_HEAD_SPLIT:-}" ]]; then SIM_X+=(--head-split "$SUITE_SIM_HEAD_SPLIT" --bwd-chunk-order forward,reverse); fi
 if (( SIM_ROUNDS > 0 )); then SIM_X+=(--paired-rounds "$SIM_ROUNDS"); fi
 want() { [[ "$STEPS" == *",$1,"* ]]; }
 left() { echo $(( BUDGET - SECONDS )); }
@@ -386,7 +377,6 @@ if want chunkcost; then
     --chunks "${SUITE_CHUNKCOST_CHUNKS:-2,4}" \
     --backends "$([[ $CPU == 1 ]] && echo math || echo "${SUITE_CHUNKCOST_BACKENDS:-flex,staircase}")" \
     $([[ "${SUITE_CHUNKCOST_HEADS:-0}" == 1 ]] || echo --no-heads) \
-    ${SUITE_CHUNKCOST_SPLITS:+--head-splits "$SUITE_CHUNKCOST_SPLITS"} \
     --reps 7 --out "$WORK/chunkcost" \
     $([[ $CPU == 1 ]] && echo "--cpu --anchors 8")
 fi

@@ -25,19 +25,10 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     Hkv): measured mode times k calls over all rows with Hq / k, Hkv / k heads and one mask, dK / dV written per
     chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
     per-chunk bytes are those of row chunks (the same bytes per collective name), and model-only mode uses the
-    same chunk-loss model. Uneven head splits (docs/perf-notes.md item 22): `--head-split 6,2` (several with ':';
-    measured mode and `--replay`, not `--model-only`) adds rows whose per-chunk bytes (`head_split_records`) are
-    proportional to its heads; measured mode times the split's head chunks at every P > 1 (first placement)
-    as the op runs them (`bench.kernel_calls(..., chunk_axis="heads", head_split=)`),
-    and the even split of the same k likewise (the gain's reference, whatever --chunk-axis says); `--replay`
-    recomputes a saved run's measured split rows from their saved per-chunk ms, and models a split the run
-    did not measure (`head_split_compute`: the saved k-chunk total x the chunk's heads share).
-    `--bwd-chunk-order forward,reverse` runs their backward chunks in the order 0..k-1 / k-1..0 (one row each);
-    each row reports its gain over the same k's even split (forward order) and the break-even extra kernel cost
-    (`head_split_rows`, `add_split_gains`: one code for both modes).
-    `--paired-rounds R` (measured mode, one process; docs/perf-notes.md item 21: T(1) drifted ~5% between runs):
+    same chunk-loss model.
+    `--paired-rounds R` (measured mode, one process; docs/lab/perf-notes.md item 21: T(1) drifted ~5% between runs):
     after the measuring phase the P0 reference shard (splitkv k = 1) and every measured splitkv shard of the
-    first placement (sampled ranks, chunk counts, head splits) are re-timed in R interleaved rounds (inputs built
+    first placement (sampled ranks, chunk counts) are re-timed in R interleaved rounds (inputs built
     once, every task once per round, the order rotated by one each round: `bench.time_kernel_calls_rounds`);
     their per-call ms = the median over the rounds, and every splitkv row with P > P0 gets efficiency_rounds =
     [T(P0)_i / T(P)_i], both sides recomputed with round i's shards (round i's slowest sampled rank; overhead
@@ -55,7 +46,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
         inter-node figures for every hop once P > gpus per node.
     NVLink figures: fitted to collectives measured on this machine's GPUs in the same run (all_gather,
     reduce_scatter, all_reduce, send/recv separately), or `--link-json` (e.g.
-    docs/results/link_h200x2_2026-11-30c.json, the third H200 run's fit), else stated; inter-node
+    docs/lab/results/link_h200x2_2026-11-30c.json, the third H200 run's fit), else stated; inter-node
     `--inter-node-gbps` (= `--inter-bw-gbs`, GB/s per GPU, default 50, a 400 Gb/s NIC) and
     `--inter-alpha-us` (default 15 us per hop).
   - overlap, as the code does it (read ops/*.py):
@@ -70,7 +61,7 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     serial sum (compute + every collective). Each chunk's collectives pay their latency again, and each
     chunk call loses kernel efficiency: what chunking costs.
     "+ovl" rows (`--overlap-q-gather on` makes them the headline; both are always computed; the overlap
-    is built and on by default in `DFlashAttention`, docs/perf-notes.md item 3): the layer starts the Q
+    is built and on by default in `DFlashAttention`, docs/lab/perf-notes.md item 3): the layer starts the Q
     all-gathers (all chunks, `ops.splitkv_start_query_gather`) before its k/v projections and
     runs the projections' backward while the dQ all-to-alls are in flight (`splitkv_attention(...,
     query_gather=)`): forward window = the k/v projection, 2 x (Tk_local + Tq_local) x `--hidden` x 2 Hkv D
@@ -135,11 +126,11 @@ of the same run) a CP=2 row shows the measured op time next to the model's.
 Examples (from the repository root; no PYTHONPATH needed: the script puts the repository on sys.path):
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --out out/sim      # measured (2 GPUs)
   torchrun --nproc-per-node 2 tools/simulate_scaling.py --backend staircase --out out/sim
-  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+  python tools/simulate_scaling.py --model-only --link-json docs/lab/results/link_h200x2_2026-11-30c.json \
       --out /tmp/sim                                                        # CPU, FLOP model
-  python tools/simulate_scaling.py --model-only --link-json docs/results/link_h200x2_2026-11-30c.json \
+  python tools/simulate_scaling.py --model-only --link-json docs/lab/results/link_h200x2_2026-11-30c.json \
       --bwd-gather separate,fused --cp-ranks-per-node 1,8 --out /tmp/sim    # before / after the two op changes
-  python tools/simulate_scaling.py --replay docs/results/simulate_scaling_2026-11-30g_h200.json \
+  python tools/simulate_scaling.py --replay docs/lab/results/simulate_scaling_2026-11-30g_h200.json \
       --bwd-gather fused,auto --out /tmp/replay   # a saved run's measurements, this tree's collectives (CPU)
 
 `--replay` (`replay`): a saved simulate_scaling.json's splitkv rows recomputed without a GPU from what the run
@@ -469,96 +460,9 @@ DEFAULT_TWO_LEVEL_WAIT = "relay"
 #: (read bf16, write + read fp32, accumulate) at ~4 TB/s. Measured mode times it on the GPU instead.
 MERGE_GBS = 800.0
 
-#: `--bwd-chunk-order`: the order the backward processes the chunks in (`splitkv_time_ms`): forward = 0..k-1 (the
-#: op today), reverse = k-1..0 (uneven head chunks: the forward's small last chunk is the backward's first)
-BWD_CHUNK_ORDERS = ("forward", "reverse")
-
-
 def default_head_split(k, Hkv):
     """The kv heads per chunk of the op's k head chunks (`chunk_bounds(k, Hkv)`), as a tuple."""
     return tuple(g1 - g0 for g0, g1 in bench.chunk_bounds(int(k), int(Hkv)))
-
-
-def head_split_records(recs, split, n_blocks):
-    """The op's collectives with head chunks of `split` kv heads (`bench.parse_head_splits`) from the records
-    `bench.predicted_records` gives for num_chunks = k = len(split) ROW chunks of `n_blocks` blocks per rank
-    (chunk c = blocks `chunk_bounds(k, n_blocks)[c]` of every rank): every per-chunk message is proportional
-    to its chunk's rows x heads (Q, [O | lse], [dO | stats], dQ, and the two-level stages alike), so chunk c's
-    records (and their exchange pieces) are scaled by (h_c / Hkv) / (rows_c / rows): all rows, h_c of the
-    Hkv heads. The bytes per collective name are unchanged; an even split whose shares equal the row chunks'
-    (k dividing both) gives the records back bit for bit (factor exactly 1). Records not chunked (step -1 or
-    names outside `_SPLITKV_CHUNKED`) are kept. Raises ValueError when the records hold another chunk count."""
-    k, hkv, nb = len(split), sum(split), int(n_blocks)
-    bounds = bench.chunk_bounds(k, nb)
-    out = []
-    for r in recs:
-        name = r.op.split(".", 1)[1]
-        if name not in _SPLITKV_CHUNKED or r.step < 0:
-            out.append(r)
-            continue
-        if r.step >= k:
-            raise ValueError(f"head_split_records: record {r.op} of chunk {r.step}, but the split has {k} chunks")
-        b0, b1 = bounds[r.step]
-        num, den = split[r.step] * nb, hkv * (b1 - b0)
-        f = 1 if num == den else num / den
-        out.append(dataclasses.replace(r, msg=r.msg * f, bytes=r.bytes * f))
-    if {r.step for r in out if r.op.split(".", 1)[1] in _SPLITKV_CHUNKED and r.step >= 0} != set(range(k)):
-        raise ValueError(f"head_split_records: the records are not of {k} chunks (n_blocks {nb} < k?)")
-    return out
-
-
-def head_split_compute(total_ms, split):
-    """Per-chunk fwd+bwd kernel ms of head chunks `split`: the k-chunk loop's total x h_c / Hkv (stated
-    assumption: a chunk's kernel time is proportional to its heads, the chunk loss spread alike; unmeasured
-    for uneven chunks)."""
-    hkv = sum(split)
-    return [float(total_ms) * h / hkv for h in split]
-
-
-def split_cost_ratios(ap, path, splits):
-    """`--split-cost-json`: {split: ms of "head a/b" / ms of "head k=len(split)"} from a tools/chunk_cost.py JSON
-    (the first context and kernel that has both), for the splits in `splits`; {} without a path. ap.error
-    naming the flag when the file is unreadable or has no even-split row for a split it times."""
-    if not path:
-        return {}
-    try:
-        with open(path) as f:
-            rows = json.load(f)["rows"]
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise ValueError("'rows' is not a list of rows")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        ap.error(f"--split-cost-json {path!r}: not a tools/chunk_cost.py JSON ({e})")
-    out = {}
-    for split in splits:
-        name = "head " + "/".join(map(str, split))
-        for r in rows:
-            if r.get("variant") != name:
-                continue
-            even = [x for x in rows if x.get("variant") == f"head k={len(split)}" and
-                    (x.get("ctx_per_rank"), x.get("backend")) == (r.get("ctx_per_rank"), r.get("backend"))]
-            if not even:
-                ap.error(f"--split-cost-json {path!r}: '{name}' has no 'head k={len(split)}' row to compare with")
-            out[tuple(split)] = float(r["ms"]) / float(even[0]["ms"])
-            break
-    return out
-
-
-def break_even_extra(time_of, t_ref, hi=1.0, tol=1e-6):
-    """The largest uniform extra kernel cost x (a fraction of the split's kernel time) with time_of(x) <= t_ref,
-    by bisection (time_of non-decreasing in x): how much more than modelled the split's kernels may cost
-    before its gain over t_ref is gone. 0.0 when time_of(0) >= t_ref (no gain); hi when still faster there."""
-    if time_of(0.0) >= t_ref:
-        return 0.0
-    if time_of(hi) < t_ref:
-        return hi
-    lo = 0.0
-    while hi - lo > tol:
-        mid = 0.5 * (lo + hi)
-        if time_of(mid) < t_ref:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def round_totals(total_of, per_call_rounds):
@@ -568,33 +472,31 @@ def round_totals(total_of, per_call_rounds):
     return [float(total_of(list(pc))) for pc in per_call_rounds]
 
 
-def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs, recs_memo, order="forward",
-                split=None, extra=0.0, per_call_rounds=None):
-    """One splitkv row recomputed from per-chunk kernel ms (the rows of `--replay` and the `--head-split` rows of
-    both modes): `base` (a row: slowest_rank, overhead_ms, proj_fwd_ms / proj_bwd_ms, placement, the measured
-    fields) updated with the variant's fields and `method_time` of this tree's `bench.predicted_records` for
-    the base's slowest rank (`head_split_records` of them with a head `split`), the schedule `a` asks for (a run's
-    args: B, Hq, Hkv, D, no_metadata, fwd_fraction, two_level_wait) and the backward chunk
-    `order`. per_call: fwd+bwd ms per chunk, each x (1 + extra) (`break_even_extra`); per_call_rounds (the
+def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs, recs_memo, per_call_rounds=None):
+    """One splitkv row recomputed from per-chunk kernel ms (the rows of `--replay`): `base` (a row: slowest_rank,
+    overhead_ms, proj_fwd_ms / proj_bwd_ms, placement, the measured fields) updated with the variant's fields and
+    `method_time` of this tree's `bench.predicted_records` for the base's slowest rank and the schedule `a` asks
+    for (a run's args: B, Hq, Hkv, D, no_metadata, fwd_fraction, two_level_wait). per_call: fwd+bwd ms per
+    chunk; per_call_rounds (the
     `--paired-rounds` values: one per-chunk list per round) adds "per_call_ms_rounds" and "total_ms_rounds" (T of
     each round's compute, the rest of the row alike). recs_memo: a dict the records are cached in."""
     L = variant["cp_ranks_per_node"]
-    rkey = (P, base["placement"], base["slowest_rank"], k, L, None if split is None else tuple(split))
+    rkey = (P, base["placement"], base["slowest_rank"], k, L)
     if rkey not in recs_memo:
         nb = [plan.blocks_per_rank] * P
         nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
         recs = bench.predicted_records("splitkv", P=P, rank=base["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
                                        Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
                                        num_chunks=k, cp_ranks_per_node=min(L, P))
-        recs_memo[rkey] = recs if split is None else head_split_records(recs, split, plan.blocks_per_rank)
+        recs_memo[rkey] = recs
     recs = recs_memo[rkey]
 
     def timed(pc, det=None):
-        return method_time("splitkv", P, [x * (1.0 + extra) for x in pc], recs, link, fwd_fraction=a.fwd_fraction,
+        return method_time("splitkv", P, list(pc), recs, link, fwd_fraction=a.fwd_fraction,
                            overhead_ms=base["overhead_ms"],
                            proj_ms=(base["proj_fwd_ms"], base["proj_bwd_ms"]) if ovl else (0.0, 0.0),
                            bwd_gather=variant["bwd_gather"], cp_ranks_per_node=L, D=a.D, elem=2, acc=4,
-                           merge_gbs=merge_gbs, two_level_wait=a.two_level_wait, detail=det, bwd_order=order)
+                           merge_gbs=merge_gbs, two_level_wait=a.two_level_wait, detail=det)
 
     det = {}
     t = timed(per_call, det)
@@ -602,56 +504,11 @@ def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs,
     row.update(variant_fields(variant, det, L))
     row["bytes_per_rank"] = sum(row["bytes_by_name"].values())
     row.update(t)
-    row.update(num_chunks=k, per_call_ms=list(per_call), head_split=None if split is None else list(split),
-               bwd_order=order)
+    row.update(num_chunks=k, per_call_ms=list(per_call))
     if per_call_rounds:
         row.update(per_call_ms_rounds=[list(pc) for pc in per_call_rounds],
                    total_ms_rounds=round_totals(lambda pc: timed(pc)["total_ms"], per_call_rounds))
     return row
-
-
-def head_split_rows(base, *, split, orders, variants, source, **kw):
-    """The rows of one head `split` from its per-chunk kernel ms (`splitkv_row`'s keywords in kw: a, plan, P, per_call,
-    link, ovl, merge_gbs, recs_memo, per_call_rounds): one per variant x backward chunk order, compute_source
-    `source`, each marked for `add_split_gains` (its "_args": the keywords that recompute it)."""
-    rows = []
-    for v in variants:
-        for order in orders:
-            args_ = dict(kw, k=len(split), variant=v, order=order, split=tuple(split))
-            row = splitkv_row(base, **args_)
-            row["compute_source"] = source
-            row["_args"] = (base, args_)
-            rows.append(row)
-    return rows
-
-
-def add_split_gains(rows, Hkv):
-    """The head-split rows' (those `head_split_rows` marked: "_args", removed here) "gain_vs_even_ms" = T of the
-    same (P, placement, k, topology, overlap, variant)'s even split (`default_head_split`) in forward order - T
-    (the even split's row when there is one, else the row without a split of that k; None without either)
-    and "break_even_extra" (`break_even_extra`: the extra kernel cost, as a fraction, at which that gain is
-    gone; recomputed by `splitkv_row`)."""
-    def ref_key(row):
-        return (row["P"], row["placement"], row["num_chunks"], row["topology"], row["overlap_q_gather"],
-                row.get("variant"))
-
-    even = {}
-    for row in rows:
-        if row["method"] != "splitkv" or row.get("bwd_order", "forward") != "forward":
-            continue
-        hs = row.get("head_split")
-        if hs is None or tuple(hs) == default_head_split(row["num_chunks"], Hkv):
-            if hs is not None or ref_key(row) not in even:
-                even[ref_key(row)] = row["total_ms"]
-    for row in rows:
-        marked = row.pop("_args", None)
-        if marked is None:
-            continue
-        base, args_ = marked
-        ref = even.get(ref_key(row))
-        row["gain_vs_even_ms"] = None if ref is None else ref - row["total_ms"]
-        row["break_even_extra"] = None if ref is None else break_even_extra(
-            lambda x: splitkv_row(base, **dict(args_, extra=x, per_call_rounds=None))["total_ms"], ref)
 
 
 def set_efficiency_rounds(rows, p0):
@@ -889,7 +746,7 @@ def splitkv_collectives(recs, P, n_chunks, *, bwd_gather="auto", cp_ranks_per_no
 
 def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0, 0.0), bwd_gather="auto",
                     cp_ranks_per_node=1, D=None, elem=2, acc=4, merge_gbs=MERGE_GBS, two_level_wait=DEFAULT_TWO_LEVEL_WAIT,
-                    detail=None, bwd_order="forward"):
+                    detail=None):
     """(total, comm) ms of Split-KV's kernel + communication, overlapped as the code does it
     (`splitkv_forward_ms`, `splitkv_backward_ms`); k = len(comp_calls_ms) chunks, one kernel call each
     (split forward / backward by `fwd_fraction`). Records not chunked (the self-contained call's
@@ -906,13 +763,8 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     is built on CUDA: stage 1 waited, merged and stage 2 issued on a relay stream, `_advance_two_level`),
     "deferred" (the op before perf-notes item 18: stage 1 of chunk c waited on the compute stream after
     chunk c + 1's kernel was issued; `splitkv_forward_ms`) or "inline" (a what-if: waited right after the
-    chunk's own kernel). bwd_order (`BWD_CHUNK_ORDERS`): "forward" = the backward processes the chunks in
-    the forward's order 0..k-1 (the op today); "reverse" = in the order k-1..0 (prefetch, kernels and dQ
-    all-to-alls in that order: the backward schedule gets the chunks' lists reversed), so that with uneven
-    head chunks (`head_split_records`) the forward's small LAST chunk is the backward's small FIRST one.
+    chunk's own kernel). The backward processes the chunks in the forward's order 0..k-1, as the op does.
     """
-    if bwd_order not in BWD_CHUNK_ORDERS:
-        raise ValueError(f"bwd_order must be one of {BWD_CHUNK_ORDERS}, got {bwd_order!r}")
     if two_level_wait not in TWO_LEVEL_WAITS:
         raise ValueError(f"two_level_wait must be one of {TWO_LEVEL_WAITS}, got {two_level_wait!r}")
     n = max(len(comp_calls_ms), 1)
@@ -949,9 +801,6 @@ def splitkv_time_ms(P, comp_calls_ms, recs, link, *, fwd_fraction, proj_ms=(0.0,
     else:
         DO, DO1 = col("bwd.dout"), None
     ST = col("bwd.stats")
-    if bwd_order == "reverse":  # the backward's per-chunk lists in its processing order k-1..0
-        DO, ST, KB, RQ = DO[::-1], ST[::-1], KB[::-1], RQ[::-1]
-        RQ1, NS, DO1 = (None if x is None else x[::-1] for x in (RQ1, NS, DO1))
     t_b = splitkv_backward_ms(DO, ST, KB, RQ, post=proj_ms[1], RQ1=RQ1, NS=NS, defer=defer, DO1=DO1,
                               relay=relay)
     serial = [x.ms(link) for x in cs["serial"]]
@@ -1052,21 +901,21 @@ def sample_ranks(method, plan, k):
     return out, pairs
 
 
-def job_chunking(k, split, axis, Hkv):
+def job_chunking(k, axis, Hkv):
     """The op's chunking of a splitkv job, as a hashable key and a label: (("one",), "k=1") for one call,
-    (("rows", k), "rows k=K") for query-row chunks, (("heads", split), "heads a/b") for head chunks (an even
-    head split as `default_head_split`)."""
-    if split is None and int(k) == 1:
+    (("rows", k), "rows k=K") for query-row chunks, (("heads", split), "heads a/b") for head chunks (the op's
+    even split, `default_head_split`)."""
+    if int(k) == 1:
         return ("one",), "k=1"
-    if split is None and axis != "heads":
+    if axis != "heads":
         return ("rows", int(k)), f"rows k={int(k)}"
-    sp = tuple(split) if split is not None else default_head_split(k, Hkv)
+    sp = default_head_split(k, Hkv)
     return ("heads", sp), "heads " + "/".join(map(str, sp))
 
 
 def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, reps):
     """The op's own ms beyond its kernel at P = 1 for one chunking (`job_chunking` key): the real op with per-step
-    metadata of that chunking (num_chunks / chunk_axis / head_split) and its kernel calls of the same chunking,
+    metadata of that chunking (num_chunks / chunk_axis) and its kernel calls of the same chunking,
     timed side by side (`bench.time_fns_interleaved`, `reps` rounds). Returns (op_ms, kernel_ms), medians. The
     glue a chunk adds (head slices, packs, merges, the chunk loop's waits) is in op - kernel; what the kernel
     itself loses per chunk is in the shards' measured kernel times."""
@@ -1076,12 +925,7 @@ def time_chunking_overhead(key, plan1, args, *, dtype, device, group, fused, rep
     elif key[0] == "heads":
         sp = tuple(key[1])
         opts = {"num_chunks": len(sp), "chunk_axis": "heads"}
-        kc = {"chunk_axis": "heads", "num_heads_kv": args.Hkv}
-        if sp != default_head_split(len(sp), args.Hkv):
-            opts["head_split"] = sp
-            kc["head_split"] = sp
-        else:
-            kc["num_chunks"] = len(sp)
+        kc = {"chunk_axis": "heads", "num_heads_kv": args.Hkv, "num_chunks": len(sp)}
     else:
         opts = {"num_chunks": 1}
     x = bench.rank_inputs(plan1, 0, Hq=args.Hq, Hkv=args.Hkv, D=args.D, dtype=dtype, device=device)
@@ -1147,17 +991,6 @@ def check_args(ap, args):
         ap.error(f"--hidden must be >= 1, got {args.hidden}")
     if not (np.isfinite(args.chunk_loss) and (args.chunk_loss >= 0 or args.chunk_loss == -1.0)):
         ap.error(f"--chunk-loss must be a finite number >= 0 (or -1: the fitted {CHUNK_LOSS}), got {args.chunk_loss}")
-    args._head_splits = []
-    if args.head_split.strip():
-        if args.model_only:
-            ap.error("--head-split: not with --model-only (measured mode times the splits' shards; --replay models "
-                     "them from a saved run)")
-        try:
-            args._head_splits = bench.parse_head_splits(args.head_split, args.Hkv, "--head-split")
-        except ValueError as e:
-            ap.error(str(e))
-    args._bwd_orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order,
-                                                            BWD_CHUNK_ORDERS, "backward chunk order")))
     if not 0 <= args.paired_rounds <= MAX_PAIRED_ROUNDS:
         ap.error(f"--paired-rounds must be an int in [0, {MAX_PAIRED_ROUNDS}], got {args.paired_rounds}")
     if args.paired_rounds > 0:
@@ -1235,27 +1068,10 @@ def main(argv=None):
                     help="splitkv: what the chunks split (the op's chunk_axis): rows (query blocks; default) or "
                          "heads (all rows with Hq / k, Hkv / k heads per chunk, k clamped to --Hkv): measured mode "
                          "times the head chunks as the op runs them; the per-chunk bytes model is unchanged")
-    ap.add_argument("--head-split", default="",
-                    help="splitkv head chunks of uneven sizes (docs/perf-notes.md item 22): one or more splits separated "
-                         "by ':', each a comma list of kv heads per chunk summing to --Hkv, e.g. 4,4:6,2:2,4,2 (k = the "
-                         "list's length). Measured mode: the split's head chunks timed as the op runs them at every "
-                         "P > 1 (first placement), with the even split of the same k (the reference); rows with bytes per "
-                         "chunk proportional to its heads. With --replay: a split the saved run measured keeps its "
-                         "per-chunk ms, another one gets the saved k = len(split) row's total x heads share (interpolated "
-                         "in k where the run did not time that k). Each row has its gain over the even split and the "
-                         "break-even extra kernel cost. Not with --model-only")
-    ap.add_argument("--split-cost-json", default="",
-                    help="with --replay --head-split: a tools/chunk_cost.py JSON (--head-splits) whose measured ratio "
-                         "'head a/b' / 'head k=K' (the split vs the even split of the same k, one kernel, one context) "
-                         "scales the split's kernel time (instead of the proportional assumption alone)")
-    ap.add_argument("--bwd-chunk-order", default="forward",
-                    help="comma list of forward / reverse: the order the backward processes the chunks of the "
-                         "--head-split rows in (reverse = k-1..0: the forward's small last chunk becomes the "
-                         "backward's first); one row per value")
     ap.add_argument("--paired-rounds", type=int_arg(0), default=0,
                     help="measured mode, one process: after the measuring phase re-time, in R interleaved rounds, the "
                          "P = min(--cps) reference shard (splitkv k = 1: what T(P0) is built from) and every measured "
-                         "splitkv shard of the first placement (every sampled rank, k and --head-split), each task once "
+                         "splitkv shard of the first placement (every sampled rank and k), each task once "
                          "per round (a median of --reps), the order rotated by one each round, inputs built once; their "
                          "per-call ms = the median over the rounds, and every splitkv row with P > P0 gets "
                          "efficiency_rounds (T(P0)_i / T(P)_i of round i's compute; shown as median [min-max]). "
@@ -1449,7 +1265,7 @@ def main(argv=None):
             key = (P, pl if P > 1 else placements[0])
             if key not in plans:
                 plans[key] = build_problem(P, args, key[1])
-    jobs = []  # (P, method, placement, num_chunks, head split: None = the chunk axis of --chunk-axis)
+    jobs = []  # (P, method, placement, num_chunks of the chunk axis of --chunk-axis)
     for P in cps:
         for m in methods:
             for pl in (placements if m == "splitkv" else placements[:1]):
@@ -1463,26 +1279,7 @@ def main(argv=None):
                 else:
                     ks = chunk_list(P, nb)[:1]
                 for k in ks:
-                    jobs.append((P, m, pl, k, None))
-    # --head-split: splitkv's head chunks of each split at every P > 1 (first placement), and the even split of
-    # each split's k (the gain's reference, measured as head chunks whatever --chunk-axis says); a k the row
-    # chunks' records cannot take (fewer blocks per rank than chunks) is skipped, as `head_split_records` needs
-    split_jobs = {}  # split -> backward orders of its rows
-    for split in args._head_splits:
-        split_jobs[split] = list(args._bwd_orders)
-    for split in args._head_splits:  # the even split of its k, when not asked for itself: forward order only
-        split_jobs.setdefault(default_head_split(len(split), args.Hkv), ["forward"])
-    if split_jobs and "splitkv" in methods:
-        for P in cps:
-            if P == 1:
-                continue
-            nb = plans[(P, placements[0])].blocks_per_rank
-            for split in split_jobs:
-                if bench.resolve_chunks(len(split), P, nb) != len(split):
-                    log(f"[head-split] P={P}: {len(split)} chunks of {'/'.join(map(str, split))} exceed the "
-                        f"{nb} blocks per rank the bytes model chunks: no rows")
-                    continue
-                jobs.append((P, "splitkv", placements[0], len(split), split))
+                    jobs.append((P, m, pl, k))
     job_index = {jb: j for j, jb in enumerate(jobs)}
 
     # compute tasks: (job index, rank); the most loaded rank of every job first, then the others (so a
@@ -1491,17 +1288,13 @@ def main(argv=None):
     # baselines have no such fallback), splitkv first, then by P
     calls_of = {}
     tasks = []
-    for j, (P, m, pl, k, split) in enumerate(jobs):
+    for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         ranks, _ = sample_ranks(m, plan, args.sample_ranks)
         for i, r in enumerate(ranks):
-            if split is not None:  # the op's head chunks of the split (`head_split=`), timed as the op runs them
-                calls = bench.kernel_calls(m, plan, r, chunk_axis="heads", num_heads_kv=args.Hkv, head_split=split,
-                                           own_block=fused)
-            else:
-                calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused,
-                                           **({"chunk_axis": args.chunk_axis, "num_heads_kv": args.Hkv}
-                                              if m == "splitkv" else {}))
+            calls = bench.kernel_calls(m, plan, r, num_chunks=k, own_block=fused,
+                                       **({"chunk_axis": args.chunk_axis, "num_heads_kv": args.Hkv}
+                                          if m == "splitkv" else {}))
             calls_of[(j, r)] = calls
             tasks.append((i, j, r))
     mprio = {m: i for i, m in enumerate(("splitkv", "allgather-kv", "ring-kv"))}
@@ -1527,8 +1320,7 @@ def main(argv=None):
                 kt = bench.time_kernel_calls(calls_of[(j, r)], dtype=dtype, device=dev, backend=args.backend,
                                              reps=args.reps, warmup=1, fresh_mask=args.no_metadata, **shapes)
                 local[(j, r)] = kt["per_call_ms"]
-                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]}"
-                      f"{' split ' + '/'.join(map(str, jobs[j][4])) if jobs[j][4] else ''} rank {r}: "
+                print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} {jobs[j][2]} k={jobs[j][3]} rank {r}: "
                       f"{kt['ms']:.2f} ms, {kt['tflops']:.0f} TF/s", flush=True)
             except Exception:  # noqa: BLE001
                 print(f"[measure r{rank}] P={jobs[j][0]} {jobs[j][1]} rank {r} ERROR\n{traceback.format_exc(limit=3)}",
@@ -1542,9 +1334,9 @@ def main(argv=None):
         if rank == 0:
             plan1 = plans[(1, placements[0])] if (1, placements[0]) in plans else build_problem(1, args, "lpt")
             keys = {("one",): "k=1"}
-            for (P_, m_, pl_, k_, sp_) in jobs:
+            for (P_, m_, pl_, k_) in jobs:
                 if m_ == "splitkv":
-                    key, lab = job_chunking(k_, sp_, args.chunk_axis, args.Hkv)
+                    key, lab = job_chunking(k_, args.chunk_axis, args.Hkv)
                     keys.setdefault(key, lab)
             for key, lab in keys.items():  # k = 1 first: the overhead of T(P0) and of every k = 1 row
                 try:
@@ -1603,7 +1395,7 @@ def main(argv=None):
             p0 = min(cps)
             rt = [(j, r) for (j, r) in tasks if jobs[j][1] == "splitkv" and jobs[j][2] == placements[0]
                   and comp.get((j, r)) is not None]
-            rt.sort(key=lambda t: not (jobs[t[0]][0] == p0 and jobs[t[0]][3] == 1 and jobs[t[0]][4] is None))
+            rt.sort(key=lambda t: not (jobs[t[0]][0] == p0 and jobs[t[0]][3] == 1))
             try:
                 t_r = time.perf_counter()
                 specs = [bench.kernel_calls_timing(calls_of[t], dtype=dtype, device=dev, backend=args.backend,
@@ -1635,10 +1427,10 @@ def main(argv=None):
 
     glue = {key: v["overhead_ms"] for key, v in over_by.items()}
 
-    def job_overhead(k, split):
-        """The op overhead of a splitkv row of k chunks / head split: k = 1's (overhead_ms) plus what its
+    def job_overhead(k):
+        """The op overhead of a splitkv row of k chunks: k = 1's (overhead_ms) plus what its
         chunking's measured CP=1 glue adds over k = 1's (0 where not measured)."""
-        got = chunked_overhead(overhead_ms, glue, [job_chunking(k, split, args.chunk_axis, args.Hkv)[0]])
+        got = chunked_overhead(overhead_ms, glue, [job_chunking(k, args.chunk_axis, args.Hkv)[0]])
         return overhead_ms if got is None else got
     # unmeasured shards: splitkv k > 1 from the same rank's measured k = 1 x the chunk-loss model, else the
     # FLOP model (splitkv: the one-call time x the chunk-loss model) at a kernel rate CALIBRATED on this
@@ -1661,9 +1453,9 @@ def main(argv=None):
             comp[("src", j, r)] = f"measured, {args.paired_rounds} interleaved rounds" if (j, r) in rounds \
                 else "measured"
             continue
-        P, m, pl, k, _ = jobs[j]
+        P, m, pl, k = jobs[j]
         pairs = [c.pairs for c in calls_of[(j, r)]]
-        j1 = job_index.get((P, m, pl, 1, None))
+        j1 = job_index.get((P, m, pl, 1))
         if m == "splitkv" and k > 1 and j1 is not None and comp.get((j1, r)) is not None \
                 and comp.get(("src", j1, r)) == "measured":
             comp[(j, r)] = chunked_calls_ms(sum(comp[(j1, r)]), pairs, chunk_loss)
@@ -1700,8 +1492,7 @@ def main(argv=None):
     # splitkv variant (backward gather x two-level all-to-all)
     rows = []
     takes_l = "cp_ranks_per_node" in inspect.signature(bench.predicted_records).parameters
-    split_memo = {}
-    for j, (P, m, pl, k, split) in enumerate(jobs):
+    for j, (P, m, pl, k) in enumerate(jobs):
         plan = plans[(P, pl if P > 1 else placements[0])]
         rks = [r for (jj, r) in tasks if jj == j]
         # slowest sampled rank
@@ -1710,7 +1501,7 @@ def main(argv=None):
         nc = [int(plan.token_index(r).shape[0]) for r in range(P)]
         pairs = [sum(c.pairs for c in calls_of[(j, r)]) for r in rks]
         pj = proj_ms(plan, r_slow)
-        ov_j = job_overhead(k, split) if m == "splitkv" else overhead_ms
+        ov_j = job_overhead(k) if m == "splitkv" else overhead_ms
         # --paired-rounds: round i's compute = that round's slowest sampled rank (every sampled rank re-timed)
         pc_rounds = None
         if rks and all((j, r) in rounds for r in rks):
@@ -1721,15 +1512,6 @@ def main(argv=None):
                       compute_source=comp[("src", j, r_slow)], per_call_ms=comp[(j, r_slow)],
                       sampled_compute_ms=[sum(comp[(j, r)]) for r in rks], sampled_pairs=pairs,
                       planner_imbalance=float(plan.imbalance))
-        if split is not None:  # a head split's rows (`head_split_rows`, as `--replay` makes them)
-            for topo in topologies:
-                for ovl in (False, True):
-                    base = dict(common, topology=topo, overlap_q_gather=ovl, overhead_ms=ov_j)
-                    rows += head_split_rows(base, split=split, orders=split_jobs[split], variants=variants,
-                                            source=comp[("src", j, r_slow)], a=args, plan=plan, P=P,
-                                            per_call=comp[(j, r_slow)], link=links[topo], ovl=ovl,
-                                            merge_gbs=merge_rate, recs_memo=split_memo, per_call_rounds=pc_rounds)
-            continue
         recs_of = {}
         for v in (variants if m == "splitkv" else [None]):
             L = v["cp_ranks_per_node"] if v else 1
@@ -1758,8 +1540,6 @@ def main(argv=None):
                                      total_ms_rounds=round_totals(lambda pc: timed(pc)["total_ms"], pc_rounds))
                     rows.append(dict(common, topology=topo, overlap_q_gather=ovl, bytes_per_rank=nbytes,
                                      **extra, **t))
-    if split_jobs:  # the split rows' gain over the same k's even split (forward order) and break-even cost
-        add_split_gains(rows, args.Hkv)
     set_efficiency(rows, min(cps))
     set_efficiency_rounds(rows, min(cps))
     # measured CP=2 from bench_attention (the op alone: rows without the projection overlap)
@@ -1797,8 +1577,6 @@ def main(argv=None):
     result["summary"] = summarize(result)
     if rank == 0:
         md = render(result)
-        if split_jobs:
-            md += "\n\n" + render_head_splits(result)
         with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
             json.dump(result, f, indent=1, default=str)
         with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
@@ -1829,30 +1607,17 @@ def replay_main(ap, args):
         ap.error("--out must be a directory path, got an empty string")
     gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
                                                    "backward gather")))
-    try:  # a saved run, plain or gzip-compressed (docs/results keeps the larger ones as .json.gz)
+    try:  # a saved run, plain or gzip-compressed (docs/lab/results keeps the larger ones as .json.gz)
         with (gzip.open(args.replay, "rt") if args.replay.endswith(".gz") else open(args.replay)) as f:
             saved = json.load(f)
     except (OSError, ValueError, EOFError) as e:
         ap.error(f"--replay {args.replay!r}: not a simulate_scaling.json ({type(e).__name__}: {e})")
-    orders = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-chunk-order", args.bwd_chunk_order, BWD_CHUNK_ORDERS,
-                                                  "backward chunk order")))
     try:
-        splits = bench.parse_head_splits(args.head_split, int(saved["args"]["Hkv"]), "--head-split")
-    except ValueError as e:
-        ap.error(str(e))
-    except KeyError as e:
-        ap.error(f"--replay: {args.replay} lacks {e}")
-    split_cost = split_cost_ratios(ap, args.split_cost_json, splits)
-    try:
-        res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait,
-                     head_splits=splits,
-                     bwd_orders=orders, split_cost=split_cost)
+        res = replay(saved, bwd_gathers=gathers, source=args.replay, two_level_wait=args.two_level_wait)
     except KeyError as e:
         ap.error(f"--replay: {args.replay} lacks {e} (not a simulate_scaling.json of a tree with the splitkv variants)")
     os.makedirs(args.out, exist_ok=True)
     md = f"Replay of {args.replay}: {res['replay']['note']}.\n\n" + render(res)
-    if splits:
-        md += "\n\n" + render_head_splits(res)
     with open(os.path.join(args.out, "simulate_scaling.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(os.path.join(args.out, "simulate_scaling.md"), "w") as f:
@@ -1956,29 +1721,6 @@ def link_from_dict(d, topology=None):
                            pxn=bool(d.get("pxn", True)))
 
 
-def saved_chunking_overheads(saved) -> dict:
-    """A saved run's "overhead_by_chunking" as {`job_chunking` key: overhead_ms} ({} for a run of a tree without
-    it, or entries that do not parse)."""
-    import ast
-
-    out = {}
-    for e in saved.get("overhead_by_chunking") or []:
-        try:
-            key = list(e["key"])
-            if key[0] == "one":
-                k = ("one",)
-            elif key[0] == "rows":
-                k = ("rows", int(key[1]))
-            elif key[0] == "heads":
-                k = ("heads", tuple(int(h) for h in ast.literal_eval(key[1])))
-            else:
-                continue
-            out[k] = float(e["overhead_ms"])
-        except (KeyError, IndexError, TypeError, ValueError, SyntaxError):
-            continue
-    return out
-
-
 def chunked_overhead(base_ms, glue, keys):
     """The op overhead of a chunked row: `base_ms` (k = 1's) plus what the first of `keys` (`job_chunking` keys)
     found in `glue` ({key: CP=1 op - kernel ms}) adds over k = 1's (glue[("one",)]), at least 0. None when `glue`
@@ -1991,18 +1733,7 @@ def chunked_overhead(base_ms, glue, keys):
     return None
 
 
-def saved_split_overhead(saved, split, Hkv):
-    """The op overhead of a head `split`'s rows in a replay of `saved` (measured mode's `job_overhead`): the run's
-    k = 1 overhead + (the saved CP=1 (op - kernel) of the split's head chunking, else of the even split of its k)
-    - k = 1's, at least 0; None when the run saved neither (the caller keeps the base row's)."""
-    if "overhead_ms" not in saved:
-        return None
-    return chunked_overhead(saved["overhead_ms"], saved_chunking_overheads(saved),
-                            (("heads", tuple(split)), ("heads", default_head_split(len(split), Hkv))))
-
-
-def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT,
-           head_splits=None, bwd_orders=("forward",), split_cost=None):
+def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEVEL_WAIT):
     """Recompute the splitkv rows of a saved run (`main`'s result: a simulate_scaling.json) with THIS tree's
     collectives (`bench.predicted_records`) and schedule model, from what the run measured or modelled and
     saved: each row's per-chunk kernel ms (`per_call_ms`), k/v projection windows, op overhead, the node-merge
@@ -2017,20 +1748,9 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     one used. Returns a result dict like `main`'s (rows, variants, summary; "replay" =
     source and note); the same inputs with the saved run's variants, schedule and tree reproduce its rows.
 
-    head_splits (`bench.parse_head_splits`; head chunks, docs/perf-notes.md item 22): besides the saved rows, one more
-    row per split x `bwd_orders` (`BWD_CHUNK_ORDERS`) x P > 1 x topology x overlap x variant, with the row's
-    "head_split" and "bwd_order": collectives of `head_split_records` (bytes per chunk proportional to its
-    heads), kernel time per chunk `head_split_compute` of the saved k = len(split) row's total (the measured
-    chunk loop: its chunk loss), or, for a k the run did not time, of the total interpolated linearly in k
-    between the nearest saved k below and above (none above: no row), and the op overhead of head chunks
-    (`saved_split_overhead`: the saved per-chunking (op - kernel) of the split, else of the even split of its k;
-    the base row's when the run saved neither); the op's own even split
-    (`default_head_split`) of a saved k keeps that row's per-chunk times. Split rows the saved run has (measured
-    with `--head-split`) are recomputed from their own per-chunk ms, in their saved backward orders (plus
-    `bwd_orders` when the split is asked for), whether or not head_splits names them. Each split row also has
-    "gain_vs_even_ms" and "break_even_extra" (`add_split_gains`). The saved rows get head_split None, bwd_order
-    "forward". Rows saved with per-round kernel ms (`--paired-rounds`) get their rounds' T and
-    efficiency_rounds again (`set_efficiency_rounds`).
+    Rows saved with per-round kernel ms (`--paired-rounds`) get their rounds' T and efficiency_rounds again
+    (`set_efficiency_rounds`). Rows of uneven head splits (a "head_split" field, saved by trees whose op had
+    them) are dropped: the op runs even head chunks only.
     Raises KeyError on a saved result without the fields above (a run of a tree before the variants)."""
     import argparse as _ap
 
@@ -2045,19 +1765,11 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
     links = {t: link_from_dict(saved["link"], t) for t in topologies}
     merge = tuple(saved["node_merge"]["gbs"])
     first = a.placements.split(",")[0].strip()
-    plans, groups, sgroups = {}, {}, {}
+    plans, groups = {}, {}
     for r in saved["rows"]:  # one saved row per (P, placement, k, topology, overlap): its measured inputs
-        if r["method"] != "splitkv":
-            continue
-        if r.get("head_split"):  # a split row the run measured (or a replay computed): its own per-chunk ms
-            g = sgroups.setdefault((r["P"], r["placement"], tuple(r["head_split"]), r["topology"],
-                                    r["overlap_q_gather"]), [r, []])
-            if r.get("bwd_order", "forward") not in g[1]:
-                g[1].append(r.get("bwd_order", "forward"))
-        else:
+        if r["method"] == "splitkv" and not r.get("head_split"):
             groups.setdefault((r["P"], r["placement"], r["num_chunks"], r["topology"], r["overlap_q_gather"]), r)
     rows = []
-    Hkv = int(a.Hkv)
     recs_memo = {}
 
     def plan_of(P, pl):
@@ -2074,44 +1786,6 @@ def replay(saved, *, bwd_gathers=None, source="", two_level_wait=DEFAULT_TWO_LEV
         for v in variants:
             rows.append(splitkv_row(r, k=k, variant=v, **kw(P, pl, topo, ovl, r["per_call_ms"],
                                                              r.get("per_call_ms_rounds"))))
-    for (P, pl, split, topo, ovl), (r, saved_orders) in sgroups.items():  # the saved split rows, recomputed
-        orders = list(dict.fromkeys(saved_orders + (list(bwd_orders) if split in (head_splits or []) else [])))
-        rows += head_split_rows(r, split=split, orders=orders, variants=variants, source=r["compute_source"],
-                                **kw(P, pl, topo, ovl, r["per_call_ms"], r.get("per_call_ms_rounds")))
-    for split in head_splits or []:
-        ks = len(split)
-        for (P, pl, topo, ovl) in dict.fromkeys((P, pl, topo, ovl) for (P, pl, _, topo, ovl) in groups if P > 1):
-            if (P, pl, tuple(split), topo, ovl) in sgroups:  # measured by the run: its rows above
-                continue
-            saved_k = sorted(k for (P2, pl2, k, t2, o2) in groups if (P2, pl2, t2, o2) == (P, pl, topo, ovl))
-            total = {k: float(sum(groups[(P, pl, k, topo, ovl)]["per_call_ms"])) for k in saved_k}
-            if ks in total:
-                r = groups[(P, pl, ks, topo, ovl)]
-                if split == default_head_split(ks, Hkv):
-                    per_call, src = list(r["per_call_ms"]), r["compute_source"]
-                elif split_cost and tuple(split) in split_cost:
-                    f = split_cost[tuple(split)]
-                    per_call = head_split_compute(total[ks] * f, split)
-                    src = f"saved k={ks} total x {f:.3f} (measured split / even, chunk_cost) x heads share"
-                else:
-                    per_call, src = head_split_compute(total[ks], split), f"saved k={ks} total x heads share"
-            else:
-                lo = [k for k in saved_k if k < ks]
-                hi = [k for k in saved_k if k > ks]
-                if not lo or not hi:
-                    continue
-                k0, k1 = lo[-1], hi[0]
-                tot = total[k0] + (total[k1] - total[k0]) * (ks - k0) / (k1 - k0)
-                r = groups[(P, pl, k0, topo, ovl)]
-                per_call, src = head_split_compute(tot, split), f"k={k0}/k={k1} totals interpolated x heads share"
-            r = {f: x for f, x in r.items() if f not in ("per_call_ms_rounds", "total_ms_rounds", "efficiency_rounds")}
-            ov = saved_split_overhead(saved, split, Hkv)  # head chunks' glue, not the base row's chunking's
-            if ov is not None:
-                r["overhead_ms"] = ov
-            rows += head_split_rows(r, split=split, orders=list(bwd_orders), variants=variants, source=src,
-                                    **kw(P, pl, topo, ovl, per_call))
-    if head_splits or sgroups:  # the gain over the same k's even split (forward order) and its break-even kernel cost
-        add_split_gains(rows, Hkv)
     rows += [dict(r) for r in saved["rows"] if r["method"] != "splitkv"]
     set_efficiency(rows, min(r["P"] for r in rows))
     set_efficiency_rounds(rows, min(r["P"] for r in rows))
@@ -2148,53 +1822,13 @@ def _solo_group():
     return _SOLO[0]
 
 
-def split_label(r):
-    """"6/2" (+ " rev" for the reversed backward order) of a row with a --head-split, else ""."""
-    if not r.get("head_split"):
-        return ""
-    return "/".join(str(h) for h in r["head_split"]) + (" rev" if r.get("bwd_order") == "reverse" else "")
-
-
-def render_head_splits(res):
-    """Markdown: the --head-split rows of a run or a replay (topology by topology, with the projection overlap as
-    the headline uses it): T(P), exposed communication, compute and where it came from, efficiency (and its
-    paired rounds), the gain over the same k's even split (forward order) and the break-even extra kernel cost
-    (`add_split_gains`)."""
-    ovl = res["args"].get("overlap_q_gather", "on") == "on"
-    hdr = ["P", "variant", "k", "split (kv heads)", "bwd order", "T(P) ms", "exposed ms", "compute ms", "efficiency",
-           "gain vs even split ms", "break-even extra kernel cost", "compute source"]
-    parts = []
-    for topo in res.get("topologies", ["flat"]):
-        body = []
-        sel = [r for r in res["rows"] if r["method"] == "splitkv" and r.get("head_split") and r["topology"] == topo
-               and bool(r["overlap_q_gather"]) == ovl]
-        for r in sorted(sel, key=lambda r: (r["P"], r["cp_ranks_per_node"], r["variant"], r["num_chunks"])):
-            g, be = r.get("gain_vs_even_ms"), r.get("break_even_extra")
-            body.append([r["P"], r["variant"], r["num_chunks"], "/".join(map(str, r["head_split"])), r["bwd_order"],
-                         f"{r['total_ms']:.3f}", f"{r['exposed_comm_ms']:.3f}", f"{r['compute_ms']:.3f}",
-                         f"{100 * r['efficiency']:.1f}%" + (f" (rounds {rounds_text(r['efficiency_rounds'])})"
-                                                             if r.get("efficiency_rounds") else ""),
-                         "-" if g is None else f"{g:+.3f}",
-                         "-" if be is None else (f"{100 * be:.1f}% ({be * r['compute_ms']:.3f} ms)"),
-                         r["compute_source"]])
-        if body:
-            parts.append(f"Head splits, topology '{topo}'{' + projection overlap' if ovl else ''} (kernel time per "
-                         f"chunk: measured = the split's head chunks timed as the op runs them; 'saved ... x heads "
-                         f"share' = a replay's k-chunk total x the chunk's heads share; gain = T of the same k's even "
-                         f"split in forward order - T; break-even = the extra kernel cost of the split at which that "
-                         f"gain is gone)\n\n"
-                         + bench.md_table(hdr, body))
-    return "\n\n".join(parts)
-
-
 def label(res, r):
     """Method label of a row: splitkv rows carry their chunk count (k) when the tree pipelines, and "+ovl"
     when the layer overlaps the Q gather / dQ all-to-all with the k/v projections."""
     k = r.get("num_chunks", 1)
     var = f" [{r['variant']}]" if len(res.get("variants") or []) > 1 and r.get("variant") else ""
     if r["method"] == "splitkv" and (res.get("chunked_pipeline") or k != 1):
-        sp = split_label(r)
-        return f"splitkv k={k}" + (f" [{sp}]" if sp else "") + (" +ovl" if r.get("overlap_q_gather") else "") + var
+        return f"splitkv k={k}" + (" +ovl" if r.get("overlap_q_gather") else "") + var
     if r["method"] == "splitkv" and r.get("overlap_q_gather"):
         return "splitkv +ovl" + var
     return r["method"] + (var if r["method"] == "splitkv" else "")
@@ -2222,7 +1856,7 @@ def summarize(res):
     def cell(r):
         return None if r is None else dict(T=r["total_ms"], exposed=r["exposed_comm_ms"], efficiency=r["efficiency"],
                                            k=r.get("num_chunks", 1), source=r["compute_source"],
-                                           variant=r.get("variant"), split=split_label(r),
+                                           variant=r.get("variant"),
                                            efficiency_rounds=r.get("efficiency_rounds"))
 
     out = []
@@ -2263,7 +1897,7 @@ def render_summary(res):
         if not c:
             return "-"
         rt = rounds_text(c.get("efficiency_rounds"))
-        return ((f"k={c['k']}{' ' + c['split'] if c.get('split') else ''}: " if with_k else "")
+        return ((f"k={c['k']}: " if with_k else "")
                 + f"{c['T']:.1f} ({c['exposed']:.1f}) {100 * c['efficiency']:.0f}%" + (f", rounds {rt}" if rt else ""))
 
     parts = []
@@ -2303,8 +1937,7 @@ def render_summary(res):
         paired = [e for e in ents if e["head"] and e["head"].get("efficiency_rounds")]
         if paired:  # --paired-rounds: the headline's efficiency per round
             n = len(paired[0]["head"]["efficiency_rounds"])
-            body = [[e["P"], e["headline_variant"] or "-", e["head"]["k"] if not e["head"].get("split")
-                     else f"{e['head']['k']} {e['head']['split']}", f"{100 * e['head']['efficiency']:.1f}%",
+            body = [[e["P"], e["headline_variant"] or "-", e["head"]["k"], f"{100 * e['head']['efficiency']:.1f}%",
                      rounds_text(e["head"]["efficiency_rounds"]),
                      " ".join(f"{100 * x:.1f}" for x in e["head"]["efficiency_rounds"])] for e in paired]
             parts.append(f"{title.get(topo, topo)}, headline ({head}) efficiency over {n} paired rounds (T(P0)_i / "

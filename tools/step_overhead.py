@@ -1,5 +1,5 @@
 """Planner and sharding overhead against a REAL DFlash drafter training step (issue 6: "planner and sharding
-overhead < 1% of a training step"; docs/perf-notes.md "Prepare cost (item 13)").
+overhead < 1% of a training step"; docs/lab/perf-notes.md "Prepare cost (item 13)").
 
 Until now the per-step overhead was divided by 5 x the attention op's time only. This tool builds the
 project's Megatron DFlash drafter (`megatron_splitkv.megatron.models.DFlashDraftModel`, as

@@ -21,16 +21,26 @@ Source: DESIGN.md sections 1 and 3 (the plan is a data-sharding hook); docs/mega
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import os
+import sys
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
+from torch.multiprocessing import reductions
 
 from .._ints import as_int
 from ..config import SplitKVConfig
+from ..dflash import DraftBlocks, build_draft_blocks
+from ..ops.host_metadata import from_recipe, pack_recipe, prepare_splitkv_metadata_from_plan
+from ..ops.packing import apply_split, compile_split, split_views, unique_tensors
+from ..planning import plan_context_parallel
+from .sharding import shard_batch
 
 __all__ = ["MetadataSpec", "PlannedBatch", "plan_batch", "PlannedBatchDataset", "PrefetchedBatches",
            "data_parallel_batches"]
@@ -76,8 +86,6 @@ def _reduce_item_buffer(buf: _ItemBuffer):
     t = buf.tensor
     if not buf.by_name or t.device.type != "cpu" or t.storage_offset() != 0:
         return (_ItemBuffer, (t,))  # torch's own tensor sharing (its strategy)
-    from torch.multiprocessing import reductions
-
     storage = t.untyped_storage()
     manager, handle, size = storage._share_filename_cpu_()
     storage._shared_incref()  # kept alive for the receiver, which drops this reference once it has mapped it
@@ -86,15 +94,11 @@ def _reduce_item_buffer(buf: _ItemBuffer):
 
 
 def _open_item_buffer(manager, handle, size, numel):
-    from torch.multiprocessing import reductions
-
     storage = reductions.rebuild_storage_filename(torch.UntypedStorage, manager, handle, size)
     return _ItemBuffer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (numel,)), by_name=True)
 
 
 def _register_reducer():
-    from multiprocessing.reduction import ForkingPickler
-
     ForkingPickler.register(_ItemBuffer, _reduce_item_buffer)
 
 
@@ -116,33 +120,20 @@ def _new_bytes(n: int, shared: bool) -> tuple:
     return torch.empty(n, dtype=torch.uint8), False
 
 
-#: id(layout) -> (layout, its names, its `ops.metadata._compile_split` plan); the layout object is held, so its
+#: id(layout) -> (layout, its names, its `ops.packing.compile_split` plan); the layout object is held, so its
 #: id is not reused while the entry lives (an item's layouts are the same objects through unpickle, pin, to)
 _COMPILED: dict = {}
 _COMPILED_MAX = 256
 
 
-_MODULES: dict = {}
-
-
-def _md():
-    """`megatron_splitkv.ops.metadata`, imported on first use (not at this module's import) and then cached."""
-    md = _MODULES.get("md")
-    if md is None:
-        from megatron_splitkv.ops import metadata as md
-
-        _MODULES["md"] = md
-    return md
-
-
 def _compiled(layout, plan=None) -> tuple:
-    """(layout, names, `_compile_split` plan) of a layout object: cached by identity; `plan` (the plan that
+    """(layout, names, `compile_split` plan) of a layout object: cached by identity; `plan` (the plan that
     came with the layout from a worker) is taken as is instead of compiling."""
     hit = _COMPILED.get(id(layout))
     if hit is not None and hit[0] is layout:
         return hit
     if plan is None:
-        plan = _md()._compile_split([(dt, shape, off) for _, dt, shape, off in layout])
+        plan = compile_split([(dt, shape, off) for _, dt, shape, off in layout])
     hit = (layout, tuple(x[0] for x in layout), plan)
     if len(_COMPILED) >= _COMPILED_MAX:
         _COMPILED.pop(next(iter(_COMPILED)))
@@ -152,10 +143,10 @@ def _compiled(layout, plan=None) -> tuple:
 
 def _views(buf: torch.Tensor, layout) -> dict:
     """{name: view of the uint8 `buf` (any device)} for a `_layout` layout [(name, dtype, shape, byte offset)]
-    (offsets relative to `buf`): one `split_with_sizes` per dtype (`ops.metadata._apply_split`, the plan
+    (offsets relative to `buf`): one `split_with_sizes` per dtype (`ops.packing.apply_split`, the plan
     compiled once per layout object), no copy. Raises ValueError when `buf` is too short for the layout."""
     _, names, plan = _compiled(layout)
-    return dict(zip(names, _md()._apply_split(buf, plan)))
+    return dict(zip(names, apply_split(buf, plan)))
 
 
 def _fill(views: dict, tensors: dict) -> None:
@@ -198,8 +189,6 @@ class MetadataSpec:
 
     def build(self, plan, cp_rank: int, block_size: int):
         """`prepare_splitkv_metadata_from_plan(plan, cp_rank, ...)` with these shapes: unbound, CPU."""
-        from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
-
         return prepare_splitkv_metadata_from_plan(
             plan, cp_rank, block_size=block_size, num_heads_q=self.num_heads_q, num_heads_kv=self.num_heads_kv,
             head_dim=self.head_dim, dtype=self.dtype, num_chunks=self.num_chunks,
@@ -208,11 +197,11 @@ class MetadataSpec:
 
 
 def _meta_on(recipe, upload: torch.Tensor, layout):
-    """The unbound metadata of `recipe` (`ops.metadata._pack_recipe`) on the "metadata" region of the flat
+    """The unbound metadata of `recipe` (`ops.host_metadata.pack_recipe`) on the "metadata" region of the flat
     upload buffer `upload` (views, no copy; its `host_build.buffer` is that region)."""
     for name, _, shape, off in layout:
         if name == "metadata":
-            return _md()._from_recipe(upload[off:off + shape[0]], recipe)
+            return from_recipe(upload[off:off + shape[0]], recipe)
     raise ValueError("the upload layout has no metadata region")
 
 
@@ -272,7 +261,7 @@ class PlannedBatch:
     `host_build.buffer`), then the shard and source. `buffers` = (upload region, its layout, host region, its
     layout), each layout [(name, dtype, shape, byte offset)]. A worker hands an item to the training process
     as that one buffer (ONE shared-memory segment, opened by name: `_ItemBuffer`) plus a small header of
-    Python values (the layouts, the metadata's `ops.metadata._pack_recipe`) and the plan; the receiver
+    Python values (the layouts, the metadata's `ops.host_metadata.pack_recipe`) and the plan; the receiver
     rebuilds every field as a view (one `split_with_sizes` per dtype), the metadata included. The
     pin-memory thread pins the upload region with one copy, `to` uploads it with one host-to-device copy,
     and `bind` only wraps the device views (no second copy).
@@ -303,11 +292,6 @@ class PlannedBatch:
     @staticmethod
     def _upload_fields(upload, layout, block_size) -> dict:
         """The upload set's fields as views of the flat buffer `upload` (on any device)."""
-        DraftBlocks = _MODULES.get("DraftBlocks")
-        if DraftBlocks is None:
-            from megatron_splitkv.dflash import DraftBlocks
-
-            _MODULES["DraftBlocks"] = DraftBlocks
         u = _views(upload, layout)  # with the metadata region's uint8 view (one split piece), unused here
         blocks = DraftBlocks(**{f: u["blocks." + f] for f in _BLOCK_FIELDS}, block_size=int(block_size))
         return dict(blocks=blocks, kv_seq=u["kv_seq"], kv_pos=u["kv_pos"], input_ids=u["input_ids"],
@@ -423,10 +407,6 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
         `shard_batch`, `build_draft_blocks`, the feature store or `prepare_splitkv_metadata_from_plan` raise
         for inconsistent inputs.
     """
-    from megatron_splitkv.data.sharding import shard_batch
-    from megatron_splitkv.dflash import build_draft_blocks
-    from megatron_splitkv.planning import plan_context_parallel
-
     if metadata is not None and not isinstance(metadata, MetadataSpec):
         raise TypeError(f"metadata must be a MetadataSpec or None, got {type(metadata).__name__}")
     plan = plan_context_parallel(batch.seq_lens, batch.anchors, block_size=block_size, cp_size=cp_size,
@@ -452,10 +432,8 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
             up_specs.append(("features", up_t["features"].dtype, up_t["features"].shape))
     meta = recipe = None
     if metadata is not None:
-        from megatron_splitkv.ops.metadata import _pack_recipe, _split_views
-
         meta = metadata.build(plan, cp_rank, block_size)
-        recipe = _pack_recipe(meta)
+        recipe = pack_recipe(meta)
         up_specs.append(("metadata", torch.uint8, (recipe[1],)))
     up_layout, up_n = _layout(up_specs)
     host_layout, host_n = _layout([(k, t.dtype, t.shape) for k, t in host_t.items()])
@@ -465,11 +443,9 @@ def plan_batch(batch, *, cp_size: int, cp_rank: int, block_size: int, mask_token
     _fill(_views(upload, [x for x in up_layout if x[0] != "metadata"]), up_t)
     _fill(_views(host, host_layout), host_t)
     if meta is not None:  # the metadata's tensors into their region (the recipe's layout)
-        from megatron_splitkv.ops.metadata import _unique_tensors
-
         (_, _, _, moff), = [x for x in up_layout if x[0] == "metadata"]
         region = upload[moff:moff + recipe[1]]
-        for dst, src in zip(_split_views(region, recipe[0]), _unique_tensors(meta)):
+        for dst, src in zip(split_views(region, recipe[0]), unique_tensors(meta)):
             if src.numel():
                 dst.copy_(src)
     item = PlannedBatch._from_buffers(index, cp_rank, plan, batch.num_tokens, upload, up_layout, host, host_layout,
@@ -589,15 +565,10 @@ def _worker_init(worker_id: int) -> None:
     run after the worker loop and multiprocessing's own exit work, flushes stdio and calls os._exit(0). The
     worker loop sends its errors through the DataLoader's queue; a worker that dies before its data is done is
     still reported by the DataLoader ("exited unexpectedly")."""
-    import atexit
-
     atexit.register(_exit_worker)
 
 
 def _exit_worker() -> None:
-    import os
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -614,13 +585,9 @@ def _free_unreceived(pids) -> None:
     shared-memory manager unlinks it then). The segments are torch's "/torch_<pid>_..." names (libshm); the
     ones this process opened are in `torch.multiprocessing.reductions.shared_cache` while alive and are kept.
     Linux (/dev/shm) only; best effort (a segment already gone is skipped)."""
-    import os
-
     shm = "/dev/shm"
     if not pids or not os.path.isdir(shm):
         return
-    from torch.multiprocessing import reductions
-
     alive = set()
     for handle, ref in list(reductions.shared_cache.items()):
         if not ref.expired():

@@ -1,7 +1,7 @@
 """Device-side prefetch one step ahead: the next batch uploaded (and its Split-KV metadata bound) while the
 current step's forward runs on the GPU.
 
-Why (issue 6, "planner and sharding overhead < 1% of a training step"; docs/perf-notes.md item 16): with the
+Why (issue 6, "planner and sharding overhead < 1% of a training step"; docs/lab/perf-notes.md item 16): with the
 data pipeline's worker processes (`data.pipeline.PrefetchedBatches`) the step's data part is only
 `next()` + the upload's issue + `SplitKVMetadata.bind`, about 2 ms of host time on the H200 at 16K-32K
 context (tools/step_overhead.py --profile-data, 2026-11-30). At a step boundary the GPU is idle (the previous

@@ -49,7 +49,7 @@ import torch
 from .base import IntervalMask, mask_cache, check_call, check_cuda_head_dim, half_precision_cuda_index
 from .flex import TILE, _block_tables, _rows_table, rows_per_block
 
-#: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.metadata._FLEX_HOST`)
+#: attribute of an IntervalMask carrying host-built FlexAttention tables (`ops.packing.FLEX_HOST`)
 _FLEX_HOST = "_flex_host_tables"
 
 __all__ = ["FA4AttentionKernel", "fold_gqa_mask", "fold_rows", "unfold_rows", "fa4_available", "fa4_importable",
@@ -291,7 +291,7 @@ class FA4AttentionKernel:
     row_intervals = True
     native_dtype_results = True
     #: False: head slices are copied contiguous (`_b`); reading them in place through FA4's strides was not
-    #: measured faster (docs/perf-notes.md item 24) and is not verified on the GPU
+    #: measured faster (docs/lab/perf-notes.md item 24) and is not verified on the GPU
     strided_heads = False
 
     def __init__(self, tile: int = TILE, cache_tables: bool = True, fold_gqa: bool | None = None):
@@ -319,7 +319,7 @@ class FA4AttentionKernel:
     def tables(self, mask: IntervalMask, q_len: int, kv_len: int, groups: int = 1) -> _Tables:
         """The mask's FA4 tables at (q_len, kv_len) (cached on the mask unless cache_tables=False; the
         cache assumes lo / hi are not modified in place afterwards). A mask that carries FlexAttention
-        tables built on the host by the data pipeline (`ops.metadata._FLEX_HOST`: the same tile
+        tables built on the host by the data pipeline (`ops.packing.FLEX_HOST`: the same tile
         classification at FlexAttention's padded lengths, which are >= ours, tile 128) reuses them: no
         device work for the tables in the training step. groups G > 1: the tables of the GQA-folded call
         (`fold_gqa_mask(mask, G)` at q_len * G rows), cached on `mask` too."""

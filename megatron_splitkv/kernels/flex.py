@@ -13,7 +13,7 @@ The kernel contract is `megatron_splitkv.kernels.base` (read its module docstrin
   Tq x Tk mask is built and `create_block_mask` (which evaluates the mask on every pair) is never called.
   See `interval_block_tables`. The transposed tables (per key tile, the query tiles: what flex's backward
   reads) come from the same classification instead of `BlockMask.from_kv_blocks`' re-derivation from the
-  key tables (`_block_tables`; the same values, ~23 device ops per BlockMask instead of ~66: docs/perf-notes.md
+  key tables (`_block_tables`; the same values, ~23 device ops per BlockMask instead of ~66: docs/lab/perf-notes.md
   "Prepare cost (item 13)"). Masks with own-block second intervals (`IntervalMask.lo2/hi2`, the union
   contract of `kernels/base.py`) are classified the same way on both intervals; their own-block region
   (from `num_ctx_keys`, a multiple of 128 in the ops) is block-diagonal: only the key tiles a query

@@ -12,7 +12,7 @@ row sum, exactly as flex then sees it):
   writes grad_out (input dtype) and grad_lse (fp32); one launch, no fp32 temporary. The torch version below
   needs ~10 launches per row chunk (8 chunks at 8192 rows x 32 heads x 128) plus a [rows, Hq, D] fp32
   temporary; at 16K context on 2 H200s its launches were exposed (the op became launch-bound right after
-  the dO all-gather): docs/perf-notes.md, "16K regression".
+  the dO all-gather): docs/lab/perf-notes.md, "16K regression".
 * `grad_tangents_torch`: torch ops over row chunks of at most `row_chunk_elems` elements (CPU, and CUDA
   without Triton).
 
@@ -23,52 +23,45 @@ from __future__ import annotations
 
 import torch
 
+from .._triton import lazy_triton_kernel
+
 
 #: Row chunk (elements of [rows, Hq, D]) of the torch path: bounds its fp32 temporary (2**22 elements =
 #: 16 MiB) instead of three [Tq, Hq, D] fp32 ones.
 ROW_CHUNK_ELEMS = 1 << 22
 
-_TRITON = None  # (kernel,) once compiled; False when Triton is unavailable
 
+@lazy_triton_kernel
+def _triton_kernel(triton, tl):
+    """The tangents kernel: `_triton_kernel()` returns it, defined on first use, or None without Triton
+    (`lazy_triton_kernel`)."""
 
-def _triton_kernel():
-    """The Triton kernel, defined on first use (None without Triton)."""
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton
-            import triton.language as tl
-        except Exception:  # noqa: BLE001 - Triton is optional (CPU, some CUDA builds)
-            _TRITON = False
-            return None
+    @triton.jit
+    def _tangents(do_ptr, o_ptr, lr_ptr, lg_ptr, dl_ptr, go_ptr, gl_ptr, Tq,
+                  s_do_t, s_do_h, s_o_t, s_o_h, s_lr_t, s_lr_h, s_lg_t, s_lg_h, s_dl_t, s_dl_h,
+                  s_go_t, s_go_h, s_gl_t, s_gl_h,
+                  D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        rmask = rows < Tq
+        d = tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (d < D)[None, :]
+        lr = tl.load(lr_ptr + rows * s_lr_t + h * s_lr_h, mask=rmask, other=float("-inf")).to(tl.float32)
+        lg = tl.load(lg_ptr + rows * s_lg_t + h * s_lg_h, mask=rmask, other=float("-inf")).to(tl.float32)
+        dl = tl.load(dl_ptr + rows * s_dl_t + h * s_dl_h, mask=rmask, other=0.0).to(tl.float32)
+        inf = float("inf")
+        finite = (lr > -inf) & (lr < inf) & (lg > -inf) & (lg < inf)  # NaN compares False
+        c = tl.where(finite, tl.exp(tl.where(finite, lr - lg, 0.0)), 0.0)
+        do = tl.load(do_ptr + rows[:, None] * s_do_t + h * s_do_h + d[None, :], mask=m2, other=0.0)
+        go = (do.to(tl.float32) * c[:, None]).to(go_ptr.dtype.element_ty)  # RTNE (Triton default)
+        tl.store(go_ptr + rows[:, None] * s_go_t + h * s_go_h + d[None, :], go, mask=m2)
+        o = tl.load(o_ptr + rows[:, None] * s_o_t + h * s_o_h + d[None, :], mask=m2, other=0.0)
+        gl = tl.sum(go.to(tl.float32) * o.to(tl.float32), axis=1) - c * dl
+        gl = tl.where(finite, gl, 0.0)
+        tl.store(gl_ptr + rows * s_gl_t + h * s_gl_h, gl, mask=rmask)
 
-        @triton.jit
-        def _tangents(do_ptr, o_ptr, lr_ptr, lg_ptr, dl_ptr, go_ptr, gl_ptr, Tq,
-                      s_do_t, s_do_h, s_o_t, s_o_h, s_lr_t, s_lr_h, s_lg_t, s_lg_h, s_dl_t, s_dl_h,
-                      s_go_t, s_go_h, s_gl_t, s_gl_h,
-                      D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-            pid = tl.program_id(0)
-            h = tl.program_id(1)
-            rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-            rmask = rows < Tq
-            d = tl.arange(0, BLOCK_D)
-            m2 = rmask[:, None] & (d < D)[None, :]
-            lr = tl.load(lr_ptr + rows * s_lr_t + h * s_lr_h, mask=rmask, other=float("-inf")).to(tl.float32)
-            lg = tl.load(lg_ptr + rows * s_lg_t + h * s_lg_h, mask=rmask, other=float("-inf")).to(tl.float32)
-            dl = tl.load(dl_ptr + rows * s_dl_t + h * s_dl_h, mask=rmask, other=0.0).to(tl.float32)
-            inf = float("inf")
-            finite = (lr > -inf) & (lr < inf) & (lg > -inf) & (lg < inf)  # NaN compares False
-            c = tl.where(finite, tl.exp(tl.where(finite, lr - lg, 0.0)), 0.0)
-            do = tl.load(do_ptr + rows[:, None] * s_do_t + h * s_do_h + d[None, :], mask=m2, other=0.0)
-            go = (do.to(tl.float32) * c[:, None]).to(go_ptr.dtype.element_ty)  # RTNE (Triton default)
-            tl.store(go_ptr + rows[:, None] * s_go_t + h * s_go_h + d[None, :], go, mask=m2)
-            o = tl.load(o_ptr + rows[:, None] * s_o_t + h * s_o_h + d[None, :], mask=m2, other=0.0)
-            gl = tl.sum(go.to(tl.float32) * o.to(tl.float32), axis=1) - c * dl
-            gl = tl.where(finite, gl, 0.0)
-            tl.store(gl_ptr + rows * s_gl_t + h * s_gl_h, gl, mask=rmask)
-
-        _TRITON = (_tangents,)
-    return _TRITON[0] if _TRITON else None
+    return _tangents
 
 
 def use_triton(dout: torch.Tensor, o_r: torch.Tensor) -> bool:

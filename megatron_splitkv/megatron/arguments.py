@@ -18,7 +18,7 @@ Flags (skipped when the parser already defines them, e.g. after applying `patche
     (`aliases=` adds other spellings of a flag to ITS action, e.g. examples/pretrain_dflash.py's
     --num-anchors / --block-size: one option, one help text, one default)
     --splitkv-no-overlap-q-gather  issue Split-KV's query all-gather inside the attention op, after the
-                             k/v projections, instead of before them (A/B of docs/perf-notes.md item 3;
+                             k/v projections, instead of before them (A/B of docs/lab/perf-notes.md item 3;
                              default: overlapped; SplitKVConfig.overlap_q_gather)
     --splitkv-kernel {auto,math,flex,te,staircase,fa4}  local attention kernel of the CP op (`backend=`,
                              the layer spec's `kernel_backend`; default auto = fa4 where FlashAttention-4
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
 from typing import Optional
 
@@ -83,6 +82,8 @@ __all__ = [
     "runtime_flag_values",
     "auto_cp_ranks_per_node",
     "auto_pipeline",
+    "LOCAL_SIZE_ENVS",
+    "launcher_env_from",
     "layer_attention_from_args",
     "planner_cost_model_from_args",
 ]
@@ -264,7 +265,7 @@ _FLAG_SPECS = (
              "GPUs per node / --tensor-model-parallel-size (SplitKVConfig.cp_ranks_per_node). Default: automatic: "
              "the launcher's processes per node (LOCAL_WORLD_SIZE, "
              "SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE) / TP when the CP group spans whole nodes, else 1 (auto_cp_ranks_per_node). "
-             "docs/perf-notes.md item 9.")),
+             "docs/lab/perf-notes.md item 9.")),
     ("--splitkv-num-chunks", dict(
         type=int_arg(),
         default=None,
@@ -272,7 +273,7 @@ _FLAG_SPECS = (
              "overlap chunk c+1's local kernel); the op clamps it to the query blocks per rank, or with "
              "--splitkv-chunk-axis heads to the kv heads per TP rank (SplitKVConfig.num_chunks). "
              "Default: automatic (auto_pipeline): 2 head chunks when the CP group spans "
-             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/perf-notes.md items 2, 21, 25.")),
+             "nodes and each TP rank holds >= 2 kv heads, else 1. docs/lab/perf-notes.md items 2, 21, 25.")),
     ("--splitkv-chunk-axis", dict(
         type=str,
         default=None,
@@ -321,7 +322,7 @@ _FLAG_SPECS = (
         help="Take the next batch from the data pipeline, upload it (non-blocking) and bind its Split-KV "
              "metadata right after the current micro-batch's forward is issued, while the GPU runs it, instead "
              "of at the start of the next step where the GPU waits for the host "
-             "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/perf-notes.md item 16). Holds one more "
+             "(megatron_splitkv.data.prefetch.DevicePrefetcher; docs/lab/perf-notes.md item 16). Holds one more "
              "batch on the device (the upload set: ids, blocks, metadata; with a feature store its rows). "
              "Default: on.")),
     ("--dflash-layer-types", dict(
@@ -589,6 +590,13 @@ LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER
 _PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 
+def launcher_env_from(environ) -> dict:
+    """The launcher's processes-per-node variables of `environ` (a mapping: the entry script passes its
+    os.environ), {name: text} for the names of `LOCAL_SIZE_ENVS` it holds: the `launcher_env` argument of
+    `validate_splitkv_args`. The library itself reads no environment variable."""
+    return {name: environ[name] for name in LOCAL_SIZE_ENVS if name in environ}
+
+
 def _per_node_counts(raw: str, name: str) -> tuple:
     """The distinct ranks-per-node counts of a launcher size text, sorted: "8" or "8(x4)" -> (8,), Slurm's
     heterogeneous "8(x2),4" (two nodes of 8 ranks, one of 4) -> (4, 8). The text is a comma-separated list of
@@ -605,7 +613,7 @@ def _per_node_counts(raw: str, name: str) -> tuple:
     return tuple(sorted(counts))
 
 
-def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
+def auto_cp_ranks_per_node(tp: int, cp: int, launcher_env=None):
     """The CP ranks per node L of Split-KV's two-level all-to-all when `--splitkv-cp-ranks-per-node` is
     unset: (L, why), L = 1 when the two-level path does not apply.
 
@@ -613,16 +621,17 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     launchers give each node a contiguous block of global ranks, so with n processes per node (the first of
     `LOCAL_SIZE_ENVS` that is a positive int) a CP group of size cp covers whole nodes of L = n / tp of its
     ranks when tp divides n, 1 < L < cp and L divides cp: then the all-to-all of the output merge and the dQ
-    exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/perf-notes.md
+    exchange runs in two stages (NVLink inside the node, fp32 node partials between nodes; docs/lab/perf-notes.md
     items 9 and 18; simulated at CP 64 on 8-GPU nodes: 90-92% weak-scaling efficiency against 81% with one
     all-to-all, docs/benchmarks.md twelfth run). A group within one node (cp <= n / tp), an unknown or
     malformed launcher size, a heterogeneous one (Slurm's "8(x2),4": nodes of different sizes), tp not
     dividing n, or L not dividing cp: L = 1 (one all-to-all, as before).
-    Exact either way (the same sums in fp32); only the schedule changes. `environ`: a mapping (default
-    os.environ: the launcher's variables, read at flag-validation time only). Every rank of a homogeneous job
+    Exact either way (the same sums in fp32); only the schedule changes. `launcher_env`: the launcher's
+    variables, a mapping of `LOCAL_SIZE_ENVS` names to their text, read by the caller (the entry script) from
+    its process environment (None or {}: no launcher size, L = 1). Every rank of a homogeneous job
     computes the same L; should ranks differ, the op's per-step agreement check raises naming
     cp_ranks_per_node (no hang)."""
-    L, why = _cp_ranks_per_node(tp, cp, environ)
+    L, why = _cp_ranks_per_node(tp, cp, launcher_env)
     if L is None:
         return 1, why
     if L <= 1:
@@ -632,11 +641,11 @@ def auto_cp_ranks_per_node(tp: int, cp: int, environ=None):
     return L, why
 
 
-def _cp_ranks_per_node(tp: int, cp: int, environ=None):
+def _cp_ranks_per_node(tp: int, cp: int, launcher_env=None):
     """(L, src) with L = the launcher's processes per node (the first of `LOCAL_SIZE_ENVS` that is a positive
     int) / tp when the CP group spans nodes (L < cp) and src the text 'NAME=n / TP tp'; else (None, why not):
     an unknown, malformed or heterogeneous launcher size, tp not dividing it, or the group within one node."""
-    env = os.environ if environ is None else environ
+    env = launcher_env or {}
     n, src, bad = None, None, []
     for name in LOCAL_SIZE_ENVS:
         raw = str(env.get(name, "") or "").strip()
@@ -661,19 +670,19 @@ def _cp_ranks_per_node(tp: int, cp: int, environ=None):
     return n // tp, f"{src} / TP {tp}"
 
 
-def auto_pipeline(tp: int, cp: int, kv_heads, environ=None):
+def auto_pipeline(tp: int, cp: int, kv_heads, launcher_env=None):
     """Split-KV's chunked merge pipeline when neither --splitkv-num-chunks nor --splitkv-chunk-axis is given:
     (fields, why), fields = the `SplitKVConfig` fields to set (empty: the op's defaults, one call).
 
     Rule: when the CP group spans nodes (the launcher's processes per node / tp < cp, as in
     `auto_cp_ranks_per_node`; an unknown launcher size or tp not dividing it: no change) and each TP rank holds
     `kv_heads` >= 2 kv heads (None: unknown, no change): 2 head chunks (num_chunks=2, chunk_axis="heads"). Why
-    (docs/perf-notes.md item 25, docs/benchmarks.md twelfth run): over a slow link (2 x H200 over NCCL sockets,
+    (docs/lab/perf-notes.md item 25, docs/benchmarks.md twelfth run): over a slow link (2 x H200 over NCCL sockets,
     128K per rank) 2 head chunks took 0.818x of one call; on NVLink one call stays best (k = 2 heads
     1.024-1.119x), hence across nodes only; simulated CP 64 on 8-GPU nodes: the CP 64 gain is small; the socket
     A/B is the evidence. Not measured across real nodes. Exact either way (head chunks sum nothing across
-    chunks). `environ`: the launcher's variables, a mapping (default os.environ)."""
-    L, why = _cp_ranks_per_node(tp, cp, environ)
+    chunks). `launcher_env`: the launcher's variables, a mapping (as `auto_cp_ranks_per_node`)."""
+    L, why = _cp_ranks_per_node(tp, cp, launcher_env)
     if L is None:
         return {}, why
     why = f"{why} = {L} CP ranks per node < CP {cp}: the group spans nodes"
@@ -713,7 +722,7 @@ def _local_kernel(args, kernel: str, have_fa4) -> str:
 _AUTO_ATTRS = ("splitkv_cp_ranks_per_node_auto", "splitkv_pipeline_auto", "splitkv_auto_fields", "splitkv_config")
 
 
-def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
+def validate_splitkv_args(args, *, have_te=None, have_fa4=None, launcher_env=None) -> None:
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
 
@@ -734,7 +743,10 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
     (neither set, impl splitkv: `auto_pipeline`, the choice and why in args.splitkv_pipeline_auto).
     Builds the op's `SplitKVConfig` from them (args.splitkv_config, `splitkv_config_from_args`); nothing is
     written to the process environment, and calling it again on any namespace gives what it gets alone.
-    `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine)."""
+    `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine).
+    `launcher_env`: the launcher's processes-per-node variables ({name: text} for the names in
+    `LOCAL_SIZE_ENVS`, as `launcher_env_from` picks them from a mapping such as the entry script's os.environ);
+    None or {}: no launcher size, so no automatic two-level all-to-all or pipeline."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
@@ -819,7 +831,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
             raise SplitKVArgumentError(
                 f"{flag} ({rpn}) must divide --context-parallel-size ({cp}) (or be >= it: one all-to-all)")
     elif impl == "splitkv":  # no flag: from the launcher's processes per node
-        auto, why = auto_cp_ranks_per_node(tp, cp)
+        auto, why = auto_cp_ranks_per_node(tp, cp, launcher_env)
         args.splitkv_cp_ranks_per_node_auto = f"auto -> {auto} ({why})"
         rpn = auto if auto > 1 else None
     if impl != "splitkv":  # the baselines have no merge pipeline: a flag given for it would be ignored silently
@@ -833,7 +845,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None) -> None:
         args.splitkv_pipeline_auto = f"auto -> off (set by a flag: {', '.join(flags_set)})"
     elif impl == "splitkv":  # none of the pipeline's flags: 2 head chunks when the group spans nodes
         kv = _kv_heads(args)
-        auto_fields, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp)
+        auto_fields, why = auto_pipeline(tp, cp, None if kv is None else int(kv) // tp, launcher_env)
         args.splitkv_pipeline_auto = f"auto -> {_pipeline_label(auto_fields)} ({why})"
         args.splitkv_auto_fields = auto_fields
     args.splitkv_config = _config_from_flags(args, rpn, auto_fields)

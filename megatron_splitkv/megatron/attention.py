@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from megatron.core import parallel_state
@@ -34,6 +35,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .._ints import as_int
+from ..comm import resolve_group
 from ..config import SplitKVConfig, resolve_config
 from ..ops import (
     SplitKVQueryGather,
@@ -43,7 +45,9 @@ from ..ops import (
     splitkv_attention,
     splitkv_start_query_gather,
 )
-from ..ops.metadata import SplitKVMetadata, check_prepared_config, raise_on_every_rank
+from ..ops.agreement import raise_on_every_rank
+from ..ops.metadata import SplitKVMetadata
+from ..ops.validation import check_prepared_config
 from .arguments import CP_IMPLS
 from .check_groups import cp_check_group
 
@@ -232,8 +236,6 @@ class DFlashPackedSeqParams(PackedSeqParams):
         layer's attention kind (`window`, `causal`; metadata built ahead holds one kind). Local
         checks only (no collective, no host sync; with the metadata's `config.debug_checks` also the index
         values, one host sync)."""
-        from ..comm import resolve_group
-
         meta, where = self.metadata, "DFlashPackedSeqParams.metadata"
         if not isinstance(meta, SplitKVMetadata):
             raise ValueError(f"{where} must be a bound SplitKVMetadata (prepare_splitkv_metadata_from_plan(...)"
@@ -388,7 +390,7 @@ class SplitKVCoreAttention(MegatronModule):
 
     Returns sbhd `[sq, b, Hq_tp * D]` or thd `[t, Hq_tp * D]`, dtype of `query`.
 
-    Early query all-gather (Split-KV, DFlash mode; docs/perf-notes.md item 3): a layer that computes its
+    Early query all-gather (Split-KV, DFlash mode; docs/lab/perf-notes.md item 3): a layer that computes its
     queries before its keys/values calls `handle = core_attention.start_query_gather(query,
     packed_seq_params)` right after q (projection, q-norm, RoPE) and passes `query_gather=handle` (a
     keyword argument beyond Megatron's core-attention contract; None or absent = the plain call) with the
@@ -449,8 +451,6 @@ class SplitKVCoreAttention(MegatronModule):
     def _cp_size(self) -> int:
         if self.cp_group is None:
             return 1
-        import torch.distributed as dist
-
         return dist.get_world_size(self.cp_group) if dist.is_initialized() else 1
 
     def start_query_gather(self, query: Tensor, packed_seq_params, *, num_heads_kv: int) -> Optional[DFlashQueryGather]:

@@ -1,7 +1,7 @@
 """Gloo mirrors of the context-parallel groups: the host-side groups of the ops' per-call rank agreement.
 
 Every op call with group-wide checks exchanges one [1, 12] int64 verdict row over its CP group before its first
-data collective (`ops.metadata.check_call`). Over an NCCL CP group that is a device tensor, a collective on the
+data collective (`ops.agreement.check_call`). Over an NCCL CP group that is a device tensor, a collective on the
 compute stream and a host read that waits for everything queued on the stream, at every layer. All the row's
 values are known on the host, so the ops take a `check_group` (`prepare_splitkv_metadata(..., check_group=)`,
 `SplitKVMetadata.bind(..., check_group=)`, the ops' keyword): a gloo group with the CP group's ranks, over which

@@ -109,7 +109,7 @@ class DFlashAttention(Attention):
     with `config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection`, plus spec
     params `rotary_base` (None = no RoPE), `rotary_percent`, `overlap_query_gather` and `splitkv_config`.
 
-    Order of the forward (docs/perf-notes.md item 3): q (projection, q-norm, RoPE) first; then, with
+    Order of the forward (docs/lab/perf-notes.md item 3): q (projection, q-norm, RoPE) first; then, with
     `overlap_query_gather` (default: `splitkv_config.overlap_q_gather`, on; `--splitkv-no-overlap-q-gather`
     turns it off in the training scripts), the core attention
     starts Split-KV's query all-gather (`SplitKVCoreAttention.start_query_gather`; a no-op for the

@@ -152,7 +152,7 @@ def get_dflash_layer_spec(cp_impl: Optional[str] = "splitkv", use_te: Optional[b
         rotary_base: RoPE theta (Qwen3: 1e6); None disables RoPE. rotary_percent: rotated fraction.
         kernel_backend: local attention kernel passed to the op (`backend=`), default "auto".
         overlap_query_gather: start Split-KV's query all-gather before the k/v projections
-            (`DFlashAttention`; docs/perf-notes.md item 3); None = `splitkv_config.overlap_q_gather`
+            (`DFlashAttention`; docs/lab/perf-notes.md item 3); None = `splitkv_config.overlap_q_gather`
             (default on). No effect for the baselines.
         splitkv_config: the op's `SplitKVConfig` (None: the defaults), in the attention's and the core
             attention's params (`megatron.arguments.splitkv_config_from_args` builds it from the flags).

@@ -10,16 +10,17 @@ import torch
 
 from ..comm import all_gather, reduce_scatter
 from .common import (
+    baseline_backward_inputs,
     cast,
-    delta_and_dout,
     kernel_backward,
     kernel_forward,
     pad_rows,
+    save_baseline_forward,
     split_own_grad,
     with_own_keys,
     zero_invalid_rows,
 )
-from .metadata import run_op
+from .prepare import run_op
 
 __all__ = ["allgather_kv_attention"]
 
@@ -42,17 +43,14 @@ class _AllGatherKV(torch.autograd.Function):
         v_x = with_own_keys(kv_all[:, hkv:], idx, v_blk, plan.valid_rows)
         q_z = zero_invalid_rows(q, plan.valid_rows)  # no NaN/inf of an invalid block reaches a tile
         out, lse, state = kernel_forward(plan, q_z, k_x, v_x, mask)
-        ctx.plan, ctx.mask, ctx.state, ctx.rows_all, ctx.own = plan, mask, state, kv_all.shape[0], own
-        ctx.save_for_backward(q_z, k_x, v_x, idx, out, lse)
-        return out.to(q.dtype), lse
+        ctx.mask, ctx.state, ctx.rows_all, ctx.own = mask, state, kv_all.shape[0], own
+        return save_baseline_forward(ctx, plan, q_z, k_x, v_x, idx, out, lse)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        q, k_x, v_x, idx, out, lse = ctx.saved_tensors
-        plan = ctx.plan
+        plan, q, k_x, v_x, idx, lse, dout, delta = baseline_backward_inputs(ctx, dout, dlse)
         g, acc, hkv = plan.group, plan.acc, plan.hkv
-        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
         dq, dk_x, dv_x = kernel_backward(plan, q, k_x, v_x, ctx.mask, dout, lse, delta, ctx.state)
         n_all = idx.shape[0]
         dk_s, dk_b = split_own_grad(dk_x, n_all, ctx.own)

@@ -214,7 +214,7 @@ _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per 
 
 
 class RelayStream:
-    """The relay of Split-KV's two-level all-to-all (docs/perf-notes.md item 18; `ops.transport._TwoStage`):
+    """The relay of Split-KV's two-level all-to-all (docs/lab/perf-notes.md item 18; `ops.transport._TwoStage`):
     a CUDA side stream (one per device and process) on which the op waits for a chunk's stage 1, runs the
     node merge / node sum of the L received partials (fp32) and issues stage 2, so that the caller's
     ("main") stream never waits for stage 1: the next chunk's kernel, the op's own epilogue and (backward)
@@ -476,3 +476,20 @@ def delta_and_dout(plan, dout, dlse, out, lse, like):
         # needs no zeros_like
         delta = delta - torch.where(lse.abs() < float("inf"), dlse.to(plan.acc), 0.0)
     return dout, delta
+
+
+def save_baseline_forward(ctx, plan, q, k_x, v_x, aux, out, lse):
+    """End of a baseline op's forward (`allgather_kv`, `ring_kv`): ctx.plan = plan and (q, k_x, v_x, aux, out,
+    lse) saved for `baseline_backward_inputs` (aux: the op's key index or sorted keys). Returns the op's
+    outputs (out in q's dtype, lse)."""
+    ctx.plan = plan
+    ctx.save_for_backward(q, k_x, v_x, aux, out, lse)
+    return out.to(q.dtype), lse
+
+
+def baseline_backward_inputs(ctx, dout, dlse):
+    """The inputs of a baseline op's backward, as `save_baseline_forward` saved them: (plan, q, k_x, v_x, aux,
+    lse, dout, delta) with dout and delta from `delta_and_dout` (dout shaped like q where None)."""
+    q, k_x, v_x, aux, out, lse = ctx.saved_tensors
+    dout, delta = delta_and_dout(ctx.plan, dout, dlse, out, lse, q)
+    return ctx.plan, q, k_x, v_x, aux, lse, dout, delta

@@ -3,7 +3,7 @@ all-to-all): the lse merge of P packed [O | lse] partials and the fp32 sum of P 
 
 Source: DESIGN.md section 2 (forward step 3: lse = logsumexp_r lse_r, O = sum_r exp(lse_r - lse) O_r in
 fp32; backward step 3: dQ = sum_r dQ_r in fp32), issue 6 deliverable 3 ("fuse the lse merge"),
-docs/perf-notes.md item 11.
+docs/lab/perf-notes.md item 11.
 
 `merge_packed` reads the all-to-all's receive buffer once: on CUDA with fp32 accumulation, ONE Triton kernel
 per call (per row tile and head: the max of the P partial lse, then the weighted sum of the P partial O rows in
@@ -22,54 +22,48 @@ import warnings
 
 import torch
 
+from .._triton import lazy_triton_kernel
 from .common import finalize, lse_weights, unpack_partial
 
-_TRITON = None  # the Triton kernel once defined; False when Triton is unavailable
 _TRITON_FAILED = False  # set when the kernel failed to compile / launch: the torch path from then on
 
 
-def _triton_kernel():
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton
-            import triton.language as tl
-        except Exception:  # noqa: BLE001 - Triton is optional
-            _TRITON = False
-            return None
+@lazy_triton_kernel
+def _triton_kernel(triton, tl):
+    """The merge kernel: `_triton_kernel()` returns it, defined on first use, or None without Triton
+    (`lazy_triton_kernel`)."""
 
-        @triton.jit
-        def _merge(x_ptr, l_ptr, o_ptr, lo_ptr, rows, H, s_xp, s_xt, s_xh, s_lp, s_lt, s_lh, l_off,
-                   s_ot, s_oh, s_lot, s_loh,
-                   P: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-            # P is a compile-time constant: one compiled variant per partial count (the CP size or the
-            # ranks per node: a handful per job), the loops over partials unrolled
-            pid = tl.program_id(0)
-            h = tl.program_id(1)
-            t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-            tm = t < rows
-            d = tl.arange(0, BLOCK_D)
-            m2 = tm[:, None] & (d < D)[None, :]
-            ninf = float("-inf")
-            m = tl.full([BLOCK_T], ninf, tl.float32)
-            for p in range(P):
-                lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
-                m = tl.maximum(m, lp)
-            m_safe = tl.where(m > ninf, m, 0.0)  # every partial -inf: weights exp(-inf) = 0
-            num = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
-            den = tl.zeros([BLOCK_T], tl.float32)
-            for p in range(P):
-                lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
-                w = tl.exp(lp - m_safe)
-                o = tl.load(x_ptr + p * s_xp + t[:, None] * s_xt + h * s_xh + d[None, :], mask=m2, other=0.0)
-                num += w[:, None] * o.to(tl.float32)
-                den += w
-            den_safe = tl.where(den > 0, den, 1.0)
-            tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + d[None, :], num / den_safe[:, None], mask=m2)
-            tl.store(lo_ptr + t * s_lot + h * s_loh, m_safe + tl.log(den), mask=tm)
+    @triton.jit
+    def _merge(x_ptr, l_ptr, o_ptr, lo_ptr, rows, H, s_xp, s_xt, s_xh, s_lp, s_lt, s_lh, l_off,
+               s_ot, s_oh, s_lot, s_loh,
+               P: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        # P is a compile-time constant: one compiled variant per partial count (the CP size or the
+        # ranks per node: a handful per job), the loops over partials unrolled
+        pid = tl.program_id(0)
+        h = tl.program_id(1)
+        t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < rows
+        d = tl.arange(0, BLOCK_D)
+        m2 = tm[:, None] & (d < D)[None, :]
+        ninf = float("-inf")
+        m = tl.full([BLOCK_T], ninf, tl.float32)
+        for p in range(P):
+            lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
+            m = tl.maximum(m, lp)
+        m_safe = tl.where(m > ninf, m, 0.0)  # every partial -inf: weights exp(-inf) = 0
+        num = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        den = tl.zeros([BLOCK_T], tl.float32)
+        for p in range(P):
+            lp = tl.load(l_ptr + p * s_lp + t * s_lt + h * s_lh + l_off, mask=tm, other=ninf)
+            w = tl.exp(lp - m_safe)
+            o = tl.load(x_ptr + p * s_xp + t[:, None] * s_xt + h * s_xh + d[None, :], mask=m2, other=0.0)
+            num += w[:, None] * o.to(tl.float32)
+            den += w
+        den_safe = tl.where(den > 0, den, 1.0)
+        tl.store(o_ptr + t[:, None] * s_ot + h * s_oh + d[None, :], num / den_safe[:, None], mask=m2)
+        tl.store(lo_ptr + t * s_lot + h * s_loh, m_safe + tl.log(den), mask=tm)
 
-        _TRITON = (_merge,)
-    return _TRITON[0] if _TRITON else None
+    return _merge
 
 
 def use_triton(x: torch.Tensor, acc: torch.dtype) -> bool:

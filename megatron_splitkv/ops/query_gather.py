@@ -19,7 +19,7 @@ import torch
 
 from ..comm import all_gather
 from .chunking import chunking_for
-from .metadata import check_query_gather_start
+from .agreement import check_query_gather_start
 from .transport import sum_dq_partials, transport_for
 
 __all__ = ["splitkv_start_query_gather", "SplitKVQueryGather", "UnconsumedQueryGatherWarning", "QueryChunks"]

@@ -10,18 +10,19 @@ import torch
 
 from ..comm import RingExchange
 from .common import (
+    baseline_backward_inputs,
     cast,
-    delta_and_dout,
     intervals,
     kernel_backward,
     kernel_forward,
     merge,
+    save_baseline_forward,
     split_own_grad,
     unsort,
     with_own_keys,
     zero_invalid_rows,
 )
-from .metadata import run_op
+from .prepare import run_op
 
 __all__ = ["ring_kv_attention"]
 
@@ -69,18 +70,15 @@ class _RingKV(torch.autograd.Function):
             states.append(state)
             if ex is not None:
                 cur = tuple(ex.wait())
-        ctx.plan, ctx.order, ctx.masks, ctx.states, ctx.own = plan, order, masks, states, own
-        ctx.save_for_backward(q, k_x, v_x, keys, out, lse)
-        return out.to(q.dtype), lse
+        ctx.order, ctx.masks, ctx.states, ctx.own = order, masks, states, own
+        return save_baseline_forward(ctx, plan, q, k_x, v_x, keys, out, lse)
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # backward is not differentiable: double backward raises
     def backward(ctx, dout, dlse):
-        q, k_x, v_x, keys, out, lse = ctx.saved_tensors
-        plan = ctx.plan
+        plan, q, k_x, v_x, keys, lse, dout, delta = baseline_backward_inputs(ctx, dout, dlse)
         g = plan.group
         tk = plan.n_ctx[g.rank]
-        dout, delta = delta_and_dout(plan, dout, dlse, out, lse, q)
         k_s, v_s = k_x[:tk], v_x[:tk]
         # (without per-step metadata the keys travel again, as they always did; the masks are saved)
         cur = (k_s, v_s) if plan.meta.step_masks is not None else (k_s, v_s, keys)

@@ -32,7 +32,7 @@ from .common import (
     unsort,
 )
 from .fused_merge import merge_received_partials, merges_in_place
-from .metadata import run_op
+from .prepare import run_op
 from .query_gather import QueryChunks, SplitKVQueryGather, UnconsumedQueryGatherWarning, splitkv_start_query_gather
 from .transport import sum_dq_partials, transport_for
 

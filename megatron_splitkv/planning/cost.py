@@ -43,7 +43,7 @@ class CostModel:
 
     Defaults: measured with `tools/calibrate_cost.py` on one H200 (torch 2.11.0+cu130, bf16, DFlash
     Qwen3-8B drafter shapes: hidden 4096, 32 q / 8 kv heads, head dim 128, 5 layers, fc over 5 target
-    layers, B = 16; 2026-11-30, docs/cost_calibration_h200.json):
+    layers, B = 16; 2026-11-30, docs/lab/cost_calibration_h200.json):
       * attn_pair_cost = 0.72 ns per visible (query row, key) pair, FlexAttention forward + backward,
         5 layers (0.145 ns per layer; FLOP estimate: 4*Hq*D = 16384 FLOP forward per layer, ~3.5x
         forward+backward, at ~360 TFLOP/s = 0.16 ns).
