@@ -20,7 +20,12 @@ import weakref
 import torch
 
 from .common import pad_rows, with_own_keys, zero_invalid_rows, zero_scalar
-from .metadata import chunk_bounds
+
+
+def chunk_bounds(num_chunks: int, size: int) -> list:
+    """[(a0, a1)] per chunk: chunk c covers [c * size // k, (c + 1) * size // k) of `size` blocks (or kv heads);
+    sizes differ by at most one, equal when k divides size."""
+    return [(c * size // num_chunks, (c + 1) * size // num_chunks) for c in range(num_chunks)]
 
 
 class RowChunks:
