@@ -142,7 +142,7 @@ class TwoLevelAllToAll(FlatAllToAll):
         return tuple(z.expand(self.size * rc, hc, head_dim) for rc, hc in map(chunking.segment, range(len(pending))))
 
     def exchange(self, phase: str, acc, head_dim: int, device):
-        return _TwoLevelExchange(self, _NAMES[phase], acc, head_dim, RelayStream.get(device))
+        return _TwoLevelExchange(self, phase, acc, head_dim, RelayStream.get(device))
 
     def collectives(self, phase: str, step: int, rows: int, heads: int, head_dim: int, dtype, acc) -> list:
         w1, w2 = (packed_width(head_dim, acc, dtype), packed_width(head_dim, acc, acc)) if phase == "fwd" else \
@@ -172,15 +172,15 @@ class _TwoLevelExchange(_FlatExchange):
     """Each chunk's stage 1 issued at `send`; the chunk before advanced to stage 2 right after (so stage 1
     overlaps the next chunk's kernel, stage 2 the one after); the last at `finish`."""
 
-    def __init__(self, transport, name, acc, head_dim, relay):
-        super().__init__(transport.intra, name)
+    def __init__(self, transport, phase, acc, head_dim, relay):
+        super().__init__(transport.intra, _NAMES[phase])
         self.transport, self.acc, self.head_dim, self.relay = transport, acc, head_dim, relay
+        self.between = _merge_node if phase == "fwd" else _sum_node  # what lies between the stages
 
     def send(self, packed, rows: int) -> None:
         first = all_to_all(packed, self.transport.intra, self.name + ".intra", async_op=True)
-        reduce = _merge_node if self.name.endswith("out") else _sum_node
-        self.pending.append(_TwoStage(first, reduce(self.transport, self.name + ".inter", rows, self.head_dim,
-                                                    self.acc), self.relay))
+        reduce = self.between(self.transport, self.name + ".inter", rows, self.head_dim, self.acc)
+        self.pending.append(_TwoStage(first, reduce, self.relay))
         if len(self.pending) > 1:
             self.pending[-2].advance()
 
