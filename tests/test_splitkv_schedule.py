@@ -74,7 +74,8 @@ def test_message_sizes():
                                                 num_heads_kv=8, head_dim=d, dtype=torch.bfloat16, num_chunks=1)}
     assert flat["splitkv.fwd.q"].message == rows * hq * d * 2
     assert flat["splitkv.fwd.out"].message == rows * hq * (d + 2) * 2
-    assert flat["splitkv.bwd.stats"].message == rows * hq * 2 * 4 and flat["splitkv.bwd.dq"].message == rows * hq * d * 2
+    assert flat["splitkv.bwd.stats"].message == rows * hq * 2 * 4
+    assert flat["splitkv.bwd.dq"].message == rows * hq * d * 2
     two = {c.name: c for c in describe_splitkv(cp_size=16, max_blocks=12, block_size=16, num_heads_q=hq,
                                                num_heads_kv=8, head_dim=d, dtype=torch.bfloat16, num_chunks=1,
                                                cp_ranks_per_node=4)}
