@@ -77,7 +77,7 @@ class FlatAllToAll:
     @property
     def fused_dout_gather(self) -> bool:
         """Whether the backward gathers dO and (delta, lse) in ONE all-gather (`common.fuse_bwd_gather`)."""
-        return fuse_bwd_gather(self.size, False)
+        return fuse_bwd_gather(self.size, self.two_level)
 
     def recv_dtype(self, dtype, acc):
         """The dtype the owner receives [O | lse] in: q's."""
@@ -120,10 +120,6 @@ class TwoLevelAllToAll(FlatAllToAll):
     def partials(self) -> int:
         """N: the owner receives one fp32 node partial per node."""
         return self.nodes
-
-    @property
-    def fused_dout_gather(self) -> bool:
-        return fuse_bwd_gather(self.size, True)
 
     def recv_dtype(self, dtype, acc):
         return acc
