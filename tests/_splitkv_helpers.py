@@ -362,14 +362,30 @@ def check_no_own(c, per_rank):
             assert rel_err(pr[key], ref[t["ctx_idx"][r]]) <= tol, (c["seed"], key, r)
 
 
-def jobs_worker(rank, world_size, jobs):
-    """run_distributed target for mixed CP sizes in ONE spawn: `jobs` is a list of (op, case); a case
-    with P < world_size runs on the subgroup of ranks 0..P-1 (every rank creates every subgroup, in
-    the same order). Returns {job index: result} with the comm records' summary added."""
+def cp_subgroups(sizes, world_size):
+    """{P: process group of ranks 0..P-1} for each CP size P < world_size in `sizes` (every rank creates
+    every subgroup, in the same ascending order, as torch.distributed.new_group requires)."""
     import torch.distributed as dist
 
-    sizes = sorted({c["P"] for _, c in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
+    return {P: dist.new_group(list(range(P))) for P in sorted(set(sizes)) if P < world_size}
+
+
+def expect_value_error(name, fn, needle, rank):
+    """Call fn(); it must raise ValueError with `needle` in its text. Returns (name, the text);
+    AssertionError naming `name` and `rank` otherwise."""
+    try:
+        fn()
+    except ValueError as exc:
+        assert needle in str(exc), (name, str(exc))
+        return name, str(exc)
+    raise AssertionError(f"{name}: no ValueError on rank {rank}")
+
+
+def jobs_worker(rank, world_size, jobs):
+    """run_distributed target for mixed CP sizes in ONE spawn: `jobs` is a list of (op, case); a case
+    with P < world_size runs on the subgroup of ranks 0..P-1 (`cp_subgroups`). Returns {job index:
+    result} with the comm records' summary added."""
+    groups = cp_subgroups([c["P"] for _, c in jobs], world_size)
     out = {}
     for j, (op, c) in enumerate(jobs):
         if rank >= c["P"]:
@@ -387,6 +403,12 @@ def jobs_worker(rank, world_size, jobs):
 
 def job_results(results, j, P):
     return [results[r][j] for r in range(P)]
+
+
+def check_jobs(jobs, results):
+    """`check` every (op, case) job of a `jobs_worker` run (its per-rank results) against the reference."""
+    for j, (op, c) in enumerate(jobs):
+        check(op, c, job_results(results, j, c["P"]))
 
 
 def contiguous_ctx(tk, P):

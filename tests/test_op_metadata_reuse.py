@@ -28,6 +28,8 @@ from _splitkv_helpers import (
     assemble,
     build,
     case,
+    cp_subgroups,
+    expect_value_error,
     job_results,
     local,
     loss_of,
@@ -134,10 +136,7 @@ def _reuse_one(op, c, rank, group, backend):
 
 
 def reuse_worker(rank, world_size, jobs):
-    import torch.distributed as dist
-
-    sizes = sorted({c["P"] for _, c, _ in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
+    groups = cp_subgroups([c["P"] for _, c, _ in jobs], world_size)
     out = {}
     for j, (op, c, backend) in enumerate(jobs):
         if rank < c["P"]:
@@ -271,13 +270,7 @@ def _errors_worker(rank, world_size):
     seen = []
 
     def expect_error(name, fn, pattern):
-        try:
-            fn()
-        except ValueError as exc:
-            assert pattern in str(exc), (name, str(exc))
-            seen.append((name, str(exc)))
-        else:
-            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+        seen.append(expect_value_error(name, fn, pattern, rank))
 
     x, m = _tensors(tk=5 + rank, seed=rank)
     # prepare-time errors: every rank raises the same message.
@@ -501,8 +494,7 @@ def _odd_cases(seed, world):
 def _odd_worker(rank, world, jobs):
     import torch.distributed as dist
 
-    sizes = sorted({c["P"] for _, c in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world}
+    groups = cp_subgroups([c["P"] for _, c in jobs], world)
     out = {}
     for j, (op, c) in enumerate(jobs):
         if rank < c["P"]:
