@@ -14,8 +14,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import (GRAD_NAMES, build, case, check, check_no_own, cp_subgroups, expect_value_error, local,
-                              loss_of, new_seed, run_local, small_inputs)
+from _splitkv_helpers import (GRAD_NAMES, build, case, check, check_no_own, expect_value_error, local,
+                              loss_of, new_seed, run_jobs, run_local, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import chunk_bounds, resolve_num_chunks
 
@@ -57,12 +57,11 @@ def run_chunked(c, rank, group, num_chunks, use_meta, own=True):
 
 
 def _worker(rank, world_size, jobs):
-    groups = cp_subgroups([c["P"] for c, *_ in jobs], world_size)
-    out = {}
-    for j, (c, k, use_meta, own) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = run_chunked(c, rank, groups.get(c["P"]), k, use_meta, own)
-    return out
+    def one(job, group):
+        c, k, use_meta, own = job
+        return run_chunked(c, rank, group, k, use_meta, own)
+
+    return run_jobs(rank, world_size, jobs, one, case_index=0)
 
 
 def _cases(seed):

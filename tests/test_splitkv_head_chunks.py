@@ -32,8 +32,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, check_no_own, cp_subgroups, local,
-                              loss_of, new_seed, prepare_small, small_inputs)
+from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, check_no_own, local, loss_of,
+                              new_seed, prepare_small, run_jobs, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import chunk_bounds, resolve_chunk_axis
 
@@ -95,12 +95,11 @@ def _run(c, rank, group, axis, job):
 
 
 def _worker(rank, world, jobs):
-    groups = cp_subgroups([c["P"] for c, _ in jobs], world)
-    out = {}
-    for j, (c, job) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = {axis: _run(c, rank, groups.get(c["P"]), axis, job) for axis in ("heads", "rows")}
-    return out
+    def both_axes(job, group):
+        c, what = job
+        return {axis: _run(c, rank, group, axis, what) for axis in ("heads", "rows")}
+
+    return run_jobs(rank, world, jobs, both_axes, case_index=0)
 
 
 def _jobs(seed):
