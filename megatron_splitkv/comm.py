@@ -94,21 +94,22 @@ class CommStats:
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.records)
 
+    def _bytes_by(self, field_name: str) -> dict:
+        """dict record.<field_name> -> total bytes of the records with it."""
+        out = defaultdict(int)
+        for r in self.records:
+            out[getattr(r, field_name)] += r.bytes
+        return dict(out)
+
     @property
     def bytes_by_collective(self) -> dict:
         """dict kind -> bytes (kinds: all_gather, reduce_scatter, all_to_all, all_reduce, send, recv)."""
-        out = defaultdict(int)
-        for r in self.records:
-            out[r.kind] += r.bytes
-        return dict(out)
+        return self._bytes_by("kind")
 
     @property
     def bytes_by_op(self) -> dict:
         """dict op name -> bytes."""
-        out = defaultdict(int)
-        for r in self.records:
-            out[r.op] += r.bytes
-        return dict(out)
+        return self._bytes_by("op")
 
     def bytes_matching(self, prefix: str) -> int:
         """Total bytes of records whose op name starts with `prefix` (e.g. "splitkv")."""

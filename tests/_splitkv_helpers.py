@@ -362,31 +362,60 @@ def check_no_own(c, per_rank):
             assert rel_err(pr[key], ref[t["ctx_idx"][r]]) <= tol, (c["seed"], key, r)
 
 
-def jobs_worker(rank, world_size, jobs):
-    """run_distributed target for mixed CP sizes in ONE spawn: `jobs` is a list of (op, case); a case
-    with P < world_size runs on the subgroup of ranks 0..P-1 (every rank creates every subgroup, in
-    the same order). Returns {job index: result} with the comm records' summary added."""
+def cp_subgroups(sizes, world_size):
+    """{P: process group of ranks 0..P-1} for each CP size P < world_size in `sizes` (every rank creates
+    every subgroup, in the same ascending order, as torch.distributed.new_group requires)."""
     import torch.distributed as dist
 
-    sizes = sorted({c["P"] for _, c in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
-    out = {}
-    for j, (op, c) in enumerate(jobs):
-        if rank >= c["P"]:
-            continue
+    return {P: dist.new_group(list(range(P))) for P in sorted(set(sizes)) if P < world_size}
+
+
+def run_jobs(rank, world_size, jobs, run, case_index):
+    """The body of a run_distributed target for mixed CP sizes in ONE spawn: {job index: run(job, group)} for
+    every job whose case (`job[case_index]`, with its CP size "P") has rank < P; `group` is the job's
+    `cp_subgroups` group, None where P = world_size."""
+    groups = cp_subgroups([job[case_index]["P"] for job in jobs], world_size)
+    return {j: run(job, groups.get(job[case_index]["P"])) for j, job in enumerate(jobs) if rank < job[case_index]["P"]}
+
+
+def expect_value_error(name, fn, needle, rank):
+    """Call fn(); it must raise ValueError with `needle` in its text. Returns (name, the text);
+    AssertionError naming `name` and `rank` otherwise."""
+    try:
+        fn()
+    except ValueError as exc:
+        assert needle in str(exc), (name, str(exc))
+        return name, str(exc)
+    raise AssertionError(f"{name}: no ValueError on rank {rank}")
+
+
+def jobs_worker(rank, world_size, jobs):
+    """run_distributed target for mixed CP sizes in ONE spawn: `jobs` is a list of (op, case); a case
+    with P < world_size runs on the subgroup of ranks 0..P-1 (`cp_subgroups`). Returns {job index:
+    result} with the comm records' summary added."""
+
+    def one(job, group):
+        op, c = job
         with msk.comm_stats() as stats:
-            res = run_local(op, c, rank, cp_group=groups.get(c["P"]))
+            res = run_local(op, c, rank, cp_group=group)
         res["n_collectives"] = len(stats.records)
         res["comm_kinds"] = [(r.op, r.kind) for r in stats.records]
         res["comm_bytes"] = stats.total_bytes
         res["bytes_by_collective"] = stats.bytes_by_collective
         res["bytes_by_op"] = stats.bytes_by_op
-        out[j] = res
-    return out
+        return res
+
+    return run_jobs(rank, world_size, jobs, one, case_index=1)
 
 
 def job_results(results, j, P):
     return [results[r][j] for r in range(P)]
+
+
+def check_jobs(jobs, results):
+    """`check` every (op, case) job of a `jobs_worker` run (its per-rank results) against the reference."""
+    for j, (op, c) in enumerate(jobs):
+        check(op, c, job_results(results, j, c["P"]))
 
 
 def contiguous_ctx(tk, P):

@@ -67,7 +67,7 @@ def _c10(seed):
 
 
 def _heads(c, metadata=False):
-    """Case c through the head-chunked pipeline (chunk_axis "heads", k = 2; ops/splitkv.py item 3 "Head chunks"):
+    """Case c through the head-chunked pipeline (chunk_axis "heads", k = 2; ops/chunking.py `HeadChunks`):
     with Hkv = 1 (k would clamp to one chunk) the heads are doubled, Hq = 2 G, Hkv = 2 (same GQA ratio G), so
     that the two chunks really split the heads; `metadata`: through prepare_splitkv_metadata / metadata=."""
     h = dict(c, num_chunks=2, chunk_axis="heads", metadata=metadata)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from _dist import run_distributed
-from _splitkv_helpers import case, check, job_results, jobs_worker, new_seed
+from _splitkv_helpers import case, check_jobs, job_results, jobs_worker, new_seed
 from megatron_splitkv import comm_stats
 
 OPS = ["splitkv", "allgather_kv", "ring_kv"]
@@ -28,9 +28,7 @@ def bytes_run():
 
 
 def test_results_exact(bytes_run):
-    jobs, results = bytes_run
-    for j, (op, c) in enumerate(jobs):
-        check(op, c, job_results(results, j, P))
+    check_jobs(*bytes_run)
 
 
 def test_splitkv_bytes_independent_of_context(bytes_run):

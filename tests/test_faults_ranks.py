@@ -113,16 +113,20 @@ def _check_group_01():
     return dist.new_group([0, 1], backend="gloo")  # a second gloo group over the CP group's ranks
 
 
+def _each_op(rank, cg):
+    """(impl, op, inputs, metadata inputs, check_group keyword) of every op of OPS on `rank` (context 5 + rank)."""
+    for impl, op in OPS.items():
+        x, m = _inputs(rank, tk=5 + rank)
+        yield impl, op, x, m, ({} if cg is None else {"check_group": cg})
+
+
 def _plain_worker(rank, world_size):
     return _in_both_modes(rank, _plain_cases, _check_group_01)
 
 
 def _plain_cases(rank, cg):
     seen = []
-    for impl, op in OPS.items():
-        x, m = _inputs(rank, tk=5 + rank)
-        ck = {} if cg is None else {"check_group": cg}
-
+    for impl, op, x, m, ck in _each_op(rank, cg):
         def call(xx=x, **kw):
             return op(*xx.values(), *m.values(), block_size=B, **ck, **kw)
 
@@ -149,9 +153,7 @@ def _metadata_worker(rank, world_size):
 
 def _metadata_cases(rank, cg):
     seen = []
-    for impl, op in OPS.items():
-        x, m = _inputs(rank, tk=5 + rank)
-        ck = {} if cg is None else {"check_group": cg}
+    for impl, op, x, m, ck in _each_op(rank, cg):
         meta = prepare_splitkv_metadata(*m.values(), block_size=B, num_heads_q=HQ, num_heads_kv=HKV, head_dim=D,
                                         dtype=torch.float32, impl=impl, **ck)  # the defaults: what a layer gets
         # another step's metadata: rank 0's context grew, rank 1's tensors fit both metadata objects

@@ -99,33 +99,22 @@ def shard_param(key, full, tp, r):
 
 
 def _config(cfg, tp, cp, pp, config_tp=None):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """A Qwen3-style float64 config of the drafter layers (`qwen3_config`: RMSNorm, SwiGLU, qk-norm, no biases)."""
+    from megatron_splitkv.megatron.models import qwen3_config
 
-    return TransformerConfig(
+    return qwen3_config(
         num_layers=cfg["num_layers"],
         hidden_size=cfg["hidden"],
         num_attention_heads=cfg["heads"],
         num_query_groups=cfg["groups"],
         kv_channels=cfg["kv_channels"],
         ffn_hidden_size=cfg["ffn"],
+        params_dtype=torch.float64,
         tensor_model_parallel_size=tp if config_tp is None else config_tp,
         context_parallel_size=cp,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=torch.float64 if pp > 1 else None,
-        use_cpu_initialization=True,
         perform_initialization=False,
-        params_dtype=torch.float64,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        qk_layernorm=True,
-        add_bias_linear=False,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
     )
 
 

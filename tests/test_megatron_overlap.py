@@ -208,10 +208,12 @@ def _order_worker(rank, world, cfg, state, data):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Lin
 
+    import megatron_splitkv.ops.query_gather as qg
     import megatron_splitkv.ops.splitkv as sk
+    import megatron_splitkv.ops.transport as tr
 
     log, dq_pending = [], []
-    orig = (Lin.backward, sk._QueryGather.backward, sk._SplitKV.backward, sk.all_to_all)
+    orig = (Lin.backward, qg._QueryGather.backward, sk._SplitKV.backward, tr.all_to_all)
 
     def lin_bwd(ctx, grad_output):
         inp = ctx.saved_tensors[0]
@@ -233,15 +235,15 @@ def _order_worker(rank, world, cfg, state, data):
         return p
 
     Lin.backward = staticmethod(lin_bwd)
-    sk._QueryGather.backward = staticmethod(gather_bwd)
+    qg._QueryGather.backward = staticmethod(gather_bwd)
     sk._SplitKV.backward = staticmethod(op_bwd)
-    sk.all_to_all = a2a
+    tr.all_to_all = a2a
     ps.initialize_model_parallel(context_parallel_size=world, create_gloo_process_groups=False)
     try:
         _run_block(1, world, 1, cfg, state, data, "splitkv", "sbhd")
     finally:
-        Lin.backward, sk.all_to_all = staticmethod(orig[0]), orig[3]
-        sk._QueryGather.backward, sk._SplitKV.backward = staticmethod(orig[1]), staticmethod(orig[2])
+        Lin.backward, tr.all_to_all = staticmethod(orig[0]), orig[3]
+        qg._QueryGather.backward, sk._SplitKV.backward = staticmethod(orig[1]), staticmethod(orig[2])
         ps.destroy_model_parallel()
     return log
 

@@ -52,7 +52,7 @@ CASES = [
     mk("P4 lpt k1 L2 shuffled", 4, LENS3, ANC3, L=2, shuffle=True),
     mk("P4 lpt k2 L1", 4, LENS3, ANC3, k=2, L=1),
     mk("P4 no query blocks", 4, [6, 3], [[], []], strategy="zigzag", k=2, L=2),
-    # head chunks (ops/splitkv.py item 3): every chunk all rows, Hkv = 2 kv heads (k = 3 clamps to 2)
+    # head chunks (ops/chunking.py `HeadChunks`): every chunk all rows, Hkv = 2 kv heads (k = 3 clamps to 2)
     mk("P2 heads k2 shuffled", 2, LENS3, ANC3, k=2, shuffle=True, axis="heads"),
     mk("P4 heads k3 L2", 4, LENS3 + [25], ANC3 + [[0, 1, 2, 12, 23]], k=3, L=2, axis="heads"),
 ]

@@ -28,11 +28,13 @@ from _splitkv_helpers import (
     assemble,
     build,
     case,
+    expect_value_error,
     job_results,
     local,
     loss_of,
     new_seed,
     rel_err,
+    run_jobs,
 )
 from megatron_splitkv import SplitKVConfig, comm_stats, dflash_attention_reference, splitkv_start_query_gather
 from megatron_splitkv.ops import SplitKVMetadata, prepare_splitkv_metadata, validation
@@ -134,15 +136,7 @@ def _reuse_one(op, c, rank, group, backend):
 
 
 def reuse_worker(rank, world_size, jobs):
-    import torch.distributed as dist
-
-    sizes = sorted({c["P"] for _, c, _ in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
-    out = {}
-    for j, (op, c, backend) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = _reuse_one(op, c, rank, groups.get(c["P"]), backend)
-    return out
+    return run_jobs(rank, world_size, jobs, lambda job, g: _reuse_one(job[0], job[1], rank, g, job[2]), case_index=1)
 
 
 def reuse_cases(seed):
@@ -271,13 +265,7 @@ def _errors_worker(rank, world_size):
     seen = []
 
     def expect_error(name, fn, pattern):
-        try:
-            fn()
-        except ValueError as exc:
-            assert pattern in str(exc), (name, str(exc))
-            seen.append((name, str(exc)))
-        else:
-            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+        seen.append(expect_value_error(name, fn, pattern, rank))
 
     x, m = _tensors(tk=5 + rank, seed=rank)
     # prepare-time errors: every rank raises the same message.
@@ -501,13 +489,10 @@ def _odd_cases(seed, world):
 def _odd_worker(rank, world, jobs):
     import torch.distributed as dist
 
-    sizes = sorted({c["P"] for _, c in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world}
-    out = {}
-    for j, (op, c) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = _run_x(op, c, rank, groups.get(c["P"], dist.group.WORLD))
-    return out
+    def one(job, group):
+        return _run_x(*job, rank, dist.group.WORLD if group is None else group)
+
+    return run_jobs(rank, world, jobs, one, case_index=1)
 
 
 def test_odd_shapes_through_prepare_match_reference():

@@ -56,18 +56,23 @@ def _agg(recs):
     return out
 
 
+def _uneven_plan(rank, world):
+    """The volume tests' workload: its LPT plan over `world` ranks and `predicted_records`' keywords for `rank`.
+    1000 tokens: uneven shards at P = 3 whichever layout the planner returns (on this batch its LPT falls back
+    to the contiguous split, which is never worse: 900 tokens gave 300 per rank)."""
+    lens, anc = bench.make_workload(1000, 14, n_seqs=2, seed=5)
+    plan = bench.place(lens, anc, cp_size=world, strategy="lpt", block_size=4, chunk_size=64)
+    nb = [plan.blocks_per_rank] * world
+    nc = [int(plan.token_index(r).shape[0]) for r in range(world)]
+    return plan, dict(P=world, rank=rank, n_blocks=nb, n_ctx=nc, B=4, Hq=4, Hkv=2, D=8)
+
+
 def _volumes(rank, world):
     import torch.distributed as dist
 
     from megatron_splitkv import comm_stats
 
-    # 1000 tokens: uneven shards at P = 3 whichever layout the planner returns (on this batch its LPT falls back
-    # to the contiguous split, which is never worse: 900 tokens gave 300 per rank)
-    lens, anc = bench.make_workload(1000, 14, n_seqs=2, seed=5)
-    plan = bench.place(lens, anc, cp_size=world, strategy="lpt", block_size=4, chunk_size=64)
-    nb = [plan.blocks_per_rank] * world
-    nc = [int(plan.token_index(r).shape[0]) for r in range(world)]
-    kw = dict(P=world, rank=rank, n_blocks=nb, n_ctx=nc, B=4, Hq=4, Hkv=2, D=8)
+    plan, kw = _uneven_plan(rank, world)
     out = {}
     for m in bench.METHODS:
         x = bench.rank_inputs(plan, rank, Hq=4, Hkv=2, D=8, dtype=torch.bfloat16)
@@ -81,9 +86,10 @@ def _volumes(rank, world):
             bench.run_op(m, x, block_size=4, cp_group=None, backend="math", meta=meta)
         out[m] = dict(
             call=(_agg(st.records), _agg(bench.predicted_records(m, **kw))),
-            prepare=(_agg(sp.records), _agg(bench.prepare_records(m, P=world, n_blocks=nb, n_ctx=nc))),
+            prepare=(_agg(sp.records), _agg(bench.prepare_records(m, P=world, n_blocks=kw["n_blocks"],
+                                                                        n_ctx=kw["n_ctx"]))),
             with_meta=(_agg(sm.records), _agg(bench.predicted_records(m, metadata=True, **kw))),
-            total=st.total_bytes, n_ctx=nc)
+            total=st.total_bytes, n_ctx=kw["n_ctx"])
     return out
 
 
@@ -226,13 +232,7 @@ def _chunk_volumes(rank, world, ks):
 
     from megatron_splitkv import comm_stats
 
-    # 1000 tokens: uneven shards at P = 3 whichever layout the planner returns (on this batch its LPT falls back
-    # to the contiguous split, which is never worse: 900 tokens gave 300 per rank)
-    lens, anc = bench.make_workload(1000, 14, n_seqs=2, seed=5)
-    plan = bench.place(lens, anc, cp_size=world, strategy="lpt", block_size=4, chunk_size=64)
-    nb = [plan.blocks_per_rank] * world
-    nc = [int(plan.token_index(r).shape[0]) for r in range(world)]
-    kw = dict(P=world, rank=rank, n_blocks=nb, n_ctx=nc, B=4, Hq=4, Hkv=2, D=8)
+    plan, kw = _uneven_plan(rank, world)
     out = {}
     for k in ks:
         x = bench.rank_inputs(plan, rank, Hq=4, Hkv=2, D=8, dtype=torch.bfloat16)

@@ -14,8 +14,8 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import (GRAD_NAMES, build, case, check, check_no_own, local, loss_of, new_seed, run_local,
-                              small_inputs)
+from _splitkv_helpers import (GRAD_NAMES, build, case, check, check_no_own, expect_value_error, local,
+                              loss_of, new_seed, run_jobs, run_local, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import chunk_bounds, resolve_num_chunks
 
@@ -57,15 +57,11 @@ def run_chunked(c, rank, group, num_chunks, use_meta, own=True):
 
 
 def _worker(rank, world_size, jobs):
-    import torch.distributed as dist
+    def one(job, group):
+        c, k, use_meta, own = job
+        return run_chunked(c, rank, group, k, use_meta, own)
 
-    sizes = sorted({c["P"] for c, *_ in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world_size}
-    out = {}
-    for j, (c, k, use_meta, own) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = run_chunked(c, rank, groups.get(c["P"]), k, use_meta, own)
-    return out
+    return run_jobs(rank, world_size, jobs, one, case_index=0)
 
 
 def _cases(seed):
@@ -297,13 +293,7 @@ def _num_chunks_worker(rank, world):
         ("bool on one rank", lambda: call(True if rank == 0 else 1), "num_chunks must be None or a positive int"),
         ("float on one rank", lambda: prepare(2.0 if rank == 0 else 2), "num_chunks must be None or a positive int"),
     ):
-        try:
-            fn()
-        except ValueError as exc:
-            assert expect in str(exc), (name, str(exc))
-            seen.append((name, str(exc)))
-        else:
-            raise AssertionError(f"{name}: no ValueError on rank {rank}")
+        seen.append(expect_value_error(name, fn, expect, rank))
     # the config's num_chunks different on one rank (a malformed one cannot be built: tests/test_config.py)
     for name, k, expect in (("config differs", 3 if rank == 1 else 2, "num_chunks (requested) must be the same"),
                             ("config huge", 10**30 if rank == 0 else 1, "num_chunks (requested) must be the same")):

@@ -19,7 +19,7 @@ import torch
 
 import megatron_splitkv as msk
 from _dist import run_distributed
-from _splitkv_helpers import case, check, job_results, jobs_worker, new_seed
+from _splitkv_helpers import case, check_jobs, job_results, jobs_worker, new_seed
 from megatron_splitkv.ops.common import (fuse_bwd_gather, pack_dout_stats, pad_rows,
                                          unpack_dout_stats)
 
@@ -89,9 +89,7 @@ def fused_run():
 
 
 def test_exact_vs_reference(fused_run):
-    jobs, results = fused_run
-    for j, (op, c) in enumerate(jobs):
-        check(op, c, job_results(results, j, P))
+    check_jobs(*fused_run)
 
 
 def test_one_gather_per_chunk_with_the_documented_bytes(fused_run):

@@ -33,7 +33,7 @@ import torch
 import megatron_splitkv as msk
 from _dist import run_distributed
 from _splitkv_helpers import (GRAD_NAMES, aggregate_records, build, case, check, check_no_own, local, loss_of,
-                              new_seed, prepare_small, small_inputs)
+                              new_seed, prepare_small, run_jobs, small_inputs)
 from megatron_splitkv import comm_stats
 from megatron_splitkv.ops.metadata import chunk_bounds, resolve_chunk_axis
 
@@ -95,15 +95,11 @@ def _run(c, rank, group, axis, job):
 
 
 def _worker(rank, world, jobs):
-    import torch.distributed as dist
+    def both_axes(job, group):
+        c, what = job
+        return {axis: _run(c, rank, group, axis, what) for axis in ("heads", "rows")}
 
-    sizes = sorted({c["P"] for c, _ in jobs})
-    groups = {P: dist.new_group(list(range(P))) for P in sizes if P < world}
-    out = {}
-    for j, (c, job) in enumerate(jobs):
-        if rank < c["P"]:
-            out[j] = {axis: _run(c, rank, groups.get(c["P"]), axis, job) for axis in ("heads", "rows")}
-    return out
+    return run_jobs(rank, world, jobs, both_axes, case_index=0)
 
 
 def _jobs(seed):
@@ -191,6 +187,26 @@ def test_head_chunks_keep_bytes_per_collective(head_run):
             k = min(job["k"], c["Hkv"])
             n_q = agg_h[("splitkv.fwd.q", "all_gather")][0]
             assert n_q == k, (j, n_q, k)
+
+
+def test_records_equal_the_schedule_description(head_run):
+    """Every rank's comm_stats records (name, kind, bytes) equal `ops.schedule.describe_splitkv` of the case's
+    sizes and options, head and row chunks, flat and two-level (the size / block metadata gathers of a call
+    without metadata= and the group_check verdict aside: `ops.metadata`'s, not the op's schedule)."""
+    from megatron_splitkv.ops.schedule import describe_splitkv
+
+    jobs, results = head_run
+    for j, (c, job) in enumerate(jobs):
+        for axis in ("heads", "rows"):
+            desc = describe_splitkv(cp_size=c["P"], max_blocks=max(c["blocks"]), block_size=c["B"],
+                                    num_heads_q=c["Hq"], num_heads_kv=c["Hkv"], head_dim=c["D"],
+                                    dtype=getattr(torch, c["dtype"]), num_chunks=job["k"], chunk_axis=axis,
+                                    cp_ranks_per_node=job.get("L"))
+            want = sorted((x.name, x.kind, x.bytes) for x in desc)
+            for r in _per_rank(results, j, c["P"], axis):
+                got = sorted(x for x in r["records"] if x[0] not in ("splitkv.meta", "splitkv.fwd.block_meta",
+                                                                         "splitkv.check"))
+                assert got == want, (j, job, axis, got, want)
 
 
 # ------------------------------------------------------------------------------- resolution and errors

@@ -1,4 +1,4 @@
-"""Split-KV's head chunks (`chunk_axis="heads"`, ops/splitkv.py item 3 "Head chunks") on CUDA, bf16, CP = 1
+"""Split-KV's head chunks (`chunk_axis="heads"`, ops/chunking.py `HeadChunks`) on CUDA, bf16, CP = 1
 (the pipeline runs at P = 1 too: size-1 collectives):
 backends flex and fa4 (skipped where FlashAttention-4 is not installed or the GPU is not Hopper / Blackwell).
 

@@ -1,4 +1,4 @@
-"""Split-KV's glue per head chunk (ops/splitkv.py `_head_sends`, `_grad_rows`, `_key_views`; docs/lab/perf-notes.md item
+"""Split-KV's glue per head chunk (ops/chunking.py `HeadChunks.sends`, `grad_rows`, `HeadChunks.local_keys`; docs/lab/perf-notes.md item
 24): the chunk-major send buffers of q / dO / statistics for equal head chunks, the dK / dV of each head chunk
 written (unsorted, in the result dtype) straight into its kv heads of the gradient, and the local keys as head
 views for kernels with `strided_heads`.
@@ -120,19 +120,17 @@ def test_head_chunks_float64_vs_reference(glue_run):
 
 
 def test_equal_head_chunks_send_one_chunk_major_buffer():
-    """`_head_sends`: equal chunks are views of ONE chunk-major buffer (each contiguous), uneven ones separate
+    """`HeadChunks.sends`: equal chunks are views of ONE chunk-major buffer (each contiguous), uneven ones separate
     tensors; the values are the head slices, padded with the fill, invalid rows zeroed when asked."""
-    from types import SimpleNamespace
-
-    from megatron_splitkv.ops.splitkv import _head_sends
+    from megatron_splitkv.ops.chunking import HeadChunks
 
     x = torch.randn(6, 8, 3, dtype=torch.float64)
     x[1] = float("nan")
     valid = torch.tensor([True, False, True, True, True, True])
     for heads in ([(0, 4), (4, 8)], [(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 6), (6, 8)], [(0, 2), (2, 8)]):
-        meta = SimpleNamespace(chunk_heads=heads)
+        chunking = HeadChunks(heads, 2, 3, 8, 8)
         for kw, fill in (({"fill": float("-inf")}, float("-inf")), ({"valid_rows": valid}, 0.0)):
-            sends = _head_sends(x, meta, 9, **kw)
+            sends = chunking.sends(x, 9, **kw)
             even = len({h1 - h0 for h0, h1 in heads}) == 1
             assert len({s.untyped_storage().data_ptr() for s in sends}) == (1 if even else len(heads))
             for (h0, h1), s in zip(heads, sends):

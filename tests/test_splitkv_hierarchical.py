@@ -1,4 +1,4 @@
-"""Split-KV's two-level all-to-all (`cp_ranks_per_node` = L; ops/splitkv.py module docstring, item 5).
+"""Split-KV's two-level all-to-all (`cp_ranks_per_node` = L; ops/transport.py `TwoLevelAllToAll`).
 
 CPU, gloo. At P = 4 with L in {1, 2, 4} and P = 2 with L in {1, 2} (one spawn of 4 ranks), and at P = 6
 with L = 3 plus a P = 4 sub-group of a 6-rank world with L = 2 (the sub-groups then come from

@@ -1,4 +1,4 @@
-"""The relay of Split-KV's two-level all-to-all (`ops.common.RelayStream`, `ops.splitkv._TwoStage`;
+"""The relay of Split-KV's two-level all-to-all (`ops.common.RelayStream`, `ops.transport._TwoStage`;
 docs/lab/perf-notes.md item 18).
 
 On CUDA the op waits for each chunk's stage 1, node-merges (forward) or node-sums (dQ) the L partials and
@@ -34,11 +34,13 @@ def _run(c, rank, group, L, k, early, own, relay):
     """This rank's results (and protocol log) of case c with cp_ranks_per_node=L, num_chunks=k."""
     import _splitkv_helpers as h
     import megatron_splitkv as msk
+    from megatron_splitkv.ops import query_gather as qg
     from megatron_splitkv.ops import splitkv as sk
+    from megatron_splitkv.ops import transport as tr
 
     log = []
     rec = _Recorder(log) if relay else None
-    orig = sk.all_to_all, sk.all_gather, sk.RelayStream.get
+    orig = tr.all_to_all, sk.all_gather, qg.all_gather, tr.RelayStream.get
 
     def wrap(fn):
         def coll(x, g, op, async_op=False):
@@ -46,8 +48,8 @@ def _run(c, rank, group, L, k, early, own, relay):
             return fn(x, g, op, async_op=async_op)
         return coll
 
-    sk.all_to_all, sk.all_gather = wrap(orig[0]), wrap(orig[1])
-    sk.RelayStream.get = staticmethod(lambda device: rec)
+    tr.all_to_all, sk.all_gather, qg.all_gather = wrap(orig[0]), wrap(orig[1]), wrap(orig[2])
+    tr.RelayStream.get = staticmethod(lambda device: rec)
     try:
         t = h.build(c)
         x, meta, dout, dlse = h.local(t, c, rank)
@@ -62,7 +64,7 @@ def _run(c, rank, group, L, k, early, own, relay):
                                          return_lse=True, query_gather=handle)
         h.loss_of(out, lse, dout, dlse).backward()
     finally:
-        sk.all_to_all, sk.all_gather, sk.RelayStream.get = orig
+        tr.all_to_all, sk.all_gather, qg.all_gather, tr.RelayStream.get = orig
     return h.raw_and_double_results(out, lse, x, log=log, k_used=md.num_chunks,
                                     n_fwd=md.num_chunks)
 
@@ -163,7 +165,7 @@ def test_two_stage_relay_waits_for_delayed_stages():
     stage 1 only after it landed, the consumer stage 2 only after it landed; the caller's stream issues
     nothing that waits for stage 1."""
     from megatron_splitkv.ops.common import RelayStream
-    from megatron_splitkv.ops.splitkv import _TwoStage
+    from megatron_splitkv.ops.transport import _TwoStage
 
     side = torch.cuda.Stream()
 

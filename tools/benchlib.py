@@ -49,8 +49,9 @@ import numpy as np
 import torch
 
 from megatron_splitkv._ints import as_int, int_arg, parse_int
-from megatron_splitkv.ops.common import own_key_start, own_rows, window_rows
+from megatron_splitkv.ops.common import acc_dtype, own_key_start, own_rows, window_rows
 from megatron_splitkv.ops.metadata import resolve_num_chunks
+from megatron_splitkv.ops.schedule import describe_splitkv
 
 __all__ = [
     "FWD_BWD_FACTOR", "METHODS", "QWEN3_8B_DRAFTER", "make_workload", "place", "rank_inputs", "op_fn",
@@ -969,6 +970,7 @@ def _ring_bytes(kind, P, n):
 
 
 _OPNAME = {"splitkv": "splitkv", "allgather-kv": "allgather_kv", "ring-kv": "ring_kv"}
+_DTYPE_OF_BYTES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
@@ -985,31 +987,22 @@ def prepare_records(method: str, *, P: int, n_blocks, n_ctx):
 
 def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int, Hq: int, Hkv: int,
                       D: int, elem: int = 2, acc: int = 4, backward: bool = True, metadata: bool = False,
-                      num_chunks=None, cp_ranks_per_node=None):
+                      num_chunks=None, cp_ranks_per_node=None, chunk_axis: str = "rows"):
     """The collectives `method` issues on `rank` in one call (forward, then backward), with byte counts.
 
     Args: n_blocks, n_ctx: per-rank query block counts and context token counts (lists of P ints);
-        elem: bytes per element of q/k/v (bf16: 2); acc: bytes of the accumulation dtype (fp32: 4);
+        elem: bytes per element of q/k/v (2: bf16, 4: fp32, 8: fp64); acc: bytes of the accumulation dtype
+            (fp32: 4; fp64 inputs: 8);
         metadata: the call passes per-step metadata (`metadata=`): no size / block / key all-gathers in
             the call (they are in `prepare_records`, once per step) and ring-kv rotates K/V without keys.
             False: the self-contained call (validation all-gather [1, META_INTS] int64 "<op>.meta", the
             block or key all-gather, ring keys travelling with K/V).
-        num_chunks: splitkv's chunk count (None: the op's default at this P, `resolve_chunks`): each of
-            "fwd.q", "fwd.out", "bwd.dout" + "bwd.stats" (groups of one node) or "bwd.dout" alone (ONE
-            all-gather of [dO | delta, lse bit-packed] in the inputs' dtype: `ops.common.fuse_bwd_gather`),
-            "bwd.dq" is issued once per chunk (record `step` = the chunk index, message = the
-            chunk's share); the bytes per op name do not depend on it.
-        cp_ranks_per_node: splitkv's L, CP ranks per node of the two-level all-to-all (None: the op's
-            default, SplitKVConfig.cp_ranks_per_node clamped to P, else 1;
-            `ops.metadata.resolve_ranks_per_node`). With 1 < L < P (N = P / L nodes) "fwd.out" becomes
-            "fwd.out.intra" (all_to_all over the L ranks of a node: message N * rc rows of [O | lse] in
-            the inputs' dtype) and "fwd.out.inter" (all_to_all over the N ranks of one local index:
-            message rc rows of [O | lse] in the accumulation dtype), "bwd.dq" likewise "bwd.dq.intra"
-            (N * rc rows, inputs' dtype) and "bwd.dq.inter" (rc rows, accumulation dtype); their bytes
-            follow the ring convention with the sub-group's size (L or N) in place of P.
-    Mirrors ops/splitkv.py, ops/allgather_kv.py, ops/ring_kv.py and ops/prepare.py. Returns a list of
-    `PredRecord`; `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward
-    (tests/test_simulate_scaling.py).
+        num_chunks, cp_ranks_per_node, chunk_axis: splitkv's options (None: the op's defaults). Its records
+            are the op's own description of its schedule, `ops.schedule.describe_splitkv` (record `step` = the
+            chunk index, message = the chunk's share; the bytes per op name do not depend on the chunking).
+    The baselines mirror ops/allgather_kv.py and ops/ring_kv.py. Returns a list of `PredRecord`;
+    `sum(r.bytes)` equals `comm_stats().total_bytes` of one forward + backward (tests/test_simulate_scaling.py).
+    Raises ValueError for an unknown method, or for splitkv an elem / acc pair no input dtype has.
     """
     name = _OPNAME[method]
     recs = []
@@ -1019,49 +1012,18 @@ def predicted_records(method: str, *, P: int, rank: int, n_blocks, n_ctx, B: int
 
     if not metadata:
         add("meta", "all_gather", META_INTS * 8)
-    rows_max = max(n_blocks) * B
     tk_max = max(n_ctx)
     if method == "splitkv":
         nb_max = max(n_blocks)
-        k = resolve_chunks(num_chunks, P, nb_max)
-        bounds = chunk_bounds(k, nb_max) if nb_max else [(0, 0)]
-        try:  # the op's own resolution (argument, else environment variable clamped to P, else 1)
-            from megatron_splitkv.ops.metadata import resolve_ranks_per_node
-            L = int(resolve_ranks_per_node(cp_ranks_per_node, P))
-        except ImportError:  # a tree without the two-level all-to-all
-            L = 1
-        N = P // L
-        two_level = 1 < L < P
-        try:  # the op's rule (ops.common.fuse_bwd_gather: multi-node groups)
-            from megatron_splitkv.ops.common import fuse_bwd_gather
-            fused_gather = fuse_bwd_gather(P, two_level)
-        except ImportError:  # a tree without the fused gather
-            fused_gather = False
-        pk = max(acc // elem, 1)  # elements of the inputs' dtype holding one acc value bit-exact
+        dtype = _DTYPE_OF_BYTES.get(elem)
+        if dtype is None or _DTYPE_OF_BYTES.get(acc) != acc_dtype(dtype):
+            raise ValueError(f"predicted_records: no input dtype has elem={elem} bytes and acc={acc} bytes "
+                             "(2 / 4, 4 / 4 or 8 / 8)")
         if not metadata:
             add("fwd.block_meta", "all_gather", nb_max * 2 * 8)
-        for c, (b0, b1) in enumerate(bounds):
-            rc = (b1 - b0) * B
-            add("fwd.q", "all_gather", rc * Hq * D * elem, c)
-            # [O | lse] in the inputs' dtype, lse bit-packed as acc / elem elements (ops.common.pack_partial)
-            if two_level:  # stage 1: the rows of the N owners with each local index; stage 2: fp32 [O | lse]
-                add("fwd.out.intra", "all_to_all", N * rc * Hq * (D + pk) * elem, c, L)
-                add("fwd.out.inter", "all_to_all", rc * Hq * (D + 1) * acc, c, N)
-            else:
-                add("fwd.out", "all_to_all", rc * Hq * (D + pk) * elem, c)
-        if backward:
-            for c, (b0, b1) in enumerate(bounds):
-                rc = (b1 - b0) * B
-                if fused_gather:  # ONE all-gather of [dO | delta, lse bit-packed] (ops.common.pack_dout_stats)
-                    add("bwd.dout", "all_gather", rc * Hq * (D + 2 * pk) * elem, c)
-                else:
-                    add("bwd.dout", "all_gather", rc * Hq * D * elem, c)
-                    add("bwd.stats", "all_gather", rc * Hq * 2 * acc, c)
-                if two_level:  # stage 1: partials in the inputs' dtype; stage 2: the node sums in acc
-                    add("bwd.dq.intra", "all_to_all", N * rc * Hq * D * elem, c, L)
-                    add("bwd.dq.inter", "all_to_all", rc * Hq * D * acc, c, N)
-                else:
-                    add("bwd.dq", "all_to_all", rc * Hq * D * elem, c)
+        recs += [PredRecord(c.name, c.kind, c.bytes, c.message, c.step) for c in describe_splitkv(
+            cp_size=P, max_blocks=nb_max, block_size=B, num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D, dtype=dtype,
+            num_chunks=num_chunks, chunk_axis=chunk_axis, cp_ranks_per_node=cp_ranks_per_node, backward=backward)]
     elif method == "allgather-kv":
         add("fwd.kv", "all_gather", tk_max * 2 * Hkv * D * elem)
         if not metadata:

@@ -217,8 +217,7 @@ def staircase_exactness(dev, cpu, res):
                            and all(r[x] < 2e-2 for x in ("out", "dq", "dk", "dv")))
                 del out, lse, st, grads, ref, qd, kd, vd
             except Exception as e:  # noqa: BLE001
-                r["traceback"] = traceback.format_exc(limit=6)
-                broken = _row_failed(r, e, dev, f"staircase {name}") or broken
+                broken = _row_failed(r, e, dev, f"staircase {name}", traceback_limit=6) or broken
                 r["ok"] = False
             rows.append(r)
             log(f"[stair-exact] {json.dumps({kk: vv for kk, vv in r.items() if kk != 'traceback'}, default=str)}")
@@ -711,9 +710,12 @@ def _cuda_broken(e) -> bool:
     return "CUDA error" in msg or "illegal memory" in msg.lower() or "AcceleratorError" in msg
 
 
-def _row_failed(r: dict, e, dev, label: str):
-    """Record a row's failure in r["error"]; returns `label` when the CUDA context is now broken (later
-    GPU rows must be skipped), else None."""
+def _row_failed(r: dict, e, dev, label: str, traceback_limit=None):
+    """Record a row's failure in r["error"] (and, with `traceback_limit`, the current exception's last
+    frames in r["traceback"] first); returns `label` when the CUDA context is now broken (later GPU rows
+    must be skipped), else None."""
+    if traceback_limit is not None:
+        r["traceback"] = traceback.format_exc(limit=traceback_limit)
     r["error"] = _err_str(e)
     return label if dev.type == "cuda" and _cuda_broken(e) else None
 
@@ -818,13 +820,11 @@ def kernel_compare(dev, cpu, res, args, flush):
                             if _cuda_broken(e):
                                 raise
                             r["split_exact"] = dict(error=_err_str(e))
-                    r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
-                    _add_rates(r, f_fwd, sdpa[tk])
+                    _time_row(r, kern, q, k, v, mask, scale, do, dev, reps, warm, f_fwd, sdpa[tk])
                     ctx_ms[(name, tk)] = r["fwdbwd_ms"]
                     _kernel_details(r, kern)
                 except Exception as e:  # noqa: BLE001
-                    r["traceback"] = traceback.format_exc(limit=4)
-                    broken = _row_failed(r, e, dev, f"{name} at Tk {tk}") or broken
+                    broken = _row_failed(r, e, dev, f"{name} at Tk {tk}", traceback_limit=4) or broken
                 del mask, q, k, v, do
             _keep_row(out["rows"], r, "compare", dev, broken)
         flush()
@@ -879,6 +879,12 @@ def _parse_stair_sweep(spec: str):
             opts[key] = option_from_text(key, val, where=f"--staircase-sweep: {key} in {item!r}")
         out.append((item, opts))
     return sorted(out, key=lambda x: x[1].get("gqa") == "native")
+
+
+def _time_row(r: dict, kern, q, k, v, mask, scale, do, dev, reps, warm, f_fwd: float, sd: dict) -> None:
+    """Time `kern` on the inputs (`_time_kernel`) into r["fwd_ms"] / r["fwdbwd_ms"], then its rates (`_add_rates`)."""
+    r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
+    _add_rates(r, f_fwd, sd)
 
 
 def _add_rates(r: dict, f_fwd: float, sd: dict) -> None:
@@ -940,16 +946,14 @@ def _staircase_sweep(dev, cpu, out, variants, problem, refs, sdpa, ctx_ms, tks, 
                 del o, l, st, g
                 plan = kern.plan(mask)
                 r.update(groups=len(plan.groups), dense_fraction=plan.dense_fraction)
-                r["fwd_ms"], r["fwdbwd_ms"] = _time_kernel(kern, q, k, v, mask, scale, do, dev, reps, warm)
-                _add_rates(r, f_fwd, sdpa.get(tk, {}))
+                _time_row(r, kern, q, k, v, mask, scale, do, dev, reps, warm, f_fwd, sdpa.get(tk, {}))
                 if ("flex", tk) in ctx_ms:
                     r["speedup_vs_flex"] = ctx_ms[("flex", tk)] / r["fwdbwd_ms"]
                 _kernel_details(r, kern)
                 e = r["exact"]
                 r["ok"] = e.get("nonfinite", 1) == 0 and all(e.get(x, 1.0) < 2e-2 for x in ("out", "dq", "dk", "dv"))
             except Exception as e:  # noqa: BLE001
-                r["traceback"] = traceback.format_exc(limit=6)
-                broken = _row_failed(r, e, dev, f"staircase {label}") or broken
+                broken = _row_failed(r, e, dev, f"staircase {label}", traceback_limit=6) or broken
             del mask, q, k, v, do
             _keep_row(out["staircase_sweep"], r, "stair-sweep", dev, broken)
         flush()

@@ -24,8 +24,8 @@ T(P) = compute + exposed communication + op overhead, per method, modelled as th
     `--chunk-axis heads`: splitkv's chunks are the op's head chunks (ops/splitkv.py item 3; k clamped to
     Hkv): measured mode times k calls over all rows with Hq / k, Hkv / k heads and one mask, dK / dV written per
     chunk (`bench.kernel_calls(..., chunk_axis="heads")`, `bench.chunk_loop`); the schedule model's
-    per-chunk bytes are those of row chunks (the same bytes per collective name), and model-only mode uses the
-    same chunk-loss model.
+    per-chunk messages are the op's head-chunk records (`bench.predicted_records(..., chunk_axis="heads")`),
+    and model-only mode uses the same chunk-loss model.
     `--paired-rounds R` (measured mode, one process; docs/lab/perf-notes.md item 21: T(1) drifted ~5% between runs):
     after the measuring phase the P0 reference shard (splitkv k = 1) and every measured splitkv shard of the
     first placement (sampled ranks, chunk counts) are re-timed in R interleaved rounds (inputs built
@@ -487,7 +487,8 @@ def splitkv_row(base, *, a, plan, P, k, per_call, variant, link, ovl, merge_gbs,
         nc = [int(plan.token_index(i).shape[0]) for i in range(P)]
         recs = bench.predicted_records("splitkv", P=P, rank=base["slowest_rank"], n_blocks=nb, n_ctx=nc, B=a.B,
                                        Hq=a.Hq, Hkv=a.Hkv, D=a.D, elem=2, metadata=not a.no_metadata,
-                                       num_chunks=k, cp_ranks_per_node=min(L, P))
+                                       num_chunks=k, cp_ranks_per_node=min(L, P),
+                                       chunk_axis=getattr(a, "chunk_axis", "rows"))  # runs before --chunk-axis: rows
         recs_memo[rkey] = recs
     recs = recs_memo[rkey]
 
@@ -1067,7 +1068,8 @@ def main(argv=None):
     ap.add_argument("--chunk-axis", default="rows", choices=("rows", "heads"),
                     help="splitkv: what the chunks split (the op's chunk_axis): rows (query blocks; default) or "
                          "heads (all rows with Hq / k, Hkv / k heads per chunk, k clamped to --Hkv): measured mode "
-                         "times the head chunks as the op runs them; the per-chunk bytes model is unchanged")
+                         "times the head chunks as the op runs them, and the schedule model uses the op's head-chunk "
+                         "records")
     ap.add_argument("--paired-rounds", type=int_arg(0), default=0,
                     help="measured mode, one process: after the measuring phase re-time, in R interleaved rounds, the "
                          "P = min(--cps) reference shard (splitkv k = 1: what T(P0) is built from) and every measured "
@@ -1519,6 +1521,7 @@ def main(argv=None):
                 recs_of[L] = bench.predicted_records(
                     m, P=P, rank=r_slow, n_blocks=nb, n_ctx=nc, B=args.B, Hq=args.Hq, Hkv=args.Hkv, D=args.D,
                     elem=elem, metadata=not args.no_metadata, num_chunks=k,
+                    **({"chunk_axis": args.chunk_axis} if m == "splitkv" else {}),
                     **({"cp_ranks_per_node": min(L, P)} if takes_l and m == "splitkv" else {}))  # clamped as the
                 # op clamps SplitKVConfig.cp_ranks_per_node: a CP group within one node gets one all-to-all
             recs = recs_of[L]

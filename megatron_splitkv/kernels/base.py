@@ -61,7 +61,7 @@ Kernels implement:
         and dout with any row and head strides (unit stride on D), e.g. the head slices [:, g0:g1] of wider
         tensors, reading them in place with the same results as on contiguous copies. Split-KV's head chunks
         then pass every chunk's local keys / values as views of one tensor instead of a copy per chunk
-        (ops/splitkv.py `_key_views`; docs/lab/perf-notes.md item 24). Set for math (its tiles are gathered /
+        (`ops.chunking.HeadChunks.local_keys`; docs/lab/perf-notes.md item 24). Set for math (its tiles are gathered /
         selected into new tensors first); not for fa4 (reading head slices in place through its strides was not
         measured faster, docs/lab/perf-notes.md item 24, nor verified on the GPU: its inputs are copied
         contiguous), flex (its leaves are copied contiguous inside the kernel anyway) or te (copies its inputs

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..lse import merge
 from .base import IntervalMask, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 from .flex import bucket_length
@@ -292,8 +293,6 @@ class TEAttentionKernel:
     # ------------------------------------------------------------------ contract
     def forward(self, q, k, v, mask: IntervalMask, scale):
         """Contract of `kernels/base.py`: (out [Tq, Hq, D] fp32, lse [Tq, Hq] fp32, state = TE's rng_state)."""
-        from ..ops.common import merge  # noqa: PLC0415 - the one fp32 lse merge of the package
-
         self._check(q, k, v)
         hq, hkv = q.shape[1], k.shape[1]
         acc = _acc(q.dtype)

@@ -4,7 +4,7 @@ Per-step metadata reuse: `prepare_splitkv_metadata(...)` once per training step,
 `op(..., metadata=meta)` in every layer (see `megatron_splitkv.ops.metadata`; built by `ops.prepare`, or on
 the host by `ops.host_metadata`). Split-KV's query all-gather can be started before the layer's k/v
 projections: `h = splitkv_start_query_gather(q, metadata=meta)`, then `splitkv_attention(..., metadata=meta,
-query_gather=h)` (perf-notes item 3).
+query_gather=h)` (`ops.query_gather`).
 
 Source: arXiv 2611.05926 (Split-KV), DESIGN.md section 2.
 """

@@ -24,6 +24,7 @@ import torch
 
 from ..config import FUSED_BWD_GATHER_MIN_P
 from ..kernels.base import IntervalMask
+from ..lse import finalize, lse_weights, merge  # noqa: F401 - the lse merge, re-exported for the ops
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INT32 = 1 << 31  # sequence ids and positions must lie in [-2**31, 2**31)
@@ -129,36 +130,6 @@ def pad_rows(x: torch.Tensor, rows: int, value=0) -> torch.Tensor:
 # ----------------------------------------------------------------------------- merge by lse
 
 
-def lse_weights(lse: torch.Tensor, m: torch.Tensor):
-    """(m_safe, exp(lse - m_safe)) with m_safe = m where finite else 0: rows where every partial lse is
-    -inf get weight 0, never NaN. m must be >= lse element-wise (a max over partials)."""
-    # nan_to_num(m, 0, 0, 0) == where(isfinite(m), m, 0) bit for bit, in one op instead of six (isfinite is
-    # abs, ne, eq, mul; plus the zeros and the select)
-    m_safe = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
-    return m_safe, torch.exp(lse - m_safe)
-
-
-def finalize(num: torch.Tensor, den: torch.Tensor, m_safe: torch.Tensor, inplace: bool = False):
-    """out = num / den (0 where den = 0), lse = m_safe + log(den) (-inf where den = 0). inplace: divide
-    num in place (the same arithmetic, no second [T, H, D] tensor)."""
-    den_safe = torch.where(den > 0, den, 1.0)[..., None]  # a scalar 1: no ones_like fill
-    out = num.div_(den_safe) if inplace else num / den_safe
-    return out, m_safe + torch.log(den)
-
-
-def merge(o1, lse1, o2, lse2):
-    """Exact merge of two partial attention states (o [T, H, D], lse [T, H]) in their dtype. A state
-    given as (None, None) is absent (e.g. before ring-kv's first step): the other state is returned
-    unchanged."""
-    if o1 is None:
-        return o2, lse2
-    if o2 is None:
-        return o1, lse1
-    m_safe, w1 = lse_weights(lse1, torch.maximum(lse1, lse2))
-    _, w2 = lse_weights(lse2, m_safe)
-    return finalize(o1 * w1[..., None] + o2 * w2[..., None], w1 + w2, m_safe, inplace=True)
-
-
 def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
     """How many `dtype` elements hold one `src` element bit-exact (src.itemsize / dtype.itemsize >= 1).
     Raises ValueError when `src` does not split into whole `dtype` elements."""
@@ -166,6 +137,12 @@ def _bits_per(src: torch.dtype, dtype: torch.dtype) -> int:
     if a < b or a % b:
         raise ValueError(f"cannot pack a {src} tensor into {dtype}")
     return a // b
+
+
+def packed_width(head_dim: int, stat_dtype: torch.dtype, dtype: torch.dtype, stats: int = 1) -> int:
+    """Elements of `dtype` per head of D values with `stats` `stat_dtype` values bit-packed beside them:
+    D + stats * r (`pack_partial`: stats 1, lse; `pack_dout_stats`: stats 2, delta and lse)."""
+    return head_dim + stats * _bits_per(stat_dtype, dtype)
 
 
 def _as_bits(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -237,7 +214,7 @@ _RELAY_STREAMS: dict = {}  # device index -> the relay stream, created once per 
 
 
 class RelayStream:
-    """The relay of Split-KV's two-level all-to-all (docs/lab/perf-notes.md item 18; `ops.splitkv._TwoStage`):
+    """The relay of Split-KV's two-level all-to-all (docs/lab/perf-notes.md item 18; `ops.transport._TwoStage`):
     a CUDA side stream (one per device and process) on which the op waits for a chunk's stage 1, runs the
     node merge / node sum of the L received partials (fp32) and issues stage 2, so that the caller's
     ("main") stream never waits for stage 1: the next chunk's kernel, the op's own epilogue and (backward)
@@ -298,12 +275,8 @@ def fuse_bwd_gather(cp_size: int, two_level: bool) -> bool:
     (`pack_dout_stats`, name "splitkv.bwd.dout") instead of two ("splitkv.bwd.dout" + "splitkv.bwd.stats").
 
     Fused when the two-level all-to-all is on (`two_level`: a multi-node group) or when cp_size >=
-    `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU node (a constant, not an option: docs/tuning.md).
-    Why (docs/lab/perf-notes.md item 8): across nodes a collective's latency is ~0.35 ms at P = 64 (model), so
-    one collective less pays; on one NVLink node the second back-to-back gather costs 3-17 us while the
-    fused path's pack and unpack copies cost ~45 us at 8192 rows (measured on 2 x H200, P = 2). Same
-    results either way (bit for bit).
-"""
+    `FUSED_BWD_GATHER_MIN_P` = 9, larger than one 8-GPU node (a constant, not an option: docs/tuning.md; the
+    measurements behind it: docs/lab/splitkv_notes.md). Same results either way (bit for bit)."""
     return bool(two_level) or cp_size >= FUSED_BWD_GATHER_MIN_P
 
 
@@ -349,17 +322,6 @@ def merge_partials(o: torch.Tensor, lse: torch.Tensor):
     all-to-all instead of an all-reduce MAX + reduce-scatter)."""
     m_safe, w = lse_weights(lse, lse.max(0).values)
     return finalize(torch.einsum("pthd,pth->thd", o, w), w.sum(0), m_safe, inplace=True)
-
-
-def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype, out=None):
-    """`merge_partials` of the all-to-all result of packed partials (`pack_partial`), [P * rows, H, D + r]
-    in a `comm.Pending`: `ops.fused_merge.merge_packed` (one Triton kernel on CUDA; the torch path
-    elsewhere, which releases the fp32 partials once summed and divides in place); the received buffer is
-    released once merged. Returns (out [rows, H, D], lse [rows, H]) in `acc` (written into `out`, a pair of
-    destinations, when given: `fused_merge.merges_in_place`)."""
-    from .fused_merge import merge_packed
-
-    return merge_packed(pending.take(), num_partials, rows, head_dim, acc, out=out)
 
 
 # ----------------------------------------------------------------------------- own block in the kernel

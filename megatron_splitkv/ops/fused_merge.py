@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from .._triton import lazy_triton_kernel
+from .common import finalize, lse_weights, unpack_partial
 
 _TRITON_FAILED = False  # set when the kernel failed to compile / launch: the torch path from then on
 
@@ -88,8 +89,6 @@ def _interpreted(kernel) -> bool:
 
 def merge_packed_torch(x: torch.Tensor, num_partials: int, rows: int, head_dim: int, acc: torch.dtype):
     """The torch path of `merge_packed` (unpack to `acc`, max, weights, weighted sum, finalize)."""
-    from .common import finalize, lse_weights, unpack_partial
-
     o, lse = unpack_partial(x, head_dim, acc)
     o = o.view(num_partials, rows, *o.shape[1:])  # rows may be 0: no -1
     lse = lse.view(num_partials, rows, *lse.shape[1:])
@@ -187,3 +186,10 @@ def sum_partials(parts: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     if parts.shape[0] == 1:
         return parts[0].to(acc)
     return torch.sum(parts, 0, dtype=acc)
+
+
+def merge_received_partials(pending, num_partials: int, rows: int, head_dim: int, acc: torch.dtype, out=None):
+    """`merge_packed` of an all-to-all's result of packed partials (`common.pack_partial`), [P * rows, H, D + r]
+    in a `comm.Pending`, released once merged. Returns (out [rows, H, D], lse [rows, H]) in `acc` (written into
+    `out`, a pair of destinations, when given: `merges_in_place`)."""
+    return merge_packed(pending.take(), num_partials, rows, head_dim, acc, out=out)

@@ -47,6 +47,7 @@ from ..config import CHUNK_AXES, DEFAULT_NUM_CHUNKS, SplitKVConfig, resolve_conf
 from ..kernels import auto_keys_per_call, get_kernel, warn_ignored_options
 from ..kernels.base import IntervalMask
 from ..reference import check_attention_type
+from .chunking import chunk_bounds, make_chunking
 from .common import acc_dtype, intervals, own_key_start, own_rows, window_rows, with_own_blocks
 from .packing import pack, remapped, unique_tensors, unpacked, uploaded
 from .validation import INT32, check_device, comm_device, resolve_check_group
@@ -180,12 +181,6 @@ def resolve_num_chunks(num_chunks, cp_size: int, max_blocks: int, config: SplitK
     if req == 0:
         req = DEFAULT_NUM_CHUNKS
     return max(1, min(req, max_blocks))
-
-
-def chunk_bounds(num_chunks: int, max_blocks: int) -> list:
-    """[(b0, b1)] per chunk: chunk c covers blocks [c * max_blocks // k, (c + 1) * max_blocks // k) of
-    every rank's padded segment (sizes differ by at most one block; equal when k divides max_blocks)."""
-    return [(c * max_blocks // num_chunks, (c + 1) * max_blocks // num_chunks) for c in range(num_chunks)]
 
 
 @dataclass(eq=False)
@@ -500,13 +495,10 @@ def splitkv_chunk_masks(meta: SplitKVMetadata, sorted_keys: torch.Tensor, n_keys
     heads = meta.chunk_axis == "heads"
     # head chunks: k clamped to [1, Hkv], every chunk all rows (the k = 1 chunk), its heads GQA groups whole
     meta.num_chunks = resolve_num_chunks(meta.num_chunks_requested, P, meta.num_heads_kv if heads else nb_max)
-    hq, grp = meta.num_heads_q, meta.num_heads_q // meta.num_heads_kv
-    if heads:
-        meta.chunks = [(0, nb_max)] * meta.num_chunks
-        meta.chunk_heads = [(g0 * grp, g1 * grp) for g0, g1 in chunk_bounds(meta.num_chunks, meta.num_heads_kv)]
-    else:
-        meta.chunks = chunk_bounds(meta.num_chunks, nb_max)
-        meta.chunk_heads = [(0, hq)] * meta.num_chunks
+    chunking = make_chunking("heads" if heads else "rows", meta.num_chunks, nb_max, bsz, meta.num_heads_q,
+                             meta.num_heads_kv)
+    meta.chunks = list(chunking.bounds)
+    meta.chunk_heads = [chunking.heads(c) for c in range(len(chunking))]
     dev = meta.q_seq.device
     table = torch.empty(4, P * nb_max, dtype=torch.int64, device=dev)
     # first intervals (`ops.common.intervals`): block b sees the keys of sequence seq[b] with position <

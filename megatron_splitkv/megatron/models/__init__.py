@@ -9,30 +9,9 @@
 Source: DESIGN.md sections 1 and 4; DFlash; arXiv 2611.05926.
 """
 
-from .dflash import DFlashDraftModel
-from .features import FeatureStore, FeatureWriter, write_features
-from .target import (
-    CausalCPCoreAttention,
-    SkippedTargetLayer,
-    TargetFeatureProvider,
-    build_target_model,
-    load_target_weights,
-    qwen3_config,
-    target_layer_spec,
-    target_packed_seq_params,
-)
+from . import dflash, features, target
+from .dflash import *  # noqa: F401,F403 (re-exports each module's __all__)
+from .features import *  # noqa: F401,F403
+from .target import *  # noqa: F401,F403
 
-__all__ = [
-    "DFlashDraftModel",
-    "CausalCPCoreAttention",
-    "SkippedTargetLayer",
-    "TargetFeatureProvider",
-    "build_target_model",
-    "load_target_weights",
-    "qwen3_config",
-    "FeatureStore",
-    "FeatureWriter",
-    "write_features",
-    "target_layer_spec",
-    "target_packed_seq_params",
-]
+__all__ = [*dflash.__all__, *features.__all__, *target.__all__]

@@ -49,6 +49,17 @@ __all__ = [
 ]
 
 
+#: the TransformerConfig fusion switches `qwen3_config` turns off (plain PyTorch ops on CPU and GPU alike)
+_UNFUSED = (
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "masked_softmax_fusion",
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+)
+
+
 def qwen3_config(
     *,
     num_layers: int,
@@ -89,12 +100,7 @@ def qwen3_config(
         add_qkv_bias=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **dict.fromkeys(_UNFUSED, False),
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
