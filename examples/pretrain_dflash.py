@@ -55,7 +55,7 @@ in its DDP).
 Status: needs CUDA (megatron.training); on CPU this script only imports and parses its arguments
 (`python examples/pretrain_dflash.py --help`: this script's flags with their defaults; `--help-all`: then every
 Megatron-LM flag; `--parse-only` to print the parsed namespace: one `name = value` line per flag, sorted,
-and a one-line verdict).
+and a one-line verdict; it checks that the paths exist, so replace the /ckpt placeholders above first).
 Source: DESIGN.md sections 1-4; arXiv 2611.05926 (Split-KV); DFlash.
 """
 
@@ -192,7 +192,7 @@ def add_dflash_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     # the context-parallel DFlash attention has no dropout (validate_splitkv_args rejects it): default 0
     # here instead of Megatron's 0.1, so a plain command line runs; an explicit --attention-dropout > 0
     # is still an error naming the flag
-    parser.set_defaults(attention_dropout=0.0)
+    parser.set_defaults(attention_dropout=0.0, context_parallel_impl="splitkv")
     return parser
 
 
@@ -202,7 +202,6 @@ def _defaults(args):
         args.dflash_block_size = 16
     if getattr(args, "dflash_num_anchors", None) is None:
         args.dflash_num_anchors = 512
-    args.context_parallel_impl = args.context_parallel_impl or "splitkv"
 
 
 def _pgs(pg_collection):

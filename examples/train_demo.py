@@ -759,7 +759,7 @@ def _summary(h, args, world, wall, resumed=False):
            else "; one step: no trend, not judged by the exit status)" if n < 2 else ")"),
         f"  tokens/s           {h['tokens'] / h['time']:,.0f} context tokens/s, "
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
-        f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up)",
+        f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up and, on a first run, making the target)",
         f"  planner imbalance  mean {np.mean(h['imb']):.4f}, max {np.max(h['imb']):.4f} (max/mean load - 1)",
         f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / n / 1e6:.2f} MB/rank/step "
         f"({args.context_parallel_impl}, forward+backward), target features "

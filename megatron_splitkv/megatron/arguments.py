@@ -230,8 +230,8 @@ _FLAG_SPECS = (
         default=None,
         choices=CP_IMPLS,
         help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
-             "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default here: unset "
-             "(Megatron's native context parallelism); examples/pretrain_dflash.py defaults to splitkv.")),
+             "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default: %(default)s "
+             "(None: Megatron's native context parallelism).")),
     ("--cp-chunk-size", dict(
         type=int_arg(),
         default=None,
