@@ -33,7 +33,7 @@ import torch
 
 from ..config import FlexOptions, SplitKVConfig, StaircaseOptions, resolve_config
 from .base import IntervalMask, half_precision_cuda_index
-from .fa4 import FA4AttentionKernel, deterministic_requested, fa4_runs_on
+from . import fa4  # module reference: `fa4.fa4_runs_on` is looked up per call
 from .flex import FlexAttentionKernel
 from .math import MathAttentionKernel
 from .te import TEAttentionKernel
@@ -59,7 +59,7 @@ def _load(backend: str):
 
         return StaircaseAttentionKernel
     if backend == "fa4":
-        return FA4AttentionKernel
+        return fa4.FA4AttentionKernel
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -145,7 +145,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
         return "math"
     if dtype is not None and config.auto_fa4 and not row_intervals:
         # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
-        if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
+        if fa4.fa4_runs_on(device, dtype, head_dim) and not fa4.deterministic_requested():
             return "fa4"
     if keys_per_call is None or row_intervals:
         return "flex"

@@ -61,7 +61,7 @@ import torch
 
 from .._ints import _shown, as_int, int_arg, parse_int
 from ..config import CHUNK_AXES, SplitKVConfig
-from ..kernels.fa4 import fa4_available  # finds flash_attn.cute without importing CuTe DSL
+from ..kernels import fa4 as fa4_kernel  # `fa4_available` finds flash_attn.cute without importing CuTe DSL
 from ..layer_types import LAYER_TYPES, MAX_WINDOW, layer_attention_kinds, layer_windows
 from ..planning import CostModel
 
@@ -578,7 +578,7 @@ def _te_available() -> bool:
 
 
 def _fa4_available() -> bool:
-    return fa4_available()
+    return fa4_kernel.fa4_available()
 
 
 #: the launcher's processes per node, in the order they are read by `auto_cp_ranks_per_node`: torchrun / torch
