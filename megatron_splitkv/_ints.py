@@ -22,7 +22,9 @@ Pure Python (no torch / numpy import) so that argument parsing can use it.
 """
 
 import argparse
+import math
 import operator
+import os
 import re
 
 __all__ = ["as_int", "parse_int", "is_int_text", "parse_float", "float_arg", "int_arg",
@@ -180,8 +182,6 @@ def parse_float(text, name: str, *, minimum=None, maximum=None, above: bool = Fa
         `error` (ValueError by default): "<name> must be <what>, got <text!r>" (default what: "a finite
             number >= minimum" and so on).
     """
-    import math  # noqa: PLC0415
-
     req = what if what is not None else _real_limit(minimum, maximum, above)
     value = None
     if isinstance(text, str) and _REAL.fullmatch(text.strip()) is not None:
@@ -201,8 +201,6 @@ def parse_float(text, name: str, *, minimum=None, maximum=None, above: bool = Fa
 def _arg_type(parse_text, type_name: str, **checks):
     """An argparse `type=` calling `parse_text(text, "value", **checks)`: its ValueError becomes argparse's one
     error line naming the flag ("argument --lr: must be ..., got 'nan'"), exit status 2."""
-    import argparse  # noqa: PLC0415
-
     def parse(text):
         try:
             return parse_text(text, "value", **checks)
@@ -239,8 +237,6 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def existing_path(text: str) -> str:
     """An argparse `type=` for a flag naming a file or directory that must exist: otherwise argparse's one error
     line naming the flag ("argument --target-load: no such file or directory: '/x'"), exit status 2."""
-    import os  # noqa: PLC0415
-
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"no such file or directory: {text!r}")
     return text
@@ -248,8 +244,6 @@ def existing_path(text: str) -> str:
 
 def existing_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a directory that must exist (argparse's error line otherwise)."""
-    import os  # noqa: PLC0415
-
     if not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"no such directory: {text!r}")
     return text
@@ -259,8 +253,6 @@ def writable_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a directory to write: created now if missing (as the run would at
     its first save); argparse's error line naming the flag when that fails or the path is not a writable
     directory (e.g. a file, or under /proc)."""
-    import os  # noqa: PLC0415
-
     try:
         os.makedirs(text, exist_ok=True)
     except OSError as exc:
@@ -275,8 +267,6 @@ def output_dir(text: str) -> str:
     existing writable directory, or a new path whose nearest existing parent is one (the command creates it
     when it writes). Nothing is created here; argparse's error line naming the flag otherwise (an empty path,
     an existing file, a path under a file, a parent without write permission), before the run starts."""
-    import os  # noqa: PLC0415
-
     if not text:
         raise argparse.ArgumentTypeError("an empty path is not a directory")
     path = os.path.abspath(text)
@@ -292,8 +282,6 @@ def output_dir(text: str) -> str:
 
 def hf_model_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a Hugging Face model directory: one holding a config.json."""
-    import os  # noqa: PLC0415
-
     if not os.path.isfile(os.path.join(text, "config.json")):
         raise argparse.ArgumentTypeError(f"{text}: no config.json (a Hugging Face model directory is needed)")
     return text

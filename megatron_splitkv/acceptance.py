@@ -208,10 +208,10 @@ def write_report(results: dict, prefix: str, meta: dict | None = None) -> tuple:
     """Write ``prefix.json`` ({"meta": meta, "results": {label: result}}) and ``prefix.png`` (per label: the
     histogram of acceptance lengths over verification steps, and the per-prompt tau). Returns the two
     paths."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - optional: matplotlib, only when plotting
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415
 
     d = os.path.dirname(os.path.abspath(prefix))
     os.makedirs(d, exist_ok=True)

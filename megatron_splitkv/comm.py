@@ -44,7 +44,10 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import os
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -425,9 +428,6 @@ def shutdown_distributed(*, barrier: bool = True) -> None:
     Safe to call when torch.distributed is not initialised (then only the caches and gc). Groups the
     CALLER still references stay alive: call it after the work function returned, then `exit_process`.
     """
-    import gc
-    import sys
-
     if dist.is_available() and dist.is_initialized():
         if barrier:
             dist.barrier()
@@ -458,10 +458,6 @@ def exit_process(code=0):
     logging are flushed and the process ends with `os._exit(code)` without finalising (atexit handlers do
     not run then). Only called after the work ended normally: an exception before it still exits non-zero
     with its traceback. Never returns."""
-    import gc
-    import logging
-    import sys
-
     gc.collect()
     code = 0 if code is None else int(code)
     if gloo_worker_threads() == 0:

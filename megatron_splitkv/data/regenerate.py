@@ -32,9 +32,11 @@ import os
 import time
 
 import numpy as np
+import torch
 
 from .sharegpt import ENDOFTEXT, IM_END, IM_START, TokenizedCorpus, _encode, get_qwen_tokenizer
 from .sharegpt import iter_sharegpt_records, normalize_turns, tokenize_chat
+from .vocab import CompactVocab
 
 __all__ = ["FORMAT", "ChatPrompt", "RegenerateSpec", "chat_prompts", "greedy_continuations", "regenerate_corpus",
            "target_fingerprint", "ensure_regenerated"]
@@ -117,8 +119,6 @@ def greedy_continuations(model, prompts, *, max_new_tokens: int, batch_size: int
     taking the number of prompts done, or None. Returns a list of int64 arrays, in prompt order. Raises
     ValueError for an empty prompt.
     """
-    import torch
-
     for k, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {k} is empty")
@@ -212,11 +212,7 @@ def ensure_regenerated(target_dir: str, spec: RegenerateSpec, cache_path: str, *
     matches, else made. Returns (corpus, metadata dict: fingerprint, spec, conversations, response tokens,
     mean response length, share of responses that stopped, seconds; made: bool). `threads`: torch threads
     while generating (restored after; None: unchanged). Raises ValueError when the records give no prompt."""
-    import torch
-
-    from transformers import AutoModelForCausalLM
-
-    from .vocab import CompactVocab
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy: transformers, only when generating
 
     fp = spec.fingerprint(target_fingerprint(target_dir))
     meta_path = os.path.splitext(cache_path)[0] + ".json"

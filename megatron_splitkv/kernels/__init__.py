@@ -2,9 +2,9 @@
 
 Backends:
     "math": `MathAttentionKernel` (pure PyTorch, any device, float32/float64 arithmetic).
-    "flex": `FlexAttentionKernel` from `kernels/flex.py` (torch FlexAttention; imported lazily).
+    "flex": `FlexAttentionKernel` from `kernels/flex.py` (torch FlexAttention).
     "te":   `TEAttentionKernel` from `kernels/te.py` (Transformer Engine fused attention; imported
-            lazily; ImportError with an install hint when Transformer Engine is missing).
+            on first use; ImportError with an install hint when Transformer Engine is missing).
     "staircase": `StaircaseAttentionKernel` from `kernels/staircase.py` (dense cuDNN rectangles for most
             of the mask + the "auto" kernel for the remainder, merged by lse; bf16/fp16 on CUDA, any
             float dtype on CPU; options: `config.StaircaseOptions`, `SplitKVConfig.staircase`).
@@ -33,7 +33,10 @@ import torch
 
 from ..config import FlexOptions, SplitKVConfig, StaircaseOptions, resolve_config
 from .base import IntervalMask, half_precision_cuda_index
+from . import fa4  # module reference: `fa4.fa4_runs_on` is looked up per call
+from .flex import FlexAttentionKernel
 from .math import MathAttentionKernel
+from .te import TEAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
            "staircase_runs_on", "auto_keys_per_call", "auto_backend_code", "auto_backend_text",
@@ -47,26 +50,16 @@ def _load(backend: str):
     if backend == "math":
         return MathAttentionKernel
     if backend == "flex":
-        from .flex import FlexAttentionKernel
-
         return FlexAttentionKernel
     if backend == "te":
-        try:
-            from .te import TEAttentionKernel
-        except ImportError as exc:
-            raise ImportError(
-                "backend='te' needs Transformer Engine 2.x (pip install 'megatron-splitkv[te]'; docs/kernels.md "
-                f"\"Transformer Engine\"); import failed: {exc}"
-            ) from exc
         return TEAttentionKernel
     if backend == "staircase":
-        from .staircase import StaircaseAttentionKernel
+        # cycle: staircase's remainder kernel comes from this registry (`StaircaseAttentionKernel.inner_kernel`)
+        from .staircase import StaircaseAttentionKernel  # noqa: PLC0415
 
         return StaircaseAttentionKernel
     if backend == "fa4":
-        from .fa4 import FA4AttentionKernel
-
-        return FA4AttentionKernel
+        return fa4.FA4AttentionKernel
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
@@ -152,9 +145,7 @@ def resolve_auto_backend(keys_per_call, device, dtype=None, head_dim=None, confi
         return "math"
     if dtype is not None and config.auto_fa4 and not row_intervals:
         # CuTe DSL is imported only on a GPU FA4 runs on (`fa4.fa4_importable`)
-        from .fa4 import deterministic_requested, fa4_runs_on  # noqa: PLC0415
-
-        if fa4_runs_on(device, dtype, head_dim) and not deterministic_requested():
+        if fa4.fa4_runs_on(device, dtype, head_dim) and not fa4.deterministic_requested():
             return "fa4"
     if keys_per_call is None or row_intervals:
         return "flex"

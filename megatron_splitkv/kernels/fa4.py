@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 
 import torch
 
@@ -85,8 +86,6 @@ def fa4_importable() -> bool:
         _interface()
         return True
     except ImportError as exc:
-        import warnings  # noqa: PLC0415
-
         warnings.warn(f"FlashAttention-4 (flash_attn.cute) is installed but does not import, so backend 'auto' "
                       f"does not pick 'fa4' ({exc}); repair the install or pass SplitKVConfig(auto_fa4=False)",
                       RuntimeWarning, stacklevel=2)
@@ -120,7 +119,7 @@ def _interface():
     flash_attn.cute (ImportError with the install hint and the cause when it is missing or fails to import
     with any exception: the ops treat an ImportError as "backend missing" on every rank)."""
     try:
-        import cutlass  # noqa: PLC0415
+        import cutlass  # noqa: PLC0415 - optional: flash_attn.cute / CuTe DSL
         import cutlass.cute as cute  # noqa: PLC0415
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: PLC0415
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: PLC0415

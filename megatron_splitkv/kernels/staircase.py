@@ -134,6 +134,7 @@ from ..config import _STAIRCASE_CHOICES, _STAIRCASE_ZERO_OK as _ZERO_OK, STAIRCA
     StaircaseOptions
 from .base import IntervalMask, check_call, check_cuda_head_dim, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
+from .math import MathAttentionKernel
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "StaircaseOptions",
            "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys", "option_from_text"]
@@ -1031,8 +1032,6 @@ class StaircaseAttentionKernel:
     def _fixup(self, q, k, v, mask, scale, dout, lse, delta, plan, bad, fold, dq, dk, dv):
         """Dense part of the (row, head) entries whose O' was not representable: the math kernel's
         backward over [lo, m_g) of their blocks, with dO and delta zeroed on every other entry."""
-        from .math import MathAttentionKernel  # noqa: PLC0415
-
         tq, hq, _ = q.shape
         bsz = mask.block_size
         self.counts["fixup"] += 1

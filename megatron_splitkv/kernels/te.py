@@ -67,6 +67,7 @@ from ..lse import merge
 from .base import IntervalMask, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 from .flex import bucket_length
+from .math import MathAttentionKernel
 
 __all__ = ["TEAttentionKernel", "TESegments", "te_plan", "load_fused_attn"]
 
@@ -325,8 +326,6 @@ class TEAttentionKernel:
         # delta not expressible as rowsum(dO * O'): dO = 0 (or |dO|^2 subnormal, the ratio then inexact
         # or overflowing) with delta != 0, or O' overflowing q's dtype (one host sync)
         if bool(bad.any()):
-            from .math import MathAttentionKernel  # noqa: PLC0415
-
             dq, dk, dv = MathAttentionKernel().backward(q, k, v, mask, scale, dout, lse, delta, None)
             return dq.to(acc), dk.to(acc), dv.to(acc)
         lse_p = prm(lse.to(acc))

@@ -57,9 +57,13 @@ import importlib.util
 import re
 from typing import Optional
 
+import torch
+
 from .._ints import _shown, as_int, int_arg, parse_int
 from ..config import CHUNK_AXES, SplitKVConfig
+from ..kernels import fa4 as fa4_kernel  # `fa4_available` finds flash_attn.cute without importing CuTe DSL
 from ..layer_types import LAYER_TYPES, MAX_WINDOW, layer_attention_kinds, layer_windows
+from ..planning import CostModel
 
 __all__ = [
     "CP_IMPLS",
@@ -410,8 +414,6 @@ def data_workers_from_args(args) -> int:
     MAX_DATA_WORKERS (32)."""
     value = getattr(args, "dflash_data_workers", None)
     if value is None:
-        import torch
-
         return 1 if torch.cuda.is_available() else 0
     value = _as_int(value, "--dflash-data-workers")
     if value < 0:
@@ -514,8 +516,6 @@ def planner_cost_model_from_args(args):
     windows = layer_windows(layer_attention_from_args(args))
     if windows is None:
         return None
-    from ..planning import CostModel
-
     return CostModel(layer_windows=windows)
 
 
@@ -578,9 +578,7 @@ def _te_available() -> bool:
 
 
 def _fa4_available() -> bool:
-    from ..kernels.fa4 import fa4_available  # noqa: PLC0415 - finds flash_attn.cute, imports no CuTe DSL
-
-    return fa4_available()
+    return fa4_kernel.fa4_available()
 
 
 #: the launcher's processes per node, in the order they are read by `auto_cp_ranks_per_node`: torchrun / torch

@@ -20,7 +20,13 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from ..data.pipeline import MetadataSpec, PrefetchedBatches
+from ..data.sharding import shard_batch
+from ..planning import plan_context_parallel
+from .arguments import check_attention_heads, data_prefetch_from_args, data_workers_from_args, \
+    planner_cost_model_from_args
 from .attention import DFlashPackedSeqParams
 
 __all__ = ["get_batch_on_this_cp_rank_splitkv", "planner_kwargs_from_args", "prefetch_planned_batches",
@@ -48,10 +54,6 @@ def splitkv_metadata_spec(config, *, tp_size: Optional[int] = None, kernel_backe
             the step without a collective (`DFlashPackedSeqParams.op_metadata`, `with_attention_type`).
     Raises SplitKVArgumentError (`arguments.check_attention_heads`) when the heads do not split over TP.
     """
-    from megatron_splitkv.data.pipeline import MetadataSpec
-
-    from .arguments import check_attention_heads
-
     tp = int(tp_size if tp_size is not None else getattr(config, "tensor_model_parallel_size", 1) or 1)
     heads = int(config.num_attention_heads)
     groups = int(config.num_query_groups or heads)
@@ -69,7 +71,6 @@ def planner_kwargs_from_args(args) -> dict:
     """`chunk_size`, `strategy`, `block_size`, `cost_model` for `get_batch_on_this_cp_rank_splitkv` from parsed
     Megatron args (`--cp-chunk-size`, `--cp-balance`, `--dflash-block-size`; the cost model's layer windows
     from `--dflash-layer-types` / `--dflash-sliding-window`, None = the default cost: `planner_cost_model_from_args`)."""
-    from .arguments import planner_cost_model_from_args
 
     return {
         "chunk_size": getattr(args, "cp_chunk_size", None),
@@ -80,8 +81,6 @@ def planner_kwargs_from_args(args) -> dict:
 
 
 def _cp_rank_size(cp_group, pg_collection):
-    import torch.distributed as dist
-
     if cp_group is None and pg_collection is not None:
         cp_group = getattr(pg_collection, "cp", None)
     if cp_group is None:
@@ -135,9 +134,6 @@ def get_batch_on_this_cp_rank_splitkv(
     Raises ValueError from the planner/sharder for inconsistent inputs, and when `plan.cp_size`
     differs from the CP group size.
     """
-    from megatron_splitkv.data.sharding import shard_batch
-    from megatron_splitkv.planning import plan_context_parallel
-
     if cp_rank is None or cp_size is None:
         r, p = _cp_rank_size(cp_group, pg_collection)
         cp_rank = r if cp_rank is None else cp_rank
@@ -187,10 +183,6 @@ def prefetch_planned_batches(batches, args, *, mask_token_id: int, gamma: Option
     Returns `megatron_splitkv.data.pipeline.PrefetchedBatches` (0 workers: synchronous, in the step).
     Raises SplitKVArgumentError naming `--dflash-data-workers` / `--dflash-data-prefetch` for bad values.
     """
-    from megatron_splitkv.data.pipeline import PrefetchedBatches
-
-    from .arguments import data_prefetch_from_args, data_workers_from_args
-
     if cp_rank is None or cp_size is None:
         r, p = _cp_rank_size(cp_group, pg_collection)
         cp_rank = r if cp_rank is None else cp_rank

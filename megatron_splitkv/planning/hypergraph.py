@@ -77,7 +77,7 @@ _config_path = None
 
 def _kahypar():
     try:
-        import kahypar  # noqa: F401
+        import kahypar  # noqa: F401, PLC0415 - optional: kahypar
     except ImportError as exc:
         raise ImportError(
             "strategy='hypergraph' needs the optional extra 'hypergraph' (the kahypar package): "

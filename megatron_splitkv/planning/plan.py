@@ -14,6 +14,7 @@ import numpy as np
 from .._ints import as_int
 
 from .cost import CostModel, _pair_counts_inplace, chunk_window_pair_counts
+from .hypergraph import hypergraph_assign
 
 STRATEGIES = ("lpt", "contiguous", "zigzag", "hypergraph")
 MIN_CHUNK = 64
@@ -640,8 +641,6 @@ def plan_context_parallel(seq_lens, anchors, *, block_size, cp_size, chunk_size=
                                                   block_size)
             anchors_flat = None  # consumed
             if strategy == "hypergraph":
-                from .hypergraph import hypergraph_assign
-
                 rank = hypergraph_assign(costs, seq, start, anc, cp_size, epsilon=hypergraph_epsilon,
                                          seed=hypergraph_seed)
                 order = np.arange(seq.shape[0], dtype=np.int64)

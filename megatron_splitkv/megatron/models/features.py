@@ -22,6 +22,11 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+
+from ...data.sharegpt import TokenizedCorpus
+from ...data.sharding import shard_batch
+from ...planning import plan_context_parallel
 
 __all__ = ["FeatureStore", "FeatureWriter", "write_features"]
 
@@ -122,8 +127,6 @@ class FeatureStore:
         """The stored conversations as a `megatron_splitkv.data.sharegpt.TokenizedCorpus`, so that
         `ShareGPTLoader(corpus=store.corpus())` packs them; `PackedBatch.source` then holds indices
         into this store."""
-        from megatron_splitkv.data.sharegpt import TokenizedCorpus
-
         return TokenizedCorpus(self.tokens, self.loss_mask, self.offsets)
 
     def rows(self, source, kv_seq, kv_pos, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -171,11 +174,6 @@ def write_features(provider, conversations, path: str, *, cp_group=None, dtype=t
         dtype: stored dtype. meta: extra meta.json fields. progress: optional callable(i, n_tokens).
     Returns: `path` on CP rank 0, None elsewhere.
     """
-    import torch.distributed as dist
-
-    from megatron_splitkv.data.sharding import shard_batch
-    from megatron_splitkv.planning import plan_context_parallel
-
     P = dist.get_world_size(cp_group) if cp_group is not None else 1
     rank = dist.get_rank(cp_group) if cp_group is not None else 0
     dev = next(provider.parameters()).device

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -33,6 +34,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer
 
+from ...ops import allgather_kv_attention
 from ..attention import DFlashPackedSeqParams
 from ..check_groups import cp_check_group
 from ..layers import apply_rope
@@ -156,8 +158,6 @@ class CausalCPCoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **unused):
-        from megatron_splitkv import allgather_kv_attention
-
         if attention_bias is not None:
             raise NotImplementedError("CausalCPCoreAttention does not support attention_bias")
         p = packed_seq_params
@@ -285,8 +285,6 @@ def load_target_weights(model: GPTModel, path: str) -> None:
     Status: the file path is covered by the CPU tests; the torch_dist path needs a real checkpoint and
     has not been run here.
     """
-    import os
-
     if os.path.isfile(path):
         sd = torch.load(path, map_location="cpu", weights_only=False)
         sd = sd.get("model", sd)
