@@ -36,6 +36,7 @@ from .base import IntervalMask, half_precision_cuda_index
 from . import fa4  # module reference: `fa4.fa4_runs_on` is looked up per call
 from .flex import FlexAttentionKernel
 from .math import MathAttentionKernel
+from .staircase import StaircaseAttentionKernel, set_inner_resolver
 from .te import TEAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
@@ -54,9 +55,6 @@ def _load(backend: str):
     if backend == "te":
         return TEAttentionKernel
     if backend == "staircase":
-        # cycle: staircase's remainder kernel comes from this registry (`StaircaseAttentionKernel.inner_kernel`)
-        from .staircase import StaircaseAttentionKernel  # noqa: PLC0415
-
         return StaircaseAttentionKernel
     if backend == "fa4":
         return fa4.FA4AttentionKernel
@@ -272,3 +270,7 @@ def warn_ignored_options(kernel, backend: str, device, dtype, head_dim, config: 
             f"{torch.device(device).type if device is not None else 'cpu'}), which does not read "
             f"{type(options).__name__}: ignored ({type(options).__name__} applies to {readers} only); "
             f"the {name} kernel runs with its own settings", UserWarning, stacklevel=3)
+
+
+# the staircase kernel's remainder kernels come from this registry (`get_kernel` looked up per call)
+set_inner_resolver(lambda *args, **kwargs: get_kernel(*args, **kwargs))
