@@ -36,7 +36,8 @@ from .base import IntervalMask, half_precision_cuda_index
 from . import fa4  # module reference: `fa4.fa4_runs_on` is looked up per call
 from .flex import FlexAttentionKernel
 from .math import MathAttentionKernel
-from .staircase import StaircaseAttentionKernel, set_inner_resolver
+from . import staircase
+from .staircase import StaircaseAttentionKernel
 from .te import TEAttentionKernel
 
 __all__ = ["IntervalMask", "MathAttentionKernel", "get_kernel", "BACKENDS", "resolve_auto_backend",
@@ -273,4 +274,4 @@ def warn_ignored_options(kernel, backend: str, device, dtype, head_dim, config: 
 
 
 # the staircase kernel's remainder kernels come from this registry (`get_kernel` looked up per call)
-set_inner_resolver(lambda *args, **kwargs: get_kernel(*args, **kwargs))
+staircase.resolve_inner = lambda *args, **kwargs: get_kernel(*args, **kwargs)

@@ -136,15 +136,10 @@ from .base import IntervalMask, check_call, check_cuda_head_dim, mask_cache
 from .dense import acc_dtype, fold_heads, out_for_delta, unfold_heads
 from .math import MathAttentionKernel
 
-#: the kernel registry's lookup (`kernels.get_kernel`), set by `set_inner_resolver` when `kernels` loads; the
-#: registry builds this kernel, so this module cannot import it
-_RESOLVER: list = [None]
-
-
-def set_inner_resolver(resolve) -> None:
-    """Install `resolve(backend, device, dtype, head_dim=, config=)` (the registry's `get_kernel`) as the lookup
-    of the remainder kernels named by `inner`. Called once by `megatron_splitkv.kernels`."""
-    _RESOLVER[0] = resolve
+#: the kernel registry's lookup `resolve(backend, device, dtype, head_dim=, config=)` of the remainder kernels named
+#: by `inner`, set by `megatron_splitkv.kernels` when it loads (the registry builds this kernel, so this module
+#: cannot import it)
+resolve_inner = None
 
 __all__ = ["StaircaseAttentionKernel", "StaircasePlan", "staircase_plan", "DenseOps", "probe_kv_views", "StaircaseOptions",
            "DenseShape", "dense_call_shapes", "key_bucket_lengths", "split_keys", "option_from_text"]
@@ -744,10 +739,10 @@ class StaircaseAttentionKernel:
 
     def inner_kernel(self, device, dtype, head_dim):
         """The remainder kernel: `inner` itself when it is a kernel instance, else the registry's kernel of that
-        backend name (`kernels.get_kernel`, installed by `set_inner_resolver` when the registry loads)."""
+        backend name (`kernels.get_kernel`, set as `resolve_inner` when the registry loads)."""
         if not isinstance(self.inner, str):
             return self.inner
-        return _RESOLVER[0](self.inner, device, dtype, head_dim=head_dim, config=self.config)
+        return resolve_inner(self.inner, device, dtype, head_dim=head_dim, config=self.config)
 
     def _dense_ops(self, device) -> DenseOps:
         key = (device.type, device.index)

@@ -590,7 +590,7 @@ _PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 def launcher_env_from(environ) -> dict:
     """The launcher's processes-per-node variables of `environ` (a mapping: the entry script passes its
-    os.environ), {name: text} for the names of `LOCAL_SIZE_ENVS` it holds: the `launcher_env` argument of
+    process environment), {name: text} for the names of `LOCAL_SIZE_ENVS` it holds: the `launcher_env` argument of
     `validate_splitkv_args`. The library itself reads no environment variable."""
     return {name: environ[name] for name in LOCAL_SIZE_ENVS if name in environ}
 
@@ -743,7 +743,7 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None, launcher_env=Non
     written to the process environment, and calling it again on any namespace gives what it gets alone.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine).
     `launcher_env`: the launcher's processes-per-node variables ({name: text} for the names in
-    `LOCAL_SIZE_ENVS`, as `launcher_env_from` picks them from a mapping such as the entry script's os.environ);
+    `LOCAL_SIZE_ENVS`, as `launcher_env_from` picks them from a mapping such as the entry script's process environment);
     None or {}: no launcher size, so no automatic two-level all-to-all or pipeline."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
