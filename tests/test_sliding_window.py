@@ -2,7 +2,9 @@
 (`dflash.model._attention_mask`, the inference code's own mask), the three CP ops' out, lse and all five
 gradients against the float64 reference at CP 1, 2, 3, 4, 8 (gloo, CPU; math, flex and the fa4 wrapper on an
 emulated FA4; plain and metadata= calls, host-built metadata from the plan, metadata derived per layer type),
-the per-rank key intervals against the dense mask (a window narrows the blocks each rank computes), and bad
+edge windows (W = 1, = the block size, beyond every sequence, with a rank holding neither blocks nor keys,
+every block on one rank, NaN / inf where no query looks, anchors at 0; CP 1-3), the per-rank key intervals
+against the dense mask (a window narrows the blocks each rank computes), and bad
 windows (ValueError naming window, on every rank)."""
 
 import random
@@ -95,6 +97,28 @@ def test_full_layer_is_todays_mask():
                        dflash_attention_mask(*args, block_size=4, window=None, causal=False))
 
 
+def _edge_cases(P, seed):
+    """Edge windows for CP size P (run at CP 1-3) (B = 4, sequences 13, 7, 20 tokens: 40 context keys)."""
+    tk = 40
+    empty_last = [tk // (P - 1) + (r < tk % (P - 1)) for r in range(P - 1)] + [0] if P > 1 else [tk]
+    blocks_empty_last = [2] * (P - 1) + [0] if P > 1 else [2]  # the last rank: no block and no key
+    one_rank = [3 * P] + [0] * (P - 1)  # every query block on rank 0
+    cases = []
+    for causal in (True, False):
+        cases += [
+            case(seed, P, window=1, causal=causal, ctx=empty_last, blocks=blocks_empty_last),
+            case(seed + 1, P, window=1, causal=causal, blocks=one_rank, backend="flex", metadata=True),
+            case(seed + 2, P, window=4, causal=causal, ctx=empty_last, blocks=blocks_empty_last, metadata=True),
+            case(seed + 3, P, window=4, causal=causal, anchors=[0] * (2 * P), p_invalid=0.0),
+            case(seed + 4, P, window=21, causal=causal, blocks=one_rank, ctx=empty_last, backend="flex"),
+            case(seed + 5, P, window=1 << 40, causal=causal, ctx=empty_last, blocks=blocks_empty_last,
+                 metadata=True),
+            case(seed + 6, P, window=1, causal=causal, poison=True, dtype="float32"),
+        ]
+        seed += 10
+    return cases
+
+
 def _cases(P, seed):
     """Windowed / causal layouts for CP size P: W below the block (B = 4), below a chunk (the context per
     rank), equal to it and beyond every sequence; anchors closer to the start than W; uneven and empty shards
@@ -115,7 +139,7 @@ def _cases(P, seed):
         case(seed + 4, P, window=6, causal=True, dtype="float32", backend="flex", metadata=True),
         case(seed + 5, P, window=5, causal=False, dtype="bfloat16", D=16, seq_lens=[50, 30], blocks=[3] * P),
         case(seed + 6, P, window=None, causal=True, blocks=blocks_uneven),
-    ]
+    ] + (_edge_cases(P, seed + 50) if P <= 3 else [])
 
 
 def test_ops_single_process():
