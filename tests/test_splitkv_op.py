@@ -94,7 +94,7 @@ def test_splitkv_cp(splitkv_run, P):
 
 def test_merge_of_empty_partials_is_zero_not_nan():
     """C2 at the helper level: merging states whose lse are all -inf gives O = 0, lse = -inf."""
-    from megatron_splitkv.ops.common import finalize, lse_weights, merge
+    from megatron_splitkv.lse import finalize, lse_weights, merge
 
     ninf = float("-inf")
     o1, o2 = torch.zeros(3, 2, 4), torch.randn(3, 2, 4)

@@ -728,7 +728,7 @@ def kernel_compare(dev, cpu, res, args, flush):
     CUDA context (rows say so; the later ones are skipped) cannot take the earlier kernels' rows with it.
     Inputs are seeded per Tk: every kernel sees the same tensors; float64 references are kept per Tk."""
     from tools import benchlib as mb
-    from megatron_splitkv.ops.common import merge
+    from megatron_splitkv.lse import merge
 
     try:  # the op's separate own-block pass (trees before the fused own block)
         from megatron_splitkv.ops.common import own_block_backward, own_block_forward

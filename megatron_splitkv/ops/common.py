@@ -24,7 +24,7 @@ import torch
 
 from ..config import FUSED_BWD_GATHER_MIN_P
 from ..kernels.base import IntervalMask
-from ..lse import finalize, lse_weights, merge  # noqa: F401 - the lse merge, re-exported for the ops
+from ..lse import finalize, lse_weights
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _INT32 = 1 << 31  # sequence ids and positions must lie in [-2**31, 2**31)

@@ -23,7 +23,8 @@ import warnings
 import torch
 
 from .._triton import lazy_triton_kernel
-from .common import finalize, lse_weights, unpack_partial
+from ..lse import finalize, lse_weights
+from .common import unpack_partial
 
 _TRITON_FAILED = False  # set when the kernel failed to compile / launch: the torch path from then on
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import RingExchange
+from ..lse import merge
 from .common import (
     baseline_backward_inputs,
     cast,
     intervals,
     kernel_backward,
     kernel_forward,
-    merge,
     save_baseline_forward,
     split_own_grad,
     unsort,
