@@ -21,7 +21,7 @@ TINY = ["--limit", "4", "--max-tokens", "640", "--hidden", "32", "--target-layer
 
 def test_demo_round_trip_tiny(tmp_path, capsys):
     out = str(tmp_path / "demo")
-    assert train_demo.main(TINY + ["--out-dir", out]) in (0, 1)  # 1: two steps need not lower the loss
+    assert train_demo.main(TINY + ["--out-dir", out]) == 0  # two steps: the loss trend is printed, not judged
     text = capsys.readouterr().out
     assert "made in" in text and "held-out tau (B = 16): untrained drafter" in text
     assert "regenerated responses" in text and os.path.isfile(os.path.join(out, "regenerated.npz"))
