@@ -51,6 +51,7 @@ import argparse
 import os
 import re
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository: its package, tools
@@ -659,6 +660,10 @@ def _train(rank, world, args):
                   flush=True)
         elif loaded_from is not None:
             print(f"resumed from {loaded_from}: step {step}, epoch {epoch}, batch {start}", flush=True)
+        # one bar in one process: a thread lock. tqdm's default lock adds a multiprocessing RLock, a named semaphore
+        # registered with the resource tracker that this rank's os._exit (exit_process) never releases: the
+        # tracker's "leaked semaphore objects" warning at the end of the run
+        tqdm.set_lock(threading.RLock())
         # the bar only on a terminal; the per-step lines alone when the output goes to a file or CI log
         pbar = tqdm(total=args.steps, initial=min(step, args.steps), desc="train", unit="step", file=sys.stdout,
                     dynamic_ncols=True, disable=not sys.stdout.isatty())
