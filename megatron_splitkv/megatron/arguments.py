@@ -611,7 +611,7 @@ def check_world_size(tp: int, pp: int, cp: int, launcher_env=None) -> None:
     if not raw:
         return
     world = parse_int(raw, f"the launcher's {WORLD_SIZE_ENV}", minimum=1, error=SplitKVArgumentError)
-    if world % (tp * pp) == 0 and (world // (tp * pp)) % cp == 0:
+    if world % (tp * pp * cp) == 0:  # cp divides world / (tp x pp)
         return
     raise SplitKVArgumentError(
         f"--context-parallel-size ({cp}) must divide the launcher's {WORLD_SIZE_ENV} ({world}) / "
