@@ -64,7 +64,7 @@ CASES += [("staircase_shapes.py", _STAIRCASE_BASE + [flag, value], flag)
                               ("--key-bins", "x")]]
 # tools without an --out flag (the harness passes its own --out to the others, so that a bad flag accepted
 # writes nowhere in the tree)
-_NO_OUT = {"profile_op.py", "prepare_cost.py", "memory_breakdown.py"}
+_NO_OUT = {"profile_op.py", "prepare_cost.py", "memory_breakdown.py", "agreement_cost.py", "pipeline_cost.py"}
 CASES += [
     ("profile_op.py", ["--variants", "1,x"], "--variants"),
     ("profile_op.py", ["--variants", "0,2"], "--variants"),
@@ -88,6 +88,31 @@ CASES += [
     ("simulate_scaling.py", ["--model-only", "--cps", "2,4,2"], "--cps"),
     ("simulate_scaling.py", ["--model-only", "--bwd-gather", "auto,auto"], "--bwd-gather"),
     ("chunk_cost.py", ["--cpu", "--backends", "math,math"], "--backends"),
+]
+# comma-list flags once parsed with int() / split(","): "+1" and "1_0" were taken as 1 and 10, a repeat ran the
+# same row twice, "x" was a traceback in some; now benchlib.int_list_arg / choices_arg at parse time
+CASES += [
+    ("agreement_cost.py", ["--cp", "2,2"], "--cp"),
+    ("agreement_cost.py", ["--cp", "+2"], "--cp"),
+    ("bench_layer_overlap.py", ["--contexts", "1_0"], "--contexts"),
+    ("bench_layer_overlap.py", ["--contexts", "512,512"], "--contexts"),
+    ("calibrate_cost.py", ["--ctx-lens", "4096,4096"], "--ctx-lens"),
+    ("calibrate_cost.py", ["--ctx-lens", "x"], "--ctx-lens"),
+    ("calibrate_cost.py", ["--anchor-counts", "+128"], "--anchor-counts"),
+    ("calibrate_cost.py", ["--token-counts", "4096"], "--token-counts"),  # one point: no slope to fit
+    ("gpu_check.py", ["compare", "--cpu", "--contexts", "256,256"], "--contexts"),
+    ("gpu_check.py", ["compare", "--cpu", "--contexts", "256,x"], "--contexts"),
+    ("gpu_check.py", ["kernel", "--cpu", "--contexts", "8"], "--contexts"),  # fewer keys than the 16 anchors
+    ("gpu_check.py", ["compare", "--cpu", "--kernels", "flex,bogus"], "--kernels"),
+    ("gpu_check.py", ["compare", "--cpu", "--kernels", "flex,flex"], "--kernels"),
+    ("gpu_check.py", ["dist", "--cpu", "--skip", "op,op"], "--skip"),
+    ("gpu_check.py", ["kernel", "--cpu", "--skip", "exact,nope"], "--skip"),
+    ("memory_breakdown.py", ["--cp-sweep", "2,2"], "--cp-sweep"),
+    ("memory_breakdown.py", ["--cp-sweep", "1_0"], "--cp-sweep"),
+    ("memory_breakdown.py", ["--cp-sweep", "2", "--methods", "splitkv,splitkv"], "--methods"),
+    ("pipeline_cost.py", ["--cp-sizes", "1,1"], "--cp-sizes"),
+    ("pipeline_cost.py", ["--cp-sizes", "1", "--contexts", "+16384"], "--contexts"),
+    ("pipeline_cost.py", ["--cp-sizes", "1", "--contexts", "16384,x"], "--contexts"),
 ]
 # the GPU-only tools without a CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1, one line
 GPU_ONLY = ["profile_kernel.py", "probe_dense_backends.py", "profile_op.py"]

@@ -63,20 +63,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_splitkv._ints import int_arg  # noqa: E402
 from megatron_splitkv.ops import allgather_kv_attention, prepare_splitkv_metadata, ring_kv_attention, splitkv_attention  # noqa: E402,E501
+from tools import benchlib as bench  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPS = {"splitkv": splitkv_attention, "allgather_kv": allgather_kv_attention, "ring_kv": ring_kv_attention}
 B = 16
-
-
-def _cp_list(text):
-    try:
-        sizes = [int(t) for t in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--cp must be comma-separated ints >= 1, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--cp must be comma-separated ints >= 1, got {text!r}")
-    return sizes
 
 
 def _inputs(rank, args, dev):
@@ -192,7 +183,7 @@ def _worker(rank, world, store, args, out):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cp", type=_cp_list, default=[2, 4], help="CP sizes, comma-separated (default 2,4)")
+    p.add_argument("--cp", default="2,4", help="CP sizes, comma-separated, each once (default 2,4)")
     p.add_argument("--impl", choices=sorted(OPS), default="splitkv")
     p.add_argument("--reps", type=int_arg(1), default=40, help="repeats per arm (default 40)")
     p.add_argument("--calls", type=int_arg(1), default=20, help="op calls per repeat (default 20)")
@@ -211,6 +202,7 @@ def main(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", help="write the medians to this file")
     args = p.parse_args(argv)
+    args.cp = bench.int_list_arg(p, "--cp", args.cp, 1)
     if args.emulate and args.cp != [1]:
         p.error("--emulate needs --cp 1 (with P > 1 the check itself runs)")
     if args.device == "cuda" and max(args.cp) > torch.cuda.device_count():

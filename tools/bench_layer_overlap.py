@@ -137,7 +137,8 @@ def main(argv=None):
     from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="16384,32768,131072")
+    ap.add_argument("--contexts", default="16384,32768,131072",
+                    help="total context tokens per row, comma-separated, each once and >= 2")
     bench.add_attention_shape_args(ap)
     ap.add_argument("--hidden", type=int_arg(1), default=4096)
     ap.add_argument("--reps", type=int_arg(1), default=10)
@@ -147,7 +148,7 @@ def main(argv=None):
     ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "bench"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU, gloo")
     args = ap.parse_args(argv)
-    contexts = [int(c) for c in args.contexts.split(",") if c]
+    contexts = bench.int_list_arg(ap, "--contexts", args.contexts, 2)
     if args.cpu_smoke:
         args.hidden, args.hq, args.hkv, args.d, args.anchors, args.block_size, args.reps = 64, 4, 2, 16, 8, 4, 2
         args.backend = "math"

@@ -96,6 +96,7 @@ def time_linear(args, dtype, tokens):
 
 def main(argv=None):
     from megatron_splitkv._ints import int_arg  # strict decimal numbers within their limits
+    from tools import benchlib as bench
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int_arg(1), default=4096)
@@ -106,13 +107,24 @@ def main(argv=None):
     ap.add_argument("--taps", type=int_arg(1), default=5, help="target layers concatenated into fc")
     ap.add_argument("--block", type=int_arg(1), default=16)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--ctx-lens", default="4096,16384,65536")
-    ap.add_argument("--anchor-counts", default="128,512")
-    ap.add_argument("--token-counts", default="4096,16384,65536")
+    ap.add_argument("--ctx-lens", default="4096,16384,65536",
+                    help="context lengths of the attention fit, comma-separated, each once and >= 2")
+    ap.add_argument("--anchor-counts", default="128,512",
+                    help="anchors per context of the attention fit, comma-separated, each once and >= 1")
+    ap.add_argument("--token-counts", default="4096,16384,65536",
+                    help="tokens of the linear-layer fit, comma-separated, each once and >= 1 (two at least)")
     ap.add_argument("--warmup", type=int_arg(0), default=3)
     ap.add_argument("--iters", type=int_arg(1), default=10)
     ap.add_argument("--out", default="cost_calibration.json")
     args = ap.parse_args(argv)
+    ctx_lens = bench.int_list_arg(ap, "--ctx-lens", args.ctx_lens, 2)
+    anchor_counts = bench.int_list_arg(ap, "--anchor-counts", args.anchor_counts, 1)
+    token_counts = bench.int_list_arg(ap, "--token-counts", args.token_counts, 1)
+    if len(token_counts) < 2:
+        ap.error(f"--token-counts needs two values at least (the fit of a slope), got {args.token_counts!r}")
+    if len(ctx_lens) * len(anchor_counts) < 2:
+        ap.error(f"--ctx-lens x --anchor-counts needs two pairs at least (the fit of a slope), got "
+                 f"{args.ctx_lens!r} x {args.anchor_counts!r}")
     if not torch.cuda.is_available():
         sys.exit("calibrate_cost.py needs a CUDA GPU")
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -121,8 +133,8 @@ def main(argv=None):
     flex = torch.compile(flex_attention, dynamic=False)
 
     attn = []
-    for lk in [int(x) for x in args.ctx_lens.split(",")]:
-        for na in [int(x) for x in args.anchor_counts.split(",")]:
+    for lk in ctx_lens:
+        for na in anchor_counts:
             pairs, t = time_attention(args, dtype, lk, min(na, lk - 1), flex, create_block_mask)
             attn.append(dict(ctx_len=lk, anchors=na, pairs=pairs, ns=t))
             print(f"attention Lk={lk:6d} anchors={na:4d}: {pairs:.3e} pairs, {t / 1e6:8.3f} ms fwd+bwd per layer, "
@@ -130,7 +142,7 @@ def main(argv=None):
     a_slope, a_icpt = fit_slope([r["pairs"] for r in attn], [r["ns"] for r in attn])
 
     lin = []
-    for T in [int(x) for x in args.token_counts.split(",")]:
+    for T in token_counts:
         fc_ns, kv_ns = time_linear(args, dtype, T)
         lin.append(dict(tokens=T, fc_ns=fc_ns, kv_ns=kv_ns, total_ns=fc_ns + args.layers * kv_ns))
         print(f"linear T={T:6d}: fc {fc_ns / 1e6:.3f} ms, k/v proj {kv_ns / 1e6:.3f} ms per layer", flush=True)

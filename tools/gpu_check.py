@@ -743,11 +743,11 @@ def kernel_compare(dev, cpu, res, args, flush):
     else:
         n_anchors, Hq, Hkv, D, tks, reps, warm = 512, 32, 8, 128, (16384, 65536), 10, 2
     if args.contexts:
-        tks = tuple(int(x) for x in args.contexts.split(","))
+        tks = tuple(args.contexts)
     dt = torch.bfloat16
     scale = D ** -0.5
     Tq = n_anchors * B
-    names = [n.strip() for n in args.kernels.split(",") if n.strip()]
+    names = args.kernels
     kernels = [(n,) + _load_kernel(n, dev, dt, D, te_emulator=args.te_emulator) for n in names]
     for n, kern, why in kernels:
         log(f"[compare] kernel {n}: " + ("loaded " + type(kern).__name__ if kern is not None else f"unavailable ({why})"))
@@ -1356,15 +1356,35 @@ def _op_config(args):
         raise SystemExit(f"gpu_check.py: error: {exc}") from None
 
 
+SKIPPABLE = ("exact", "compile", "tput", "stair", "op")
+
+
+def check_args(ap, args):
+    """The comma-list flags parsed in place (`ap.error`, exit 2, naming the flag, for a bad or repeated value):
+    args.skip -> list of SKIPPABLE sections ([] for ''), args.kernels -> list of `kernels.BACKENDS` names,
+    args.contexts -> list of ints, each at least the anchors per context of the mode (compare: 512, --cpu 8;
+    kernel / dist op rows: 512, --cpu 16; `kernel_compare`, `op_timing`) ([] for '': the mode's default)."""
+    from tools import benchlib as mb
+    from megatron_splitkv.kernels import BACKENDS
+
+    args.skip = mb.choices_arg(ap, "--skip", args.skip, SKIPPABLE, "section") if args.skip else []
+    args.kernels = mb.choices_arg(ap, "--kernels", args.kernels, BACKENDS, "kernel backend")
+    anchors = 512 if not args.cpu else 8 if args.mode == "compare" else 16
+    args.contexts = mb.int_list_arg(ap, "--contexts", args.contexts, anchors) if args.contexts else []
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["kernel", "dist", "compare"])
     ap.add_argument("--cpu", action="store_true", help="tiny CPU dry run (flex emulated, gloo)")
     ap.add_argument("--out", type=output_dir, default=os.environ.get("OUT") or os.path.join(ROOT, "out", "gpu_check"))
     ap.add_argument("--backend", default="flex", help="local kernel backend for the ops")
-    ap.add_argument("--skip", default="", help="comma list of: exact,compile,tput,stair,op (kernel mode)")
-    ap.add_argument("--contexts", default="", help="dist timing context sizes, e.g. 32768,131072 (compare: the "
-                                                   "key counts Tk, default 16384,65536)")
+    ap.add_argument("--skip", default="",
+                    help="comma list of: exact,compile,tput,stair,op (kernel mode; dist: exact,op)")
+    ap.add_argument("--contexts", default="",
+                    help="op timing context sizes (kernel, dist), e.g. 32768,131072 (compare: the key counts Tk, "
+                         "default 16384,65536); each once and at least the anchors per context: 512 (--cpu: 16, "
+                         "compare 8)")
     ap.add_argument("--kernels", default="fa4,flex,te,staircase", help="compare: local kernel backends to compare")
     ap.add_argument("--staircase-sweep", default=DEFAULT_STAIR_SWEEP,
                     help="compare: staircase option variants, ';'-separated, each a ','-separated list of "
@@ -1378,7 +1398,8 @@ def main(argv=None):
     ap.add_argument("--te-emulator", action="store_true",
                     help="compare: run backend 'te' on the CPU emulator of TE's fused attention (tests only)")
     args = ap.parse_args(argv)
-    skip = set(filter(None, args.skip.split(",")))
+    check_args(ap, args)
+    skip = set(args.skip)
     os.makedirs(args.out, exist_ok=True)
     LOGFILE[0] = os.path.join(args.out, f"progress_{args.mode}.log")
     if args.cpu and args.backend == "flex" and args.mode == "dist":
@@ -1429,7 +1450,7 @@ def main(argv=None):
             backend = args.backend
             try:
                 op_exactness(dev, args.cpu, 1, 0, None, res, backend)
-                op_timing(dev, args.cpu, 1, 0, None, res, backend, [int(x) for x in (args.contexts or ("1024" if args.cpu else "16384")).split(",")])
+                op_timing(dev, args.cpu, 1, 0, None, res, backend, args.contexts or ([1024] if args.cpu else [16384]))
             except Exception:  # noqa: BLE001
                 res["op_error"] = traceback.format_exc()
                 log(f"[op] ERROR\n{res['op_error']}")
@@ -1453,7 +1474,7 @@ def main(argv=None):
         res["env"]["world"] = world
         log(f"[env] {res['env']}")
         group = dist.group.WORLD
-        contexts = [int(x) for x in (args.contexts or ("1024,2048" if args.cpu else "32768,131072")).split(",")]
+        contexts = args.contexts or ([1024, 2048] if args.cpu else [32768, 131072])
         if "exact" not in skip:
             op_exactness(dev, args.cpu, world, rank, group, res, args.backend, _op_config(args))
         if "op" not in skip:

@@ -354,14 +354,11 @@ def main(argv=None):
     ap.add_argument("--class-sites", action="store_true",
                     help="also list the largest sites of each size class (context / query) at the peak")
     ap.add_argument("--cp-sweep", default=None, metavar="P1,P2,...",
-                    help="run these CP sizes one after the other at the same --context (overrides --cp) and "
-                         "tabulate the peak's context vs query parts per P")
+                    help="run these CP sizes (each once) one after the other at the same --context (overrides "
+                         "--cp) and tabulate the peak's context vs query parts per P")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    for m in args.methods:
-        if m not in ("splitkv", "allgather-kv", "ring-kv"):
-            ap.error(f"--methods: unknown method {m!r}")
+    args.methods = bench.choices_arg(ap, "--methods", args.methods, tuple(bench.METHODS), "method")
     if args.cp < 1:
         ap.error("--cp must be >= 1")
     if args.hq % args.hkv:  # the ints' ranges: int_arg (argparse's error, exit 2)
@@ -371,14 +368,8 @@ def main(argv=None):
     if args.placement not in STRATEGIES:
         ap.error(f"--placement must be one of {', '.join(STRATEGIES)}, got {args.placement!r}")
 
-    if args.cp_sweep:
-        try:
-            cps = [int(c) for c in args.cp_sweep.split(",") if c.strip()]
-        except ValueError:
-            ap.error(f"--cp-sweep: expected a comma list of CP sizes, got {args.cp_sweep!r}")
-        if not cps or min(cps) < 1:
-            ap.error("--cp-sweep: CP sizes must be >= 1")
-        return _sweep(args, cps)
+    if args.cp_sweep is not None:
+        return _sweep(args, bench.int_list_arg(ap, "--cp-sweep", args.cp_sweep, 1))
     summary = _report(args, args.cp, _spawn(args, args.cp))
     if args.json:
         with open(args.json, "w") as f:

@@ -204,10 +204,12 @@ COLS = ["context", "P", "rank", "worker ms", "tensors", "segments", "pickled KiB
 
 def main(argv=None):
     from megatron_splitkv._ints import float_arg, int_arg  # finite reals only: float() takes "nan" / "inf"
+    from tools import benchlib as bench
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="16384,32768,131072")
-    ap.add_argument("--cp-sizes", default="1,2")
+    ap.add_argument("--contexts", default="16384,32768,131072",
+                    help="context tokens (one sequence each), comma-separated, each once and >= 2")
+    ap.add_argument("--cp-sizes", default="1,2", help="CP sizes, comma-separated, each once and >= 1")
     ap.add_argument("--cp-rank", type=int_arg(0), default=0, help="the simulated CP rank (default 0; clipped to P - 1)")
     ap.add_argument("--anchors", type=int_arg(1), default=512)
     ap.add_argument("--chunk-size", type=int_arg(1), default=2048)
@@ -225,7 +227,8 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="cProfile of next + to + bind, printed per row")
     ap.add_argument("--top", type=int_arg(1), default=20)
     args = ap.parse_args(argv)
-    sizes = [int(x) for x in args.cp_sizes.split(",")]
+    sizes = bench.int_list_arg(ap, "--cp-sizes", args.cp_sizes, 1)
+    contexts = bench.int_list_arg(ap, "--contexts", args.contexts, 2)
     if len(sizes) > 1 and os.environ.get("PIPELINE_COST_CHILD") is None:
         # one process per CP size (bind's fake group is the default group of the process)
         import subprocess
@@ -249,7 +252,7 @@ def main(argv=None):
         print("| " + " | ".join(COLS) + " |")
         print("|" + "---|" * len(COLS))
     for P in sizes:
-        for c in [int(x) for x in args.contexts.split(",")]:
+        for c in contexts:
             row = measure(c, P, min(args.cp_rank, P - 1), args)
             print("| " + " | ".join(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k]) for k in COLS)
                   + " |", flush=True)
