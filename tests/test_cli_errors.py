@@ -113,6 +113,10 @@ CASES += [
     ("pipeline_cost.py", ["--cp-sizes", "1,1"], "--cp-sizes"),
     ("pipeline_cost.py", ["--cp-sizes", "1", "--contexts", "+16384"], "--contexts"),
     ("pipeline_cost.py", ["--cp-sizes", "1", "--contexts", "16384,x"], "--contexts"),
+    ("bench_lpt.py", ["--strategies", "lpt,lpt"], "--strategies"),
+    ("profile_op.py", ["--variants", "2,2"], "--variants"),
+    ("profile_op.py", ["--variants", "+1"], "--variants"),
+    ("step_overhead.py", ["--cpu-smoke", "--arms", "fresh,fresh"], "--arms"),
 ]
 # the GPU-only tools without a CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1, one line
 GPU_ONLY = ["profile_kernel.py", "probe_dense_backends.py", "profile_op.py"]

@@ -61,6 +61,7 @@ def time_plan(batch, P, variant, repeats):
 
 def main(argv=None):
     from megatron_splitkv._ints import int_arg, output_dir  # strict decimal numbers within their limits
+    from tools.benchlib import choices_arg
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=output_dir, default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "out",
@@ -75,22 +76,18 @@ def main(argv=None):
     ap.add_argument("--cache-dir", default=None,
                     help="tokenized ShareGPT cache directory (whole corpus; default ~/.cache/megatron_splitkv)")
     args = ap.parse_args(argv)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    bad = [s for s in strategies if s not in VARIANTS]
-    if bad or not strategies:
-        ap.error(f"--strategies: unknown strategy {', '.join(map(repr, bad)) or '(empty list)'}; "
-                 f"valid strategies: {', '.join(VARIANTS)}")
+    strategies = choices_arg(ap, "--strategies", args.strategies, tuple(VARIANTS), "strategy")
     for flag in ("batches", "long_batches", "repeats", "hg_repeats"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    args.strategies = ",".join(strategies)
 
     try:
         import kahypar  # noqa: F401
     except ImportError:
         print("kahypar not installed: skipping the hypergraph strategy", file=sys.stderr)
-        args.strategies = ",".join(s for s in args.strategies.split(",") if s != "hypergraph")
-    strategies = args.strategies.split(",")
+        strategies = [s for s in strategies if s != "hypergraph"]
+        if not strategies:
+            ap.error("--strategies: hypergraph alone, and it needs kahypar (not installed)")
 
     corpus = load_sharegpt(300 if args.quick else None, cache_dir=args.cache_dir)
     loader = ShareGPTLoader(max_tokens=32768, num_anchors=512, seed=0, corpus=corpus, drop_last=True)

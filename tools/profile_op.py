@@ -90,21 +90,14 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int_arg(1), default=16384)
-    ap.add_argument("--variants", default="1,2", help="comma list of num_chunks")
+    ap.add_argument("--variants", default="1,2", help="comma list of num_chunks, each once")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--steps", type=int_arg(1), default=3, help="profiled steps per variant")
     ap.add_argument("--ab-rounds", type=int_arg(0), default=0, help="round-robin timed steps per variant (0: none)")
     ap.add_argument("--all-ranks", action="store_true", help="profile rows of every rank (default rank 0)")
     ap.add_argument("--trace", default=None, help="directory for per-rank chrome traces")
     a = ap.parse_args(argv)
-    variants = []
-    for v in a.variants.split(","):
-        try:
-            variants.append((int(v),))
-        except ValueError:
-            ap.error(f"--variants: expected a comma list of num_chunks (positive ints), got {a.variants!r}")
-    if not variants or min(min(v) for v in variants) < 1:
-        ap.error(f"--variants: num_chunks must be >= 1, got {a.variants!r}")
+    variants = [(k,) for k in bench.int_list_arg(ap, "--variants", a.variants, 1)]
     if a.context < 1 or a.steps < 1:
         ap.error("--context and --steps must be >= 1")
     if a.ab_rounds < 0:

@@ -224,13 +224,7 @@ def parse_args(argv=None):
                            ("--data-workers", "data_workers", 1), ("--data-prefetch", "data_prefetch", 1)):
         if getattr(args, name) < lo:
             ap.error(f"{flag} must be >= {lo}, got {getattr(args, name)}")
-    names = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in names if a not in ARMS]
-    if not names or bad:
-        ap.error(f"--arms: unknown or no arms {', '.join(map(repr, bad)) or repr(args.arms)}; a comma list of "
-                 f"{', '.join(ARMS)}")
-    if len(set(names)) != len(names):
-        ap.error(f"--arms: an arm is named twice in {args.arms!r}")
+    names = bench.choices_arg(ap, "--arms", args.arms, ARMS, "arm")
     args.arm_list = tuple(a for a in ARMS if a in names or a == "reused")  # in ARMS order, reused always
     if args.profile_data and "prefetched+meta" not in args.arm_list:
         ap.error("--profile-data profiles the prefetched+meta step: add prefetched+meta to --arms")
