@@ -51,6 +51,7 @@ import argparse
 import os
 import re
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository: its package, tools
@@ -60,6 +61,9 @@ from megatron_splitkv.checkpoint import (MANIFEST, TRACKER, CheckpointError, ite
 
 #: the largest --cp: the demo runs one gloo process per CP rank on the CPU
 MAX_CP = 16
+#: the fewest steps of a run from step 1 whose loss trend the exit status judges: the means of its first and last
+#: 3 steps (`_trend_window`); over fewer steps the per-batch noise of the loss decides the sign
+MIN_JUDGED_STEPS = 10
 
 
 def parse_args(argv=None):
@@ -656,6 +660,10 @@ def _train(rank, world, args):
                   flush=True)
         elif loaded_from is not None:
             print(f"resumed from {loaded_from}: step {step}, epoch {epoch}, batch {start}", flush=True)
+        # one bar in one process: a thread lock. tqdm's default lock adds a multiprocessing RLock, a named semaphore
+        # registered with the resource tracker that this rank's os._exit (exit_process) never releases: the
+        # tracker's "leaked semaphore objects" warning at the end of the run
+        tqdm.set_lock(threading.RLock())
         # the bar only on a terminal; the per-step lines alone when the output goes to a file or CI log
         pbar = tqdm(total=args.steps, initial=min(step, args.steps), desc="train", unit="step", file=sys.stdout,
                     dynamic_ncols=True, disable=not sys.stdout.isatty())
@@ -742,21 +750,41 @@ def _train(rank, world, args):
     return hist
 
 
+def _trend_window(n: int) -> int:
+    """The number k of first and of last steps whose mean losses the summary compares over a run of `n` steps:
+    n // 3, at least 1 and at most 5."""
+    return max(1, min(5, n // 3))
+
+
+def _not_judged_why(n: int, resumed: bool):
+    """Why the loss trend of a run of `n` steps is not judged by the exit status, or None when it is: a resumed
+    run (--load) continues a curve for a few steps where the noise of the per-batch loss decides the sign (the
+    README's resume command runs steps 21-30), and a run from step 1 of fewer than `MIN_JUDGED_STEPS` steps is
+    as noisy (one step: first and last are the same step)."""
+    if resumed:
+        return "resumed run: these steps only"
+    if n < 2:
+        return "one step: no trend"
+    if n < MIN_JUDGED_STEPS:
+        return f"{n} steps: fewer than {MIN_JUDGED_STEPS}, too few to tell a trend from noise"
+    return None
+
+
 def _summary(h, args, world, wall, resumed=False):
     import numpy as np
 
     loss = h["loss"]
-    k = max(1, min(5, len(loss) // 3))
-    first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
     n = len(loss)
+    k = _trend_window(n)
+    first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
+    why = _not_judged_why(n, resumed)
     lines = [
         "",
         "summary",
         f"  steps              {n} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})",
         f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
         f"{last:.4f}, {'falling' if last < first else 'NOT falling'}"
-        + ("; resumed run: these steps only, not judged by the exit status)" if resumed
-           else "; one step: no trend, not judged by the exit status)" if n < 2 else ")"),
+        + (f"; {why}, not judged by the exit status)" if why else ")"),
         f"  tokens/s           {h['tokens'] / h['time']:,.0f} context tokens/s, "
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
         f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up and, on a first run, making the target)",
@@ -769,18 +797,29 @@ def _summary(h, args, world, wall, resumed=False):
     return "\n".join(lines), first, last
 
 
-def _exit_status(first, last, resumed, steps=None) -> int:
-    """0 when the loss fell over the run (mean of its first vs last steps), else 1; 0 for a run of one step
-    (`steps` < 2: first and last are the same step, there is no trend to judge). A resumed run (--load)
-    continues a curve for a few steps (the README's resume command runs steps 21-30), where the noise of the
-    per-batch loss decides the sign: its trend is printed, not judged (0), so that a correct resume does not
-    exit with a failure."""
-    return 0 if (resumed or last < first or (steps is not None and steps < 2)) else 1
+def _loss_failure(first, last, resumed, steps):
+    """The one line saying why the run fails its loss check, or None when it passes: a run from step 1 of
+    `steps` >= `MIN_JUDGED_STEPS` steps passes when the mean loss of its last k steps (`_trend_window`) is below
+    that of its first k (`last`, `first`); a resumed run (--load) or a shorter one is not judged
+    (`_not_judged_why`)."""
+    if _not_judged_why(steps, resumed) or last < first:
+        return None
+    k = _trend_window(steps)
+    return (f"error: the loss did not fall over the {steps} steps: expected the mean loss of the last {k} steps "
+            f"below that of the first {k}, measured {first:.4f} -> {last:.4f}")
+
+
+def _exit_status(first, last, resumed, steps) -> int:
+    """1 when the run fails its loss check (`_loss_failure`: a run from step 1 of at least `MIN_JUDGED_STEPS`
+    steps whose loss did not fall, mean of its first vs last steps), else 0; a resumed run (--load) or a
+    shorter one is not judged (0), so that a correct short or resumed run does not exit with a failure."""
+    return 0 if _loss_failure(first, last, resumed, steps) is None else 1
 
 
 def main(argv=None) -> int:
     """Spawn `--cp` gloo processes, train, print the summary. Returns 0 on success (loss falling; any
-    trend after --load), 1 if the loss of a run from step 1 did not fall, 2 if a rank failed."""
+    trend after --load or over fewer than `MIN_JUDGED_STEPS` steps), 1 if the loss of a run from step 1 did not
+    fall (with one line on stderr saying what was expected and measured), 2 if a rank failed."""
     args = parse_args(argv)
     from tools.launch import run_gloo
 
@@ -801,7 +840,11 @@ def main(argv=None) -> int:
     text, first, last = _summary(results[0], args, world, time.time() - t0, resumed=resumed)
     print(text, flush=True)
     report_round_trip(args, results[0], t0)
-    return _exit_status(first, last, resumed=resumed, steps=len(results[0]["loss"]))
+    failure = _loss_failure(first, last, resumed=resumed, steps=len(results[0]["loss"]))
+    if failure is not None:
+        print(failure, file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import math
 import operator
 import os
 import re
+import tempfile
 
 __all__ = ["as_int", "parse_int", "is_int_text", "parse_float", "float_arg", "int_arg",
            "DefaultsHelpFormatter", "existing_path", "existing_dir", "hf_model_dir"]
@@ -251,22 +252,37 @@ def existing_dir(text: str) -> str:
 
 def writable_dir(text: str) -> str:
     """An argparse `type=` for a flag naming a directory to write: created now if missing (as the run would at
-    its first save); argparse's error line naming the flag when that fails or the path is not a writable
-    directory (e.g. a file, or under /proc)."""
+    its first save); argparse's error line naming the flag when that fails or the path is not a directory in
+    which a directory can be made (`_write_probe`; e.g. a file, /proc, a read-only mount)."""
     try:
         os.makedirs(text, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot create directory {text!r}: {exc.strerror or exc}")
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in {text!r}")
+    why = _write_probe(text) if os.access(text, os.W_OK | os.X_OK) else "permission denied"
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"cannot write in {text!r} ({why})")
     return text
+
+
+def _write_probe(directory: str):
+    """None when a new entry can be made in the existing directory `directory` (a temporary subdirectory is
+    created and removed: the test that holds for root, for which os.access says yes everywhere, on a read-only
+    mount and on a pseudo file system such as /proc); else the reason, a short text."""
+    try:
+        probe = tempfile.mkdtemp(prefix=".write-check-", dir=directory)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    os.rmdir(probe)
+    return None
 
 
 def output_dir(text: str) -> str:
     """An argparse `type=` for a directory a command writes into later (its results at the end of a run): an
-    existing writable directory, or a new path whose nearest existing parent is one (the command creates it
-    when it writes). Nothing is created here; argparse's error line naming the flag otherwise (an empty path,
-    an existing file, a path under a file, a parent without write permission), before the run starts."""
+    existing directory, or a new path whose nearest existing parent is a directory, in which a directory can be
+    made now (`_write_probe`: a temporary subdirectory made and removed). Nothing is left behind; the command
+    creates the directory when it writes. argparse's error line naming the flag otherwise (an empty path, an
+    existing file, a path under a file, a parent without write permission, a read-only or pseudo file system
+    such as /proc), before the run starts."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path is not a directory")
     path = os.path.abspath(text)
@@ -275,8 +291,9 @@ def output_dir(text: str) -> str:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: {parent} is an existing file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text!r}: cannot write in {parent}")
+    why = _write_probe(parent) if os.access(parent, os.W_OK | os.X_OK) else "permission denied"
+    if why is not None:
+        raise argparse.ArgumentTypeError(f"{text!r}: cannot create a directory in {parent} ({why})")
     return text
 
 

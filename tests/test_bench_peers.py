@@ -240,3 +240,18 @@ def test_fold_method_toggles_the_fa4_kernel_and_restores_it(monkeypatch):
     monkeypatch.undo()
     errs = ba.check_peers(["splitkv", "splitkv-fold"], dev=torch.device("cpu"), backend="math")
     assert errs["splitkv"] < 0.05 and errs["splitkv-fold"] < 0.05, errs
+
+
+def test_profile_step_reports_wall_host_and_device_time():
+    """bench_attention.profile_step: the table by kernel opens with one line of wall, host-issue and device
+    time of the profiled step (CPU: no device kernels), and the table lists the step's own ops."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import bench_attention
+
+    a = torch.randn(64, 64)
+    text = bench_attention.profile_step(lambda: (a @ a).sum(), torch.device("cpu"), rows=5)
+    head, table = text.split("\n", 1)
+    assert head.startswith("wall ") and "host issue" in head and "device kernels 0.00 ms in 0 launches" in head
+    wall, issue = (float(head.split(w, 1)[1].split(" ms")[0]) for w in ("wall ", "host issue "))
+    assert 0 < issue <= wall
+    assert "aten::mm" in table

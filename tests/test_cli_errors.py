@@ -84,6 +84,10 @@ CASES += [
     ("memory_breakdown.py", ["--cp-sweep", "2", "--top", "-1"], "--top"),
     ("chunk_cost.py", ["--cpu", "--out", "{a_file}/sub"], "--out"),  # --out under a file
     ("simulate_scaling.py", ["--model-only", "--out", ""], "--out"),  # --out ''
+    # a repeated value in a comma-list flag (benchlib.int_list_arg / choices_arg: the same row twice)
+    ("simulate_scaling.py", ["--model-only", "--cps", "2,4,2"], "--cps"),
+    ("simulate_scaling.py", ["--model-only", "--bwd-gather", "auto,auto"], "--bwd-gather"),
+    ("chunk_cost.py", ["--cpu", "--backends", "math,math"], "--backends"),
 ]
 # the GPU-only tools without a CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1, one line
 GPU_ONLY = ["profile_kernel.py", "probe_dense_backends.py", "profile_op.py"]

@@ -102,6 +102,12 @@ CASES = [
     ("tools.chunk_cost", ["--out", FILE], "argument --out: "),
     ("tools.step_overhead", ["--out", FILE], "argument --out: "),
     ("tools.tune_flex", ["--out", FILE], "argument --out: "),
+    # a place no directory can be made in (/proc: os.access says writable to root): refused at parse time (the
+    # bad flag after it keeps a run short where the check is missing)
+    ("train_demo", ["--out-dir", "/proc/x", "--cp", "0"], "argument --out-dir: '/proc/x': cannot create a directory in /proc"),
+    ("train_demo", ["--save", "/proc", "--cp", "0"], "argument --save: cannot write in '/proc'"),
+    ("tools.chunk_cost", ["--out", "/proc/x/y", "--reps", "0"], "argument --out: '/proc/x/y': cannot create a directory in /proc"),
+    ("megatron_splitkv.export", ["--load", ROOT, "--out", "/proc/x"], "argument --out: '/proc/x': cannot create a directory in /proc"),
     # more sequences than context tokens: an error (was a workload of empty sequences, timed as 0 ms)
     ("tools.window_scaling", ["--cpu", "--n-seqs", "1000"], "--n-seqs 1000"),
     ("tools.bench_attention", ["--cpu-smoke", "--n-seqs", "100000"], "--n-seqs 100000 must be <= the smallest"),

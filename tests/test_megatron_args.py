@@ -130,6 +130,45 @@ def test_pretrain_parse_only_validates_splitkv_flags():
         sys.argv = argv
 
 
+@pytest.mark.parametrize("world, tp, pp, cp", [("12", 2, 1, 4), ("8", 1, 1, 3), ("8", 1, 2, 8), ("6", 4, 1, 1)])
+def test_cp_size_not_dividing_the_launcher_world_size_is_an_error(world, tp, pp, cp):
+    """The launcher's WORLD_SIZE (in `launcher_env`) must be a multiple of TP x PP x CP: an error naming the flags
+    and the numbers, not a pass that Megatron's later assert or a hang at group creation turns up."""
+    a = _args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+              num_attention_heads=8, num_query_groups=4, dflash_num_anchors=24)
+    with pytest.raises(SplitKVArgumentError) as e:
+        validate_splitkv_args(a, launcher_env={"WORLD_SIZE": world})
+    msg = str(e.value)
+    for want in (f"--context-parallel-size ({cp})", f"WORLD_SIZE ({world})", f"--tensor-model-parallel-size ({tp})",
+                 f"--pipeline-model-parallel-size ({pp})", f"TP x PP x CP = {tp * pp * cp}"):
+        assert want in msg, (want, msg)
+
+
+def test_cp_size_dividing_the_launcher_world_size_passes():
+    for world, tp, pp, cp in (("16", 2, 2, 4), ("8", 2, 1, 4), ("4", 1, 1, 4)):
+        validate_splitkv_args(_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                    context_parallel_size=cp), launcher_env={"WORLD_SIZE": world})
+    validate_splitkv_args(_args(context_parallel_size=3, dflash_num_anchors=6), launcher_env={})  # no size: no check
+    with pytest.raises(SplitKVArgumentError, match="the launcher's WORLD_SIZE must be a positive int .*'8x'"):
+        validate_splitkv_args(_args(), launcher_env={"WORLD_SIZE": "8x"})
+
+
+def test_pretrain_parse_only_checks_cp_size_against_world_size(monkeypatch):
+    """`pretrain_dflash.py --parse-only` under torchrun (WORLD_SIZE set): a CP size that does not divide
+    WORLD_SIZE / (TP x PP) fails at parse time naming the flags and the numbers; one that divides passes."""
+    mod, base = _pretrain_parse_only("pretrain_dflash_ws")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for name in LOCAL_SIZE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cp3 = ["--context-parallel-impl", "splitkv", "--context-parallel-size", "3", "--num-anchors", "6"]
+    with pytest.raises(SplitKVArgumentError, match=r"--context-parallel-size \(3\) must divide the launcher's "
+                                                   r"WORLD_SIZE \(8\)"):
+        mod.main(base + cp3)
+    args = mod.main(base + ["--context-parallel-impl", "splitkv", "--context-parallel-size", "4"])
+    assert args.context_parallel_size == 4
+
+
 def test_missing_te_for_te_spec_is_a_clear_error():
     with pytest.raises(SplitKVArgumentError, match="--transformer-impl"):
         validate_splitkv_args(_args(transformer_impl="transformer_engine"), have_te=False)
@@ -391,7 +430,7 @@ def test_auto_cp_ranks_per_node_chosen_by_validate(monkeypatch):
     from megatron_splitkv.megatron import launcher_env_from
     from megatron_splitkv.ops.metadata import resolve_ranks_per_node
 
-    for name in LOCAL_SIZE_ENVS:
+    for name in (*LOCAL_SIZE_ENVS, "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # the process's: ignored by the library
     a = _args(tensor_model_parallel_size=1, context_parallel_size=32, dflash_num_anchors=32)

@@ -126,9 +126,9 @@ def test_resumed_run_exit_status_does_not_judge_a_short_noisy_segment():
     """README's resume command (steps 21-30 after --save at 20) printed the identical losses and then exited
     with status 1, because the 10 resumed steps' loss happened to rise (mean of the first 3 vs last 3). A
     resumed run reports its segment's trend and exits 0; a run from step 1 is still judged."""
-    assert train_demo._exit_status(9.6, 9.8, resumed=False) == 1
-    assert train_demo._exit_status(10.1, 9.8, resumed=False) == 0
-    assert train_demo._exit_status(9.6, 9.8, resumed=True) == 0
+    assert train_demo._exit_status(9.6, 9.8, resumed=False, steps=30) == 1
+    assert train_demo._exit_status(10.1, 9.8, resumed=False, steps=30) == 0
+    assert train_demo._exit_status(9.6, 9.8, resumed=True, steps=10) == 0
     h = dict(loss=[9.5955, 9.3899, 9.9090, 9.4449, 10.19, 9.5748, 9.8305, 10.0223, 9.8365, 9.5626], tokens=100,
              queries=50, time=1.0, imb=[0.0], bytes_attn_all=0.0, bytes_target_all=0.0)
     args = train_demo.parse_args(["--steps", "30", "--load", "/ckpt"])
@@ -137,3 +137,35 @@ def test_resumed_run_exit_status_does_not_judge_a_short_noisy_segment():
                                                           "by the exit status)")):
         text, first, last = train_demo._summary(h, args, 2, 1.0, resumed=resumed)
         assert last > first and tail in text, text
+
+
+def _hist(loss):
+    return dict(loss=list(loss), tokens=100, queries=50, supervised=1.0, time=1.0, imb=[0.0], bytes_attn_all=0.0,
+                bytes_target_all=0.0, drafter_hf=None)
+
+
+@pytest.mark.parametrize("loss, status", [
+    ([9.6, 9.8], 0), ([9.6, 9.5, 9.8], 0),  # 2 or 3 steps from step 1, the loss rose by noise: not judged
+    ([9.6] * 3 + [9.7] * 6 + [9.8], 1),  # MIN_JUDGED_STEPS (10) steps, not falling: judged, fails
+    ([10.0] * 3 + [9.7] * 6 + [9.5], 0),
+])
+def test_short_run_is_not_failed_by_noise_and_a_failure_says_why(loss, status, monkeypatch, capsys, tmp_path):
+    """`train_demo.py --steps 2` (or 3) on a correct run exited 1 with no error line when its loss rose by
+    noise (one step against one step). A run from step 1 is judged from MIN_JUDGED_STEPS steps on; a failing
+    one prints one line on stderr saying what was expected and what was measured."""
+    import tools.launch
+
+    monkeypatch.setattr(tools.launch, "run_gloo", lambda *a, **kw: [_hist(loss)] * 2)
+    got = train_demo.main(["--random-target", "--steps", str(len(loss)), "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert got == status, (out, err)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    if status:
+        k = train_demo._trend_window(len(loss))
+        first, last = sum(loss[:k]) / k, sum(loss[-k:]) / k
+        assert errors == [f"error: the loss did not fall over the {len(loss)} steps: expected the mean loss of "
+                          f"the last {k} steps below that of the first {k}, measured {first:.4f} -> {last:.4f}"]
+    else:
+        assert errors == []
+    if len(loss) < train_demo.MIN_JUDGED_STEPS:
+        assert f"{len(loss)} steps: fewer than 10, too few to tell a trend from noise, not judged" in out, out

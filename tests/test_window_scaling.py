@@ -124,6 +124,21 @@ def test_bad_flags_exit_2(capsys):
         assert flag in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value, twice", [("--windows", "3,3", "3"), ("--windows", "none,24,NONE", "none"),
+                                               ("--cps", "1,2,1", "1"), ("--contexts", "256,256", "256"),
+                                               ("--methods", f"{window_scaling.METHODS[0]},{window_scaling.METHODS[0]}",
+                                                window_scaling.METHODS[0])])
+def test_repeated_list_values_exit_2_naming_the_flag(flag, value, twice, capsys):
+    """`--windows 3,3` ran the same rows twice (and --contexts / --methods repeats too): a repeated value in a
+    comma-list flag is argparse's error (exit 2) naming the flag and the value (benchlib.unique_list, shared by
+    the tools' list parsers)."""
+    with pytest.raises(SystemExit) as e:
+        window_scaling.main(["--cpu", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: {flag} names {twice} more than once in {value!r}: each value once"), err
+
+
 def test_sample_ranks_and_budget_cut(tmp_path):
     """--sample-ranks times the 2 ranks with the most visible pairs; a spent --budget-s leaves whole groups out."""
     res = window_scaling.main(["--cpu", "--contexts", str(CTX), "--cps", "3", "--windows", "24", "--anchors",

@@ -654,10 +654,18 @@ def profile_step(step, dev, rows: int = 25) -> str:
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     bench._sync(dev)
     with torch.profiler.profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         step()
+        t_issue = time.perf_counter() - t0
         bench._sync(dev)
+        t_wall = time.perf_counter() - t0
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    avg = prof.key_averages()
+    dev_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in avg) / 1e3
+    n_kernels = sum(e.count for e in avg if getattr(e, "self_device_time_total", 0.0) > 0)
+    head = (f"wall {1e3 * t_wall:.2f} ms (profiled), host issue {1e3 * t_issue:.2f} ms (until the step returned), "
+            f"device kernels {dev_ms:.2f} ms in {n_kernels} launches\n")
+    return head + avg.table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def check_peers(methods, *, dev, backend, dtype=torch.bfloat16, seed=0):

@@ -59,7 +59,7 @@ __all__ = [
     "time_kernel_calls_rounds", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
-    "csv_arg", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
+    "csv_arg", "unique_list", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
     "interval_attention_reference", "rel_err", "lse_err", "adaptive_reps", "resolve_chunks", "chunk_bounds", "op_accepts",
     "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api", "NA_CPU", "gpu_cell", "finite",
 ]
@@ -1385,22 +1385,37 @@ def csv_arg(value: str) -> list:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+def unique_list(ap, flag: str, items: list, value: str) -> list:
+    """`items` (a comma-list flag's parsed values) unchanged when no value repeats; otherwise `ap.error` (exit 2)
+    naming `flag` and the repeated values (a repeat would run the same row twice)."""
+    seen, twice = set(), []
+    for x in items:
+        if x in seen and x not in twice:
+            twice.append(x)
+        seen.add(x)
+    if twice:
+        ap.error(f"{flag} names {', '.join('none' if x is None else str(x) for x in twice)} more than once in "
+                 f"{value!r}: each value once")
+    return items
+
+
 def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:
-    """Comma list of integers >= `minimum` (plain decimal, `_ints.parse_int`); otherwise `ap.error` (exit 2)
-    naming `flag`."""
+    """Comma list of distinct integers >= `minimum` (plain decimal, `_ints.parse_int`); otherwise `ap.error`
+    (exit 2) naming `flag` (`unique_list` for a repeated value)."""
     try:
         out = [parse_int(c, flag) for c in csv_arg(value)]
     except ValueError:
         out = None
     if not out or min(out) < minimum:
         ap.error(f"{flag} must be a comma list of integers >= {minimum}, got {value!r}")
-    return out
+    return unique_list(ap, flag, out, value)
 
 
 def choices_arg(ap, flag: str, value: str, valid, what: str) -> list:
-    """Non-empty comma list whose items are all in `valid`; otherwise `ap.error` naming `flag`."""
+    """Non-empty comma list of distinct items, all in `valid`; otherwise `ap.error` naming `flag` (`unique_list`
+    for a repeated item)."""
     items = csv_arg(value)
     bad = [m for m in items if m not in valid]
     if bad or not items:
         ap.error(f"{flag}: unknown {what}(s) {bad or '(empty)'}; valid: {', '.join(valid)}")
-    return items
+    return unique_list(ap, flag, items, value)

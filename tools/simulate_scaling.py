@@ -1001,9 +1001,8 @@ def check_args(ap, args):
             ap.error(f"--paired-rounds: one process only (WORLD_SIZE={os.environ.get('WORLD_SIZE')}): every shard is "
                      f"re-timed on one device; take the link from --link-json")
     args._topologies = bench.choices_arg(ap, "--topology", args.topology, ("node", "flat"), "topology")
-    args._bwd_gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
-                                                             "backward gather")))
-    args._ranks_per_node = list(dict.fromkeys(bench.int_list_arg(ap, "--cp-ranks-per-node", args.cp_ranks_per_node, 1)))
+    args._bwd_gathers = bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS, "backward gather")
+    args._ranks_per_node = bench.int_list_arg(ap, "--cp-ranks-per-node", args.cp_ranks_per_node, 1)
     for L in args._ranks_per_node:
         bad = [P for P in cps if P > L and P % L]
         if bad:
@@ -1608,8 +1607,7 @@ def replay_main(ap, args):
         ap.error(f"--replay: no such file {args.replay!r}")
     if not str(args.out).strip():
         ap.error("--out must be a directory path, got an empty string")
-    gathers = list(dict.fromkeys(bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS,
-                                                   "backward gather")))
+    gathers = bench.choices_arg(ap, "--bwd-gather", args.bwd_gather, BWD_GATHERS, "backward gather")
     try:  # a saved run, plain or gzip-compressed (docs/lab/results keeps the larger ones as .json.gz)
         with (gzip.open(args.replay, "rt") if args.replay.endswith(".gz") else open(args.replay)) as f:
             saved = json.load(f)

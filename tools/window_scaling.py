@@ -71,7 +71,8 @@ CPU_DEFAULTS = dict(contexts="256,512", windows="3,24,none", anchors=16, reps=1,
 
 
 def windows_arg(ap, value: str) -> list:
-    """--windows: a comma list of sliding windows (ints >= 1) and "none" (a full-attention layer)."""
+    """--windows: a comma list of distinct sliding windows (ints >= 1) and "none" (a full-attention layer);
+    `ap.error` naming the flag otherwise (`bench.unique_list` for a repeated value)."""
     out = []
     for item in bench.csv_arg(value):
         if item.lower() == "none":
@@ -83,7 +84,7 @@ def windows_arg(ap, value: str) -> list:
             ap.error(f"--windows must be a comma list of ints >= 1 and 'none', got {value!r}")
     if not out:
         ap.error(f"--windows must be a comma list of ints >= 1 and 'none', got {value!r}")
-    return list(dict.fromkeys(out))
+    return bench.unique_list(ap, "--windows", out, value)
 
 
 def link_model(gbs: float, alpha_us: float) -> bench.LinkModel:
@@ -262,7 +263,7 @@ def main(argv=None):
         ap.set_defaults(**CPU_DEFAULTS)
     args = ap.parse_args(argv)
     args.contexts = bench.int_list_arg(ap, "--contexts", args.contexts, 2)
-    args.cps = sorted(set(bench.int_list_arg(ap, "--cps", args.cps, 1)))
+    args.cps = sorted(bench.int_list_arg(ap, "--cps", args.cps, 1))
     args.windows = windows_arg(ap, args.windows)
     args.methods = bench.choices_arg(ap, "--methods", args.methods, METHODS, "method")
     if args.cpu and args.backend != "math":

@@ -9,7 +9,8 @@ Only this subpackage imports `megatron.core`. Entry points:
 * `add_splitkv_args` / `validate_splitkv_args`: `--context-parallel-impl`, `--cp-chunk-size`,
   `--cp-balance`, `--splitkv-kernel`, `--splitkv-no-overlap-q-gather` (Megatron `extra_args_provider`;
   `arguments.kernel_backend_from_args` / `overlap_query_gather_from_args` map them to the spec options);
-  the entry script passes `launcher_env=launcher_env_from(<its process environment>)` (the launcher's processes per node).
+  the entry script passes `launcher_env=launcher_env_from(<its process environment>)` (the launcher's processes per node
+  and in all, WORLD_SIZE: checked against TP x PP x CP).
 * `create_cp_check_groups` (once at start-up, collective) / `cp_check_group`: the CP groups' gloo mirrors,
   over which the layers' ops exchange their per-call verdict rows on the host (no device sync).
 * `get_batch_on_this_cp_rank_splitkv`: planner-driven data sharding of drafter batches;

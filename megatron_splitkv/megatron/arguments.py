@@ -87,6 +87,8 @@ __all__ = [
     "auto_cp_ranks_per_node",
     "auto_pipeline",
     "LOCAL_SIZE_ENVS",
+    "WORLD_SIZE_ENV",
+    "check_world_size",
     "launcher_env_from",
     "layer_attention_from_args",
     "planner_cost_model_from_args",
@@ -585,14 +587,37 @@ def _fa4_available() -> bool:
 #: elastic's LOCAL_WORLD_SIZE, then Slurm's SLURM_NTASKS_PER_NODE and SLURM_TASKS_PER_NODE ("8", "8(x4)", or a
 #: list such as "8(x2),4": `_per_node_counts`)
 LOCAL_SIZE_ENVS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+#: the launcher's total process count: torchrun's WORLD_SIZE, the variable Megatron's parser reads into
+#: args.world_size (checked against TP x PP x CP by `validate_splitkv_args`)
+WORLD_SIZE_ENV = "WORLD_SIZE"
 _PER_NODE_ITEM = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 
 
 def launcher_env_from(environ) -> dict:
-    """The launcher's processes-per-node variables of `environ` (a mapping: the entry script passes its
-    process environment), {name: text} for the names of `LOCAL_SIZE_ENVS` it holds: the `launcher_env` argument of
-    `validate_splitkv_args`. The library itself reads no environment variable."""
-    return {name: environ[name] for name in LOCAL_SIZE_ENVS if name in environ}
+    """The launcher's variables of `environ` (a mapping: the entry script passes its process environment),
+    {name: text} for the names of `LOCAL_SIZE_ENVS` (processes per node) and `WORLD_SIZE_ENV` (processes in all)
+    it holds: the `launcher_env` argument of `validate_splitkv_args`. The library itself reads no environment
+    variable."""
+    return {name: environ[name] for name in (*LOCAL_SIZE_ENVS, WORLD_SIZE_ENV) if name in environ}
+
+
+def check_world_size(tp: int, pp: int, cp: int, launcher_env=None) -> None:
+    """Raise SplitKVArgumentError unless the launcher's world size (`WORLD_SIZE_ENV` of `launcher_env`, a
+    {name: text} mapping; absent, empty or None: not checked) is a multiple of TP x PP x CP, i.e. unless
+    --context-parallel-size `cp` divides world size / (TP x PP) (Megatron's data-parallel size is the quotient).
+    The message names the flags and the numbers. A WORLD_SIZE that is not a plain positive decimal is an error
+    naming it."""
+    raw = str((launcher_env or {}).get(WORLD_SIZE_ENV, "") or "").strip()
+    if not raw:
+        return
+    world = parse_int(raw, f"the launcher's {WORLD_SIZE_ENV}", minimum=1, error=SplitKVArgumentError)
+    if world % (tp * pp * cp) == 0:  # cp divides world / (tp x pp)
+        return
+    raise SplitKVArgumentError(
+        f"--context-parallel-size ({cp}) must divide the launcher's {WORLD_SIZE_ENV} ({world}) / "
+        f"(--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp})): {world} processes "
+        f"do not split into groups of TP x PP x CP = {tp * pp * cp}"
+    )
 
 
 def _per_node_counts(raw: str, name: str) -> tuple:
@@ -724,8 +749,10 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None, launcher_env=Non
     """Check a parsed Megatron `args` namespace for the Split-KV backend; raise SplitKVArgumentError
     naming the offending flag. Does nothing when `--context-parallel-impl` is unset.
 
-    Checks: --tensor-model-parallel-size, --context-parallel-size, --micro-batch-size >= 1 and
-    --dflash-num-anchors >= 1 (integers; unset/None = default, 0 is an error), --dflash-block-size >= 2,
+    Checks: --tensor-model-parallel-size, --pipeline-model-parallel-size, --context-parallel-size,
+    --micro-batch-size >= 1 and --dflash-num-anchors >= 1 (integers; unset/None = default, 0 is an error),
+    --dflash-block-size >= 2; the launcher's WORLD_SIZE (in `launcher_env`) a multiple of TP x PP x CP
+    (`check_world_size`);
     --num-attention-heads >= 1; the implementation name; heads/query groups vs TP (`check_attention_heads`);
     CP size vs the query blocks of a micro-batch (`--micro-batch-size` x `--dflash-num-anchors` must be
     divisible by `--context-parallel-size`: every CP rank owns the same number of blocks);
@@ -742,9 +769,10 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None, launcher_env=Non
     Builds the op's `SplitKVConfig` from them (args.splitkv_config, `splitkv_config_from_args`); nothing is
     written to the process environment, and calling it again on any namespace gives what it gets alone.
     `have_te` / `have_fa4` override the TE / FA4 detection (tests, and --parse-only on another machine).
-    `launcher_env`: the launcher's processes-per-node variables ({name: text} for the names in
-    `LOCAL_SIZE_ENVS`, as `launcher_env_from` picks them from a mapping such as the entry script's process environment);
-    None or {}: no launcher size, so no automatic two-level all-to-all or pipeline."""
+    `launcher_env`: the launcher's variables ({name: text} for the names in `LOCAL_SIZE_ENVS` and
+    `WORLD_SIZE_ENV`, as `launcher_env_from` picks them from a mapping such as the entry script's process
+    environment); None or {}: no launcher size, so no automatic two-level all-to-all or pipeline and no world
+    size check."""
     impl = getattr(args, "context_parallel_impl", None)
     if impl is None:
         return
@@ -761,6 +789,8 @@ def validate_splitkv_args(args, *, have_te=None, have_fa4=None, launcher_env=Non
         raise SplitKVArgumentError(f"--context-parallel-impl must be one of {CP_IMPLS}, got {impl!r}")
     tp = _int_arg(args, "tensor_model_parallel_size", "--tensor-model-parallel-size", 1, 1)
     cp = _int_arg(args, "context_parallel_size", "--context-parallel-size", 1, 1)
+    pp = _int_arg(args, "pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1, 1)
+    check_world_size(tp, pp, cp, launcher_env)
     mbs = _int_arg(args, "micro_batch_size", "--micro-batch-size", 1, 1)
     heads = getattr(args, "num_attention_heads", None)
     if heads is not None:
