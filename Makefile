@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 PYTHON_BOOT ?= $(shell for p in python3.13 python3.12; do command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; exit 0; }; done; \
 	r=$$(pyenv root 2>/dev/null || echo $$HOME/.pyenv); ls -d $$r/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V | head -1)
 PYTEST_ARGS ?=
+# pytest-xdist worker processes of `make test` (0: one process). --dist loadfile keeps a test file's tests on one
+# worker, so a file's module-scoped fixtures (one gloo spawn serving many cases) run once, not once per worker;
+# --no-loadscope-reorder hands the files out in collection order, which tests/conftest.py starts with the slowest.
+PYTEST_WORKERS ?= 2
 
 .PHONY: venv test demo clean-venv
 
@@ -23,7 +27,7 @@ $(VENV)/.installed: setup.py requirements.txt
 venv: $(VENV)/.installed
 
 test: venv
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder tests $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/train_demo.py

@@ -26,7 +26,8 @@ setup(
         "hf": ["transformers==5.15.0", "safetensors>=0.8,<1"],
         # dflash 0.1.0 (z-lab's DFlash inference, the acceptance-length evaluation) is installed by the
         # Makefile with --no-deps: its own pins (torch 2.13, datasets) conflict with ours and are not needed
-        "dev": ["pytest>=9.2,<10", "pytest-timeout>=2.4,<3", "matplotlib>=3.11,<4", "tqdm>=4.70,<5",
-                "turbo-dllm==0.1.6"],
+        # pytest-xdist: `make test` runs the suite on 2 worker processes (-n 2)
+        "dev": ["pytest>=9.2,<10", "pytest-timeout>=2.4,<3", "pytest-xdist>=3.8,<4", "matplotlib>=3.11,<4",
+                "tqdm>=4.70,<5", "turbo-dllm==0.1.6"],
     },
 )

@@ -164,12 +164,13 @@ def test_shared_cases_through_the_fa4_wrapper(cases_fa4, name):
 # ---------------------------------------------------------------------------------- host-built metadata
 
 
-def _host_worker(rank, world_size, seed_fold):
+def _host_worker(rank, world_size, seed, folds):
     """The pipeline's path with backend fa4: prepare_splitkv_metadata_from_plan(..., flex_block_masks=True)
     (the host-built flex tables, padded to flex's bucketed lengths, on every mask), pickled as from a data
-    worker, bound, the op forward + backward vs the float64 reference; and which tables FA4 got. fold: the
-    kernel's `fold_gqa` (True, the default: the GQA-folded call builds its own tables, the host-built ones
-    are for the unfolded rows)."""
+    worker, bound, the op forward + backward vs the float64 reference; and which tables FA4 got. For each
+    fold in `folds`, the kernel's `fold_gqa` (True, the default: the GQA-folded call builds its own tables,
+    the host-built ones are for the unfolded rows), num_chunks 1 and 2 on fresh metadata; the reference (the
+    same inputs for every fold and num_chunks) is computed once. Returns {fold: ([(k, errs)], got_prebuilt)}."""
     import pickle
 
     from megatron_splitkv import dflash_attention_reference, splitkv_attention
@@ -177,11 +178,9 @@ def _host_worker(rank, world_size, seed_fold):
     from megatron_splitkv.ops import prepare_splitkv_metadata_from_plan
     from megatron_splitkv.planning import plan_context_parallel
 
-    seed, fold = seed_fold
     install_emulator()
     from megatron_splitkv import kernels
 
-    kernels._CACHE[("fa4", "cpu", torch.float32)] = fa4.FA4AttentionKernel(fold_gqa=fold)
     got_prebuilt = []
     orig = fa4.FA4AttentionKernel._prebuilt
 
@@ -198,52 +197,61 @@ def _host_worker(rank, world_size, seed_fold):
                np.zeros(0, np.int64) for n in lens]
     B, Hq, Hkv, D = 16, 4, 2, 16
     plan = plan_context_parallel(lens, anchors, block_size=B, cp_size=world_size, chunk_size=256)
-    out = []
-    for k in (1, 2):
-        host = prepare_splitkv_metadata_from_plan(plan, rank, block_size=B, num_heads_q=Hq, num_heads_kv=Hkv,
-                                                  head_dim=D, dtype=torch.float32, num_chunks=k,
-                                                  flex_block_masks=True)
-        meta = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
-        g = torch.Generator().manual_seed(seed)
-        nq, nk = plan.q_seq.shape[0] * B, int(sum(lens))
-        x = {n: torch.randn(nq if n in ("q", "kb", "vb", "do") else nk, Hq if n in ("q", "do") else Hkv, D,
-                            generator=g, dtype=torch.float64) for n in ("q", "k", "v", "kb", "vb", "do")}
-        x = {n: t.float() for n, t in x.items()}  # inputs in fp32 (FA4's lse is fp32), the reference in float64
-        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        kv_seq_all = torch.from_numpy(np.concatenate([np.full(n, i) for i, n in enumerate(lens)]))
-        kv_pos_all = torch.from_numpy(np.concatenate([np.arange(n) for n in lens]))
-        ref_in = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "kb", "vb")}
-        ref, _ = dflash_attention_reference(ref_in["q"], ref_in["k"], ref_in["v"], ref_in["kb"], ref_in["vb"],
-                                            torch.from_numpy(plan.q_seq), torch.from_numpy(plan.q_anchor),
-                                            kv_seq_all, kv_pos_all, block_size=B)
-        (ref * x["do"].double()).sum().backward()
-        sl = plan.query_slice(rank)
-        rows = slice(sl.start * B, sl.stop * B)
-        idx = torch.from_numpy(starts[meta.kv_seq.numpy()] + meta.kv_pos.numpy())
-        mine = {"q": x["q"][rows], "k": x["k"][idx], "v": x["v"][idx], "kb": x["kb"][rows], "vb": x["vb"][rows]}
-        mine = {n: t.clone().requires_grad_(True) for n, t in mine.items()}
-        o = splitkv_attention(mine["q"], mine["k"], mine["v"], mine["kb"], mine["vb"], metadata=meta, backend="fa4")
-        (o * x["do"][rows]).sum().backward()
-        def rel(a, b):
-            return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    g = torch.Generator().manual_seed(seed)
+    nq, nk = plan.q_seq.shape[0] * B, int(sum(lens))
+    x = {n: torch.randn(nq if n in ("q", "kb", "vb", "do") else nk, Hq if n in ("q", "do") else Hkv, D,
+                        generator=g, dtype=torch.float64) for n in ("q", "k", "v", "kb", "vb", "do")}
+    x = {n: t.float() for n, t in x.items()}  # inputs in fp32 (FA4's lse is fp32), the reference in float64
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    kv_seq_all = torch.from_numpy(np.concatenate([np.full(n, i) for i, n in enumerate(lens)]))
+    kv_pos_all = torch.from_numpy(np.concatenate([np.arange(n) for n in lens]))
+    ref_in = {n: x[n].double().requires_grad_(True) for n in ("q", "k", "v", "kb", "vb")}
+    ref, _ = dflash_attention_reference(ref_in["q"], ref_in["k"], ref_in["v"], ref_in["kb"], ref_in["vb"],
+                                        torch.from_numpy(plan.q_seq), torch.from_numpy(plan.q_anchor),
+                                        kv_seq_all, kv_pos_all, block_size=B)
+    (ref * x["do"].double()).sum().backward()
+    sl = plan.query_slice(rank)
+    rows = slice(sl.start * B, sl.stop * B)
 
-        errs = {"out": rel(o, ref[rows]), "dq": rel(mine["q"].grad, ref_in["q"].grad[rows]),
-                "dk": rel(mine["k"].grad, ref_in["k"].grad[idx]), "dv": rel(mine["v"].grad, ref_in["v"].grad[idx]),
-                "dkb": rel(mine["kb"].grad, ref_in["kb"].grad[rows])}
-        out.append((k, errs))
-    return out, got_prebuilt
+    def rel(a, b):
+        return float((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    res = {}
+    for fold in folds:
+        kernels._CACHE[("fa4", "cpu", torch.float32)] = fa4.FA4AttentionKernel(fold_gqa=fold)
+        got_prebuilt.clear()
+        out = []
+        for k in (1, 2):
+            host = prepare_splitkv_metadata_from_plan(plan, rank, block_size=B, num_heads_q=Hq, num_heads_kv=Hkv,
+                                                      head_dim=D, dtype=torch.float32, num_chunks=k,
+                                                      flex_block_masks=True)
+            meta = pickle.loads(pickle.dumps(host)).bind(None, "cpu")
+            idx = torch.from_numpy(starts[meta.kv_seq.numpy()] + meta.kv_pos.numpy())
+            mine = {"q": x["q"][rows], "k": x["k"][idx], "v": x["v"][idx], "kb": x["kb"][rows], "vb": x["vb"][rows]}
+            mine = {n: t.clone().requires_grad_(True) for n, t in mine.items()}
+            o = splitkv_attention(mine["q"], mine["k"], mine["v"], mine["kb"], mine["vb"], metadata=meta,
+                                  backend="fa4")
+            (o * x["do"][rows]).sum().backward()
+            errs = {"out": rel(o, ref[rows]), "dq": rel(mine["q"].grad, ref_in["q"].grad[rows]),
+                    "dk": rel(mine["k"].grad, ref_in["k"].grad[idx]), "dv": rel(mine["v"].grad, ref_in["v"].grad[idx]),
+                    "dkb": rel(mine["kb"].grad, ref_in["kb"].grad[rows])}
+            out.append((k, errs))
+        res[fold] = (out, list(got_prebuilt))
+    return res
 
 
 def test_host_built_tables_through_the_fa4_wrapper():
     """The data pipeline's metadata (flex tables built on the host at flex's bucketed lengths) with backend
     fa4: the kernel reuses those tables (cut to FA4's tile counts; before, the longer tables were handed to
     FA4, which refuses them) and the op equals the float64 reference, num_chunks 1 and 2, P = 2."""
-    seed = new_seed()
-    for fold in (False, True):
-        res = run_distributed(_host_worker, 2, (seed, fold), timeout=600)
-        for out, prebuilt in res:
+    folds = (False, True)
+    res = run_distributed(_host_worker, 2, new_seed(), folds, timeout=600)
+    for per_rank in res:
+        assert sorted(per_rank) == sorted(folds)
+        for fold, (out, prebuilt) in per_rank.items():
             # unfolded, every kernel call found the host-built tables; folded (Hq 4 / Hkv 2), none: its own
             assert (not any(prebuilt)) if fold else (prebuilt and all(prebuilt)), (fold, prebuilt)
+            assert [k for k, _ in out] == [1, 2], (fold, out)
             for k, errs in out:
                 assert all(e < 1e-5 for e in errs.values()), (fold, k, errs)
 
