@@ -282,13 +282,17 @@ def output_dir(text: str) -> str:
     made now (`_write_probe`: a temporary subdirectory made and removed). Nothing is left behind; the command
     creates the directory when it writes. argparse's error line naming the flag otherwise (an empty path, an
     existing file, a path under a file, a parent without write permission, a read-only or pseudo file system
-    such as /proc), before the run starts."""
+    such as /proc; a dangling symbolic link or a link loop on the path, where no directory can be made), before
+    the run starts."""
     if not text:
         raise argparse.ArgumentTypeError("an empty path is not a directory")
     path = os.path.abspath(text)
     parent = path
-    while not os.path.exists(parent):
+    while not os.path.lexists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.exists(parent):  # a link whose target is missing (or a loop): makedirs would fail there
+        raise argparse.ArgumentTypeError(f"{text!r}: {parent} is a symbolic link to nothing (a missing target or "
+                                         "a loop), not a directory")
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: {parent} is an existing file, not a directory")
     why = _write_probe(parent) if os.access(parent, os.W_OK | os.X_OK) else "permission denied"

@@ -286,3 +286,31 @@ def test_pretrain_dflash_parse_only_checks_the_hf_target(command_lines):
         assert "--target-hf-path" in err and field in err and "Traceback" not in err, err
     rc, out, err = command_lines["32/999"]
     assert rc == 0 and "--parse-only: OK" in out, err
+
+
+def test_output_dir_refuses_a_dangling_link_on_the_path(tmp_path, capsys):
+    """`output_dir` (--out-dir, --out) walked up to the nearest existing parent with os.path.exists, which is
+    False for a symbolic link to a missing target or a link loop: such a path passed the parse-time check and
+    the command's makedirs failed later, after the run (File exists / No such file). Now argparse's error
+    naming the flag and the link; a link to a directory still passes."""
+    import argparse
+
+    from megatron_splitkv._ints import output_dir
+
+    (tmp_path / "dang").symlink_to(tmp_path / "missing" / "x")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "good").symlink_to(tmp_path / "real")
+    for name in ("dang", "dang/", "dang/sub/deeper", "loop1", "loop1/sub"):
+        with pytest.raises(argparse.ArgumentTypeError, match="is a symbolic link to nothing"):
+            output_dir(str(tmp_path / name))
+    for name in ("good", "good/new", "real/new/deeper"):
+        path = str(tmp_path / name)
+        assert output_dir(path) == path
+        os.makedirs(path, exist_ok=True)  # what the command does later: it succeeds where the check passed
+    with pytest.raises(SystemExit) as info:  # through an entry point: exit 2 naming the flag, no traceback
+        _load("train_demo")(["--out-dir", str(tmp_path / "dang"), "--cp", "0"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --out-dir: " in err and "symbolic link to nothing" in err, err
+    assert "Traceback" not in err
