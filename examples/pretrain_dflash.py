@@ -86,6 +86,7 @@ from megatron.training import training as megatron_training  # noqa: E402
 
 from megatron_splitkv._ints import DefaultsHelpFormatter, existing_dir, existing_path, float_arg, int_arg  # noqa: E402,E501
 from megatron_splitkv.megatron import add_splitkv_args  # noqa: E402
+from megatron_splitkv.megatron.arguments import check_launcher_ints  # noqa: E402
 from megatron_splitkv.megatron.checkpoint import CheckpointError, install_checkpoint_manifest  # noqa: E402
 
 QWEN3_FIRST_UNUSED_ID = 151669  # Qwen3 tokenizer ids end at 151668; rows up to 151935 are padding
@@ -600,6 +601,7 @@ def _print_help(all_flags: bool = False):
 def main(argv=None):
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    check_launcher_ints(os.environ)  # Megatron's parser reads WORLD_SIZE / RANK with int(): no traceback
     if "-h" in sys.argv or "--help" in sys.argv or "--help-all" in sys.argv:
         _print_help(all_flags="--help-all" in sys.argv)
         return None

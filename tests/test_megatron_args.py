@@ -781,3 +781,25 @@ def test_c7_validate_args_names_flag():
     )
     with pytest.raises(SplitKVArgumentError, match="--num-query-groups \\(3\\).*--tensor-model-parallel-size \\(2\\)"):
         validate_splitkv_args(args)
+
+
+@pytest.mark.parametrize("name,value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", ""), ("WORLD_SIZE", "0"),
+                                        ("RANK", "x1"), ("RANK", "-1")])
+def test_pretrain_malformed_launcher_ints_are_one_error_line(monkeypatch, name, value):
+    """Megatron-LM's parser reads WORLD_SIZE and RANK with int() when it is built: `WORLD_SIZE=abc` or an empty
+    WORLD_SIZE ended `pretrain_dflash.py --parse-only` (and --help, and a run) in a ValueError traceback from
+    megatron/training/arguments.py before our WORLD_SIZE check. Now a SplitKVArgumentError naming the variable
+    and its value (the command line prints it as one line, exit 2); well-formed values still pass."""
+    from megatron_splitkv.megatron.arguments import check_launcher_ints
+
+    mod, base = _pretrain_parse_only("pretrain_dflash_ints")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for other in ("WORLD_SIZE", "RANK", *LOCAL_SIZE_ENVS):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(SplitKVArgumentError, match=f"the launcher's {name} must be .*got {value!r}"):
+        mod.main(base + ["--context-parallel-impl", "splitkv"])
+    with pytest.raises(SplitKVArgumentError, match=f"the launcher's {name} must be"):
+        mod.main(["--help"])
+    check_launcher_ints({"WORLD_SIZE": " 8 ", "RANK": "0"})
+    check_launcher_ints({})

@@ -89,6 +89,7 @@ __all__ = [
     "LOCAL_SIZE_ENVS",
     "WORLD_SIZE_ENV",
     "check_world_size",
+    "check_launcher_ints",
     "launcher_env_from",
     "layer_attention_from_args",
     "planner_cost_model_from_args",
@@ -599,6 +600,23 @@ def launcher_env_from(environ) -> dict:
     it holds: the `launcher_env` argument of `validate_splitkv_args`. The library itself reads no environment
     variable."""
     return {name: environ[name] for name in (*LOCAL_SIZE_ENVS, WORLD_SIZE_ENV) if name in environ}
+
+
+#: the launcher's variables Megatron-LM's parser reads with int() when it is built and when it parses
+#: (megatron/training/arguments.py: `int(os.getenv("WORLD_SIZE", "1"))`, `int(os.getenv("RANK", "0"))`), with the
+#: smallest value each may take
+MEGATRON_INT_ENVS = {WORLD_SIZE_ENV: 1, "RANK": 0}
+
+
+def check_launcher_ints(environ) -> None:
+    """Raise SplitKVArgumentError naming the variable when one of `MEGATRON_INT_ENVS` is in `environ` (a
+    mapping: the entry script passes its process environment) but not a plain decimal >= its minimum
+    (`parse_int`; an empty value included). Megatron-LM's parser reads them with int() and would end in a
+    ValueError traceback (or, for "+8" or "８", take a value our checks refuse); the entry script calls this
+    before building the parser."""
+    for name, minimum in MEGATRON_INT_ENVS.items():
+        if name in environ:
+            parse_int(str(environ[name]), f"the launcher's {name}", minimum=minimum, error=SplitKVArgumentError)
 
 
 def check_world_size(tp: int, pp: int, cp: int, launcher_env=None) -> None:
