@@ -64,7 +64,8 @@ CASES += [("staircase_shapes.py", _STAIRCASE_BASE + [flag, value], flag)
                               ("--key-bins", "x")]]
 # tools without an --out flag (the harness passes its own --out to the others, so that a bad flag accepted
 # writes nowhere in the tree)
-_NO_OUT = {"profile_op.py", "prepare_cost.py", "memory_breakdown.py", "agreement_cost.py", "pipeline_cost.py"}
+_NO_OUT = {"profile_op.py", "prepare_cost.py", "memory_breakdown.py", "agreement_cost.py", "pipeline_cost.py",
+           "host_overhead.py"}
 CASES += [
     ("profile_op.py", ["--variants", "1,x"], "--variants"),
     ("profile_op.py", ["--variants", "0,2"], "--variants"),
@@ -117,6 +118,20 @@ CASES += [
     ("profile_op.py", ["--variants", "2,2"], "--variants"),
     ("profile_op.py", ["--variants", "+1"], "--variants"),
     ("step_overhead.py", ["--cpu-smoke", "--arms", "fresh,fresh"], "--arms"),
+]
+# an empty item in a comma-list flag ("2,,4", a trailing or a leading comma) was dropped silently (the list ran
+# shorter than typed); a CP size of the tools that start one gloo process per rank had no upper limit
+# (memory_breakdown --cp-sweep 1000000000 set out to start a billion processes): now argparse's error
+CASES += [
+    ("agreement_cost.py", ["--cp", "2,,4"], "--cp has an empty item"),
+    ("memory_breakdown.py", ["--cp-sweep", "2,4,"], "--cp-sweep has an empty item"),
+    ("pipeline_cost.py", ["--cp-sizes", ",1"], "--cp-sizes has an empty item"),
+    ("bench_lpt.py", ["--strategies", "lpt,,zigzag"], "--strategies has an empty item"),
+    ("window_scaling.py", ["--cpu", "--windows", "3,,none"], "--windows has an empty item"),
+    ("agreement_cost.py", ["--cp", "2,100000"], "--cp must be a comma list of integers in [1, 64]"),
+    ("memory_breakdown.py", ["--cp-sweep", "1000000000"], "--cp-sweep must be a comma list of integers in [1, 64]"),
+    ("memory_breakdown.py", ["--cp", "1000000000"], "--cp"),
+    ("host_overhead.py", ["--nproc", "1,65"], "--nproc must be a comma list of integers in [1, 64]"),
 ]
 # the GPU-only tools without a CUDA GPU (hidden with CUDA_VISIBLE_DEVICES=""): exit 1, one line
 GPU_ONLY = ["profile_kernel.py", "probe_dense_backends.py", "profile_op.py"]

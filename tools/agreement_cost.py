@@ -183,7 +183,7 @@ def _worker(rank, world, store, args, out):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cp", default="2,4", help="CP sizes, comma-separated, each once (default 2,4)")
+    p.add_argument("--cp", default="2,4", help=f"CP sizes, comma-separated, each once, each <= {bench.MAX_HOST_RANKS} (default 2,4)")
     p.add_argument("--impl", choices=sorted(OPS), default="splitkv")
     p.add_argument("--reps", type=int_arg(1), default=40, help="repeats per arm (default 40)")
     p.add_argument("--calls", type=int_arg(1), default=20, help="op calls per repeat (default 20)")
@@ -202,7 +202,7 @@ def main(argv=None):
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", help="write the medians to this file")
     args = p.parse_args(argv)
-    args.cp = bench.int_list_arg(p, "--cp", args.cp, 1)
+    args.cp = bench.int_list_arg(p, "--cp", args.cp, 1, bench.MAX_HOST_RANKS)
     if args.emulate and args.cp != [1]:
         p.error("--emulate needs --cp 1 (with P > 1 the check itself runs)")
     if args.device == "cuda" and max(args.cp) > torch.cuda.device_count():

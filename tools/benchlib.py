@@ -59,7 +59,7 @@ __all__ = [
     "time_kernel_calls_rounds", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
-    "csv_arg", "unique_list", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
+    "csv_arg", "list_items", "MAX_HOST_RANKS", "unique_list", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
     "interval_attention_reference", "rel_err", "lse_err", "adaptive_reps", "resolve_chunks", "chunk_bounds", "op_accepts",
     "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api", "NA_CPU", "gpu_cell", "finite",
 ]
@@ -1385,6 +1385,20 @@ def csv_arg(value: str) -> list:
     return [x.strip() for x in value.split(",") if x.strip()]
 
 
+#: the most gloo processes a tool starts on this host per CP size (--cp / --cp-sweep / --nproc of the CPU tools
+#: that run one process per rank): the largest CP size the docs use (64); more is a typo, not a run
+MAX_HOST_RANKS = 64
+
+
+def list_items(ap, flag: str, value: str) -> list:
+    """A comma-list flag's items, stripped; `ap.error` (exit 2) naming `flag` when one is empty ("2,,4", "2,4,",
+    ",2": a value lost between commas is a typo, not a shorter list)."""
+    items = [x.strip() for x in value.split(",")]
+    if any(not x for x in items) and any(items):
+        ap.error(f"{flag} has an empty item in {value!r}: a comma list of values, one between each two commas")
+    return [x for x in items if x]
+
+
 def unique_list(ap, flag: str, items: list, value: str) -> list:
     """`items` (a comma-list flag's parsed values) unchanged when no value repeats; otherwise `ap.error` (exit 2)
     naming `flag` and the repeated values (a repeat would run the same row twice)."""
@@ -1399,22 +1413,24 @@ def unique_list(ap, flag: str, items: list, value: str) -> list:
     return items
 
 
-def int_list_arg(ap, flag: str, value: str, minimum: int) -> list:
-    """Comma list of distinct integers >= `minimum` (plain decimal, `_ints.parse_int`); otherwise `ap.error`
-    (exit 2) naming `flag` (`unique_list` for a repeated value)."""
+def int_list_arg(ap, flag: str, value: str, minimum: int, maximum: int | None = None) -> list:
+    """Comma list of distinct integers in [`minimum`, `maximum`] (None: no upper limit; plain decimal,
+    `_ints.parse_int`); otherwise `ap.error` (exit 2) naming `flag` (`list_items` for an empty item,
+    `unique_list` for a repeated value)."""
     try:
-        out = [parse_int(c, flag) for c in csv_arg(value)]
+        out = [parse_int(c, flag) for c in list_items(ap, flag, value)]
     except ValueError:
         out = None
-    if not out or min(out) < minimum:
-        ap.error(f"{flag} must be a comma list of integers >= {minimum}, got {value!r}")
+    if not out or min(out) < minimum or (maximum is not None and max(out) > maximum):
+        limit = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        ap.error(f"{flag} must be a comma list of integers {limit}, got {value!r}")
     return unique_list(ap, flag, out, value)
 
 
 def choices_arg(ap, flag: str, value: str, valid, what: str) -> list:
     """Non-empty comma list of distinct items, all in `valid`; otherwise `ap.error` naming `flag` (`unique_list`
-    for a repeated item)."""
-    items = csv_arg(value)
+    for a repeated item, `list_items` for an empty one)."""
+    items = list_items(ap, flag, value)
     bad = [m for m in items if m not in valid]
     if bad or not items:
         ap.error(f"{flag}: unknown {what}(s) {bad or '(empty)'}; valid: {', '.join(valid)}")

@@ -446,7 +446,7 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--nproc", default="1,2", help="CP sizes P (processes), comma list")
+    ap.add_argument("--nproc", default="1,2", help="CP sizes P (processes), comma list, each <= MAX_HOST_RANKS (64)")
     ap.add_argument("--num-chunks", default="1,2,4", help="Split-KV query chunks k, comma list")
     ap.add_argument("--backends", default="math", help="local kernels: math, staircase, flex (comma list)")
     ap.add_argument("--context", type=int_arg(1), default=1024, help="context tokens (one sequence)")
@@ -474,7 +474,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from tools import benchlib as bench
 
-    nprocs = bench.int_list_arg(ap, "--nproc", a.nproc, 1)
+    nprocs = bench.int_list_arg(ap, "--nproc", a.nproc, 1, bench.MAX_HOST_RANKS)
     a.num_chunks = bench.int_list_arg(ap, "--num-chunks", a.num_chunks, 1)
     a.backends = bench.choices_arg(ap, "--backends", a.backends, ("math", "staircase", "flex"), "backend")
     if a.heads_kv is not None and (a.heads_kv < 1 or a.heads % a.heads_kv):

@@ -338,7 +338,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int_arg(1), default=16384, help="total context tokens (one sequence)")
-    ap.add_argument("--cp", type=int_arg(1), default=2, help="CP size = number of gloo processes")
+    ap.add_argument("--cp", type=int_arg(1, bench.MAX_HOST_RANKS), default=2,
+                    help=f"CP size = number of gloo processes (at most {bench.MAX_HOST_RANKS})")
     ap.add_argument("--methods", default="splitkv,allgather-kv")
     bench.add_attention_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -355,7 +356,7 @@ def main(argv=None):
                     help="also list the largest sites of each size class (context / query) at the peak")
     ap.add_argument("--cp-sweep", default=None, metavar="P1,P2,...",
                     help="run these CP sizes (each once) one after the other at the same --context (overrides "
-                         "--cp) and tabulate the peak's context vs query parts per P")
+                         f"--cp; each <= {bench.MAX_HOST_RANKS}) and tabulate the peak's context vs query parts per P")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     args.methods = bench.choices_arg(ap, "--methods", args.methods, tuple(bench.METHODS), "method")
@@ -369,7 +370,7 @@ def main(argv=None):
         ap.error(f"--placement must be one of {', '.join(STRATEGIES)}, got {args.placement!r}")
 
     if args.cp_sweep is not None:
-        return _sweep(args, bench.int_list_arg(ap, "--cp-sweep", args.cp_sweep, 1))
+        return _sweep(args, bench.int_list_arg(ap, "--cp-sweep", args.cp_sweep, 1, bench.MAX_HOST_RANKS))
     summary = _report(args, args.cp, _spawn(args, args.cp))
     if args.json:
         with open(args.json, "w") as f:

@@ -74,7 +74,7 @@ def windows_arg(ap, value: str) -> list:
     """--windows: a comma list of distinct sliding windows (ints >= 1) and "none" (a full-attention layer);
     `ap.error` naming the flag otherwise (`bench.unique_list` for a repeated value)."""
     out = []
-    for item in bench.csv_arg(value):
+    for item in bench.list_items(ap, "--windows", value):
         if item.lower() == "none":
             out.append(None)
             continue
