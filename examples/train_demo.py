@@ -668,7 +668,7 @@ def _train(rank, world, args):
         pbar = tqdm(total=args.steps, initial=min(step, args.steps), desc="train", unit="step", file=sys.stdout,
                     dynamic_ncols=True, disable=not sys.stdout.isatty())
 
-    hist = dict(loss=[], tokens=0, queries=0, supervised=0.0, imb=[], bytes_attn=0, bytes_target=0, time=0.0)
+    hist = dict(loss=[], weight=[], tokens=0, queries=0, supervised=0.0, imb=[], bytes_attn=0, bytes_target=0, time=0.0)
     saved_step = step if loaded_from is not None else None
     data_pos = (epoch, start)  # (epoch, index of the next batch): the loader position after `step` steps
 
@@ -717,6 +717,7 @@ def _train(rank, world, args):
             dt = time.perf_counter() - t0
             loss = float(out.total)
             hist["loss"].append(loss)
+            hist["weight"].append(float(out.weight_sum))  # 0: no supervised token, the loss 0 is no measurement
             hist["tokens"] += batch.num_tokens
             hist["queries"] += int(plan.q_seq.shape[0]) * B
             hist["supervised"] += float(out.weight_sum)
@@ -770,18 +771,29 @@ def _not_judged_why(n: int, resumed: bool):
     return None
 
 
+def judged_losses(h) -> list:
+    """The losses of the steps that had supervised tokens (`h["weight"]` > 0; a history without weights: every
+    step): a step without any (no query block on any rank) reports loss 0, which is no measurement and would
+    make any run's loss look falling."""
+    weights = h.get("weight") or [1.0] * len(h["loss"])
+    return [loss for loss, w in zip(h["loss"], weights) if w > 0]
+
+
 def _summary(h, args, world, wall, resumed=False):
+    """The summary's lines and the mean losses (first, last) of the loss trend, over `judged_losses`."""
     import numpy as np
 
-    loss = h["loss"]
+    loss = judged_losses(h) or h["loss"]
     n = len(loss)
+    empty = len(h["loss"]) - len(judged_losses(h))
     k = _trend_window(n)
     first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
     why = _not_judged_why(n, resumed)
     lines = [
         "",
         "summary",
-        f"  steps              {n} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})",
+        f"  steps              {len(h['loss'])} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})"
+        + (f"; {empty} without supervised tokens (loss 0), left out of the loss trend" if empty else ""),
         f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
         f"{last:.4f}, {'falling' if last < first else 'NOT falling'}"
         + (f"; {why}, not judged by the exit status)" if why else ")"),
@@ -789,10 +801,10 @@ def _summary(h, args, world, wall, resumed=False):
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
         f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up and, on a first run, making the target)",
         f"  planner imbalance  mean {np.mean(h['imb']):.4f}, max {np.max(h['imb']):.4f} (max/mean load - 1)",
-        f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / n / 1e6:.2f} MB/rank/step "
+        f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / len(h['loss']) / 1e6:.2f} MB/rank/step "
         f"({args.context_parallel_impl}, forward+backward), target features "
-        f"{h['bytes_target_all'] / world / n / 1e6:.2f} MB/rank/step (all-gather KV, forward only); means over "
-        f"the {n} steps run (the batches' contexts differ)",
+        f"{h['bytes_target_all'] / world / len(h['loss']) / 1e6:.2f} MB/rank/step (all-gather KV, forward only); means over "
+        f"the {len(h['loss'])} steps run (the batches' contexts differ)",
     ]
     return "\n".join(lines), first, last
 
@@ -840,7 +852,7 @@ def main(argv=None) -> int:
     text, first, last = _summary(results[0], args, world, time.time() - t0, resumed=resumed)
     print(text, flush=True)
     report_round_trip(args, results[0], t0)
-    failure = _loss_failure(first, last, resumed=resumed, steps=len(results[0]["loss"]))
+    failure = _loss_failure(first, last, resumed=resumed, steps=len(judged_losses(results[0])))
     if failure is not None:
         print(failure, file=sys.stderr, flush=True)
         return 1

@@ -169,3 +169,22 @@ def test_short_run_is_not_failed_by_noise_and_a_failure_says_why(loss, status, m
         assert errors == []
     if len(loss) < train_demo.MIN_JUDGED_STEPS:
         assert f"{len(loss)} steps: fewer than 10, too few to tell a trend from noise, not judged" in out, out
+
+
+def test_steps_without_supervised_tokens_are_left_out_of_the_loss_trend(monkeypatch, capsys, tmp_path):
+    """A step whose batch has no query block on any rank (`--max-tokens 256 --num-anchors 2`: `query blocks 0`)
+    reports loss 0.0000; the loss check took it as a measurement, so a run whose loss rose passed ("falling")
+    when its last steps were such steps. Now only the steps with supervised tokens make the trend, and the
+    summary says how many were left out."""
+    import tools.launch
+
+    loss = [9.6] * 3 + [9.7] * 6 + [9.8] + [0.0] * 3  # rising, then 3 steps without supervised tokens
+    h = dict(_hist(loss), weight=[1.0] * 10 + [0.0] * 3)
+    monkeypatch.setattr(tools.launch, "run_gloo", lambda *a, **kw: [h] * 2)
+    got = train_demo.main(["--random-target", "--steps", str(len(loss)), "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert got == 1, (out, err)
+    assert "error: the loss did not fall over the 10 steps" in err, err
+    assert "13 (CP=2" in out and "3 without supervised tokens (loss 0), left out of the loss trend" in out, out
+    assert train_demo.judged_losses(h) == loss[:10]
+    assert train_demo.judged_losses(_hist([1.0, 0.0])) == [1.0, 0.0]  # no weights recorded: every step
