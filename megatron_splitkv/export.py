@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from ._ints import float_arg, int_arg, output_dir
+from ._ints import float_arg, int_arg, is_int_text, output_dir
 
 MAX_BLOCK_SIZE = 1024  # --block-size: tokens of one draft block
 MAX_LAYERS = 1024  # --num-target-layers
@@ -28,12 +28,17 @@ MAX_ROPE_THETA = 1e12  # --rope-theta (Qwen3 uses 1e6)
 
 
 def _ids(text: str):
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated layer ids, got {text!r}") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError(f"must be non-negative layer ids, got {text!r}")
+    """`--target-layer-ids`: comma-separated distinct plain decimal ints in [0, MAX_LAYERS) ("1,9,17"); an empty
+    item, a repeat, "+1" / "1_0" / "1.0" or a negative id is argparse's error naming the flag (a repeated id
+    would write a wrong `target_layer_ids` into the exported config)."""
+    items = [x.strip() for x in text.split(",")]
+    if not text.strip() or any(not is_int_text(x) for x in items):
+        raise argparse.ArgumentTypeError(f"must be comma-separated plain decimal layer ids, got {text!r}")
+    ids = [int(x) for x in items]
+    if min(ids) < 0 or max(ids) >= MAX_LAYERS:
+        raise argparse.ArgumentTypeError(f"must be layer ids in [0, {MAX_LAYERS}), got {text!r}")
+    if len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"must be distinct layer ids, got {text!r}")
     return ids
 
 

@@ -288,9 +288,13 @@ def test_export_refusals(exported, tmp_path, capsys):
     (tmp_path / "dist" / ".metadata").write_text("")
     code, err = _refusal(["--load", str(tmp_path / "dist"), "--out", out], capsys)
     assert code == 2 and "torch_dist" in err and "--ckpt-format torch" in err, err
-    with pytest.raises(SystemExit) as exc:
-        export_cli.parse_args(["--load", exported["ckpt"], "--out", out, "--target-layer-ids", "1,x"])
-    assert exc.value.code == 2 and "--target-layer-ids" in capsys.readouterr().err
+    for bad, why in [("1,x", "plain decimal"), ("1,1,3", "distinct"), ("1,,3", "plain decimal"), ("+1,3", "plain decimal"),
+                     ("1_0", "plain decimal"), ("-1,2", "[0, "), ("2000", "[0, ")]:
+        with pytest.raises(SystemExit) as exc:
+            export_cli.parse_args(["--load", exported["ckpt"], "--out", out, f"--target-layer-ids={bad}"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--target-layer-ids" in err and why in err, (bad, err)
+    assert export_cli._ids(" 1, 9,17") == [1, 9, 17]
 
 
 def _copy_ckpt(exported, tmp_path):
