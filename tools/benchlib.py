@@ -59,7 +59,7 @@ __all__ = [
     "time_kernel_calls_rounds", "time_fn", "fwd_flops", "dense_sdpa_rate", "predicted_records",
     "prepare_records", "prepare_meta", "run_op",
     "predicted_bytes", "AlphaBeta", "LinkModel", "fit_alpha_beta", "measure_collectives",
-    "csv_arg", "list_items", "MAX_HOST_RANKS", "unique_list", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
+    "list_items", "MAX_HOST_RANKS", "unique_list", "int_list_arg", "choices_arg", "op_option", "time_fns_interleaved", "dflash_interval_mask",
     "interval_attention_reference", "rel_err", "lse_err", "adaptive_reps", "resolve_chunks", "chunk_bounds", "op_accepts",
     "META_INTS", "kernel_errors", "check_kernel", "time_kernel_api", "NA_CPU", "gpu_cell", "finite",
 ]
@@ -1378,11 +1378,6 @@ def add_attention_shape_args(ap) -> None:
     ap.add_argument("--hq", type=int_arg(1), default=s["Hq"])
     ap.add_argument("--hkv", type=int_arg(1), default=s["Hkv"])
     ap.add_argument("--d", type=int_arg(1), default=s["D"])
-
-
-def csv_arg(value: str) -> list:
-    """Comma list flag -> list of non-empty stripped strings."""
-    return [x.strip() for x in value.split(",") if x.strip()]
 
 
 #: the most gloo processes a tool starts on this host per CP size (--cp / --cp-sweep / --nproc of the CPU tools
