@@ -401,12 +401,13 @@ class FA4AttentionKernel:
         lse4 = rows(lse.to(torch.float32)).transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hq / G, Tq * G]
         dlse4 = rows(delta.to(torch.float32).neg()).transpose(0, 1).contiguous().unsqueeze(0)
         dq4 = torch.empty_like(do4)
-        # no zero-fill: FA4's MHA path (folded, or Hq == Hkv) runs a CTA for every key tile and writes zeros for
-        # the tiles no query tile lists (keys no block sees; flash_bwd_sm90.py of flash-attn-4 4.0.0b36), its GQA
-        # path sums into zero-filled accumulators; tests/test_fa4_kernel.py checks such tiles on the GPU, on
-        # NaN-filled memory, in both paths
-        dk4 = k.new_empty((1, Tk, Hkv, D))
-        dv4 = k.new_empty((1, Tk, Hkv, D))
+        # FA4's MHA path (folded, or Hq == Hkv) writes dK / dV itself: zero-filled first, so that key tiles no
+        # query tile lists (keys no block sees) read 0 whatever FA4 does with their CTAs (its GQA path sums into
+        # zero-filled accumulators). flash_bwd_sm90.py of flash-attn-4 4.0.0b36 writes zeros there itself (read,
+        # not yet run): the zero-fill goes once tests/test_fa4_kernel.py's NaN-memory test passes without it
+        alloc = k.new_zeros if Hq // G == Hkv else k.new_empty
+        dk4 = alloc((1, Tk, Hkv, D))
+        dv4 = alloc((1, Tk, Hkv, D))
         self._bwd(self._b(rows(q)), self._b(k), self._b(v), zero4, do4, lse4, softmax_scale=float(scale),
                   mask_mod=self._mask_mod(t), aux_tensors=t.aux, block_sparse_tensors=t.bwd, dlse=dlse4,
                   dq=dq4, dk=dk4, dv=dv4)
