@@ -24,12 +24,13 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tools(cases, env, timeout=300):
+def run_tools(cases, env, timeout=300, setup=""):
     """[(script, argv)] (script: a path relative to the repository root, or "-m NAME" for a module run as
     `python -m NAME`) -> [(returncode, stdout, stderr)],
-    in order. Raises AssertionError naming the last case started when the interpreter does not end within
-    `timeout` seconds or dies (its stderr)."""
-    request = json.dumps([[script, list(argv)] for script, argv in cases])
+    in order. `setup`: Python code the interpreter runs once before the cases (say a patch every case needs,
+    as `python -c "SETUP; runpy.run_path(SCRIPT)"` would have). Raises AssertionError naming the last case
+    started when the interpreter does not end within `timeout` seconds or dies (its stderr)."""
+    request = json.dumps({"setup": setup, "cases": [[script, list(argv)] for script, argv in cases]})
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         try:
@@ -86,7 +87,9 @@ def _run_one(script, argv):
 
 
 def _main():
-    cases = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.read())
+    cases = request["cases"]
+    exec(request["setup"], {})
     results = []
     for script, argv in cases:
         print(f"_tool_runs: {script} {' '.join(argv)}", file=sys.stderr, flush=True)

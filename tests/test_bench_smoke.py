@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,7 +86,7 @@ def test_bench_attention_cpu_smoke_head_chunks(tmp_path):
     assert "| splitkv k=2 heads | 2 | lpt |" in md and "| chunk axis |" in md
 
 
-def test_bench_attention_cpu_smoke_window(tmp_path):
+def test_bench_attention_cpu_smoke_window(tmp_path, capsys):
     """--window / --causal: every row runs the windowed layer (the ops get window= / causal=) with the model's
     bytes (unchanged by the mask), labelled W=... causal; --window with --packs is an argparse error."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -99,13 +101,24 @@ def test_bench_attention_cpu_smoke_window(tmp_path):
         assert "error" not in r and r["window"] == 64 and r["causal"] is True, r
         assert r["comm_bytes"] == r["predicted_bytes"], r
     assert "| splitkv W=64 causal | 2 | lpt |" in (tmp_path / "bench_attention.md").read_text()
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke",
-                          "--window", "64", "--packs", "1024"], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert bad.returncode == 2 and "--window / --causal apply to the --contexts rows only" in bad.stderr, bad.stderr
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"), "--cpu-smoke",
-                          "--window", "0"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--window" in bad.stderr, bad.stderr
+    # the flag errors through main(argv) in this process (argparse's exit 2, before any process group)
+    code, stderr = _main_exit(capsys, ["--cpu-smoke", "--window", "64", "--packs", "1024"])
+    assert code == 2 and "--window / --causal apply to the --contexts rows only" in stderr, stderr
+    code, stderr = _main_exit(capsys, ["--cpu-smoke", "--window", "0"])
+    assert code == 2 and "--window" in stderr, stderr
+
+
+def _main_exit(capsys, argv):
+    """(exit status, stderr) of `bench_attention.main(argv)`, which must exit (SystemExit)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.pop(0)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        bench_attention.main(argv)
+    return e.value.code, capsys.readouterr().err
 
 
 def test_windowed_pairs_match_the_reference_mask():

@@ -4,7 +4,6 @@ ValueError naming the option at construction; non-integer numbers (inf, 1.7, Tru
 tools/probe_dense_backends.py and tools/profile_kernel.py check their flags before looking for a GPU."""
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,8 @@ import torch
 
 from megatron_splitkv import SplitKVConfig, StaircaseOptions, kernels
 from megatron_splitkv.kernels.staircase import StaircaseAttentionKernel
+
+from _tool_runs import run_tools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,30 +72,46 @@ def test_numeric_option_float_or_string_rejected(val):
     assert StaircaseAttentionKernel(group_blocks=torch.tensor(64)).group_blocks == 64
 
 
-def _run(args, code=None):
-    cmd = [sys.executable] + (["-c", code] if code else args)
+PROBE_BAD = [("--keys", "abc"), ("--keys", "0"), ("--heads-kv", "0"), ("--head-dim", "0"), ("--rows", "-1"),
+             ("--repeats", "0"), ("--heads-kv", "5")]
+PROFILE_BAD = [("--keys", "abc"), ("--iters", "0"), ("--backends", "bogus"), ("--backends", "staircase:group_blocks=-1"),
+               ("--backends", "staircase:nosuch=1"), ("--backends", "flex:x=1")]
+PROFILE_BAD_OPTION_VALUES = ["staircase:group_blocks=\u00b2", "staircase:group_blocks=--5", "staircase:group_blocks=+64",
+                             "staircase:group_blocks"]
+
+
+def _tool_runs(cases, setup=""):
+    """{argv: (returncode, stdout, stderr)} of `python SCRIPT ARGV` for every (script, argv) case, all in one
+    interpreter (`_tool_runs.run_tools`, CUDA_VISIBLE_DEVICES="", `setup` run first)."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    return dict(zip((tuple(argv) for _, argv in cases), run_tools(cases, env, timeout=300, setup=setup)))
 
 
-@pytest.mark.parametrize("flag,val", [("--keys", "abc"), ("--keys", "0"), ("--heads-kv", "0"), ("--head-dim", "0"),
-                                      ("--rows", "-1"), ("--repeats", "0"), ("--heads-kv", "5")])
-def test_probe_dense_backends_bad_flag(flag, val):
-    p = _run(["tools/probe_dense_backends.py", flag, val])
-    assert p.returncode == 2 and "Traceback" not in p.stderr and flag in p.stderr.splitlines()[-1], p.stderr
+@pytest.fixture(scope="module")
+def probe_runs():
+    return _tool_runs([("tools/probe_dense_backends.py", [flag, val]) for flag, val in PROBE_BAD])
 
 
-@pytest.mark.parametrize("flag,val", [("--keys", "abc"), ("--iters", "0"), ("--backends", "bogus"),
-                                      ("--backends", "staircase:group_blocks=-1"),
-                                      ("--backends", "staircase:nosuch=1"), ("--backends", "flex:x=1")])
-def test_profile_kernel_flags_checked_before_gpu(flag, val):
+@pytest.fixture(scope="module")
+def profile_runs():
+    """tools/profile_kernel.py on a host with a GPU (simulated: torch.cuda.is_available patched to True)."""
+    argvs = [[flag, val] for flag, val in PROFILE_BAD] + [["--backends", val] for val in PROFILE_BAD_OPTION_VALUES]
+    return _tool_runs([("tools/profile_kernel.py", argv) for argv in argvs],
+                      setup="import torch; torch.cuda.is_available = lambda: True")
+
+
+@pytest.mark.parametrize("flag,val", PROBE_BAD)
+def test_probe_dense_backends_bad_flag(flag, val, probe_runs):
+    returncode, _, stderr = probe_runs[(flag, val)]
+    assert returncode == 2 and "Traceback" not in stderr and flag in stderr.splitlines()[-1], stderr
+
+
+@pytest.mark.parametrize("flag,val", PROFILE_BAD)
+def test_profile_kernel_flags_checked_before_gpu(flag, val, profile_runs):
     """Flags are checked by the parser before the GPU check: the same error on a host with a GPU (here
     simulated by patching torch.cuda.is_available)."""
-    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
-            f"sys.argv = ['profile_kernel.py', {flag!r}, {val!r}]; "
-            "runpy.run_path('tools/profile_kernel.py', run_name='__main__')")
-    p = _run(None, code)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and flag in p.stderr.splitlines()[-1], p.stderr
+    returncode, _, stderr = profile_runs[(flag, val)]
+    assert returncode == 2 and "Traceback" not in stderr and flag in stderr.splitlines()[-1], stderr
 
 
 # -------------------------------------------------------------------- one strict parser for integer text
@@ -170,17 +187,13 @@ def test_tool_option_values_use_the_strict_parser(val):
         ("min_pairs=0,gqa=native", {"min_pairs": 0, "gqa": "native"})]
 
 
-@pytest.mark.parametrize("val", ["staircase:group_blocks=\u00b2", "staircase:group_blocks=--5",
-                                 "staircase:group_blocks=+64", "staircase:group_blocks"])
-def test_profile_kernel_option_values_strict(val):
+@pytest.mark.parametrize("val", PROFILE_BAD_OPTION_VALUES)
+def test_profile_kernel_option_values_strict(val, profile_runs):
     """tools/profile_kernel.py --backends staircase:<opt>=<value>: a flag error (exit 2, the flag named on the
     last line), never a traceback ("²" passed `isdigit` and int() raised uncaught)."""
-    code = ("import runpy, sys, torch; torch.cuda.is_available = lambda: True; "
-            f"sys.argv = ['profile_kernel.py', '--backends', {val!r}]; "
-            "runpy.run_path('tools/profile_kernel.py', run_name='__main__')")
-    p = _run(None, code)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert "--backends" in p.stderr.splitlines()[-1], p.stderr
+    returncode, _, stderr = profile_runs[("--backends", val)]
+    assert returncode == 2 and "Traceback" not in stderr, stderr
+    assert "--backends" in stderr.splitlines()[-1], stderr
 
 
 def test_as_int_message_for_an_int_beyond_the_conversion_limit():

@@ -29,15 +29,79 @@ def _env():
                 PYTHONWARNINGS="ignore")
 
 
+# One interpreter runs every one-process command line of the tool below, each as `python step_overhead.py ARGV`
+# would (a process each spent ~6 s of CPU importing torch and Megatron-Core): per case a freshly imported
+# `step_overhead` module (its module state - the pipeline count, the prepare counter - as new), a new
+# one-process env:// group (main makes it and shuts it down), `main(argv)`'s return value as the exit status
+# (1 and the traceback on stderr for an exception), its stdout / stderr captured. A case with "oom": CONTEXT
+# has measure_context raise a CUDA out-of-memory error at that context (the tool's skip path).
+_DRIVER = """
+import contextlib, io, json, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import torch
+results = []
+for case in json.loads(sys.stdin.read()):
+    sys.modules.pop("step_overhead", None)
+    import step_overhead as so
+    if case.get("oom"):
+        def fake(context, *a, _inner=so.measure_context, _at=case["oom"]):
+            if context == _at:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+            return _inner(context, *a)
+        so.measure_context = fake
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):  # main's own, from the case before
+        so.os.environ.pop(k, None)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = so.main(case["argv"])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code, out.getvalue(), err.getvalue()])
+with open(sys.argv[2], "w") as f:
+    json.dump(results, f)
+"""
+
+# {name: (argv, oom context or None)}; --out is added per case
+ONE_PROCESS_RUNS = {
+    "smoke": (["--cpu-smoke", "--contexts", "256,512", "--reps", "2", "--profile-data"], None),
+    "blockmask": (["--cpu-smoke", "--contexts", "256", "--reps", "2", "--kernel", "flex", "--arms", "fresh"], None),
+    "oom": (["--cpu-smoke", "--contexts", "512,256", "--reps", "1", "--warmup", "0"], 512),
+    **{f"arms={arms}": (["--cpu-smoke", "--contexts", "256", "--reps", "2", "--arms", arms], None)
+       for arms in ("reused,prefetched+meta", "prefetched", "fresh", "ahead")},
+}
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """{name: (returncode, stdout, stderr, out_dir)} of every ONE_PROCESS_RUNS case, run in one interpreter
+    (_DRIVER)."""
+    cases, outs = [], {}
+    for name, (argv, oom) in ONE_PROCESS_RUNS.items():
+        outs[name] = tmp_path_factory.mktemp("so")
+        cases.append({"argv": argv + ["--out", str(outs[name])], "oom": oom})
+    report = tmp_path_factory.mktemp("so_report") / "report.json"
+    p = subprocess.run([sys.executable, "-c", _DRIVER, os.path.join(ROOT, "tools"), str(report)],
+                       input=json.dumps(cases), env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    results = json.loads(report.read_text())
+    return {name: (*r, outs[name]) for name, r in zip(ONE_PROCESS_RUNS, results)}
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_step_overhead_cpu_smoke(tmp_path, nproc):
+def test_step_overhead_cpu_smoke(tmp_path, nproc, request):
     from step_overhead import COLUMNS
 
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                 "--nproc-per-node", str(nproc)]
-    p = subprocess.run(launch + [TOOL, "--cpu-smoke", "--contexts", "256,512", "--reps", "2", "--profile-data",
-                                 "--out", str(tmp_path)],
-                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if nproc == 1:
+        returncode, stdout, stderr, tmp_path = request.getfixturevalue("one_process_runs")["smoke"]
+        p = subprocess.CompletedProcess([], returncode, stdout, stderr)
+    else:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        p = subprocess.run(launch + [TOOL] + ONE_PROCESS_RUNS["smoke"][0] + ["--out", str(tmp_path)],
+                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     from step_overhead import ARMS, PROFILE_COLUMNS
     # the table is printed last, with every column
@@ -115,14 +179,12 @@ def test_step_overhead_cpu_smoke(tmp_path, nproc):
         assert words in data["setup"] and words in md.splitlines()[0], words
 
 
-def test_step_overhead_blockmask_measured_directly(tmp_path):
+def test_step_overhead_blockmask_measured_directly(one_process_runs):
     """--kernel flex (FlexAttention, CPU emulation): the BlockMask piece is the builds' own time (device
     synchronised around each), so it is a measured non-negative number inside the first op call's time and
     part of (a); it was the first call minus a cached call, which read -7 ms here."""
-    p = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--contexts", "256", "--reps", "2", "--kernel", "flex",
-                        "--arms", "fresh", "--out", str(tmp_path)],
-                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    returncode, stdout, stderr, tmp_path = one_process_runs["blockmask"]
+    assert returncode == 0, stdout[-3000:] + stderr[-3000:]
     (r,) = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]
     assert r["block_masks_built"] >= 1, r
     assert isinstance(r["mask_ms"], float) and 0 < r["mask_ms"] <= r["op_first_call_ms"], r
@@ -172,12 +234,11 @@ def test_step_overhead_bad_flags_exit_2(argv, flag, bad_flag_runs):
     ("fresh", ["fresh", "reused"], 0),  # no prefetched arm: no pipeline, no worker
     ("ahead", ["reused", "ahead"], 1),  # the device prefetcher over the pipeline, items with metadata
 ])
-def test_step_overhead_arms_subset(tmp_path, arms, run, pipelines):
+def test_step_overhead_arms_subset(one_process_runs, arms, run, pipelines):
     from step_overhead import COLUMNS
 
-    p = subprocess.run([sys.executable, TOOL, "--cpu-smoke", "--contexts", "256", "--reps", "2", "--arms", arms,
-                        "--out", str(tmp_path)], env=_env(), cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    returncode, stdout, stderr, tmp_path = one_process_runs[f"arms={arms}"]
+    p = subprocess.CompletedProcess([], returncode, stdout, stderr)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (r,) = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]
     assert r["arms"] == run and r["data_pipelines_max_alive"] == pipelines, r
@@ -323,8 +384,9 @@ def test_drafter_packed_seq_params_reuse_hook():
 
 
 def test_suite_step_stepcost_cpu(tmp_path):
-    """tools/run_gpu_suite.sh's `stepcost` step on CPU: the tool at CP=1 and CP=2, collected and summarised."""
-    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="stepcost", PYTHON=sys.executable, OUT=str(tmp_path / "out"),
+    """tools/run_gpu_suite.sh's `stepcost` step on CPU: the tool at CP=1 and CP=2, collected and summarised.
+    One context (SUITE_STEPCOST_CONTEXTS): the tool's rows at both contexts are test_step_overhead_cpu_smoke's."""
+    env = dict(_env(), SUITE_CPU="1", SUITE_STEPS="stepcost", SUITE_STEPCOST_CONTEXTS="512", PYTHON=sys.executable, OUT=str(tmp_path / "out"),
                WORK=str(tmp_path / "work"))
     p = subprocess.run(["bash", "tools/run_gpu_suite.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=400)
@@ -335,22 +397,11 @@ def test_suite_step_stepcost_cpu(tmp_path):
     assert {"stepcost/step_overhead_cp1.json", "stepcost/step_overhead_cp2.json"} <= set(suite)
 
 
-def test_step_overhead_skips_a_context_that_runs_out_of_memory(tmp_path):
+def test_step_overhead_skips_a_context_that_runs_out_of_memory(one_process_runs):
     """CP=1: a context whose step raises an out-of-memory error is reported as skipped and the next one
-    runs (the error injected by wrapping measure_context in a driver process)."""
-    driver = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); import step_overhead as so\n"
-        "inner = so.measure_context\n"
-        "def fake(context, *a):\n"
-        "    if context == 512:\n"
-        "        raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 9.00 GiB')\n"
-        "    return inner(context, *a)\n"
-        "so.measure_context = fake\n"
-        "sys.exit(so.main(sys.argv[2:]))\n"
-    )
-    p = subprocess.run([sys.executable, "-c", driver, os.path.join(ROOT, "tools"), "--cpu-smoke", "--contexts",
-                        "512,256", "--reps", "1", "--warmup", "0", "--out", str(tmp_path)], env=_env(), cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    runs (the error injected by wrapping measure_context in the driver: ONE_PROCESS_RUNS["oom"])."""
+    returncode, stdout, stderr, tmp_path = one_process_runs["oom"]
+    p = subprocess.CompletedProcess([], returncode, stdout, stderr)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "out of device memory at context 512, CP=1" in p.stderr
     rows = json.loads((tmp_path / "step_overhead_cp1.json").read_text())["rows"]

@@ -52,7 +52,8 @@
 #      pretrain (tools/run_pretrain_gpu.sh, needs .gpu/feat and .whl), stepcost (after pretrain:
 #      tools/step_overhead.py, planner + sharding + prepare + BlockMask against a real drafter training step
 #      at the Qwen3-8B drafter shapes, CP=1 on GPU 0 then CP=2 with 2 GPUs, Megatron-Core from .whl; each
-#      under SUITE_STEPCOST_S, default 270 s; contexts SUITE_STEPCOST_CONTEXTS, default 16K,32K,128K),
+#      under SUITE_STEPCOST_S, default 270 s; contexts SUITE_STEPCOST_CONTEXTS, default 16K,32K,128K; with
+#      SUITE_CPU=1 the --cpu-smoke shapes, default 256,512),
 #      nometa (bench without per-step metadata); any extra command in $SUITE_EXTRA
 #
 # Local kernels: SUITE_BACKEND (default auto = fa4 where installed, else flex) for bench / slow / exact / simulate; SUITE_BENCH_BACKENDS
@@ -296,7 +297,7 @@ fi
 if want stepcost; then
   SC_S=${SUITE_STEPCOST_S:-270}
   SC_X=(--contexts "${SUITE_STEPCOST_CONTEXTS:-16384,32768,131072}")
-  if [[ "$CPU" == 1 ]]; then SC_X=(--cpu-smoke --reps 2); fi
+  if [[ "$CPU" == 1 ]]; then SC_X=(--cpu-smoke --reps 2 --contexts "${SUITE_STEPCOST_CONTEXTS:-256,512}"); fi
   sc_budget() { local lim; lim=$(clip "$SC_S"); echo $(( lim > 80 ? lim - 40 : 40 )); }  # the tool's --budget-s
   step s_stepcost_cp1 "$SC_S" env CUDA_VISIBLE_DEVICES=0 "$PY" tools/step_overhead.py --out "$WORK/stepcost" \
     --budget-s "$(sc_budget)" "${SC_X[@]}"
