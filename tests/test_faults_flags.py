@@ -76,7 +76,7 @@ CASES = [
     ("tools.extract_features", ["--out", "/tmp/x", "--target-load", "/nonexistent"], "--target-load: no such file"),
     ("tools.extract_features", ["--out", "/tmp/x", "--sharegpt-limit", "0"], "--sharegpt-limit: must be a positive"),
     ("tools.host_overhead", ["--context", "0"], "--context: must be a positive int"),
-    ("tools.memory_breakdown", ["--cp", "0"], "--cp: must be a positive int"),
+    ("tools.memory_breakdown", ["--cp", "0"], "--cp: must be an int in [1, 64]"),
     ("tools.pipeline_cost", ["--cp-rank", "-1"], "--cp-rank: must be an int >= 0"),
     ("tools.prepare_cost", ["--reps", "0"], "--reps: must be a positive int"),
     ("tools.probe_dense_backends", ["--rows", "0"], "--rows: must be a positive int"),
