@@ -238,7 +238,7 @@ _FLAG_SPECS = (
         choices=CP_IMPLS,
         help="Context-parallel algorithm of the DFlash drafter attention: splitkv (query-sized "
              "communication, arXiv 2611.05926), allgather-kv or ring-kv (baselines). Default: %(default)s "
-             "(None: Megatron's native context parallelism).")),
+             "(a parser where it is unset, None: Megatron's native context parallelism).")),
     ("--cp-chunk-size", dict(
         type=int_arg(),
         default=None,
