@@ -258,16 +258,19 @@ def writable_dir(text: str) -> str:
         os.makedirs(text, exist_ok=True)
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot create directory {text!r}: {exc.strerror or exc}")
-    why = _write_probe(text) if os.access(text, os.W_OK | os.X_OK) else "permission denied"
+    why = _write_probe(text)
     if why is not None:
         raise argparse.ArgumentTypeError(f"cannot write in {text!r} ({why})")
     return text
 
 
 def _write_probe(directory: str):
-    """None when a new entry can be made in the existing directory `directory` (a temporary subdirectory is
-    created and removed: the test that holds for root, for which os.access says yes everywhere, on a read-only
-    mount and on a pseudo file system such as /proc); else the reason, a short text."""
+    """None when a new entry can be made in the existing directory `directory` (write and search permission,
+    then a temporary subdirectory created and removed: the test that holds for root, for which os.access says
+    yes everywhere, on a read-only mount and on a pseudo file system such as /proc); else the reason, a short
+    text."""
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "permission denied"
     try:
         probe = tempfile.mkdtemp(prefix=".write-check-", dir=directory)
     except OSError as exc:
@@ -295,7 +298,7 @@ def output_dir(text: str) -> str:
                                          "a loop), not a directory")
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text!r}: {parent} is an existing file, not a directory")
-    why = _write_probe(parent) if os.access(parent, os.W_OK | os.X_OK) else "permission denied"
+    why = _write_probe(parent)
     if why is not None:
         raise argparse.ArgumentTypeError(f"{text!r}: cannot create a directory in {parent} ({why})")
     return text
