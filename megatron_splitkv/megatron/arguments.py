@@ -602,9 +602,8 @@ def launcher_env_from(environ) -> dict:
     return {name: environ[name] for name in (*LOCAL_SIZE_ENVS, WORLD_SIZE_ENV) if name in environ}
 
 
-#: the launcher's variables Megatron-LM's parser reads with int() when it is built and when it parses
-#: (megatron/training/arguments.py: `int(os.getenv("WORLD_SIZE", "1"))`, `int(os.getenv("RANK", "0"))`), with the
-#: smallest value each may take
+#: the launcher's variables Megatron-LM's parser (megatron/training/arguments.py) converts with int() when it is
+#: built and when it parses (WORLD_SIZE default "1", RANK default "0"), with the smallest value each may take
 MEGATRON_INT_ENVS = {WORLD_SIZE_ENV: 1, "RANK": 0}
 
 
