@@ -783,16 +783,17 @@ def _summary(h, args, world, wall, resumed=False):
     """The summary's lines and the mean losses (first, last) of the loss trend, over `judged_losses`."""
     import numpy as np
 
-    loss = judged_losses(h) or h["loss"]
+    judged, steps = judged_losses(h), len(h["loss"])
+    loss = judged or h["loss"]
     n = len(loss)
-    empty = len(h["loss"]) - len(judged_losses(h))
+    empty = steps - len(judged)
     k = _trend_window(n)
     first, last = float(np.mean(loss[:k])), float(np.mean(loss[-k:]))
     why = _not_judged_why(n, resumed)
     lines = [
         "",
         "summary",
-        f"  steps              {len(h['loss'])} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})"
+        f"  steps              {steps} (CP={world}, {args.context_parallel_impl}, planner {args.cp_balance})"
         + (f"; {empty} without supervised tokens (loss 0), left out of the loss trend" if empty else ""),
         f"  loss first/last    {loss[0]:.4f} -> {loss[-1]:.4f}   (mean of first/last {k}: {first:.4f} -> "
         f"{last:.4f}, {'falling' if last < first else 'NOT falling'}"
@@ -801,10 +802,10 @@ def _summary(h, args, world, wall, resumed=False):
         f"{h['queries'] / h['time']:,.0f} query tokens/s ({h['tokens']:,} context tokens, "
         f"{h['queries']:,} query tokens in {h['time']:.1f} s of steps; {wall:.1f} s wall incl. start-up and, on a first run, making the target)",
         f"  planner imbalance  mean {np.mean(h['imb']):.4f}, max {np.max(h['imb']):.4f} (max/mean load - 1)",
-        f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / len(h['loss']) / 1e6:.2f} MB/rank/step "
+        f"  bytes moved        drafter attention {h['bytes_attn_all'] / world / steps / 1e6:.2f} MB/rank/step "
         f"({args.context_parallel_impl}, forward+backward), target features "
-        f"{h['bytes_target_all'] / world / len(h['loss']) / 1e6:.2f} MB/rank/step (all-gather KV, forward only); means over "
-        f"the {len(h['loss'])} steps run (the batches' contexts differ)",
+        f"{h['bytes_target_all'] / world / steps / 1e6:.2f} MB/rank/step (all-gather KV, forward only); means over "
+        f"the {steps} steps run (the batches' contexts differ)",
     ]
     return "\n".join(lines), first, last
 
