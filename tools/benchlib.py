@@ -1397,11 +1397,7 @@ def list_items(ap, flag: str, value: str) -> list:
 def unique_list(ap, flag: str, items: list, value: str) -> list:
     """`items` (a comma-list flag's parsed values) unchanged when no value repeats; otherwise `ap.error` (exit 2)
     naming `flag` and the repeated values (a repeat would run the same row twice)."""
-    seen, twice = set(), []
-    for x in items:
-        if x in seen and x not in twice:
-            twice.append(x)
-        seen.add(x)
+    twice = [x for x in dict.fromkeys(items) if items.count(x) > 1]  # in first-seen order; lists of a few items
     if twice:
         ap.error(f"{flag} names {', '.join('none' if x is None else str(x) for x in twice)} more than once in "
                  f"{value!r}: each value once")

@@ -360,8 +360,6 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     args.methods = bench.choices_arg(ap, "--methods", args.methods, tuple(bench.METHODS), "method")
-    if args.cp < 1:
-        ap.error("--cp must be >= 1")
     if args.hq % args.hkv:  # the ints' ranges: int_arg (argparse's error, exit 2)
         ap.error(f"--hq {args.hq} must be a multiple of --hkv {args.hkv}")
     from megatron_splitkv.planning import STRATEGIES
