@@ -661,8 +661,8 @@ def profile_step(step, dev, rows: int = 25) -> str:
         t_wall = time.perf_counter() - t0
     key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     avg = prof.key_averages()
-    dev_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in avg) / 1e3
-    n_kernels = sum(e.count for e in avg if getattr(e, "self_device_time_total", 0.0) > 0)
+    dev_ms = sum(e.self_device_time_total for e in avg) / 1e3
+    n_kernels = sum(e.count for e in avg if e.self_device_time_total > 0)
     head = (f"wall {1e3 * t_wall:.2f} ms (profiled), host issue {1e3 * t_issue:.2f} ms (until the step returned), "
             f"device kernels {dev_ms:.2f} ms in {n_kernels} launches\n")
     return head + avg.table(sort_by=key, row_limit=rows, max_name_column_width=70)
